@@ -1,0 +1,214 @@
+"""The pool of KV blocks: allocation, the prefix cache, and eviction.
+
+Every block is in exactly one of two states:
+
+```
+                 get_new_blocks / touch (hit)
+   free (ref_cnt == 0)  ───────────────────────▶  referenced (ref_cnt > 0)
+   in the free queue    ◀───────────────────────  held by >= 1 request
+   maybe cached by hash        free_blocks
+```
+
+A freed block keeps its hash and stays findable until it is handed out again, so the
+free queue doubles as the LRU list of the prefix cache: `get_new_blocks` pops from the
+head (least recently freed) and only then drops that block's hash (a `BlockRemoved`
+event). Block 0 is the null block: never free, never cached, never counted; it stands
+for positions a sliding window no longer needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from pdserve.cache.block_hash_map import BlockHashToBlockMap
+from pdserve.cache.free_block_queue import FreeKVCacheBlockQueue
+from pdserve.cache.hashing import BlockHash
+from pdserve.cache.kv_cache_block import (
+    KVCacheBlock,
+    get_block_hash,
+    make_block_hash_with_group_id,
+)
+from pdserve.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from pdserve.cache.request import CacheRequest
+
+
+class BlockPool:
+    """All KV blocks of a worker, shared by every KV cache group."""
+
+    def __init__(
+        self, num_blocks: int, enable_caching: bool, enable_kv_cache_events: bool = False
+    ) -> None:
+        if num_blocks < 2:
+            raise ValueError(
+                f"a block pool needs at least 2 blocks (block 0 is the null block), got {num_blocks}"
+            )
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.null_block = self.free_block_queue.popleft()
+        self.null_block.is_null = True
+        self.num_evicted_blocks = 0
+        self.kv_event_queue: list[KVCacheEvent] = []
+
+    def get_cached_block(
+        self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int]
+    ) -> list[KVCacheBlock] | None:
+        """One cached block per group for `block_hash`, or None if any group misses."""
+        cached = []
+        for group_id in kv_cache_group_ids:
+            key = make_block_hash_with_group_id(block_hash, group_id)
+            block = self.cached_block_hash_to_block.get_one_block(key)
+            if block is None:
+                return None
+            cached.append(block)
+        return cached
+
+    def cache_full_blocks(
+        self,
+        request: CacheRequest,
+        blocks: Sequence[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int = 0,
+    ) -> None:
+        """Index `blocks[num_cached_blocks:num_full_blocks]` under the request's hashes.
+
+        The first `num_cached_blocks` are cached already (prefix hits or earlier steps).
+        Null blocks (outside a sliding window) hold nothing and are skipped.
+        """
+        if num_cached_blocks >= num_full_blocks:
+            return
+        if len(request.block_hashes) < num_full_blocks:
+            raise ValueError(
+                f"request {request.request_id} has {len(request.block_hashes)} block hashes but "
+                f"{num_full_blocks} full blocks to cache; keep request.block_hashes current "
+                "(RequestBlockHasher) as tokens arrive"
+            )
+        run: list[BlockHash] = []
+        run_start = num_cached_blocks
+        for index in range(num_cached_blocks, num_full_blocks):
+            block = blocks[index]
+            if block.is_null:
+                self._emit_stored(request, run, run_start, block_size)
+                run, run_start = [], index + 1
+                continue
+            block_hash = request.block_hashes[index]
+            key = make_block_hash_with_group_id(block_hash, kv_cache_group_id)
+            assert block.block_hash is None, f"block {block.block_id} is cached already"
+            block.block_hash = key
+            self.cached_block_hash_to_block.insert(key, block)
+            run.append(block_hash)
+        self._emit_stored(request, run, run_start, block_size)
+
+    def _emit_stored(
+        self, request: CacheRequest, block_hashes: list[BlockHash], start: int, block_size: int
+    ) -> None:
+        if not self.enable_kv_cache_events or not block_hashes:
+            return
+        parent = request.block_hashes[start - 1] if start > 0 else None
+        end = start + len(block_hashes)
+        token_ids = [int(t) for t in request.all_token_ids[start * block_size : end * block_size]]
+        self.kv_event_queue.append(
+            BlockStored(block_hashes, parent, token_ids, block_size, request.lora_id)
+        )
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Hand out `num_blocks` blocks from the head of the free queue, ref_cnt 1 each.
+
+        A handed-out block that was cached loses its hash here: that is eviction.
+        """
+        if num_blocks > self.get_num_free_blocks():
+            raise ValueError(
+                f"cannot allocate {num_blocks} blocks: only {self.get_num_free_blocks()} free"
+            )
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        for block in blocks:
+            assert block.ref_cnt == 0
+            if self.enable_caching:
+                self._maybe_evict_cached_block(block)
+            block.ref_cnt = 1
+        return blocks
+
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        key = block.block_hash
+        if key is None:
+            return False
+        removed = self.cached_block_hash_to_block.pop(key, block.block_id)
+        assert removed is block
+        block.block_hash = None
+        self.num_evicted_blocks += 1
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(BlockRemoved([get_block_hash(key)]))
+        return True
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on prefix-hit blocks; a free one leaves the free queue."""
+        for block in blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference per block; blocks reaching 0 join the free queue in order.
+
+        Callers pass a request's blocks tail first, so a chain's last blocks (the least
+        likely to be shared) are evicted before its first ones.
+        """
+        for block in ordered_blocks:
+            if block.is_null:
+                continue
+            assert block.ref_cnt > 0, f"block {block.block_id} freed more often than taken"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_block_queue.append(block)
+
+    def evict_blocks(
+        self, block_hashes: Iterable[BlockHash], kv_cache_group_ids: Sequence[int] = (0,)
+    ) -> int:
+        """Drop unreferenced cached blocks with these hashes from the prefix cache.
+
+        Referenced blocks keep their hash (a running request still uses them). The
+        evicted blocks stay free. Returns how many blocks were evicted.
+        """
+        removed: list[BlockHash] = []
+        for block_hash in block_hashes:
+            for group_id in kv_cache_group_ids:
+                key = make_block_hash_with_group_id(block_hash, group_id)
+                for block in self.cached_block_hash_to_block.blocks_of(key):
+                    if block.ref_cnt == 0:
+                        self.cached_block_hash_to_block.pop(key, block.block_id)
+                        block.block_hash = None
+                        removed.append(block_hash)
+        self.num_evicted_blocks += len(removed)
+        if self.enable_kv_cache_events and removed:
+            self.kv_event_queue.append(BlockRemoved(removed))
+        return len(removed)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible when no block is referenced."""
+        if self.get_num_free_blocks() != self.num_blocks - 1:
+            return False
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        for block in self.blocks:
+            block.block_hash = None
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
+        return True
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of usable blocks (null block excluded) held by requests."""
+        return 1.0 - self.get_num_free_blocks() / (self.num_blocks - 1)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events since the last call, oldest first."""
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events

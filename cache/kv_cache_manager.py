@@ -1,0 +1,230 @@
+"""The scheduler's view of the KV cache: prefix lookups, slot allocation, caching, freeing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pdserve.cache.hashing import BlockHash
+from pdserve.cache.kv_cache_blocks import KVCacheBlocks
+from pdserve.cache.kv_cache_coordinator import KVCacheCoordinator
+from pdserve.cache.kv_cache_spec import KVCacheConfig
+from pdserve.cache.kv_events import KVCacheEvent
+from pdserve.cache.request import CacheRequest
+from pdserve.cache.stats import PrefixCacheStats
+
+
+class KVCacheManager:
+    """vLLM v1's KVCacheManager: one per worker, driven by its scheduler.
+
+    Admission is `get_computed_blocks` then `allocate_slots(..., new_computed_blocks=...)`;
+    each later step calls `allocate_slots` for the step's tokens; a finished or
+    preempted request is `free`d. Nothing here touches KV bytes: block ids only.
+    """
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        enable_caching: bool = True,
+        enable_kv_cache_events: bool = False,
+        log_stats: bool = True,
+    ) -> None:
+        if max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.log_stats = log_stats
+        self.coordinator = KVCacheCoordinator(kv_cache_config, enable_caching, enable_kv_cache_events)
+        self.block_pool = self.coordinator.block_pool
+        self.block_size = kv_cache_config.block_size
+        self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self._num_evicted_blocks_reported = 0
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks held by requests."""
+        return self.block_pool.get_usage()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The counters since the last call (None when log_stats is off); they restart at 0."""
+        if self.prefix_cache_stats is None:
+            return None
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        stats.evicted_blocks = self.block_pool.num_evicted_blocks - self._num_evicted_blocks_reported
+        self._num_evicted_blocks_reported = self.block_pool.num_evicted_blocks
+        return stats
+
+    def empty_kv_cache_blocks(self) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple([] for _ in range(self.num_kv_cache_groups)))
+
+    def get_computed_blocks(self, request: CacheRequest) -> tuple[KVCacheBlocks, int]:
+        """The request's longest cached prefix: its blocks and its length in tokens.
+
+        The hit stops at `num_tokens - 1`: the last prompt token is always computed
+        again, since its logits give the next token. Nothing is taken yet; pass the
+        blocks to `allocate_slots` right away.
+        """
+        if not self.enable_caching:
+            return self.empty_kv_cache_blocks(), 0
+        max_cache_hit_length = request.num_tokens - 1
+        blocks, num_new_computed_tokens = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, max_cache_hit_length
+        )
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.record(
+                num_tokens=request.num_tokens,
+                num_hits=num_new_computed_tokens,
+                preempted=request.num_preemptions > 0,
+            )
+        return KVCacheBlocks(blocks), num_new_computed_tokens
+
+    def allocate_slots(
+        self,
+        request: CacheRequest,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+    ) -> KVCacheBlocks | None:
+        """Make room for the request's next tokens; None if the pool cannot.
+
+        Blocks layout:
+        ```
+        -----------------------------------------------------------------------
+        | < comp > | < new_comp > | < ext_comp >  | < new >  | < lookahead >  |
+        -----------------------------------------------------------------------
+                                                  |   < to be computed >      |
+        -----------------------------------------------------------------------
+                                  |            < to be allocated >            |
+        -----------------------------------------------------------------------
+                                  | < to be cached (roughly, |
+                                  | details below) >         |
+        -----------------------------------------------------------------------
+        | Prefix-cached tokens from this worker   |
+        | or the connector. Outside a sliding     |
+        | window they may become the null block.  |
+        -----------------------------------------------------------------------
+        |   < cached here >       | not cached    |
+        | ref_cnt  | ref_cnt not  | here; loaded  |
+        | taken    | taken yet    | by connector  |
+        -----------------------------------------------------------------------
+        ```
+        comp: `request.num_computed_tokens`, blocks already held. new_comp: this
+        admission's prefix hit (`num_new_computed_tokens`, `new_computed_blocks`, from
+        `get_computed_blocks`). ext_comp: tokens a KV connector will load
+        (`num_external_computed_tokens`); they get new blocks here. new: tokens computed
+        this step. lookahead: speculative slots, never cached.
+
+        Cached at return: full blocks up to `comp + new_comp + ext_comp + new`, capped at
+        `request.num_tokens` (lookahead tokens are not the request's yet). With
+        `delay_cache_blocks` nothing is cached: the ext_comp bytes are still in flight,
+        and `cache_blocks` runs once they have landed.
+
+        On None nothing was taken; only blocks a sliding window no longer reads may
+        have been released (they would be at the next step anyway).
+        """
+        self._check_allocate_args(
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+            num_lookahead_tokens, num_external_computed_tokens,
+        )
+        new_computed = (new_computed_blocks or self.empty_kv_cache_blocks()).blocks
+        self.coordinator.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
+
+        num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        total_computed_tokens = min(
+            num_local_computed_tokens + num_external_computed_tokens, self.max_model_len
+        )
+        num_tokens_need_slot = min(
+            total_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len
+        )
+        num_blocks_to_allocate = self.coordinator.get_num_blocks_to_allocate(
+            request.request_id, num_tokens_need_slot, new_computed
+        )
+        if num_blocks_to_allocate > self.block_pool.get_num_free_blocks():
+            return None
+
+        self.coordinator.save_new_computed_blocks(request.request_id, new_computed)
+        new_blocks = self.coordinator.allocate_new_blocks(request.request_id, num_tokens_need_slot)
+        if self.enable_caching and not delay_cache_blocks:
+            num_tokens_to_cache = min(total_computed_tokens + num_new_tokens, request.num_tokens)
+            self.coordinator.cache_blocks(request, num_tokens_to_cache)
+        return KVCacheBlocks(new_blocks)
+
+    def _check_allocate_args(
+        self,
+        request: CacheRequest,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None,
+        num_lookahead_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        counts = {
+            "num_new_tokens": num_new_tokens,
+            "num_new_computed_tokens": num_new_computed_tokens,
+            "num_lookahead_tokens": num_lookahead_tokens,
+            "num_external_computed_tokens": num_external_computed_tokens,
+        }
+        for name, value in counts.items():
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if num_new_tokens == 0 and num_external_computed_tokens == 0:
+            raise ValueError(
+                "num_new_tokens must be greater than 0 when there are no external computed tokens"
+            )
+        if new_computed_blocks is None or not any(new_computed_blocks.blocks):
+            return
+        if len(new_computed_blocks.blocks) != self.num_kv_cache_groups:
+            raise ValueError(
+                f"new_computed_blocks has {len(new_computed_blocks.blocks)} groups, "
+                f"the KV cache has {self.num_kv_cache_groups}"
+            )
+        if not self.enable_caching:
+            raise ValueError("new_computed_blocks given but prefix caching is disabled")
+        if self.coordinator.is_running(request.request_id):
+            raise ValueError(
+                f"request {request.request_id} already holds blocks; prefix hits "
+                "(new_computed_blocks) are only taken when a request is admitted"
+            )
+
+    def cache_blocks(self, request: CacheRequest, num_computed_tokens: int) -> None:
+        """Cache the full blocks of the first `num_computed_tokens` tokens (after a delayed load)."""
+        if self.enable_caching:
+            self.coordinator.cache_blocks(request, num_computed_tokens)
+
+    def free(self, request: CacheRequest) -> None:
+        """Release the request's blocks, tail first, so its chain's tail is evicted first."""
+        self.coordinator.free(request.request_id)
+
+    def evict_blocks(self, block_hashes: Iterable[BlockHash]) -> int:
+        """Drop unreferenced cached blocks with these hashes; returns how many were dropped."""
+        return self.block_pool.evict_blocks(block_hashes, self.coordinator.kv_cache_group_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; False (nothing done) while any block is referenced."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def get_num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.block_pool.take_events()
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        """The request's blocks per group (empty when it holds none)."""
+        return KVCacheBlocks(self.coordinator.get_blocks(request_id))
+
+    def get_block_ids(self, request: CacheRequest) -> tuple[list[int], ...]:
+        """The request's block table per group."""
+        return self.get_blocks(request.request_id).get_block_ids()
+
+    def get_num_cached_blocks(self, request_id: str) -> int:
+        """Leading blocks of the request already in the prefix cache (first group)."""
+        return self.coordinator.single_type_managers[0].num_cached_block.get(request_id, 0)

@@ -1,0 +1,1 @@
+"""The prefill side: gateway (HTTP + gRPC ingress), router, ``PrefillWorker``."""

@@ -1,0 +1,174 @@
+import pytest
+
+from pdserve.cache import BlockRemoved, BlockStored
+from cache_fakes import FakeRequest, make_hasher, make_manager
+
+HASHER = make_hasher()
+
+
+def request(request_id, tokens, **kwargs):
+    return FakeRequest(request_id, tokens, HASHER, **kwargs)
+
+
+def admit(manager, req, **kwargs):
+    """What a scheduler does on admission: look up, then allocate the rest."""
+    hit, num_hit_tokens = manager.get_computed_blocks(req)
+    blocks = manager.allocate_slots(req, req.num_tokens - num_hit_tokens, num_hit_tokens, hit, **kwargs)
+    if blocks is not None:
+        req.num_computed_tokens = req.num_tokens
+    return hit, num_hit_tokens, blocks
+
+
+def test_shared_prefix_hits_the_first_requests_blocks():
+    manager = make_manager()
+    a = request("a", list(range(10)))
+    assert admit(manager, a)[1] == 0
+    b = request("b", list(range(8)) + [50, 51, 52])
+    hit, num_hit_tokens, _ = admit(manager, b)
+    assert num_hit_tokens == 8
+    assert hit.get_block_ids() == (manager.get_block_ids(a)[0][:2],)
+    assert manager.get_block_ids(b)[0][:2] == manager.get_block_ids(a)[0][:2]
+    stats = manager.make_prefix_cache_stats()
+    assert (stats.requests, stats.queries, stats.hits) == (2, 21, 8)
+    assert manager.make_prefix_cache_stats().requests == 0  # reset on read
+
+
+def test_a_full_hit_still_recomputes_the_last_token():
+    manager = make_manager()
+    admit(manager, request("a", list(range(8))))
+    hit, num_hit_tokens, new = admit(manager, request("b", list(range(8))))
+    assert num_hit_tokens == 4  # 7 tokens may hit; whole blocks only
+    assert len(hit.blocks[0]) == 1 and len(new.blocks[0]) == 1
+
+
+def test_external_tokens_are_cached_only_after_the_load():
+    manager = make_manager(enable_kv_cache_events=True)
+    d = request("d", list(range(13)))
+    hit, num_hit_tokens = manager.get_computed_blocks(d)
+    new = manager.allocate_slots(
+        d, 0, num_hit_tokens, hit, num_external_computed_tokens=12, delay_cache_blocks=True
+    )
+    assert len(new.blocks[0]) == 3 and all(b.block_hash is None for b in new.blocks[0])
+    assert manager.take_events() == []
+    assert manager.get_computed_blocks(request("probe", list(range(13))))[1] == 0
+    manager.cache_blocks(d, 12)  # the connector wrote the 3 blocks
+    d.num_computed_tokens = 12
+    [stored] = manager.take_events()
+    assert stored.block_hashes == d.block_hashes[:3] and stored.token_ids == list(range(12))
+    assert manager.get_computed_blocks(request("probe", list(range(13))))[1] == 12
+    assert manager.allocate_slots(d, 1) is not None  # the last prompt token
+    assert len(manager.get_block_ids(d)[0]) == 4
+
+
+def test_lookahead_slots_are_allocated_but_never_cached():
+    manager = make_manager()
+    r = request("r", list(range(8)))
+    new = manager.allocate_slots(r, 8, num_lookahead_tokens=4)
+    assert len(new.blocks[0]) == 3
+    assert [b.block_hash is not None for b in new.blocks[0]] == [True, True, False]
+
+
+def test_preempted_request_hits_its_own_blocks_and_is_counted_apart():
+    manager = make_manager()
+    r = request("r", list(range(10)))
+    admit(manager, r)
+    table = manager.get_block_ids(r)[0]
+    manager.free(r)  # preempted
+    r.num_computed_tokens, r.num_preemptions = 0, 1
+    manager.make_prefix_cache_stats()
+    hit, num_hit_tokens, _ = admit(manager, r)
+    assert num_hit_tokens == 8 and manager.get_block_ids(r)[0][:2] == table[:2]
+    stats = manager.make_prefix_cache_stats()
+    assert (stats.requests, stats.preempted_requests, stats.preempted_queries, stats.preempted_hits) == (0, 1, 10, 8)
+
+
+def test_eviction_takes_least_recently_freed_first_and_chain_tails_first():
+    manager = make_manager(num_blocks=7, enable_kv_cache_events=True)  # 6 usable
+    a, b = request("a", list(range(9))), request("b", list(range(100, 109)))
+    admit(manager, a)
+    admit(manager, b)
+    a_ids, b_ids = manager.get_block_ids(a)[0], manager.get_block_ids(b)[0]
+    manager.free(a)
+    manager.free(b)
+    free_order = [blk.block_id for blk in manager.block_pool.free_block_queue.get_all_free_blocks()]
+    assert free_order == a_ids[::-1] + b_ids[::-1]
+    manager.take_events()
+    c = request("c", list(range(200, 208)))
+    admit(manager, c)  # 2 blocks from the head: a's partial tail, then a's block 1
+    assert manager.get_block_ids(c)[0] == [a_ids[2], a_ids[1]]
+    assert manager.take_events()[0] == BlockRemoved([a.block_hashes[1]])
+    assert manager.get_computed_blocks(request("a2", list(range(9))))[1] == 4
+    assert manager.get_computed_blocks(request("b2", list(range(100, 109))))[1] == 8
+
+
+def test_a_pool_too_small_returns_none_and_takes_nothing():
+    manager = make_manager(num_blocks=5)  # 4 usable
+    a = request("a", list(range(9)))
+    admit(manager, a)
+    manager.free(a)  # a's 2 cached blocks are free and evictable
+    big = request("big", list(range(8)) + list(range(50, 62)))  # 20 tokens: 5 blocks
+    before = [(blk.ref_cnt, blk.block_hash) for blk in manager.block_pool.blocks]
+    hit, num_hit_tokens, new = admit(manager, big)
+    assert num_hit_tokens == 8 and new is None
+    assert [(blk.ref_cnt, blk.block_hash) for blk in manager.block_pool.blocks] == before
+    assert manager.get_num_free_blocks() == 4 and manager.get_block_ids(big) == ([],)
+    assert manager.usage == 0.0
+
+
+def test_cache_salt_and_lora_separate_equal_prefixes():
+    manager = make_manager()
+    admit(manager, request("a", list(range(9)), cache_salt="tenant-a"))
+    assert manager.get_computed_blocks(request("b", list(range(9)), cache_salt="tenant-b"))[1] == 0
+    assert manager.get_computed_blocks(request("c", list(range(9))))[1] == 0
+    assert manager.get_computed_blocks(request("d", list(range(9)), cache_salt="tenant-a"))[1] == 8
+    admit(manager, request("e", list(range(9)), lora_id=1))
+    assert manager.get_computed_blocks(request("f", list(range(9)), lora_id=2))[1] == 0
+    assert manager.get_computed_blocks(request("g", list(range(9)), lora_id=1))[1] == 8
+
+
+def test_events_report_stores_evictions_and_clears():
+    manager = make_manager(num_blocks=3, enable_kv_cache_events=True)  # 2 usable
+    a = request("a", list(range(8)), lora_id=5)
+    manager.allocate_slots(a, 8)
+    assert manager.take_events() == [BlockStored(a.block_hashes[:2], None, list(range(8)), 4, 5)]
+    manager.free(a)
+    assert not manager.take_events()
+    b = request("b", list(range(50, 55)))
+    manager.allocate_slots(b, 5)
+    events = manager.take_events()
+    assert events[:2] == [BlockRemoved([a.block_hashes[1]]), BlockRemoved([a.block_hashes[0]])]
+    assert not manager.reset_prefix_cache()
+    manager.free(b)
+    assert manager.reset_prefix_cache() and manager.make_prefix_cache_stats().reset
+
+
+def test_decode_steps_cache_each_block_as_it_fills():
+    manager = make_manager()
+    r = request("r", list(range(6)))
+    admit(manager, r)
+    for token in range(6, 12):
+        r.append_token(token)
+        assert manager.allocate_slots(r, 1) is not None
+        r.num_computed_tokens += 1
+    # 12 tokens, the last one computed in this step: 3 full blocks cached.
+    assert manager.get_num_cached_blocks("r") == 3
+
+
+def test_disabled_caching_never_hits_and_never_indexes():
+    manager = make_manager(enable_caching=False)
+    admit(manager, request("a", list(range(9))))
+    assert manager.get_computed_blocks(request("b", list(range(9))))[1] == 0
+    assert len(manager.block_pool.cached_block_hash_to_block) == 0
+
+
+def test_bad_arguments_are_value_errors():
+    manager = make_manager()
+    r = request("r", list(range(8)))
+    with pytest.raises(ValueError, match="greater than 0"):
+        manager.allocate_slots(r, 0)
+    with pytest.raises(ValueError, match=">= 0"):
+        manager.allocate_slots(r, 4, num_lookahead_tokens=-1)
+    admit(manager, r)
+    hit, _ = manager.get_computed_blocks(request("x", list(range(8))))
+    with pytest.raises(ValueError, match="already holds blocks"):
+        manager.allocate_slots(r, 1, 4, hit)
