@@ -1,0 +1,289 @@
+"""The engine both worker kinds run, and the colocated baseline: add, step, abort."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdserve.cache import (
+    BlockHasher,
+    BlockRemoved,
+    KVCacheEvent,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheManager,
+    RequestBlockHasher,
+    num_blocks_for_memory,
+)
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.engine_config import EngineConfig
+from pdserve.engine.engine_stats import EngineStats
+from pdserve.engine.loader import load_model
+from pdserve.engine.model_runner import ModelRunner, configure_torch_threads
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request_output import RequestOutput
+from pdserve.engine.sampler import sample
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.kvconnector.base import KVConnectorBase
+from pdserve.kvconnector.transfer_params import KVTransferParams
+
+# While a pull is in flight and nothing else can run, wait this long for it per step.
+_IDLE_WAIT_S = 0.005
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+
+
+class LLMEngine:
+    """One model, one ledger, one scheduler; optionally a KV connector.
+
+    ``step()`` runs one batch: schedule, start KV pulls, run the model on the scheduled
+    chunks, sample, apply stops, and report every request whose output changed. A server
+    calls it in a loop; ``generate()`` is that loop for a list of prompts.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        connector: KVConnectorBase | None = None,
+    ) -> None:
+        configure_torch_threads(config.torch_threads)
+        self.config = config
+        self.model, self.model_config, self.tokenizer = load_model(
+            config.model, dtype=config.dtype, device=config.device
+        )
+        spec = FullAttentionSpec(
+            block_size=config.block_size,
+            num_kv_heads=self.model_config.num_kv_heads,
+            head_size=self.model_config.head_dim,
+            dtype=config.dtype,
+        )
+        layer_names = [f"layers.{i}" for i in range(self.model_config.num_layers)]
+        groups = [KVCacheGroupSpec(layer_names, spec)]
+        num_blocks = config.num_kv_blocks or num_blocks_for_memory(
+            config.kv_cache_memory_bytes, groups
+        )
+        kv_cache_config = KVCacheConfig(num_blocks, groups)
+        self.runner = ModelRunner(
+            self.model, self.model_config, num_blocks, config.block_size, config.device, config.dtype
+        )
+        self.block_hasher = BlockHasher(config.hash_algorithm, config.hash_seed)
+        # One request must always fit alone in the pool, or preemption could loop forever.
+        pool_capacity_tokens = (num_blocks - 1) * config.block_size
+        self.max_model_len = min(
+            config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+            pool_capacity_tokens,
+        )
+        self.kv_cache_manager = KVCacheManager(
+            kv_cache_config,
+            self.max_model_len,
+            enable_caching=config.enable_prefix_caching,
+            enable_kv_cache_events=True,
+        )
+        self.connector = connector
+        if connector is not None:
+            connector.register_kv_caches(self.runner.kv_cache)
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            block_size=config.block_size,
+            max_model_len=self.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            eos_token_ids=frozenset(self.model_config.eos_token_ids),
+            connector=connector,
+            failure_policy=connector.failure_policy if connector else "recompute",
+        )
+        self._stats = EngineStats(num_blocks=num_blocks)
+        self._finished_on_arrival: list[Request] = []
+        self._kv_events: list[KVCacheEvent] = []
+        self._tracked: dict[str, _Tracked] = {}
+        self._seed_rng = random.Random(config.seed)
+
+    @classmethod
+    def from_pretrained(
+        cls, model: str = "tiny", *, connector: KVConnectorBase | None = None, **config: object
+    ) -> LLMEngine:
+        return cls(EngineConfig(model=model, **config), connector=connector)  # type: ignore[arg-type]
+
+    # ---- requests -------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        remote_decode: bool = False,
+        kv_transfer_params: KVTransferParams | None = None,
+    ) -> None:
+        """Queues a request. ``remote_decode`` (prefill worker): lease the prompt's blocks for
+        a decode worker when it finishes. ``kv_transfer_params`` (decode worker): the prompt's
+        KV and first token come from that prefill worker."""
+        params = params or SamplingParams()
+        if request_id in self._tracked:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_token_ids = self._validate_prompt(prompt)
+        if kv_transfer_params is not None and self.connector is None:
+            raise ValueError("kv_transfer_params given, but this engine has no KV connector")
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        if kv_transfer_params is not None:
+            seed = kv_transfer_params.sampling_seed
+        request = Request(
+            request_id,
+            prompt_token_ids,
+            params,
+            seed,
+            RequestBlockHasher(self.block_hasher, self.config.block_size),
+            cache_salt=cache_salt,
+            remote_decode=remote_decode,
+            kv_transfer_params=kv_transfer_params,
+        )
+        tracked = _Tracked(request, IncrementalDetokenizer(self.tokenizer, params.stop))
+        self._tracked[request_id] = tracked
+        self._stats.num_requests += 1
+        if kv_transfer_params is not None:
+            # The prefill worker sampled the first token; it may already end the request,
+            # and then the lease is released unread and the next step reports it.
+            request.append_output_token(kv_transfer_params.first_token_id)
+            status = self.scheduler.stop_status(request)
+            if tracked.detokenizer.update(request.output_token_ids):
+                status = RequestStatus.FINISHED_STOPPED
+            if status is not None:
+                request.status = status
+                self.connector.request_aborted(request)  # type: ignore[union-attr]
+                self._finished_on_arrival.append(request)
+                return
+        self.scheduler.add_request(request)
+
+    def _validate_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+            vocab_size = self.model_config.vocab_size
+            bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {vocab_size})")
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, more than max_model_len "
+                f"({self.max_model_len})"
+            )
+        return token_ids
+
+    def abort(self, request_id: str) -> bool:
+        """Aborts a request; its blocks (and lease) are freed. False if it is unknown."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return self.scheduler.abort_request(request_id) is not None  # a held lease
+        self.scheduler.abort_request(request_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._tracked) or self.scheduler.has_unfinished_requests()
+
+    # ---- one step -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduler = self.scheduler
+        output = scheduler.schedule()
+        if self.connector is not None and output.connector_metadata is not None:
+            self.connector.start_load_kv(output.connector_metadata)
+        changed, self._finished_on_arrival = self._finished_on_arrival, []
+        if output.chunks:
+            logits = self.runner.execute(output.chunks)
+            sampled = [r for c, r in zip(output.chunks, output.requests) if c.sample]
+            token_ids = sample(
+                logits,
+                [r.sampling_params for r in sampled],
+                [r.sampling_seed for r in sampled],
+                [r.num_output_tokens for r in sampled],
+            )
+            changed += scheduler.update_from_output(output, token_ids)
+            self._stats.record_step(output.num_scheduled_tokens, len(token_ids))
+        if self.connector is not None:
+            if not output.chunks and self.connector.has_pending_loads():
+                self.connector.wait_for_progress(_IDLE_WAIT_S)
+            changed += scheduler.update_from_kv_xfer_finished(self.connector.get_finished())
+        self._stats.record_cache(self.kv_cache_manager, scheduler.counters, self._collect_kv_events())
+        return [self._make_output(request) for request in changed]
+
+    def _collect_kv_events(self) -> int:
+        """Moves the ledger's events to the publish buffer (if publishing); returns how many
+        cached blocks were evicted this step."""
+        events = self.kv_cache_manager.take_events()
+        if self.config.publish_kv_events:
+            self._kv_events.extend(events)
+        return sum(len(e.block_hashes) for e in events if isinstance(e, BlockRemoved))
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """KV events since the last call, for the router's prefix index."""
+        events, self._kv_events = self._kv_events, []
+        return events
+
+    def stats(self) -> EngineStats:
+        """A copy of this engine's counters, safe to send to another process."""
+        return self._stats.snapshot(self.connector)
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is not None:
+            stopped = tracked.detokenizer.update(request.output_token_ids)
+            if stopped and not request.is_finished:
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        if request.is_finished:
+            self._tracked.pop(request.request_id, None)
+            request.finish_time = request.finish_time or time.time()
+            self._stats.record_finished(request)
+        text = tracked.detokenizer.text if tracked is not None else ""
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),
+            text=text,
+            finished=request.is_finished,
+            finish_reason=request.status.finish_reason,
+            arrival_time=request.arrival_time,
+            first_token_time=request.first_token_time,
+            finish_time=request.finish_time,
+            num_cached_tokens=request.num_cached_tokens,
+            error=request.error,
+            kv_transfer_params=request.kv_transfer_params_out,
+        )
+
+    # ---- the colocated loop ---------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Runs ``prompts`` to completion; outputs in prompt order."""
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")
+        base = f"gen-{time.monotonic_ns()}"
+        ids = [f"{base}-{i}" for i in range(len(prompts))]
+        for request_id, prompt, request_params in zip(ids, prompts, params_list):
+            self.add_request(request_id, prompt, request_params)
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        return [finished[request_id] for request_id in ids]
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()

@@ -1,0 +1,133 @@
+"""The model's shape, read once from a Hugging Face ``config.json``.
+
+Every part that needs a dimension (the model, the runner sizing the KV tensor, the
+ledger's block spec) reads it from this one typed record instead of a loose dict.
+transformers 5 writes RoPE settings as ``rope_parameters`` (with ``rope_theta``
+inside); older files use top-level ``rope_theta`` plus ``rope_scaling``. Both parse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+# The architecture decides whether q/k/v carry a bias when config.json does not say.
+_DEFAULT_ATTENTION_BIAS = {"Qwen2ForCausalLM": True}
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """What the model code and the KV cache need to know about a checkpoint.
+
+    ``rope_scaling`` is ``None`` for plain RoPE, else the HF dict (``rope_type`` plus
+    its parameters). ``attention_bias`` means a bias on q/k/v; Llama checkpoints that
+    set it also put one on ``o_proj`` (``o_proj_bias``). ``sliding_window`` is the
+    Mistral window (a key is visible when ``query_pos - key_pos < sliding_window``),
+    ``None`` for full attention.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    o_proj_bias: bool = False
+    max_position_embeddings: int = 4096
+    eos_token_ids: list[int] = field(default_factory=list)
+    dtype: str = "float32"
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Parse a ``config.json`` dict (transformers 4.x or 5.x layout)."""
+        architectures = hf.get("architectures") or []
+        if not architectures:
+            raise ValueError("config.json has no 'architectures' entry; cannot tell which model to build")
+        architecture = architectures[0]
+        num_heads = hf["num_attention_heads"]
+        rope_theta, rope_scaling = _parse_rope(hf)
+        if hf.get("use_sliding_window"):
+            raise ValueError(f"{architecture} with use_sliding_window=true is not supported")
+        attention_bias = hf.get("attention_bias", _DEFAULT_ATTENTION_BIAS.get(architecture, False))
+        return cls(
+            architecture=architecture,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            attention_bias=attention_bias,
+            o_proj_bias=attention_bias and architecture != "Qwen2ForCausalLM",
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            eos_token_ids=_as_id_list(hf.get("eos_token_id")),
+            dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+            sliding_window=hf.get("sliding_window") if architecture == "MistralForCausalLM" else None,
+        )
+
+
+def _parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from either config layout."""
+    params = hf.get("rope_parameters")
+    if params is None:
+        scaling = hf.get("rope_scaling")
+        theta = hf.get("rope_theta", 10000.0)
+    else:
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if scaling is not None:
+        scaling = dict(scaling)
+        # transformers 4.x wrote the type under "type" in older files.
+        scaling["rope_type"] = scaling.get("rope_type", scaling.pop("type", "default"))
+        if scaling["rope_type"] == "default":
+            scaling = None
+    return float(theta), scaling
+
+
+def _as_id_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"float32"`` / ``"bfloat16"`` / ``"float16"`` (or the torch dtype itself)."""
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")

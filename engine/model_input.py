@@ -1,0 +1,27 @@
+"""What the scheduler hands the model runner for one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """One request's slice of a step.
+
+    ``token_ids`` are computed at positions ``start_position .. start_position + len - 1``;
+    their K/V are written into the request's blocks (``block_ids``, the whole block table
+    in position order), and attention reads everything from position 0 to the chunk's end.
+    A decode step is a chunk of one token; a prefill may be split into several chunks, and
+    only the last one (``sample=True``) needs logits.
+
+        block_ids:  | b0 | b1 | b2 | b3 |          (block_size tokens each)
+        positions:  0 ......... start_position ... start_position + len(token_ids)
+                    └ cached / computed before ┘└── this chunk ──┘
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    block_ids: list[int]
+    sample: bool

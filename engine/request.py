@@ -1,0 +1,128 @@
+"""A request's state inside one engine: tokens, progress, blocks' hashes, status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING
+
+from pdserve.cache import BlockHash, RequestBlockHasher
+from pdserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.kvconnector.transfer_params import KVTransferParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life.
+
+        WAITING ──admit──▶ RUNNING ──stop / length / abort──▶ FINISHED_*
+           │  ▲               │
+           │  └──preempt──────┘  (blocks freed; recomputed from the prefix cache)
+           └─remote KV─▶ WAITING_FOR_REMOTE_KVS ──loaded──▶ WAITING (prompt already computed)
+    """
+
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH_CAPPED,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
+}
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """One request, as the scheduler and the ledger see it (satisfies ``CacheRequest``).
+
+    ``all_token_ids`` is the prompt followed by the outputs; ``num_computed_tokens`` counts
+    how many of them have K/V in this engine's cache. Block hashes are kept up to date as
+    tokens arrive, one per *full* block, so the ledger can cache a block the moment it fills.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        sampling_seed: int,
+        block_hasher: RequestBlockHasher,
+        *,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+        remote_decode: bool = False,
+        kv_transfer_params: KVTransferParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.sampling_seed = sampling_seed
+        self.cache_salt = cache_salt
+        self.lora_id = lora_id
+        self.remote_decode = remote_decode
+        self.kv_transfer_params = kv_transfer_params
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.error: str | None = None
+        # Set on a prefill worker when the request finished with its blocks leased out.
+        self.kv_transfer_params_out: KVTransferParams | None = None
+        self.num_cached_tokens = 0
+
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.block_hashes: list[BlockHash] = []
+        self._block_hasher = block_hasher
+        self._update_block_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.time()
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        self.block_hashes.extend(self._block_hasher.new_block_hashes(self))

@@ -1,0 +1,29 @@
+"""What the engine reports about a request after a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.kvconnector.transfer_params import KVTransferParams
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's state after a step; ``output_token_ids`` and ``text`` are cumulative.
+
+    ``kv_transfer_params`` is set on a prefill worker's request that finished with its blocks
+    held under a lease for a decode worker.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    num_cached_tokens: int = 0
+    error: str | None = None
+    kv_transfer_params: KVTransferParams | None = None

@@ -1,0 +1,333 @@
+"""Continuous batching over the KV ledger: which tokens of which requests run this step.
+
+Each step has a token budget (``max_num_batched_tokens``) and a cap on running requests
+(``max_num_seqs``). Running requests go first (a decode needs one token, a long prompt is
+cut into chunks that fit the budget); then waiting requests are admitted in arrival order,
+each starting from its longest prefix-cache hit. When the pool runs out, the most recently
+admitted running request is preempted (its blocks freed, recomputed later mostly from the
+prefix cache), so a full pool slows requests down but never deadlocks.
+
+A request carrying ``KVTransferParams`` (a decode worker's request) is admitted with its
+prompt's blocks allocated as *external*: it waits in ``WAITING_FOR_REMOTE_KVS`` while the
+connector pulls them, then joins the batch as if its prompt had been computed here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.cache import KVCacheManager
+from pdserve.engine.model_input import ScheduledChunk
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.kvconnector.base import FinishedTransfers, KVConnectorBase, KVConnectorMetadata
+from pdserve.kvconnector.transfer_params import KVTransferParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's work: ``chunks[i]`` belongs to ``requests[i]``."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
+    connector_metadata: KVConnectorMetadata | None = None
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(chunk.token_ids) for chunk in self.chunks)
+
+
+@dataclass(slots=True)
+class SchedulerCounters:
+    """Monotonic counters the engine reports in its stats."""
+
+    num_preemptions: int = 0
+    num_recompute_fallbacks: int = 0
+    num_load_failures: int = 0
+
+
+class Scheduler:
+    """Decides each step's chunks, and applies each step's sampled tokens."""
+
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        eos_token_ids: frozenset[int],
+        connector: KVConnectorBase | None = None,
+        failure_policy: str = "recompute",
+    ) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = eos_token_ids
+        self.connector = connector
+        self.failure_policy = failure_policy
+        self.counters = SchedulerCounters()
+
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Decode side: blocks allocated, bytes arriving from a prefill worker.
+        self.waiting_for_remote_kvs: dict[str, Request] = {}
+        # Prefill side: finished, blocks held under a lease until the decode side is done.
+        self.held_for_transfer: dict[str, Request] = {}
+
+    # ---- requests in and out --------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Finishes a request at once and frees its blocks, except blocks a transfer is
+        still touching: those are freed when the connector reports the transfer over."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished and request_id not in self.held_for_transfer:
+            return None
+        if self.connector is not None:
+            self.connector.request_aborted(request)
+        if request.is_finished:  # held under a lease: the lease is released, freed later
+            return request
+        was_loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.status = RequestStatus.FINISHED_ABORTED
+        if was_loading:
+            return request  # freed when its pull reports done
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        self._release(request)
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self.waiting_for_remote_kvs)
+
+    def has_held_blocks(self) -> bool:
+        return bool(self.held_for_transfer)
+
+    # ---- one step -------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        preempted = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                self._schedule_chunk(output, request, num_new_tokens)
+                budget -= num_new_tokens
+                index += 1
+
+        while self.waiting and budget > 0 and not preempted:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            num_scheduled = self._admit(output, self.waiting[0], budget)
+            if num_scheduled is None:
+                break
+            self.waiting.popleft()
+            budget -= num_scheduled
+
+        if self.connector is not None:
+            output.connector_metadata = self.connector.build_connector_meta()
+        return output
+
+    def _admit(self, output: SchedulerOutput, request: Request, budget: int) -> int | None:
+        """Allocates a waiting request's blocks and schedules its first chunk.
+
+        Returns the tokens it scheduled (0 while its KV loads from a peer), or None when
+        the pool cannot hold it now."""
+        manager = self.kv_cache_manager
+        if request.num_computed_tokens == 0:
+            computed_blocks, num_local = manager.get_computed_blocks(request)
+        else:  # its KV arrived from a prefill worker while it waited
+            computed_blocks, num_local = None, 0
+
+        if request.kv_transfer_params is not None and request.num_computed_tokens == 0:
+            assert self.connector is not None, "kv_transfer_params need a connector"
+            num_external, load_async = self.connector.get_num_new_matched_tokens(
+                request, num_local
+            )
+            if load_async:
+                blocks = manager.allocate_slots(
+                    request,
+                    0,
+                    num_new_computed_tokens=num_local,
+                    new_computed_blocks=computed_blocks,
+                    num_external_computed_tokens=num_external,
+                    delay_cache_blocks=True,
+                )
+                if blocks is None:
+                    return None
+                request.num_computed_tokens = num_local
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                self.waiting_for_remote_kvs[request.request_id] = request
+                self.connector.update_state_after_alloc(
+                    request, manager.get_block_ids(request)[0], num_external
+                )
+                return 0
+            request.kv_transfer_params = None  # nothing to pull; the connector released it
+
+        num_new_tokens = min(request.num_tokens - request.num_computed_tokens - num_local, budget)
+        blocks = manager.allocate_slots(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens=num_local,
+            new_computed_blocks=computed_blocks,
+        )
+        if blocks is None:
+            return None
+        request.num_computed_tokens += num_local
+        request.num_cached_tokens = max(request.num_cached_tokens, num_local)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._schedule_chunk(output, request, num_new_tokens)
+        return num_new_tokens
+
+    def _schedule_chunk(self, output: SchedulerOutput, request: Request, num_tokens: int) -> None:
+        start = request.num_computed_tokens
+        end = start + num_tokens
+        output.chunks.append(
+            ScheduledChunk(
+                request_id=request.request_id,
+                token_ids=request.all_token_ids[start:end],
+                start_position=start,
+                block_ids=self.kv_cache_manager.get_block_ids(request)[0],
+                sample=end == request.num_tokens,
+            )
+        )
+        output.requests.append(request)
+        request.num_computed_tokens = end
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.counters.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- applying results -----------------------------------------------------------
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
+        """Appends each sampled token, checks stop conditions; returns requests that changed."""
+        changed: list[Request] = []
+        tokens = iter(sampled_token_ids)
+        for chunk, request in zip(output.chunks, output.requests):
+            if not chunk.sample:
+                continue
+            token_id = next(tokens)
+            if request.is_finished:  # aborted while the step ran
+                continue
+            request.append_output_token(token_id)
+            changed.append(request)
+            status = self.stop_status(request)
+            if status is not None:
+                self.finish_request(request, status)
+        return changed
+
+    def stop_status(self, request: Request) -> RequestStatus | None:
+        """Whether the newest output token ends the request (stop strings are the engine's)."""
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if not params.ignore_eos and last in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if last in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
+        """Frees a finished request's blocks, or hands them to the connector's lease."""
+        delay_free = False
+        if self.connector is not None and request.status != RequestStatus.FINISHED_ABORTED:
+            block_ids = self.kv_cache_manager.get_block_ids(request)[0]
+            delay_free, params = self.connector.request_finished(request, block_ids)
+            request.kv_transfer_params_out = params
+        if delay_free:
+            self.held_for_transfer[request.request_id] = request
+        else:
+            self.kv_cache_manager.free(request)
+            self.requests.pop(request.request_id, None)
+
+    def update_from_kv_xfer_finished(self, finished: FinishedTransfers) -> list[Request]:
+        """Frees leased blocks whose transfer is over; moves loaded requests on.
+
+        A pull that lost blocks keeps what arrived intact up to the first bad block and
+        recomputes from there (policy ``recompute``), or fails the request (``fail``).
+        Returns requests whose state changed (finished or failed) for the engine to report.
+        """
+        changed: list[Request] = []
+        for request_id in finished.freeable_request_ids:
+            request = self.held_for_transfer.pop(request_id, None)
+            if request is not None:
+                self.kv_cache_manager.free(request)
+                self.requests.pop(request_id, None)
+        for request_id in finished.loaded_request_ids:
+            request = self.waiting_for_remote_kvs.pop(request_id, None)
+            if request is None:
+                continue
+            if request.status == RequestStatus.FINISHED_ABORTED:
+                self.kv_cache_manager.free(request)
+                self.requests.pop(request_id, None)
+                continue
+            self._finish_load(request, finished.failed_block_ids, finished.load_errors.get(request_id))
+            if request.is_finished:
+                changed.append(request)
+        return changed
+
+    def _finish_load(
+        self, request: Request, failed_block_ids: set[int], load_error: str | None
+    ) -> None:
+        params = request.kv_transfer_params
+        assert params is not None
+        block_ids = self.kv_cache_manager.get_block_ids(request)[0]
+        num_loaded = params.num_tokens
+        first_block = request.num_computed_tokens // self.block_size
+        for index in range(first_block, min(len(block_ids), -(-params.num_tokens // self.block_size))):
+            if block_ids[index] in failed_block_ids:
+                num_loaded = index * self.block_size
+                break
+        if num_loaded < params.num_tokens:
+            self.counters.num_load_failures += 1
+            if self.failure_policy == "fail":
+                request.error = (
+                    f"KV transfer from {params.engine_id} failed for request "
+                    f"{request.request_id} (policy 'fail'): "
+                    f"{load_error or 'blocks arrived corrupt or incomplete'}"
+                )
+                request.status = RequestStatus.FINISHED_ERROR
+                self._release(request)
+                return
+            self.counters.num_recompute_fallbacks += 1
+            logger.warning(
+                "request %s: %d of %d prompt tokens arrived intact; recomputing the rest",
+                request.request_id, num_loaded, params.num_tokens,
+            )
+        request.num_computed_tokens = max(request.num_computed_tokens, num_loaded)
+        request.num_cached_tokens = request.num_computed_tokens
+        request.kv_transfer_params = None  # the lease is released; a preemption recomputes
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)

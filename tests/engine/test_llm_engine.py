@@ -1,0 +1,180 @@
+"""LLMEngine on the built-in tiny model: scheduling under pressure, prefix caching, stops,
+aborts and bad input. Model numerics against transformers live in test_model_*.py."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdserve.engine import LLMEngine, SamplingParams
+
+BLOCK_SIZE = 16
+
+
+def make_engine(**config: object) -> LLMEngine:
+    defaults = dict(block_size=BLOCK_SIZE, num_kv_blocks=256, max_num_batched_tokens=512)
+    defaults.update(config)
+    return LLMEngine.from_pretrained("tiny", **defaults)
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return make_engine()
+
+
+def random_prompts(seed: int, count: int, shared_prefix_len: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(256) for _ in range(shared_prefix_len)]
+    return [prefix + [rng.randrange(256) for _ in range(rng.randrange(1, 60))] for _ in range(count)]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [out.output_token_ids for out in outputs]
+
+
+def assert_all_blocks_free(engine: LLMEngine) -> None:
+    manager = engine.kv_cache_manager
+    assert not engine.has_unfinished_requests()
+    assert not engine.scheduler.held_for_transfer
+    assert manager.usage == 0.0, f"{manager.usage:.1%} of the pool is still referenced"
+
+
+def test_generate_is_deterministic_and_independent_of_batching(engine: LLMEngine) -> None:
+    prompts = random_prompts(0, 6)
+    params = [SamplingParams(max_tokens=12, temperature=0.8, seed=i) for i in range(6)]
+    batched = token_ids(engine.generate(prompts, params))
+    one_by_one = [token_ids(engine.generate([p], [sp]))[0] for p, sp in zip(prompts, params)]
+    assert batched == one_by_one
+    assert all(len(t) == 12 for t in batched)
+    assert_all_blocks_free(engine)
+
+
+def test_tiny_pool_preempts_but_every_request_matches_the_large_pool() -> None:
+    prompts = random_prompts(1, 8, shared_prefix_len=20)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    reference = token_ids(make_engine().generate(prompts, params))
+    # 12 usable blocks of 16 tokens: one request fits, eight never fit together.
+    small = make_engine(num_kv_blocks=13, max_num_batched_tokens=64)
+    assert token_ids(small.generate(prompts, params)) == reference
+    assert small.stats().num_preemptions > 0
+    assert_all_blocks_free(small)
+
+
+def test_prefix_cache_hit_gives_same_tokens_as_cold() -> None:
+    prompt = random_prompts(2, 1, shared_prefix_len=100)[0]
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    cached = make_engine()
+    cold_run = token_ids(cached.generate([prompt], params))
+    warm_run = token_ids(cached.generate([prompt], params))
+    uncached = token_ids(make_engine(enable_prefix_caching=False).generate([prompt], params))
+    assert cold_run == warm_run == uncached
+    stats = cached.stats()
+    full_blocks = len(prompt) // BLOCK_SIZE
+    hit_tokens = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE  # last token always recomputed
+    assert stats.prefix_cache_hits >= min(full_blocks * BLOCK_SIZE, hit_tokens)
+
+
+def test_second_request_reuses_the_first_requests_blocks(engine: LLMEngine) -> None:
+    prompt = random_prompts(3, 1, shared_prefix_len=64)[0]
+    engine.generate([prompt], SamplingParams(max_tokens=2))
+    outputs = engine.generate([prompt], SamplingParams(max_tokens=2))
+    assert outputs[0].num_cached_tokens == (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def test_chunked_prefill_matches_unchunked() -> None:
+    prompts = random_prompts(4, 3, shared_prefix_len=150)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    whole = token_ids(make_engine(max_num_batched_tokens=1024).generate(prompts, params))
+    chunked = token_ids(make_engine(max_num_batched_tokens=32).generate(prompts, params))
+    assert whole == chunked
+
+
+def test_stop_token_ids_and_max_tokens(engine: LLMEngine) -> None:
+    prompt = random_prompts(5, 1)[0]
+    free_run = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0))[0]
+    assert free_run.finish_reason in ("length", "stop")
+    stop_at = free_run.output_token_ids[3]
+    stopped = engine.generate(
+        [prompt], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop_at])
+    )[0]
+    first = free_run.output_token_ids.index(stop_at)
+    assert stopped.output_token_ids == free_run.output_token_ids[: first + 1]
+    assert stopped.finish_reason == "stop"
+
+
+def test_stop_string_cuts_text(engine: LLMEngine) -> None:
+    prompt = "The quick brown fox"
+    free_run = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0))[0]
+    assert len(free_run.text) >= 4, free_run.text
+    stop = free_run.text[2:4]
+    stopped = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, stop=[stop]))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free_run.text[: free_run.text.index(stop)]
+
+
+def test_abort_frees_every_block() -> None:
+    engine = make_engine()
+    prompts = random_prompts(6, 4)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.kv_cache_manager.usage > 0
+    for i in range(len(prompts)):
+        assert engine.abort(f"r{i}")
+    assert not engine.abort("never-added")
+    assert_all_blocks_free(engine)
+
+
+def test_max_model_len_caps_output() -> None:
+    engine = make_engine(max_model_len=40)
+    out = engine.generate([[1] * 35], SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    assert out.finish_reason == "length"
+    assert len(out.prompt_token_ids) + len(out.output_token_ids) == 40
+
+
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ("", SamplingParams(), "empty"),
+        ([], SamplingParams(), "empty"),
+        ([1, 2, 100_000], SamplingParams(), "outside the vocabulary"),
+        ([1, -1], SamplingParams(), "outside the vocabulary"),
+        ([1] * 5000, SamplingParams(), "max_model_len"),
+    ],
+)
+def test_bad_prompts_raise_clear_errors(engine: LLMEngine, prompt, params, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", prompt, params)
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-3), "max_tokens"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_k=-1), "top_k"),
+    ],
+)
+def test_bad_sampling_params_raise_clear_errors(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_duplicate_request_id_is_refused(engine: LLMEngine) -> None:
+    engine.add_request("dup", [1, 2, 3], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("dup", [1, 2, 3], SamplingParams(max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("model", ["/nonexistent/model/dir"])
+def test_unknown_model_path_raises(model: str) -> None:
+    with pytest.raises((FileNotFoundError, ValueError), match="nonexistent"):
+        LLMEngine.from_pretrained(model)
