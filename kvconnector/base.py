@@ -1,0 +1,134 @@
+"""The connector API the engine calls, after vLLM's KV connector v1, split by side.
+
+The scheduler side decides *what* moves (how many prompt tokens the peer holds, which
+blocks receive them, what to hand over when a request finishes); the worker side moves the
+bytes (registers the KV tensor, starts loads, reports what finished). vLLM runs the two
+sides in different processes; a pdserve worker runs both in one, but keeps the split so
+each method has one job:
+
+    scheduler                                   worker side
+    ─────────                                   ───────────
+    get_num_new_matched_tokens(req, n) ─┐
+    allocate_slots(..., ext, delay=True)│
+    update_state_after_alloc(req, ids) ─┴─▶ build_connector_meta() ─▶ start_load_kv(meta)
+    ...steps go on...                                                get_finished() ─▶ done ids
+    cache_blocks(req, n); join decode batch ◀────────────────────────┘
+    request_finished(req, ids) ─▶ (delay_free, KVTransferParams)   (prefill side: lease)
+
+This module imports nothing of the engine at run time, so the engine can depend on it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdserve.engine.request import Request
+    from pdserve.kvconnector.transfer_params import KVTransferParams
+    from pdserve.kvconnector.transfer_stats import TransferStatsSnapshot
+
+
+@dataclass(slots=True)
+class LoadSpec:
+    """One request's pull: remote blocks into local (ext_comp) blocks."""
+
+    request_id: str
+    params: KVTransferParams
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+    expected_checksums: list[int]
+
+
+@dataclass(slots=True)
+class KVConnectorMetadata:
+    """What the scheduler side tells the worker side to do this step."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    releases: list[KVTransferParams] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class FinishedTransfers:
+    """What the worker side finished since it was last asked.
+
+    ``freeable_request_ids``: prefill side, leases released or expired with no read in
+    flight; their blocks may be freed now. ``loaded_request_ids``: decode side, pulls that
+    ended (well or not); ``failed_block_ids`` names the local blocks that did not arrive intact
+    and ``load_errors`` why a request's pull failed, when it failed as a whole.
+    """
+
+    freeable_request_ids: set[str] = field(default_factory=set)
+    loaded_request_ids: set[str] = field(default_factory=set)
+    failed_block_ids: set[int] = field(default_factory=set)
+    load_errors: dict[str, str] = field(default_factory=dict)
+
+
+class KVConnectorBase(ABC):
+    """One worker's connector: both sides, called from the engine's step loop."""
+
+    @property
+    @abstractmethod
+    def failure_policy(self) -> str:
+        """``recompute`` or ``fail``: what the scheduler does with blocks that did not load."""
+
+    # ---- scheduler side -------------------------------------------------------------
+    @abstractmethod
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` the peer can supply, and whether they load
+        asynchronously (the request then waits in ``WAITING_FOR_REMOTE_KVS``)."""
+
+    @abstractmethod
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        """Records which local blocks (the request's whole table) receive the external tokens."""
+
+    @abstractmethod
+    def build_connector_meta(self) -> KVConnectorMetadata:
+        """Everything decided since the last call, for the worker side."""
+
+    @abstractmethod
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, KVTransferParams | None]:
+        """``(delay_free, params)``: True keeps the blocks until the worker side says they
+        are freeable (a lease held for a decode worker)."""
+
+    @abstractmethod
+    def request_aborted(self, request: Request) -> None:
+        """Drops any transfer state of a request that will never finish normally."""
+
+    # ---- worker side ----------------------------------------------------------------
+    @abstractmethod
+    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+        """Exposes this worker's KV tensor to the transport (NIXL registration, gRPC reads)."""
+
+    @abstractmethod
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        """Starts the pulls named in ``metadata``; never blocks on the network."""
+
+    @abstractmethod
+    def get_finished(self) -> FinishedTransfers:
+        """Transfers that completed since the last call."""
+
+    @abstractmethod
+    def has_pending_loads(self) -> bool:
+        """True while any pull is in flight (the engine then waits instead of spinning)."""
+
+    @abstractmethod
+    def wait_for_progress(self, timeout_s: float) -> None:
+        """Blocks until a transfer finishes or ``timeout_s`` passes."""
+
+    @abstractmethod
+    def transfer_stats(self) -> TransferStatsSnapshot:
+        """Counters of blocks and bytes moved, dedup skips, latency, failures, expiries."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stops servers and threads; fails whatever is still in flight."""

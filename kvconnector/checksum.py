@@ -1,0 +1,32 @@
+"""xxh3_64 of a block's bytes: what the prefill side promises and the decode side verifies.
+
+A page of the KV tensor is contiguous, so its checksum is one xxhash call over a numpy view of
+the tensor's storage -- no copy of the KV bytes. The decode side recomputes it after the bytes
+land in the destination block; a mismatch means the block is not used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+
+def page_view(kv_cache: torch.Tensor) -> np.ndarray:
+    """``[num_blocks, page_bytes]`` uint8 numpy view sharing ``kv_cache``'s memory."""
+    if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be a contiguous CPU tensor to be viewed as pages")
+    flat = kv_cache.view(torch.uint8).reshape(kv_cache.shape[0], -1)
+    return flat.numpy()
+
+
+def block_checksums(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> list[int]:
+    """xxh3_64 of each listed block's page, in order."""
+    return page_checksums(page_view(kv_cache), block_ids)
+
+
+def page_checksums(pages: np.ndarray, block_ids: Sequence[int]) -> list[int]:
+    """``block_checksums`` over an existing page view (saves re-viewing on hot paths)."""
+    return [xxhash.xxh3_64_intdigest(pages[block_id]) for block_id in block_ids]

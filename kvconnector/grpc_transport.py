@@ -1,0 +1,394 @@
+"""KV blocks over a gRPC server stream, and the control plane both transports share.
+
+A read is one server-streaming call. The server gathers leased pages straight from its KV
+tensor into messages of about ``max_message_bytes`` (runs of consecutive block ids are one
+slice, so no gather at all), and the client copies each page straight from the received
+message into its destination page with numpy (twice as fast as ``Tensor.copy_``):
+
+    client                                server (gRPC thread pool)
+    ReadBlocks(lease, [7 8 9 3 4]) ───▶  begin_read(lease, ids)   blocks pinned
+            ◀── BlockChunk([7 8 9], pages 7..9: one slice)
+            ◀── BlockChunk([3 4],   pages 3, 4)
+    copy into local pages, verify xxh3   end_read(lease)           blocks freeable again
+
+``ReadBlocks`` messages are encoded and decoded by ``block_chunk`` rather than by protobuf,
+which would copy each message's pages three more times; the wire format is the proto's.
+
+The same service carries the handshake, lease renewal and release for the NIXL transport, and
+``HoldBlocks`` pins blocks while a NIXL READ runs (see ``nixl_transport``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from typing import TypeVar
+
+import grpc
+import numpy as np
+import torch
+
+from pdserve.kvconnector.block_chunk import decode_block_chunk, encode_block_chunk
+from pdserve.kvconnector.checksum import page_view
+from pdserve.kvconnector.layout import KVLayout, check_compatible
+from pdserve.kvconnector.lease import (BlockNotLeasedError, LeaseEndedError, LeaseError,
+                                       LeaseTable, UnknownLeaseError)
+from pdserve.kvconnector.transfer_stats import TransferStats
+from pdserve.kvconnector.transport import (SECRET_METADATA_KEY, KVTransferClient,
+                                           KVTransferServer, PeerInfo, ReadResult,
+                                           TransferError, check_read_arguments, verify_pages)
+from pdserve.proto import kv_transfer_pb2 as pb
+from pdserve.proto import kv_transfer_pb2_grpc as pb_grpc
+
+DEFAULT_MESSAGE_BYTES = 4 << 20
+# gRPC's 4 MiB default would refuse one message of a large-page layout (a 32-layer fp16 page
+# is 2 MiB, so pages never split and a message holds at least one).
+MAX_GRPC_MESSAGE_BYTES = 256 << 20
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
+]
+_LEASE_ERROR_CODES: dict[type[LeaseError], grpc.StatusCode] = {
+    UnknownLeaseError: grpc.StatusCode.NOT_FOUND,
+    LeaseEndedError: grpc.StatusCode.FAILED_PRECONDITION,
+    BlockNotLeasedError: grpc.StatusCode.PERMISSION_DENIED,
+}
+
+# Test hook: called with a message's block ids and its packed pages, which it may change.
+FaultInjector = Callable[[Sequence[int], bytearray], None]
+T = TypeVar("T")
+
+
+def consecutive_runs(block_ids: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """``(position, first_block_id, length)`` of each run of consecutive ids, in order."""
+    start = 0
+    for i in range(1, len(block_ids) + 1):
+        if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1:
+            yield start, block_ids[start], i - start
+            start = i
+
+
+_SERVICE = "pdserve.kv.KvTransfer"
+_READ_BLOCKS_METHOD = f"/{_SERVICE}/ReadBlocks"
+
+
+def _identity(payload: bytes) -> bytes:
+    return payload
+
+
+class _KvTransferServicer(pb_grpc.KvTransferServicer):
+    def __init__(self, kv_cache: torch.Tensor, leases: LeaseTable, layout: KVLayout,
+                 engine_id: str, secret: str | None, stats: TransferStats,
+                 nixl_info: pb.NixlAgentInfo | None, max_message_bytes: int,
+                 fault_injector: FaultInjector | None) -> None:
+        self._pages = page_view(kv_cache)
+        self._leases = leases
+        self._layout = layout
+        self._engine_id = engine_id
+        self._secret = secret.encode() if secret else None
+        self._stats = stats
+        self._nixl_info = nixl_info
+        self._blocks_per_message = max(1, max_message_bytes // layout.page_bytes)
+        self._fault_injector = fault_injector
+
+    def Handshake(self, request: pb.HandshakeRequest,
+                  context: grpc.ServicerContext) -> pb.HandshakeReply:
+        self._authorize(context)
+        return pb.HandshakeReply(engine_id=self._engine_id, layout=self._layout.to_proto(),
+                                 nixl=self._nixl_info, num_blocks=self._pages.shape[0])
+
+    def ReadBlocks(self, request: pb.ReadBlocksRequest,
+                   context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Yields encoded ``BlockChunk`` messages (see ``block_chunk``)."""
+        self._authorize(context)
+        block_ids = list(request.block_ids)
+        self._begin_read(request.lease_id, block_ids, context)
+        try:
+            for start in range(0, len(block_ids), self._blocks_per_message):
+                chunk_ids = block_ids[start:start + self._blocks_per_message]
+                yield self._pack(chunk_ids)
+                self._stats.record_sent(len(chunk_ids), len(chunk_ids) * self._layout.page_bytes)
+        finally:
+            self._leases.end_read(request.lease_id)
+
+    def HoldBlocks(self, request_iterator: Iterator[pb.HoldRequest],
+                   context: grpc.ServicerContext) -> Iterator[pb.HoldReply]:
+        self._authorize(context)
+        first = next(request_iterator, None)
+        if first is None:
+            return
+        self._begin_read(first.lease_id, list(first.block_ids), context)
+        try:
+            yield pb.HoldReply(held=True)
+            # The hold lasts until the client half-closes, is cancelled, dies or passes its
+            # deadline: each of those ends this iteration.
+            for _ in request_iterator:
+                pass
+        finally:
+            self._leases.end_read(first.lease_id)
+        self._stats.record_sent(len(first.block_ids),
+                                len(first.block_ids) * self._layout.page_bytes)
+
+    def RenewLease(self, request: pb.LeaseRequest,
+                   context: grpc.ServicerContext) -> pb.LeaseReply:
+        self._authorize(context)
+        with self._lease_errors_to_status(context):
+            return pb.LeaseReply(expires_at=self._leases.renew(request.lease_id))
+
+    def Release(self, request: pb.LeaseRequest, context: grpc.ServicerContext) -> pb.LeaseReply:
+        self._authorize(context)
+        with self._lease_errors_to_status(context):
+            self._leases.release(request.lease_id)
+        return pb.LeaseReply()
+
+    def _pack(self, block_ids: list[int]) -> bytes:
+        """One ``BlockChunk`` of the listed pages: one copy from the KV tensor to the wire."""
+        pages = [self._pages[first:first + length].data
+                 for _, first, length in consecutive_runs(block_ids)]
+        if self._fault_injector is not None:
+            packed = bytearray(b"".join(pages))
+            self._fault_injector(block_ids, packed)
+            pages = [memoryview(packed)]
+        return encode_block_chunk(block_ids, pages)
+
+    def _begin_read(self, lease_id: str, block_ids: list[int],
+                    context: grpc.ServicerContext) -> None:
+        with self._lease_errors_to_status(context):
+            self._leases.begin_read(lease_id, block_ids)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _lease_errors_to_status(context: grpc.ServicerContext) -> Iterator[None]:
+        try:
+            yield
+        except LeaseError as error:
+            context.abort(_LEASE_ERROR_CODES[type(error)], str(error))
+
+    def _authorize(self, context: grpc.ServicerContext) -> None:
+        if self._secret is None:
+            return
+        provided = dict(context.invocation_metadata()).get(SECRET_METADATA_KEY, "")
+        if not hmac.compare_digest(provided.encode(), self._secret):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "wrong or missing deployment secret for the KV transfer service")
+
+
+def _method_handlers(servicer: _KvTransferServicer) -> grpc.GenericRpcHandler:
+    """The generated handlers, except that ``ReadBlocks`` replies are already encoded."""
+    return grpc.method_handlers_generic_handler(_SERVICE, {
+        "Handshake": grpc.unary_unary_rpc_method_handler(
+            servicer.Handshake, pb.HandshakeRequest.FromString,
+            pb.HandshakeReply.SerializeToString),
+        "ReadBlocks": grpc.unary_stream_rpc_method_handler(
+            servicer.ReadBlocks, pb.ReadBlocksRequest.FromString, _identity),
+        "HoldBlocks": grpc.stream_stream_rpc_method_handler(
+            servicer.HoldBlocks, pb.HoldRequest.FromString, pb.HoldReply.SerializeToString),
+        "RenewLease": grpc.unary_unary_rpc_method_handler(
+            servicer.RenewLease, pb.LeaseRequest.FromString, pb.LeaseReply.SerializeToString),
+        "Release": grpc.unary_unary_rpc_method_handler(
+            servicer.Release, pb.LeaseRequest.FromString, pb.LeaseReply.SerializeToString),
+    })
+
+
+class GrpcTransferServer(KVTransferServer):
+    """The prefill side's KvTransfer service over its KV tensor; serves from construction."""
+
+    def __init__(self, kv_cache: torch.Tensor, leases: LeaseTable, layout: KVLayout,
+                 engine_id: str = "", host: str = "127.0.0.1", port: int = 0,
+                 secret: str | None = None, stats: TransferStats | None = None,
+                 nixl_info: pb.NixlAgentInfo | None = None,
+                 max_message_bytes: int = DEFAULT_MESSAGE_BYTES, max_workers: int = 8,
+                 fault_injector: FaultInjector | None = None) -> None:
+        self.stats = stats if stats is not None else TransferStats()
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                                   options=_CHANNEL_OPTIONS)
+        servicer = _KvTransferServicer(kv_cache, leases, layout, engine_id, secret, self.stats,
+                                       nixl_info, max_message_bytes, fault_injector)
+        self._server.add_generic_rpc_handlers([_method_handlers(servicer)])
+        bound_port = self._server.add_insecure_port(f"{host}:{port}")
+        if bound_port == 0:
+            raise OSError(f"could not bind the KV transfer service to {host}:{port}")
+        self._address = f"{host}:{bound_port}"
+        self._server.start()
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def stop(self, grace_s: float | None = None) -> None:
+        self._server.stop(grace_s).wait()
+
+
+class GrpcTransferClient(KVTransferClient):
+    """The decode side's puller over gRPC; also the control plane of ``NixlTransferClient``.
+
+    ``timeout_s`` bounds every call, a whole stream included.
+    """
+
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, engine_id: str = "",
+                 secret: str | None = None, timeout_s: float = 30.0,
+                 stats: TransferStats | None = None) -> None:
+        self.stats = stats if stats is not None else TransferStats()
+        self.timeout_s = timeout_s
+        self._pages = page_view(kv_cache)
+        self._layout = layout
+        self._engine_id = engine_id
+        self._metadata = ((SECRET_METADATA_KEY, secret),) if secret else ()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._stubs: dict[str, pb_grpc.KvTransferStub] = {}
+        self._lock = threading.Lock()
+
+    def handshake(self, address: str, nixl_info: pb.NixlAgentInfo | None = None) -> PeerInfo:
+        request = pb.HandshakeRequest(engine_id=self._engine_id, layout=self._layout.to_proto(),
+                                      nixl=nixl_info)
+        reply = self._call(address, "Handshake", lambda stub: stub.Handshake(
+            request, timeout=self.timeout_s, metadata=self._metadata))
+        remote_layout = KVLayout.from_proto(reply.layout)
+        check_compatible(self._layout, remote_layout)
+        return PeerInfo(address=address, engine_id=reply.engine_id, layout=remote_layout,
+                        num_blocks=reply.num_blocks,
+                        nixl=reply.nixl if reply.HasField("nixl") else None)
+
+    def read_blocks(self, peer: PeerInfo, lease_id: str, remote_block_ids: Sequence[int],
+                    local_block_ids: Sequence[int],
+                    expected_checksums: Sequence[int]) -> ReadResult:
+        check_read_arguments(remote_block_ids, local_block_ids, expected_checksums,
+                             self._pages.shape[0])
+        started = time.perf_counter()
+        local_of_remote = dict(zip(remote_block_ids, local_block_ids))
+        landed: set[int] = set()
+        request = pb.ReadBlocksRequest(lease_id=lease_id, block_ids=remote_block_ids)
+
+        ok: list[int] = []
+        failed: list[int] = []
+        expected_of_local = dict(zip(local_block_ids, expected_checksums))
+
+        def pull(_: pb_grpc.KvTransferStub) -> None:
+            stream = self._read_blocks_stream(peer.address)
+            for raw in stream(request, timeout=self.timeout_s, metadata=self._metadata):
+                local_ids = self._land(raw, local_of_remote)
+                landed.update(local_ids)
+                verified, corrupt = verify_pages(
+                    self._pages, local_ids, [expected_of_local[b] for b in local_ids])
+                ok.extend(verified)
+                failed.extend(corrupt)
+
+        try:
+            self._call(peer.address, "ReadBlocks", pull)
+        except TransferError:
+            self.stats.record_transfer(0, len(local_block_ids), len(landed) * self._layout.page_bytes,
+                                       time.perf_counter() - started)
+            raise
+        failed += [b for b in local_block_ids if b not in landed]
+        duration_s = time.perf_counter() - started
+        num_bytes = len(landed) * self._layout.page_bytes
+        self.stats.record_transfer(len(ok), len(failed), num_bytes, duration_s)
+        return ReadResult(ok_block_ids=ok, failed_block_ids=failed, num_bytes=num_bytes,
+                          duration_s=duration_s)
+
+    def renew(self, peer: PeerInfo, lease_id: str) -> float:
+        return self._call(peer.address, "RenewLease", lambda stub: stub.RenewLease(
+            pb.LeaseRequest(lease_id=lease_id), timeout=self.timeout_s,
+            metadata=self._metadata)).expires_at
+
+    def release(self, peer: PeerInfo, lease_id: str) -> None:
+        self._call(peer.address, "Release", lambda stub: stub.Release(
+            pb.LeaseRequest(lease_id=lease_id), timeout=self.timeout_s,
+            metadata=self._metadata))
+
+    @contextlib.contextmanager
+    def hold_blocks(self, peer: PeerInfo, lease_id: str,
+                    block_ids: Sequence[int]) -> Iterator[Callable[[], None]]:
+        """Keep the peer from freeing ``block_ids`` until the ``with`` body exits.
+
+        The request is sent at once, but the body need not wait for the answer: it gets
+        ``confirm()``, which returns once the peer holds the blocks and raises
+        ``TransferError`` if it refused (lease unknown, ended, or blocks not under it).
+        Data read before ``confirm()`` returns is good only if it does return: a lease never
+        becomes active again once ended, so a hold granted after a read began means the
+        blocks were never freed during it. The hold ends when the body exits, or when this
+        process dies (the call breaks).
+        """
+        done = threading.Event()
+
+        def requests() -> Iterator[pb.HoldRequest]:
+            yield pb.HoldRequest(lease_id=lease_id, block_ids=block_ids)
+            done.wait()
+
+        call = self._stub(peer.address).HoldBlocks(requests(), timeout=self.timeout_s,
+                                                   metadata=self._metadata)
+
+        def confirm() -> None:
+            try:
+                next(call)
+            except grpc.RpcError as error:
+                raise _transfer_error("HoldBlocks", peer.address, error) from error
+            except StopIteration:
+                raise TransferError(f"HoldBlocks to {peer.address} ended unanswered") from None
+
+        try:
+            yield confirm
+        finally:
+            done.set()  # half-close: the peer ends the hold; no need to wait for it
+
+    def close(self) -> None:
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+            self._stubs.clear()
+
+    def _land(self, raw: bytes, local_of_remote: dict[int, int]) -> list[int]:
+        """Copy each page of a message into its local page; returns the local ids written."""
+        page_bytes = self._layout.page_bytes
+        try:
+            remote_ids, data = decode_block_chunk(raw)
+        except ValueError as error:
+            raise TransferError(f"peer sent a malformed BlockChunk: {error}") from error
+        if len(data) != len(remote_ids) * page_bytes:
+            raise TransferError(f"peer sent {len(data)} bytes for {len(remote_ids)} "
+                                f"pages of {page_bytes}")
+        unasked = [b for b in remote_ids if b not in local_of_remote]
+        if unasked:
+            raise TransferError(f"peer sent blocks {unasked[:8]} that were not asked for")
+        local_ids = [local_of_remote[b] for b in remote_ids]
+        pages = np.frombuffer(data, dtype=np.uint8).reshape(len(remote_ids), page_bytes)
+        for position, first, length in consecutive_runs(local_ids):
+            np.copyto(self._pages[first:first + length], pages[position:position + length])
+        return local_ids
+
+    def _call(self, address: str, method: str,
+                 invoke: Callable[[pb_grpc.KvTransferStub], T]) -> T:
+        try:
+            return invoke(self._stub(address))
+        except grpc.RpcError as error:
+            raise _transfer_error(method, address, error) from error
+
+    def _stub(self, address: str) -> pb_grpc.KvTransferStub:
+        with self._lock:
+            stub = self._stubs.get(address)
+            if stub is None:
+                stub = self._stubs[address] = pb_grpc.KvTransferStub(self._channel(address))
+            return stub
+
+    def _read_blocks_stream(self, address: str) -> grpc.UnaryStreamMultiCallable:
+        """``ReadBlocks`` yielding raw encoded messages, for ``decode_block_chunk``."""
+        with self._lock:
+            return self._channel(address).unary_stream(
+                _READ_BLOCKS_METHOD, request_serializer=pb.ReadBlocksRequest.SerializeToString,
+                response_deserializer=_identity)
+
+    def _channel(self, address: str) -> grpc.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.insecure_channel(
+                address, options=_CHANNEL_OPTIONS)
+        return channel
+
+
+def _transfer_error(method: str, address: str, error: grpc.RpcError) -> TransferError:
+    return TransferError(f"{method} to {address} failed: {error.code().name}: {error.details()}")

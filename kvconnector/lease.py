@@ -1,0 +1,183 @@
+"""Leases: how long a prefill worker keeps a finished request's blocks for a decode worker.
+
+A lease pins a request's blocks until the decode side releases it or it expires (the decode
+side renews it while pulling). Whatever happens to the lease, a block is never freed while a
+transfer still reads it: reads in flight are counted, and a released or expired lease becomes
+freeable only when that count drops to zero.
+
+    grant ──▶ ACTIVE ──release──▶ RELEASED ─┐
+                │ ▲                          ├─ reads_in_flight == 0 ──▶ take_freeable() → freed
+                │ └─renew                    │
+                └──expires_at passes──▶ EXPIRED
+
+gRPC server threads call ``begin_read`` / ``end_read`` / ``renew`` / ``release``; the engine
+thread calls ``grant`` and polls ``take_freeable`` once a step, then frees the returned
+requests' blocks. One lock guards it all; no call scans every lease.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from pdserve.kvconnector.transfer_stats import TransferStats
+
+
+class LeaseError(Exception):
+    """A peer asked for something its lease does not allow."""
+
+
+class UnknownLeaseError(LeaseError):
+    """No such lease: never granted, or already freed."""
+
+
+class LeaseEndedError(LeaseError):
+    """The lease was released or has expired; its blocks may be freed any moment."""
+
+
+class BlockNotLeasedError(LeaseError):
+    """A block id outside the lease was asked for."""
+
+
+class LeaseState(Enum):
+    ACTIVE = "active"
+    RELEASED = "released"
+    EXPIRED = "expired"
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """What was granted: handed to the decode side inside ``KVTransferParams``."""
+
+    lease_id: str
+    request_id: str
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[bytes, ...]
+    checksums: tuple[int, ...]
+    expires_at: float
+
+
+@dataclass(slots=True)
+class _LeaseEntry:
+    lease: Lease
+    block_id_set: frozenset[int]
+    ttl_s: float
+    expires_at: float
+    state: LeaseState = LeaseState.ACTIVE
+    reads_in_flight: int = 0
+
+
+class LeaseTable:
+    """Thread-safe table of leases; times are ``clock()`` seconds (wall clock by default,
+    because ``expires_at`` travels to another process)."""
+
+    def __init__(self, default_ttl_s: float = 30.0, stats: TransferStats | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.default_ttl_s = default_ttl_s
+        self.num_expired = 0
+        self._stats = stats
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[str, _LeaseEntry] = {}
+        self._expiry_heap: list[tuple[float, str]] = []  # (expires_at, lease_id); stale ok
+        self._ended: set[str] = set()                    # released/expired, not yet freed
+
+    def grant(self, request_id: str, block_ids: Sequence[int],
+              block_hashes: Sequence[bytes], checksums: Sequence[int],
+              ttl_s: float | None = None) -> Lease:
+        if len(checksums) != len(block_ids):
+            raise ValueError(f"{len(block_ids)} block ids but {len(checksums)} checksums")
+        ttl = self.default_ttl_s if ttl_s is None else ttl_s
+        with self._lock:
+            expires_at = self._clock() + ttl
+            lease = Lease(lease_id=uuid.uuid4().hex, request_id=request_id,
+                          block_ids=tuple(block_ids), block_hashes=tuple(block_hashes),
+                          checksums=tuple(checksums), expires_at=expires_at)
+            self._entries[lease.lease_id] = _LeaseEntry(
+                lease=lease, block_id_set=frozenset(lease.block_ids), ttl_s=ttl,
+                expires_at=expires_at)
+            heapq.heappush(self._expiry_heap, (expires_at, lease.lease_id))
+            return lease
+
+    def renew(self, lease_id: str) -> float:
+        """Push the expiry ``ttl_s`` past now; returns the new ``expires_at``."""
+        with self._lock:
+            entry = self._active_entry(lease_id, self._clock())
+            entry.expires_at = self._clock() + entry.ttl_s
+            heapq.heappush(self._expiry_heap, (entry.expires_at, lease_id))
+            return entry.expires_at
+
+    def release(self, lease_id: str) -> None:
+        """The decode side is done; the blocks become freeable once no read holds them.
+        Releasing an ended lease is a no-op, so a retried release is harmless."""
+        with self._lock:
+            entry = self._entries.get(lease_id)
+            if entry is None:
+                raise UnknownLeaseError(f"lease {lease_id!r} is unknown or already freed")
+            if entry.state is LeaseState.ACTIVE:
+                entry.state = LeaseState.RELEASED
+                self._ended.add(lease_id)
+
+    def begin_read(self, lease_id: str, block_ids: Sequence[int]) -> Lease:
+        """Start serving a read of ``block_ids``; they stay allocated until ``end_read``."""
+        with self._lock:
+            entry = self._active_entry(lease_id, self._clock())
+            outside = [b for b in block_ids if b not in entry.block_id_set]
+            if outside:
+                raise BlockNotLeasedError(
+                    f"block ids {outside[:8]} are not under lease {lease_id!r} "
+                    f"(it holds {len(entry.block_id_set)} blocks)")
+            entry.reads_in_flight += 1
+            return entry.lease
+
+    def end_read(self, lease_id: str) -> None:
+        with self._lock:
+            entry = self._entries[lease_id]  # kept while a read is in flight
+            assert entry.reads_in_flight > 0, "end_read without begin_read"
+            entry.reads_in_flight -= 1
+
+    def take_freeable(self, now: float | None = None) -> list[str]:
+        """Request ids whose blocks may be freed now: lease released or expired and no read
+        in flight. Each is returned once and its lease forgotten."""
+        with self._lock:
+            now = self._clock() if now is None else now
+            while self._expiry_heap and self._expiry_heap[0][0] <= now:
+                expires_at, lease_id = heapq.heappop(self._expiry_heap)
+                entry = self._entries.get(lease_id)
+                if (entry is not None and entry.state is LeaseState.ACTIVE
+                        and entry.expires_at == expires_at):
+                    self._expire(lease_id, entry)
+            freeable = [lease_id for lease_id in self._ended
+                        if self._entries[lease_id].reads_in_flight == 0]
+            request_ids = []
+            for lease_id in freeable:
+                self._ended.discard(lease_id)
+                request_ids.append(self._entries.pop(lease_id).lease.request_id)
+            return request_ids
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def _active_entry(self, lease_id: str, now: float) -> _LeaseEntry:
+        entry = self._entries.get(lease_id)
+        if entry is None:
+            raise UnknownLeaseError(f"lease {lease_id!r} is unknown or already freed")
+        if entry.state is LeaseState.ACTIVE and entry.expires_at <= now:
+            self._expire(lease_id, entry)
+        if entry.state is not LeaseState.ACTIVE:
+            raise LeaseEndedError(f"lease {lease_id!r} was {entry.state.value}; "
+                                  "its blocks may already be freed, recompute them")
+        return entry
+
+    def _expire(self, lease_id: str, entry: _LeaseEntry) -> None:
+        entry.state = LeaseState.EXPIRED
+        self._ended.add(lease_id)
+        self.num_expired += 1
+        if self._stats is not None:
+            self._stats.record_lease_expiry()

@@ -1,0 +1,272 @@
+"""KV blocks by NIXL READ: the decode side reads the prefill side's pages itself.
+
+Each worker registers its whole KV tensor with one NIXL agent (UCX backend; on one host UCX
+moves DRAM with cma, zero-copy) and describes it as one descriptor per page, prepared once:
+
+    local dlist  (decode):  [page 0][page 1] ... [page N-1]      prep_xfer_dlist once
+    remote dlist (prefill): [page 0][page 1] ... [page M-1]      prep_xfer_dlist once per peer
+    a pull:  make_prepped_xfer("READ", local, local_ids, remote, remote_ids) → transfer → poll
+
+Agents are made without the progress thread (on 2 cores its busy spin halved throughput);
+the reader polls ``check_xfer_state`` itself, under its deadline.
+
+The gRPC ``KvTransfer`` service stays the control plane: the handshake carries the layouts
+and the agents' metadata, and renewal and release go over it. A READ happens inside a
+``HoldBlocks`` call, which pins the blocks on the prefill side for exactly as long as the call
+lives -- the prefill side cannot see a one-sided READ, and a lease released or expired
+meanwhile must not free the pages under it:
+
+    decode                                       prefill
+    HoldBlocks(lease, ids) ───────────────────▶  begin_read(lease, ids)
+    NIXL READ remote ids → local ids  ◀── held   (or a refusal: every block fails)
+    poll until done or deadline; wait for held
+    half-close ───────────────────────────────▶  end_read(lease)
+
+The READ starts without waiting for "held", which would cost a round trip per pull. That is
+safe because lease states only move forward: if the hold is granted, the lease was active
+for the whole READ before it, so no block was freed under it; if refused, nothing read is
+used.
+
+The READ runs on this thread (cma copies inside ``transfer``/``check_xfer_state``), so the
+pull is cut into segments of about ``VERIFY_SEGMENT_BYTES`` and a helper thread checksums
+segment k while segment k+1 is read (xxhash releases the GIL): verification costs about one
+segment's time instead of a second pass over every page.
+
+A reader that dies or stalls ends its call (connection loss or deadline), so the hold ends
+too; the READ itself is aborted on the reader's side before its deadline passes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from pdserve.kvconnector.checksum import page_view
+from pdserve.kvconnector.grpc_transport import (DEFAULT_MESSAGE_BYTES, FaultInjector,
+                                                GrpcTransferClient, GrpcTransferServer)
+from pdserve.kvconnector.layout import KVLayout
+from pdserve.kvconnector.lease import LeaseTable
+from pdserve.kvconnector.transfer_stats import TransferStats
+from pdserve.kvconnector.transport import (KVTransferClient, KVTransferServer, PeerInfo,
+                                           ReadResult, TransferError, check_read_arguments,
+                                           verify_pages)
+from pdserve.proto import kv_transfer_pb2 as pb
+
+try:
+    from nixl._api import nixl_agent, nixl_agent_config
+except ImportError as nixl_import_error:  # optional dependency: pdserve[nixl]
+    nixl_agent = nixl_agent_config = None
+    _NIXL_IMPORT_ERROR: ImportError | None = nixl_import_error
+    NIXL_ERRORS: tuple[type[Exception], ...] = ()
+else:
+    _NIXL_IMPORT_ERROR = None
+    # The bindings raise one class per status (nixlRemoteDisconnectError, ...), all direct
+    # subclasses of Exception; these are them.
+    from nixl._api import nixlBind
+    NIXL_ERRORS = tuple(getattr(nixlBind, name) for name in dir(nixlBind)
+                        if name.startswith("nixl") and name.endswith("Error"))
+
+# The prefill side polls its agent this often, so that UCX can answer connection setup.
+PROGRESS_INTERVAL_S = 0.001
+VERIFY_SEGMENT_BYTES = 8 << 20
+
+
+def nixl_available() -> bool:
+    return _NIXL_IMPORT_ERROR is None
+
+
+def page_descriptors(base_address: int, page_bytes: int, num_blocks: int) -> np.ndarray:
+    """``[num_blocks, 3]`` NIXL descriptors (address, length, device 0): one per page."""
+    descriptors = np.zeros((num_blocks, 3), dtype=np.uint64)
+    descriptors[:, 0] = base_address + np.arange(num_blocks, dtype=np.uint64) * page_bytes
+    descriptors[:, 1] = page_bytes
+    return descriptors
+
+
+class NixlEndpoint:
+    """This worker's NIXL agent with its KV tensor registered, and its local page dlist."""
+
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, name_prefix: str) -> None:
+        if _NIXL_IMPORT_ERROR is not None:
+            raise RuntimeError(
+                "the NIXL transport needs the nixl package (pip install 'pdserve[nixl]'); "
+                f"importing it failed: {_NIXL_IMPORT_ERROR}") from _NIXL_IMPORT_ERROR
+        if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
+            raise ValueError("the NIXL transport registers a contiguous CPU kv_cache")
+        self.kv_cache = kv_cache
+        self.layout = layout
+        self.name = f"{name_prefix or 'pdserve'}-{uuid.uuid4().hex[:12]}"
+        self.agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=False))
+        self._registration = self.agent.register_memory(kv_cache)
+        self.num_blocks = kv_cache.shape[0]
+        self.local_pages = self.agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT",
+            page_descriptors(kv_cache.data_ptr(), layout.page_bytes, self.num_blocks), "DRAM")
+
+    def info(self) -> pb.NixlAgentInfo:
+        return pb.NixlAgentInfo(agent_name=self.name,
+                                agent_metadata=self.agent.get_agent_metadata(),
+                                base_address=self.kv_cache.data_ptr(),
+                                page_bytes=self.layout.page_bytes, num_blocks=self.num_blocks)
+
+    def close(self) -> None:
+        self.local_pages.release()
+        self.agent.deregister_memory(self._registration)
+
+
+class NixlTransferServer(KVTransferServer):
+    """The prefill side: its KV tensor registered with NIXL, behind the gRPC control plane."""
+
+    def __init__(self, kv_cache: torch.Tensor, leases: LeaseTable, layout: KVLayout,
+                 engine_id: str = "", host: str = "127.0.0.1", port: int = 0,
+                 secret: str | None = None, stats: TransferStats | None = None,
+                 max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
+                 fault_injector: FaultInjector | None = None) -> None:
+        self.endpoint = NixlEndpoint(kv_cache, layout, engine_id)
+        self.control = GrpcTransferServer(
+            kv_cache, leases, layout, engine_id=engine_id, host=host, port=port, secret=secret,
+            stats=stats, nixl_info=self.endpoint.info(), max_message_bytes=max_message_bytes,
+            fault_injector=fault_injector)
+        self.stats = self.control.stats
+        self._stop_progress = threading.Event()
+        self._progress = threading.Thread(target=self._progress_loop, name="nixl-progress",
+                                          daemon=True)
+        self._progress.start()
+
+    def _progress_loop(self) -> None:
+        while not self._stop_progress.wait(PROGRESS_INTERVAL_S):
+            self.endpoint.agent.get_new_notifs()
+
+    @property
+    def address(self) -> str:
+        return self.control.address
+
+    def stop(self, grace_s: float | None = None) -> None:
+        self.control.stop(grace_s)
+        self._stop_progress.set()
+        self._progress.join()
+        self.endpoint.close()
+
+
+class NixlTransferClient(KVTransferClient):
+    """The decode side: READs leased pages straight into its own KV tensor."""
+
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, engine_id: str = "",
+                 secret: str | None = None, timeout_s: float = 30.0,
+                 stats: TransferStats | None = None) -> None:
+        self.endpoint = NixlEndpoint(kv_cache, layout, engine_id)
+        self.control = GrpcTransferClient(kv_cache, layout, engine_id=engine_id, secret=secret,
+                                          timeout_s=timeout_s, stats=stats)
+        self.stats = self.control.stats
+        self.timeout_s = timeout_s
+        self._pages = page_view(kv_cache)
+        self._remote_pages: dict[str, Any] = {}  # peer agent name -> prepped remote dlist
+        self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-verify")
+        self._blocks_per_segment = max(1, VERIFY_SEGMENT_BYTES // layout.page_bytes)
+
+    def handshake(self, address: str) -> PeerInfo:
+        peer = self.control.handshake(address, nixl_info=self.endpoint.info())
+        if peer.nixl is None:
+            raise TransferError(f"peer {address} serves no NIXL agent; use the gRPC transport")
+        if peer.nixl.agent_name not in self._remote_pages:
+            name = self.endpoint.agent.add_remote_agent(peer.nixl.agent_metadata)
+            if isinstance(name, bytes):
+                name = name.decode()
+            if name != peer.nixl.agent_name:
+                raise TransferError(f"peer {address} announced agent {peer.nixl.agent_name!r} "
+                                    f"but its metadata names {name!r}")
+            self._remote_pages[name] = self.endpoint.agent.prep_xfer_dlist(
+                name, page_descriptors(peer.nixl.base_address, peer.nixl.page_bytes,
+                                       peer.nixl.num_blocks), "DRAM")
+        return peer
+
+    def read_blocks(self, peer: PeerInfo, lease_id: str, remote_block_ids: Sequence[int],
+                    local_block_ids: Sequence[int],
+                    expected_checksums: Sequence[int]) -> ReadResult:
+        check_read_arguments(remote_block_ids, local_block_ids, expected_checksums,
+                             self.endpoint.num_blocks)
+        remote_pages = self._remote_pages_of(peer)
+        bad = [b for b in remote_block_ids if not 0 <= b < peer.num_blocks]
+        if bad:
+            raise ValueError(f"remote block ids {bad[:8]} outside 0..{peer.num_blocks - 1}")
+        started = time.perf_counter()
+        deadline = started + self.timeout_s
+        verifications: list[Future[tuple[list[int], list[int]]]] = []
+        try:
+            with self.control.hold_blocks(peer, lease_id, remote_block_ids) as confirm_held:
+                for start in range(0, len(local_block_ids), self._blocks_per_segment):
+                    end = start + self._blocks_per_segment
+                    self._read(peer, remote_pages, remote_block_ids[start:end],
+                               local_block_ids[start:end], deadline)
+                    verifications.append(self._verifier.submit(
+                        verify_pages, self._pages, local_block_ids[start:end],
+                        expected_checksums[start:end]))
+                confirm_held()
+        except TransferError:
+            self.stats.record_transfer(0, len(local_block_ids), 0,
+                                       time.perf_counter() - started)
+            raise
+        ok: list[int] = []
+        failed: list[int] = []
+        for verification in verifications:
+            verified, corrupt = verification.result()
+            ok += verified
+            failed += corrupt
+        duration_s = time.perf_counter() - started
+        num_bytes = len(local_block_ids) * self.endpoint.layout.page_bytes
+        self.stats.record_transfer(len(ok), len(failed), num_bytes, duration_s)
+        return ReadResult(ok_block_ids=ok, failed_block_ids=failed, num_bytes=num_bytes,
+                          duration_s=duration_s)
+
+    def renew(self, peer: PeerInfo, lease_id: str) -> float:
+        return self.control.renew(peer, lease_id)
+
+    def release(self, peer: PeerInfo, lease_id: str) -> None:
+        self.control.release(peer, lease_id)
+
+    def close(self) -> None:
+        for remote_pages in self._remote_pages.values():
+            remote_pages.release()
+        self._remote_pages.clear()
+        self._verifier.shutdown()
+        self.control.close()
+        self.endpoint.close()
+
+    def _remote_pages_of(self, peer: PeerInfo) -> Any:
+        if peer.nixl is None or peer.nixl.agent_name not in self._remote_pages:
+            raise ValueError(f"no NIXL handshake with {peer.address}; call handshake first")
+        return self._remote_pages[peer.nixl.agent_name]
+
+    def _read(self, peer: PeerInfo, remote_pages: Any, remote_block_ids: Sequence[int],
+              local_block_ids: Sequence[int], deadline: float) -> None:
+        """Post one READ of the pages and poll it to completion before ``deadline``."""
+        agent = self.endpoint.agent
+        try:
+            handle = agent.make_prepped_xfer(
+                "READ", self.endpoint.local_pages, np.asarray(local_block_ids, dtype=np.int32),
+                remote_pages, np.asarray(remote_block_ids, dtype=np.int32))
+        except NIXL_ERRORS as error:
+            raise TransferError(f"NIXL READ from {peer.address} refused: {error!r}") from error
+        try:
+            state = agent.transfer(handle)
+            while state == "PROC" and time.perf_counter() < deadline:
+                state = agent.check_xfer_state(handle)
+        except NIXL_ERRORS as error:
+            state = f"ERR {error!r}"
+        try:
+            handle.release()  # cancels a READ still in progress
+        except NIXL_ERRORS as error:
+            raise TransferError(f"could not cancel a stalled NIXL READ from {peer.address}: "
+                                f"{error!r}") from error
+        if state == "PROC":
+            raise TransferError(f"NIXL READ from {peer.address} did not finish within "
+                                f"{self.timeout_s} s")
+        if state != "DONE":
+            raise TransferError(f"NIXL READ from {peer.address} failed ({state})")

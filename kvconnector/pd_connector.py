@@ -1,0 +1,278 @@
+"""The P/D connector: prefill leases its prompt blocks, decode pulls the ones it lacks.
+
+Prefill side (``producer``)::
+
+    request finishes by length ─▶ request_finished: checksum each prompt block, grant a
+    lease, return KVTransferParams (address, lease, block ids, hashes, checksums, first token)
+    lease released by the decode side, or expired ─▶ get_finished().freeable ─▶ blocks freed
+
+Decode side (``consumer``)::
+
+    prompt blocks ─▶ | local prefix hit (same hashes: not sent again) | ext_comp (pulled) |
+    get_num_new_matched_tokens ─▶ ext = params.num_tokens - local hit
+    update_state_after_alloc   ─▶ LoadSpec(remote ids[ext], local ids[ext], checksums[ext])
+    start_load_kv              ─▶ a transfer thread: handshake (once per peer), read, release
+    get_finished().loaded      ─▶ the scheduler caches the good blocks, recomputes the rest
+
+Transfers run on a small thread pool, so the engine's step loop never blocks on the network;
+every transport call has a deadline, so a dead peer becomes failed blocks, not a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from pdserve.engine.request import RequestStatus
+from pdserve.kvconnector.base import (
+    FinishedTransfers,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    LoadSpec,
+)
+from pdserve.kvconnector.checksum import block_checksums
+from pdserve.kvconnector.connector_config import KVConnectorConfig
+from pdserve.kvconnector.layout import KVLayout
+from pdserve.kvconnector.lease import LeaseTable
+from pdserve.kvconnector.transfer_params import KVTransferParams
+from pdserve.kvconnector.transfer_stats import TransferStats, TransferStatsSnapshot
+from pdserve.kvconnector.transport import KVTransferClient, PeerInfo, TransferError
+from pdserve.kvconnector.transport_factory import make_client, make_server
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdserve.kvconnector.grpc_transport import FaultInjector
+
+    from pdserve.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PDConnector(KVConnectorBase):
+    """One worker's connector, either side of a P/D pair (``config.role``)."""
+
+    def __init__(
+        self,
+        config: KVConnectorConfig,
+        engine_id: str,
+        hash_algorithm: str,
+        hash_seed: int | str,
+        fault_injector: FaultInjector | None = None,
+    ) -> None:
+        """``fault_injector`` (tests only) sees the bytes of every message the server sends."""
+        self.config = config
+        self._fault_injector = fault_injector
+        self.engine_id = engine_id
+        self._hash_algorithm = hash_algorithm
+        self._hash_seed = hash_seed
+        self.stats = TransferStats()
+        self._kv_cache: torch.Tensor | None = None
+        self._block_size = 0
+        self._lock = threading.Condition()
+        # producer
+        self.leases = LeaseTable(default_ttl_s=config.lease_ttl_s, stats=self.stats)
+        self._lease_of_request: dict[str, str] = {}
+        self._server = None
+        # consumer
+        self._client: KVTransferClient | None = None
+        self._peers: dict[str, PeerInfo] = {}
+        self._pending = KVConnectorMetadata()
+        self._in_flight: set[str] = set()
+        self._done = FinishedTransfers()
+        self._executor: ThreadPoolExecutor | None = None
+
+    @property
+    def failure_policy(self) -> str:
+        return self.config.failure_policy
+
+    @property
+    def address(self) -> str:
+        """Where decode workers reach this prefill worker's transfer service."""
+        if self._server is None:
+            raise RuntimeError("the transfer server starts in register_kv_caches (producer only)")
+        return self._server.address
+
+    # ---- worker side: set-up --------------------------------------------------------
+    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+        self._kv_cache = kv_cache
+        layout = KVLayout.from_kv_cache(kv_cache, self._hash_algorithm, self._hash_seed)
+        self._block_size = layout.block_size
+        if self.config.role == "producer":
+            self._server = make_server(self.config, kv_cache, self.leases, layout,
+                                       self.engine_id, self.stats, self._fault_injector)
+        else:
+            self._client = make_client(self.config, kv_cache, layout, self.engine_id, self.stats)
+            self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-pull")
+
+    # ---- scheduler side: decode -----------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if params is None:
+            return 0, False
+        self.stats.record_dedup_skipped(min(num_computed_tokens, params.num_tokens) // self._block_size)
+        num_external = params.num_tokens - num_computed_tokens
+        if num_external <= 0:  # every prompt block is already here: nothing to pull
+            self._pending.releases.append(params)
+            return 0, False
+        return num_external, True
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        assert params is not None and num_external_tokens > 0
+        first = request.num_computed_tokens // self._block_size
+        last = _cdiv(params.num_tokens, self._block_size)
+        self._pending.loads.append(
+            LoadSpec(
+                request_id=request.request_id,
+                params=params,
+                remote_block_ids=params.block_ids[first:last],
+                local_block_ids=block_ids[first:last],
+                expected_checksums=params.block_checksums[first:last],
+            )
+        )
+
+    def build_connector_meta(self) -> KVConnectorMetadata:
+        metadata, self._pending = self._pending, KVConnectorMetadata()
+        return metadata
+
+    # ---- scheduler side: prefill ----------------------------------------------------
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, KVTransferParams | None]:
+        if (
+            self.config.role != "producer"
+            or not request.remote_decode
+            or request.status != RequestStatus.FINISHED_LENGTH_CAPPED
+        ):
+            return False, None
+        assert self._kv_cache is not None and self._server is not None
+        num_tokens = request.num_prompt_tokens
+        leased_ids = block_ids[: _cdiv(num_tokens, self._block_size)]
+        checksums = block_checksums(self._kv_cache, leased_ids)
+        hashes = request.block_hashes[: num_tokens // self._block_size]
+        lease = self.leases.grant(request.request_id, leased_ids, hashes, checksums)
+        self._lease_of_request[request.request_id] = lease.lease_id
+        return True, KVTransferParams(
+            engine_id=self.engine_id,
+            transfer_address=self._server.address,
+            lease_id=lease.lease_id,
+            block_ids=list(leased_ids),
+            block_hashes=list(hashes),
+            block_checksums=checksums,
+            num_tokens=num_tokens,
+            first_token_id=request.output_token_ids[0],
+            sampling_seed=request.sampling_seed,
+            lease_expires_at=lease.expires_at,
+        )
+
+    def request_aborted(self, request: Request) -> None:
+        lease_id = self._lease_of_request.get(request.request_id)
+        if lease_id is not None:  # prefill: the decode side will never read; free on release
+            self.leases.release(lease_id)
+            return
+        params = request.kv_transfer_params
+        if params is None:
+            return
+        with self._lock:
+            if request.request_id in self._in_flight:
+                return  # the pull reports done; the scheduler frees then
+            queued = [load for load in self._pending.loads if load.request_id == request.request_id]
+            for load in queued:
+                self._pending.loads.remove(load)
+                self._done.loaded_request_ids.add(request.request_id)
+        self._pending.releases.append(params)
+
+    # ---- worker side: transfers -----------------------------------------------------
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        if not metadata.loads and not metadata.releases:
+            return
+        assert self._executor is not None
+        with self._lock:
+            self._in_flight.update(load.request_id for load in metadata.loads)
+        for load in metadata.loads:
+            self._executor.submit(self._pull, load)
+        for params in metadata.releases:
+            self._executor.submit(self._release_remote, params)
+
+    def _pull(self, load: LoadSpec) -> None:
+        failed: list[int] = list(load.local_block_ids)
+        error_message: str | None = None
+        try:
+            peer = self._peer(load.params.transfer_address)
+            result = self._client.read_blocks(  # type: ignore[union-attr]
+                peer, load.params.lease_id, load.remote_block_ids, load.local_block_ids,
+                load.expected_checksums,
+            )
+            failed = result.failed_block_ids
+        except (TransferError, ValueError) as error:
+            error_message = f"{type(error).__name__}: {error}"
+            logger.warning("pull of %s from %s failed: %s", load.request_id,
+                           load.params.transfer_address, error)
+        except Exception as error:  # a transfer thread must always report back
+            error_message = f"{type(error).__name__}: {error}"
+            logger.exception("pull of %s crashed", load.request_id)
+        finally:
+            self._release_remote(load.params)
+            with self._lock:
+                self._in_flight.discard(load.request_id)
+                self._done.loaded_request_ids.add(load.request_id)
+                self._done.failed_block_ids.update(failed)
+                if error_message is not None:
+                    self._done.load_errors[load.request_id] = error_message
+                self._lock.notify_all()
+        if failed:
+            self.stats.record_recompute_fallback()
+
+    def _release_remote(self, params: KVTransferParams) -> None:
+        try:
+            self._client.release(self._peer(params.transfer_address), params.lease_id)  # type: ignore[union-attr]
+        except (TransferError, ValueError) as error:
+            logger.info("release of lease %s at %s failed (it will expire): %s",
+                        params.lease_id, params.transfer_address, error)
+
+    def _peer(self, address: str) -> PeerInfo:
+        peer = self._peers.get(address)
+        if peer is None:
+            peer = self._client.handshake(address)  # type: ignore[union-attr]
+            self._peers[address] = peer
+        return peer
+
+    def get_finished(self) -> FinishedTransfers:
+        with self._lock:
+            finished, self._done = self._done, FinishedTransfers()
+        if self.config.role == "producer":
+            for request_id in self.leases.take_freeable():
+                self._lease_of_request.pop(request_id, None)
+                finished.freeable_request_ids.add(request_id)
+        return finished
+
+    def has_pending_loads(self) -> bool:
+        with self._lock:
+            return bool(self._in_flight)
+
+    def wait_for_progress(self, timeout_s: float) -> None:
+        with self._lock:
+            if self._in_flight and not self._done.loaded_request_ids:
+                self._lock.wait(timeout_s)
+
+    def transfer_stats(self) -> TransferStatsSnapshot:
+        return self.stats.snapshot()
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=False)
+        if self._client is not None:
+            self._client.close()
+        if self._server is not None:
+            self._server.stop(grace_s=1.0)

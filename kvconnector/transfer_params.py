@@ -1,0 +1,33 @@
+"""The hand-off from a prefill worker to a decode worker, as one typed message."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.cache import BlockHash
+
+
+@dataclass(slots=True)
+class KVTransferParams:
+    """Where a finished prefill's KV lives and how long it is held for the decode side.
+
+    The prefill worker returns it with the first token; the gateway passes it unchanged to the
+    decode worker, whose connector pulls ``block_ids`` (minus the ones whose hash it already
+    holds) before the request joins its decode batch.
+
+        prompt:        | full block | full block | full block | partial |
+        block_ids:     |     7      |     3      |     12     |    5    |
+        block_hashes:  |     h0     |     h1     |     h2     |            (full blocks only)
+        block_checksums: one per block id, xxh3 of the block's bytes at lease time
+    """
+
+    engine_id: str
+    transfer_address: str
+    lease_id: str
+    block_ids: list[int]
+    block_hashes: list[BlockHash]
+    block_checksums: list[int]
+    num_tokens: int
+    first_token_id: int
+    sampling_seed: int
+    lease_expires_at: float

@@ -1,0 +1,47 @@
+"""Picks the transport named in the connector config; the connector never names a class."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pdserve.kvconnector.connector_config import KVConnectorConfig
+from pdserve.kvconnector.layout import KVLayout
+from pdserve.kvconnector.lease import LeaseTable
+from pdserve.kvconnector.transfer_stats import TransferStats
+from pdserve.kvconnector.transport import KVTransferClient, KVTransferServer
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdserve.kvconnector.grpc_transport import FaultInjector
+
+
+def make_server(config: KVConnectorConfig, kv_cache: torch.Tensor, leases: LeaseTable,
+                layout: KVLayout, engine_id: str, stats: TransferStats,
+                fault_injector: FaultInjector | None = None) -> KVTransferServer:
+    """``fault_injector`` is for tests only: it sees each outgoing message's bytes."""
+    if config.transport == "nixl":
+        from pdserve.kvconnector.nixl_transport import NixlTransferServer
+
+        server_type: type[KVTransferServer] = NixlTransferServer
+    else:
+        from pdserve.kvconnector.grpc_transport import GrpcTransferServer
+
+        server_type = GrpcTransferServer
+    return server_type(kv_cache, leases, layout, engine_id=engine_id,  # type: ignore[call-arg]
+                       host=config.host, port=config.port, secret=config.secret, stats=stats,
+                       fault_injector=fault_injector)
+
+
+def make_client(config: KVConnectorConfig, kv_cache: torch.Tensor, layout: KVLayout,
+                engine_id: str, stats: TransferStats) -> KVTransferClient:
+    if config.transport == "nixl":
+        from pdserve.kvconnector.nixl_transport import NixlTransferClient
+
+        client_type: type[KVTransferClient] = NixlTransferClient
+    else:
+        from pdserve.kvconnector.grpc_transport import GrpcTransferClient
+
+        client_type = GrpcTransferClient
+    return client_type(kv_cache, layout, engine_id=engine_id,  # type: ignore[call-arg]
+                       secret=config.secret, timeout_s=config.transfer_timeout_s, stats=stats)

@@ -1,0 +1,234 @@
+"""Prefill and decode engines in two real processes, KV moved over real gRPC and NIXL.
+
+The decode engine (this process) must produce exactly the colocated engine's tokens while
+computing none of the prompt, and every fault must end with every block free on both sides.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from prefill_engine_process import ENGINE_KWARGS, PrefillProcess, PrefillSpec  # noqa: E402
+
+from pdserve.engine import LLMEngine, RequestOutput, SamplingParams  # noqa: E402
+from pdserve.engine.request import RequestStatus  # noqa: E402
+from pdserve.kvconnector.connector_config import KVConnectorConfig  # noqa: E402
+from pdserve.kvconnector.nixl_transport import nixl_available  # noqa: E402
+from pdserve.kvconnector.pd_connector import PDConnector  # noqa: E402
+
+BLOCK_SIZE = ENGINE_KWARGS["block_size"]
+TRANSPORTS = ["grpc", pytest.param("nixl", marks=pytest.mark.skipif(
+    not nixl_available(), reason="nixl is not installed (pip install 'pdserve[nixl]')"))]
+
+
+def make_decode_engine(transport: str = "grpc", **overrides: object) -> LLMEngine:
+    policy = overrides.pop("failure_policy", "recompute")
+    timeout_s = overrides.pop("transfer_timeout_s", 10.0)
+    hash_seed = overrides.pop("hash_seed", 0)
+    connector = PDConnector(
+        KVConnectorConfig(role="consumer", transport=transport, failure_policy=policy,
+                          transfer_timeout_s=timeout_s),
+        engine_id="decode-0", hash_algorithm="xxh3_128", hash_seed=hash_seed,
+    )
+    return LLMEngine.from_pretrained("tiny", connector=connector, hash_seed=hash_seed,
+                                     engine_id="decode-0", **ENGINE_KWARGS, **overrides)
+
+
+@pytest.fixture(scope="module")
+def colocated() -> LLMEngine:
+    return LLMEngine.from_pretrained("tiny", **ENGINE_KWARGS)
+
+
+@pytest.fixture
+def prefill_factory() -> Iterator:
+    started: list[PrefillProcess] = []
+
+    def start(**spec: object) -> PrefillProcess:
+        started.append(PrefillProcess(PrefillSpec(**spec)))
+        return started[-1]
+
+    yield start
+    for process in started:
+        process.close()
+
+
+def random_prompts(seed: int, count: int) -> list[list[int]]:
+    """Prompts sharing system prefixes, lengths not multiples of the block size."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(256) for _ in range(rng.choice([32, 45, 70]))] for _ in range(2)]
+    return [rng.choice(prefixes) + [rng.randrange(256) for _ in range(rng.randrange(1, 50))]
+            for _ in range(count)]
+
+
+def disaggregate(prefill: PrefillProcess, decode: LLMEngine, prompts: list[list[int]],
+                 params: list[SamplingParams], prefix: str = "r") -> list[RequestOutput]:
+    """Runs each prompt's prefill remotely, then decodes all of them in one batch."""
+    ids = [f"{prefix}{i}" for i in range(len(prompts))]
+    for request_id, prompt, request_params in zip(ids, prompts, params):
+        prefilled = prefill.prefill(request_id, prompt, request_params)
+        assert prefilled.kv_transfer_params is not None, prefilled
+        decode.add_request(request_id, prompt, request_params,
+                           kv_transfer_params=prefilled.kv_transfer_params)
+    return run_to_completion(decode, ids)
+
+
+def run_to_completion(engine: LLMEngine, ids: list[str], timeout_s: float = 60.0) -> list[RequestOutput]:
+    finished: dict[str, RequestOutput] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(finished) < len(ids):
+        assert time.monotonic() < deadline, f"requests {set(ids) - set(finished)} hang"
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    return [finished[request_id] for request_id in ids]
+
+
+def assert_decode_idle(engine: LLMEngine) -> None:
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache_manager.usage == 0.0
+    assert not engine.connector.has_pending_loads()
+
+
+def sampling_mix(count: int) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=12, temperature=0.0) if i % 2 == 0 else
+            SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=1000 + i)
+            for i in range(count)]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_decode_equals_colocated_and_computes_no_prompt_token(
+        transport: str, colocated: LLMEngine, prefill_factory) -> None:
+    prefill = prefill_factory(transport=transport)
+    decode = make_decode_engine(transport)
+    prompts = random_prompts(7, 8)
+    params = sampling_mix(len(prompts))
+    expected = [o.output_token_ids for o in colocated.generate(prompts, params)]
+    outputs = disaggregate(prefill, decode, prompts, params)
+    assert [o.output_token_ids for o in outputs] == expected
+    stats = decode.stats()
+    # Each output token after the first (sampled on the prefill side) needs exactly one
+    # computed token: the previous one. Any prompt token computed here would add to this.
+    assert stats.num_scheduled_tokens == sum(len(o.output_token_ids) - 1 for o in outputs)
+    assert stats.transfer.num_failed_transfers == 0
+    assert stats.transfer.num_blocks_received > 0
+    assert_decode_idle(decode)
+    prefill.wait_until_idle()
+    decode.shutdown()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_shared_prefix_is_not_sent_again(transport: str, prefill_factory) -> None:
+    prefill = prefill_factory(transport=transport)
+    decode = make_decode_engine(transport)
+    rng = random.Random(3)
+    prefix = [rng.randrange(256) for _ in range(4 * BLOCK_SIZE)]
+    first = prefix + [rng.randrange(256) for _ in range(20)]   # 84 tokens: 6 blocks
+    second = prefix + [rng.randrange(256) for _ in range(37)]  # 101 tokens: 7 blocks
+    params = [SamplingParams(max_tokens=4, temperature=0.0)]
+    disaggregate(prefill, decode, [first], params, prefix="a")
+    before = decode.stats().transfer
+    disaggregate(prefill, decode, [second], params, prefix="b")
+    after = decode.stats().transfer
+    assert after.num_dedup_skipped_blocks - before.num_dedup_skipped_blocks == 4
+    assert after.num_blocks_received - before.num_blocks_received == 7 - 4
+    assert_decode_idle(decode)
+    prefill.wait_until_idle()
+    decode.shutdown()
+
+
+def test_prefill_killed_mid_transfer_decode_recomputes(colocated: LLMEngine, prefill_factory) -> None:
+    prefill = prefill_factory(transport="grpc")
+    decode = make_decode_engine("grpc", transfer_timeout_s=5.0)
+    prompt = random_prompts(11, 1)[0]
+    params = [SamplingParams(max_tokens=10, temperature=0.0)]
+    prefilled = prefill.prefill("k0", prompt, params[0])
+    prefill.fault(die_on_read=True)
+    decode.add_request("k0", prompt, params[0], kv_transfer_params=prefilled.kv_transfer_params)
+    (output,) = run_to_completion(decode, ["k0"])
+    prefill.process.join(10)
+    assert not prefill.process.is_alive(), "the prefill process should have died mid-stream"
+    assert output.output_token_ids == colocated.generate([prompt], params)[0].output_token_ids
+    assert decode.stats().num_recompute_fallbacks == 1
+    assert_decode_idle(decode)
+    decode.shutdown()
+
+
+def test_lease_never_released_expires_and_frees(prefill_factory) -> None:
+    prefill = prefill_factory(transport="grpc", lease_ttl_s=0.5)
+    prefilled = prefill.prefill("e0", random_prompts(12, 1)[0], SamplingParams(max_tokens=8))
+    assert prefilled.kv_transfer_params is not None
+    assert prefill.state().num_leases == 1
+    state = prefill.wait_until_idle(timeout_s=10)
+    assert state.num_lease_expiries == 1
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_corrupted_block_is_dropped_and_recomputed(
+        transport: str, colocated: LLMEngine, prefill_factory) -> None:
+    prefill = prefill_factory(transport=transport)
+    decode = make_decode_engine(transport)
+    prompt = random_prompts(13, 1)[0]
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    prefilled = prefill.prefill("c0", prompt, params)
+    corrupt_index = 1
+    prefill.corrupt(prefilled.kv_transfer_params.block_ids[corrupt_index])
+    decode.add_request("c0", prompt, params, kv_transfer_params=prefilled.kv_transfer_params)
+    (output,) = run_to_completion(decode, ["c0"])
+    assert output.output_token_ids == colocated.generate([prompt], params)[0].output_token_ids
+    stats = decode.stats()
+    assert stats.transfer.num_failed_blocks == 1
+    assert stats.num_recompute_fallbacks == 1
+    # Tokens from the corrupt block on were recomputed here, and nothing before it.
+    recomputed = len(prompt) - corrupt_index * BLOCK_SIZE
+    assert stats.num_scheduled_tokens == recomputed + len(output.output_token_ids) - 1
+    assert_decode_idle(decode)
+    prefill.wait_until_idle()
+    decode.shutdown()
+
+
+def test_incompatible_layout_is_refused_with_both_values(prefill_factory) -> None:
+    prefill = prefill_factory(transport="grpc", hash_seed=1)
+    decode = make_decode_engine("grpc", failure_policy="fail", hash_seed=2)
+    prompt = random_prompts(14, 1)[0]
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    prefilled = prefill.prefill("m0", prompt, params)
+    decode.add_request("m0", prompt, params, kv_transfer_params=prefilled.kv_transfer_params)
+    (output,) = run_to_completion(decode, ["m0"])
+    assert output.finish_reason == "error"
+    assert "hash_seed" in output.error and "1" in output.error and "2" in output.error
+    assert_decode_idle(decode)
+    prefill.wait_until_idle()
+    decode.shutdown()
+
+
+def test_decode_abort_while_waiting_for_kv_frees_after_the_transfer(prefill_factory) -> None:
+    prefill = prefill_factory(transport="grpc")
+    decode = make_decode_engine("grpc", transfer_timeout_s=1.0)
+    prompt = random_prompts(15, 1)[0]
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    prefilled = prefill.prefill("w0", prompt, params)
+    prefill.fault(stall_s=2.0)
+    decode.add_request("w0", prompt, params, kv_transfer_params=prefilled.kv_transfer_params)
+    decode.step()
+    request = decode.scheduler.requests["w0"]
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert decode.abort("w0")
+    # The pull still writes into the request's blocks: they must not be free yet.
+    assert decode.kv_cache_manager.usage > 0
+    deadline = time.monotonic() + 15
+    while decode.has_unfinished_requests() or decode.connector.has_pending_loads():
+        assert time.monotonic() < deadline, "the aborted request never released its blocks"
+        decode.step()
+    decode.step()
+    assert_decode_idle(decode)
+    prefill.fault(stall_s=0.0)
+    prefill.wait_until_idle(timeout_s=15)
+    decode.shutdown()

@@ -1,0 +1,162 @@
+"""Pulling KV blocks from a prefill peer in another process, over each transport."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+from conftest import TRANSPORTS, make_client
+from kv_peer import PeerSpec, seeded_kv_cache
+
+from pdserve.kvconnector.layout import LayoutMismatchError
+from pdserve.kvconnector.transport import TransferError
+
+NUM_LOCAL_BLOCKS = 48
+
+
+def pages(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+    return kv_cache.view(kv_cache.shape[0], -1)[block_ids].view(torch.uint8)
+
+
+def shuffled_pull(spec: PeerSpec, count: int) -> tuple[list[int], list[int]]:
+    rng = random.Random(7)
+    return rng.sample(range(spec.num_blocks), count), rng.sample(range(NUM_LOCAL_BLOCKS), count)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_shuffled_blocks_land_byte_exact_in_other_local_blocks(start_peer, transport) -> None:
+    spec = PeerSpec(transport=transport)
+    peer = start_peer(spec)
+    local = torch.zeros_like(seeded_kv_cache(spec, num_blocks=NUM_LOCAL_BLOCKS))
+    client = make_client(spec, local)
+    info = client.handshake(peer.address)
+    remote_ids, local_ids = shuffled_pull(spec, 40)
+    lease_id, checksums = peer.grant(remote_ids)
+
+    result = client.read_blocks(info, lease_id, remote_ids, local_ids, checksums)
+
+    assert sorted(result.ok_block_ids) == sorted(local_ids) and result.failed_block_ids == []
+    assert torch.equal(pages(local, local_ids), pages(seeded_kv_cache(spec), remote_ids))
+    untouched = sorted(set(range(NUM_LOCAL_BLOCKS)) - set(local_ids))
+    assert not pages(local, untouched).any()
+    assert client.stats.snapshot().num_blocks_received == 40
+    client.release(info, lease_id)
+    assert peer.take_freeable() == ["req-0"]
+    client.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_block_corrupted_after_its_checksum_is_reported_failed_others_ok(
+        start_peer, transport) -> None:
+    spec = PeerSpec(transport=transport, corrupt_block=5)
+    peer = start_peer(spec)
+    client = make_client(spec, torch.zeros_like(seeded_kv_cache(spec, NUM_LOCAL_BLOCKS)))
+    info = client.handshake(peer.address)
+    remote_ids = [3, 4, 5, 6, 20]
+    local_ids = [10, 11, 12, 13, 14]
+    lease_id, checksums = peer.grant(remote_ids)
+
+    result = client.read_blocks(info, lease_id, remote_ids, local_ids, checksums)
+
+    assert result.failed_block_ids == [12]
+    assert sorted(result.ok_block_ids) == [10, 11, 13, 14]
+    assert client.stats.snapshot().num_failed_transfers == 1
+    client.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_incompatible_layout_is_refused_at_handshake_naming_both_values(
+        start_peer, transport) -> None:
+    spec = PeerSpec(transport=transport)
+    peer = start_peer(spec)
+    client = make_client(spec, torch.zeros(4, 4, 2, 16, 2, 64, dtype=torch.float16),
+                         hash_seed=99)
+    with pytest.raises(LayoutMismatchError) as error:
+        client.handshake(peer.address)
+    assert "dtype: local='float16' remote='float32'" in str(error.value)
+    assert "hash_seed: local=99 remote=0" in str(error.value)
+    client.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_wrong_secret_is_refused_and_right_one_accepted(start_peer, transport) -> None:
+    spec = PeerSpec(transport=transport, secret="s3cret")
+    peer = start_peer(spec)
+    local = torch.zeros_like(seeded_kv_cache(spec, NUM_LOCAL_BLOCKS))
+    with pytest.raises(TransferError, match="UNAUTHENTICATED"):
+        make_client(spec, local, secret="guess").handshake(peer.address)
+    with pytest.raises(TransferError, match="UNAUTHENTICATED"):
+        make_client(spec, local).handshake(peer.address)
+    assert make_client(spec, local, secret="s3cret").handshake(peer.address).engine_id
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_block_outside_the_lease_and_read_after_release_are_refused(
+        start_peer, transport) -> None:
+    spec = PeerSpec(transport=transport)
+    peer = start_peer(spec)
+    client = make_client(spec, torch.zeros_like(seeded_kv_cache(spec, NUM_LOCAL_BLOCKS)))
+    info = client.handshake(peer.address)
+    lease_id, checksums = peer.grant([1, 2])
+    with pytest.raises(TransferError, match=r"PERMISSION_DENIED.*\[9\]"):
+        client.read_blocks(info, lease_id, [1, 9], [0, 1], [checksums[0], 0])
+    client.release(info, lease_id)
+    with pytest.raises(TransferError, match="FAILED_PRECONDITION|NOT_FOUND"):
+        client.read_blocks(info, lease_id, [1, 2], [0, 1], checksums)
+    with pytest.raises(TransferError, match="NOT_FOUND"):
+        client.renew(info, "no-such-lease")
+    client.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_lease_never_released_expires_and_becomes_freeable(start_peer, transport) -> None:
+    spec = PeerSpec(transport=transport)
+    peer = start_peer(spec)
+    client = make_client(spec, torch.zeros_like(seeded_kv_cache(spec, NUM_LOCAL_BLOCKS)))
+    info = client.handshake(peer.address)
+    lease_id, checksums = peer.grant([1, 2], ttl_s=0.5)
+    assert client.renew(info, lease_id) > time.time()
+    client.read_blocks(info, lease_id, [1, 2], [0, 1], checksums)
+    assert peer.take_freeable() == []
+    time.sleep(0.7)
+    assert peer.take_freeable() == ["req-0"]
+    assert peer.num_expired() == 1
+    client.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_peer_killed_mid_transfer_fails_the_read_within_its_deadline(
+        start_peer, transport) -> None:
+    spec = PeerSpec(transport=transport, stall_after_first_message=True)
+    peer = start_peer(spec)
+    client = make_client(spec, torch.zeros_like(seeded_kv_cache(spec, NUM_LOCAL_BLOCKS)),
+                         timeout_s=5.0)
+    info = client.handshake(peer.address)
+    remote_ids, local_ids = shuffled_pull(spec, 40)
+    lease_id, checksums = peer.grant(remote_ids)
+    threading.Timer(0.5, peer.kill).start()
+    started = time.monotonic()
+    if transport == "nixl":
+        time.sleep(1.0)  # a NIXL READ is one shot: kill the peer before it
+    with pytest.raises(TransferError):
+        client.read_blocks(info, lease_id, remote_ids, local_ids, checksums)
+    assert time.monotonic() - started < 5.0 + 1.5
+    client.close()
+
+
+def test_stalled_peer_fails_the_read_at_its_deadline(start_peer) -> None:
+    spec = PeerSpec(transport="grpc", stall_after_first_message=True)
+    peer = start_peer(spec)
+    client = make_client(spec, torch.zeros_like(seeded_kv_cache(spec, NUM_LOCAL_BLOCKS)),
+                         timeout_s=1.0)
+    info = client.handshake(peer.address)
+    remote_ids, local_ids = shuffled_pull(spec, 40)
+    lease_id, checksums = peer.grant(remote_ids)
+    started = time.monotonic()
+    with pytest.raises(TransferError, match="DEADLINE_EXCEEDED"):
+        client.read_blocks(info, lease_id, remote_ids, local_ids, checksums)
+    assert time.monotonic() - started < 2.0
+    client.close()
