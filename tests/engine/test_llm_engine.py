@@ -178,3 +178,25 @@ def test_duplicate_request_id_is_refused(engine: LLMEngine) -> None:
 def test_unknown_model_path_raises(model: str) -> None:
     with pytest.raises((FileNotFoundError, ValueError), match="nonexistent"):
         LLMEngine.from_pretrained(model)
+
+
+@pytest.mark.parametrize("architecture", ["LlamaConfig", "Qwen2Config", "MistralConfig"])
+def test_engine_greedy_generate_equals_transformers_on_a_local_checkpoint(tmp_path, architecture) -> None:
+    import torch
+    import transformers
+    from test_model_runner import save_hf_model
+
+    reference = save_hf_model(tmp_path, getattr(transformers, architecture))
+    engine = LLMEngine.from_pretrained(str(tmp_path), block_size=4, num_kv_blocks=128,
+                                       max_num_batched_tokens=16)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(2, 96) for _ in range(n)] for n in (5, 13, 30)]
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=15, temperature=0.0))
+    for prompt, output in zip(prompts, outputs):
+        with torch.no_grad():
+            generated = reference.generate(
+                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=15, do_sample=False, eos_token_id=1, pad_token_id=1,
+            )
+        assert output.output_token_ids == generated[0, len(prompt):].tolist()
+    assert_all_blocks_free(engine)
