@@ -17,12 +17,13 @@ import pickle
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
 from pdserve.cache import (
+    LedgerRequest,
     BlockHash,
     BlockHasher,
     FullAttentionSpec,
@@ -35,28 +36,11 @@ from pdserve.cache import (
 BLOCK_SIZE = 16
 
 
-@dataclass
-class TraceRequest:
-    request_id: str
-    all_token_ids: list[int]
-    hasher: RequestBlockHasher
-    max_new_tokens: int
-    num_computed_tokens: int = 0
-    num_preemptions: int = 0
-    cache_salt: str | None = None
-    lora_id: int | None = None
-    block_hashes: list[BlockHash] = field(default_factory=list)
+@dataclass(slots=True)
+class TraceRequest(LedgerRequest):
+    """A ledger request that stops after ``max_new_tokens`` decode steps."""
 
-    def __post_init__(self) -> None:
-        self.block_hashes.extend(self.hasher.new_block_hashes(self))
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    def append_token(self, token_id: int) -> None:
-        self.all_token_ids.append(token_id)
-        self.block_hashes.extend(self.hasher.new_block_hashes(self))
+    max_new_tokens: int = 0
 
 
 def run_trace(num_requests: int = 3000, num_blocks: int = 512, chunk: int = 256, max_running: int = 48):

@@ -40,7 +40,7 @@ from pdserve.cache.kv_cache_spec import (
     num_blocks_for_memory,
 )
 from pdserve.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from pdserve.cache.request import CacheRequest
+from pdserve.cache.request import CacheRequest, LedgerRequest
 from pdserve.cache.single_type_kv_cache_manager import (
     FullAttentionManager,
     SingleTypeKVCacheManager,
@@ -58,6 +58,7 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "CacheRequest",
+    "LedgerRequest",
     "ExtraKeys",
     "FreeKVCacheBlockQueue",
     "FullAttentionManager",

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from pdserve.cache.hashing import BlockHash
+from pdserve.cache.hashing import BlockHash, RequestBlockHasher
 
 
 @runtime_checkable
@@ -25,3 +26,33 @@ class CacheRequest(Protocol):
     cache_salt: str | None
     lora_id: int | None
     num_preemptions: int
+
+
+@dataclass(slots=True)
+class LedgerRequest:
+    """The smallest concrete ``CacheRequest``: tokens plus hashes kept current.
+
+    For code that drives the ledger without the engine (benchmarks, property tests); the
+    engine's ``Request`` carries the same fields and much more.
+    """
+
+    request_id: str
+    all_token_ids: list[int]
+    hasher: RequestBlockHasher
+    cache_salt: str | None = None
+    lora_id: int | None = None
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    block_hashes: list[BlockHash] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.all_token_ids)
+        self.block_hashes.extend(self.hasher.new_block_hashes(self))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+        self.block_hashes.extend(self.hasher.new_block_hashes(self))

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from pdserve.cache import (
+    LedgerRequest,
     BlockHash,
     BlockHasher,
     FullAttentionSpec,
@@ -18,30 +17,8 @@ from pdserve.cache import (
 BLOCK_SIZE = 4
 
 
-@dataclass
-class FakeRequest:
-    """Keeps its block hashes current as tokens are appended, like the engine's Request."""
-
-    request_id: str
-    all_token_ids: list[int]
-    hasher: RequestBlockHasher
-    cache_salt: str | None = None
-    lora_id: int | None = None
-    num_computed_tokens: int = 0
-    num_preemptions: int = 0
-    block_hashes: list[BlockHash] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.all_token_ids = list(self.all_token_ids)
-        self.block_hashes.extend(self.hasher.new_block_hashes(self))
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    def append_token(self, token_id: int) -> None:
-        self.all_token_ids.append(token_id)
-        self.block_hashes.extend(self.hasher.new_block_hashes(self))
+# The ledger's own minimal request serves as the tests' request.
+FakeRequest = LedgerRequest
 
 
 def make_hasher(block_size: int = BLOCK_SIZE, seed: int | str = 0) -> RequestBlockHasher:
