@@ -1,0 +1,17 @@
+"""``DecodeWorker``: pulls a prefilled prompt's KV and generates the rest of the tokens."""
+
+from __future__ import annotations
+
+from pdserve.prefill.engine_host import EngineHost
+
+
+class DecodeWorker(EngineHost):
+    """A Ray actor hosting a consumer-side engine.
+
+    The gateway sends it each request with the user's sampling params and the prefill
+    worker's ``KVTransferParams``; its connector pulls the blocks it lacks, the request joins
+    the decode batch with the first token already appended, and the stream carries every
+    output token (the first equals the prefill's). Without params it recomputes the prompt.
+    """
+
+    role = "consumer"

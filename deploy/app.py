@@ -1,0 +1,64 @@
+"""Builds the Serve application: one gateway, and one single-replica deployment per worker.
+
+    gateway (ingress, FastAPI + gRPC) ──handles──▶ prefill-0 … prefill-{N-1}   (PrefillWorker)
+                                                  decode-0  … decode-{M-1}    (DecodeWorker)
+
+Why a deployment *per worker* and not one deployment with N replicas: the router must send
+a request to the worker that holds its prefix, and a Serve handle picks among a deployment's
+replicas by itself. A one-replica deployment is an addressable worker that Serve still
+places, health-checks and restarts (a restarted worker reports a new ``instance_id`` and the
+router forgets its old blocks). Scaling means redeploying with other counts.
+
+``serve deploy deploy/serve_config.yaml`` calls ``build_app`` with the YAML's ``args``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from pdserve.decode.worker import DecodeWorker
+from pdserve.deploy.config import PDServeConfig
+from pdserve.prefill.gateway import Gateway
+from pdserve.prefill.worker import PrefillWorker
+
+# A worker serves many streams at once; Serve's default (5) would queue them in the handle.
+_WORKER_MAX_ONGOING = 4096
+
+
+def worker_actor_options(config: PDServeConfig) -> dict[str, Any]:
+    """Placement of one worker: fractional CPUs on a small box, a GPU when asked for."""
+    options: dict[str, Any] = {
+        "num_cpus": config.num_cpus_per_worker,
+        "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(config.torch_threads),
+                                     "MKL_NUM_THREADS": str(config.torch_threads)}},
+    }
+    if config.num_gpus_per_worker:
+        options["num_gpus"] = config.num_gpus_per_worker
+    return options
+
+
+def build(config: PDServeConfig) -> Application:
+    config_dict = config.to_dict()
+    actor_options = worker_actor_options(config)
+
+    def bind_workers(cls, prefix: str, count: int) -> dict[str, Application]:
+        bound = {}
+        for index in range(count):
+            worker_id = f"{prefix}-{index}"
+            deployment = serve.deployment(cls).options(
+                name=worker_id, num_replicas=1, ray_actor_options=actor_options,
+                max_ongoing_requests=_WORKER_MAX_ONGOING, health_check_period_s=5)
+            bound[worker_id] = deployment.bind(config_dict, worker_id)
+        return bound
+
+    prefill = bind_workers(PrefillWorker, "prefill", config.num_prefill)
+    decode = bind_workers(DecodeWorker, "decode", config.num_decode)
+    return Gateway.bind(config_dict, prefill, decode)
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """The ``import_path`` target for ``serve run`` / ``serve deploy`` (``args``: config keys)."""
+    return build(PDServeConfig.from_dict(dict(args or {})))

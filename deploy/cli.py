@@ -1,0 +1,211 @@
+"""The ``pdserve`` command: up, down, status, generate, stats, demo.
+
+    pdserve up --prefill 2 --decode 2 --model tiny --port 8000   # embedded cluster; blocks until Ctrl-C
+    pdserve up --address auto ...                                 # on a `ray start --head` cluster; returns,
+                                                                  # the Serve app stays up (detached)
+    pdserve generate "Once upon a time" --max-tokens 32           # streams over HTTP
+    pdserve stats                                                 # per-worker table
+    pdserve down --address auto                                   # deletes the app
+    pdserve demo                                                  # up, a burst of shared-prefix prompts, stats, down
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from pdserve.deploy.config import PDServeConfig
+
+
+def _http(url: str, body: dict | None = None, timeout: float = 120.0):
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    return urllib.request.urlopen(request, timeout=timeout)
+
+
+def _url(args) -> str:
+    return args.url.rstrip("/")
+
+
+def cmd_up(args) -> int:
+    from pdserve.deploy.cluster import base_url, deploy, init_ray
+
+    config = PDServeConfig.from_cli(args)
+    init_ray(config.ray_address)
+    seconds = deploy(config)
+    print(f"pdserve: {config.num_prefill} prefill + {config.num_decode} decode workers of "
+          f"{config.model_name!r} up in {seconds:.1f}s at {base_url(config)}/v1")
+    if config.ray_address:
+        return 0  # the app lives on in the cluster; `pdserve down` removes it
+    print("Ctrl-C to stop")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        from ray import serve
+
+        serve.shutdown()
+    return 0
+
+
+def cmd_down(args) -> int:
+    from ray import serve
+
+    from pdserve.deploy.cluster import init_ray
+
+    init_ray(args.address)
+    serve.delete(args.app_name)
+    print(f"pdserve: deleted app {args.app_name!r}")
+    return 0
+
+
+def cmd_status(args) -> int:
+    from ray import serve
+
+    from pdserve.deploy.cluster import init_ray
+
+    init_ray(args.address)
+    status = serve.status()
+    for name, app in status.applications.items():
+        print(f"{name}: {app.status}")
+        for deployment_name, deployment in app.deployments.items():
+            print(f"  {deployment_name:<12} {deployment.status}  {dict(deployment.replica_states)}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    body = {"model": args.model, "prompt": args.prompt, "max_tokens": args.max_tokens,
+            "temperature": args.temperature, "stream": True}
+    if args.seed is not None:
+        body["seed"] = args.seed
+    try:
+        with _http(f"{_url(args)}/v1/completions", body) as response:
+            for line in response:
+                line = line.decode().strip()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    print(json.loads(line[6:])["choices"][0]["text"], end="", flush=True)
+    except urllib.error.HTTPError as error:
+        print(f"error {error.code}: {error.read().decode()}", file=sys.stderr)
+        return 1
+    print()
+    return 0
+
+
+def format_stats(stats: dict) -> str:
+    columns = [("worker", "worker_id"), ("role", "role"), ("reqs", "num_requests"),
+               ("hit%", "prefix_cache_hit_rate"), ("usage%", "kv_cache_usage"),
+               ("free", "num_free_blocks"), ("evict", "num_evictions"), ("preempt", "num_preemptions"),
+               ("leases", "num_leases_held"), ("sent", "blocks_sent"), ("recv", "blocks_received"),
+               ("dedup", "dedup_skipped_blocks"), ("xfer p50ms", "transfer_latency_p50_s"),
+               ("xfer p99ms", "transfer_latency_p99_s"), ("fail", "transfer_failures"),
+               ("expired", "lease_expiries"), ("recompute", "recompute_fallbacks")]
+
+    def cell(row: dict, key: str) -> str:
+        value = row.get(key, "")
+        if value == "":
+            return ""
+        if key in ("prefix_cache_hit_rate", "kv_cache_usage"):
+            return f"{100 * value:.1f}"
+        if key.endswith("_s"):
+            return f"{1000 * value:.2f}"
+        return str(value)
+
+    rows = [[cell(w, key) for _, key in columns] for w in stats["workers"]]
+    totals = dict(stats["totals"], worker_id="total", role="")
+    rows.append([cell(totals, key) for _, key in columns])
+    header = [name for name, _ in columns]
+    widths = [max(len(header[i]), *(len(r[i]) for r in rows)) for i in range(len(header))]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    g = stats["gateway"]
+    lines.append(f"gateway: {g['requests']} requests, {g['rejected']} rejected, {g['output_tokens']} "
+                 f"tokens; TTFT p50 {1000 * g['ttft_p50_s']:.1f} ms p99 {1000 * g['ttft_p99_s']:.1f} ms; "
+                 f"ITL p50 {1000 * g['itl_p50_s']:.1f} ms p99 {1000 * g['itl_p99_s']:.1f} ms")
+    return "\n".join(lines)
+
+
+def cmd_stats(args) -> int:
+    with _http(f"{_url(args)}/stats") as response:
+        stats = json.loads(response.read())
+    print(json.dumps(stats, indent=2) if args.json else format_stats(stats))
+    return 0
+
+
+DEMO_PREFIXES = [
+    "You are a helpful assistant. Answer briefly and precisely. Question: ",
+    "Translate the following sentence into French, keeping the tone: ",
+]
+DEMO_QUESTIONS = ["what is a KV cache?", "why split prefill and decode?", "how do leases work?",
+                  "what is a block hash?"]
+
+
+def cmd_demo(args) -> int:
+    from ray import serve
+
+    from pdserve.deploy.cluster import base_url, deploy, init_ray
+
+    config = PDServeConfig.from_cli(args)
+    init_ray(config.ray_address, num_cpus=2)
+    start = time.perf_counter()
+    print(f"starting {config.num_prefill} prefill + {config.num_decode} decode workers ...")
+    print(f"up in {deploy(config):.1f}s")
+    url = base_url(config)
+    prompts = [p + q for p in DEMO_PREFIXES for q in DEMO_QUESTIONS]
+
+    def complete(prompt: str) -> str:
+        body = {"model": config.model_name, "prompt": prompt, "max_tokens": 24, "temperature": 0}
+        with _http(f"{url}/v1/completions", body) as response:
+            return json.loads(response.read())["choices"][0]["text"]
+
+    try:
+        complete(prompts[0])  # warm one prefix, then the burst
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            outputs = list(pool.map(complete, prompts))
+        for prompt, output in zip(prompts, outputs):
+            print(f"{prompt[-34:]!r:>38} -> {output!r}")
+        time.sleep(0.5)  # let the routers' event polls settle
+        with _http(f"{url}/stats") as response:
+            print(format_stats(json.loads(response.read())))
+    finally:
+        serve.shutdown()
+    print(f"demo done in {time.perf_counter() - start:.1f}s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, func in (("up", cmd_up), ("demo", cmd_demo)):
+        sub = commands.add_parser(name)
+        PDServeConfig.add_cli_flags(sub)
+        sub.set_defaults(func=func)
+        if name == "demo":
+            sub.set_defaults(num_prefill=2, num_decode=2, port=8000)
+    for name, func in (("down", cmd_down), ("status", cmd_status)):
+        sub = commands.add_parser(name)
+        sub.add_argument("--address", default="auto")
+        sub.add_argument("--app-name", default="pdserve")
+        sub.set_defaults(func=func)
+    gen = commands.add_parser("generate")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default="tiny")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int)
+    stats = commands.add_parser("stats")
+    stats.add_argument("--json", action="store_true")
+    for sub in (gen, stats):
+        sub.add_argument("--url", default="http://127.0.0.1:8000")
+    gen.set_defaults(func=cmd_generate)
+    stats.set_defaults(func=cmd_stats)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

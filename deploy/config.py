@@ -1,0 +1,169 @@
+"""A deployment's settings, in one typed place: loaded from YAML and/or CLI flags.
+
+The same dataclass travels to every Ray actor of the app (gateway and workers), so a worker
+never reads an environment variable to learn what the deployment is. Precedence: defaults <
+YAML file (``--config``) < flags given on the command line.
+
+    model: tiny                 # "tiny" (built in, no download) or a local HF directory
+    num_prefill: 2              # PrefillWorker actors
+    num_decode: 2               # DecodeWorker actors; 0 = colocated (prefill workers decode too)
+    transport: grpc             # KV plane: grpc | nixl
+    hash_seed: 0                # MUST be equal on every node of the cluster
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from pdserve.engine.engine_config import EngineConfig
+
+
+@dataclass(slots=True)
+class PDServeConfig:
+    """Settings of one pdserve application (gateway, router, workers, engines)."""
+
+    model: str = "tiny"
+    served_model_name: str | None = None  # defaults to the model's name (last path part)
+    num_prefill: int = 1
+    num_decode: int = 1
+    transport: Literal["grpc", "nixl"] = "grpc"
+    kv_failure_policy: Literal["recompute", "fail"] = "recompute"
+    lease_ttl_s: float = 30.0
+    kv_transfer_host: str | None = None  # None: loopback when host is, else the node's address
+    kv_transfer_secret: str | None = None  # shared secret the KV transfer service requires
+    # Engine settings shared by every worker.
+    block_size: int = 16
+    num_kv_blocks: int | None = 512
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    hash_algorithm: Literal["xxh3_128", "sha256"] = "xxh3_128"
+    hash_seed: int = 0
+    dtype: str = "float32"
+    device: str = "auto"  # auto: cuda when the worker got a GPU, else cpu
+    torch_threads: int = 1
+    # Placement.
+    num_gpus_per_worker: float = 0.0  # > 0 on a GPU cluster
+    num_cpus_per_worker: float = 0.0  # 0 lets several workers share a 2-core box
+    # Ingress.
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int = 0  # 0: no gRPC Generate service
+    max_inflight_requests: int = 256  # beyond: 503 with Retry-After
+    max_load_imbalance: int = 4
+    # Ray.
+    ray_address: str | None = None  # None: start an embedded local cluster
+    app_name: str = "pdserve"
+    route_prefix: str = "/"
+    extra_engine_args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1:
+            raise ValueError(f"num_prefill must be at least 1, got {self.num_prefill}")
+        if self.num_decode < 0:
+            raise ValueError(f"num_decode must be >= 0, got {self.num_decode}")
+        if self.transport not in ("grpc", "nixl"):
+            raise ValueError(f"transport must be 'grpc' or 'nixl', got {self.transport!r}")
+        if self.max_inflight_requests < 1:
+            raise ValueError("max_inflight_requests must be at least 1")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model.rstrip("/")).name
+
+    @property
+    def colocated(self) -> bool:
+        return self.num_decode == 0
+
+    def engine_config(self, engine_id: str, device: str) -> EngineConfig:
+        """The ``EngineConfig`` of one worker; only ``engine_id`` and ``device`` differ."""
+        return EngineConfig(
+            model=self.model,
+            dtype=self.dtype,
+            device=device,
+            block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_prefix_caching=self.enable_prefix_caching,
+            hash_algorithm=self.hash_algorithm,
+            hash_seed=self.hash_seed,
+            torch_threads=self.torch_threads,
+            engine_id=engine_id,
+            publish_kv_events=True,
+            **self.extra_engine_args,
+        )
+
+    # ------------------------------------------------------------------ loading
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> PDServeConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown pdserve config keys {unknown}; known keys: {sorted(known)}")
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> PDServeConfig:
+        values = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(values, dict):
+            raise ValueError(f"{path}: expected a mapping of config keys")
+        return cls.from_dict(values)
+
+    @classmethod
+    def add_cli_flags(cls, parser: argparse.ArgumentParser) -> None:
+        """Adds ``--config`` and one flag per field (``num_prefill`` → ``--prefill`` too)."""
+        parser.add_argument("--config", type=Path, help="YAML file of config keys")
+        aliases = {"num_prefill": ["--prefill"], "num_decode": ["--decode"], "ray_address": ["--address"]}
+        for f in dataclasses.fields(cls):
+            if f.name == "extra_engine_args":
+                continue
+            flags = aliases.get(f.name, []) + ["--" + f.name.replace("_", "-")]
+            kind = _flag_type(f.default)
+            if kind is bool:
+                parser.add_argument(*flags, dest=f.name, default=None,
+                                    action=argparse.BooleanOptionalAction)
+            else:
+                parser.add_argument(*flags, dest=f.name, default=None, type=kind)
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> PDServeConfig:
+        values: dict[str, Any] = {}
+        if getattr(args, "config", None):
+            values.update(yaml.safe_load(Path(args.config).read_text()) or {})
+        for f in dataclasses.fields(cls):
+            given = getattr(args, f.name, None)
+            if given is not None:
+                values[f.name] = given
+        return cls.from_dict(values)
+
+
+def _flag_type(default: Any):
+    if isinstance(default, bool):
+        return bool
+    if isinstance(default, int):
+        return int
+    if isinstance(default, float):
+        return float
+    return _optional_int_or_str
+
+
+def _optional_int_or_str(text: str) -> int | str | None:
+    if text.lower() in ("none", "null"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return text

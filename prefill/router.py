@@ -1,0 +1,174 @@
+"""Which prefill and which decode worker serve a request: prefix first, then load.
+
+The router keeps, per worker, the set of block hashes that worker's ledger holds, built from
+the worker's KV events (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``). A prompt's
+block hashes form a chain (hash ``i`` covers tokens ``0 .. (i+1)*block_size``), so a worker can
+reuse only a *contiguous prefix* of them:
+
+    prompt hashes:   h0  h1  h2  h3  h4
+    worker A holds:  h0  h1  --  h3         → prefix match 2 blocks (h3 is useless without h2)
+    worker B holds:  h0  h1  h2             → prefix match 3 blocks   ← prefill goes here
+
+For decode the connector pulls exactly the blocks the decode worker lacks, so every held
+hash saves a transfer: decode candidates are ranked by the *count* of hashes held.
+
+Load (requests in flight through this gateway) breaks ties and caps hot spots: a worker more
+than ``max_load_imbalance`` requests busier than the idlest one is not a candidate, whatever
+it holds. Equal candidates are taken in turn, so a cold cluster spreads its load.
+
+Pure Python: no Ray, no engine; the gateway feeds it ``KVEventBatch`` messages.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from pdserve.cache import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
+from pdserve.engine.messages import KVEventBatch
+
+
+@dataclass(slots=True)
+class WorkerIndex:
+    """What the router knows of one worker: its instance, event cursor, hashes and load."""
+
+    instance_id: str | None = None
+    next_seq: int = 0
+    block_hashes: set[BlockHash] = field(default_factory=set)
+    load: int = 0
+
+
+@dataclass(slots=True)
+class RouteChoice:
+    worker_id: str
+    num_matched_blocks: int
+
+
+class Router:
+    """Prefix- and load-aware choice among named prefill and decode workers."""
+
+    def __init__(
+        self,
+        prefill_worker_ids: list[str],
+        decode_worker_ids: list[str],
+        max_load_imbalance: int = 4,
+    ) -> None:
+        if not prefill_worker_ids:
+            raise ValueError("the router needs at least one prefill worker")
+        if max_load_imbalance < 0:
+            raise ValueError(f"max_load_imbalance must be >= 0, got {max_load_imbalance}")
+        self.max_load_imbalance = max_load_imbalance
+        self._workers: dict[str, WorkerIndex] = {}
+        self._prefill_ids = list(prefill_worker_ids)
+        self._decode_ids = list(decode_worker_ids)
+        for worker_id in self._prefill_ids + self._decode_ids:
+            self._workers[worker_id] = WorkerIndex()
+        self._turn = itertools.count()
+
+    # ------------------------------------------------------------------ events
+
+    def next_seq(self, worker_id: str) -> int:
+        """The first event sequence number the router has not seen from ``worker_id``."""
+        return self._workers[worker_id].next_seq
+
+    def apply(self, batch: KVEventBatch) -> None:
+        """Folds a worker's KV events into its index; overlapping batches are idempotent."""
+        index = self._workers.get(batch.worker_id)
+        if index is None:
+            return  # a worker removed since the call was made
+        if batch.instance_id != index.instance_id:
+            # A restarted worker: its old blocks are gone, and its sequence restarted.
+            index.instance_id = batch.instance_id
+            index.block_hashes.clear()
+            index.next_seq = 0
+            if batch.snapshot is None and batch.first_seq > 0:
+                return  # partial history of a new instance: wait for a batch from 0 or a snapshot
+        if batch.snapshot is not None:
+            index.block_hashes = set(batch.snapshot)
+            index.next_seq = batch.first_seq
+        if batch.next_seq <= index.next_seq:
+            return
+        skip = max(0, index.next_seq - batch.first_seq)
+        for event in batch.events[skip:]:
+            self._apply_event(index, event)
+        index.next_seq = batch.next_seq
+
+    @staticmethod
+    def _apply_event(index: WorkerIndex, event: object) -> None:
+        if isinstance(event, BlockStored):
+            index.block_hashes.update(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            index.block_hashes.difference_update(event.block_hashes)
+        elif isinstance(event, AllBlocksCleared):
+            index.block_hashes.clear()
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Forgets a worker (scaled away or dead): it is never picked again."""
+        self._workers.pop(worker_id, None)
+        for ids in (self._prefill_ids, self._decode_ids):
+            if worker_id in ids:
+                ids.remove(worker_id)
+
+    def reset_worker(self, worker_id: str) -> None:
+        """Drops a worker's entries (restarted); it stays a candidate with an empty cache."""
+        if worker_id in self._workers:
+            self._workers[worker_id] = WorkerIndex(load=self._workers[worker_id].load)
+
+    # ------------------------------------------------------------------ load
+
+    def begin(self, worker_id: str) -> None:
+        if worker_id in self._workers:
+            self._workers[worker_id].load += 1
+
+    def end(self, worker_id: str) -> None:
+        if worker_id in self._workers:
+            index = self._workers[worker_id]
+            index.load = max(0, index.load - 1)
+
+    def load(self, worker_id: str) -> int:
+        return self._workers[worker_id].load
+
+    # ------------------------------------------------------------------ choice
+
+    def pick_prefill(self, block_hashes: list[BlockHash]) -> RouteChoice:
+        """The prefill worker with the longest cached prefix of ``block_hashes``."""
+        return self._pick(self._prefill_ids, block_hashes, self._prefix_match)
+
+    def pick_decode(self, block_hashes: list[BlockHash]) -> RouteChoice | None:
+        """The decode worker holding most of ``block_hashes``; None when there is none."""
+        if not self._decode_ids:
+            return None
+        return self._pick(self._decode_ids, block_hashes, self._count_held)
+
+    @staticmethod
+    def _prefix_match(held: set[BlockHash], block_hashes: list[BlockHash]) -> int:
+        matched = 0
+        for block_hash in block_hashes:
+            if block_hash not in held:
+                break
+            matched += 1
+        return matched
+
+    @staticmethod
+    def _count_held(held: set[BlockHash], block_hashes: list[BlockHash]) -> int:
+        return sum(1 for block_hash in block_hashes if block_hash in held)
+
+    def _pick(self, worker_ids: list[str], block_hashes: list[BlockHash], score) -> RouteChoice:
+        if not worker_ids:
+            raise RuntimeError("no worker of this role is registered with the router")
+        loads = [self._workers[w].load for w in worker_ids]
+        ceiling = min(loads) + self.max_load_imbalance
+        # Rotate the start so that equal candidates are taken in turn.
+        start = next(self._turn) % len(worker_ids)
+        best: tuple[int, int] | None = None
+        best_id = worker_ids[start]
+        for offset in range(len(worker_ids)):
+            worker_id = worker_ids[(start + offset) % len(worker_ids)]
+            index = self._workers[worker_id]
+            if index.load > ceiling:
+                continue
+            key = (score(index.block_hashes, block_hashes), -index.load)
+            if best is None or key > best:
+                best, best_id = key, worker_id
+        assert best is not None  # the idlest worker is always under the ceiling
+        return RouteChoice(worker_id=best_id, num_matched_blocks=best[0])

@@ -1,0 +1,61 @@
+"""The gateway's pure parts: request validation, stop-string hold-back, the worker event log."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.cache import BlockRemoved, BlockStored
+from pdserve.prefill.engine_host import KVEventLog
+from pdserve.prefill.protocol import APIError, parse_completion
+from pdserve.prefill.router import Router
+from pdserve.prefill.service import stop_safe_length
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "tiny"}, "prompt"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ({"model": "tiny", "prompt": "hi", "temperature": -0.5}, "temperature"),
+    ({"model": "tiny", "prompt": "hi", "temperature": 9}, "temperature"),
+    ({"model": "tiny", "prompt": "hi", "top_p": 0}, "top_p"),
+    ({"model": "tiny", "prompt": ""}, "prompt"),
+    ({"model": "tiny", "prompt": [1, -2]}, "prompt"),
+    ({"prompt": "hi"}, "model"),
+    ([1, 2], None),
+])
+def test_bad_completion_requests_are_400s_naming_the_field(body, param):
+    with pytest.raises(APIError) as caught:
+        parse_completion(body)
+    assert caught.value.status == 400
+    assert caught.value.body()["error"]["param"] == param
+    assert caught.value.body()["error"]["message"]
+
+
+def test_a_completion_request_accepts_text_token_ids_and_a_single_prompt_list():
+    assert parse_completion({"model": "m", "prompt": "abc"}).prompt_text == "abc"
+    assert parse_completion({"model": "m", "prompt": [5, 6]}).prompt_token_ids == [5, 6]
+    parsed = parse_completion({"model": "m", "prompt": ["abc"], "stop": "x", "seed": 3,
+                               "max_tokens": 4, "temperature": 0})
+    assert (parsed.prompt_text, parsed.params.stop, parsed.params.seed) == ("abc", ["x"], 3)
+    assert parsed.params.greedy and parsed.params.max_tokens == 4
+
+
+def test_text_that_may_begin_a_stop_string_is_held_back():
+    assert stop_safe_length("hello wor", ["world"]) == len("hello ")
+    assert stop_safe_length("hello", ["xyz"]) == 5
+    assert stop_safe_length("ab", []) == 2
+
+
+def _stored(*hashes: bytes) -> BlockStored:
+    return BlockStored(list(hashes), None, [], 16, None)
+
+
+def test_the_event_log_serves_cursors_and_snapshots_after_truncation():
+    log = KVEventLog("p0", "inst", max_events=2)
+    log.extend([_stored(b"a"), _stored(b"b")])
+    assert [e.block_hashes for e in log.since(1).events] == [[b"b"]]
+    log.extend([BlockRemoved([b"a"])])  # drops event 0 from the log
+    late = log.since(0)
+    assert late.snapshot == [b"b"] and late.first_seq == late.next_seq == 3
+    router = Router(["p0"], [])
+    router.apply(late)
+    assert router.pick_prefill([b"b"]).num_matched_blocks == 1

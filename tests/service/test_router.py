@@ -1,0 +1,115 @@
+"""The router: longest cached prefix for prefill, most hashes held for decode, then load."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.cache import AllBlocksCleared, BlockRemoved, BlockStored
+from pdserve.engine.messages import KVEventBatch
+from pdserve.prefill.router import Router
+
+H = [bytes([i]) * 16 for i in range(8)]
+
+
+def stored(*hashes: bytes) -> BlockStored:
+    return BlockStored(block_hashes=list(hashes), parent_block_hash=None, token_ids=[],
+                       block_size=16, lora_id=None)
+
+
+def batch(worker: str, events: list, first_seq: int = 0, instance: str = "a",
+          snapshot: list[bytes] | None = None) -> KVEventBatch:
+    return KVEventBatch(worker, instance, first_seq, first_seq + len(events), events, snapshot)
+
+
+def test_prefill_goes_to_the_longest_contiguous_prefix_not_the_most_hashes():
+    router = Router(["p0", "p1"], [])
+    router.apply(batch("p0", [stored(H[0], H[1], H[3], H[4])]))  # gap at h2
+    router.apply(batch("p1", [stored(H[0], H[1], H[2])]))
+    choice = router.pick_prefill(H[:5])
+    assert (choice.worker_id, choice.num_matched_blocks) == ("p1", 3)
+
+
+def test_decode_goes_to_the_worker_holding_most_hashes():
+    router = Router(["p0"], ["d0", "d1"])
+    router.apply(batch("d0", [stored(H[0])]))
+    router.apply(batch("d1", [stored(H[1], H[2], H[3])]))
+    choice = router.pick_decode(H[:4])
+    assert (choice.worker_id, choice.num_matched_blocks) == ("d1", 3)
+
+
+def test_no_decode_workers_means_colocated():
+    assert Router(["p0"], []).pick_decode(H[:2]) is None
+
+
+def test_equal_prefix_ties_are_broken_by_load():
+    router = Router(["p0", "p1"], [])
+    for worker in ("p0", "p1"):
+        router.apply(batch(worker, [stored(H[0])]))
+    router.begin("p0")
+    assert router.pick_prefill(H[:1]).worker_id == "p1"
+    router.end("p0")
+    router.begin("p1")
+    assert router.pick_prefill(H[:1]).worker_id == "p0"
+
+
+def test_a_hot_worker_over_the_imbalance_cap_is_skipped_despite_its_prefix():
+    router = Router(["p0", "p1"], [], max_load_imbalance=2)
+    router.apply(batch("p0", [stored(H[0], H[1])]))
+    for _ in range(2):
+        router.begin("p0")
+    assert router.pick_prefill(H[:2]).worker_id == "p0"  # within the cap: prefix wins
+    router.begin("p0")
+    assert router.pick_prefill(H[:2]).worker_id == "p1"  # 3 > 0 + 2: load wins
+
+
+def test_a_cold_cluster_spreads_requests_over_idle_workers():
+    router = Router(["p0", "p1", "p2"], [])
+    picked = {router.pick_prefill([H[7]]).worker_id for _ in range(3)}
+    assert picked == {"p0", "p1", "p2"}
+
+
+def test_removed_and_cleared_blocks_stop_matching():
+    router = Router(["p0"], [])
+    router.apply(batch("p0", [stored(H[0], H[1], H[2]), BlockRemoved([H[1]])]))
+    assert router.pick_prefill(H[:3]).num_matched_blocks == 1
+    router.apply(batch("p0", [AllBlocksCleared()], first_seq=2))
+    assert router.pick_prefill(H[:3]).num_matched_blocks == 0
+
+
+def test_overlapping_batches_apply_each_event_once():
+    router = Router(["p0"], [])
+    router.apply(batch("p0", [stored(H[0]), stored(H[1])]))
+    # A second reader asked from seq 1 at the same time: its batch repeats event 1.
+    router.apply(batch("p0", [stored(H[1]), BlockRemoved([H[0]])], first_seq=1))
+    assert router.next_seq("p0") == 3
+    assert router.pick_prefill(H[:2]).num_matched_blocks == 0
+
+
+def test_a_restarted_worker_loses_its_old_entries():
+    router = Router(["p0"], [])
+    router.apply(batch("p0", [stored(H[0], H[1])], instance="old"))
+    router.apply(batch("p0", [stored(H[5])], instance="new"))
+    assert router.pick_prefill(H[:2]).num_matched_blocks == 0
+    assert router.pick_prefill([H[5]]).num_matched_blocks == 1
+
+
+def test_a_snapshot_replaces_the_index_when_the_log_was_truncated():
+    router = Router(["p0"], [])
+    router.apply(batch("p0", [stored(H[0])]))
+    router.apply(KVEventBatch("p0", "a", 100, 100, [], snapshot=[H[3]]))
+    assert router.next_seq("p0") == 100
+    assert router.pick_prefill([H[0]]).num_matched_blocks == 0
+    assert router.pick_prefill([H[3]]).num_matched_blocks == 1
+
+
+def test_a_removed_worker_is_never_picked_and_its_events_are_ignored():
+    router = Router(["p0", "p1"], ["d0"])
+    router.apply(batch("p0", [stored(H[0])]))
+    router.remove_worker("p0")
+    router.apply(batch("p0", [stored(H[1])]))
+    assert {router.pick_prefill(H[:1]).worker_id for _ in range(4)} == {"p1"}
+
+
+def test_a_router_without_prefill_workers_is_refused():
+    with pytest.raises(ValueError, match="prefill"):
+        Router([], ["d0"])
