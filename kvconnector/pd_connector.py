@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -49,6 +50,9 @@ if TYPE_CHECKING:
     from pdserve.engine.request import Request
 
 logger = logging.getLogger(__name__)
+
+# Renew a lease before pulling when less than this fraction of its TTL is left.
+_RENEW_BELOW_FRACTION = 0.5
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -210,6 +214,7 @@ class PDConnector(KVConnectorBase):
         error_message: str | None = None
         try:
             peer = self._peer(load.params.transfer_address)
+            self._renew_if_expiring(peer, load.params)
             result = self._client.read_blocks(  # type: ignore[union-attr]
                 peer, load.params.lease_id, load.remote_block_ids, load.local_block_ids,
                 load.expected_checksums,
@@ -233,6 +238,18 @@ class PDConnector(KVConnectorBase):
                 self._lock.notify_all()
         if failed:
             self.stats.record_recompute_fallback()
+
+    def _renew_if_expiring(self, peer: PeerInfo, params: KVTransferParams) -> None:
+        """Renews a lease that waited long for admission here, so the read finds it alive.
+
+        A lease is good for ``lease_ttl_s`` from the prefill's finish; a request that queued
+        behind a full pool may reach its pull with little of it left. (During the read itself
+        the prefill side counts the lease as read-in-flight and frees nothing.)
+        """
+        remaining = params.lease_expires_at - time.time()
+        if remaining < _RENEW_BELOW_FRACTION * self.config.lease_ttl_s:
+            params.lease_expires_at = self._client.renew(peer, params.lease_id)  # type: ignore[union-attr]
+            self.stats.record_lease_renewal()
 
     def _release_remote(self, params: KVTransferParams) -> None:
         try:

@@ -29,6 +29,7 @@ class TransferStatsSnapshot:
     num_failed_transfers: int
     num_failed_blocks: int
     num_lease_expiries: int
+    num_lease_renewals: int
     num_recompute_fallbacks: int
     transfer_duration_bucket_counts: tuple[int, ...]
     transfer_duration_sum_s: float
@@ -49,6 +50,7 @@ class TransferStats:
     num_failed_transfers: int = 0
     num_failed_blocks: int = 0
     num_lease_expiries: int = 0
+    num_lease_renewals: int = 0
     num_recompute_fallbacks: int = 0
     transfer_duration_bucket_counts: list[int] = field(
         default_factory=lambda: [0] * (len(TRANSFER_DURATION_BUCKETS_S) + 1))
@@ -83,6 +85,10 @@ class TransferStats:
         with self._lock:
             self.num_lease_expiries += 1
 
+    def record_lease_renewal(self) -> None:
+        with self._lock:
+            self.num_lease_renewals += 1
+
     def record_recompute_fallback(self) -> None:
         with self._lock:
             self.num_recompute_fallbacks += 1
@@ -100,6 +106,7 @@ class TransferStats:
                 num_failed_transfers=self.num_failed_transfers,
                 num_failed_blocks=self.num_failed_blocks,
                 num_lease_expiries=self.num_lease_expiries,
+                num_lease_renewals=self.num_lease_renewals,
                 num_recompute_fallbacks=self.num_recompute_fallbacks,
                 transfer_duration_bucket_counts=counts,
                 transfer_duration_sum_s=self.transfer_duration_sum_s,

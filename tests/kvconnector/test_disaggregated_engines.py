@@ -232,3 +232,21 @@ def test_decode_abort_while_waiting_for_kv_frees_after_the_transfer(prefill_fact
     prefill.fault(stall_s=0.0)
     prefill.wait_until_idle(timeout_s=15)
     decode.shutdown()
+
+
+def test_a_lease_near_expiry_is_renewed_before_the_pull(colocated: LLMEngine, prefill_factory) -> None:
+    prefill = prefill_factory(transport="grpc", lease_ttl_s=2.0)
+    decode = make_decode_engine("grpc")
+    prompt = random_prompts(16, 1)[0]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    prefilled = prefill.prefill("n0", prompt, params)
+    time.sleep(1.2)  # as if the request had queued behind a full pool on the decode side
+    decode.add_request("n0", prompt, params, kv_transfer_params=prefilled.kv_transfer_params)
+    (output,) = run_to_completion(decode, ["n0"])
+    assert output.output_token_ids == colocated.generate([prompt], params)[0].output_token_ids
+    stats = decode.stats()
+    assert stats.transfer.num_lease_renewals == 1
+    assert stats.num_recompute_fallbacks == 0
+    assert_decode_idle(decode)
+    assert prefill.wait_until_idle().num_lease_expiries == 0
+    decode.shutdown()
