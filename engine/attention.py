@@ -1,18 +1,21 @@
 """Paged attention in plain torch: write K/V into slots, gather blocks, one SDPA call.
 
 The KV tensor is ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_size]``
-(docs/architecture.md); a layer sees ``kv_cache[:, layer]``. A step's tokens arrive
-flattened, multi-token chunks (prefills) first, then single-token chunks (decodes):
+(docs/architecture.md). A step's tokens arrive flattened, multi-token chunks (prefills)
+first, then single-token chunks (decodes):
 
     tokens:  | prefill A (n_A) | prefill B (n_B) | d0 | d1 | d2 |
               └ one SDPA each ┘                   └ one SDPA for all, padded + masked ┘
 
-Per layer: every token's K/V goes to its slot (``block_id * block_size + offset``);
-then each prefill chunk gathers its blocks (positions ``0 .. end``) and attends with
-the causal offset its prefix needs (query ``i`` at position ``start + i`` sees keys
-``0 .. start + i``); the decodes gather their block tables padded to the longest, and
-a mask hides the padding. Everything that is the same for all layers (indices, masks)
-is built once per step in :func:`build_attention_metadata`, with O(batch) Python.
+Per layer: every token's K and V go to their rows of the KV tensor seen as
+``[num_blocks * num_layers * 2 * block_size, num_kv_heads * head_size]`` (one
+``index_put`` for K and V of all tokens), where the row of slot ``(block, offset)``
+of ``layer`` is ``((block * num_layers + layer) * 2 + kv) * block_size + offset``.
+A prefill chunk that starts at position 0 attends to its own fresh K/V (no gather);
+one that continues a prefix gathers its blocks. The decodes gather their block tables
+padded to the longest, with a mask over the padding (none for a single decode).
+Everything that is the same for all layers (rows, tables, masks) is built once per
+step in :func:`build_attention_metadata`, with O(batch) Python.
 """
 
 from __future__ import annotations
@@ -28,13 +31,14 @@ import torch.nn.functional as F
 class PrefillAttention:
     """One multi-token chunk: its query rows, its blocks and its mask.
 
-    ``attn_mask`` is ``None`` for a chunk that starts at position 0 with full attention
-    (plain causal, so SDPA's ``is_causal`` serves); else ``[1, 1, num_queries, seq_len]`` bool.
+    ``block_table`` is ``None`` for a chunk starting at position 0 (it attends to its own
+    fresh K/V). ``attn_mask`` is ``None`` for plain causal attention from position 0
+    (SDPA's ``is_causal`` serves); else ``[1, 1, num_queries, seq_len]`` bool.
     """
 
     query_start: int
     query_end: int
-    block_table: torch.Tensor  # [num_blocks_needed] long
+    block_table: torch.Tensor | None  # [num_blocks_needed] long
     seq_len: int
     attn_mask: torch.Tensor | None
 
@@ -44,12 +48,14 @@ class DecodeAttention:
     """All single-token chunks of the step, as one padded batch.
 
     Rows ``query_start ..`` of the step's tokens; ``block_tables`` ``[batch, max_blocks]``
-    (padded with block 0, masked); ``attn_mask`` ``[batch, 1, 1, max_blocks * block_size]``.
+    (padded with block 0, masked); ``attn_mask`` ``[batch, 1, 1, seq_len]``, or ``None``
+    when no key needs hiding (one decode, full attention: ``seq_len`` is its length).
     """
 
     query_start: int
     block_tables: torch.Tensor
-    attn_mask: torch.Tensor
+    seq_len: int
+    attn_mask: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -57,8 +63,8 @@ class AttentionMetadata:
     """Where this step's K/V go and what each query may see; shared by all layers."""
 
     positions: torch.Tensor  # [num_tokens] long: each token's position in its request
-    slot_block_ids: torch.Tensor  # [num_tokens] long: the block each token's K/V is written to
-    slot_offsets: torch.Tensor  # [num_tokens] long: its offset inside that block
+    write_rows: torch.Tensor  # [num_layers, num_tokens, 2] long: K and V rows (see module doc)
+    max_position: int  # the largest position in the step, plus one
     prefills: list[PrefillAttention]
     decode: DecodeAttention | None
 
@@ -68,6 +74,7 @@ def build_attention_metadata(
     start_positions: list[int],
     block_ids: list[list[int]],
     block_size: int,
+    num_layers: int,
     device: torch.device,
     sliding_window: int | None = None,
 ) -> AttentionMetadata:
@@ -76,14 +83,73 @@ def build_attention_metadata(
     ``token_counts[i] > 1`` for every prefill, ``== 1`` for every decode; decodes come last.
     ``block_ids[i]`` must cover the chunk's end position.
     """
-    num_chunks = len(token_counts)
-    blocks_needed = [-(-(start + count) // block_size) for start, count in zip(start_positions, token_counts)]
-    for i in range(num_chunks):
-        if len(block_ids[i]) < blocks_needed[i]:
+    ends = [start + count for start, count in zip(start_positions, token_counts)]
+    blocks_needed = [-(-end // block_size) for end in ends]
+    for i, (ids, need) in enumerate(zip(block_ids, blocks_needed)):
+        if len(ids) < need:
             raise ValueError(
-                f"chunk {i} ends at position {start_positions[i] + token_counts[i]} but has only "
-                f"{len(block_ids[i])} blocks of {block_size} tokens"
+                f"chunk {i} ends at position {ends[i]} but has only "
+                f"{len(ids)} blocks of {block_size} tokens"
             )
+    num_prefills = sum(1 for count in token_counts if count > 1)
+    rows_per_block = num_layers * 2 * block_size
+    if num_prefills == 0:  # decode-only step: one token per chunk, plain Python lists
+        positions = torch.tensor(start_positions, dtype=torch.long)
+        base_rows = torch.tensor(
+            [ids[p // block_size] * rows_per_block + p % block_size for ids, p in zip(block_ids, start_positions)],
+            dtype=torch.long,
+        )
+    else:
+        positions, base_rows = _token_rows(
+            token_counts, start_positions, block_ids, blocks_needed, block_size, rows_per_block
+        )
+    # Row of (layer, kv) relative to a token's block row: (layer * 2 + kv) * block_size.
+    layer_rows = torch.arange(2 * num_layers, dtype=torch.long).view(num_layers, 1, 2) * block_size
+    write_rows = base_rows[None, :, None] + layer_rows
+
+    prefills = []
+    query_start = 0
+    for i in range(num_prefills):
+        start, count = start_positions[i], token_counts[i]
+        table = None
+        if start > 0:
+            table = torch.tensor(block_ids[i][: blocks_needed[i]], dtype=torch.long, device=device)
+        mask = None
+        if start > 0 or sliding_window is not None:
+            query_pos = torch.arange(start, start + count)[:, None]
+            mask = _visible(query_pos, torch.arange(start + count)[None, :], sliding_window)[None, None].to(device)
+        prefills.append(PrefillAttention(query_start, query_start + count, table, start + count, mask))
+        query_start += count
+
+    decode = None
+    if num_prefills < len(token_counts):
+        decode_needed = blocks_needed[num_prefills:]
+        max_blocks = max(decode_needed)
+        tables = torch.tensor(
+            [ids[:need] + [0] * (max_blocks - need) for ids, need in zip(block_ids[num_prefills:], decode_needed)],
+            dtype=torch.long,
+        )
+        decode_starts = start_positions[num_prefills:]
+        if len(decode_starts) == 1 and sliding_window is None:
+            seq_len, mask = decode_starts[0] + 1, None
+        else:
+            seq_len = max_blocks * block_size
+            query_pos = torch.tensor(decode_starts, dtype=torch.long)[:, None]
+            mask = _visible(query_pos, torch.arange(seq_len)[None, :], sliding_window)[:, None, None, :].to(device)
+        decode = DecodeAttention(query_start, tables.to(device), seq_len, mask)
+
+    return AttentionMetadata(positions.to(device), write_rows.to(device), max(ends), prefills, decode)
+
+
+def _token_rows(
+    token_counts: list[int],
+    start_positions: list[int],
+    block_ids: list[list[int]],
+    blocks_needed: list[int],
+    block_size: int,
+    rows_per_block: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token: its position, and its K row in layer 0 (torch ops, no per-token Python)."""
     flat_blocks = torch.tensor(
         list(chain.from_iterable(ids[:need] for ids, need in zip(block_ids, blocks_needed))), dtype=torch.long
     )
@@ -92,46 +158,10 @@ def build_attention_metadata(
     needed = torch.tensor(blocks_needed, dtype=torch.long)
     block_offsets = torch.cumsum(needed, 0) - needed  # where each chunk's table starts in flat_blocks
     query_offsets = torch.cumsum(counts, 0) - counts
-
-    # Per token: its chunk, its position, and the slot it writes.
-    chunk_of_token = torch.repeat_interleave(torch.arange(num_chunks), counts)
+    chunk_of_token = torch.repeat_interleave(torch.arange(len(token_counts)), counts)
     positions = starts[chunk_of_token] + torch.arange(int(counts.sum())) - query_offsets[chunk_of_token]
-    slot_block_ids = flat_blocks[block_offsets[chunk_of_token] + positions // block_size]
-    slot_offsets = positions % block_size
-
-    num_prefills = sum(1 for count in token_counts if count > 1)
-    prefills = []
-    for i in range(num_prefills):
-        start, count = start_positions[i], token_counts[i]
-        query_start = int(query_offsets[i])
-        table = flat_blocks[int(block_offsets[i]) : int(block_offsets[i]) + blocks_needed[i]]
-        mask = None
-        if start > 0 or sliding_window is not None:
-            query_pos = torch.arange(start, start + count)[:, None]
-            mask = _visible(query_pos, torch.arange(start + count)[None, :], sliding_window)[None, None]
-            mask = mask.to(device)
-        prefills.append(
-            PrefillAttention(query_start, query_start + count, table.to(device), start + count, mask)
-        )
-
-    decode = None
-    if num_prefills < num_chunks:
-        decode_counts = needed[num_prefills:]
-        max_blocks = int(decode_counts.max())
-        # Padded [batch, max_blocks] table from the flat list: column j of row b is
-        # flat_blocks[offset_b + j] while j < blocks_b, else block 0 (masked below).
-        columns = torch.arange(max_blocks)[None, :]
-        in_table = columns < decode_counts[:, None]
-        gather_at = torch.where(in_table, block_offsets[num_prefills:, None] + columns, 0)
-        tables = torch.where(in_table, flat_blocks[gather_at], 0)
-        query_pos = starts[num_prefills:, None]
-        key_pos = torch.arange(max_blocks * block_size)[None, :]
-        mask = _visible(query_pos, key_pos, sliding_window)[:, None, None, :]
-        decode = DecodeAttention(int(query_offsets[num_prefills]), tables.to(device), mask.to(device))
-
-    return AttentionMetadata(
-        positions.to(device), slot_block_ids.to(device), slot_offsets.to(device), prefills, decode
-    )
+    blocks = flat_blocks[block_offsets[chunk_of_token] + positions // block_size]
+    return positions, blocks * rows_per_block + positions % block_size
 
 
 def _visible(query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -142,42 +172,49 @@ def _visible(query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window: int
     return visible
 
 
-def _gather_pages(layer_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of the blocks in ``block_table`` (any shape), as ``[*table_shape[:-1], tokens, ...]``.
+def _gather(layer_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the blocks in ``block_table`` ``[*table]``, as ``[*table[:-1], tokens, kv_heads, head]``.
 
-    One ``index_select`` of whole pages (K and V together, contiguous per block) is
-    about twice as fast on the CPU as advanced indexing the strided K and V views.
+    K and V are gathered apart (one ``index_select`` each from the strided views): the
+    results are contiguous per block, so the block and offset dims merge without a copy.
     """
-    pages = layer_cache.index_select(0, block_table.flatten()).view(*block_table.shape, *layer_cache.shape[1:])
-    block_dim = block_table.dim() - 1  # pages: [*table, 2, block_size, kv_heads, head]
-    keys = pages.select(block_dim + 1, 0).flatten(block_dim, block_dim + 1)
-    values = pages.select(block_dim + 1, 1).flatten(block_dim, block_dim + 1)
+    shape = (*block_table.shape[:-1], -1, *layer_cache.shape[3:])
+    flat = block_table.flatten()
+    keys = layer_cache[:, 0].index_select(0, flat).view(shape)
+    values = layer_cache[:, 1].index_select(0, flat).view(shape)
     return keys, values
 
 
 def paged_attention(
     query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    layer_cache: torch.Tensor,
+    key_value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
     metadata: AttentionMetadata,
 ) -> torch.Tensor:
     """Store this step's K/V in the layer's pages, then attend.
 
-    ``query`` ``[num_tokens, num_heads, head_size]``; ``key``/``value``
-    ``[num_tokens, num_kv_heads, head_size]``; ``layer_cache`` is ``kv_cache[:, layer]``,
-    ``[num_blocks, 2, block_size, num_kv_heads, head_size]``. Returns ``[num_tokens, num_heads, head_size]``.
+    ``query`` ``[num_tokens, num_heads, head_size]``; ``key_value``
+    ``[num_tokens, 2, num_kv_heads, head_size]`` (K then V, any row stride); ``kv_cache``
+    the whole KV tensor. Returns ``[num_tokens, num_heads, head_size]``.
     """
-    key_cache, value_cache = layer_cache[:, 0], layer_cache[:, 1]
-    key_cache[metadata.slot_block_ids, metadata.slot_offsets] = key
-    value_cache[metadata.slot_block_ids, metadata.slot_offsets] = value
+    num_tokens = query.shape[0]
+    rows = kv_cache.view(-1, kv_cache.shape[-2] * kv_cache.shape[-1])
+    rows[metadata.write_rows[layer]] = key_value.flatten(2)
+    layer_cache = kv_cache[:, layer]
+    decode = metadata.decode
+    if not metadata.prefills and decode is not None:  # decode-only: no output copy
+        return _decode(query, layer_cache, decode)
     output = torch.empty_like(query)
     for chunk in metadata.prefills:
-        keys, values = _gather_pages(layer_cache, chunk.block_table)  # [seq, kv_heads, head] each
-        keys, values = keys[: chunk.seq_len], values[: chunk.seq_len]
-        queries = query[chunk.query_start : chunk.query_end]
+        if chunk.block_table is None:
+            keys = key_value[chunk.query_start : chunk.query_end, 0]
+            values = key_value[chunk.query_start : chunk.query_end, 1]
+        else:
+            keys, values = _gather(layer_cache, chunk.block_table)
+            keys, values = keys[: chunk.seq_len], values[: chunk.seq_len]
         attended = F.scaled_dot_product_attention(
-            queries.transpose(0, 1)[None],
+            query[chunk.query_start : chunk.query_end].transpose(0, 1)[None],
             keys.transpose(0, 1)[None],
             values.transpose(0, 1)[None],
             attn_mask=chunk.attn_mask,
@@ -185,17 +222,21 @@ def paged_attention(
             enable_gqa=True,
         )
         output[chunk.query_start : chunk.query_end] = attended[0].transpose(0, 1)
-    decode = metadata.decode
     if decode is not None:
-        batch = decode.block_tables.shape[0]
-        keys, values = _gather_pages(layer_cache, decode.block_tables)  # [batch, max_blocks * block_size, ...]
-        queries = query[decode.query_start : decode.query_start + batch]
-        attended = F.scaled_dot_product_attention(
-            queries[:, :, None, :],
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=decode.attn_mask,
-            enable_gqa=True,
-        )
-        output[decode.query_start :] = attended[:, :, 0, :]
+        output[decode.query_start :] = _decode(query[decode.query_start : num_tokens], layer_cache, decode)
     return output
+
+
+def _decode(query: torch.Tensor, layer_cache: torch.Tensor, decode: DecodeAttention) -> torch.Tensor:
+    """One SDPA over the padded batch of single-token queries ``[batch, num_heads, head_size]``."""
+    keys, values = _gather(layer_cache, decode.block_tables)  # [batch, max_blocks * block_size, ...]
+    if decode.attn_mask is None:
+        keys, values = keys[:, : decode.seq_len], values[:, : decode.seq_len]
+    attended = F.scaled_dot_product_attention(
+        query[:, :, None, :],
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=decode.attn_mask,
+        enable_gqa=True,
+    )
+    return attended[:, :, 0, :]

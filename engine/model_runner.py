@@ -52,6 +52,8 @@ class ModelRunner:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
         self.model = model.eval()
+        if hasattr(model, "fuse_weights"):  # pack projections for inference (models/llama.py)
+            model.fuse_weights()
         self.model_config = model_config
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -76,34 +78,39 @@ class ModelRunner:
             if not chunk.token_ids:
                 raise ValueError(f"chunk of request {chunk.request_id!r} has no tokens")
         # Multi-token chunks first, decodes last (stable, so each group keeps its order).
-        order = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
-        order += [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
-        ordered = [chunks[i] for i in order]
-        counts = [len(c.token_ids) for c in ordered]
+        counts = [len(c.token_ids) for c in chunks]
+        order = [i for i, count in enumerate(counts) if count > 1]
+        if order:
+            order += [i for i, count in enumerate(counts) if count == 1]
+            ordered = [chunks[i] for i in order]
+            counts = [counts[i] for i in order]
+        else:  # a decode-only step keeps the caller's order
+            order, ordered = list(range(len(chunks))), chunks
         starts = [c.start_position for c in ordered]
-        end = max(s + n for s, n in zip(starts, counts))
-        if end > self.model_config.max_position_embeddings:
-            raise ValueError(
-                f"a chunk reaches position {end}, beyond the model's "
-                f"max_position_embeddings ({self.model_config.max_position_embeddings})"
-            )
         metadata = build_attention_metadata(
             counts,
             starts,
             [c.block_ids for c in ordered],
             self.block_size,
+            self.model_config.num_layers,
             self.device,
             self.model_config.sliding_window,
         )
+        if metadata.max_position > self.model_config.max_position_embeddings:
+            raise ValueError(
+                f"a chunk reaches position {metadata.max_position}, beyond the model's "
+                f"max_position_embeddings ({self.model_config.max_position_embeddings})"
+            )
         input_ids = torch.tensor(list(chain.from_iterable(c.token_ids for c in ordered)), dtype=torch.long)
         # Row of the last token of each sampling chunk, in the caller's chunk order.
-        last_row = {}
-        row = 0
+        last_row = [0] * len(chunks)
+        row = -1
         for index, count in zip(order, counts):
             row += count
-            last_row[index] = row - 1
-        sample_rows = torch.tensor([last_row[i] for i, c in enumerate(chunks) if c.sample], dtype=torch.long)
+            last_row[index] = row
+        sample_rows = [last_row[i] for i, c in enumerate(chunks) if c.sample]
         with torch.inference_mode():
             hidden = self.model(input_ids.to(self.device), metadata.positions, self.kv_cache, metadata)
-            logits = self.model.compute_logits(hidden[sample_rows.to(self.device)])
-            return logits.float()
+            if len(sample_rows) != input_ids.shape[0]:  # else every token is a sampled decode, in order
+                hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
+            return self.model.compute_logits(hidden).float()

@@ -46,6 +46,8 @@ def sample(
             f"sample() got {num_rows} logit rows but {len(params)} params, {len(seeds)} seeds "
             f"and {len(output_positions)} output positions"
         )
+    if all(p.greedy for p in params):
+        return logits.argmax(dim=-1).tolist()
     tokens = [0] * num_rows
     greedy_rows = [r for r in range(num_rows) if params[r].greedy]
     if greedy_rows:

@@ -5,6 +5,13 @@ Module and parameter names follow transformers (``model.layers.0.self_attn.q_pro
 forward takes the whole step flattened (``[num_tokens]`` ids and positions of many
 requests' chunks) plus :class:`AttentionMetadata`, and reads/writes K/V in the paged
 KV tensor instead of a per-request cache.
+
+Before the first forward, :meth:`LlamaForCausalLM.fuse_weights` packs each layer's
+projections into transposed, fused matrices (``[hidden, q + k + v]``, ``[hidden, gate + up]``,
+...) and points the HF-named parameters at views of them: ``state_dict()`` keeps its
+names and values and no weight is stored twice, while a step does one ``mm`` per fused
+projection (``mm`` on a ``[in, out]`` matrix runs 1.5-2x faster than ``linear`` on
+``[out, in]`` at these sizes on the CPU).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from pdserve.engine.models.rotary import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 like the reference."""
+    """Root-mean-square norm (``F.rms_norm``: one kernel, float32 for float32 models)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -27,10 +34,35 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        normed = x.float()
+        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[in, sum(out)]`` weight and ``[sum(out)]`` bias (or ``None``) of linears sharing an input.
+
+    Each linear's parameters become views into the fused tensors, so the checkpoint
+    names still reach the same numbers and memory is not doubled.
+    """
+    weight_t = torch.cat([linear.weight.detach() for linear in linears]).t().contiguous()
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([linear.bias.detach() for linear in linears]) if has_bias else None
+    start = 0
+    for linear in linears:
+        end = start + linear.out_features
+        linear.weight = nn.Parameter(weight_t[:, start:end].t(), requires_grad=False)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias[start:end], requires_grad=False)
+        start = end
+    return weight_t, bias
+
+
+def project(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight_t (+ bias)`` for a fused ``[in, out]`` weight."""
+    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
 
 
 class LlamaAttention(nn.Module):
@@ -48,33 +80,47 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, hidden, bias=config.o_proj_bias)
 
+    def fuse_weights(self) -> None:
+        self.qkv_weight, self.qkv_bias = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        self.o_weight, self.o_bias = fuse_linears([self.o_proj])
+
     def forward(
         self,
         hidden: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
-        layer_cache: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layer: int,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        """``qkv`` ``[tokens, heads + 2 * kv_heads, head_dim]``: q and k are rotated in place,
+        then k and v (adjacent) go to the cache as one ``[tokens, 2, kv_heads, head_dim]``."""
         num_tokens = hidden.shape[0]
-        cos, sin = rotary
-        query = apply_rotary(self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        key = apply_rotary(self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        value = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        attended = paged_attention(query, key, value, layer_cache, metadata)
-        return self.o_proj(attended.reshape(num_tokens, self.num_heads * self.head_dim))
+        qkv = project(hidden, self.qkv_weight, self.qkv_bias).view(num_tokens, -1, self.head_dim)
+        query_key = qkv[:, : self.num_heads + self.num_kv_heads]
+        apply_rotary(query_key, *rotary, out=query_key)
+        key_value = qkv[:, self.num_heads :].view(num_tokens, 2, self.num_kv_heads, self.head_dim)
+        attended = paged_attention(qkv[:, : self.num_heads], key_value, kv_cache, layer, metadata)
+        return project(attended.reshape(num_tokens, -1), self.o_weight, self.o_bias)
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up as one fused matmul."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.intermediate_size = config.intermediate_size
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
+    def fuse_weights(self) -> None:
+        self.gate_up_weight, _ = fuse_linears([self.gate_proj, self.up_proj])
+        self.down_weight, _ = fuse_linears([self.down_proj])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = torch.mm(x, self.gate_up_weight)
+        activated = F.silu(gate_up[:, : self.intermediate_size]) * gate_up[:, self.intermediate_size :]
+        return torch.mm(activated, self.down_weight)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -91,10 +137,11 @@ class LlamaDecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
-        layer_cache: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layer: int,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, layer_cache, metadata)
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, kv_cache, layer, metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -116,9 +163,9 @@ class LlamaModel(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        rotary = self.rotary_emb(positions, hidden.dtype)
+        rotary = self.rotary_emb(positions, metadata.max_position, hidden.dtype)
         for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, rotary, kv_cache[:, index], metadata)
+            hidden = layer(hidden, rotary, kv_cache, index, metadata)
         return self.norm(hidden)
 
 
@@ -136,11 +183,22 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+        self.lm_head_weight: torch.Tensor | None = None
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the checkpoint ties them."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse_weights(self) -> None:
+        """Pack the projections for inference (module doc); call once the model is on its device.
+
+        A tied LM head stays the embedding (``[vocab, hidden]``, used by ``linear``)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_weights()
+            layer.mlp.fuse_weights()
+        if not self.config.tie_word_embeddings:
+            self.lm_head_weight, _ = fuse_linears([self.lm_head])
 
     def forward(
         self,
@@ -152,4 +210,6 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_cache, metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        if self.lm_head_weight is None:
+            return self.lm_head(hidden)
+        return torch.mm(hidden, self.lm_head_weight)

@@ -1,8 +1,8 @@
 """Rotary position embedding (RoPE), with the ``linear`` and ``llama3`` frequency scalings.
 
 The frequencies are computed exactly as transformers does (float32, same formula), so
-logits match the reference to float tolerance. cos/sin are built once per step for the
-step's positions and shared by all layers.
+logits match the reference to float tolerance. cos/sin come from a table built once;
+each step looks its positions up once and all layers share the rows.
 """
 
 from __future__ import annotations
@@ -44,24 +44,46 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict, max_position_embedding
 
 
 class RotaryEmbedding(nn.Module):
-    """Makes ``(cos, sin)`` for positions; :func:`apply_rotary` rotates q and k with them.
+    """Looks up ``(cos, sin)`` for positions; :func:`apply_rotary` rotates q and k with them.
 
-    ``inv_freq`` is created on the CPU even under a ``meta`` device context (the loader
-    builds the model on ``meta``), and is not saved: checkpoints do not carry it.
+    A float32 table ``[positions, 2, head_dim]`` (cos, then sin with its first half
+    negated, see :func:`apply_rotary`) is computed once, as transformers computes it, and
+    grown by doubling when a step reaches past it: a step costs one row lookup, not a
+    cos and a sin. ``inv_freq`` is created on the CPU even under a ``meta`` device
+    context (the loader builds the model on ``meta``), and is not saved: checkpoints do
+    not carry it; neither is the table.
     """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
+        self._table = torch.empty(0)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+    def forward(
+        self, positions: torch.Tensor, max_position: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``, ``signed sin`` ``[num_tokens, 1, head_dim]``; ``max_position`` bounds ``positions``."""
+        if self._table.shape[0] < max_position or self._table.device != self.inv_freq.device:
+            self._table = self._build_table(max(max_position, 2 * self._table.shape[0], 256))
+        rows = self._table.index_select(0, positions).to(dtype)
+        return rows[:, 0:1], rows[:, 1:2]
+
+    def _build_table(self, num_positions: int) -> torch.Tensor:
+        positions = torch.arange(num_positions, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = positions[:, None] * self.inv_freq.float()[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)  # [positions, head_dim]
+        sin = angles.sin()
+        half = sin.shape[-1] // 2
+        sin[:, :half] = -sin[:, :half]
+        return torch.stack((angles.cos(), sin), dim=1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[num_tokens, heads, head_dim]`` (HF's rotate-half layout)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[num_tokens, heads, head_dim]`` (HF's rotate-half layout) into ``out``.
+
+    HF's ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)`` equals
+    ``x * cos + roll(x, half) * signed_sin`` where ``signed_sin = cat(-sin1, sin2)``:
+    three kernels instead of seven. ``out`` may be ``x`` itself (rotation in place).
+    """
+    rolled = torch.roll(x, x.shape[-1] // 2, dims=-1)
+    return torch.addcmul(x * cos, rolled, signed_sin, out=out)
