@@ -6,6 +6,8 @@ blocks into shuffled destination blocks, verified, through:
 
     grpc      GrpcTransferClient.read_blocks      vs  raw gRPC stream of the same bytes
     nixl      NixlTransferClient.read_blocks      vs  raw NIXL READ of the same descriptors
+    nixl unverified: the same pull without its checksums (hold + READ), to show what
+              integrity costs; a bench-only path, not a transport option
     and, for scale, a raw TCP loopback socket and an in-process memcpy (np.copyto).
 
     python bench/bench_transfer.py [--mib 64] [--repeats 3]
@@ -197,9 +199,21 @@ def bench_layout(name: str, shape: dict[str, Any], mib: int, repeats: int) -> li
             if state != "DONE":
                 raise RuntimeError(f"raw NIXL READ ended {state}")
 
+        def pull_nixl_unverified(lease: tuple[str, list[int]]) -> None:
+            """The transport's pull without its checksums: hold, READ, confirm."""
+            with nixl_client.control.hold_blocks(peer, lease[0], remote_ids) as confirm_held:
+                nixl_client._read(peer, remote_pages, remote_index, local_index,
+                                  time.perf_counter() + 60)
+                confirm_held()
+
         nixl_mib_s, raw_nixl_mib_s = paired_mib_s(total, repeats, pull_nixl, grant, raw_nixl)
+        unverified_mib_s, raw_nixl_mib_s_2 = paired_mib_s(total, repeats, pull_nixl_unverified,
+                                                          grant, raw_nixl)
         nixl_client.close()
         rows.append((name, "nixl", nixl_mib_s, "raw NIXL READ", raw_nixl_mib_s))
+        rows.append((name, "nixl unverified", unverified_mib_s, "raw NIXL READ",
+                     raw_nixl_mib_s_2))
+        rows.append((name, "nixl", nixl_mib_s, "nixl unverified", unverified_mib_s))
 
     source = page_view(make_kv_cache(num_blocks, seed=3, **shape))
     destination = page_view(local)

@@ -27,10 +27,13 @@ safe because lease states only move forward: if the hold is granted, the lease w
 for the whole READ before it, so no block was freed under it; if refused, nothing read is
 used.
 
-The READ runs on this thread (cma copies inside ``transfer``/``check_xfer_state``), so the
-pull is cut into segments of about ``VERIFY_SEGMENT_BYTES`` and a helper thread checksums
-segment k while segment k+1 is read (xxhash releases the GIL): verification costs about one
-segment's time instead of a second pass over every page.
+The READ runs on this thread (cma copies inside ``transfer``, which releases the GIL; there is
+nothing left to poll when it returns), and so does verification: the pull is cut into
+segments of about ``VERIFY_SEGMENT_BYTES``, each READ then checksummed at once while its pages
+are still in cache. Measured on 2 cores, a helper thread hashing segment k during READ k+1 was
+no faster (both passes compete for memory bandwidth) and took a core from the engine; the
+``HoldBlocks`` call, by contrast, is opened and answered on a helper thread during the READ,
+which hides its ≈ 2 ms.
 
 A reader that dies or stalls ends its call (connection loss or deadline), so the hold ends
 too; the READ itself is aborted on the reader's side before its deadline passes.
@@ -42,7 +45,6 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -75,7 +77,7 @@ else:
 
 # The prefill side polls its agent this often, so that UCX can answer connection setup.
 PROGRESS_INTERVAL_S = 0.001
-VERIFY_SEGMENT_BYTES = 8 << 20
+VERIFY_SEGMENT_BYTES = 4 << 20
 
 
 def nixl_available() -> bool:
@@ -156,7 +158,12 @@ class NixlTransferServer(KVTransferServer):
 
 
 class NixlTransferClient(KVTransferClient):
-    """The decode side: READs leased pages straight into its own KV tensor."""
+    """The decode side: READs leased pages straight into its own KV tensor.
+
+    A NIXL agent without its progress thread is not safe to drive from two threads at once
+    (two concurrent ``transfer`` calls crash UCX), and the connector pulls on a thread pool:
+    one lock serializes every use of the agent.
+    """
 
     def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, engine_id: str = "",
                  secret: str | None = None, timeout_s: float = 30.0,
@@ -168,10 +175,14 @@ class NixlTransferClient(KVTransferClient):
         self.timeout_s = timeout_s
         self._pages = page_view(kv_cache)
         self._remote_pages: dict[str, Any] = {}  # peer agent name -> prepped remote dlist
-        self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-verify")
         self._blocks_per_segment = max(1, VERIFY_SEGMENT_BYTES // layout.page_bytes)
+        self._agent_lock = threading.Lock()
 
     def handshake(self, address: str) -> PeerInfo:
+        with self._agent_lock:
+            return self._handshake(address)
+
+    def _handshake(self, address: str) -> PeerInfo:
         peer = self.control.handshake(address, nixl_info=self.endpoint.info())
         if peer.nixl is None:
             raise TransferError(f"peer {address} serves no NIXL agent; use the gRPC transport")
@@ -190,6 +201,13 @@ class NixlTransferClient(KVTransferClient):
     def read_blocks(self, peer: PeerInfo, lease_id: str, remote_block_ids: Sequence[int],
                     local_block_ids: Sequence[int],
                     expected_checksums: Sequence[int]) -> ReadResult:
+        with self._agent_lock:
+            return self._read_blocks(peer, lease_id, remote_block_ids, local_block_ids,
+                                     expected_checksums)
+
+    def _read_blocks(self, peer: PeerInfo, lease_id: str, remote_block_ids: Sequence[int],
+                     local_block_ids: Sequence[int],
+                     expected_checksums: Sequence[int]) -> ReadResult:
         check_read_arguments(remote_block_ids, local_block_ids, expected_checksums,
                              self.endpoint.num_blocks)
         remote_pages = self._remote_pages_of(peer)
@@ -198,27 +216,25 @@ class NixlTransferClient(KVTransferClient):
             raise ValueError(f"remote block ids {bad[:8]} outside 0..{peer.num_blocks - 1}")
         started = time.perf_counter()
         deadline = started + self.timeout_s
-        verifications: list[Future[tuple[list[int], list[int]]]] = []
+        local_index = np.asarray(local_block_ids, dtype=np.int32)
+        remote_index = np.asarray(remote_block_ids, dtype=np.int32)
+        ok: list[int] = []
+        failed: list[int] = []
         try:
             with self.control.hold_blocks(peer, lease_id, remote_block_ids) as confirm_held:
                 for start in range(0, len(local_block_ids), self._blocks_per_segment):
                     end = start + self._blocks_per_segment
-                    self._read(peer, remote_pages, remote_block_ids[start:end],
-                               local_block_ids[start:end], deadline)
-                    verifications.append(self._verifier.submit(
-                        verify_pages, self._pages, local_block_ids[start:end],
-                        expected_checksums[start:end]))
+                    self._read(peer, remote_pages, remote_index[start:end],
+                               local_index[start:end], deadline)
+                    verified, corrupt = verify_pages(self._pages, local_block_ids[start:end],
+                                                     expected_checksums[start:end])
+                    ok += verified
+                    failed += corrupt
                 confirm_held()
         except TransferError:
             self.stats.record_transfer(0, len(local_block_ids), 0,
                                        time.perf_counter() - started)
             raise
-        ok: list[int] = []
-        failed: list[int] = []
-        for verification in verifications:
-            verified, corrupt = verification.result()
-            ok += verified
-            failed += corrupt
         duration_s = time.perf_counter() - started
         num_bytes = len(local_block_ids) * self.endpoint.layout.page_bytes
         self.stats.record_transfer(len(ok), len(failed), num_bytes, duration_s)
@@ -232,26 +248,26 @@ class NixlTransferClient(KVTransferClient):
         self.control.release(peer, lease_id)
 
     def close(self) -> None:
-        for remote_pages in self._remote_pages.values():
-            remote_pages.release()
-        self._remote_pages.clear()
-        self._verifier.shutdown()
-        self.control.close()
-        self.endpoint.close()
+        with self._agent_lock:
+            for remote_pages in self._remote_pages.values():
+                remote_pages.release()
+            self._remote_pages.clear()
+            self.control.close()
+            self.endpoint.close()
 
     def _remote_pages_of(self, peer: PeerInfo) -> Any:
         if peer.nixl is None or peer.nixl.agent_name not in self._remote_pages:
             raise ValueError(f"no NIXL handshake with {peer.address}; call handshake first")
         return self._remote_pages[peer.nixl.agent_name]
 
-    def _read(self, peer: PeerInfo, remote_pages: Any, remote_block_ids: Sequence[int],
-              local_block_ids: Sequence[int], deadline: float) -> None:
-        """Post one READ of the pages and poll it to completion before ``deadline``."""
+    def _read(self, peer: PeerInfo, remote_pages: Any, remote_index: np.ndarray,
+              local_index: np.ndarray, deadline: float) -> None:
+        """Post one READ of the pages (int32 indices into the prepped dlists) and poll it to
+        completion before ``deadline``."""
         agent = self.endpoint.agent
         try:
-            handle = agent.make_prepped_xfer(
-                "READ", self.endpoint.local_pages, np.asarray(local_block_ids, dtype=np.int32),
-                remote_pages, np.asarray(remote_block_ids, dtype=np.int32))
+            handle = agent.make_prepped_xfer("READ", self.endpoint.local_pages, local_index,
+                                             remote_pages, remote_index)
         except NIXL_ERRORS as error:
             raise TransferError(f"NIXL READ from {peer.address} refused: {error!r}") from error
         try:
