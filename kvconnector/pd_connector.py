@@ -236,8 +236,6 @@ class PDConnector(KVConnectorBase):
                 if error_message is not None:
                     self._done.load_errors[load.request_id] = error_message
                 self._lock.notify_all()
-        if failed:
-            self.stats.record_recompute_fallback()
 
     def _renew_if_expiring(self, peer: PeerInfo, params: KVTransferParams) -> None:
         """Renews a lease that waited long for admission here, so the read finds it alive.

@@ -30,7 +30,6 @@ class TransferStatsSnapshot:
     num_failed_blocks: int
     num_lease_expiries: int
     num_lease_renewals: int
-    num_recompute_fallbacks: int
     transfer_duration_bucket_counts: tuple[int, ...]
     transfer_duration_sum_s: float
     transfer_duration_p50_s: float
@@ -51,7 +50,6 @@ class TransferStats:
     num_failed_blocks: int = 0
     num_lease_expiries: int = 0
     num_lease_renewals: int = 0
-    num_recompute_fallbacks: int = 0
     transfer_duration_bucket_counts: list[int] = field(
         default_factory=lambda: [0] * (len(TRANSFER_DURATION_BUCKETS_S) + 1))
     transfer_duration_sum_s: float = 0.0
@@ -89,10 +87,6 @@ class TransferStats:
         with self._lock:
             self.num_lease_renewals += 1
 
-    def record_recompute_fallback(self) -> None:
-        with self._lock:
-            self.num_recompute_fallbacks += 1
-
     def snapshot(self) -> TransferStatsSnapshot:
         with self._lock:
             counts = tuple(self.transfer_duration_bucket_counts)
@@ -107,7 +101,6 @@ class TransferStats:
                 num_failed_blocks=self.num_failed_blocks,
                 num_lease_expiries=self.num_lease_expiries,
                 num_lease_renewals=self.num_lease_renewals,
-                num_recompute_fallbacks=self.num_recompute_fallbacks,
                 transfer_duration_bucket_counts=counts,
                 transfer_duration_sum_s=self.transfer_duration_sum_s,
                 transfer_duration_p50_s=_quantile(counts, 0.50),

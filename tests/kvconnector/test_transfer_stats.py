@@ -12,12 +12,12 @@ def test_snapshot_counts_transfers_and_reports_latency_quantiles() -> None:
                           duration_s=0.3)
     stats.record_sent(2, 2048)
     stats.record_dedup_skipped(5)
-    stats.record_recompute_fallback()
+    stats.record_lease_renewal()
     snapshot = stats.snapshot()
     assert snapshot.num_successful_transfers == 99 and snapshot.num_failed_transfers == 1
     assert snapshot.num_blocks_received == 99 * 4 + 3 and snapshot.num_failed_blocks == 1
     assert snapshot.num_bytes_sent == 2048 and snapshot.num_dedup_skipped_blocks == 5
-    assert snapshot.num_recompute_fallbacks == 1
+    assert snapshot.num_lease_renewals == 1
     assert snapshot.transfer_duration_p50_s == 0.005
     assert snapshot.transfer_duration_p99_s == 0.5
     assert sum(snapshot.transfer_duration_bucket_counts) == 100
