@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from pdserve.prefill.engine_host import EngineHost
+from pdserve.engine.engine_host import EngineHost
+from pdserve.engine.messages import WorkerSpec
 
 
 class DecodeWorker(EngineHost):
@@ -14,4 +15,8 @@ class DecodeWorker(EngineHost):
     output token (the first equals the prefill's). Without params it recomputes the prompt.
     """
 
-    role = "consumer"
+    def __init__(self, spec: WorkerSpec) -> None:
+        if spec.role != "consumer":
+            raise ValueError(f"a DecodeWorker runs the consumer side, but {spec.worker_id!r} "
+                             f"has role {spec.role!r}")
+        super().__init__(spec)

@@ -41,22 +41,22 @@ def worker_actor_options(config: PDServeConfig) -> dict[str, Any]:
 
 
 def build(config: PDServeConfig) -> Application:
-    config_dict = config.to_dict()
+    """The gateway bound to every worker's deployment; each worker gets its own spec."""
     actor_options = worker_actor_options(config)
 
-    def bind_workers(cls, prefix: str, count: int) -> dict[str, Application]:
+    def bind_workers(cls, role: str, count: int) -> dict[str, Application]:
         bound = {}
         for index in range(count):
-            worker_id = f"{prefix}-{index}"
+            spec = config.worker_spec(role, index)
             deployment = serve.deployment(cls).options(
-                name=worker_id, num_replicas=1, ray_actor_options=actor_options,
+                name=spec.worker_id, num_replicas=1, ray_actor_options=actor_options,
                 max_ongoing_requests=_WORKER_MAX_ONGOING, health_check_period_s=5)
-            bound[worker_id] = deployment.bind(config_dict, worker_id)
+            bound[spec.worker_id] = deployment.bind(spec)
         return bound
 
-    prefill = bind_workers(PrefillWorker, "prefill", config.num_prefill)
-    decode = bind_workers(DecodeWorker, "decode", config.num_decode)
-    return Gateway.bind(config_dict, prefill, decode)
+    prefill = bind_workers(PrefillWorker, "producer", config.num_prefill)
+    decode = bind_workers(DecodeWorker, "consumer", config.num_decode)
+    return Gateway.bind(config.gateway_config(), prefill, decode)
 
 
 def build_app(args: dict[str, Any]) -> Application:

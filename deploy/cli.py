@@ -5,8 +5,10 @@
                                                                   # the Serve app stays up (detached)
     pdserve generate "Once upon a time" --max-tokens 32           # streams over HTTP
     pdserve stats                                                 # per-worker table
+    pdserve status                                                # the app's deployments and replicas
     pdserve down --address auto                                   # deletes the app
-    pdserve demo                                                  # up, a burst of shared-prefix prompts, stats, down
+    pdserve demo                                                  # up (1+1), a burst of shared-prefix prompts,
+                                                                  # the outputs and the stats table, down
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import signal
 import sys
 import time
 import urllib.error
@@ -33,32 +36,58 @@ def _url(args) -> str:
 
 
 def cmd_up(args) -> int:
-    from pdserve.deploy.cluster import base_url, deploy, init_ray
+    from pdserve.deploy.cluster import base_url, deploy, init_ray, remember_local_cluster
 
     config = PDServeConfig.from_cli(args)
     init_ray(config.ray_address)
     seconds = deploy(config)
+    if not config.ray_address:
+        remember_local_cluster(config)
     print(f"pdserve: {config.num_prefill} prefill + {config.num_decode} decode workers of "
           f"{config.model_name!r} up in {seconds:.1f}s at {base_url(config)}/v1")
     if config.ray_address:
         return 0  # the app lives on in the cluster; `pdserve down` removes it
-    print("Ctrl-C to stop")
+    print(f"try: pdserve generate 'Hello' --url {base_url(config)}   |   "
+          f"pdserve stats --url {base_url(config)}")
+    print("Ctrl-C (or SIGTERM) to stop")
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        from ray import serve
-
-        serve.shutdown()
+        _stop(config)
     return 0
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop(config: PDServeConfig) -> None:
+    """Removes the app: on a joined cluster only the app; an embedded cluster goes down whole."""
+    import ray
+    from ray import serve
+
+    from pdserve.deploy.cluster import forget_local_cluster
+
+    if config.ray_address:
+        serve.delete(config.app_name)
+    else:
+        forget_local_cluster()
+        ray.shutdown()
+
+
+def _join(args) -> None:
+    """Joins ``--address``, else the cluster a local ``pdserve up`` recorded, else ``auto``."""
+    from pdserve.deploy.cluster import init_ray, local_cluster_address
+
+    init_ray(args.address or local_cluster_address() or "auto")
 
 
 def cmd_down(args) -> int:
     from ray import serve
 
-    from pdserve.deploy.cluster import init_ray
-
-    init_ray(args.address)
+    _join(args)
     serve.delete(args.app_name)
     print(f"pdserve: deleted app {args.app_name!r}")
     return 0
@@ -67,9 +96,7 @@ def cmd_down(args) -> int:
 def cmd_status(args) -> int:
     from ray import serve
 
-    from pdserve.deploy.cluster import init_ray
-
-    init_ray(args.address)
+    _join(args)
     status = serve.status()
     for name, app in status.applications.items():
         print(f"{name}: {app.status}")
@@ -145,13 +172,13 @@ DEMO_QUESTIONS = ["what is a KV cache?", "why split prefill and decode?", "how d
 
 
 def cmd_demo(args) -> int:
-    from ray import serve
-
+    """Up, a warm-up request then a concurrent burst over two shared prefixes, the outputs
+    and the stats table (prefix hits, blocks moved, dedup), down. Exit 0 when all answered."""
     from pdserve.deploy.cluster import base_url, deploy, init_ray
 
     config = PDServeConfig.from_cli(args)
-    init_ray(config.ray_address, num_cpus=2)
     start = time.perf_counter()
+    init_ray(config.ray_address, num_cpus=2)
     print(f"starting {config.num_prefill} prefill + {config.num_decode} decode workers ...")
     print(f"up in {deploy(config):.1f}s")
     url = base_url(config)
@@ -172,12 +199,15 @@ def cmd_demo(args) -> int:
         with _http(f"{url}/stats") as response:
             print(format_stats(json.loads(response.read())))
     finally:
-        serve.shutdown()
+        _stop(config)
     print(f"demo done in {time.perf_counter() - start:.1f}s")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pdserve.deploy.cluster import configure_ray_env
+
+    configure_ray_env()
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     for name, func in (("up", cmd_up), ("demo", cmd_demo)):
@@ -185,10 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         PDServeConfig.add_cli_flags(sub)
         sub.set_defaults(func=func)
         if name == "demo":
-            sub.set_defaults(num_prefill=2, num_decode=2, port=8000)
+            sub.set_defaults(num_prefill=1, num_decode=1, port=8000)
     for name, func in (("down", cmd_down), ("status", cmd_status)):
         sub = commands.add_parser(name)
-        sub.add_argument("--address", default="auto")
+        sub.add_argument("--address", help="Ray address (default: the local `pdserve up`, else auto)")
         sub.add_argument("--app-name", default="pdserve")
         sub.set_defaults(func=func)
     gen = commands.add_parser("generate")

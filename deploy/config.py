@@ -22,6 +22,11 @@ from typing import Any, Literal
 import yaml
 
 from pdserve.engine.engine_config import EngineConfig
+from pdserve.engine.messages import WorkerSpec
+from pdserve.kvconnector.connector_config import KVConnectorConfig
+from pdserve.prefill.gateway_config import GatewayConfig
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass(slots=True)
@@ -36,6 +41,7 @@ class PDServeConfig:
     kv_failure_policy: Literal["recompute", "fail"] = "recompute"
     lease_ttl_s: float = 30.0
     kv_transfer_host: str | None = None  # None: loopback when host is, else the node's address
+    kv_transfer_port: int = 0  # 0: any free port; N: prefill-i's KV service listens on N + i
     kv_transfer_secret: str | None = None  # shared secret the KV transfer service requires
     # Engine settings shared by every worker.
     block_size: int = 16
@@ -56,7 +62,9 @@ class PDServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     grpc_port: int = 0  # 0: no gRPC Generate service
-    max_inflight_requests: int = 256  # beyond: 503 with Retry-After
+    max_inflight_requests: int = 256  # beyond: 429 with Retry-After (503: no worker available)
+    retry_after_s: int = 1  # the Retry-After of a 429 or 503
+    worker_timeout_s: float = 5.0  # a worker silent this long leaves routing (503 if none left)
     max_load_imbalance: int = 4
     # Ray.
     ray_address: str | None = None  # None: start an embedded local cluster
@@ -73,6 +81,8 @@ class PDServeConfig:
             raise ValueError(f"transport must be 'grpc' or 'nixl', got {self.transport!r}")
         if self.max_inflight_requests < 1:
             raise ValueError("max_inflight_requests must be at least 1")
+        if not 0 <= self.kv_transfer_port < 65536:
+            raise ValueError(f"kv_transfer_port must be a TCP port or 0, got {self.kv_transfer_port}")
 
     @property
     def model_name(self) -> str:
@@ -81,6 +91,36 @@ class PDServeConfig:
     @property
     def colocated(self) -> bool:
         return self.num_decode == 0
+
+    def worker_spec(self, role: Literal["producer", "consumer"], index: int) -> WorkerSpec:
+        """Worker ``index`` of a role: the engine every worker shares, and its connector side.
+
+        A colocated deployment's prefill workers get no connector (they run role ``both``).
+        The KV transfer service (prefill side) listens on ``kv_transfer_host``, else on
+        loopback when the ingress is on loopback, else on the node's address (resolved inside
+        the worker), at ``kv_transfer_port + index`` when a port is set.
+        """
+        worker_id = f"{'prefill' if role == 'producer' else 'decode'}-{index}"
+        engine = self.engine_config(engine_id=worker_id, device=self.device)
+        if self.colocated:
+            return WorkerSpec(worker_id, engine)
+        on_loopback = self.host in _LOOPBACK
+        transfer_host = self.kv_transfer_host or "127.0.0.1"
+        port = self.kv_transfer_port + index if self.kv_transfer_port and role == "producer" else 0
+        connector = KVConnectorConfig(
+            role=role, transport=self.transport, host=transfer_host, port=port,
+            secret=self.kv_transfer_secret, lease_ttl_s=self.lease_ttl_s,
+            failure_policy=self.kv_failure_policy)
+        return WorkerSpec(worker_id, engine, connector,
+                          advertise_node_address=not self.kv_transfer_host and not on_loopback)
+
+    def gateway_config(self) -> GatewayConfig:
+        return GatewayConfig(model=self.model, model_name=self.model_name, host=self.host,
+                             grpc_port=self.grpc_port,
+                             max_inflight_requests=self.max_inflight_requests,
+                             max_load_imbalance=self.max_load_imbalance,
+                             retry_after_s=self.retry_after_s,
+                             worker_timeout_s=self.worker_timeout_s)
 
     def engine_config(self, engine_id: str, device: str) -> EngineConfig:
         """The ``EngineConfig`` of one worker; only ``engine_id`` and ``device`` differ."""

@@ -192,6 +192,21 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._tracked) or self.scheduler.has_unfinished_requests()
 
+    @property
+    def num_running(self) -> int:
+        """Requests in the running batch."""
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued to start, including those waiting for remote KV."""
+        return len(self.scheduler.waiting) + len(self.scheduler.waiting_for_remote_kvs)
+
+    @property
+    def num_leases_held(self) -> int:
+        """Finished requests whose blocks stay pinned under a lease for a decode worker."""
+        return len(self.scheduler.held_for_transfer)
+
     # ---- one step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         scheduler = self.scheduler

@@ -1,10 +1,12 @@
-"""Typed messages for the Ray calls between the gateway and the workers.
+"""Typed messages for the Ray calls between the deployer, the gateway and the workers.
 
 Everything that crosses the gateway ↔ worker boundary is one of these dataclasses (STYLE:
 no dicts of loose keys between actors). The KV plane (worker ↔ worker) speaks protobuf
 (``proto/kv_transfer.proto``) instead.
 
-    gateway                                   PrefillWorker / DecodeWorker
+    deploy/ (app builder)                     PrefillWorker / DecodeWorker
+       │── WorkerSpec (actor init arg) ────────▶ │  EngineHost(spec): engine + connector
+    gateway
        │── WorkerRequest ──────────────────────▶ │  engine.add_request(...)
        │◀───────────── GenerationChunk (stream) ─│  one per engine step that changed it
        │── kv_events(since_seq) ───────────────▶ │
@@ -18,8 +20,40 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvconnector.connector_config import KVConnectorConfig
 from pdserve.kvconnector.transfer_params import KVTransferParams
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    """What one worker is, decided by the deployer and handed to the worker's actor.
+
+    The worker needs no deployment-wide config: its engine settings, its connector side (or
+    none: a colocated worker, role ``both``) and the name it is served under are all here.
+    Some values are only known inside the actor and are filled in there:
+
+    - ``engine.engine_id`` gets the worker's instance id appended, so a restarted worker is
+      a new KV peer;
+    - ``engine.device == "auto"`` becomes ``cuda`` when the actor got a GPU, else ``cpu``;
+    - ``advertise_node_address``: the connector's ``host`` is replaced by the node's
+      address, which decode workers on other nodes can reach (a multi-node cluster).
+    """
+
+    worker_id: str
+    engine: EngineConfig
+    connector: KVConnectorConfig | None = None
+    advertise_node_address: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            raise ValueError("a worker needs a non-empty worker_id")
+
+    @property
+    def role(self) -> str:
+        """``producer`` (prefill), ``consumer`` (decode) or ``both`` (colocated)."""
+        return self.connector.role if self.connector is not None else "both"
 
 
 @dataclass(slots=True)

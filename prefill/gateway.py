@@ -6,9 +6,14 @@ accept and refuse exactly the same requests.
 
     POST /v1/completions   stream (SSE) or not; prompt as text or token ids
     GET  /v1/models        the one served model
-    GET  /health           200 when the workers answer
+    GET  /health           200 while each role has an answering worker, else 503
     GET  /stats            JSON: gateway latencies, each worker's counters, totals
     GET  /metrics          Prometheus text (vLLM names where one exists)
+
+Refusals are OpenAI-style error bodies: 400/404 for bad input, 429 with ``Retry-After``
+when ``max_inflight_requests`` are already in flight, 503 with ``Retry-After`` when no
+worker of a needed role is available. gRPC maps them to INVALID_ARGUMENT, NOT_FOUND,
+RESOURCE_EXHAUSTED and UNAVAILABLE.
 """
 
 
@@ -25,7 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
 
-from pdserve.deploy.config import PDServeConfig
+from pdserve.prefill.gateway_config import GatewayConfig
 from pdserve.prefill.protocol import (
     APIError,
     completion_chunk,
@@ -55,8 +60,12 @@ def load_tokenizer(model: str):
     return load_hf_tokenizer(Path(model), load_model_config(model))
 
 
-def _error_response(error: APIError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if error.status in (429, 503) else None
+def _error_response(service: GenerationService, error: APIError) -> JSONResponse:
+    """The error body; a refusal the client should retry (429, 503) says when."""
+    service.metrics.record_rejected(error.status)
+    headers = None
+    if error.status in (429, 503):
+        headers = {"Retry-After": str(service.config.retry_after_s)}
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
@@ -74,6 +83,10 @@ async def _sse(service: GenerationService, request_id: str, first: StreamDelta, 
                 delta = await anext(stream)
             except StopAsyncIteration:
                 break
+            except APIError as error:  # the status is sent: report it as an error event
+                service.metrics.record_rejected(error.status)
+                yield f"data: {json.dumps(error.body())}\n\n"
+                break
         yield "data: [DONE]\n\n"
     finally:
         await stream.aclose()  # on a client disconnect: cancels the worker streams
@@ -87,7 +100,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     """``Generate``: the same validation and flow as ``POST /v1/completions``."""
 
     _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
-               429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.RESOURCE_EXHAUSTED}
+               429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
 
     def __init__(self, service: GenerationService) -> None:
         self.service = service
@@ -99,8 +112,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             token_ids, params = service.prepare(parsed)
             service.admit()
         except APIError as error:
-            await context.abort(self._STATUS.get(error.status, grpc.StatusCode.INVALID_ARGUMENT),
-                                error.message)
+            await self._abort(context, error)
             return
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
         stream = service.generate(request_id, token_ids, params)
@@ -112,10 +124,15 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                     num_prompt_tokens=delta.num_prompt_tokens,
                     num_cached_tokens=delta.num_cached_tokens)
         except APIError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error.message)
+            await self._abort(context, error)
         finally:
             await stream.aclose()
             service.release()
+
+    async def _abort(self, context, error: APIError) -> None:
+        self.service.metrics.record_rejected(error.status)
+        await context.abort(self._STATUS.get(error.status, grpc.StatusCode.INVALID_ARGUMENT),
+                            error.message)
 
     def _parse(self, request: generate_pb2.GenerateRequest) -> ParsedCompletion:
         which = request.WhichOneof("prompt")
@@ -135,7 +152,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                                 prompt_token_ids=token_ids, params=params, stream=True)
 
 
-async def start_grpc_server(service: GenerationService, config: PDServeConfig) -> grpc.aio.Server:
+async def start_grpc_server(service: GenerationService, config: GatewayConfig) -> grpc.aio.Server:
     server = grpc.aio.server()
     generate_pb2_grpc.add_GenerateServicer_to_server(GenerateServicer(service), server)
     port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
@@ -155,8 +172,8 @@ async def start_grpc_server(service: GenerationService, config: PDServeConfig) -
 class Gateway:
     """Ingress replica: owns the router and talks to every worker by its handle."""
 
-    def __init__(self, config: dict, prefill: dict, decode: dict) -> None:
-        self.config = PDServeConfig.from_dict(config)
+    def __init__(self, config: GatewayConfig, prefill: dict, decode: dict) -> None:
+        self.config = config
         self.workers = WorkerPool(prefill, decode)
         self.service: GenerationService | None = None
         self._ready = asyncio.Lock()
@@ -194,16 +211,14 @@ class Gateway:
             token_ids, params = service.prepare(parsed)
             service.admit()
         except APIError as error:
-            if error.status != 503:
-                service.metrics.record_rejected(error.status)
-            return _error_response(error)
+            return _error_response(service, error)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = service.generate(request_id, token_ids, params)
         try:
             first = await anext(stream)
         except APIError as error:
             service.release()
-            return _error_response(error)
+            return _error_response(service, error)
         except BaseException:
             service.release()
             raise
@@ -212,6 +227,8 @@ class Gateway:
                                      media_type="text/event-stream")
         try:
             deltas = [first] + [delta async for delta in stream]
+        except APIError as error:
+            return _error_response(service, error)
         finally:
             await stream.aclose()  # a cancelled request (client gone) aborts on the workers
             service.release()
@@ -225,10 +242,17 @@ class Gateway:
         return models_response(self.config.model_name, self._created)
 
     @app.get("/health")
-    async def health(self) -> dict:
+    async def health(self) -> JSONResponse:
+        """200 while every role has an available worker; 503 names the unavailable ones."""
         service = await self._get_service()
-        return {"status": "ok", "model": service.model_name,
-                "workers": len(await service.worker_stats())}
+        router = service.router
+        unavailable = [w for w in service.workers.all if not router.is_available(w)]
+        serving = (any(router.is_available(w) for w in service.workers.prefill)
+                   and (not service.workers.decode
+                        or any(router.is_available(w) for w in service.workers.decode)))
+        return JSONResponse({"status": "ok" if serving else "unavailable",
+                             "model": service.model_name, "workers": len(service.workers.all),
+                             "unavailable": unavailable}, status_code=200 if serving else 503)
 
     @app.get("/stats")
     async def stats(self) -> dict:

@@ -37,9 +37,18 @@ class APIError(Exception):
                           "code": self.code}}
 
 
-def overloaded(limit: int) -> APIError:
-    return APIError(503, f"the server is at its limit of {limit} requests in flight; retry later",
-                    type="server_overloaded", code="overloaded")
+def too_many_requests(limit: int) -> APIError:
+    """429: the gateway's in-flight queue is full; the client should retry after a pause."""
+    return APIError(429, f"the server is at its limit of {limit} requests in flight; "
+                         f"retry after the Retry-After interval", type="requests",
+                    code="rate_limit_exceeded")
+
+
+def no_worker_available(role: str) -> APIError:
+    """503: no worker of a needed role answers (dead, restarting); not the client's load."""
+    return APIError(503, f"no {role} worker is available right now (restarting or down); "
+                         f"retry after the Retry-After interval", type="server_error",
+                    code="no_worker_available")
 
 
 class CompletionRequest(BaseModel):

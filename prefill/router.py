@@ -28,14 +28,27 @@ from pdserve.cache import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
 from pdserve.engine.messages import KVEventBatch
 
 
+class NoWorkerAvailable(RuntimeError):
+    """Every worker of the needed role is down or not answering (the gateway sends 503)."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__(f"no {role} worker is available")
+        self.role = role
+
+
 @dataclass(slots=True)
 class WorkerIndex:
-    """What the router knows of one worker: its instance, event cursor, hashes and load."""
+    """What the router knows of one worker: its instance, event cursor, hashes and load.
+
+    ``available`` is False while the worker does not answer (dead, restarting, hung): it
+    is not picked until it answers again.
+    """
 
     instance_id: str | None = None
     next_seq: int = 0
     block_hashes: set[BlockHash] = field(default_factory=set)
     load: int = 0
+    available: bool = True
 
 
 @dataclass(slots=True)
@@ -112,7 +125,17 @@ class Router:
     def reset_worker(self, worker_id: str) -> None:
         """Drops a worker's entries (restarted); it stays a candidate with an empty cache."""
         if worker_id in self._workers:
-            self._workers[worker_id] = WorkerIndex(load=self._workers[worker_id].load)
+            old = self._workers[worker_id]
+            self._workers[worker_id] = WorkerIndex(load=old.load, available=old.available)
+
+    def set_available(self, worker_id: str, available: bool) -> None:
+        """Takes a worker out of routing (it stopped answering) or puts it back."""
+        if worker_id in self._workers:
+            self._workers[worker_id].available = available
+
+    def is_available(self, worker_id: str) -> bool:
+        index = self._workers.get(worker_id)
+        return index is not None and index.available
 
     # ------------------------------------------------------------------ load
 
@@ -131,14 +154,19 @@ class Router:
     # ------------------------------------------------------------------ choice
 
     def pick_prefill(self, block_hashes: list[BlockHash]) -> RouteChoice:
-        """The prefill worker with the longest cached prefix of ``block_hashes``."""
-        return self._pick(self._prefill_ids, block_hashes, self._prefix_match)
+        """The prefill worker with the longest cached prefix of ``block_hashes``.
+
+        Raises ``NoWorkerAvailable`` when no prefill worker is available.
+        """
+        return self._pick("prefill", self._prefill_ids, block_hashes, self._prefix_match)
 
     def pick_decode(self, block_hashes: list[BlockHash]) -> RouteChoice | None:
-        """The decode worker holding most of ``block_hashes``; None when there is none."""
+        """The decode worker holding most of ``block_hashes``; None when the deployment has
+        none (colocated). Raises ``NoWorkerAvailable`` when it has some but none is available.
+        """
         if not self._decode_ids:
             return None
-        return self._pick(self._decode_ids, block_hashes, self._count_held)
+        return self._pick("decode", self._decode_ids, block_hashes, self._count_held)
 
     @staticmethod
     def _prefix_match(held: set[BlockHash], block_hashes: list[BlockHash]) -> int:
@@ -153,9 +181,11 @@ class Router:
     def _count_held(held: set[BlockHash], block_hashes: list[BlockHash]) -> int:
         return sum(1 for block_hash in block_hashes if block_hash in held)
 
-    def _pick(self, worker_ids: list[str], block_hashes: list[BlockHash], score) -> RouteChoice:
+    def _pick(self, role: str, all_ids: list[str], block_hashes: list[BlockHash],
+              score) -> RouteChoice:
+        worker_ids = [w for w in all_ids if self._workers[w].available]
         if not worker_ids:
-            raise RuntimeError("no worker of this role is registered with the router")
+            raise NoWorkerAvailable(role)
         loads = [self._workers[w].load for w in worker_ids]
         ceiling = min(loads) + self.max_load_imbalance
         # Rotate the start so that equal candidates are taken in turn.

@@ -7,6 +7,8 @@
                                                       DecodeWorker (user's params) ─▶ rest of the tokens
 
 A colocated deployment (no decode workers) runs the whole request on the prefill worker.
+Admission: more than ``max_inflight_requests`` at once → 429 (the client backs off); no
+available worker of a needed role (dead, restarting, not answering the event poll) → 503.
 The decode worker's stream repeats the first token; the gateway sends each token and each
 character once, and holds back text that could still turn into a stop string, so a
 streamed reply equals the non-streamed one.
@@ -26,8 +28,9 @@ from typing import Any
 from pdserve.cache import BlockHasher
 from pdserve.engine.messages import GenerationChunk, ModelInfo, WorkerRequest, WorkerStats
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.prefill.protocol import APIError, ParsedCompletion, overloaded
-from pdserve.prefill.router import Router
+from pdserve.prefill.gateway_config import GatewayConfig
+from pdserve.prefill.protocol import APIError, ParsedCompletion, no_worker_available, too_many_requests
+from pdserve.prefill.router import NoWorkerAvailable, Router
 from pdserve.prefill.stats import GatewayMetrics, stats_report
 
 logger = logging.getLogger(__name__)
@@ -82,7 +85,8 @@ def stop_safe_length(text: str, stops: list[str]) -> int:
 class GenerationService:
     """Admission, routing and the prefill → decode hand-off for one gateway."""
 
-    def __init__(self, config, workers: WorkerPool, model_info: ModelInfo, tokenizer) -> None:
+    def __init__(self, config: GatewayConfig, workers: WorkerPool, model_info: ModelInfo,
+                 tokenizer) -> None:
         self.config = config
         self.workers = workers
         self.model_info = model_info
@@ -108,15 +112,26 @@ class GenerationService:
             await asyncio.sleep(_EVENT_POLL_S)
 
     async def refresh(self, worker_id: str) -> None:
-        """Pulls a worker's new KV events into the router (one refresh per worker at a time)."""
+        """Pulls a worker's new KV events into the router (one refresh per worker at a time).
+
+        The poll doubles as the health check: a worker that fails it or does not answer in
+        ``worker_timeout_s`` leaves routing until it answers again.
+        """
         if worker_id in self._refreshing:
             return
         self._refreshing.add(worker_id)
         try:
-            batch = await self.workers.call(worker_id, "kv_events", self.router.next_seq(worker_id))
+            batch = await asyncio.wait_for(
+                self.workers.call(worker_id, "kv_events", self.router.next_seq(worker_id)),
+                self.config.worker_timeout_s)
             self.router.apply(batch)
+            if not self.router.is_available(worker_id):
+                logger.info("worker %s answers again", worker_id)
+            self.router.set_available(worker_id, True)
         except Exception as error:  # a dead worker: Serve restarts it, its new instance resets the index
-            logger.debug("kv_events from %s failed: %s", worker_id, error)
+            if self.router.is_available(worker_id):
+                logger.warning("worker %s is unavailable: %r", worker_id, error)
+            self.router.set_available(worker_id, False)
         finally:
             self._refreshing.discard(worker_id)
 
@@ -150,9 +165,9 @@ class GenerationService:
         return token_ids, params
 
     def admit(self) -> None:
+        """Takes a place in the bounded in-flight queue, or refuses with 429."""
         if self.in_flight >= self.config.max_inflight_requests:
-            self.metrics.record_rejected(503)
-            raise overloaded(self.config.max_inflight_requests)
+            raise too_many_requests(self.config.max_inflight_requests)
         self.in_flight += 1
         self.metrics.num_requests += 1
         self.metrics.in_flight.labels(self.model_name).set(self.in_flight)
@@ -165,12 +180,16 @@ class GenerationService:
                        params: SamplingParams) -> AsyncIterator[StreamDelta]:
         """Runs one admitted request; the caller must ``release()`` after the stream ends.
 
-        Raises ``APIError`` before the first delta if a worker refuses the request.
+        Raises ``APIError`` before the first delta if a worker refuses the request (400) or
+        no worker of a needed role is available (503).
         """
         start = time.perf_counter()
         hashes = self.hasher.hash_request_blocks(token_ids, self.model_info.block_size)
-        prefill_id = self.router.pick_prefill(hashes).worker_id
-        decode_choice = None if params.max_tokens == 1 else self.router.pick_decode(hashes)
+        try:
+            prefill_id = self.router.pick_prefill(hashes).worker_id
+            decode_choice = None if params.max_tokens == 1 else self.router.pick_decode(hashes)
+        except NoWorkerAvailable as error:
+            raise no_worker_available(error.role) from None
         if decode_choice is None:
             prefill_request = WorkerRequest(request_id, token_ids, params)
         else:
@@ -212,18 +231,29 @@ class GenerationService:
 
     async def _stream(self, worker_id: str, request: WorkerRequest,
                       first: bool) -> AsyncIterator[GenerationChunk]:
+        """One worker's chunks. A worker that fails before its first chunk (dead, unreachable)
+        leaves routing and the request gets a 503 (on a stream already begun: an error event)."""
         stream = self.workers.stream(worker_id, request)
-        finished = False
+        answered = finished = False
         try:
-            async for chunk in stream:
+            while not finished:
+                try:
+                    chunk = await anext(stream)
+                except StopAsyncIteration:
+                    return
+                except Exception as error:
+                    if answered:
+                        raise
+                    logger.warning("worker %s failed before answering: %r", worker_id, error)
+                    self.router.set_available(worker_id, False)
+                    raise no_worker_available("prefill" if first else "decode") from None
+                answered = True
                 if chunk.error is not None:
                     if first and chunk.num_output_tokens == 0:
                         raise APIError(400, chunk.error)
                     chunk.finish_reason = "abort"
                 finished = chunk.finished
                 yield chunk
-                if finished:
-                    return
         finally:
             if not finished and hasattr(stream, "cancel"):
                 stream.cancel()  # the client went away: abort on the worker

@@ -166,7 +166,9 @@ def stats_report(model_name: str, gateway: dict, workers: list[WorkerStats]) -> 
     totals: dict[str, float] = {name: sum(getattr(w, name) for w in workers) for name in _SUMMED}
     queries = totals["prefix_cache_queries"]
     totals["prefix_cache_hit_rate"] = totals["prefix_cache_hits"] / queries if queries else 0.0
-    totals["kv_cache_usage"] = (1.0 - totals["num_free_blocks"] / totals["num_blocks"]
-                                if totals["num_blocks"] else 0.0)
+    # Weighted by pool size, with each worker's own definition (its null block is not "used").
+    num_blocks = totals["num_blocks"]
+    totals["kv_cache_usage"] = (sum(w.kv_cache_usage * w.num_blocks for w in workers) / num_blocks
+                                if num_blocks else 0.0)
     totals["transfer_latency_p99_s"] = max((w.transfer_latency_p99_s for w in workers), default=0.0)
     return {"model": model_name, "gateway": gateway, "workers": rows, "totals": totals}

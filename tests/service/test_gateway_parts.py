@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.cache import BlockRemoved, BlockStored
-from pdserve.prefill.engine_host import KVEventLog
+from pdserve.engine.engine_host import KVEventLog
 from pdserve.prefill.protocol import APIError, parse_completion
 from pdserve.prefill.router import Router
 from pdserve.prefill.service import stop_safe_length

@@ -6,7 +6,7 @@ import pytest
 
 from pdserve.cache import AllBlocksCleared, BlockRemoved, BlockStored
 from pdserve.engine.messages import KVEventBatch
-from pdserve.prefill.router import Router
+from pdserve.prefill.router import NoWorkerAvailable, Router
 
 H = [bytes([i]) * 16 for i in range(8)]
 
@@ -113,3 +113,15 @@ def test_a_removed_worker_is_never_picked_and_its_events_are_ignored():
 def test_a_router_without_prefill_workers_is_refused():
     with pytest.raises(ValueError, match="prefill"):
         Router([], ["d0"])
+
+
+def test_an_unavailable_worker_is_skipped_and_none_left_raises_no_worker_available():
+    router = Router(["p0", "p1"], ["d0"])
+    router.apply(batch("p0", [stored(H[0], H[1])]))
+    router.set_available("p0", False)
+    assert {router.pick_prefill(H[:2]).worker_id for _ in range(4)} == {"p1"}
+    router.set_available("d0", False)
+    with pytest.raises(NoWorkerAvailable, match="decode"):
+        router.pick_decode(H[:2])
+    router.set_available("p0", True)
+    assert router.pick_prefill(H[:2]).worker_id == "p0"  # its index survived the outage

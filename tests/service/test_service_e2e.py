@@ -1,7 +1,6 @@
-"""The service end to end: OpenAI client → gateway → prefill → KV transfer → decode.
+"""The 2 prefill + 2 decode service end to end: OpenAI client → gateway → prefill → KV → decode.
 
-One local Ray cluster and one 2 prefill + 2 decode app for the module. Every output must
-equal the colocated ``LLMEngine`` for the same prompt and params.
+Every output must equal the colocated ``LLMEngine`` for the same prompt and params.
 """
 
 from __future__ import annotations
@@ -14,26 +13,19 @@ import urllib.request
 import openai
 import pytest
 
-from pdserve.deploy.cluster import base_url, deploy, init_ray
-from pdserve.deploy.config import PDServeConfig
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.deploy.cluster import base_url
 from pdserve.engine.sampling_params import SamplingParams
+from service_apps import expected_text, get_json, is_drained, running_app, wait_until_drained
 
-PORT = 8031
 PREFIX = "System: you are a careful assistant who answers in one short line. User asks: "
 PROMPTS = [PREFIX + q for q in ("what is paged attention?", "why disaggregate?",
                                 "what is a lease?", "how is a block hashed?")]
 
 
 @pytest.fixture(scope="module")
-def service():
-    from ray import serve
-
-    init_ray(None, num_cpus=2)
-    config = PDServeConfig(num_prefill=2, num_decode=2, port=PORT, num_kv_blocks=256)
-    deploy(config)
-    yield config
-    serve.shutdown()
+def service(ray_cluster):
+    with running_app(num_prefill=2, num_decode=2, app_name="pd22", route_prefix="/pd22") as config:
+        yield config
 
 
 @pytest.fixture(scope="module")
@@ -41,26 +33,12 @@ def client(service):
     return openai.OpenAI(base_url=base_url(service) + "/v1", api_key="unused", max_retries=0)
 
 
-@pytest.fixture(scope="module")
-def colocated():
-    return LLMEngine.from_pretrained("tiny", num_kv_blocks=256)
-
-
-def _expected(engine: LLMEngine, prompt: str, params: SamplingParams) -> str:
-    return engine.generate([prompt], params)[0].text
-
-
-def _stats(config) -> dict:
-    with urllib.request.urlopen(base_url(config) + "/stats") as response:
-        return json.loads(response.read())
-
-
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, seed=1234)],
                          ids=["greedy", "seeded"])
 def test_streamed_and_whole_completions_equal_the_colocated_engine(client, colocated, sampling):
     for prompt in PROMPTS:
         params = SamplingParams(max_tokens=12, **sampling)
-        expected = _expected(colocated, prompt, params)
+        expected = expected_text(colocated, prompt, params)
         whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, **sampling)
         assert whole.choices[0].text == expected
         stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=12,
@@ -70,30 +48,30 @@ def test_streamed_and_whole_completions_equal_the_colocated_engine(client, coloc
 
 def test_token_id_prompts_stop_strings_and_one_token_requests_equal_colocated(client, colocated):
     ids = colocated.tokenizer.encode(PROMPTS[0])
-    expected = colocated.generate([ids], SamplingParams(max_tokens=8, temperature=0))[0].text
+    expected = expected_text(colocated, ids, SamplingParams(max_tokens=8, temperature=0))
     assert client.completions.create(model="tiny", prompt=ids, max_tokens=8,
                                      temperature=0).choices[0].text == expected
-    one = colocated.generate([PROMPTS[1]], SamplingParams(max_tokens=1, temperature=0))[0].text
+    one = expected_text(colocated, PROMPTS[1], SamplingParams(max_tokens=1, temperature=0))
     assert client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=1,
                                      temperature=0).choices[0].text == one
     # A stop string made of a printable character the colocated output reaches after its start.
     prompt, stop = next((p, ch) for p in PROMPTS
-                        for ch in _expected(colocated, p, SamplingParams(max_tokens=16, temperature=0))[1:]
+                        for ch in expected_text(colocated, p, SamplingParams(max_tokens=16, temperature=0))[1:]
                         if ch.isascii() and ch.isprintable())
-    expected = _expected(colocated, prompt, SamplingParams(max_tokens=16, temperature=0, stop=[stop]))
+    expected = expected_text(colocated, prompt, SamplingParams(max_tokens=16, temperature=0, stop=[stop]))
     streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=16,
                                          temperature=0, stop=[stop], stream=True)
     assert "".join(c.choices[0].text for c in streamed) == expected
 
 
 def test_a_repeated_prefix_hits_the_routed_workers_cache(client, service):
-    before = _stats(service)["totals"]["prefix_cache_hits"]
+    before = get_json(service, "/stats")["totals"]["prefix_cache_hits"]
     prompt = PREFIX + "tell me about caches, in detail please."
     client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
     time.sleep(0.6)  # the router's event poll
     client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
     full_blocks = (len(prompt.encode()) - 1) // 16
-    hits = _stats(service)["totals"]["prefix_cache_hits"] - before
+    hits = get_json(service, "/stats")["totals"]["prefix_cache_hits"] - before
     assert hits >= full_blocks * 16
 
 
@@ -118,9 +96,9 @@ def test_bad_input_gets_4xx_with_a_message_and_the_service_keeps_serving(client,
 
 def test_models_health_and_metrics_answer(service):
     base = base_url(service)
-    models = json.loads(urllib.request.urlopen(base + "/v1/models").read())
-    assert models["data"][0]["id"] == "tiny"
-    assert json.loads(urllib.request.urlopen(base + "/health").read())["status"] == "ok"
+    assert get_json(service, "/v1/models")["data"][0]["id"] == "tiny"
+    health = get_json(service, "/health")
+    assert (health["status"], health["unavailable"]) == ("ok", [])
     metrics = urllib.request.urlopen(base + "/metrics").read().decode()
     for name in ("vllm:prefix_cache_queries_total", "vllm:time_to_first_token_seconds_bucket",
                  "vllm:kv_cache_usage_perc", "pdserve:kv_transfer_blocks_received_total"):
@@ -128,14 +106,7 @@ def test_models_health_and_metrics_answer(service):
 
 
 def test_after_the_load_drains_every_block_is_free_and_no_lease_is_held(service):
-    deadline = time.time() + 20
-    while True:
-        workers = _stats(service)["workers"]
-        idle = all(w["num_leases_held"] == 0 and w["kv_cache_usage"] == 0.0
-                   and w["num_running"] == 0 and w["num_waiting"] == 0 for w in workers)
-        if idle or time.time() > deadline:
-            break
-        time.sleep(0.2)
+    workers = wait_until_drained(service)
     assert len(workers) == 4
-    assert idle, [(w["worker_id"], w["num_leases_held"], w["kv_cache_usage"], w["num_running"], w["num_waiting"]) for w in workers]
+    assert all(is_drained(w) for w in workers), workers
     assert sum(w["blocks_received"] for w in workers) > 0  # KV did move prefill → decode

@@ -2,6 +2,8 @@
 
 Both worker kinds (``PrefillWorker``, ``DecodeWorker``) are this host with a role; they
 differ only in which connector side they run and which requests the gateway sends them.
+It lives in ``engine`` because both sides run it: it knows a ``WorkerSpec``, never the
+deployment's config, so ``prefill``/``decode`` import it and ``deploy`` builds the specs.
 
 The engine is not thread-safe, so exactly one thread ever touches it: the host's *engine
 thread*. Calls from the actor's event loop (add, abort) are queued and applied by that
@@ -16,18 +18,29 @@ thread before its next step; outputs travel back to each request's asyncio queue
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
-from pdserve.deploy.config import PDServeConfig
-from pdserve.engine.messages import GenerationChunk, KVEventBatch, ModelInfo, WorkerRequest, WorkerStats
+from pdserve.cache import AllBlocksCleared, BlockRemoved, BlockStored
 from pdserve.engine.engine_config import EngineConfig
+from pdserve.engine.messages import (
+    GenerationChunk,
+    KVEventBatch,
+    ModelInfo,
+    WorkerRequest,
+    WorkerSpec,
+    WorkerStats,
+)
 from pdserve.engine.request_output import RequestOutput
-from pdserve.kvconnector.base import KVConnectorBase
+
+if TYPE_CHECKING:
+    from pdserve.kvconnector.base import KVConnectorBase
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +66,6 @@ class KVEventLog:
         self._lock = threading.Lock()
 
     def extend(self, events: list) -> None:
-        from pdserve.cache import AllBlocksCleared, BlockRemoved, BlockStored
-
         with self._lock:
             for event in events:
                 if isinstance(event, BlockStored):
@@ -80,50 +91,36 @@ class KVEventLog:
 class EngineHost:
     """Hosts one engine and serves ``generate`` streams, ``kv_events`` and ``stats``."""
 
-    role = "both"
-
-    def __init__(self, config: PDServeConfig | dict, worker_id: str) -> None:
+    def __init__(self, spec: WorkerSpec) -> None:
         from pdserve.engine.llm_engine import LLMEngine
 
-        if isinstance(config, dict):  # Serve passes init args as plain data
-            config = PDServeConfig.from_dict(config)
-        self.config = config
-        self.worker_id = worker_id
+        if not isinstance(spec, WorkerSpec):
+            raise TypeError(f"a worker is built from a WorkerSpec, got {type(spec).__name__}")
+        self.spec = spec
+        self.worker_id = spec.worker_id
+        self.role = spec.role
         self.instance_id = uuid.uuid4().hex
-        device = _pick_device(config.device)
-        engine_config = config.engine_config(engine_id=f"{worker_id}-{self.instance_id[:8]}",
-                                             device=device)
-        connector = self._make_connector(engine_config)
-        self.engine = LLMEngine(engine_config, connector=connector)
-        self.events = KVEventLog(worker_id, self.instance_id)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{worker_id}-engine")
+        engine_config = dataclasses.replace(
+            spec.engine, engine_id=f"{spec.engine.engine_id}-{self.instance_id[:8]}",
+            device=_pick_device(spec.engine.device))
+        self.engine = LLMEngine(engine_config, connector=_make_connector(spec, engine_config))
+        self.events = KVEventLog(self.worker_id, self.instance_id)
+        self._executor = ThreadPoolExecutor(max_workers=1,
+                                            thread_name_prefix=f"{self.worker_id}-engine")
         self._ops: list[Callable[[], None]] = []
         self._ops_lock = threading.Lock()
         self._streams: dict[str, asyncio.Queue] = {}
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
 
-    def _make_connector(self, engine_config: EngineConfig) -> KVConnectorBase | None:
-        """The P/D connector of this role; None for a colocated worker."""
-        if self.role == "both":
-            return None
-        from pdserve.kvconnector.connector_config import KVConnectorConfig
-        from pdserve.kvconnector.pd_connector import PDConnector
-
-        connector_config = KVConnectorConfig(
-            role=self.role, transport=self.config.transport, host=_transfer_host(self.config),
-            port=0, secret=self.config.kv_transfer_secret, lease_ttl_s=self.config.lease_ttl_s,
-            failure_policy=self.config.kv_failure_policy)
-        return PDConnector(connector_config, engine_config.engine_id,
-                           engine_config.hash_algorithm, engine_config.hash_seed)
-
     # ------------------------------------------------------------------ Ray methods
 
     def model_info(self) -> ModelInfo:
         tokenizer = self.engine.tokenizer
-        return ModelInfo(model=self.config.model, max_model_len=self.engine.max_model_len,
-                         block_size=self.config.block_size,
-                         hash_algorithm=self.config.hash_algorithm, hash_seed=self.config.hash_seed,
+        config = self.engine.config
+        return ModelInfo(model=config.model, max_model_len=self.engine.max_model_len,
+                         block_size=config.block_size, hash_algorithm=config.hash_algorithm,
+                         hash_seed=config.hash_seed,
                          eos_token_id=getattr(tokenizer, "eos_token_id", None))
 
     def tokenize(self, text: str) -> list[int]:
@@ -179,7 +176,6 @@ class EngineHost:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
-
     # ------------------------------------------------------------------ engine thread
 
     def _add(self, request: WorkerRequest) -> None:
@@ -228,7 +224,7 @@ class EngineHost:
         for op in ops:
             op()
         if not self.engine.has_unfinished_requests():
-            holding = self.engine.scheduler.has_held_blocks()
+            holding = self.engine.num_leases_held > 0
             if holding:
                 self.engine.step()  # lets the connector report released or expired leases
             self._take_events()
@@ -248,7 +244,7 @@ class EngineHost:
         if self.engine.has_unfinished_requests():
             return _BUSY
         # A request that just finished may hold its blocks under a lease: keep polling.
-        return _HOLDING if self.engine.scheduler.has_held_blocks() else _IDLE
+        return _HOLDING if self.engine.num_leases_held > 0 else _IDLE
 
     def _take_events(self) -> None:
         events = self.engine.take_kv_events()
@@ -261,16 +257,24 @@ class EngineHost:
             self._loop.call_soon_threadsafe(queue.put_nowait, output)
 
 
-def _transfer_host(config: PDServeConfig) -> str:
-    """The address decode workers reach this worker's KV service on: loopback on one box,
-    the node's address on a cluster (set ``kv_transfer_host`` to override)."""
-    if config.kv_transfer_host:
-        return config.kv_transfer_host
-    if config.host in ("127.0.0.1", "localhost"):
-        return "127.0.0.1"
-    import ray
+def _make_connector(spec: WorkerSpec, engine_config: EngineConfig) -> KVConnectorBase | None:
+    """The P/D connector of the spec's side; None for a colocated worker.
 
-    return ray.util.get_node_ip_address()
+    Imported here, not at module level: the engine package must not load a connector
+    implementation (and its transports) unless a worker asks for one.
+    """
+    if spec.connector is None:
+        return None
+    from pdserve.kvconnector.pd_connector import PDConnector
+
+    connector_config = spec.connector
+    if spec.advertise_node_address:
+        import ray
+
+        connector_config = dataclasses.replace(connector_config,
+                                               host=ray.util.get_node_ip_address())
+    return PDConnector(connector_config, engine_config.engine_id,
+                       engine_config.hash_algorithm, engine_config.hash_seed)
 
 
 def _pick_device(device: str) -> str:
@@ -285,11 +289,10 @@ def _worker_stats(host: EngineHost) -> WorkerStats:
     """Maps the engine's counters onto the worker's stats message."""
     engine = host.engine
     stats = engine.stats()
-    scheduler = engine.scheduler
     result = WorkerStats(
         worker_id=host.worker_id, role=host.role, instance_id=host.instance_id,
-        num_running=len(scheduler.running),
-        num_waiting=len(scheduler.waiting) + len(scheduler.waiting_for_remote_kvs),
+        num_running=engine.num_running,
+        num_waiting=engine.num_waiting,
         num_requests=stats.num_requests,
         prefix_cache_queries=stats.prefix_cache_queries,
         prefix_cache_hits=stats.prefix_cache_hits,
@@ -299,7 +302,8 @@ def _worker_stats(host: EngineHost) -> WorkerStats:
         kv_cache_usage=engine.kv_cache_manager.usage,
         num_evictions=stats.num_evictions,
         num_preemptions=stats.num_preemptions,
-        num_leases_held=len(scheduler.held_for_transfer),
+        num_leases_held=engine.num_leases_held,
+        # The scheduler's count is the authority; the connector's counts the same events.
         recompute_fallbacks=stats.num_recompute_fallbacks,
     )
     transfer = stats.transfer
@@ -313,6 +317,4 @@ def _worker_stats(host: EngineHost) -> WorkerStats:
         result.transfer_latency_p99_s = transfer.transfer_duration_p99_s
         result.transfer_failures = transfer.num_failed_transfers
         result.lease_expiries = transfer.num_lease_expiries
-        result.recompute_fallbacks = max(result.recompute_fallbacks,
-                                         transfer.num_recompute_fallbacks)
     return result

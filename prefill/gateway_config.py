@@ -1,0 +1,36 @@
+"""What the gateway needs to know, as one typed message built by the deployer.
+
+The gateway never sees the deployment's whole config (``pdserve.deploy``, a layer above):
+``deploy`` builds this from it, as it builds each worker's ``WorkerSpec``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    """Settings of the ingress: what it serves, where, and how much it admits.
+
+    ``max_inflight_requests``: requests admitted at once; one more gets ``429`` with
+    ``Retry-After: retry_after_s`` (the client should back off), while ``503`` means no
+    worker of a needed kind is available. ``worker_timeout_s``: a worker that does not
+    answer the gateway's event poll within it is taken out of routing until it answers.
+    """
+
+    model: str  # "tiny" or a local HF directory: the gateway loads only its tokenizer
+    model_name: str  # the name clients send as "model"
+    host: str = "127.0.0.1"
+    grpc_port: int = 0  # 0: no gRPC Generate service
+    max_inflight_requests: int = 256
+    max_load_imbalance: int = 4
+    retry_after_s: int = 1
+    worker_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.max_inflight_requests < 1:
+            raise ValueError(f"max_inflight_requests must be at least 1, "
+                             f"got {self.max_inflight_requests}")
+        if self.retry_after_s < 0 or self.worker_timeout_s <= 0:
+            raise ValueError("retry_after_s must be >= 0 and worker_timeout_s positive")

@@ -1,0 +1,40 @@
+"""Session fixtures of the service suite: one local Ray cluster, and the colocated reference.
+
+Starting Ray costs ≈ 5 s and each app's workers ≈ 1 s apiece on 2 cores, so every module
+deploys its shapes as named apps under their own route prefix on this one cluster and
+deletes them when done (``service_apps.running_app``): one shape runs at a time.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pdserve.deploy.cluster import configure_ray_env, init_ray
+
+configure_ray_env()  # before any test module imports ray: every Ray port on loopback
+sys.path.insert(0, str(Path(__file__).parent))
+
+from service_apps import NUM_KV_BLOCKS  # noqa: E402
+
+from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    import ray
+    from ray import serve
+
+    init_ray(None, num_cpus=2)
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def colocated() -> LLMEngine:
+    """The reference: a colocated engine with the workers' settings."""
+    return LLMEngine.from_pretrained("tiny", num_kv_blocks=NUM_KV_BLOCKS)

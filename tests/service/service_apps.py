@@ -1,0 +1,57 @@
+"""Helpers of the service suite: deploy a shape on the shared cluster, read its stats."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+
+from pdserve.deploy.cluster import base_url, deploy
+from pdserve.deploy.config import PDServeConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+
+SERVE_PORT = 8031
+NUM_KV_BLOCKS = 256
+
+
+@contextlib.contextmanager
+def running_app(**fields) -> Iterator[PDServeConfig]:
+    """Deploys one pdserve app on the shared cluster; deletes it afterwards."""
+    from ray import serve
+
+    config = PDServeConfig(port=SERVE_PORT, num_kv_blocks=NUM_KV_BLOCKS, **fields)
+    deploy(config)
+    try:
+        yield config
+    finally:
+        serve.delete(config.app_name)
+
+
+def expected_text(engine: LLMEngine, prompt: str | list[int], params: SamplingParams) -> str:
+    return engine.generate([prompt], params)[0].text
+
+
+def get_json(config: PDServeConfig, path: str) -> dict:
+    with urllib.request.urlopen(base_url(config) + path) as response:
+        return json.loads(response.read())
+
+
+
+def is_drained(worker: dict) -> bool:
+    """Nothing running or waiting, no lease, every block free (all but the null block)."""
+    return (worker["num_leases_held"] == 0 and worker["kv_cache_usage"] == 0.0
+            and worker["num_running"] == 0 and worker["num_waiting"] == 0
+            and worker["num_free_blocks"] == worker["num_blocks"] - 1)
+
+
+def wait_until_drained(config: PDServeConfig, timeout_s: float = 20.0) -> list[dict]:
+    """Polls ``/stats`` until every worker is drained (or the timeout); returns the rows."""
+    deadline = time.time() + timeout_s
+    while True:
+        workers = get_json(config, "/stats")["workers"]
+        if all(is_drained(w) for w in workers) or time.time() > deadline:
+            return workers
+        time.sleep(0.2)

@@ -1,0 +1,120 @@
+"""The 1 prefill + 1 decode shape: OpenAI and gRPC clients, admission (429), and drain.
+
+The app admits at most ``MAX_INFLIGHT`` requests at once, so a burst is partly refused with
+429. (503, no worker available, is specified in ``test_admission.py``: Serve replaces a
+killed replica and queues calls meanwhile, so a real cluster shows it only when a restart
+outlasts the gateway's worker timeout.)
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import grpc
+import openai
+import pytest
+
+from pdserve.deploy.cluster import base_url
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.proto import generate_pb2, generate_pb2_grpc
+from service_apps import expected_text, get_json, is_drained, running_app, wait_until_drained
+
+GRPC_PORT = 8032
+MAX_INFLIGHT = 3
+PROMPTS = ["Shared system prompt: answer tersely, like a terminal. Query: list files",
+           "Shared system prompt: answer tersely, like a terminal. Query: show the date",
+           "A prompt that shares nothing with the others, of moderate length."]
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster):
+    with running_app(num_prefill=1, num_decode=1, app_name="pd11", route_prefix="/pd11",
+                     grpc_port=GRPC_PORT, max_inflight_requests=MAX_INFLIGHT) as config:
+        yield config
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    return openai.OpenAI(base_url=base_url(service) + "/v1", api_key="unused", max_retries=0)
+
+
+def _post(config, body: dict) -> tuple[int, dict, dict]:
+    """(status, headers with lower-case names, JSON body) of one completion request."""
+    request = urllib.request.Request(base_url(config) + "/v1/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, _lower(response.headers), json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, _lower(error.headers), json.loads(error.read())
+
+
+def _lower(headers) -> dict[str, str]:
+    return {name.lower(): value for name, value in headers.items()}
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.7, seed=7)],
+                         ids=["greedy", "seeded"])
+def test_openai_completions_streamed_and_whole_equal_colocated(client, colocated, sampling):
+    for prompt in PROMPTS:
+        expected = expected_text(colocated, prompt, SamplingParams(max_tokens=10, **sampling))
+        whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, **sampling)
+        assert whole.choices[0].text == expected
+        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=10,
+                                           stream=True, **sampling)
+        assert "".join(chunk.choices[0].text for chunk in stream) == expected
+
+
+def test_grpc_generate_streams_the_colocated_tokens(service, colocated):
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        stub = generate_pb2_grpc.GenerateStub(channel)
+        for prompt in PROMPTS:
+            expected = colocated.generate([prompt], SamplingParams(max_tokens=10, temperature=0))[0]
+            replies = list(stub.Generate(generate_pb2.GenerateRequest(
+                text=prompt, max_tokens=10, temperature=0.0), timeout=60))
+            assert [t for r in replies for t in r.token_ids] == expected.output_token_ids
+            assert "".join(r.text for r in replies) == expected.text
+            assert replies[-1].finish_reason == expected.finish_reason
+            assert replies[-1].num_prompt_tokens == len(expected.prompt_token_ids)
+        with pytest.raises(grpc.RpcError) as caught:
+            next(stub.Generate(generate_pb2.GenerateRequest(text="hi", model="nope")))
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_burst_over_the_inflight_limit_gets_429_with_retry_after(service):
+    num_requests = 4 * MAX_INFLIGHT
+    barrier = threading.Barrier(num_requests)
+    results: list[tuple[int, dict, dict]] = []
+
+    def fire(index: int) -> None:
+        barrier.wait()
+        results.append(_post(service, {"model": "tiny", "prompt": PROMPTS[index % 3],
+                                       "max_tokens": 48, "temperature": 0, "ignore_eos": True}))
+
+    threads = [threading.Thread(target=fire, args=(i,)) for i in range(num_requests)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    statuses = sorted(status for status, _, _ in results)
+    assert set(statuses) == {200, 429}, statuses
+    assert statuses.count(200) >= MAX_INFLIGHT
+    for status, headers, body in results:
+        if status == 429:
+            assert int(headers["retry-after"]) >= 1
+            assert body["error"]["code"] == "rate_limit_exceeded" and body["error"]["message"]
+        else:
+            assert body["usage"]["completion_tokens"] == 48
+    assert get_json(service, "/stats")["gateway"]["rejected"] >= statuses.count(429)
+
+
+def test_after_the_burst_drains_every_block_is_free_and_no_lease_is_held(service):
+    workers = wait_until_drained(service)
+    assert [w["role"] for w in workers] == ["producer", "consumer"]
+    assert all(is_drained(w) for w in workers), workers
+    assert workers[1]["blocks_received"] > 0
+
