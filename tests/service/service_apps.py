@@ -34,6 +34,19 @@ def expected_text(engine: LLMEngine, prompt: str | list[int], params: SamplingPa
     return engine.generate([prompt], params)[0].text
 
 
+def assert_completions_equal_colocated(client, colocated: LLMEngine, prompts: list[str],
+                                       max_tokens: int, sampling: dict) -> None:
+    """Whole and streamed completions through the gateway equal the colocated engine's text."""
+    for prompt in prompts:
+        expected = expected_text(colocated, prompt, SamplingParams(max_tokens=max_tokens, **sampling))
+        whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
+                                          **sampling)
+        assert whole.choices[0].text == expected
+        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
+                                           stream=True, **sampling)
+        assert "".join(chunk.choices[0].text for chunk in stream) == expected
+
+
 def get_json(config: PDServeConfig, path: str) -> dict:
     with urllib.request.urlopen(base_url(config) + path) as response:
         return json.loads(response.read())

@@ -20,7 +20,7 @@ import pytest
 from pdserve.deploy.cluster import base_url
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto import generate_pb2, generate_pb2_grpc
-from service_apps import expected_text, get_json, is_drained, running_app, wait_until_drained
+from service_apps import assert_completions_equal_colocated, expected_text, get_json, is_drained, running_app, wait_until_drained
 
 GRPC_PORT = 8032
 MAX_INFLIGHT = 3
@@ -60,13 +60,7 @@ def _lower(headers) -> dict[str, str]:
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.7, seed=7)],
                          ids=["greedy", "seeded"])
 def test_openai_completions_streamed_and_whole_equal_colocated(client, colocated, sampling):
-    for prompt in PROMPTS:
-        expected = expected_text(colocated, prompt, SamplingParams(max_tokens=10, **sampling))
-        whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, **sampling)
-        assert whole.choices[0].text == expected
-        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=10,
-                                           stream=True, **sampling)
-        assert "".join(chunk.choices[0].text for chunk in stream) == expected
+    assert_completions_equal_colocated(client, colocated, PROMPTS, 10, sampling)
 
 
 def test_grpc_generate_streams_the_colocated_tokens(service, colocated):

@@ -15,7 +15,7 @@ import pytest
 
 from pdserve.deploy.cluster import base_url
 from pdserve.engine.sampling_params import SamplingParams
-from service_apps import expected_text, get_json, is_drained, running_app, wait_until_drained
+from service_apps import assert_completions_equal_colocated, expected_text, get_json, is_drained, running_app, wait_until_drained
 
 PREFIX = "System: you are a careful assistant who answers in one short line. User asks: "
 PROMPTS = [PREFIX + q for q in ("what is paged attention?", "why disaggregate?",
@@ -36,14 +36,7 @@ def client(service):
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, seed=1234)],
                          ids=["greedy", "seeded"])
 def test_streamed_and_whole_completions_equal_the_colocated_engine(client, colocated, sampling):
-    for prompt in PROMPTS:
-        params = SamplingParams(max_tokens=12, **sampling)
-        expected = expected_text(colocated, prompt, params)
-        whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, **sampling)
-        assert whole.choices[0].text == expected
-        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=12,
-                                           stream=True, **sampling)
-        assert "".join(chunk.choices[0].text for chunk in stream) == expected
+    assert_completions_equal_colocated(client, colocated, PROMPTS, 12, sampling)
 
 
 def test_token_id_prompts_stop_strings_and_one_token_requests_equal_colocated(client, colocated):
