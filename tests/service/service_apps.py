@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -13,8 +14,17 @@ from pdserve.deploy.config import PDServeConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 
-SERVE_PORT = 8031
 NUM_KV_BLOCKS = 256
+
+
+def free_port() -> int:
+    """A port nothing listens on now, so suites running side by side do not collide."""
+    with contextlib.closing(socket.socket()) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+SERVE_PORT = free_port()
 
 
 @contextlib.contextmanager

@@ -7,9 +7,11 @@ import subprocess
 import sys
 import time
 
+from service_apps import free_port
+
 from pdserve.deploy.cli import format_stats
 
-DEMO_PORT = 8039
+DEMO_PORT = free_port()
 
 
 def test_pdserve_demo_runs_end_to_end_prints_the_stats_table_and_exits_0():

@@ -20,9 +20,9 @@ import pytest
 from pdserve.deploy.cluster import base_url
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto import generate_pb2, generate_pb2_grpc
-from service_apps import assert_completions_equal_colocated, expected_text, get_json, is_drained, running_app, wait_until_drained
+from service_apps import assert_completions_equal_colocated, expected_text, free_port, get_json, is_drained, running_app, wait_until_drained
 
-GRPC_PORT = 8032
+GRPC_PORT = free_port()
 MAX_INFLIGHT = 3
 PROMPTS = ["Shared system prompt: answer tersely, like a terminal. Query: list files",
            "Shared system prompt: answer tersely, like a terminal. Query: show the date",
