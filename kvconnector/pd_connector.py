@@ -122,9 +122,9 @@ class PDConnector(KVConnectorBase):
         params = request.kv_transfer_params
         if params is None:
             return 0, False
-        self.stats.record_dedup_skipped(min(num_computed_tokens, params.num_tokens) // self._block_size)
         num_external = params.num_tokens - num_computed_tokens
         if num_external <= 0:  # every prompt block is already here: nothing to pull
+            self.stats.record_dedup_skipped(len(params.block_ids))
             self._pending.releases.append(params)
             return 0, False
         return num_external, True
@@ -136,6 +136,8 @@ class PDConnector(KVConnectorBase):
         assert params is not None and num_external_tokens > 0
         first = request.num_computed_tokens // self._block_size
         last = _cdiv(params.num_tokens, self._block_size)
+        # Counted here, once per admitted request: admission may be retried while the pool is full.
+        self.stats.record_dedup_skipped(first)
         self._pending.loads.append(
             LoadSpec(
                 request_id=request.request_id,
