@@ -39,7 +39,7 @@ def make_decode_engine(transport: str = "grpc", **overrides: object) -> LLMEngin
         engine_id="decode-0", hash_algorithm="xxh3_128", hash_seed=hash_seed,
     )
     return LLMEngine.from_pretrained("tiny", connector=connector, hash_seed=hash_seed,
-                                     engine_id="decode-0", **ENGINE_KWARGS, **overrides)
+                                     engine_id="decode-0", **{**ENGINE_KWARGS, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -249,4 +249,28 @@ def test_a_lease_near_expiry_is_renewed_before_the_pull(colocated: LLMEngine, pr
     assert stats.num_recompute_fallbacks == 0
     assert_decode_idle(decode)
     assert prefill.wait_until_idle().num_lease_expiries == 0
+    decode.shutdown()
+
+
+def test_dedup_is_counted_once_when_admission_waits_for_a_full_pool(prefill_factory) -> None:
+    prefill = prefill_factory(transport="grpc")
+    decode = make_decode_engine("grpc", num_kv_blocks=11)  # 10 usable blocks of 16 tokens
+    rng = random.Random(17)
+    prefix = [rng.randrange(256) for _ in range(4 * BLOCK_SIZE)]
+    first = prefix + [rng.randrange(256) for _ in range(40)]   # grows to 9 blocks
+    second = prefix + [rng.randrange(256) for _ in range(20)]  # needs 2 blocks beyond the prefix
+    long_params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    short_params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    prefilled = prefill.prefill("p0", first, long_params)
+    decode.add_request("p0", first, long_params, kv_transfer_params=prefilled.kv_transfer_params)
+    while decode.kv_cache_manager.get_num_free_blocks() > 1:
+        decode.step()
+    before = decode.stats().transfer.num_dedup_skipped_blocks
+    prefilled = prefill.prefill("p1", second, short_params)
+    decode.add_request("p1", second, short_params, kv_transfer_params=prefilled.kv_transfer_params)
+    outputs = run_to_completion(decode, ["p0", "p1"])
+    assert all(out.finish_reason == "length" for out in outputs)
+    assert decode.stats().transfer.num_dedup_skipped_blocks - before == 4
+    assert_decode_idle(decode)
+    prefill.wait_until_idle()
     decode.shutdown()
