@@ -325,9 +325,13 @@ class Scheduler:
                 "request %s: %d of %d prompt tokens arrived intact; recomputing the rest",
                 request.request_id, num_loaded, params.num_tokens,
             )
-        request.num_computed_tokens = max(request.num_computed_tokens, num_loaded)
-        request.num_cached_tokens = request.num_computed_tokens
         request.kv_transfer_params = None  # the lease is released; a preemption recomputes
-        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
+        request.num_computed_tokens = max(request.num_computed_tokens, num_loaded)
+        if request.num_computed_tokens == 0:
+            # Nothing usable arrived: start over like a new request (prefix lookup included).
+            self.kv_cache_manager.free(request)
+            return
+        request.num_cached_tokens = request.num_computed_tokens
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)

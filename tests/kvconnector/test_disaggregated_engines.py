@@ -274,3 +274,22 @@ def test_dedup_is_counted_once_when_admission_waits_for_a_full_pool(prefill_fact
     assert_decode_idle(decode)
     prefill.wait_until_idle()
     decode.shutdown()
+
+
+def test_a_pull_that_loses_the_first_block_recomputes_the_whole_prompt(
+        colocated: LLMEngine, prefill_factory) -> None:
+    prefill = prefill_factory(transport="grpc")
+    decode = make_decode_engine("grpc")
+    prompt = random_prompts(18, 1)[0]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    prefilled = prefill.prefill("f0", prompt, params)
+    prefill.corrupt(prefilled.kv_transfer_params.block_ids[0])
+    decode.add_request("f0", prompt, params, kv_transfer_params=prefilled.kv_transfer_params)
+    (output,) = run_to_completion(decode, ["f0"])
+    assert output.output_token_ids == colocated.generate([prompt], params)[0].output_token_ids
+    stats = decode.stats()
+    assert stats.num_recompute_fallbacks == 1
+    assert stats.num_scheduled_tokens == len(prompt) + len(output.output_token_ids) - 1
+    assert_decode_idle(decode)
+    prefill.wait_until_idle()
+    decode.shutdown()
