@@ -175,6 +175,7 @@ class Scheduler:
                 if blocks is None:
                     return None
                 request.num_computed_tokens = num_local
+                request.num_cached_tokens = num_local  # pulled tokens are not cache hits
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 self.waiting_for_remote_kvs[request.request_id] = request
                 self.connector.update_state_after_alloc(
@@ -333,5 +334,4 @@ class Scheduler:
             # Nothing usable arrived: start over like a new request (prefix lookup included).
             self.kv_cache_manager.free(request)
             return
-        request.num_cached_tokens = request.num_computed_tokens
         self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
