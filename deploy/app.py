@@ -41,7 +41,13 @@ def worker_actor_options(config: PDServeConfig) -> dict[str, Any]:
 
 
 def build(config: PDServeConfig) -> Application:
-    """The gateway bound to every worker's deployment; each worker gets its own spec."""
+    """The gateway bound to every worker's deployment; each worker gets its own spec.
+
+    The KV-transfer secret is resolved here, once per app (configured, else
+    ``PDSERVE_KV_TRANSFER_SECRET``, else generated), and reaches the workers only inside
+    their ``WorkerSpec``; the gateway never holds it.
+    """
+    config = config.resolve_kv_transfer_secret()
     actor_options = worker_actor_options(config)
 
     def bind_workers(cls, role: str, count: int) -> dict[str, Application]:

@@ -9,12 +9,18 @@ YAML file (``--config``) < flags given on the command line.
     num_decode: 2               # DecodeWorker actors; 0 = colocated (prefill workers decode too)
     transport: grpc             # KV plane: grpc | nixl
     hash_seed: 0                # MUST be equal on every node of the cluster
+
+The KV-transfer secret is the one setting that must not travel in the open: see
+``resolve_kv_transfer_secret`` (config key, else ``PDSERVE_KV_TRANSFER_SECRET``, else a
+fresh random one per app) and the README's "Security and threat model".
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +33,10 @@ from pdserve.kvconnector.connector_config import KVConnectorConfig
 from pdserve.prefill.gateway_config import GatewayConfig
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# Where a deployment's KV-transfer secret may come from when the config does not set it:
+# read only by the app builder (the `pdserve` driver, or the Serve build task on the cluster).
+KV_TRANSFER_SECRET_ENV = "PDSERVE_KV_TRANSFER_SECRET"
+MIN_KV_TRANSFER_SECRET_CHARS = 16
 
 
 @dataclass(slots=True)
@@ -42,7 +52,9 @@ class PDServeConfig:
     lease_ttl_s: float = 30.0
     kv_transfer_host: str | None = None  # None: loopback when host is, else the node's address
     kv_transfer_port: int = 0  # 0: any free port; N: prefill-i's KV service listens on N + i
-    kv_transfer_secret: str | None = None  # shared secret the KV transfer service requires
+    # Shared secret every KV transfer call must carry. None: PDSERVE_KV_TRANSFER_SECRET, else
+    # generated per app by build(). Kept out of repr and never logged or served in /stats.
+    kv_transfer_secret: str | None = field(default=None, repr=False)
     # Engine settings shared by every worker.
     block_size: int = 16
     num_kv_blocks: int | None = 512
@@ -83,6 +95,24 @@ class PDServeConfig:
             raise ValueError("max_inflight_requests must be at least 1")
         if not 0 <= self.kv_transfer_port < 65536:
             raise ValueError(f"kv_transfer_port must be a TCP port or 0, got {self.kv_transfer_port}")
+        if self.kv_transfer_secret is not None:
+            check_kv_transfer_secret(self.kv_transfer_secret, "kv_transfer_secret")
+
+    def resolve_kv_transfer_secret(self) -> PDServeConfig:
+        """This config with the deployment's KV-transfer secret filled in.
+
+        The configured ``kv_transfer_secret`` (YAML, ``--kv-transfer-secret``) wins; else the
+        ``PDSERVE_KV_TRANSFER_SECRET`` environment variable of the process building the app;
+        else a fresh ``secrets.token_urlsafe(32)`` (256 bits), generated once here and handed
+        to every worker in its ``WorkerSpec``. A colocated app has no KV plane and gets none.
+        """
+        if self.colocated or self.kv_transfer_secret is not None:
+            return self
+        from_env = os.environ.get(KV_TRANSFER_SECRET_ENV)
+        if from_env:
+            check_kv_transfer_secret(from_env, KV_TRANSFER_SECRET_ENV)
+            return dataclasses.replace(self, kv_transfer_secret=from_env)
+        return dataclasses.replace(self, kv_transfer_secret=secrets.token_urlsafe(32))
 
     @property
     def model_name(self) -> str:
@@ -96,6 +126,8 @@ class PDServeConfig:
         """Worker ``index`` of a role: the engine every worker shares, and its connector side.
 
         A colocated deployment's prefill workers get no connector (they run role ``both``).
+        Every connector gets the deployment's secret, so call ``resolve_kv_transfer_secret``
+        first (``deploy.app.build`` does); without one this refuses.
         The KV transfer service (prefill side) listens on ``kv_transfer_host``, else on
         loopback when the ingress is on loopback, else on the node's address (resolved inside
         the worker), at ``kv_transfer_port + index`` when a port is set.
@@ -104,6 +136,10 @@ class PDServeConfig:
         engine = self.engine_config(engine_id=worker_id, device=self.device)
         if self.colocated:
             return WorkerSpec(worker_id, engine)
+        if self.kv_transfer_secret is None:
+            raise ValueError("a disaggregated worker needs the deployment's KV-transfer secret; "
+                             "build the app with deploy.app.build (it resolves one) or call "
+                             "resolve_kv_transfer_secret() first")
         on_loopback = self.host in _LOOPBACK
         transfer_host = self.kv_transfer_host or "127.0.0.1"
         port = self.kv_transfer_port + index if self.kv_transfer_port and role == "producer" else 0
@@ -171,12 +207,13 @@ class PDServeConfig:
             if f.name == "extra_engine_args":
                 continue
             flags = aliases.get(f.name, []) + ["--" + f.name.replace("_", "-")]
-            kind = _flag_type(f.default)
+            kind = str if f.name in _STRING_FLAGS else _flag_type(f.default)
             if kind is bool:
                 parser.add_argument(*flags, dest=f.name, default=None,
                                     action=argparse.BooleanOptionalAction)
             else:
-                parser.add_argument(*flags, dest=f.name, default=None, type=kind)
+                parser.add_argument(*flags, dest=f.name, default=None, type=kind,
+                                    help=_FLAG_HELP.get(f.name))
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> PDServeConfig:
@@ -188,6 +225,27 @@ class PDServeConfig:
             if given is not None:
                 values[f.name] = given
         return cls.from_dict(values)
+
+
+_STRING_FLAGS = {"kv_transfer_secret"}  # "1234..." must stay a string
+_FLAG_HELP = {
+    "kv_transfer_secret": "shared secret of the KV plane; prefer the "
+                          f"{KV_TRANSFER_SECRET_ENV} environment variable (flags show in ps); "
+                          "unset: a random one per app",
+}
+
+
+def check_kv_transfer_secret(secret: Any, source: str) -> None:
+    """A configured secret must be a string long enough not to be guessed."""
+    if not isinstance(secret, str):
+        raise ValueError(f"{source} must be a string (quote it in YAML), "
+                         f"got a {type(secret).__name__}")
+    if len(secret) < MIN_KV_TRANSFER_SECRET_CHARS:
+        raise ValueError(
+            f"{source} is {len(secret)} characters; use at least "
+            f"{MIN_KV_TRANSFER_SECRET_CHARS} random ones, e.g. "
+            "python -c 'import secrets; print(secrets.token_urlsafe(32))', or leave it unset "
+            "for a random one per app")
 
 
 def _flag_type(default: Any):

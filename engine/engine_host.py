@@ -181,6 +181,7 @@ class EngineHost:
     def _add(self, request: WorkerRequest) -> None:
         try:
             self.engine.add_request(request.request_id, request.prompt_token_ids, request.params,
+                                    cache_salt=request.cache_salt,
                                     remote_decode=request.remote_decode,
                                     kv_transfer_params=request.kv_transfer_params)
         except (ValueError, TypeError) as error:

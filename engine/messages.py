@@ -64,6 +64,8 @@ class WorkerRequest:
     it finishes by length and to return ``KVTransferParams`` with the last chunk; a decode
     worker gets those params back in ``kv_transfer_params`` (``None`` means recompute).
     ``params.seed`` is always set by the gateway, so both sides sample the same tokens.
+    ``cache_salt`` (the client's, or None) goes into the first block's hash on both sides:
+    prefix-cache hits, the router's index and the decode side's dedup never cross salts.
     """
 
     request_id: str
@@ -71,6 +73,7 @@ class WorkerRequest:
     params: SamplingParams
     remote_decode: bool = False
     kv_transfer_params: KVTransferParams | None = None
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)

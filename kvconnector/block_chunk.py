@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from google.protobuf.message import DecodeError
+
 from pdserve.proto import kv_transfer_pb2 as pb
 
 _DATA_TAG = b"\x12"  # field 2, wire type 2 (length-delimited)
@@ -51,7 +53,10 @@ def decode_block_chunk(raw: bytes) -> tuple[list[int], memoryview]:
             if end > len(view):
                 raise MalformedChunkError("BlockChunk field runs past the message end")
             if field_number == 1:
-                block_ids += pb.BlockChunk.FromString(raw[field_start:end]).block_ids
+                try:
+                    block_ids += pb.BlockChunk.FromString(raw[field_start:end]).block_ids
+                except DecodeError as error:
+                    raise MalformedChunkError(f"BlockChunk block_ids: {error}") from None
             elif field_number == 2:
                 data = view[position:end]
             position = end
@@ -61,6 +66,8 @@ def decode_block_chunk(raw: bytes) -> tuple[list[int], memoryview]:
                 block_ids.append(value)
         elif wire_type in (_WIRE_I64, _WIRE_I32):
             position += 8 if wire_type == _WIRE_I64 else 4
+            if position > len(view):
+                raise MalformedChunkError("BlockChunk field runs past the message end")
         else:
             raise MalformedChunkError(f"BlockChunk has a field of wire type {wire_type}")
     return block_ids, data

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 KVRole = Literal["producer", "consumer"]
@@ -16,14 +16,20 @@ class KVConnectorConfig:
 
     ``failure_policy``: ``recompute`` computes whatever did not arrive intact (the request
     still completes, token for token); ``fail`` ends the request with a clear error.
-    ``secret``: the deployment's shared secret, required by the transfer service when set.
+    ``secret``: the deployment's shared secret. Every ``KvTransfer`` call carries it and the
+    producer's transfer service refuses calls without it (compared in constant time). It is
+    kept out of ``repr``, so it never reaches a log line or a traceback through this config.
+    A producer refuses to start without one (``PDConnector``): its KV blocks hold tenants'
+    prompts. ``allow_insecure=True`` lifts that, for unit tests and benchmarks on loopback
+    only, never for a deployment (``build_app`` always sets a secret).
     """
 
     role: KVRole
     transport: Transport = "grpc"
     host: str = "127.0.0.1"
     port: int = 0
-    secret: str | None = None
+    secret: str | None = field(default=None, repr=False)
+    allow_insecure: bool = False
     lease_ttl_s: float = 30.0
     transfer_timeout_s: float = 10.0
     failure_policy: FailurePolicy = "recompute"
@@ -37,5 +43,17 @@ class KVConnectorConfig:
             raise ValueError(
                 f"failure_policy must be 'recompute' or 'fail', got {self.failure_policy!r}"
             )
+        if self.secret is not None and (not isinstance(self.secret, str) or not self.secret):
+            raise ValueError("secret must be a non-empty string (or None with allow_insecure)")
         if self.lease_ttl_s <= 0 or self.transfer_timeout_s <= 0:
             raise ValueError("lease_ttl_s and transfer_timeout_s must be positive")
+
+    def check_secure(self) -> None:
+        """Refuses a producer with no secret unless ``allow_insecure`` (tests, benchmarks)."""
+        if self.role == "producer" and self.secret is None and not self.allow_insecure:
+            raise ValueError(
+                "refusing to serve KV blocks without a deployment secret: any process that "
+                "reaches the transfer port could read tenants' prompts. Set "
+                "KVConnectorConfig.secret (a deployment gets one from build_app: "
+                "kv_transfer_secret, PDSERVE_KV_TRANSFER_SECRET, or generated), or pass "
+                "allow_insecure=True in unit tests and benchmarks only")

@@ -31,12 +31,13 @@ from typing import TypeVar
 import grpc
 import numpy as np
 import torch
+from google.protobuf.message import DecodeError
 
 from pdserve.kvconnector.block_chunk import decode_block_chunk, encode_block_chunk
 from pdserve.kvconnector.checksum import page_view
 from pdserve.kvconnector.layout import KVLayout, check_compatible
 from pdserve.kvconnector.lease import (BlockNotLeasedError, LeaseEndedError, LeaseError,
-                                       LeaseTable, UnknownLeaseError)
+                                       LeaseTable, RepeatedBlockError, UnknownLeaseError)
 from pdserve.kvconnector.transfer_stats import TransferStats
 from pdserve.kvconnector.transport import (SECRET_METADATA_KEY, KVTransferClient,
                                            KVTransferServer, PeerInfo, ReadResult,
@@ -52,10 +53,17 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
 ]
+# The server's requests are small: at most every block id once (a varint of up to 5 bytes
+# each), a lease id, a layout and NIXL agent metadata. Anything bigger is refused by gRPC
+# with RESOURCE_EXHAUSTED before it is parsed.
+_REQUEST_BYTES_BASE = 1 << 20
+_REQUEST_BYTES_PER_BLOCK = 5
+MAX_LEASE_ID_CHARS = 64  # granted ids are 32 hex characters
 _LEASE_ERROR_CODES: dict[type[LeaseError], grpc.StatusCode] = {
     UnknownLeaseError: grpc.StatusCode.NOT_FOUND,
     LeaseEndedError: grpc.StatusCode.FAILED_PRECONDITION,
     BlockNotLeasedError: grpc.StatusCode.PERMISSION_DENIED,
+    RepeatedBlockError: grpc.StatusCode.INVALID_ARGUMENT,
 }
 
 # Test hook: called with a message's block ids and its packed pages, which it may change.
@@ -127,7 +135,8 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
             # The hold lasts until the client half-closes, is cancelled, dies or passes its
             # deadline: each of those ends this iteration.
             for _ in request_iterator:
-                pass
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              "HoldBlocks takes one request; half-close the call to end the hold")
         finally:
             self._leases.end_read(first.lease_id)
         self._stats.record_sent(len(first.block_ids),
@@ -136,12 +145,12 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
     def RenewLease(self, request: pb.LeaseRequest,
                    context: grpc.ServicerContext) -> pb.LeaseReply:
         self._authorize(context)
-        with self._lease_errors_to_status(context):
+        with self._lease_errors_to_status(context, request.lease_id):
             return pb.LeaseReply(expires_at=self._leases.renew(request.lease_id))
 
     def Release(self, request: pb.LeaseRequest, context: grpc.ServicerContext) -> pb.LeaseReply:
         self._authorize(context)
-        with self._lease_errors_to_status(context):
+        with self._lease_errors_to_status(context, request.lease_id):
             self._leases.release(request.lease_id)
         return pb.LeaseReply()
 
@@ -157,12 +166,16 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
 
     def _begin_read(self, lease_id: str, block_ids: list[int],
                     context: grpc.ServicerContext) -> None:
-        with self._lease_errors_to_status(context):
+        with self._lease_errors_to_status(context, lease_id):
             self._leases.begin_read(lease_id, block_ids)
 
     @staticmethod
     @contextlib.contextmanager
-    def _lease_errors_to_status(context: grpc.ServicerContext) -> Iterator[None]:
+    def _lease_errors_to_status(context: grpc.ServicerContext, lease_id: str) -> Iterator[None]:
+        if len(lease_id) > MAX_LEASE_ID_CHARS:  # the error would quote it
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"a lease id has at most {MAX_LEASE_ID_CHARS} characters, got "
+                          f"{len(lease_id)}")
         try:
             yield
         except LeaseError as error:
@@ -177,20 +190,43 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
                           "wrong or missing deployment secret for the KV transfer service")
 
 
+def _parse(message_type: type[T], raw: bytes, context: grpc.ServicerContext) -> T:
+    try:
+        return message_type.FromString(raw)
+    except DecodeError as error:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"not a valid {message_type.DESCRIPTOR.name}: {error}")
+
+
+def _parsing(message_type: type, behaviour: Callable) -> Callable:
+    """``behaviour`` on the parsed request: bytes that are no ``message_type`` get
+    INVALID_ARGUMENT (a failing deserializer would answer INTERNAL, blaming the server)."""
+    return lambda raw, context: behaviour(_parse(message_type, raw, context), context)
+
+
+def _parsing_stream(message_type: type, behaviour: Callable) -> Callable:
+    return lambda raws, context: behaviour(
+        (_parse(message_type, raw, context) for raw in raws), context)
+
+
 def _method_handlers(servicer: _KvTransferServicer) -> grpc.GenericRpcHandler:
-    """The generated handlers, except that ``ReadBlocks`` replies are already encoded."""
+    """The generated handlers, except that requests are parsed by ``_parsing`` and
+    ``ReadBlocks`` replies are already encoded."""
     return grpc.method_handlers_generic_handler(_SERVICE, {
         "Handshake": grpc.unary_unary_rpc_method_handler(
-            servicer.Handshake, pb.HandshakeRequest.FromString,
-            pb.HandshakeReply.SerializeToString),
+            _parsing(pb.HandshakeRequest, servicer.Handshake),
+            response_serializer=pb.HandshakeReply.SerializeToString),
         "ReadBlocks": grpc.unary_stream_rpc_method_handler(
-            servicer.ReadBlocks, pb.ReadBlocksRequest.FromString, _identity),
+            _parsing(pb.ReadBlocksRequest, servicer.ReadBlocks), response_serializer=_identity),
         "HoldBlocks": grpc.stream_stream_rpc_method_handler(
-            servicer.HoldBlocks, pb.HoldRequest.FromString, pb.HoldReply.SerializeToString),
+            _parsing_stream(pb.HoldRequest, servicer.HoldBlocks),
+            response_serializer=pb.HoldReply.SerializeToString),
         "RenewLease": grpc.unary_unary_rpc_method_handler(
-            servicer.RenewLease, pb.LeaseRequest.FromString, pb.LeaseReply.SerializeToString),
+            _parsing(pb.LeaseRequest, servicer.RenewLease),
+            response_serializer=pb.LeaseReply.SerializeToString),
         "Release": grpc.unary_unary_rpc_method_handler(
-            servicer.Release, pb.LeaseRequest.FromString, pb.LeaseReply.SerializeToString),
+            _parsing(pb.LeaseRequest, servicer.Release),
+            response_serializer=pb.LeaseReply.SerializeToString),
     })
 
 
@@ -204,8 +240,11 @@ class GrpcTransferServer(KVTransferServer):
                  max_message_bytes: int = DEFAULT_MESSAGE_BYTES, max_workers: int = 8,
                  fault_injector: FaultInjector | None = None) -> None:
         self.stats = stats if stats is not None else TransferStats()
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                                   options=_CHANNEL_OPTIONS)
+        max_request_bytes = _REQUEST_BYTES_BASE + _REQUEST_BYTES_PER_BLOCK * kv_cache.shape[0]
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers),
+            options=[("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
+                     ("grpc.max_receive_message_length", max_request_bytes)])
         servicer = _KvTransferServicer(kv_cache, leases, layout, engine_id, secret, self.stats,
                                        nixl_info, max_message_bytes, fault_injector)
         self._server.add_generic_rpc_handlers([_method_handlers(servicer)])

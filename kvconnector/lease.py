@@ -44,6 +44,10 @@ class BlockNotLeasedError(LeaseError):
     """A block id outside the lease was asked for."""
 
 
+class RepeatedBlockError(LeaseError):
+    """A read named a block twice: it would send the same page again and again."""
+
+
 class LeaseState(Enum):
     ACTIVE = "active"
     RELEASED = "released"
@@ -132,6 +136,10 @@ class LeaseTable:
                 raise BlockNotLeasedError(
                     f"block ids {outside[:8]} are not under lease {lease_id!r} "
                     f"(it holds {len(entry.block_id_set)} blocks)")
+            if len(set(block_ids)) != len(block_ids):
+                raise RepeatedBlockError(
+                    f"the read names {len(block_ids)} block ids but only "
+                    f"{len(set(block_ids))} distinct ones; name each block once")
             entry.reads_in_flight += 1
             return entry.lease
 

@@ -78,6 +78,9 @@ else:
 # The prefill side polls its agent this often, so that UCX can answer connection setup.
 PROGRESS_INTERVAL_S = 0.001
 VERIFY_SEGMENT_BYTES = 4 << 20
+# A peer's pool is described by one 24-byte descriptor per page, built at the handshake:
+# a peer announcing more pages than this is refused rather than trusted with our memory.
+MAX_PEER_BLOCKS = 1 << 24
 
 
 def nixl_available() -> bool:
@@ -121,6 +124,28 @@ class NixlEndpoint:
     def close(self) -> None:
         self.local_pages.release()
         self.agent.deregister_memory(self._registration)
+
+
+def check_peer_region(peer: PeerInfo, page_bytes: int) -> None:
+    """Refuse a handshake whose KV region could not be the peer's pool of our layout's pages.
+
+    NIXL itself refuses READs outside the memory the peer registered; this catches a peer
+    that lies or is broken before any descriptor is built from its numbers.
+    """
+    nixl = peer.nixl
+    problems = []
+    if nixl.page_bytes != page_bytes:
+        problems.append(f"page_bytes {nixl.page_bytes}, but the layouts agree on {page_bytes}")
+    if nixl.num_blocks != peer.num_blocks:
+        problems.append(f"{nixl.num_blocks} NIXL pages but {peer.num_blocks} blocks")
+    if not 0 < nixl.num_blocks <= MAX_PEER_BLOCKS:
+        problems.append(f"{nixl.num_blocks} pages, not 1 to {MAX_PEER_BLOCKS}")
+    if nixl.base_address == 0 or nixl.base_address + nixl.num_blocks * nixl.page_bytes > 2**64:
+        problems.append(f"a region at {nixl.base_address:#x} that is null or wraps the "
+                        f"address space")
+    if problems:
+        raise TransferError(f"peer {peer.address} announced an impossible KV region: "
+                            + "; ".join(problems))
 
 
 class NixlTransferServer(KVTransferServer):
@@ -186,16 +211,20 @@ class NixlTransferClient(KVTransferClient):
         peer = self.control.handshake(address, nixl_info=self.endpoint.info())
         if peer.nixl is None:
             raise TransferError(f"peer {address} serves no NIXL agent; use the gRPC transport")
+        check_peer_region(peer, self.endpoint.layout.page_bytes)
         if peer.nixl.agent_name not in self._remote_pages:
-            name = self.endpoint.agent.add_remote_agent(peer.nixl.agent_metadata)
-            if isinstance(name, bytes):
-                name = name.decode()
-            if name != peer.nixl.agent_name:
-                raise TransferError(f"peer {address} announced agent {peer.nixl.agent_name!r} "
-                                    f"but its metadata names {name!r}")
-            self._remote_pages[name] = self.endpoint.agent.prep_xfer_dlist(
-                name, page_descriptors(peer.nixl.base_address, peer.nixl.page_bytes,
-                                       peer.nixl.num_blocks), "DRAM")
+            try:
+                name = self.endpoint.agent.add_remote_agent(peer.nixl.agent_metadata)
+                if isinstance(name, bytes):
+                    name = name.decode()
+                if name != peer.nixl.agent_name:
+                    raise TransferError(f"peer {address} announced agent "
+                                        f"{peer.nixl.agent_name!r} but its metadata names {name!r}")
+                self._remote_pages[name] = self.endpoint.agent.prep_xfer_dlist(
+                    name, page_descriptors(peer.nixl.base_address, peer.nixl.page_bytes,
+                                           peer.nixl.num_blocks), "DRAM")
+            except NIXL_ERRORS as error:
+                raise TransferError(f"NIXL refused peer {address}'s agent: {error!r}") from error
         return peer
 
     def read_blocks(self, peer: PeerInfo, lease_id: str, remote_block_ids: Sequence[int],

@@ -70,7 +70,11 @@ class PDConnector(KVConnectorBase):
         hash_seed: int | str,
         fault_injector: FaultInjector | None = None,
     ) -> None:
-        """``fault_injector`` (tests only) sees the bytes of every message the server sends."""
+        """``fault_injector`` (tests only) sees the bytes of every message the server sends.
+
+        A producer without a deployment secret refuses to start (``config.check_secure``).
+        """
+        config.check_secure()
         self.config = config
         self._fault_injector = fault_injector
         self.engine_id = engine_id
@@ -89,6 +93,7 @@ class PDConnector(KVConnectorBase):
         self._peers: dict[str, PeerInfo] = {}
         self._pending = KVConnectorMetadata()
         self._in_flight: set[str] = set()
+        self._foreign_hashes: set[str] = set()  # requests whose hashes differ from the prefill's
         self._done = FinishedTransfers()
         self._executor: ThreadPoolExecutor | None = None
 
@@ -138,6 +143,12 @@ class PDConnector(KVConnectorBase):
         last = _cdiv(params.num_tokens, self._block_size)
         # Counted here, once per admitted request: admission may be retried while the pool is full.
         self.stats.record_dedup_skipped(first)
+        if list(request.block_hashes[:len(params.block_hashes)]) != list(params.block_hashes):
+            # Another cache_salt or prompt than the prefill's: the pulled blocks would be cached
+            # under this request's hashes, handing one tenant's KV to another. The pull fails
+            # them (after the handshake, so a layout mismatch is still reported as such).
+            with self._lock:
+                self._foreign_hashes.add(request.request_id)
         self._pending.loads.append(
             LoadSpec(
                 request_id=request.request_id,
@@ -194,6 +205,7 @@ class PDConnector(KVConnectorBase):
             if request.request_id in self._in_flight:
                 return  # the pull reports done; the scheduler frees then
             queued = [load for load in self._pending.loads if load.request_id == request.request_id]
+            self._foreign_hashes.discard(request.request_id)
             for load in queued:
                 self._pending.loads.remove(load)
                 self._done.loaded_request_ids.add(request.request_id)
@@ -216,6 +228,11 @@ class PDConnector(KVConnectorBase):
         error_message: str | None = None
         try:
             peer = self._peer(load.params.transfer_address)
+            with self._lock:
+                foreign = load.request_id in self._foreign_hashes
+            if foreign:
+                raise TransferError("the prefill's block hashes differ from this request's "
+                                    "(cache_salt or prompt mismatch); not using its blocks")
             self._renew_if_expiring(peer, load.params)
             result = self._client.read_blocks(  # type: ignore[union-attr]
                 peer, load.params.lease_id, load.remote_block_ids, load.local_block_ids,
@@ -233,6 +250,7 @@ class PDConnector(KVConnectorBase):
             self._release_remote(load.params)
             with self._lock:
                 self._in_flight.discard(load.request_id)
+                self._foreign_hashes.discard(load.request_id)
                 self._done.loaded_request_ids.add(load.request_id)
                 self._done.failed_block_ids.update(failed)
                 if error_message is not None:

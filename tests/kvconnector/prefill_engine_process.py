@@ -50,7 +50,8 @@ def _run(spec: PrefillSpec, conn: Any) -> None:
 
     connector = PDConnector(
         KVConnectorConfig(role="producer", transport=spec.transport,
-                          lease_ttl_s=spec.lease_ttl_s, secret=spec.secret),
+                          lease_ttl_s=spec.lease_ttl_s, secret=spec.secret,
+                          allow_insecure=spec.secret is None),  # loopback unit tests only
         engine_id="prefill-0", hash_algorithm="xxh3_128", hash_seed=spec.hash_seed,
         fault_injector=fault_injector,
     )
