@@ -10,10 +10,12 @@ accept and refuse exactly the same requests.
     GET  /stats            JSON: gateway latencies, each worker's counters, totals
     GET  /metrics          Prometheus text (vLLM names where one exists)
 
-Refusals are OpenAI-style error bodies: 400/404 for bad input, 429 with ``Retry-After``
+Refusals are OpenAI-style error bodies: 400/404 for bad input (413 for a body over
+``MAX_REQUEST_BYTES``, 415 for one that is not declared JSON), 429 with ``Retry-After``
 when ``max_inflight_requests`` are already in flight, 503 with ``Retry-After`` when no
 worker of a needed role is available. gRPC maps them to INVALID_ARGUMENT, NOT_FOUND,
-RESOURCE_EXHAUSTED and UNAVAILABLE.
+RESOURCE_EXHAUSTED and UNAVAILABLE; a message over ``MAX_REQUEST_BYTES`` is refused by gRPC
+itself with RESOURCE_EXHAUSTED.
 """
 
 
@@ -26,12 +28,14 @@ from pathlib import Path
 
 import grpc
 from fastapi import FastAPI, Request
+from google.protobuf.message import DecodeError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
 
 from pdserve.prefill.gateway_config import GatewayConfig
 from pdserve.prefill.protocol import (
+    MAX_REQUEST_BYTES,
     APIError,
     completion_chunk,
     completion_response,
@@ -39,11 +43,15 @@ from pdserve.prefill.protocol import (
     models_response,
     parse_completion,
     ParsedCompletion,
+    request_too_large,
 )
 from pdserve.prefill.service import GenerationService, StreamDelta, WorkerPool
-from pdserve.proto import generate_pb2, generate_pb2_grpc
+from pdserve.proto import generate_pb2
 
 logger = logging.getLogger(__name__)
+
+# A client's gRPC request_id is echoed in every reply; the workers get a fresh unique id.
+MAX_REQUEST_ID_CHARS = 256
 
 app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
 
@@ -60,13 +68,45 @@ def load_tokenizer(model: str):
     return load_hf_tokenizer(Path(model), load_model_config(model))
 
 
-def _error_response(service: GenerationService, error: APIError) -> JSONResponse:
-    """The error body; a refusal the client should retry (429, 503) says when."""
+def _error_response(service: GenerationService, error: APIError) -> Response:
+    """The error body; a refusal the client should retry (429, 503) says when.
+
+    Rendered as ASCII JSON: a message may quote the client's input, lone surrogates included.
+    """
     service.metrics.record_rejected(error.status)
     headers = None
     if error.status in (429, 503):
         headers = {"Retry-After": str(service.config.retry_after_s)}
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    return Response(json.dumps(error.body()), status_code=error.status, headers=headers,
+                    media_type="application/json")
+
+
+async def read_json_body(request: Request) -> object:
+    """The decoded JSON body, refused with 415 (not declared JSON), 413 (over
+    ``MAX_REQUEST_BYTES``, counted as it arrives) or 400 (not JSON; NaN and Infinity are not)."""
+    media_type = request.headers.get("content-type", "application/json").split(";")[0].strip()
+    if media_type.lower() != "application/json":
+        raise APIError(415, f"Content-Type {media_type!r} is not supported; send the body as "
+                            f"JSON with Content-Type: application/json",
+                       code="unsupported_media_type")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
+        raise request_too_large(int(declared))
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_REQUEST_BYTES:
+            raise request_too_large(None)
+    try:
+        return json.loads(body, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise APIError(400, "the request body nests JSON too deeply") from None
+    except ValueError as error:  # bad JSON, bad UTF-8, an integer of over 4,300 digits
+        raise APIError(400, f"the request body is not valid JSON: {error}") from None
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON value")
 
 
 async def _sse(service: GenerationService, request_id: str, first: StreamDelta, stream):
@@ -96,8 +136,13 @@ async def _sse(service: GenerationService, request_id: str, first: StreamDelta, 
 # ---------------------------------------------------------------------- gRPC
 
 
-class GenerateServicer(generate_pb2_grpc.GenerateServicer):
-    """``Generate``: the same validation and flow as ``POST /v1/completions``."""
+class GenerateServicer:
+    """``Generate``: the same validation and flow as ``POST /v1/completions``.
+
+    It gets the request's raw bytes and parses them itself, so that bytes that are not a
+    ``GenerateRequest`` (bad UTF-8 in a string field, a truncated message) get
+    INVALID_ARGUMENT rather than gRPC's INTERNAL for a failed deserializer.
+    """
 
     _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
                429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
@@ -105,17 +150,20 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     def __init__(self, service: GenerationService) -> None:
         self.service = service
 
-    async def Generate(self, request: generate_pb2.GenerateRequest, context):
+    async def Generate(self, raw: bytes, context):
         service = self.service
         try:
+            request = _parse_generate_request(raw)
             parsed = self._parse(request)
             token_ids, params = service.prepare(parsed)
             service.admit()
         except APIError as error:
             await self._abort(context, error)
             return
-        request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
-        stream = service.generate(request_id, token_ids, params)
+        worker_request_id = f"gen-{uuid.uuid4().hex}"  # a client's id may repeat another's
+        request_id = request.request_id or worker_request_id
+        stream = service.generate(worker_request_id, token_ids, params,
+                                  cache_salt=parsed.cache_salt)
         try:
             async for delta in stream:
                 yield generate_pb2.GenerateResponse(
@@ -135,6 +183,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                             error.message)
 
     def _parse(self, request: generate_pb2.GenerateRequest) -> ParsedCompletion:
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            raise APIError(400, f"request_id has {len(request.request_id)} characters; at most "
+                                f"{MAX_REQUEST_ID_CHARS} are allowed", param="request_id")
         which = request.WhichOneof("prompt")
         if which is None:
             raise APIError(400, "prompt is required (text or token_ids)", param="prompt")
@@ -149,12 +200,25 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             seed=request.seed if request.HasField("seed") else None,
             stop=list(request.stop))
         return ParsedCompletion(model=request.model or self.service.model_name, prompt_text=text,
-                                prompt_token_ids=token_ids, params=params, stream=True)
+                                prompt_token_ids=token_ids, params=params, stream=True,
+                                cache_salt=(request.cache_salt
+                                            if request.HasField("cache_salt") else None))
+
+
+def _parse_generate_request(raw: bytes) -> generate_pb2.GenerateRequest:
+    try:
+        return generate_pb2.GenerateRequest.FromString(raw)
+    except DecodeError as error:
+        raise APIError(400, f"the request is not a valid GenerateRequest: {error}") from None
 
 
 async def start_grpc_server(service: GenerationService, config: GatewayConfig) -> grpc.aio.Server:
-    server = grpc.aio.server()
-    generate_pb2_grpc.add_GenerateServicer_to_server(GenerateServicer(service), server)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
+    servicer = GenerateServicer(service)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "pdserve.generate.Generate", {"Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate,
+            response_serializer=generate_pb2.GenerateResponse.SerializeToString)})])
     port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
     if port == 0:
         raise RuntimeError(f"cannot bind the gRPC Generate service to {config.host}:{config.grpc_port}")
@@ -203,17 +267,13 @@ class Gateway:
     async def completions(self, request: Request) -> Response:
         service = await self._get_service()
         try:
-            try:
-                body = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                raise APIError(400, f"the request body is not valid JSON: {error}") from None
-            parsed = parse_completion(body)
+            parsed = parse_completion(await read_json_body(request))
             token_ids, params = service.prepare(parsed)
             service.admit()
         except APIError as error:
             return _error_response(service, error)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = service.generate(request_id, token_ids, params)
+        stream = service.generate(request_id, token_ids, params, cache_salt=parsed.cache_salt)
         try:
             first = await anext(stream)
         except APIError as error:

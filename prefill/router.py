@@ -160,6 +160,10 @@ class Router:
         """
         return self._pick("prefill", self._prefill_ids, block_hashes, self._prefix_match)
 
+    def has_decode_workers(self) -> bool:
+        """Whether the deployment disaggregates (False: colocated, prefill workers decode)."""
+        return bool(self._decode_ids)
+
     def pick_decode(self, block_hashes: list[BlockHash]) -> RouteChoice | None:
         """The decode worker holding most of ``block_hashes``; None when the deployment has
         none (colocated). Raises ``NoWorkerAvailable`` when it has some but none is available.

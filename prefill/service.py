@@ -12,11 +12,24 @@ available worker of a needed role (dead, restarting, not answering the event pol
 The decode worker's stream repeats the first token; the gateway sends each token and each
 character once, and holds back text that could still turn into a stop string, so a
 streamed reply equals the non-streamed one.
+
+Worker loss (the actor's process died; Serve restarts it under a new ``instance_id``):
+
+    prefill lost before its first token   → nothing was sent: the request is routed again
+    prefill lost after it (mid-transfer)  → the decode pull fails and the decode side recomputes
+    decode lost mid-generation            → the request runs again (same seed, prompt
+                                            recomputed) on another decode worker, or on the
+                                            restarted one; the replay's first k tokens must
+                                            equal the k already sent and are skipped, so the
+                                            client sees one clean stream. A replay that
+                                            differs, or a worker lost again, ends the stream
+                                            with an error event: never a silent wrong answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import random
@@ -37,6 +50,23 @@ logger = logging.getLogger(__name__)
 
 _EVENT_POLL_S = 0.25
 _STATS_TIMEOUT_S = 10.0
+# Runs of one request on a worker role before a lost worker fails it (1 = no retry).
+_MAX_ATTEMPTS = 3
+_RETRY_BACKOFF_S = 0.5
+
+
+class WorkerLost(Exception):
+    """A worker's stream broke (its process died or became unreachable)."""
+
+    def __init__(self, worker_id: str, answered: bool, cause: BaseException) -> None:
+        super().__init__(f"worker {worker_id} was lost ({'mid-stream' if answered else 'before answering'}): "
+                         f"{cause!r}")
+        self.worker_id = worker_id
+        self.answered = answered
+
+
+class ReplayDiverged(Exception):
+    """A retried request's tokens differ from those already sent to the client."""
 
 
 @dataclass(slots=True)
@@ -99,6 +129,7 @@ class GenerationService:
         self._seed_rng = random.SystemRandom()
         self._poller: asyncio.Task | None = None
         self._refreshing: set[str] = set()
+        self.num_retries = 0  # requests run again after their worker was lost
 
     # ------------------------------------------------------------------ KV events
 
@@ -176,63 +207,125 @@ class GenerationService:
         self.in_flight -= 1
         self.metrics.in_flight.labels(self.model_name).set(self.in_flight)
 
-    async def generate(self, request_id: str, token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[StreamDelta]:
+    async def generate(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                       cache_salt: str | None = None) -> AsyncIterator[StreamDelta]:
         """Runs one admitted request; the caller must ``release()`` after the stream ends.
 
         Raises ``APIError`` before the first delta if a worker refuses the request (400) or
-        no worker of a needed role is available (503).
+        no worker of a needed role is available (503); after it, when the request cannot be
+        finished correctly (the stream then ends with an error event).
         """
         start = time.perf_counter()
-        hashes = self.hasher.hash_request_blocks(token_ids, self.model_info.block_size)
-        try:
-            prefill_id = self.router.pick_prefill(hashes).worker_id
-            decode_choice = None if params.max_tokens == 1 else self.router.pick_decode(hashes)
-        except NoWorkerAvailable as error:
-            raise no_worker_available(error.role) from None
-        if decode_choice is None:
-            prefill_request = WorkerRequest(request_id, token_ids, params)
-        else:
+        # Salted like the workers' hashes: a tenant's prefix never routes by another's blocks.
+        hashes = self.hasher.hash_request_blocks(token_ids, self.model_info.block_size,
+                                                 cache_salt=cache_salt)
+        emitter = _Emitter(params.stop, len(token_ids), self.metrics, start)
+        remote_decode = params.max_tokens > 1 and self.router.has_decode_workers()
+        if remote_decode:
             prefill_request = WorkerRequest(request_id, token_ids,
                                             dataclasses.replace(params, max_tokens=1),
-                                            remote_decode=True)
-        emitter = _Emitter(params.stop, len(token_ids), self.metrics, start)
+                                            remote_decode=True, cache_salt=cache_salt)
+        else:
+            prefill_request = WorkerRequest(request_id, token_ids, params, cache_salt=cache_salt)
         last: GenerationChunk | None = None
-        self.router.begin(prefill_id)
-        try:
-            async for chunk in self._stream(prefill_id, prefill_request, first=True):
-                last = chunk
-                delta = emitter.update(chunk, final=decode_choice is None or chunk.finish_reason != "length")
-                if delta is not None:
-                    yield delta
-        finally:
-            self.router.end(prefill_id)
-            asyncio.get_running_loop().create_task(self.refresh(prefill_id))
-        if decode_choice is None or last is None or last.finish_reason != "length":
+        prefill_id = ""
+        for attempt in range(_MAX_ATTEMPTS):
+            prefill_id = self._pick("prefill", hashes)
+            if remote_decode:
+                self._pick("decode", hashes)  # 503 now, before any token, when none is up
+            self.router.begin(prefill_id)
+            try:
+                async with contextlib.aclosing(self._stream(prefill_id, prefill_request, True)) as chunks:
+                    async for chunk in chunks:
+                        last = chunk
+                        delta = emitter.update(chunk, final=not remote_decode or chunk.finish_reason != "length")
+                        if delta is not None:
+                            yield delta
+                break
+            except WorkerLost as lost:
+                if emitter.sent_tokens or attempt + 1 == _MAX_ATTEMPTS:
+                    raise self._lost_error(lost, "prefill", emitter) from None
+                logger.warning("%s; routing request %s again", lost, request_id)
+                self.num_retries += 1
+            finally:
+                self.router.end(prefill_id)
+                asyncio.get_running_loop().create_task(self.refresh(prefill_id))
+        if not remote_decode or last is None or last.finish_reason != "length":
             return
-        decode_id = decode_choice.worker_id
-        decode_request = WorkerRequest(request_id, token_ids, params,
-                                       kv_transfer_params=last.kv_transfer_params)
-        emitter.restart_stream()
-        self.router.begin(decode_id)
+        kv_transfer_params = last.kv_transfer_params
+        decode_id = ""
         completed = False
         try:
-            async for chunk in self._stream(decode_id, decode_request, first=False):
-                delta = emitter.update(chunk, final=True)
-                if delta is not None:
-                    yield delta
-            completed = True
+            for attempt in range(_MAX_ATTEMPTS):
+                if attempt:
+                    await asyncio.sleep(_RETRY_BACKOFF_S)  # let Serve see the dead replica
+                decode_id = self._pick("decode", hashes, fallback=decode_id if attempt else None)
+                decode_request = WorkerRequest(request_id, token_ids, params,
+                                               kv_transfer_params=kv_transfer_params,
+                                               cache_salt=cache_salt)
+                emitter.restart_stream()
+                self.router.begin(decode_id)
+                try:
+                    async with contextlib.aclosing(self._stream(decode_id, decode_request, False)) as chunks:
+                        async for chunk in chunks:
+                            delta = emitter.update(chunk, final=True)
+                            if delta is not None:
+                                yield delta
+                    completed = True
+                    return
+                except ReplayDiverged as error:
+                    raise APIError(500, f"request {request_id} was lost with its decode worker and "
+                                        f"its replay diverged ({error}); the reply is cut short "
+                                        f"after {emitter.sent_tokens} tokens", type="server_error",
+                                   code="replay_diverged") from None
+                except WorkerLost as lost:
+                    if attempt + 1 == _MAX_ATTEMPTS:
+                        raise self._lost_error(lost, "decode", emitter) from None
+                    logger.warning("%s; replaying request %s after %d sent tokens", lost,
+                                   request_id, emitter.sent_tokens)
+                    self.num_retries += 1
+                    # The replay recomputes the prompt: the lease may be gone with the pull.
+                    self._abort_lease(prefill_id, request_id, kv_transfer_params)
+                    kv_transfer_params = None
+                finally:
+                    self.router.end(decode_id)
         finally:
-            self.router.end(decode_id)
-            if not completed and last.kv_transfer_params is not None:
+            if not completed:
                 # The decode side may never pull: free the prefill's lease now, not at expiry.
-                asyncio.get_running_loop().create_task(
-                    self.workers.call(prefill_id, "abort", request_id))
+                self._abort_lease(prefill_id, request_id, kv_transfer_params)
+
+    def _pick(self, role: str, hashes: list, fallback: str | None = None) -> str:
+        """A worker of ``role``; 503 when none is available, unless a ``fallback`` is given:
+        after a loss, the lost worker itself, which Serve restarts (its handle queues calls)."""
+        try:
+            if role == "prefill":
+                return self.router.pick_prefill(hashes).worker_id
+            return self.router.pick_decode(hashes).worker_id
+        except NoWorkerAvailable as error:
+            if fallback is not None:
+                return fallback
+            raise no_worker_available(error.role) from None
+
+    def _abort_lease(self, prefill_id: str, request_id: str, kv_transfer_params) -> None:
+        if kv_transfer_params is None:
+            return
+        task = asyncio.get_running_loop().create_task(
+            self.workers.call(prefill_id, "abort", request_id))
+        task.add_done_callback(_ignore_result)  # a dead prefill worker took the lease with it
+
+    def _lost_error(self, lost: WorkerLost, role: str, emitter: _Emitter) -> APIError:
+        self.router.set_available(lost.worker_id, False)
+        if not emitter.sent_tokens:
+            return no_worker_available(role)
+        return APIError(503, f"the {role} worker serving this request was lost and "
+                             f"{_MAX_ATTEMPTS} attempts did not finish it; the reply is cut short "
+                             f"after {emitter.sent_tokens} tokens: retry the request",
+                        type="server_error", code="worker_lost")
 
     async def _stream(self, worker_id: str, request: WorkerRequest,
                       first: bool) -> AsyncIterator[GenerationChunk]:
-        """One worker's chunks. A worker that fails before its first chunk (dead, unreachable)
-        leaves routing and the request gets a 503 (on a stream already begun: an error event)."""
+        """One worker's chunks. A worker whose stream breaks (dead, unreachable) leaves
+        routing until its event poll answers again, and ``WorkerLost`` says so."""
         stream = self.workers.stream(worker_id, request)
         answered = finished = False
         try:
@@ -242,16 +335,17 @@ class GenerationService:
                 except StopAsyncIteration:
                     return
                 except Exception as error:
-                    if answered:
-                        raise
-                    logger.warning("worker %s failed before answering: %r", worker_id, error)
+                    logger.warning("worker %s failed %s: %r", worker_id,
+                                   "mid-stream" if answered else "before answering", error)
                     self.router.set_available(worker_id, False)
-                    raise no_worker_available("prefill" if first else "decode") from None
+                    raise WorkerLost(worker_id, answered, error) from None
                 answered = True
                 if chunk.error is not None:
                     if first and chunk.num_output_tokens == 0:
                         raise APIError(400, chunk.error)
-                    chunk.finish_reason = "abort"
+                    # Never a silently short reply: the client gets an error event.
+                    raise APIError(500, f"{worker_id} failed the request: {chunk.error}",
+                                   type="server_error", code="worker_error")
                 finished = chunk.finished
                 yield chunk
         finally:
@@ -269,7 +363,14 @@ class GenerationService:
     async def stats(self) -> dict:
         workers = await self.worker_stats()
         self.metrics.worker_collector.latest = workers
-        return stats_report(self.model_name, self.metrics.summary(self.in_flight), workers)
+        gateway = self.metrics.summary(self.in_flight)
+        gateway["retries"] = self.num_retries
+        return stats_report(self.model_name, gateway, workers)
+
+
+def _ignore_result(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 class _Emitter:
@@ -287,6 +388,7 @@ class _Emitter:
         self.start = start
         self.last_token_time = start
         self.sent_tokens = 0
+        self.sent_token_ids: list[int] = []
         self.sent_chars = 0
         self.num_cached_tokens = 0
         self.restart_stream()
@@ -296,8 +398,12 @@ class _Emitter:
         self.stream_text = ""
 
     def update(self, chunk: GenerationChunk, final: bool) -> StreamDelta | None:
+        overlap = min(len(self.stream_tokens) + len(chunk.new_token_ids), self.sent_tokens)
         self.stream_tokens.extend(chunk.new_token_ids)
         self.stream_text += chunk.text_delta
+        if self.stream_tokens[:overlap] != self.sent_token_ids[:overlap]:
+            raise ReplayDiverged(f"tokens {self.stream_tokens[:overlap]} where "
+                                 f"{self.sent_token_ids[:overlap]} were sent")
         if chunk.num_cached_tokens:
             self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
         finished = chunk.finished and final
@@ -316,6 +422,7 @@ class _Emitter:
                 self.metrics.record_tokens(len(new_tokens), now - self.last_token_time)
             self.last_token_time = now
         self.sent_tokens += len(new_tokens)
+        self.sent_token_ids.extend(new_tokens)
         self.sent_chars += len(new_text)
         reason = chunk.finish_reason if finished else None
         if finished:

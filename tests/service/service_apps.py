@@ -78,3 +78,85 @@ def wait_until_drained(config: PDServeConfig, timeout_s: float = 20.0) -> list[d
         if all(is_drained(w) for w in workers) or time.time() > deadline:
             return workers
         time.sleep(0.2)
+
+
+# ---------------------------------------------------------------------- faults (test_faults.py)
+
+
+@contextlib.contextmanager
+def running_app_with_pool(num_kv_blocks: int, **fields) -> Iterator[PDServeConfig]:
+    """``running_app`` with its own KV pool size (a tiny pool fills up on purpose)."""
+    from ray import serve
+
+    config = PDServeConfig(port=SERVE_PORT, num_kv_blocks=num_kv_blocks, **fields)
+    deploy(config)
+    try:
+        yield config
+    finally:
+        serve.delete(config.app_name)
+
+
+def worker_rows(config: PDServeConfig) -> dict[str, dict]:
+    """``/stats`` worker rows by worker id."""
+    return {w["worker_id"]: w for w in get_json(config, "/stats")["workers"]}
+
+
+def kill_worker(config: PDServeConfig, worker_id: str) -> int:
+    """SIGKILLs the process of ``worker_id``'s Serve replica (as the OOM killer would);
+    returns its pid. Serve notices the dead actor and starts a new replica."""
+    import os
+    import signal
+
+    import ray
+
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry["name"]
+        if name.startswith("SERVE_REPLICA::") and f"{config.app_name}#{worker_id}#" in name:
+            actor = ray.get_actor(name, namespace=entry["namespace"])
+            pid = ray.get(actor.__ray_call__.remote(lambda _replica: os.getpid()), timeout=30)
+            os.kill(pid, signal.SIGKILL)
+            return pid
+    raise LookupError(f"no replica actor of {worker_id} in app {config.app_name}")
+
+
+def wait_until_restarted(config: PDServeConfig, worker_id: str, old_instance_id: str,
+                         timeout_s: float = 60.0) -> dict:
+    """Polls ``/stats`` and ``/health`` until ``worker_id`` answers with a new instance and
+    the gateway routes to every worker again; returns its row."""
+    deadline = time.time() + timeout_s
+    while True:
+        row = worker_rows(config).get(worker_id)
+        if row is not None and row["instance_id"] != old_instance_id:
+            try:
+                if get_json(config, "/health")["unavailable"] == []:
+                    return row
+            except urllib.error.HTTPError:
+                pass
+        if time.time() > deadline:
+            raise TimeoutError(f"{worker_id} did not come back within {timeout_s} s")
+        time.sleep(0.25)
+
+
+def open_stream(config: PDServeConfig, body: dict, timeout_s: float = 60.0):
+    """POSTs a streamed completion on a raw connection: (connection, response); the caller
+    reads SSE lines with ``read_event`` and may close the connection mid-stream."""
+    import http.client
+
+    connection = http.client.HTTPConnection(config.host, config.port, timeout=timeout_s)
+    connection.request("POST", config.route_prefix.rstrip("/") + "/v1/completions",
+                       body=json.dumps({**body, "stream": True}),
+                       headers={"Content-Type": "application/json"})
+    return connection, connection.getresponse()
+
+
+def read_event(response) -> dict | None:
+    """The next SSE ``data:`` event as JSON; None at ``[DONE]`` or the end of the stream."""
+    while True:
+        line = response.readline()
+        if not line:
+            return None
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[len(b"data:"):].strip()
+        return None if data == b"[DONE]" else json.loads(data)

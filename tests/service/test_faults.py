@@ -1,0 +1,244 @@
+"""Faults: workers killed mid-request, clients that walk away, overload. Nothing is lost,
+nothing leaks, and no completed reply differs from the colocated engine's.
+
+Each test ends on the same invariant: every worker drained (no running or waiting request,
+no lease, ``kv_cache_usage`` 0). A worker is killed with SIGKILL of its replica's process;
+Serve starts a new replica, which reports a new ``instance_id``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from pdserve.deploy.cluster import base_url
+from pdserve.engine.sampling_params import SamplingParams
+from service_apps import (
+    expected_text,
+    get_json,
+    kill_worker,
+    open_stream,
+    read_event,
+    running_app,
+    running_app_with_pool,
+    wait_until_drained,
+    wait_until_restarted,
+    worker_rows,
+)
+
+LONG_PROMPT = "A long shared preamble that spans several KV blocks, so a pull has work. " * 2
+
+
+@pytest.fixture(scope="module")
+def faults(ray_cluster):
+    with running_app(num_prefill=2, num_decode=2, app_name="faults", route_prefix="/faults",
+                     worker_timeout_s=2.0) as config:
+        yield config
+
+
+def _sampling(index: int) -> dict:
+    return dict(temperature=0.0) if index % 2 == 0 else dict(temperature=0.8, seed=100 + index)
+
+
+def _expected(colocated, prompt: str, max_tokens: int, sampling: dict) -> str:
+    return expected_text(colocated, prompt, SamplingParams(max_tokens=max_tokens, **sampling))
+
+
+class StreamClient(threading.Thread):
+    """One streamed completion in a thread: its text, finish reason or error, and a hook to
+    drop the connection after ``drop_after_events`` events (None: read to the end)."""
+
+    def __init__(self, config, prompt: str, max_tokens: int, sampling: dict,
+                 drop_after_events: int | None = None, drop_after_s: float | None = None) -> None:
+        super().__init__(daemon=True)
+        self.config, self.prompt, self.max_tokens, self.sampling = config, prompt, max_tokens, sampling
+        self.drop_after_events, self.drop_after_s = drop_after_events, drop_after_s
+        self.events = 0
+        self.text = ""
+        self.status: int | None = None
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.dropped = False
+        self.first_event = threading.Event()
+
+    def run(self) -> None:
+        body = dict(model="tiny", prompt=self.prompt, max_tokens=self.max_tokens, **self.sampling)
+        connection, response = open_stream(self.config, body)
+        started = time.time()
+        try:
+            self.status = response.status
+            if response.status != 200:
+                self.error = response.read().decode()
+                return
+            while True:
+                if ((self.drop_after_events is not None and self.events >= self.drop_after_events)
+                        or (self.drop_after_s is not None and time.time() - started > self.drop_after_s)):
+                    self.dropped = True
+                    return
+                event = read_event(response)
+                if event is None:
+                    return
+                if "error" in event:
+                    self.error = json.dumps(event["error"])
+                    return
+                self.events += 1
+                self.first_event.set()
+                choice = event["choices"][0]
+                self.text += choice["text"]
+                self.finish_reason = choice["finish_reason"] or self.finish_reason
+        finally:
+            self.first_event.set()
+            connection.close()  # mid-stream when dropped: the gateway sees the disconnect
+
+
+def _run_all(clients: list[StreamClient], timeout_s: float = 60.0) -> None:
+    for client in clients:
+        if client.ident is None:
+            client.start()
+    for client in clients:
+        client.join(timeout_s)
+        assert not client.is_alive(), "a request hung"
+
+
+def _assert_drained(config) -> None:
+    workers = wait_until_drained(config)
+    leaked = {w["worker_id"]: (w["kv_cache_usage"], w["num_leases_held"], w["num_running"],
+                               w["num_waiting"]) for w in workers
+              if w["kv_cache_usage"] or w["num_leases_held"] or w["num_running"] or w["num_waiting"]}
+    assert leaked == {}, f"blocks, leases or requests left behind: {leaked}"
+
+
+def test_a_decode_worker_killed_mid_generation_replays_its_requests_into_one_clean_stream(
+        faults, colocated):
+    prompts = [f"Request {i}: tell a long story about the number {i}." for i in range(4)]
+    max_tokens = 96
+    clients = [StreamClient(faults, p, max_tokens, _sampling(i)) for i, p in enumerate(prompts)]
+    for client in clients:
+        client.start()
+    deadline = time.time() + 30
+    while min(c.events for c in clients) < 3 and time.time() < deadline:
+        time.sleep(0.01)
+    rows = worker_rows(faults)
+    victim = max(("decode-0", "decode-1"), key=lambda w: rows[w]["num_running"])
+    assert rows[victim]["num_running"] > 0, "no request was mid-generation when the kill came"
+    kill_worker(faults, victim)
+    _run_all(clients)
+
+    for i, client in enumerate(clients):
+        assert client.error is None, client.error
+        assert client.text == _expected(colocated, prompts[i], max_tokens, _sampling(i)), client.finish_reason
+    assert get_json(faults, "/stats")["gateway"]["retries"] >= 1
+    restarted = wait_until_restarted(faults, victim, rows[victim]["instance_id"])
+    assert restarted["num_requests"] == 0 or restarted["instance_id"] != rows[victim]["instance_id"]
+    _assert_drained(faults)
+    # The restarted worker is routed to again and answers correctly.
+    again = [StreamClient(faults, p, 8, _sampling(i)) for i, p in enumerate(prompts)]
+    _run_all(again)
+    assert [c.text for c in again] == [_expected(colocated, p, 8, _sampling(i))
+                                       for i, p in enumerate(prompts)]
+    _assert_drained(faults)
+
+
+def test_a_prefill_worker_killed_mid_transfer_leaves_the_decode_side_to_recompute(
+        faults, colocated):
+    prompts = [f"{LONG_PROMPT} Variant {i}." for i in range(6)]
+    max_tokens = 24
+    before = worker_rows(faults)
+    clients = [StreamClient(faults, p, max_tokens, _sampling(i)) for i, p in enumerate(prompts)]
+    for client in clients:
+        client.start()
+    clients[0].first_event.wait(30)  # its first token is out: its KV is leased for the pull
+    kill_worker(faults, "prefill-0")
+    _run_all(clients)
+
+    for i, client in enumerate(clients):
+        assert client.error is None, client.error
+        assert client.text == _expected(colocated, prompts[i], max_tokens, _sampling(i)), client.finish_reason
+    after = worker_rows(faults)
+    recomputed = sum(after[w]["recompute_fallbacks"] - before[w]["recompute_fallbacks"]
+                     for w in ("decode-0", "decode-1"))
+    assert recomputed >= 1, "no pull met the dead prefill worker"
+    wait_until_restarted(faults, "prefill-0", before["prefill-0"]["instance_id"])
+    _assert_drained(faults)
+    again = StreamClient(faults, prompts[0], 8, _sampling(0))
+    _run_all([again])
+    assert again.text == _expected(colocated, prompts[0], 8, _sampling(0))
+
+
+def test_a_client_that_drops_its_stream_frees_its_blocks_and_lease_on_both_sides(faults):
+    client = StreamClient(faults, LONG_PROMPT, 200, dict(temperature=0.0), drop_after_events=3)
+    _run_all([client])
+    assert client.dropped and client.error is None
+    _assert_drained(faults)
+
+
+def test_random_disconnects_racing_transfers_never_leak_or_corrupt(faults, colocated):
+    rng = random.Random(6)
+    prompts = [f"{LONG_PROMPT[: rng.randrange(20, len(LONG_PROMPT))]} #{i}" for i in range(24)]
+    clients = []
+    for i, prompt in enumerate(prompts):
+        drop = rng.random() < 0.5
+        clients.append(StreamClient(faults, prompt, 16, _sampling(i),
+                                    drop_after_s=rng.uniform(0.0, 0.4) if drop else None))
+    _run_all(clients)
+
+    completed = [c for c in clients if not c.dropped]
+    for client in completed:
+        assert client.error is None, client.error
+        assert client.text == _expected(colocated, client.prompt, 16, client.sampling)
+    assert len(completed) >= 6
+    _assert_drained(faults)
+
+
+def _post(config, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(base_url(config) + "/v1/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_a_burst_over_a_tiny_pool_and_queue_is_served_or_refused_then_recovers(
+        ray_cluster, colocated):
+    with running_app_with_pool(num_kv_blocks=24, num_prefill=1, num_decode=1,
+                               app_name="overload", route_prefix="/overload",
+                               max_inflight_requests=4) as config:
+        prompts = [f"{LONG_PROMPT[:120]} burst {i}" for i in range(20)]
+        results: list[tuple[int, dict] | None] = [None] * len(prompts)
+
+        def send(i: int) -> None:
+            results[i] = _post(config, dict(model="tiny", prompt=prompts[i], max_tokens=32,
+                                            temperature=0.0))
+
+        threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(90)
+            assert not thread.is_alive(), "a request hung under overload"
+
+        statuses = [status for status, _ in results]
+        assert set(statuses) <= {200, 429, 503}, statuses
+        assert 429 in statuses and 200 in statuses
+        for (status, body), prompt in zip(results, prompts):
+            if status == 200:
+                assert body["choices"][0]["text"] == _expected(colocated, prompt, 32,
+                                                               dict(temperature=0.0))
+        _assert_drained(config)
+        # The burst is over: plain requests succeed and equal the colocated engine.
+        for prompt in prompts[:3]:
+            status, body = _post(config, dict(model="tiny", prompt=prompt, max_tokens=32,
+                                              temperature=0.0))
+            assert status == 200
+            assert body["choices"][0]["text"] == _expected(colocated, prompt, 32,
+                                                           dict(temperature=0.0))
+        _assert_drained(config)
