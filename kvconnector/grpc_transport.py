@@ -130,14 +130,19 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
         if first is None:
             return
         self._begin_read(first.lease_id, list(first.block_ids), context)
+        # A hold lasts until the client half-closes, is cancelled, dies or passes its deadline,
+        # and never longer than a lease's TTL: a peer that sets no deadline and never
+        # half-closes would otherwise pin the blocks for good.
+        cap = threading.Timer(self._leases.default_ttl_s, context.cancel)
+        cap.daemon = True
+        cap.start()
         try:
             yield pb.HoldReply(held=True)
-            # The hold lasts until the client half-closes, is cancelled, dies or passes its
-            # deadline: each of those ends this iteration.
             for _ in request_iterator:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               "HoldBlocks takes one request; half-close the call to end the hold")
         finally:
+            cap.cancel()
             self._leases.end_read(first.lease_id)
         self._stats.record_sent(len(first.block_ids),
                                 len(first.block_ids) * self._layout.page_bytes)

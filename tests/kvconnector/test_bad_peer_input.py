@@ -227,3 +227,35 @@ def test_a_chunk_from_a_peer_decodes_or_is_malformed_nothing_else(raw) -> None:
 
 def test_after_all_that_the_server_still_serves(peer, remote_pages) -> None:
     assert_still_serves(peer, remote_pages)
+
+
+def test_a_hold_that_is_never_closed_ends_at_the_lease_ttl_and_frees_its_blocks() -> None:
+    """A peer that opens HoldBlocks with no deadline and never half-closes cannot pin blocks."""
+    import threading
+
+    kv_cache = seeded_kv_cache(SPEC)
+    layout = KVLayout.from_kv_cache(kv_cache, SPEC.hash_algorithm, SPEC.hash_seed)
+    leases = LeaseTable(default_ttl_s=0.5)
+    server = GrpcTransferServer(kv_cache, leases, layout, engine_id="prefill-hold")
+    lease = leases.grant("pinned", [1, 2], [], [0, 0])
+    never_closed = threading.Event()
+
+    def one_request_then_silence():
+        yield pb.HoldRequest(lease_id=lease.lease_id, block_ids=[1, 2])
+        never_closed.wait(30)
+
+    try:
+        with grpc.insecure_channel(server.address) as hold_channel:
+            call = hold_channel.stream_stream(SERVICE + "HoldBlocks",
+                                              request_serializer=pb.HoldRequest.SerializeToString,
+                                              response_deserializer=pb.HoldReply.FromString)
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as caught:
+                list(call(one_request_then_silence()))  # no deadline
+            assert caught.value.code() == grpc.StatusCode.CANCELLED
+            assert time.monotonic() - started < 10
+        leases.release(lease.lease_id)
+        assert leases.take_freeable() == ["pinned"]
+    finally:
+        never_closed.set()
+        server.stop(grace_s=0)
