@@ -24,7 +24,6 @@ import xxhash
 
 from pdserve.cache import (
     LedgerRequest,
-    BlockHash,
     BlockHasher,
     FullAttentionSpec,
     KVCacheConfig,

@@ -22,7 +22,6 @@ from pdserve.cache import KVCacheManager
 from pdserve.engine.model_input import ScheduledChunk
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.kvconnector.base import FinishedTransfers, KVConnectorBase, KVConnectorMetadata
-from pdserve.kvconnector.transfer_params import KVTransferParams
 
 logger = logging.getLogger(__name__)
 

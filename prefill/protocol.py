@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pdserve.engine.sampling_params import SamplingParams
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pdserve.cache import (
     LedgerRequest,
-    BlockHash,
     BlockHasher,
     FullAttentionSpec,
     KVCacheConfig,

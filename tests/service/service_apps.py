@@ -6,6 +6,7 @@ import contextlib
 import json
 import socket
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
@@ -28,11 +29,13 @@ SERVE_PORT = free_port()
 
 
 @contextlib.contextmanager
-def running_app(**fields) -> Iterator[PDServeConfig]:
-    """Deploys one pdserve app on the shared cluster; deletes it afterwards."""
+def running_app(num_kv_blocks: int = NUM_KV_BLOCKS, **fields) -> Iterator[PDServeConfig]:
+    """Deploys one pdserve app on the shared cluster; deletes it afterwards.
+
+    ``num_kv_blocks`` below the default makes a pool that fills up on purpose."""
     from ray import serve
 
-    config = PDServeConfig(port=SERVE_PORT, num_kv_blocks=NUM_KV_BLOCKS, **fields)
+    config = PDServeConfig(port=SERVE_PORT, num_kv_blocks=num_kv_blocks, **fields)
     deploy(config)
     try:
         yield config
@@ -55,6 +58,22 @@ def assert_completions_equal_colocated(client, colocated: LLMEngine, prompts: li
         stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
                                            stream=True, **sampling)
         assert "".join(chunk.choices[0].text for chunk in stream) == expected
+
+
+def post_completion(config: PDServeConfig, body: dict) -> tuple[int, dict[str, str], dict]:
+    """(status, headers with lower-case names, JSON body) of one ``/v1/completions`` call."""
+    request = urllib.request.Request(base_url(config) + "/v1/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, _lower(response.headers), json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, _lower(error.headers), json.loads(error.read())
+
+
+def _lower(headers) -> dict[str, str]:
+    return {name.lower(): value for name, value in headers.items()}
 
 
 def get_json(config: PDServeConfig, path: str) -> dict:
@@ -81,19 +100,6 @@ def wait_until_drained(config: PDServeConfig, timeout_s: float = 20.0) -> list[d
 
 
 # ---------------------------------------------------------------------- faults (test_faults.py)
-
-
-@contextlib.contextmanager
-def running_app_with_pool(num_kv_blocks: int, **fields) -> Iterator[PDServeConfig]:
-    """``running_app`` with its own KV pool size (a tiny pool fills up on purpose)."""
-    from ray import serve
-
-    config = PDServeConfig(port=SERVE_PORT, num_kv_blocks=num_kv_blocks, **fields)
-    deploy(config)
-    try:
-        yield config
-    finally:
-        serve.delete(config.app_name)
 
 
 def worker_rows(config: PDServeConfig) -> dict[str, dict]:

@@ -12,12 +12,9 @@ import json
 import random
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
-from pdserve.deploy.cluster import base_url
 from pdserve.engine.sampling_params import SamplingParams
 from service_apps import (
     expected_text,
@@ -26,7 +23,7 @@ from service_apps import (
     open_stream,
     read_event,
     running_app,
-    running_app_with_pool,
+    post_completion,
     wait_until_drained,
     wait_until_restarted,
     worker_rows,
@@ -196,28 +193,17 @@ def test_random_disconnects_racing_transfers_never_leak_or_corrupt(faults, coloc
     _assert_drained(faults)
 
 
-def _post(config, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(base_url(config) + "/v1/completions",
-                                     data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-
-
 def test_a_burst_over_a_tiny_pool_and_queue_is_served_or_refused_then_recovers(
         ray_cluster, colocated):
-    with running_app_with_pool(num_kv_blocks=24, num_prefill=1, num_decode=1,
+    with running_app(num_kv_blocks=24, num_prefill=1, num_decode=1,
                                app_name="overload", route_prefix="/overload",
                                max_inflight_requests=4) as config:
         prompts = [f"{LONG_PROMPT[:120]} burst {i}" for i in range(20)]
-        results: list[tuple[int, dict] | None] = [None] * len(prompts)
+        results: list[tuple[int, dict, dict] | None] = [None] * len(prompts)
 
         def send(i: int) -> None:
-            results[i] = _post(config, dict(model="tiny", prompt=prompts[i], max_tokens=32,
-                                            temperature=0.0))
+            results[i] = post_completion(config, dict(model="tiny", prompt=prompts[i],
+                                                      max_tokens=32, temperature=0.0))
 
         threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(len(prompts))]
         for thread in threads:
@@ -226,18 +212,18 @@ def test_a_burst_over_a_tiny_pool_and_queue_is_served_or_refused_then_recovers(
             thread.join(90)
             assert not thread.is_alive(), "a request hung under overload"
 
-        statuses = [status for status, _ in results]
+        statuses = [status for status, _, _ in results]
         assert set(statuses) <= {200, 429, 503}, statuses
         assert 429 in statuses and 200 in statuses
-        for (status, body), prompt in zip(results, prompts):
+        for (status, _, body), prompt in zip(results, prompts):
             if status == 200:
                 assert body["choices"][0]["text"] == _expected(colocated, prompt, 32,
                                                                dict(temperature=0.0))
         _assert_drained(config)
         # The burst is over: plain requests succeed and equal the colocated engine.
         for prompt in prompts[:3]:
-            status, body = _post(config, dict(model="tiny", prompt=prompt, max_tokens=32,
-                                              temperature=0.0))
+            status, _, body = post_completion(config, dict(model="tiny", prompt=prompt,
+                                                           max_tokens=32, temperature=0.0))
             assert status == 200
             assert body["choices"][0]["text"] == _expected(colocated, prompt, 32,
                                                            dict(temperature=0.0))

@@ -28,7 +28,7 @@ from pdserve.kvconnector.grpc_transport import GrpcTransferClient
 from pdserve.kvconnector.layout import KVLayout
 from pdserve.kvconnector.transport import TransferError
 from pdserve.proto import generate_pb2, generate_pb2_grpc
-from service_apps import SERVE_PORT, expected_text, free_port, get_json, running_app
+from service_apps import post_completion, SERVE_PORT, expected_text, free_port, get_json, running_app
 
 SECRET = "service-suite-secret-" + os.urandom(8).hex()
 GRPC_PORT = free_port()
@@ -49,17 +49,6 @@ def service(ray_cluster):
             os.environ.pop(KV_TRANSFER_SECRET_ENV, None)
         else:
             os.environ[KV_TRANSFER_SECRET_ENV] = previous
-
-
-def _complete(config, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(base_url(config) + "/v1/completions",
-                                     data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
 
 
 def _worker(config, role: str) -> dict:
@@ -94,7 +83,7 @@ def _kv_client(secret: str | None) -> GrpcTransferClient:
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc/net/tcp")
 def test_every_listener_binds_loopback_by_default(service):
-    assert _complete(service, {"model": "tiny", "prompt": "hi", "max_tokens": 2})[0] == 200
+    assert post_completion(service, {"model": "tiny", "prompt": "hi", "max_tokens": 2})[0] == 200
     for what, port in [("gateway HTTP", SERVE_PORT), ("gateway gRPC", GRPC_PORT),
                        ("KV transfer of prefill-0", KV_PORT)]:
         assert _listening_addresses(port) == {"127.0.0.1"}, what
@@ -131,7 +120,7 @@ def test_no_prefix_hit_or_dedup_crosses_salts_and_outputs_equal_colocated(servic
     replies = []
     counters = []
     for salt in ["tenant-a", "tenant-b", "tenant-a"]:
-        status, reply = _complete(service, {**body, "cache_salt": salt})
+        status, _, reply = post_completion(service, {**body, "cache_salt": salt})
         assert status == 200, reply
         replies.append(reply)
         prefill, decode = _worker(service, "producer"), _worker(service, "consumer")
@@ -163,7 +152,7 @@ def test_grpc_generate_takes_a_cache_salt_and_refuses_a_bad_one(service, colocat
 
 def test_http_refuses_a_bad_cache_salt_with_400(service):
     for bad in ("", "x" * 257, 7):
-        status, reply = _complete(service, {"model": "tiny", "prompt": "hi", "cache_salt": bad})
+        status, _, reply = post_completion(service, {"model": "tiny", "prompt": "hi", "cache_salt": bad})
         assert status == 400 and "cache_salt" in json.dumps(reply), reply
-    assert _complete(service, {"model": "tiny", "prompt": "hi", "max_tokens": 2,
+    assert post_completion(service, {"model": "tiny", "prompt": "hi", "max_tokens": 2,
                                "cache_salt": "x" * 256})[0] == 200

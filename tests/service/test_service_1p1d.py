@@ -8,10 +8,7 @@ outlasts the gateway's worker timeout.)
 
 from __future__ import annotations
 
-import json
 import threading
-import urllib.error
-import urllib.request
 
 import grpc
 import openai
@@ -20,7 +17,7 @@ import pytest
 from pdserve.deploy.cluster import base_url
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto import generate_pb2, generate_pb2_grpc
-from service_apps import assert_completions_equal_colocated, expected_text, free_port, get_json, is_drained, running_app, wait_until_drained
+from service_apps import post_completion, assert_completions_equal_colocated, free_port, get_json, is_drained, running_app, wait_until_drained
 
 GRPC_PORT = free_port()
 MAX_INFLIGHT = 3
@@ -39,22 +36,6 @@ def service(ray_cluster):
 @pytest.fixture(scope="module")
 def client(service):
     return openai.OpenAI(base_url=base_url(service) + "/v1", api_key="unused", max_retries=0)
-
-
-def _post(config, body: dict) -> tuple[int, dict, dict]:
-    """(status, headers with lower-case names, JSON body) of one completion request."""
-    request = urllib.request.Request(base_url(config) + "/v1/completions",
-                                     data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, _lower(response.headers), json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, _lower(error.headers), json.loads(error.read())
-
-
-def _lower(headers) -> dict[str, str]:
-    return {name.lower(): value for name, value in headers.items()}
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.7, seed=7)],
@@ -86,7 +67,7 @@ def test_a_burst_over_the_inflight_limit_gets_429_with_retry_after(service):
 
     def fire(index: int) -> None:
         barrier.wait()
-        results.append(_post(service, {"model": "tiny", "prompt": PROMPTS[index % 3],
+        results.append(post_completion(service, {"model": "tiny", "prompt": PROMPTS[index % 3],
                                        "max_tokens": 48, "temperature": 0, "ignore_eos": True}))
 
     threads = [threading.Thread(target=fire, args=(i,)) for i in range(num_requests)]
