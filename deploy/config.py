@@ -77,6 +77,8 @@ class PDServeConfig:
     max_inflight_requests: int = 256  # beyond: 429 with Retry-After (503: no worker available)
     retry_after_s: int = 1  # the Retry-After of a 429 or 503
     worker_timeout_s: float = 5.0  # a worker silent this long leaves routing (503 if none left)
+    max_attempts: int = 3  # runs of a request per worker role when workers are lost (1: no retry)
+    retry_backoff_s: float = 0.5  # between those runs
     max_load_imbalance: int = 4
     # Ray.
     ray_address: str | None = None  # None: start an embedded local cluster
@@ -156,7 +158,9 @@ class PDServeConfig:
                              max_inflight_requests=self.max_inflight_requests,
                              max_load_imbalance=self.max_load_imbalance,
                              retry_after_s=self.retry_after_s,
-                             worker_timeout_s=self.worker_timeout_s)
+                             worker_timeout_s=self.worker_timeout_s,
+                             max_attempts=self.max_attempts,
+                             retry_backoff_s=self.retry_backoff_s)
 
     def engine_config(self, engine_id: str, device: str) -> EngineConfig:
         """The ``EngineConfig`` of one worker; only ``engine_id`` and ``device`` differ."""

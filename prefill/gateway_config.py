@@ -17,6 +17,8 @@ class GatewayConfig:
     ``Retry-After: retry_after_s`` (the client should back off), while ``503`` means no
     worker of a needed kind is available. ``worker_timeout_s``: a worker that does not
     answer the gateway's event poll within it is taken out of routing until it answers.
+    ``max_attempts``: runs of one request on a worker role before a lost worker fails it
+    (1: no retry), ``retry_backoff_s`` apart.
     """
 
     model: str  # "tiny" or a local HF directory: the gateway loads only its tokenizer
@@ -27,6 +29,8 @@ class GatewayConfig:
     max_load_imbalance: int = 4
     retry_after_s: int = 1
     worker_timeout_s: float = 5.0
+    max_attempts: int = 3
+    retry_backoff_s: float = 0.5
 
     def __post_init__(self) -> None:
         if self.max_inflight_requests < 1:
@@ -34,3 +38,6 @@ class GatewayConfig:
                              f"got {self.max_inflight_requests}")
         if self.retry_after_s < 0 or self.worker_timeout_s <= 0:
             raise ValueError("retry_after_s must be >= 0 and worker_timeout_s positive")
+        if self.max_attempts < 1 or self.retry_backoff_s < 0:
+            raise ValueError(f"max_attempts must be at least 1 and retry_backoff_s >= 0, got "
+                             f"{self.max_attempts} and {self.retry_backoff_s}")

@@ -50,9 +50,6 @@ logger = logging.getLogger(__name__)
 
 _EVENT_POLL_S = 0.25
 _STATS_TIMEOUT_S = 10.0
-# Runs of one request on a worker role before a lost worker fails it (1 = no retry).
-_MAX_ATTEMPTS = 3
-_RETRY_BACKOFF_S = 0.5
 
 
 class WorkerLost(Exception):
@@ -229,7 +226,7 @@ class GenerationService:
             prefill_request = WorkerRequest(request_id, token_ids, params, cache_salt=cache_salt)
         last: GenerationChunk | None = None
         prefill_id = ""
-        for attempt in range(_MAX_ATTEMPTS):
+        for attempt in range(self.config.max_attempts):
             prefill_id = self._pick("prefill", hashes)
             if remote_decode:
                 self._pick("decode", hashes)  # 503 now, before any token, when none is up
@@ -243,7 +240,7 @@ class GenerationService:
                             yield delta
                 break
             except WorkerLost as lost:
-                if emitter.sent_tokens or attempt + 1 == _MAX_ATTEMPTS:
+                if emitter.sent_tokens or attempt + 1 == self.config.max_attempts:
                     raise self._lost_error(lost, "prefill", emitter) from None
                 logger.warning("%s; routing request %s again", lost, request_id)
                 self.num_retries += 1
@@ -256,9 +253,9 @@ class GenerationService:
         decode_id = ""
         completed = False
         try:
-            for attempt in range(_MAX_ATTEMPTS):
+            for attempt in range(self.config.max_attempts):
                 if attempt:
-                    await asyncio.sleep(_RETRY_BACKOFF_S)  # let Serve see the dead replica
+                    await asyncio.sleep(self.config.retry_backoff_s)  # let Serve see the dead replica
                 decode_id = self._pick("decode", hashes, fallback=decode_id if attempt else None)
                 decode_request = WorkerRequest(request_id, token_ids, params,
                                                kv_transfer_params=kv_transfer_params,
@@ -279,7 +276,7 @@ class GenerationService:
                                         f"after {emitter.sent_tokens} tokens", type="server_error",
                                    code="replay_diverged") from None
                 except WorkerLost as lost:
-                    if attempt + 1 == _MAX_ATTEMPTS:
+                    if attempt + 1 == self.config.max_attempts:
                         raise self._lost_error(lost, "decode", emitter) from None
                     logger.warning("%s; replaying request %s after %d sent tokens", lost,
                                    request_id, emitter.sent_tokens)
@@ -318,7 +315,7 @@ class GenerationService:
         if not emitter.sent_tokens:
             return no_worker_available(role)
         return APIError(503, f"the {role} worker serving this request was lost and "
-                             f"{_MAX_ATTEMPTS} attempts did not finish it; the reply is cut short "
+                             f"{self.config.max_attempts} attempts did not finish it; the reply is cut short "
                              f"after {emitter.sent_tokens} tokens: retry the request",
                         type="server_error", code="worker_lost")
 
