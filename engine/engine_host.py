@@ -186,7 +186,7 @@ class EngineHost:
                                     kv_transfer_params=request.kv_transfer_params)
         except (ValueError, TypeError) as error:
             self._deliver(GenerationChunk(request.request_id, [], "", 0, True, "error",
-                                          error=str(error)))
+                                          error=str(error), refused=True))
 
     def _submit(self, op: Callable[[], None]) -> None:
         with self._ops_lock:

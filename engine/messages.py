@@ -81,7 +81,9 @@ class GenerationChunk:
     """What one request gained since the previous chunk of its stream.
 
     Deltas, not the engine's cumulative lists, so a long stream costs O(n) to ship.
-    ``num_output_tokens`` is the cumulative count after this chunk.
+    ``num_output_tokens`` is the cumulative count after this chunk. ``refused``: the engine
+    turned the request down as invalid (the client's fault, a 400), as opposed to an
+    ``error`` while running it (the server's, a 500).
     """
 
     request_id: str
@@ -93,6 +95,7 @@ class GenerationChunk:
     num_cached_tokens: int = 0
     kv_transfer_params: KVTransferParams | None = None
     error: str | None = None
+    refused: bool = False
 
 
 @dataclass(slots=True)

@@ -338,7 +338,7 @@ class GenerationService:
                     raise WorkerLost(worker_id, answered, error) from None
                 answered = True
                 if chunk.error is not None:
-                    if first and chunk.num_output_tokens == 0:
+                    if first and chunk.refused:
                         raise APIError(400, chunk.error)
                     # Never a silently short reply: the client gets an error event.
                     raise APIError(500, f"{worker_id} failed the request: {chunk.error}",

@@ -127,3 +127,21 @@ def test_refusals_to_retry_carry_retry_after_and_an_openai_error_body(status):
     assert response.headers["retry-after"] == "2"
     assert json.loads(response.body)["error"]["message"] == "busy"
     assert service.metrics.num_rejected == 1
+
+
+@pytest.mark.parametrize("refused, status", [(True, 400), (False, 500)])
+def test_a_worker_refusal_is_the_clients_fault_and_a_worker_failure_is_the_servers(refused, status):
+    class FailingWorker(FakeWorker):
+        async def generate(self, request: WorkerRequest) -> AsyncIterator[GenerationChunk]:
+            yield GenerationChunk(request.request_id, [], "", 0, True, "error",
+                                  error="the worker said no", refused=refused)
+
+    async def scenario() -> None:
+        pool = FakePool(["prefill-0"], [])
+        pool.prefill["prefill-0"] = pool.all["prefill-0"] = FailingWorker("prefill-0")
+        with pytest.raises(APIError) as caught:
+            await run(make_service(pool))
+        assert caught.value.status == status
+        assert "the worker said no" in caught.value.message
+
+    asyncio.run(scenario())
