@@ -20,6 +20,7 @@ step in :func:`build_attention_metadata`, with O(batch) Python.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from itertools import chain
 
@@ -103,9 +104,7 @@ def build_attention_metadata(
         positions, base_rows = _token_rows(
             token_counts, start_positions, block_ids, blocks_needed, block_size, rows_per_block
         )
-    # Row of (layer, kv) relative to a token's block row: (layer * 2 + kv) * block_size.
-    layer_rows = torch.arange(2 * num_layers, dtype=torch.long).view(num_layers, 1, 2) * block_size
-    write_rows = base_rows[None, :, None] + layer_rows
+    write_rows = base_rows[None, :, None] + _layer_rows(num_layers, block_size)
 
     prefills = []
     query_start = 0
@@ -139,6 +138,13 @@ def build_attention_metadata(
         decode = DecodeAttention(query_start, tables.to(device), seq_len, mask)
 
     return AttentionMetadata(positions.to(device), write_rows.to(device), max(ends), prefills, decode)
+
+
+@functools.cache
+def _layer_rows(num_layers: int, block_size: int) -> torch.Tensor:
+    """``[num_layers, 1, 2]``: row of (layer, kv) relative to a token's block row,
+    ``(layer * 2 + kv) * block_size``. The same every step, so built once (read-only)."""
+    return torch.arange(2 * num_layers, dtype=torch.long).view(num_layers, 1, 2) * block_size
 
 
 def _token_rows(
@@ -228,15 +234,22 @@ def paged_attention(
 
 
 def _decode(query: torch.Tensor, layer_cache: torch.Tensor, decode: DecodeAttention) -> torch.Tensor:
-    """One SDPA over the padded batch of single-token queries ``[batch, num_heads, head_size]``."""
+    """One SDPA over the padded batch of single-token queries ``[batch, num_heads, head_size]``.
+
+    The query heads that share a K/V head are passed as that head's queries
+    (``[batch, kv_heads, group, head_size]``), so SDPA needs no ``enable_gqa`` expansion of
+    K and V: a single token attends to every visible key, hence no causal mask among them.
+    At batch 16 this halves the attention time (the GQA path copies K/V per query head).
+    """
     keys, values = _gather(layer_cache, decode.block_tables)  # [batch, max_blocks * block_size, ...]
     if decode.attn_mask is None:
         keys, values = keys[:, : decode.seq_len], values[:, : decode.seq_len]
+    batch, num_heads, head_size = query.shape
+    num_kv_heads = keys.shape[2]
     attended = F.scaled_dot_product_attention(
-        query[:, :, None, :],
+        query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_size),
         keys.transpose(1, 2),
         values.transpose(1, 2),
         attn_mask=decode.attn_mask,
-        enable_gqa=True,
     )
-    return attended[:, :, 0, :]
+    return attended.reshape(batch, num_heads, head_size)

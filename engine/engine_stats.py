@@ -51,7 +51,14 @@ class EngineStats:
         self.num_scheduled_tokens += num_scheduled_tokens
         self.num_generation_tokens += num_sampled
 
-    def record_cache(self, manager: KVCacheManager, counters: SchedulerCounters, num_evicted: int) -> None:
+    def record_cache(self, manager: KVCacheManager, counters: SchedulerCounters) -> None:
+        """Folds in the ledger's prefix-cache counters and the pool's current state.
+
+        Called when stats are read, not every step: the ledger accumulates its prefix
+        counters until asked (reset on read), and the pool figures are a present-tense
+        reading, so a per-step call would only cost time at batch 1. Evictions are
+        counted per step by the engine (it drains the ledger's events every step).
+        """
         prefix = manager.make_prefix_cache_stats()
         if prefix is not None:
             self.prefix_cache_requests += prefix.requests
@@ -59,7 +66,6 @@ class EngineStats:
             self.prefix_cache_hits += prefix.hits
         self.num_free_blocks = manager.get_num_free_blocks()
         self.kv_cache_usage = manager.usage
-        self.num_evictions += num_evicted
         self.num_preemptions = counters.num_preemptions
         self.num_recompute_fallbacks = counters.num_recompute_fallbacks
         self.num_load_failures = counters.num_load_failures

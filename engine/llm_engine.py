@@ -229,7 +229,7 @@ class LLMEngine:
             if not output.chunks and self.connector.has_pending_loads():
                 self.connector.wait_for_progress(_IDLE_WAIT_S)
             changed += scheduler.update_from_kv_xfer_finished(self.connector.get_finished())
-        self._stats.record_cache(self.kv_cache_manager, scheduler.counters, self._collect_kv_events())
+        self._stats.num_evictions += self._collect_kv_events()
         return [self._make_output(request) for request in changed]
 
     def _collect_kv_events(self) -> int:
@@ -247,6 +247,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """A copy of this engine's counters, safe to send to another process."""
+        self._stats.record_cache(self.kv_cache_manager, self.scheduler.counters)
         return self._stats.snapshot(self.connector)
 
     def _make_output(self, request: Request) -> RequestOutput:

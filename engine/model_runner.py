@@ -110,7 +110,8 @@ class ModelRunner:
             last_row[index] = row
         sample_rows = [last_row[i] for i, c in enumerate(chunks) if c.sample]
         with torch.inference_mode():
-            hidden = self.model(input_ids.to(self.device), metadata.positions, self.kv_cache, metadata)
+            # .forward, not __call__: no hooks on the hot path (models/llama.py module doc).
+            hidden = self.model.forward(input_ids.to(self.device), metadata.positions, self.kv_cache, metadata)
             if len(sample_rows) != input_ids.shape[0]:  # else every token is a sampled decode, in order
                 hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
             return self.model.compute_logits(hidden).float()
