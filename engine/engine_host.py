@@ -18,6 +18,7 @@ thread before its next step; outputs travel back to each request's asyncio queue
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -212,10 +213,8 @@ class EngineHost:
                     if state == _IDLE:
                         await self._wakeup.wait()
                     else:  # blocks held under a lease: poll for the decode side's release
-                        try:
+                        with contextlib.suppress(TimeoutError):
                             await asyncio.wait_for(self._wakeup.wait(), _LEASE_POLL_S)
-                        except TimeoutError:
-                            pass
             state = await loop.run_in_executor(self._executor, self._step)
 
     def _step(self) -> str:

@@ -60,6 +60,13 @@ def assert_completions_equal_colocated(client, colocated: LLMEngine, prompts: li
         assert "".join(chunk.choices[0].text for chunk in stream) == expected
 
 
+def openai_client(config: PDServeConfig):
+    """The official OpenAI client pointed at the app's gateway, without client-side retries."""
+    import openai
+
+    return openai.OpenAI(base_url=base_url(config) + "/v1", api_key="unused", max_retries=0)
+
+
 def post_completion(config: PDServeConfig, body: dict) -> tuple[int, dict[str, str], dict]:
     """(status, headers with lower-case names, JSON body) of one ``/v1/completions`` call."""
     request = urllib.request.Request(base_url(config) + "/v1/completions",

@@ -11,13 +11,11 @@ from __future__ import annotations
 import threading
 
 import grpc
-import openai
 import pytest
 
-from pdserve.deploy.cluster import base_url
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto import generate_pb2, generate_pb2_grpc
-from service_apps import post_completion, assert_completions_equal_colocated, free_port, get_json, is_drained, running_app, wait_until_drained
+from service_apps import openai_client, post_completion, assert_completions_equal_colocated, free_port, get_json, is_drained, running_app, wait_until_drained
 
 GRPC_PORT = free_port()
 MAX_INFLIGHT = 3
@@ -35,7 +33,7 @@ def service(ray_cluster):
 
 @pytest.fixture(scope="module")
 def client(service):
-    return openai.OpenAI(base_url=base_url(service) + "/v1", api_key="unused", max_retries=0)
+    return openai_client(service)
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.7, seed=7)],

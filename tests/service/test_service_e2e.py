@@ -10,12 +10,11 @@ import time
 import urllib.error
 import urllib.request
 
-import openai
 import pytest
 
 from pdserve.deploy.cluster import base_url
 from pdserve.engine.sampling_params import SamplingParams
-from service_apps import assert_completions_equal_colocated, expected_text, get_json, is_drained, running_app, wait_until_drained
+from service_apps import openai_client, assert_completions_equal_colocated, expected_text, get_json, is_drained, running_app, wait_until_drained
 
 PREFIX = "System: you are a careful assistant who answers in one short line. User asks: "
 PROMPTS = [PREFIX + q for q in ("what is paged attention?", "why disaggregate?",
@@ -30,7 +29,7 @@ def service(ray_cluster):
 
 @pytest.fixture(scope="module")
 def client(service):
-    return openai.OpenAI(base_url=base_url(service) + "/v1", api_key="unused", max_retries=0)
+    return openai_client(service)
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, seed=1234)],
