@@ -18,7 +18,7 @@ from pdserve.cache import (
     RequestBlockHasher,
     num_blocks_for_memory,
 )
-from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.tokenizer.detokenizer import IncrementalDetokenizer
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.engine_stats import EngineStats
 from pdserve.engine.loader import load_model

@@ -21,8 +21,10 @@ from torch import nn
 
 from pdserve.engine.model_config import DTYPES, ModelConfig, resolve_dtype
 from pdserve.engine.models import build_model
-from pdserve.engine.tiny_model import TINY_NAME, build_tiny_model, tiny_model_config
-from pdserve.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from pdserve.engine.tiny_model import build_tiny_model, tiny_model_config
+from pdserve.tokenizer.loading import load_tokenizer
+from pdserve.tokenizer.model_source import hf_eos_token_ids, resolve_model
+from pdserve.tokenizer.tokenizer import Tokenizer
 
 # Checkpoint entries that are derived state, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -33,15 +35,15 @@ def load_model(
 ) -> tuple[nn.Module, ModelConfig, Tokenizer]:
     """``(model, model_config, tokenizer)`` for ``"tiny"`` or a local HF directory; model in eval mode."""
     torch_dtype = resolve_dtype(dtype)
-    if name_or_path == TINY_NAME:
+    source = resolve_model(name_or_path)
+    if source.kind == "tiny":
         config = tiny_model_config()
         config.dtype = _dtype_name(torch_dtype)
-        return build_tiny_model(torch_dtype, device), config, ByteTokenizer(config.vocab_size)
-    directory = _model_directory(name_or_path)
-    config = load_model_config(directory)
+        return build_tiny_model(torch_dtype, device), config, load_tokenizer(source)
+    config = load_model_config(source.path)
     config.dtype = _dtype_name(torch_dtype)
-    model = load_weights(config, directory, torch_dtype, device)
-    return model, config, load_tokenizer(directory, config)
+    model = load_weights(config, source.path, torch_dtype, device)
+    return model, config, load_tokenizer(source)
 
 
 def load_model_config(directory: str | Path) -> ModelConfig:
@@ -51,11 +53,7 @@ def load_model_config(directory: str | Path) -> ModelConfig:
     if not config_path.is_file():
         raise FileNotFoundError(f"{directory} has no config.json; expected a Hugging Face model directory")
     config = ModelConfig.from_hf_config(json.loads(config_path.read_text()))
-    generation_path = directory / "generation_config.json"
-    if generation_path.is_file():
-        eos = json.loads(generation_path.read_text()).get("eos_token_id")
-        if eos is not None:
-            config.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
+    config.eos_token_ids = hf_eos_token_ids(directory)
     return config
 
 
@@ -85,26 +83,6 @@ def load_weights(
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     return model.to(device).eval()
-
-
-def load_tokenizer(directory: str | Path, config: ModelConfig) -> HFTokenizer:
-    """The directory's ``tokenizer.json``; its end of sequence is the config's first eos id."""
-    path = Path(directory) / "tokenizer.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{directory} has no tokenizer.json (a fast-tokenizer file is required)")
-    if not config.eos_token_ids:
-        raise ValueError(f"{directory}: neither config.json nor generation_config.json names an eos_token_id")
-    return HFTokenizer.from_file(str(path), config.eos_token_ids[0])
-
-
-def _model_directory(name_or_path: str) -> Path:
-    directory = Path(name_or_path)
-    if not directory.is_dir():
-        raise FileNotFoundError(
-            f"model {name_or_path!r} is neither the built-in {TINY_NAME!r} nor a local directory; "
-            "nothing is downloaded, pass the path of a Hugging Face model directory"
-        )
-    return directory
 
 
 def _weight_files(directory: Path) -> list[Path]:

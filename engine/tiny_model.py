@@ -14,9 +14,8 @@ from torch import nn
 
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import build_model
-from pdserve.engine.tokenizer import ByteTokenizer
+from pdserve.tokenizer.tokenizer import ByteTokenizer
 
-TINY_NAME = "tiny"
 TINY_SEED = 20240611
 # Projections drawn wide enough that attention and MLP shape the residual stream
 # (at std 0.02 the embedding dominates and greedy output falls into a short cycle),

@@ -24,7 +24,6 @@ import json
 import logging
 import time
 import uuid
-from pathlib import Path
 
 import grpc
 from fastapi import FastAPI, Request
@@ -47,6 +46,7 @@ from pdserve.prefill.protocol import (
 )
 from pdserve.prefill.service import GenerationService, StreamDelta, WorkerPool
 from pdserve.proto import generate_pb2
+from pdserve.tokenizer.loading import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -54,18 +54,6 @@ logger = logging.getLogger(__name__)
 MAX_REQUEST_ID_CHARS = 256
 
 app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
-
-
-def load_tokenizer(model: str):
-    """The model's tokenizer, without loading its weights."""
-    from pdserve.engine.loader import load_model_config
-    from pdserve.engine.loader import load_tokenizer as load_hf_tokenizer
-    from pdserve.engine.tiny_model import TINY_NAME, tiny_model_config
-    from pdserve.engine.tokenizer import ByteTokenizer
-
-    if model == TINY_NAME:
-        return ByteTokenizer(tiny_model_config().vocab_size)
-    return load_hf_tokenizer(Path(model), load_model_config(model))
 
 
 def _error_response(service: GenerationService, error: APIError) -> Response:

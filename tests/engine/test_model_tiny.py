@@ -11,7 +11,7 @@ from pdserve.engine.loader import load_model
 from pdserve.engine.model_input import ScheduledChunk
 from pdserve.cache import FullAttentionSpec, KVCacheGroupSpec, num_blocks_for_memory
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.tokenizer import ByteTokenizer
+from pdserve.tokenizer.tokenizer import ByteTokenizer
 
 
 def tiny_state_hash() -> str:

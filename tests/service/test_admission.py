@@ -15,7 +15,7 @@ import pytest
 
 from pdserve.engine.messages import GenerationChunk, KVEventBatch, ModelInfo, WorkerRequest
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenizer import ByteTokenizer
+from pdserve.tokenizer.tokenizer import ByteTokenizer
 from pdserve.prefill.gateway import _error_response
 from pdserve.prefill.gateway_config import GatewayConfig
 from pdserve.prefill.protocol import APIError

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from pdserve.tokenizer.tokenizer import Tokenizer
 
 _INCOMPLETE = "\ufffd"
 # Tokens re-decoded before the read point, so a multi-token character (a UTF-8 sequence
 # split over byte tokens, a merge across BPE pieces) decodes whole.
 _CONTEXT_TOKENS = 6
-
-
-class Tokenizer(Protocol):
-    def decode(self, token_ids: list[int]) -> str: ...
 
 
 class IncrementalDetokenizer:
