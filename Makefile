@@ -22,6 +22,7 @@ demo: setup
 	$(VENV)/bin/pdserve demo
 
 test: setup
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 bench: setup

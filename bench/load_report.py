@@ -1,6 +1,6 @@
 """pdserve load report: a bounded load through a P prefill + D decode app, checked and counted.
 
-The same load as ``tests/service/test_load.py`` (whose driver this script runs), outside
+The same load as ``tests/service/test_load.py`` (both run ``load_driver``), outside
 pytest and with knobs: ``--num-requests`` prompts, each a shared prefix plus a unique suffix,
 greedy and seeded, streamed and whole, at most ``--concurrency`` in flight. Every answer is
 compared with the colocated ``LLMEngine`` (all prompts in one batched ``generate`` before the
@@ -20,13 +20,11 @@ import sys
 import time
 from pathlib import Path
 
+from load_driver import (get_json, load_figures, plan_requests, reference_outputs, run_load,
+                         wait_until_drained, write_report)
+
 from pdserve.deploy.cluster import base_url, configure_ray_env, deploy, init_ray
 from pdserve.deploy.config import PDServeConfig
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "service"))
-
-from service_apps import NUM_KV_BLOCKS, get_json, wait_until_drained  # noqa: E402
-from test_load import load_figures, plan_requests, reference_outputs, run_load, write_report  # noqa: E402
 
 
 def main() -> int:
@@ -36,7 +34,7 @@ def main() -> int:
     parser.add_argument("--prefill", type=int, default=2)
     parser.add_argument("--decode", type=int, default=2)
     parser.add_argument("--transport", choices=["grpc", "nixl"], default="grpc")
-    parser.add_argument("--num-kv-blocks", type=int, default=NUM_KV_BLOCKS)
+    parser.add_argument("--num-kv-blocks", type=int, default=256)
     parser.add_argument("--max-inflight-requests", type=int, default=256,
                         help="the gateway's admission limit; below --concurrency it answers 429s, "
                              "which the client counts and retries")

@@ -45,6 +45,7 @@ from pdserve.cache.single_type_kv_cache_manager import (
     FullAttentionManager,
     SingleTypeKVCacheManager,
     SlidingWindowManager,
+    cdiv,
 )
 from pdserve.cache.stats import PrefixCacheStats
 
@@ -77,6 +78,7 @@ __all__ = [
     "RequestBlockHasher",
     "SingleTypeKVCacheManager",
     "SlidingWindowManager",
+    "cdiv",
     "SlidingWindowSpec",
     "get_block_hash",
     "hash_block_tokens",

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from pdserve.engine.engine_host import EngineHost
-from pdserve.engine.messages import WorkerSpec
+from pdserve.engine.kv_connector_base import KVConnectorBase
+from pdserve.kvconnector.pd_connector import PDConnector
+from pdserve.messages.engine_config import EngineConfig
+from pdserve.messages.worker_spec import WorkerSpec
 
 
 class DecodeWorker(EngineHost):
@@ -20,3 +23,6 @@ class DecodeWorker(EngineHost):
             raise ValueError(f"a DecodeWorker runs the consumer side, but {spec.worker_id!r} "
                              f"has role {spec.role!r}")
         super().__init__(spec)
+
+    def make_connector(self, engine_config: EngineConfig) -> KVConnectorBase:
+        return PDConnector.for_engine(self.spec.connector, engine_config)

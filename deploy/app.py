@@ -21,7 +21,7 @@ from ray.serve import Application
 
 from pdserve.decode.worker import DecodeWorker
 from pdserve.deploy.config import PDServeConfig
-from pdserve.prefill.gateway import Gateway
+from pdserve.prefill.gateway.http_ingress import Gateway
 from pdserve.prefill.worker import PrefillWorker
 
 # A worker serves many streams at once; Serve's default (5) would queue them in the handle.
@@ -67,4 +67,4 @@ def build(config: PDServeConfig) -> Application:
 
 def build_app(args: dict[str, Any]) -> Application:
     """The ``import_path`` target for ``serve run`` / ``serve deploy`` (``args``: config keys)."""
-    return build(PDServeConfig.from_dict(dict(args or {})))
+    return build(PDServeConfig.model_validate(dict(args or {})))

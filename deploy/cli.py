@@ -19,16 +19,28 @@ import json
 import signal
 import sys
 import time
-import urllib.error
-import urllib.request
+
+import httpx
+from httpx_sse import connect_sse
 
 from pdserve.deploy.config import PDServeConfig
+from pdserve.stats.registry import WORKER_STATS
+from pdserve.stats.views import format_table
 
 
-def _http(url: str, body: dict | None = None, timeout: float = 120.0):
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    return urllib.request.urlopen(request, timeout=timeout)
+_TIMEOUT_S = 120.0
+
+
+def _get_json(url: str) -> dict:
+    response = httpx.get(url, timeout=_TIMEOUT_S)
+    response.raise_for_status()
+    return response.json()
+
+
+def _post_json(url: str, body: dict) -> dict:
+    response = httpx.post(url, json=body, timeout=_TIMEOUT_S)
+    response.raise_for_status()
+    return response.json()
 
 
 def _url(args) -> str:
@@ -106,59 +118,43 @@ def cmd_status(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    """Streams one completion to the terminal (SSE, read with ``httpx-sse``)."""
     body = {"model": args.model, "prompt": args.prompt, "max_tokens": args.max_tokens,
             "temperature": args.temperature, "stream": True}
     if args.seed is not None:
         body["seed"] = args.seed
-    try:
-        with _http(f"{_url(args)}/v1/completions", body) as response:
-            for line in response:
-                line = line.decode().strip()
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    print(json.loads(line[6:])["choices"][0]["text"], end="", flush=True)
-    except urllib.error.HTTPError as error:
-        print(f"error {error.code}: {error.read().decode()}", file=sys.stderr)
-        return 1
+    with httpx.Client(timeout=_TIMEOUT_S) as client, \
+            connect_sse(client, "POST", f"{_url(args)}/v1/completions", json=body) as source:
+        if source.response.status_code != 200:
+            print(f"error {source.response.status_code}: {source.response.read().decode()}",
+                  file=sys.stderr)
+            return 1
+        for event in source.iter_sse():
+            if event.data == "[DONE]":
+                break
+            chunk = json.loads(event.data)
+            if "error" in chunk:
+                print(f"\nerror: {chunk['error']['message']}", file=sys.stderr)
+                return 1
+            print(chunk["choices"][0]["text"], end="", flush=True)
     print()
     return 0
 
 
 def format_stats(stats: dict) -> str:
-    columns = [("worker", "worker_id"), ("role", "role"), ("reqs", "num_requests"),
-               ("hit%", "prefix_cache_hit_rate"), ("usage%", "kv_cache_usage"),
-               ("free", "num_free_blocks"), ("evict", "num_evictions"), ("preempt", "num_preemptions"),
-               ("leases", "num_leases_held"), ("sent", "blocks_sent"), ("recv", "blocks_received"),
-               ("dedup", "dedup_skipped_blocks"), ("xfer p50ms", "transfer_latency_p50_s"),
-               ("xfer p99ms", "transfer_latency_p99_s"), ("fail", "transfer_failures"),
-               ("expired", "lease_expiries"), ("recompute", "recompute_fallbacks")]
-
-    def cell(row: dict, key: str) -> str:
-        value = row.get(key, "")
-        if value == "":
-            return ""
-        if key in ("prefix_cache_hit_rate", "kv_cache_usage"):
-            return f"{100 * value:.1f}"
-        if key.endswith("_s"):
-            return f"{1000 * value:.2f}"
-        return str(value)
-
-    rows = [[cell(w, key) for _, key in columns] for w in stats["workers"]]
-    totals = dict(stats["totals"], worker_id="total", role="")
-    rows.append([cell(totals, key) for _, key in columns])
-    header = [name for name, _ in columns]
-    widths = [max(len(header[i]), *(len(r[i]) for r in rows)) for i in range(len(header))]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    """The per-worker table, columns from the stats registry, then the gateway's line."""
+    table = format_table(WORKER_STATS, stats["workers"], {**stats["totals"], "worker_id": "total"},
+                         leading=[("worker", "worker_id"), ("role", "role")])
     g = stats["gateway"]
-    lines.append(f"gateway: {g['requests']} requests, {g['rejected']} rejected, {g['output_tokens']} "
-                 f"tokens; TTFT p50 {1000 * g['ttft_p50_s']:.1f} ms p99 {1000 * g['ttft_p99_s']:.1f} ms; "
-                 f"ITL p50 {1000 * g['itl_p50_s']:.1f} ms p99 {1000 * g['itl_p99_s']:.1f} ms")
-    return "\n".join(lines)
+    rejected = sum(g["rejected_by_status"].values())
+    return (f"{table}\ngateway: {g['num_requests']} requests, {rejected} rejected, "
+            f"{g['num_generation_tokens']} tokens; TTFT p50 {1000 * g['ttft_p50_s']:.1f} ms "
+            f"p99 {1000 * g['ttft_p99_s']:.1f} ms; ITL p50 {1000 * g['itl_p50_s']:.1f} ms "
+            f"p99 {1000 * g['itl_p99_s']:.1f} ms")
 
 
 def cmd_stats(args) -> int:
-    with _http(f"{_url(args)}/stats") as response:
-        stats = json.loads(response.read())
+    stats = _get_json(f"{_url(args)}/stats")
     print(json.dumps(stats, indent=2) if args.json else format_stats(stats))
     return 0
 
@@ -186,8 +182,7 @@ def cmd_demo(args) -> int:
 
     def complete(prompt: str) -> str:
         body = {"model": config.model_name, "prompt": prompt, "max_tokens": 24, "temperature": 0}
-        with _http(f"{url}/v1/completions", body) as response:
-            return json.loads(response.read())["choices"][0]["text"]
+        return _post_json(f"{url}/v1/completions", body)["choices"][0]["text"]
 
     try:
         complete(prompts[0])  # warm one prefix, then the burst
@@ -196,8 +191,7 @@ def cmd_demo(args) -> int:
         for prompt, output in zip(prompts, outputs):
             print(f"{prompt[-34:]!r:>38} -> {output!r}")
         time.sleep(0.5)  # let the routers' event polls settle
-        with _http(f"{url}/stats") as response:
-            print(format_stats(json.loads(response.read())))
+        print(format_stats(_get_json(f"{url}/stats")))
     finally:
         _stop(config)
     print(f"demo done in {time.perf_counter() - start:.1f}s")

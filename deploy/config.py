@@ -1,7 +1,8 @@
-"""A deployment's settings, in one typed place: loaded from YAML and/or CLI flags.
+"""A deployment's settings, in one typed place: one pydantic model, loaded from YAML and/or
+CLI flags, whose fields also generate the flags (``pydantic-settings``).
 
-The same dataclass travels to every Ray actor of the app (gateway and workers), so a worker
-never reads an environment variable to learn what the deployment is. Precedence: defaults <
+The app builder turns it into one ``WorkerSpec`` per worker and a ``GatewayConfig``, so no
+actor reads an environment variable to learn what the deployment is. Precedence: defaults <
 YAML file (``--config``) < flags given on the command line.
 
     model: tiny                 # "tiny" (built in, no download) or a local HF directory
@@ -18,19 +19,19 @@ fresh random one per app) and the README's "Security and threat model".
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import secrets
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+from pydantic_settings import CliSettingsSource
 
-from pdserve.engine.engine_config import EngineConfig
-from pdserve.engine.messages import WorkerSpec
-from pdserve.kvconnector.connector_config import KVConnectorConfig
-from pdserve.prefill.gateway_config import GatewayConfig
+from pdserve.messages.connector_config import KVConnectorConfig
+from pdserve.messages.engine_config import EngineConfig
+from pdserve.messages.worker_spec import WorkerSpec
+from pdserve.prefill.gateway.config import GatewayConfig
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # Where a deployment's KV-transfer secret may come from when the config does not set it:
@@ -39,66 +40,72 @@ KV_TRANSFER_SECRET_ENV = "PDSERVE_KV_TRANSFER_SECRET"
 MIN_KV_TRANSFER_SECRET_CHARS = 16
 
 
-@dataclass(slots=True)
-class PDServeConfig:
+class PDServeConfig(BaseModel):
     """Settings of one pdserve application (gateway, router, workers, engines)."""
 
-    model: str = "tiny"
-    served_model_name: str | None = None  # defaults to the model's name (last path part)
-    num_prefill: int = 1
-    num_decode: int = 1
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+    model: str = Field("tiny", description="'tiny' (built in) or a local HF directory")
+    served_model_name: str | None = Field(
+        None, description="the name clients send as 'model' (default: the model's last path part)")
+    num_prefill: int = Field(1, ge=1, validation_alias=AliasChoices("num_prefill", "prefill"),
+                             description="prefill workers")
+    num_decode: int = Field(1, ge=0, validation_alias=AliasChoices("num_decode", "decode"),
+                            description="decode workers; 0 = colocated")
     transport: Literal["grpc", "nixl"] = "grpc"
     kv_failure_policy: Literal["recompute", "fail"] = "recompute"
-    lease_ttl_s: float = 30.0
-    kv_transfer_host: str | None = None  # None: loopback when host is, else the node's address
-    kv_transfer_port: int = 0  # 0: any free port; N: prefill-i's KV service listens on N + i
-    # Shared secret every KV transfer call must carry. None: PDSERVE_KV_TRANSFER_SECRET, else
-    # generated per app by build(). Kept out of repr and never logged or served in /stats.
-    kv_transfer_secret: str | None = field(default=None, repr=False)
+    lease_ttl_s: float = Field(30.0, gt=0)
+    kv_transfer_host: str | None = Field(
+        None, description="where KV services listen; unset: loopback when host is, else the "
+                          "node's address")
+    kv_transfer_port: int = Field(0, ge=0, lt=65536,
+                                  description="0: any free port; N: prefill-i listens on N + i")
+    kv_transfer_secret: str | None = Field(
+        None, repr=False,
+        description=f"shared secret of the KV plane; prefer the {KV_TRANSFER_SECRET_ENV} "
+                    "environment variable (flags show in ps); unset: a random one per app")
     # Engine settings shared by every worker.
-    block_size: int = 16
-    num_kv_blocks: int | None = 512
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    block_size: int = Field(16, gt=0)
+    num_kv_blocks: int | None = Field(512, ge=2)
+    max_model_len: int | None = Field(None, gt=0)
+    max_num_seqs: int = Field(64, gt=0)
+    max_num_batched_tokens: int = Field(2048, gt=0)
     enable_prefix_caching: bool = True
     hash_algorithm: Literal["xxh3_128", "sha256"] = "xxh3_128"
-    hash_seed: int = 0
-    dtype: str = "float32"
-    device: str = "auto"  # auto: cuda when the worker got a GPU, else cpu
-    torch_threads: int = 1
+    hash_seed: int = Field(0, description="MUST be equal on every node of the cluster")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = Field("auto", description="auto: cuda when the worker got a GPU, else cpu")
+    torch_threads: int = Field(1, ge=1)
     # Placement.
-    num_gpus_per_worker: float = 0.0  # > 0 on a GPU cluster
-    num_cpus_per_worker: float = 0.0  # 0 lets several workers share a 2-core box
+    num_gpus_per_worker: float = Field(0.0, ge=0, description="> 0 on a GPU cluster")
+    num_cpus_per_worker: float = Field(0.0, ge=0,
+                                       description="0 lets several workers share a small box")
     # Ingress.
     host: str = "127.0.0.1"
-    port: int = 8000
-    grpc_port: int = 0  # 0: no gRPC Generate service
-    max_inflight_requests: int = 256  # beyond: 429 with Retry-After (503: no worker available)
-    retry_after_s: int = 1  # the Retry-After of a 429 or 503
-    worker_timeout_s: float = 5.0  # a worker silent this long leaves routing (503 if none left)
-    max_attempts: int = 3  # runs of a request per worker role when workers are lost (1: no retry)
-    retry_backoff_s: float = 0.5  # between those runs
-    max_load_imbalance: int = 4
+    port: int = Field(8000, ge=0, lt=65536)
+    grpc_port: int = Field(0, ge=0, lt=65536, description="0: no gRPC Generate service")
+    max_inflight_requests: int = Field(256, ge=1,
+                                       description="beyond: 429 with Retry-After")
+    retry_after_s: int = Field(1, ge=0, description="the Retry-After of a 429 or 503")
+    worker_timeout_s: float = Field(5.0, gt=0,
+                                    description="a worker silent this long leaves routing")
+    max_attempts: int = Field(3, ge=1, description="runs of a request per worker role when "
+                                                   "workers are lost (1: no retry)")
+    retry_backoff_s: float = Field(0.5, ge=0, description="between those runs")
+    max_load_imbalance: int = Field(4, ge=0)
     # Ray.
-    ray_address: str | None = None  # None: start an embedded local cluster
+    ray_address: str | None = Field(None, validation_alias=AliasChoices("ray_address", "address"),
+                                    description="unset: start an embedded local cluster")
     app_name: str = "pdserve"
     route_prefix: str = "/"
-    extra_engine_args: dict[str, Any] = field(default_factory=dict)
+    extra_engine_args: dict[str, Any] = Field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        if self.num_prefill < 1:
-            raise ValueError(f"num_prefill must be at least 1, got {self.num_prefill}")
-        if self.num_decode < 0:
-            raise ValueError(f"num_decode must be >= 0, got {self.num_decode}")
-        if self.transport not in ("grpc", "nixl"):
-            raise ValueError(f"transport must be 'grpc' or 'nixl', got {self.transport!r}")
-        if self.max_inflight_requests < 1:
-            raise ValueError("max_inflight_requests must be at least 1")
-        if not 0 <= self.kv_transfer_port < 65536:
-            raise ValueError(f"kv_transfer_port must be a TCP port or 0, got {self.kv_transfer_port}")
-        if self.kv_transfer_secret is not None:
-            check_kv_transfer_secret(self.kv_transfer_secret, "kv_transfer_secret")
+    @field_validator("kv_transfer_secret", mode="before")
+    @classmethod
+    def _check_secret(cls, secret: Any) -> Any:
+        if secret is not None:
+            check_kv_transfer_secret(secret, "kv_transfer_secret")
+        return secret
 
     def resolve_kv_transfer_secret(self) -> PDServeConfig:
         """This config with the deployment's KV-transfer secret filled in.
@@ -113,8 +120,8 @@ class PDServeConfig:
         from_env = os.environ.get(KV_TRANSFER_SECRET_ENV)
         if from_env:
             check_kv_transfer_secret(from_env, KV_TRANSFER_SECRET_ENV)
-            return dataclasses.replace(self, kv_transfer_secret=from_env)
-        return dataclasses.replace(self, kv_transfer_secret=secrets.token_urlsafe(32))
+            return self.model_copy(update={"kv_transfer_secret": from_env})
+        return self.model_copy(update={"kv_transfer_secret": secrets.token_urlsafe(32)})
 
     @property
     def model_name(self) -> str:
@@ -184,59 +191,33 @@ class PDServeConfig:
 
     # ------------------------------------------------------------------ loading
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> PDServeConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown pdserve config keys {unknown}; known keys: {sorted(known)}")
-        return cls(**values)
-
     @classmethod
     def from_yaml(cls, path: str | Path) -> PDServeConfig:
-        values = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(values, dict):
-            raise ValueError(f"{path}: expected a mapping of config keys")
-        return cls.from_dict(values)
+        return cls.model_validate(load_yaml_mapping(path))
 
     @classmethod
     def add_cli_flags(cls, parser: argparse.ArgumentParser) -> None:
-        """Adds ``--config`` and one flag per field (``num_prefill`` → ``--prefill`` too)."""
+        """``--config FILE`` and one flag per field, generated from the model (aliases:
+        ``--prefill``, ``--decode``, ``--address``); ``from_cli`` reads them back."""
         parser.add_argument("--config", type=Path, help="YAML file of config keys")
-        aliases = {"num_prefill": ["--prefill"], "num_decode": ["--decode"], "ray_address": ["--address"]}
-        for f in dataclasses.fields(cls):
-            if f.name == "extra_engine_args":
-                continue
-            flags = aliases.get(f.name, []) + ["--" + f.name.replace("_", "-")]
-            kind = str if f.name in _STRING_FLAGS else _flag_type(f.default)
-            if kind is bool:
-                parser.add_argument(*flags, dest=f.name, default=None,
-                                    action=argparse.BooleanOptionalAction)
-            else:
-                parser.add_argument(*flags, dest=f.name, default=None, type=kind,
-                                    help=_FLAG_HELP.get(f.name))
+        source = CliSettingsSource(cls, root_parser=parser, cli_kebab_case=True,
+                                   cli_implicit_flags=True)
+        parser.set_defaults(config_source=source)
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> PDServeConfig:
-        values: dict[str, Any] = {}
-        if getattr(args, "config", None):
-            values.update(yaml.safe_load(Path(args.config).read_text()) or {})
-        for f in dataclasses.fields(cls):
-            given = getattr(args, f.name, None)
-            if given is not None:
-                values[f.name] = given
-        return cls.from_dict(values)
+        """Defaults < the ``--config`` file < the flags given."""
+        values = load_yaml_mapping(args.config) if args.config else {}
+        values.update(args.config_source(parsed_args=args)())
+        return cls.model_validate(values)
 
 
-_STRING_FLAGS = {"kv_transfer_secret"}  # "1234..." must stay a string
-_FLAG_HELP = {
-    "kv_transfer_secret": "shared secret of the KV plane; prefer the "
-                          f"{KV_TRANSFER_SECRET_ENV} environment variable (flags show in ps); "
-                          "unset: a random one per app",
-}
+def load_yaml_mapping(path: str | Path) -> dict[str, Any]:
+    """A YAML file of config keys: a mapping (or empty), else a clear error."""
+    values = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a mapping of config keys, got a {type(values).__name__}")
+    return values
 
 
 def check_kv_transfer_secret(secret: Any, source: str) -> None:
@@ -251,21 +232,3 @@ def check_kv_transfer_secret(secret: Any, source: str) -> None:
             "python -c 'import secrets; print(secrets.token_urlsafe(32))', or leave it unset "
             "for a random one per app")
 
-
-def _flag_type(default: Any):
-    if isinstance(default, bool):
-        return bool
-    if isinstance(default, int):
-        return int
-    if isinstance(default, float):
-        return float
-    return _optional_int_or_str
-
-
-def _optional_int_or_str(text: str) -> int | str | None:
-    if text.lower() in ("none", "null"):
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        return text

@@ -27,6 +27,8 @@ from itertools import chain
 import torch
 import torch.nn.functional as F
 
+from pdserve.cache import cdiv
+
 
 @dataclass(slots=True)
 class PrefillAttention:
@@ -85,7 +87,7 @@ def build_attention_metadata(
     ``block_ids[i]`` must cover the chunk's end position.
     """
     ends = [start + count for start, count in zip(start_positions, token_counts)]
-    blocks_needed = [-(-end // block_size) for end in ends]
+    blocks_needed = [cdiv(end, block_size) for end in ends]
     for i, (ids, need) in enumerate(zip(block_ids, blocks_needed)):
         if len(ids) < need:
             raise ValueError(

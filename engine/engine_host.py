@@ -1,17 +1,18 @@
 """One ``LLMEngine`` inside a Ray actor: the step loop, streams, KV events and stats.
 
-Both worker kinds (``PrefillWorker``, ``DecodeWorker``) are this host with a role; they
-differ only in which connector side they run and which requests the gateway sends them.
-It lives in ``engine`` because both sides run it: it knows a ``WorkerSpec``, never the
-deployment's config, so ``prefill``/``decode`` import it and ``deploy`` builds the specs.
+The role workers (``prefill.worker.PrefillWorker``, ``decode.worker.DecodeWorker``) are this
+host plus what differs by role: which connector they run (``make_connector``). The host
+knows a ``WorkerSpec`` and the engine's connector interface, never a transport, so it sits in
+the engine layer and both roles import it from below.
 
 The engine is not thread-safe, so exactly one thread ever touches it: the host's *engine
-thread*. Calls from the actor's event loop (add, abort) are queued and applied by that
-thread before its next step; outputs travel back to each request's asyncio queue.
+thread*. Calls from the actor's event loop (add, abort, stats) are queued as ops and applied
+by that thread before its next step; outputs travel back to each request's asyncio queue.
 
-    event loop (Ray calls)                 engine thread
-    generate(req) ─▶ ops.append(add) ──┐
-    (cancelled) ───▶ ops.append(abort) ┼─▶ apply ops; engine.step(); take KV events
+    event loop (Ray calls)                  engine thread
+    generate(req) ─▶ ops.append(add) ───┐
+    (cancelled) ───▶ ops.append(abort) ─┼─▶ apply ops; engine.step(); take KV events
+    stats() ───────▶ ops.append(read) ──┘
     queue.get() ◀── call_soon_threadsafe ◀─ RequestOutput (cumulative) per changed request
 """
 
@@ -23,78 +24,32 @@ import dataclasses
 import logging
 import threading
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import Any, TypeVar
 
-from pdserve.cache import AllBlocksCleared, BlockRemoved, BlockStored
-from pdserve.engine.engine_config import EngineConfig
-from pdserve.engine.messages import (
-    GenerationChunk,
-    KVEventBatch,
-    ModelInfo,
-    WorkerRequest,
-    WorkerSpec,
-    WorkerStats,
-)
+from pdserve.engine.kv_connector_base import KVConnectorBase
+from pdserve.engine.kv_event_log import KVEventLog
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request_output import RequestOutput
-
-if TYPE_CHECKING:
-    from pdserve.kvconnector.base import KVConnectorBase
+from pdserve.messages.engine_config import EngineConfig
+from pdserve.messages.generation import GenerationChunk, ModelInfo, WorkerRequest
+from pdserve.messages.kv_event_batch import KVEventBatch
+from pdserve.messages.worker_spec import WorkerSpec
+from pdserve.messages.worker_stats import WorkerStats
 
 logger = logging.getLogger(__name__)
 
-_MAX_LOGGED_EVENTS = 65536
 # While only leased blocks remain, step this often so released leases free their blocks.
 _LEASE_POLL_S = 0.02
 _BUSY, _HOLDING, _IDLE = "busy", "holding", "idle"
-
-
-class KVEventLog:
-    """A bounded, sequence-numbered log of one worker's KV events, read by cursor.
-
-    Readers (gateways) keep their own cursor; when the log has dropped events a reader has
-    not seen, it gets a snapshot of every held hash instead, so no reader can drift.
-    """
-
-    def __init__(self, worker_id: str, instance_id: str, max_events: int = _MAX_LOGGED_EVENTS) -> None:
-        self.worker_id = worker_id
-        self.instance_id = instance_id
-        self._events: deque = deque(maxlen=max_events)
-        self._first_seq = 0
-        self._held: set[bytes] = set()
-        self._lock = threading.Lock()
-
-    def extend(self, events: list) -> None:
-        with self._lock:
-            for event in events:
-                if isinstance(event, BlockStored):
-                    self._held.update(event.block_hashes)
-                elif isinstance(event, BlockRemoved):
-                    self._held.difference_update(event.block_hashes)
-                elif isinstance(event, AllBlocksCleared):
-                    self._held.clear()
-                if len(self._events) == self._events.maxlen:
-                    self._first_seq += 1
-                self._events.append(event)
-
-    def since(self, seq: int) -> KVEventBatch:
-        with self._lock:
-            next_seq = self._first_seq + len(self._events)
-            if seq < self._first_seq or seq > next_seq:
-                return KVEventBatch(self.worker_id, self.instance_id, next_seq, next_seq,
-                                    [], snapshot=list(self._held))
-            events = list(self._events)[seq - self._first_seq:] if seq < next_seq else []
-            return KVEventBatch(self.worker_id, self.instance_id, seq, next_seq, events)
+T = TypeVar("T")
 
 
 class EngineHost:
     """Hosts one engine and serves ``generate`` streams, ``kv_events`` and ``stats``."""
 
     def __init__(self, spec: WorkerSpec) -> None:
-        from pdserve.engine.llm_engine import LLMEngine
-
         if not isinstance(spec, WorkerSpec):
             raise TypeError(f"a worker is built from a WorkerSpec, got {type(spec).__name__}")
         self.spec = spec
@@ -104,34 +59,36 @@ class EngineHost:
         engine_config = dataclasses.replace(
             spec.engine, engine_id=f"{spec.engine.engine_id}-{self.instance_id[:8]}",
             device=_pick_device(spec.engine.device))
-        self.engine = LLMEngine(engine_config, connector=_make_connector(spec, engine_config))
+        self.engine = LLMEngine(engine_config, connector=self.make_connector(engine_config))
         self.events = KVEventLog(self.worker_id, self.instance_id)
         self._executor = ThreadPoolExecutor(max_workers=1,
                                             thread_name_prefix=f"{self.worker_id}-engine")
         self._ops: list[Callable[[], None]] = []
         self._ops_lock = threading.Lock()
         self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
+
+    def make_connector(self, engine_config: EngineConfig) -> KVConnectorBase | None:
+        """The connector this role runs; a colocated worker (role ``both``) runs none."""
+        return None
 
     # ------------------------------------------------------------------ Ray methods
 
     def model_info(self) -> ModelInfo:
-        tokenizer = self.engine.tokenizer
         config = self.engine.config
         return ModelInfo(model=config.model, max_model_len=self.engine.max_model_len,
                          block_size=config.block_size, hash_algorithm=config.hash_algorithm,
                          hash_seed=config.hash_seed,
-                         eos_token_id=getattr(tokenizer, "eos_token_id", None))
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.engine.tokenizer.encode(text)
+                         eos_token_id=self.engine.tokenizer.eos_token_id)
 
     def kv_events(self, since_seq: int) -> KVEventBatch:
         return self.events.since(since_seq)
 
-    def stats(self) -> WorkerStats:
-        return _worker_stats(self)
+    async def stats(self) -> WorkerStats:
+        """A consistent reading, taken on the engine thread between two steps."""
+        return await self._on_engine_thread(self._read_stats)
 
     async def generate(self, request: WorkerRequest) -> AsyncIterator[GenerationChunk]:
         """Streams the request's chunks; cancelling the stream aborts the request."""
@@ -169,13 +126,10 @@ class EngineHost:
             if not finished:
                 self._submit(lambda: self.engine.abort(request_id))
 
-    def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str) -> None:
         """Aborts a request, or releases the lease a finished prefill still holds for it."""
-        self._submit(lambda: self.engine.abort(request_id))
         self._ensure_loop()
-
-    def num_unfinished(self) -> int:
-        return len(self._streams)
+        self._submit(lambda: self.engine.abort(request_id))
 
     # ------------------------------------------------------------------ engine thread
 
@@ -189,11 +143,47 @@ class EngineHost:
             self._deliver(GenerationChunk(request.request_id, [], "", 0, True, "error",
                                           error=str(error), refused=True))
 
+    def _read_stats(self) -> WorkerStats:
+        engine = self.engine
+        stats = engine.stats()
+        values: dict[str, Any] = {}
+        if stats.transfer is not None:
+            transfer = dataclasses.asdict(stats.transfer)
+            values = {f.name: transfer[f.name] for f in dataclasses.fields(WorkerStats)
+                      if f.name in transfer}
+            values["transfer_latency"] = stats.transfer.transfer_latency
+        return WorkerStats(
+            worker_id=self.worker_id, role=self.role, instance_id=self.instance_id,
+            num_requests_running=engine.num_running, num_requests_waiting=engine.num_waiting,
+            num_requests=stats.num_requests, prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits, num_blocks=stats.num_blocks,
+            num_free_blocks=stats.num_free_blocks, kv_cache_usage=stats.kv_cache_usage,
+            num_evictions=stats.num_evictions, num_preemptions=stats.num_preemptions,
+            num_leases_held=engine.num_leases_held,
+            # The scheduler's count is the authority; the connector's counts the same events.
+            num_recompute_fallbacks=stats.num_recompute_fallbacks, **values)
+
+    async def _on_engine_thread(self, read: Callable[[], T]) -> T:
+        """Runs ``read`` as an op of the engine thread and returns its result."""
+        self._ensure_loop()
+        future: asyncio.Future = self._loop.create_future()
+
+        def op() -> None:
+            try:
+                result = read()
+            except Exception as error:  # noqa: BLE001 — handed to the awaiting caller
+                self._loop.call_soon_threadsafe(future.set_exception, error)
+            else:
+                self._loop.call_soon_threadsafe(future.set_result, result)
+
+        self._submit(op)
+        return await future
+
     def _submit(self, op: Callable[[], None]) -> None:
         with self._ops_lock:
             self._ops.append(op)
         if self._wakeup is not None:
-            self._wakeup.set()
+            self._loop.call_soon_threadsafe(self._wakeup.set)
 
     def _ensure_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():
@@ -257,64 +247,9 @@ class EngineHost:
             self._loop.call_soon_threadsafe(queue.put_nowait, output)
 
 
-def _make_connector(spec: WorkerSpec, engine_config: EngineConfig) -> KVConnectorBase | None:
-    """The P/D connector of the spec's side; None for a colocated worker.
-
-    Imported here, not at module level: the engine package must not load a connector
-    implementation (and its transports) unless a worker asks for one.
-    """
-    if spec.connector is None:
-        return None
-    from pdserve.kvconnector.pd_connector import PDConnector
-
-    connector_config = spec.connector
-    if spec.advertise_node_address:
-        import ray
-
-        connector_config = dataclasses.replace(connector_config,
-                                               host=ray.util.get_node_ip_address())
-    return PDConnector(connector_config, engine_config.engine_id,
-                       engine_config.hash_algorithm, engine_config.hash_seed)
-
-
 def _pick_device(device: str) -> str:
     if device != "auto":
         return device
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _worker_stats(host: EngineHost) -> WorkerStats:
-    """Maps the engine's counters onto the worker's stats message."""
-    engine = host.engine
-    stats = engine.stats()
-    result = WorkerStats(
-        worker_id=host.worker_id, role=host.role, instance_id=host.instance_id,
-        num_running=engine.num_running,
-        num_waiting=engine.num_waiting,
-        num_requests=stats.num_requests,
-        prefix_cache_queries=stats.prefix_cache_queries,
-        prefix_cache_hits=stats.prefix_cache_hits,
-        num_blocks=stats.num_blocks,
-        # Read from the ledger, not the step's record, so an idle worker reports its pool.
-        num_free_blocks=engine.kv_cache_manager.get_num_free_blocks(),
-        kv_cache_usage=engine.kv_cache_manager.usage,
-        num_evictions=stats.num_evictions,
-        num_preemptions=stats.num_preemptions,
-        num_leases_held=engine.num_leases_held,
-        # The scheduler's count is the authority; the connector's counts the same events.
-        recompute_fallbacks=stats.num_recompute_fallbacks,
-    )
-    transfer = stats.transfer
-    if transfer is not None:
-        result.blocks_sent = transfer.num_blocks_sent
-        result.blocks_received = transfer.num_blocks_received
-        result.bytes_sent = transfer.num_bytes_sent
-        result.bytes_received = transfer.num_bytes_received
-        result.dedup_skipped_blocks = transfer.num_dedup_skipped_blocks
-        result.transfer_latency_p50_s = transfer.transfer_duration_p50_s
-        result.transfer_latency_p99_s = transfer.transfer_duration_p99_s
-        result.transfer_failures = transfer.num_failed_transfers
-        result.lease_expiries = transfer.num_lease_expiries
-    return result

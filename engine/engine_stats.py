@@ -10,9 +10,8 @@ from pdserve.cache import KVCacheManager
 from pdserve.engine.request import Request
 
 if TYPE_CHECKING:
+    from pdserve.engine.kv_connector_base import KVConnectorBase, TransferStatsSnapshot
     from pdserve.engine.scheduler import SchedulerCounters
-    from pdserve.kvconnector.base import KVConnectorBase
-    from pdserve.kvconnector.transfer_stats import TransferStatsSnapshot
 
 
 @dataclass(slots=True)

@@ -10,26 +10,26 @@ from dataclasses import dataclass
 from pdserve.cache import (
     BlockHasher,
     BlockRemoved,
-    KVCacheEvent,
     FullAttentionSpec,
     KVCacheConfig,
+    KVCacheEvent,
     KVCacheGroupSpec,
     KVCacheManager,
     RequestBlockHasher,
     num_blocks_for_memory,
 )
-from pdserve.tokenizer.detokenizer import IncrementalDetokenizer
-from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.engine_stats import EngineStats
+from pdserve.engine.kv_connector_base import KVConnectorBase
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_runner import ModelRunner, configure_torch_threads
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.request_output import RequestOutput
 from pdserve.engine.sampler import sample
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
-from pdserve.kvconnector.base import KVConnectorBase
-from pdserve.kvconnector.transfer_params import KVTransferParams
+from pdserve.messages.engine_config import EngineConfig
+from pdserve.messages.kv_transfer_params import KVTransferParams
+from pdserve.messages.sampling_params import SamplingParams
+from pdserve.tokenizer.detokenizer import IncrementalDetokenizer
 
 # While a pull is in flight and nothing else can run, wait this long for it per step.
 _IDLE_WAIT_S = 0.005

@@ -16,15 +16,14 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from torch import nn
-
 from pdserve.engine.model_config import DTYPES, ModelConfig, resolve_dtype
 from pdserve.engine.models import build_model
 from pdserve.engine.tiny_model import build_tiny_model, tiny_model_config
 from pdserve.tokenizer.loading import load_tokenizer
 from pdserve.tokenizer.model_source import hf_eos_token_ids, resolve_model
 from pdserve.tokenizer.tokenizer import Tokenizer
+from safetensors import safe_open
+from torch import nn
 
 # Checkpoint entries that are derived state, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -13,11 +13,10 @@ from __future__ import annotations
 from itertools import chain
 
 import torch
-from torch import nn
-
 from pdserve.engine.attention import build_attention_metadata
 from pdserve.engine.model_config import ModelConfig, resolve_dtype
 from pdserve.engine.model_input import ScheduledChunk
+from torch import nn
 
 
 def configure_torch_threads(num_threads: int = 1) -> None:
@@ -25,7 +24,7 @@ def configure_torch_threads(num_threads: int = 1) -> None:
 
     One thread is the default for worker processes: on a machine shared with other
     busy processes, extra torch threads wait on busy cores and a step runs many times
-    slower (docs/FACTS: 17x on 2 cores).
+    slower (measured on 2 busy cores: 17x).
     """
     if num_threads < 1:
         raise ValueError(f"num_threads must be >= 1, got {num_threads}")

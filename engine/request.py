@@ -7,10 +7,10 @@ import time
 from typing import TYPE_CHECKING
 
 from pdserve.cache import BlockHash, RequestBlockHasher
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.messages.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pdserve.kvconnector.transfer_params import KVTransferParams
+    from pdserve.messages.kv_transfer_params import KVTransferParams
 
 
 class RequestStatus(enum.Enum):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.kvconnector.transfer_params import KVTransferParams
+from pdserve.messages.kv_transfer_params import KVTransferParams
 
 
 @dataclass(slots=True)

@@ -14,8 +14,7 @@ and needs one vector of noise per row, no cumulative sums. Greedy rows (temperat
 from __future__ import annotations
 
 import torch
-
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.messages.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

@@ -19,9 +19,13 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.cache import KVCacheManager
+from pdserve.engine.kv_connector_base import (
+    FinishedTransfers,
+    KVConnectorBase,
+    KVConnectorMetadata,
+)
 from pdserve.engine.model_input import ScheduledChunk
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.kvconnector.base import FinishedTransfers, KVConnectorBase, KVConnectorMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -108,9 +112,6 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_remote_kvs)
-
-    def has_held_blocks(self) -> bool:
-        return bool(self.held_for_transfer)
 
     # ---- one step -------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

@@ -32,16 +32,28 @@ import grpc
 import numpy as np
 import torch
 from google.protobuf.message import DecodeError
-
 from pdserve.kvconnector.block_chunk import decode_block_chunk, encode_block_chunk
 from pdserve.kvconnector.checksum import page_view
 from pdserve.kvconnector.layout import KVLayout, check_compatible
-from pdserve.kvconnector.lease import (BlockNotLeasedError, LeaseEndedError, LeaseError,
-                                       LeaseTable, RepeatedBlockError, UnknownLeaseError)
+from pdserve.kvconnector.lease import (
+    BlockNotLeasedError,
+    LeaseEndedError,
+    LeaseError,
+    LeaseTable,
+    RepeatedBlockError,
+    UnknownLeaseError,
+)
 from pdserve.kvconnector.transfer_stats import TransferStats
-from pdserve.kvconnector.transport import (SECRET_METADATA_KEY, KVTransferClient,
-                                           KVTransferServer, PeerInfo, ReadResult,
-                                           TransferError, check_read_arguments, verify_pages)
+from pdserve.kvconnector.transport import (
+    SECRET_METADATA_KEY,
+    KVTransferClient,
+    KVTransferServer,
+    PeerInfo,
+    ReadResult,
+    TransferError,
+    check_read_arguments,
+    verify_pages,
+)
 from pdserve.proto import kv_transfer_pb2 as pb
 from pdserve.proto import kv_transfer_pb2_grpc as pb_grpc
 

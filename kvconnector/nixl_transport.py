@@ -49,16 +49,25 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from pdserve.kvconnector.checksum import page_view
-from pdserve.kvconnector.grpc_transport import (DEFAULT_MESSAGE_BYTES, FaultInjector,
-                                                GrpcTransferClient, GrpcTransferServer)
+from pdserve.kvconnector.grpc_transport import (
+    DEFAULT_MESSAGE_BYTES,
+    FaultInjector,
+    GrpcTransferClient,
+    GrpcTransferServer,
+)
 from pdserve.kvconnector.layout import KVLayout
 from pdserve.kvconnector.lease import LeaseTable
 from pdserve.kvconnector.transfer_stats import TransferStats
-from pdserve.kvconnector.transport import (KVTransferClient, KVTransferServer, PeerInfo,
-                                           ReadResult, TransferError, check_read_arguments,
-                                           verify_pages)
+from pdserve.kvconnector.transport import (
+    KVTransferClient,
+    KVTransferServer,
+    PeerInfo,
+    ReadResult,
+    TransferError,
+    check_read_arguments,
+    verify_pages,
+)
 from pdserve.proto import kv_transfer_pb2 as pb
 
 try:

@@ -26,37 +26,34 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from pdserve.engine.request import RequestStatus
-from pdserve.kvconnector.base import (
+from pdserve.engine.kv_connector_base import (
     FinishedTransfers,
     KVConnectorBase,
     KVConnectorMetadata,
     LoadSpec,
+    TransferStatsSnapshot,
 )
+from pdserve.cache import cdiv
+from pdserve.engine.request import RequestStatus
 from pdserve.kvconnector.checksum import block_checksums
-from pdserve.kvconnector.connector_config import KVConnectorConfig
 from pdserve.kvconnector.layout import KVLayout
 from pdserve.kvconnector.lease import LeaseTable
-from pdserve.kvconnector.transfer_params import KVTransferParams
-from pdserve.kvconnector.transfer_stats import TransferStats, TransferStatsSnapshot
+from pdserve.kvconnector.transfer_stats import TransferStats
 from pdserve.kvconnector.transport import KVTransferClient, PeerInfo, TransferError
 from pdserve.kvconnector.transport_factory import make_client, make_server
+from pdserve.messages.connector_config import KVConnectorConfig
+from pdserve.messages.engine_config import EngineConfig
+from pdserve.messages.kv_transfer_params import KVTransferParams
 
 if TYPE_CHECKING:
     import torch
-
-    from pdserve.kvconnector.grpc_transport import FaultInjector
-
     from pdserve.engine.request import Request
+    from pdserve.kvconnector.grpc_transport import FaultInjector
 
 logger = logging.getLogger(__name__)
 
 # Renew a lease before pulling when less than this fraction of its TTL is left.
 _RENEW_BELOW_FRACTION = 0.5
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class PDConnector(KVConnectorBase):
@@ -96,6 +93,12 @@ class PDConnector(KVConnectorBase):
         self._foreign_hashes: set[str] = set()  # requests whose hashes differ from the prefill's
         self._done = FinishedTransfers()
         self._executor: ThreadPoolExecutor | None = None
+
+    @classmethod
+    def for_engine(cls, config: KVConnectorConfig, engine_config: EngineConfig) -> PDConnector:
+        """The connector of the engine ``engine_config`` describes (its id and hash scheme)."""
+        return cls(config, engine_config.engine_id, engine_config.hash_algorithm,
+                   engine_config.hash_seed)
 
     @property
     def failure_policy(self) -> str:
@@ -140,7 +143,7 @@ class PDConnector(KVConnectorBase):
         params = request.kv_transfer_params
         assert params is not None and num_external_tokens > 0
         first = request.num_computed_tokens // self._block_size
-        last = _cdiv(params.num_tokens, self._block_size)
+        last = cdiv(params.num_tokens, self._block_size)
         # Counted here, once per admitted request: admission may be retried while the pool is full.
         self.stats.record_dedup_skipped(first)
         if list(request.block_hashes[:len(params.block_hashes)]) != list(params.block_hashes):
@@ -175,7 +178,7 @@ class PDConnector(KVConnectorBase):
             return False, None
         assert self._kv_cache is not None and self._server is not None
         num_tokens = request.num_prompt_tokens
-        leased_ids = block_ids[: _cdiv(num_tokens, self._block_size)]
+        leased_ids = block_ids[: cdiv(num_tokens, self._block_size)]
         checksums = block_checksums(self._kv_cache, leased_ids)
         hashes = request.block_hashes[: num_tokens // self._block_size]
         lease = self.leases.grant(request.request_id, leased_ids, hashes, checksums)

@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
 from pdserve.kvconnector.checksum import page_checksums
 from pdserve.kvconnector.layout import KVLayout
 from pdserve.proto import kv_transfer_pb2

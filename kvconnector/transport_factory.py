@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pdserve.kvconnector.connector_config import KVConnectorConfig
 from pdserve.kvconnector.layout import KVLayout
 from pdserve.kvconnector.lease import LeaseTable
 from pdserve.kvconnector.transfer_stats import TransferStats
 from pdserve.kvconnector.transport import KVTransferClient, KVTransferServer
+from pdserve.messages.connector_config import KVConnectorConfig
 
 if TYPE_CHECKING:
     import torch
-
     from pdserve.kvconnector.grpc_transport import FaultInjector
 
 

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from pdserve.engine.engine_host import EngineHost
-from pdserve.engine.messages import WorkerSpec
+from pdserve.engine.kv_connector_base import KVConnectorBase
+from pdserve.kvconnector.pd_connector import PDConnector
+from pdserve.messages.engine_config import EngineConfig
+from pdserve.messages.worker_spec import WorkerSpec
 
 
 class PrefillWorker(EngineHost):
@@ -11,7 +16,9 @@ class PrefillWorker(EngineHost):
 
     The gateway sends it each request with ``max_tokens=1`` and ``remote_decode=True``; its
     connector leases the prompt's blocks when the request finishes by length, and the last
-    chunk carries the ``KVTransferParams`` the decode worker pulls with. In a colocated
+    chunk carries the ``KVTransferParams`` the decode worker pulls with. Its KV transfer
+    service listens where decode workers can reach it: the configured host, or the Ray
+    node's address on a multi-node cluster (``advertise_node_address``). In a colocated
     deployment (no decode workers) its spec has no connector and it runs whole requests
     with role ``both``.
     """
@@ -21,3 +28,14 @@ class PrefillWorker(EngineHost):
             raise ValueError(f"a PrefillWorker runs the producer side (or both), "
                              f"but {spec.worker_id!r} has role {spec.role!r}")
         super().__init__(spec)
+
+    def make_connector(self, engine_config: EngineConfig) -> KVConnectorBase | None:
+        if self.spec.connector is None:
+            return None
+        connector_config = self.spec.connector
+        if self.spec.advertise_node_address:
+            import ray
+
+            connector_config = dataclasses.replace(connector_config,
+                                                   host=ray.util.get_node_ip_address())
+        return PDConnector.for_engine(connector_config, engine_config)

@@ -10,9 +10,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
-
 from pdserve.engine.model_config import ModelConfig
+from torch import nn
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.sampler import sample
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.messages.sampling_params import SamplingParams
 
 VOCAB = 64
 

@@ -37,7 +37,7 @@ class PrefillState:
 
 def _run(spec: PrefillSpec, conn: Any) -> None:
     from pdserve.engine import LLMEngine
-    from pdserve.kvconnector.connector_config import KVConnectorConfig
+    from pdserve.messages.connector_config import KVConnectorConfig
     from pdserve.kvconnector.pd_connector import PDConnector
 
     faults = {"die_on_read": False, "stall_s": 0.0}
@@ -60,7 +60,7 @@ def _run(spec: PrefillSpec, conn: Any) -> None:
     conn.send(connector.address)
     while True:
         if not conn.poll(0.002):
-            if engine.has_unfinished_requests() or engine.scheduler.has_held_blocks():
+            if engine.has_unfinished_requests() or engine.num_leases_held > 0:
                 engine.step()
             continue
         command, *args = conn.recv()

@@ -20,7 +20,7 @@ from prefill_engine_process import ENGINE_KWARGS, PrefillProcess, PrefillSpec  #
 
 from pdserve.engine import LLMEngine, RequestOutput, SamplingParams  # noqa: E402
 from pdserve.engine.request import RequestStatus  # noqa: E402
-from pdserve.kvconnector.connector_config import KVConnectorConfig  # noqa: E402
+from pdserve.messages.connector_config import KVConnectorConfig  # noqa: E402
 from pdserve.kvconnector.nixl_transport import nixl_available  # noqa: E402
 from pdserve.kvconnector.pd_connector import PDConnector  # noqa: E402
 

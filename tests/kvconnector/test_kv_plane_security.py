@@ -21,7 +21,7 @@ import torch
 from pdserve.cache import BlockHasher
 from pdserve.deploy.config import KV_TRANSFER_SECRET_ENV, PDServeConfig
 from pdserve.engine import LLMEngine, SamplingParams
-from pdserve.kvconnector.connector_config import KVConnectorConfig
+from pdserve.messages.connector_config import KVConnectorConfig
 from pdserve.kvconnector.grpc_transport import GrpcTransferClient, GrpcTransferServer
 from pdserve.kvconnector.layout import KVLayout
 from pdserve.kvconnector.lease import LeaseTable
@@ -116,7 +116,7 @@ def test_a_weak_or_mistyped_configured_secret_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="at least 16"):
         PDServeConfig(kv_transfer_secret="short")
     with pytest.raises(ValueError, match="must be a string"):
-        PDServeConfig.from_dict({"kv_transfer_secret": 12345678901234567890})
+        PDServeConfig.model_validate({"kv_transfer_secret": 12345678901234567890})
     monkeypatch.setenv(KV_TRANSFER_SECRET_ENV, "short")
     with pytest.raises(ValueError, match=KV_TRANSFER_SECRET_ENV):
         PDServeConfig().resolve_kv_transfer_secret()

@@ -18,10 +18,14 @@ def test_snapshot_counts_transfers_and_reports_latency_quantiles() -> None:
     assert snapshot.num_blocks_received == 99 * 4 + 3 and snapshot.num_failed_blocks == 1
     assert snapshot.num_bytes_sent == 2048 and snapshot.num_dedup_skipped_blocks == 5
     assert snapshot.num_lease_renewals == 1
-    assert snapshot.transfer_duration_p50_s == 0.005
-    assert snapshot.transfer_duration_p99_s == 0.5
-    assert sum(snapshot.transfer_duration_bucket_counts) == 100
+    # Exact recent percentiles for /stats; every pull counted in the Prometheus buckets.
+    assert snapshot.transfer_latency_p50_s == 0.003
+    assert snapshot.transfer_latency_p99_s == 0.3
+    histogram = snapshot.transfer_latency
+    assert histogram.count == 100 and abs(histogram.sum - (98 * 0.003 + 2 * 0.3)) < 1e-9
+    buckets = dict(histogram.cumulative_buckets())
+    assert buckets["0.0025"] == 0 and buckets["0.005"] == 98 and buckets["0.3"] == 100
 
 
 def test_empty_stats_report_zero_latency() -> None:
-    assert TransferStats().snapshot().transfer_duration_p99_s == 0.0
+    assert TransferStats().snapshot().transfer_latency_p99_s == 0.0

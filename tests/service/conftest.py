@@ -17,6 +17,8 @@ from pdserve.deploy.cluster import configure_ray_env, init_ray
 
 configure_ray_env()  # before any test module imports ray: every Ray port on loopback
 sys.path.insert(0, str(Path(__file__).parent))
+# The load driver lives with the benchmarks (bench/load_report.py runs it too).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from service_apps import NUM_KV_BLOCKS  # noqa: E402
 

@@ -10,10 +10,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
+from load_driver import get_json
+
 from pdserve.deploy.cluster import base_url, deploy
 from pdserve.deploy.config import PDServeConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.messages.sampling_params import SamplingParams
 
 NUM_KV_BLOCKS = 256
 
@@ -81,29 +83,6 @@ def post_completion(config: PDServeConfig, body: dict) -> tuple[int, dict[str, s
 
 def _lower(headers) -> dict[str, str]:
     return {name.lower(): value for name, value in headers.items()}
-
-
-def get_json(config: PDServeConfig, path: str) -> dict:
-    with urllib.request.urlopen(base_url(config) + path) as response:
-        return json.loads(response.read())
-
-
-
-def is_drained(worker: dict) -> bool:
-    """Nothing running or waiting, no lease, every block free (all but the null block)."""
-    return (worker["num_leases_held"] == 0 and worker["kv_cache_usage"] == 0.0
-            and worker["num_running"] == 0 and worker["num_waiting"] == 0
-            and worker["num_free_blocks"] == worker["num_blocks"] - 1)
-
-
-def wait_until_drained(config: PDServeConfig, timeout_s: float = 20.0) -> list[dict]:
-    """Polls ``/stats`` until every worker is drained (or the timeout); returns the rows."""
-    deadline = time.time() + timeout_s
-    while True:
-        workers = get_json(config, "/stats")["workers"]
-        if all(is_drained(w) for w in workers) or time.time() > deadline:
-            return workers
-        time.sleep(0.2)
 
 
 # ---------------------------------------------------------------------- faults (test_faults.py)

@@ -13,13 +13,14 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from pdserve.engine.messages import GenerationChunk, KVEventBatch, ModelInfo, WorkerRequest
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.messages.generation import GenerationChunk, ModelInfo, WorkerRequest
+from pdserve.messages.kv_event_batch import KVEventBatch
+from pdserve.messages.sampling_params import SamplingParams
 from pdserve.tokenizer.tokenizer import ByteTokenizer
-from pdserve.prefill.gateway import _error_response
-from pdserve.prefill.gateway_config import GatewayConfig
-from pdserve.prefill.protocol import APIError
-from pdserve.prefill.service import GenerationService
+from pdserve.prefill.gateway.http_ingress import _error_response
+from pdserve.prefill.gateway.config import GatewayConfig
+from pdserve.prefill.gateway.openai_schema import APIError
+from pdserve.prefill.gateway.orchestrator import RequestOrchestrator
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0, seed=1)
 
@@ -60,13 +61,13 @@ class FakePool:
         return await getattr(self.all[worker_id], method)(*args)
 
 
-def make_service(pool: FakePool, **fields) -> GenerationService:
+def make_service(pool: FakePool, **fields) -> RequestOrchestrator:
     config = GatewayConfig(model="tiny", model_name="tiny", worker_timeout_s=0.05, **fields)
     info = ModelInfo("tiny", 256, 16, "xxh3_128", 0, None)
-    return GenerationService(config, pool, info, ByteTokenizer(512))
+    return RequestOrchestrator(config, pool, info, ByteTokenizer(512))
 
 
-async def run(service: GenerationService, prompt: str = "hello world") -> str:
+async def run(service: RequestOrchestrator, prompt: str = "hello world") -> str:
     token_ids = service.tokenizer.encode(prompt)
     return "".join([d.text async for d in service.generate("r", token_ids, PARAMS)])
 
@@ -89,13 +90,13 @@ def test_with_every_decode_worker_failing_the_poll_requests_get_503_until_one_an
         service = make_service(pool)
         assert await run(service) == "AAAA"
         setattr(pool.decode["decode-0"], failure, True)
-        await service.refresh("decode-0")
+        await service.poller.refresh("decode-0")
         with pytest.raises(APIError) as caught:
             await run(service)
         assert (caught.value.status, caught.value.body()["error"]["code"]) == (503, "no_worker_available")
         assert "decode" in caught.value.message
         setattr(pool.decode["decode-0"], failure, False)
-        await service.refresh("decode-0")
+        await service.poller.refresh("decode-0")
         assert await run(service) == "AAAA"
 
     asyncio.run(scenario())
@@ -126,7 +127,7 @@ def test_refusals_to_retry_carry_retry_after_and_an_openai_error_body(status):
     assert response.status_code == status
     assert response.headers["retry-after"] == "2"
     assert json.loads(response.body)["error"]["message"] == "busy"
-    assert service.metrics.num_rejected == 1
+    assert service.metrics.rejected_by_status == {str(status): 1}
 
 
 @pytest.mark.parametrize("refused, status", [(True, 400), (False, 500)])

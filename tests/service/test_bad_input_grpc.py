@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.prefill.gateway import MAX_REQUEST_ID_CHARS
-from pdserve.prefill.protocol import MAX_REQUEST_BYTES
+from pdserve.prefill.gateway.grpc_ingress import MAX_REQUEST_ID_CHARS
+from pdserve.prefill.gateway.openai_schema import MAX_REQUEST_BYTES
 from pdserve.proto import generate_pb2, generate_pb2_grpc
 from service_apps import free_port, running_app
 
@@ -82,7 +82,7 @@ def test_any_field_values_stream_tokens_or_get_a_clear_status(channel, request) 
 
 @pytest.mark.parametrize("request_, says", [
     (generate_pb2.GenerateRequest(), "prompt is required"),
-    (generate_pb2.GenerateRequest(text=""), "prompt must not be empty"),
+    (generate_pb2.GenerateRequest(text=""), "prompt must be a non-empty string"),
     (generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[VOCAB_SIZE])),
      "outside the vocabulary"),
     (generate_pb2.GenerateRequest(text="a", max_tokens=2**32 - 1), "max_model_len"),
@@ -90,8 +90,8 @@ def test_any_field_values_stream_tokens_or_get_a_clear_status(channel, request) 
     (generate_pb2.GenerateRequest(text="a", temperature=-1.0), "temperature"),
     (generate_pb2.GenerateRequest(text="a", top_p=0.0), "top_p"),
     (generate_pb2.GenerateRequest(text="a", seed=2**64 - 1), "seed"),
-    (generate_pb2.GenerateRequest(text="a", stop=["s"] * 1000), "stop has 1000 strings"),
-    (generate_pb2.GenerateRequest(text="a", stop=[""]), "stop string"),
+    (generate_pb2.GenerateRequest(text="a", stop=["s"] * 1000), "at most 16 strings"),
+    (generate_pb2.GenerateRequest(text="a", stop=[""]), "each of 1 to 256 characters"),
     (generate_pb2.GenerateRequest(text="a", request_id="r" * 10_000), "request_id"),
 ], ids=["no-prompt", "empty", "out-of-vocab", "max-tokens", "nan", "negative-temperature",
         "top-p", "seed", "stop-list", "empty-stop", "request-id"])

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.deploy.cluster import base_url
-from pdserve.prefill.protocol import MAX_REQUEST_BYTES
+from pdserve.prefill.gateway.openai_schema import MAX_REQUEST_BYTES
 from service_apps import running_app
 
 VOCAB_SIZE = 512  # the tiny model's

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +11,8 @@ import time
 from service_apps import free_port
 
 from pdserve.deploy.cli import format_stats
+from pdserve.messages.worker_stats import WorkerStats
+from pdserve.prefill.gateway.metrics import GatewayMetrics, stats_report
 
 DEMO_PORT = free_port()
 
@@ -33,15 +36,30 @@ def test_pdserve_demo_runs_end_to_end_prints_the_stats_table_and_exits_0():
 
 
 def test_the_stats_table_has_a_row_per_worker_and_totals():
-    row = {"worker_id": "prefill-0", "role": "producer", "num_requests": 3,
-           "prefix_cache_hit_rate": 0.5, "kv_cache_usage": 0.25, "num_free_blocks": 10,
-           "transfer_latency_p50_s": 0.002, "transfer_latency_p99_s": 0.004}
-    stats = {"workers": [row], "totals": {"num_requests": 3, "prefix_cache_hit_rate": 0.5},
-             "gateway": {"requests": 3, "rejected": 1, "output_tokens": 12, "ttft_p50_s": 0.01,
-                         "ttft_p99_s": 0.02, "itl_p50_s": 0.001, "itl_p99_s": 0.003}}
+    workers = [
+        WorkerStats("prefill-0", "producer", "a", num_requests=3, prefix_cache_queries=4,
+                    prefix_cache_hits=2, num_blocks=40, num_free_blocks=30, kv_cache_usage=0.25,
+                    num_blocks_sent=7, transfer_latency_p50_s=0.002, transfer_latency_p99_s=0.004),
+        WorkerStats("decode-0", "consumer", "b", num_requests=3, prefix_cache_queries=4,
+                    num_blocks=40, num_free_blocks=40, num_blocks_received=7),
+    ]
+    gateway = GatewayMetrics("tiny")
+    gateway.num_requests = 3
+    gateway.record_rejected(429)
+    gateway.record_first_token(0.01)
+    gateway.record_tokens(11, 0.011)
+    # As the CLI gets it: /stats' JSON.
+    stats = json.loads(json.dumps(stats_report("tiny", gateway.row(), workers)))
     lines = format_stats(stats).splitlines()
-    assert lines[0].split()[:4] == ["worker", "role", "reqs", "hit%"]
-    assert lines[1].split()[:6] == ["prefill-0", "producer", "3", "50.0", "25.0", "10"]
-    assert "2.00" in lines[1].split() and "4.00" in lines[1].split()  # latencies in ms
-    assert lines[2].split()[:3] == ["total", "3", "50.0"]
-    assert lines[3].startswith("gateway: 3 requests, 1 rejected, 12 tokens; TTFT p50 10.0 ms")
+    header = lines[0].split()
+    assert header[:2] == ["worker", "role"]
+    assert {"hit%", "sent", "recv", "dedup", "leases", "recompute"} <= set(header)
+    prefill, decode, total = (dict(zip(header, line.split())) for line in lines[1:4])
+    assert (prefill["worker"], prefill["reqs"], prefill["hit%"], prefill["usage%"]) == \
+        ("prefill-0", "3", "50.0", "25.0")
+    assert (prefill["xfer50ms"], prefill["xfer99ms"], prefill["sent"]) == ("2.00", "4.00", "7")
+    assert (decode["worker"], decode["hit%"], decode["recv"]) == ("decode-0", "0.0", "7")
+    # Totals: hits over queries of the sums, usage weighted by pool size, p99 the worst.
+    assert (total["worker"], total["reqs"], total["hit%"], total["usage%"]) == \
+        ("total", "6", "25.0", "12.5")
+    assert lines[4].startswith("gateway: 3 requests, 1 rejected, 12 tokens; TTFT p50 10.0 ms")

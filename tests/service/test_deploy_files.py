@@ -26,7 +26,7 @@ def test_serve_config_yaml_validates_and_builds_the_app():
     ServeDeploySchema.model_validate(config)
     (application,) = config["applications"]
     assert isinstance(_build(application), Application)
-    settings = PDServeConfig.from_dict(application["args"])
+    settings = PDServeConfig.model_validate(application["args"])
     assert (settings.num_prefill, settings.num_decode, settings.hash_seed) == (2, 2, 0)
 
 

@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.messages.sampling_params import SamplingParams
+from load_driver import wait_until_drained
 from service_apps import (
     expected_text,
     get_json,
@@ -24,7 +25,6 @@ from service_apps import (
     read_event,
     running_app,
     post_completion,
-    wait_until_drained,
     wait_until_restarted,
     worker_rows,
 )
@@ -105,9 +105,9 @@ def _run_all(clients: list[StreamClient], timeout_s: float = 60.0) -> None:
 
 def _assert_drained(config) -> None:
     workers = wait_until_drained(config)
-    leaked = {w["worker_id"]: (w["kv_cache_usage"], w["num_leases_held"], w["num_running"],
-                               w["num_waiting"]) for w in workers
-              if w["kv_cache_usage"] or w["num_leases_held"] or w["num_running"] or w["num_waiting"]}
+    leaked = {w["worker_id"]: (w["kv_cache_usage"], w["num_leases_held"], w["num_requests_running"],
+                               w["num_requests_waiting"]) for w in workers
+              if w["kv_cache_usage"] or w["num_leases_held"] or w["num_requests_running"] or w["num_requests_waiting"]}
     assert leaked == {}, f"blocks, leases or requests left behind: {leaked}"
 
 
@@ -122,15 +122,15 @@ def test_a_decode_worker_killed_mid_generation_replays_its_requests_into_one_cle
     while min(c.events for c in clients) < 3 and time.time() < deadline:
         time.sleep(0.01)
     rows = worker_rows(faults)
-    victim = max(("decode-0", "decode-1"), key=lambda w: rows[w]["num_running"])
-    assert rows[victim]["num_running"] > 0, "no request was mid-generation when the kill came"
+    victim = max(("decode-0", "decode-1"), key=lambda w: rows[w]["num_requests_running"])
+    assert rows[victim]["num_requests_running"] > 0, "no request was mid-generation when the kill came"
     kill_worker(faults, victim)
     _run_all(clients)
 
     for i, client in enumerate(clients):
         assert client.error is None, client.error
         assert client.text == _expected(colocated, prompts[i], max_tokens, _sampling(i)), client.finish_reason
-    assert get_json(faults, "/stats")["gateway"]["retries"] >= 1
+    assert get_json(faults, "/stats")["gateway"]["num_retries"] >= 1
     restarted = wait_until_restarted(faults, victim, rows[victim]["instance_id"])
     assert restarted["num_requests"] == 0 or restarted["instance_id"] != rows[victim]["instance_id"]
     _assert_drained(faults)
@@ -158,7 +158,7 @@ def test_a_prefill_worker_killed_mid_transfer_leaves_the_decode_side_to_recomput
         assert client.error is None, client.error
         assert client.text == _expected(colocated, prompts[i], max_tokens, _sampling(i)), client.finish_reason
     after = worker_rows(faults)
-    recomputed = sum(after[w]["recompute_fallbacks"] - before[w]["recompute_fallbacks"]
+    recomputed = sum(after[w]["num_recompute_fallbacks"] - before[w]["num_recompute_fallbacks"]
                      for w in ("decode-0", "decode-1"))
     assert recomputed >= 1, "no pull met the dead prefill worker"
     wait_until_restarted(faults, "prefill-0", before["prefill-0"]["instance_id"])

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from pdserve.cache import BlockRemoved, BlockStored
-from pdserve.engine.engine_host import KVEventLog
-from pdserve.prefill.protocol import APIError, parse_completion
-from pdserve.prefill.router import Router
-from pdserve.prefill.service import stop_safe_length
+from pdserve.engine.kv_event_log import KVEventLog
+from pdserve.prefill.gateway.openai_schema import APIError, parse_completion
+from pdserve.prefill.gateway.router import Router
+from pdserve.prefill.gateway.stream_emitter import stop_safe_length
 
 
 @pytest.mark.parametrize("body, param", [

@@ -23,7 +23,7 @@ import torch
 
 from pdserve.deploy.cluster import base_url
 from pdserve.deploy.config import KV_TRANSFER_SECRET_ENV
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.messages.sampling_params import SamplingParams
 from pdserve.kvconnector.grpc_transport import GrpcTransferClient
 from pdserve.kvconnector.layout import KVLayout
 from pdserve.kvconnector.transport import TransferError
@@ -124,7 +124,7 @@ def test_no_prefix_hit_or_dedup_crosses_salts_and_outputs_equal_colocated(servic
         assert status == 200, reply
         replies.append(reply)
         prefill, decode = _worker(service, "producer"), _worker(service, "consumer")
-        counters.append((prefill["prefix_cache_hits"], decode["dedup_skipped_blocks"]))
+        counters.append((prefill["prefix_cache_hits"], decode["num_dedup_skipped_blocks"]))
     assert [r["choices"][0]["text"] for r in replies] == [expected] * 3
     (hits_a, dedup_a), (hits_b, dedup_b), (hits_a2, dedup_a2) = counters
     assert hits_b == hits_a and dedup_b == dedup_a  # tenant-b found nothing of tenant-a's

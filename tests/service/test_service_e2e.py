@@ -13,8 +13,9 @@ import urllib.request
 import pytest
 
 from pdserve.deploy.cluster import base_url
-from pdserve.engine.sampling_params import SamplingParams
-from service_apps import openai_client, assert_completions_equal_colocated, expected_text, get_json, is_drained, running_app, wait_until_drained
+from pdserve.messages.sampling_params import SamplingParams
+from service_apps import openai_client, assert_completions_equal_colocated, expected_text, running_app
+from load_driver import get_json, is_drained, wait_until_drained
 
 PREFIX = "System: you are a careful assistant who answers in one short line. User asks: "
 PROMPTS = [PREFIX + q for q in ("what is paged attention?", "why disaggregate?",
@@ -101,4 +102,4 @@ def test_after_the_load_drains_every_block_is_free_and_no_lease_is_held(service)
     workers = wait_until_drained(service)
     assert len(workers) == 4
     assert all(is_drained(w) for w in workers), workers
-    assert sum(w["blocks_received"] for w in workers) > 0  # KV did move prefill → decode
+    assert sum(w["num_blocks_received"] for w in workers) > 0  # KV did move prefill → decode

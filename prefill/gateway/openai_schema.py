@@ -16,14 +16,14 @@ are ignored.
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError,
+                      ValidationInfo, field_validator)
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.messages.sampling_params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16
 MAX_CACHE_SALT_CHARS = 256
@@ -38,8 +38,10 @@ _UNSUPPORTED_FIELDS: dict[str, Any] = {"best_of": 1, "echo": False, "logprobs": 
                                        "frequency_penalty": 0}
 # What a field of a union type must be, for a message clearer than pydantic's per-member list.
 _UNION_FIELDS = {
-    "prompt": "a non-empty string, a list of token ids, or a one-element list of either",
-    "stop": "a string or a list of strings",
+    "prompt": "a non-empty string, a non-empty list of token ids (each >= 0), or a one-element "
+              "list of either",
+    "stop": f"a string or a list of at most {MAX_STOP_STRINGS} strings, each of 1 to "
+            f"{MAX_STOP_CHARS} characters",
 }
 
 
@@ -81,24 +83,41 @@ def no_worker_available(role: str) -> APIError:
                     code="no_worker_available")
 
 
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+Prompt = Annotated[str, StringConstraints(min_length=1)] | TokenIds
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
+# Stop strings are searched for after every token, by the worker and by the gateway.
+StopStrings = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
+CacheSalt = Annotated[str, StringConstraints(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
+
+
 class CompletionRequest(BaseModel):
-    """``POST /v1/completions``: the fields pdserve implements, checked strictly."""
+    """``POST /v1/completions`` (and gRPC ``Generate``): the fields pdserve implements, with
+    their ranges, checked strictly; the one place a request's fields are validated."""
 
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     model: str
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = DEFAULT_MAX_TOKENS
-    temperature: float | None = 1.0
-    top_p: float | None = 1.0
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    prompt: Prompt | Annotated[list[Prompt], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = DEFAULT_MAX_TOKENS
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = 1.0
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+    stop: StopString | StopStrings | None = None
     stream: bool = False
     ignore_eos: bool = False
-    n: int = 1
+    n: Literal[1] = 1
     user: str | None = None
-    cache_salt: str | None = None  # vLLM's extension: a tenant's prefix-cache namespace
+    cache_salt: CacheSalt | None = None  # vLLM's extension: a tenant's prefix-cache namespace
+
+    @field_validator("prompt", "cache_salt")
+    @classmethod
+    def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
+        for text in (value if isinstance(value, list) else [value]):
+            if isinstance(text, str):
+                check_unicode(text, info.field_name)
+        return value
 
 
 @dataclass(slots=True)
@@ -112,60 +131,29 @@ class ParsedCompletion:
     stream: bool
     cache_salt: str | None = None
 
-    def __post_init__(self) -> None:
-        check_cache_salt(self.cache_salt)
-
-
-def check_cache_salt(cache_salt: str | None) -> None:
-    """``cache_salt`` (vLLM's extension field): None, or 1 to 256 characters.
-
-    Requests with different salts never share a cached prefix block (the salt is hashed into
-    the first block), so one tenant cannot learn another's prompts from prefix-cache timing.
-    """
-    if cache_salt is None:
-        return
-    if not isinstance(cache_salt, str) or not cache_salt:
-        raise APIError(400, "cache_salt must be a non-empty string when given",
-                       param="cache_salt")
-    if len(cache_salt) > MAX_CACHE_SALT_CHARS:
-        raise APIError(400, f"cache_salt is {len(cache_salt)} characters; at most "
-                            f"{MAX_CACHE_SALT_CHARS} are allowed", param="cache_salt")
-    check_unicode(cache_salt, "cache_salt")
-
 
 def parse_completion(body: Any) -> ParsedCompletion:
-    """Validates a decoded JSON body; raises ``APIError(400)`` on anything wrong."""
+    """Validates a decoded JSON body (or a gRPC request's fields); raises ``APIError(400)``
+    naming the first field that is wrong."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    try:
-        request = CompletionRequest.model_validate(body)
-    except ValidationError as error:
-        raise _field_error(error) from None
-    if request.n != 1:
-        raise APIError(400, "only n=1 is supported", param="n")
     for name, default in _UNSUPPORTED_FIELDS.items():
         if body.get(name) not in (None, default):
             raise APIError(400, f"{name} is not supported; omit it or send {json.dumps(default)}",
                            param=name)
+    try:
+        request = CompletionRequest.model_validate(body)
+    except ValidationError as error:
+        raise _field_error(error) from None
     prompt = request.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+    if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise APIError(400, "a batch of prompts is not supported; send one prompt per request",
                            param="prompt")
         prompt = prompt[0]
-    if isinstance(prompt, str):
-        text, token_ids = prompt, None
-        if not text:
-            raise APIError(400, "prompt must not be empty", param="prompt")
-        check_unicode(text, "prompt")
-    else:
-        text, token_ids = None, list(prompt)
-        if not token_ids:
-            raise APIError(400, "prompt must not be empty", param="prompt")
-        if any(t < 0 for t in token_ids):
-            raise APIError(400, "prompt token ids must be >= 0", param="prompt")
+    text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-    params = make_sampling_params(
+    params = SamplingParams(
         max_tokens=DEFAULT_MAX_TOKENS if request.max_tokens is None else request.max_tokens,
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
@@ -194,33 +182,6 @@ def check_unicode(text: str, param: str) -> None:
                             f"{error.start}; send valid Unicode", param=param) from None
 
 
-def check_stop(stop: list[str]) -> None:
-    if len(stop) > MAX_STOP_STRINGS:
-        raise APIError(400, f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are "
-                            f"allowed", param="stop")
-    for string in stop:
-        if not 0 < len(string) <= MAX_STOP_CHARS:
-            raise APIError(400, f"each stop string must have 1 to {MAX_STOP_CHARS} characters, "
-                                f"got one of {len(string)}", param="stop")
-
-
-def make_sampling_params(**fields: Any) -> SamplingParams:
-    """``SamplingParams`` whose own validation errors become 400s naming the field."""
-    for name in ("temperature", "top_p"):
-        if name in fields and not math.isfinite(fields[name]):
-            raise APIError(400, f"{name} must be a finite number, got {fields[name]}", param=name)
-    check_stop(fields.get("stop", []))
-    if fields.get("temperature", 1.0) > 2.0:
-        raise APIError(400, f"temperature must be in [0, 2], got {fields['temperature']}",
-                       param="temperature")
-    try:
-        return SamplingParams(**fields)
-    except (ValueError, TypeError) as error:
-        message = str(error)
-        param = message.split(" ", 1)[0] if message else None
-        raise APIError(400, message, param=param) from None
-
-
 def completion_chunk(request_id: str, model: str, created: int, text: str,
                      finish_reason: str | None) -> dict[str, Any]:
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
@@ -242,5 +203,3 @@ def models_response(model: str, created: int) -> dict[str, Any]:
     return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
                                         "owned_by": "pdserve"}]}
 
-
-FinishReason = Literal["stop", "length", "abort"]

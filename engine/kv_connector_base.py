@@ -15,7 +15,9 @@ each method has one job:
     cache_blocks(req, n); join decode batch ◀────────────────────────┘
     request_finished(req, ids) ─▶ (delay_free, KVTransferParams)   (prefill side: lease)
 
-This module imports nothing of the engine at run time, so the engine can depend on it.
+The engine owns this seam: the scheduler and runner call only what is declared here, and
+``pdserve.kvconnector`` (a layer above) implements it, so the engine never imports a
+connector or a transport.
 """
 
 from __future__ import annotations
@@ -26,10 +28,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
-
     from pdserve.engine.request import Request
-    from pdserve.kvconnector.transfer_params import KVTransferParams
-    from pdserve.kvconnector.transfer_stats import TransferStatsSnapshot
+    from pdserve.messages.kv_transfer_params import KVTransferParams
+    from pdserve.stats.latency import HistogramSnapshot
 
 
 @dataclass(slots=True)
@@ -65,6 +66,28 @@ class FinishedTransfers:
     loaded_request_ids: set[str] = field(default_factory=set)
     failed_block_ids: set[int] = field(default_factory=set)
     load_errors: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferStatsSnapshot:
+    """The connector's KV-plane counters at one moment (``transfer_stats()``).
+
+    The fields a worker reports keep their names in ``WorkerStats`` and the stats registry.
+    """
+
+    num_blocks_sent: int
+    num_bytes_sent: int
+    num_blocks_received: int
+    num_bytes_received: int
+    num_dedup_skipped_blocks: int
+    num_successful_transfers: int
+    num_failed_transfers: int
+    num_failed_blocks: int
+    num_lease_expiries: int
+    num_lease_renewals: int
+    transfer_latency: HistogramSnapshot
+    transfer_latency_p50_s: float
+    transfer_latency_p99_s: float
 
 
 class KVConnectorBase(ABC):

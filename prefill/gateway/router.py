@@ -25,7 +25,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from pdserve.cache import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
-from pdserve.engine.messages import KVEventBatch
+from pdserve.messages.kv_event_batch import KVEventBatch
 
 
 class NoWorkerAvailable(RuntimeError):
@@ -122,12 +122,6 @@ class Router:
             if worker_id in ids:
                 ids.remove(worker_id)
 
-    def reset_worker(self, worker_id: str) -> None:
-        """Drops a worker's entries (restarted); it stays a candidate with an empty cache."""
-        if worker_id in self._workers:
-            old = self._workers[worker_id]
-            self._workers[worker_id] = WorkerIndex(load=old.load, available=old.available)
-
     def set_available(self, worker_id: str, available: bool) -> None:
         """Takes a worker out of routing (it stopped answering) or puts it back."""
         if worker_id in self._workers:
@@ -147,9 +141,6 @@ class Router:
         if worker_id in self._workers:
             index = self._workers[worker_id]
             index.load = max(0, index.load - 1)
-
-    def load(self, worker_id: str) -> int:
-        return self._workers[worker_id].load
 
     # ------------------------------------------------------------------ choice
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-KVRole = Literal["both", "producer", "consumer"]
-
 
 @dataclass(slots=True)
 class EngineConfig:

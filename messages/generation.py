@@ -1,0 +1,62 @@
+"""A request's way to a worker and its stream back: gateway ↔ worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.messages.kv_transfer_params import KVTransferParams
+from pdserve.messages.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class WorkerRequest:
+    """One request handed to a worker's engine.
+
+    ``remote_decode`` asks a prefill worker's connector to lease the request's blocks when
+    it finishes by length and to return ``KVTransferParams`` with the last chunk; a decode
+    worker gets those params back in ``kv_transfer_params`` (``None`` means recompute).
+    ``params.seed`` is always set by the gateway, so both sides sample the same tokens.
+    ``cache_salt`` (the client's, or None) goes into the first block's hash on both sides:
+    prefix-cache hits, the router's index and the decode side's dedup never cross salts.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    remote_decode: bool = False
+    kv_transfer_params: KVTransferParams | None = None
+    cache_salt: str | None = None
+
+
+@dataclass(slots=True)
+class GenerationChunk:
+    """What one request gained since the previous chunk of its stream.
+
+    Deltas, not the engine's cumulative lists, so a long stream costs O(n) to ship.
+    ``num_output_tokens`` is the cumulative count after this chunk. ``refused``: the engine
+    turned the request down as invalid (the client's fault, a 400), as opposed to an
+    ``error`` while running it (the server's, a 500).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    num_output_tokens: int
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int = 0
+    kv_transfer_params: KVTransferParams | None = None
+    error: str | None = None
+    refused: bool = False
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    """What the gateway needs to know about the served model to validate and hash prompts."""
+
+    model: str
+    max_model_len: int
+    block_size: int
+    hash_algorithm: str
+    hash_seed: int | str
+    eos_token_id: int | None

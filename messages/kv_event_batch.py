@@ -1,0 +1,25 @@
+"""A worker's KV events, read by the gateway's router by sequence number."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.cache import KVCacheEvent
+
+
+@dataclass(slots=True)
+class KVEventBatch:
+    """A worker's KV events from sequence number ``first_seq`` up to ``next_seq``.
+
+    ``instance_id`` changes whenever the worker (re)starts: the router then drops everything
+    it knew about the old instance. When the worker's bounded log no longer reaches back to
+    the asked sequence number, ``snapshot`` carries every block hash the worker holds and
+    ``events`` start after it.
+    """
+
+    worker_id: str
+    instance_id: str
+    first_seq: int
+    next_seq: int
+    events: list[KVCacheEvent] = field(default_factory=list)
+    snapshot: list[bytes] | None = None

@@ -1,0 +1,38 @@
+"""What one worker is: the deployer decides it, the worker's actor is built from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.messages.connector_config import KVConnectorConfig
+from pdserve.messages.engine_config import EngineConfig
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    """What one worker is, decided by the deployer and handed to the worker's actor.
+
+    The worker needs no deployment-wide config: its engine settings, its connector side (or
+    none: a colocated worker, role ``both``) and the name it is served under are all here.
+    Some values are only known inside the actor and are filled in there:
+
+    - ``engine.engine_id`` gets the worker's instance id appended, so a restarted worker is
+      a new KV peer;
+    - ``engine.device == "auto"`` becomes ``cuda`` when the actor got a GPU, else ``cpu``;
+    - ``advertise_node_address``: the connector's ``host`` is replaced by the node's
+      address, which decode workers on other nodes can reach (a multi-node cluster).
+    """
+
+    worker_id: str
+    engine: EngineConfig
+    connector: KVConnectorConfig | None = None
+    advertise_node_address: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            raise ValueError("a worker needs a non-empty worker_id")
+
+    @property
+    def role(self) -> str:
+        """``producer`` (prefill), ``consumer`` (decode) or ``both`` (colocated)."""
+        return self.connector.role if self.connector is not None else "both"

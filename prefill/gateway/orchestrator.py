@@ -1,0 +1,325 @@
+"""A request's way through the service, in named phases, independent of the ingress.
+
+    admit ─▶ route ─▶ prefill ─────────────▶ hand_off ─▶ decode stream
+    (429)    (503)    PrefillWorker,           KVTransferParams   DecodeWorker, user's params:
+                      max_tokens=1:            to the decode      the rest of the tokens
+                      first token streamed     request
+                      at once
+
+    retry policy: a worker lost before it answered is routed around; a decode worker lost
+    mid-stream is replayed (same seed) and the replay's first tokens are checked, not resent.
+
+A colocated deployment (no decode workers), or a request that ends at its first token,
+runs whole on the prefill worker. ``generate`` reads top to bottom as those phases; each is
+a method named after it. Worker loss (the actor's process died; Serve restarts it under a
+new ``instance_id``):
+
+    prefill lost before its first token   → nothing was sent: the request is routed again
+    prefill lost after it (mid-transfer)  → the decode pull fails; the decode side recomputes
+    decode lost mid-generation            → run again on another (or the restarted) decode
+                                            worker; a replay that differs, or a worker lost
+                                            too often, ends the stream with an error event:
+                                            never a silent wrong answer
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pdserve.cache import BlockHash, BlockHasher
+from pdserve.messages.generation import GenerationChunk, ModelInfo, WorkerRequest
+from pdserve.messages.kv_transfer_params import KVTransferParams
+from pdserve.messages.sampling_params import SamplingParams
+from pdserve.messages.worker_stats import WorkerStats
+from pdserve.prefill.gateway.config import GatewayConfig
+from pdserve.prefill.gateway.kv_event_poller import KVEventPoller
+from pdserve.prefill.gateway.metrics import GatewayMetrics, stats_report
+from pdserve.prefill.gateway.openai_schema import (APIError, ParsedCompletion,
+                                                   no_worker_available, too_many_requests)
+from pdserve.prefill.gateway.router import NoWorkerAvailable, Router
+from pdserve.prefill.gateway.stream_emitter import ReplayDiverged, StreamDelta, StreamEmitter
+from pdserve.prefill.gateway.worker_pool import WorkerPool
+from pdserve.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_STATS_TIMEOUT_S = 10.0
+
+
+class WorkerLost(Exception):
+    """A worker's stream broke (its process died or became unreachable)."""
+
+    def __init__(self, worker_id: str, answered: bool, cause: BaseException) -> None:
+        super().__init__(f"worker {worker_id} was lost ({'mid-stream' if answered else 'before answering'}): "
+                         f"{cause!r}")
+        self.worker_id = worker_id
+        self.answered = answered
+
+
+@dataclass(slots=True)
+class RequestRun:
+    """One request's state as it moves through the phases."""
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    block_hashes: list[BlockHash]
+    emitter: StreamEmitter
+    remote_decode: bool  # the prefill worker hands off to a decode worker
+    prefill_id: str = ""
+    decode_id: str = ""
+    last_prefill_chunk: GenerationChunk | None = None
+    kv_transfer_params: KVTransferParams | None = field(default=None, repr=False)
+
+    @property
+    def needs_decode(self) -> bool:
+        """True when the prefill stopped at its one token by length: decode goes on."""
+        chunk = self.last_prefill_chunk
+        return self.remote_decode and chunk is not None and chunk.finish_reason == "length"
+
+
+class RequestOrchestrator:
+    """Admission, routing, the prefill → decode hand-off and retries for one gateway."""
+
+    def __init__(self, config: GatewayConfig, workers: WorkerPool, model_info: ModelInfo,
+                 tokenizer: Tokenizer) -> None:
+        self.config = config
+        self.workers = workers
+        self.model_info = model_info
+        self.tokenizer = tokenizer
+        self.model_name = config.model_name
+        self.hasher = BlockHasher(model_info.hash_algorithm, model_info.hash_seed)
+        self.router = Router(list(workers.prefill), list(workers.decode), config.max_load_imbalance)
+        self.poller = KVEventPoller(workers, self.router, config.worker_timeout_s)
+        self.metrics = GatewayMetrics(self.model_name)
+        self._seed_rng = random.SystemRandom()
+        self._lease_releases: set[asyncio.Task] = set()
+
+    def start(self) -> None:
+        self.poller.start()
+
+    # ------------------------------------------------------------------ validate, admit
+
+    def prepare(self, parsed: ParsedCompletion) -> tuple[list[int], SamplingParams]:
+        """Validates the model and prompt; returns token ids and params with a seed."""
+        if parsed.model != self.model_name:
+            raise APIError(404, f"model {parsed.model!r} does not exist; this server serves "
+                                f"{self.model_name!r}", param="model", code="model_not_found")
+        if parsed.prompt_token_ids is not None:
+            token_ids = parsed.prompt_token_ids
+            vocab_size = self.tokenizer.vocab_size
+            bad = next((t for t in token_ids if t >= vocab_size), None)
+            if bad is not None:
+                raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab_size})",
+                               param="prompt")
+        else:
+            token_ids = self.tokenizer.encode(parsed.prompt_text)
+        max_len = self.model_info.max_model_len
+        if len(token_ids) > max_len:
+            raise APIError(400, f"the prompt has {len(token_ids)} tokens, more than this model's "
+                                f"max_model_len of {max_len}; shorten it", param="prompt")
+        if len(token_ids) + parsed.params.max_tokens > max_len:
+            raise APIError(400, f"prompt ({len(token_ids)} tokens) plus max_tokens "
+                                f"({parsed.params.max_tokens}) exceeds max_model_len ({max_len})",
+                           param="max_tokens")
+        params = parsed.params
+        if params.seed is None:  # both sides must sample with the same seed
+            params = dataclasses.replace(params, seed=self._seed_rng.getrandbits(63))
+        return token_ids, params
+
+    def admit(self) -> None:
+        """Takes a place in the bounded in-flight queue, or refuses with 429."""
+        if self.metrics.num_requests_in_flight >= self.config.max_inflight_requests:
+            raise too_many_requests(self.config.max_inflight_requests)
+        self.metrics.num_requests_in_flight += 1
+        self.metrics.num_requests += 1
+
+    def release(self) -> None:
+        self.metrics.num_requests_in_flight -= 1
+
+    # ------------------------------------------------------------------ the phases
+
+    async def generate(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                       cache_salt: str | None = None) -> AsyncIterator[StreamDelta]:
+        """Runs one admitted request; the caller must ``release()`` after the stream ends.
+
+        Raises ``APIError`` before the first delta if a worker refuses the request (400) or
+        no worker of a needed role is available (503); after it, when the request cannot be
+        finished correctly (the stream then ends with an error event).
+        """
+        start = time.perf_counter()
+        run = RequestRun(
+            request_id, token_ids, params, cache_salt,
+            # Salted like the workers' hashes: a tenant's prefix never routes by another's blocks.
+            block_hashes=self.hasher.hash_request_blocks(token_ids, self.model_info.block_size,
+                                                         cache_salt=cache_salt),
+            emitter=StreamEmitter(params.stop, len(token_ids), self.metrics, start),
+            remote_decode=params.max_tokens > 1 and self.router.has_decode_workers())
+        async for delta in self.prefill(run):
+            yield delta
+        if not run.needs_decode:
+            return
+        self.hand_off(run)
+        completed = False
+        try:
+            async for delta in self.decode_stream(run):
+                yield delta
+            completed = True
+        finally:
+            if not completed:
+                # The decode side may never pull: free the prefill's lease now, not at expiry.
+                self.release_lease(run)
+
+    async def prefill(self, run: RequestRun) -> AsyncIterator[StreamDelta]:
+        """The prefill worker's stream: the first token (or, colocated, every token)."""
+        params = dataclasses.replace(run.params, max_tokens=1) if run.remote_decode else run.params
+        request = WorkerRequest(run.request_id, run.token_ids, params,
+                                remote_decode=run.remote_decode, cache_salt=run.cache_salt)
+        for attempt in range(self.config.max_attempts):
+            run.prefill_id = self.route("prefill", run.block_hashes)
+            if run.remote_decode:
+                self.route("decode", run.block_hashes)  # 503 now, before any token, when none is up
+            try:
+                async for chunk in self._worker_stream(run.prefill_id, request, first=True):
+                    run.last_prefill_chunk = chunk
+                    hands_off = run.remote_decode and chunk.finish_reason == "length"
+                    delta = run.emitter.update(chunk, final=not hands_off)
+                    if delta is not None:
+                        yield delta
+                return
+            except WorkerLost as lost:
+                self.retry_or_fail(lost, "prefill", run, attempt,
+                                   retryable=not run.emitter.sent_tokens)
+
+    def hand_off(self, run: RequestRun) -> None:
+        """The prefill's ``KVTransferParams`` (None: the decode side recomputes) go to decode."""
+        run.kv_transfer_params = run.last_prefill_chunk.kv_transfer_params
+
+    async def decode_stream(self, run: RequestRun) -> AsyncIterator[StreamDelta]:
+        """The decode worker's stream, replayed on another worker if this one is lost."""
+        for attempt in range(self.config.max_attempts):
+            if attempt:
+                await asyncio.sleep(self.config.retry_backoff_s)  # let Serve see the dead replica
+            run.decode_id = self.route("decode", run.block_hashes,
+                                       fallback=run.decode_id if attempt else None)
+            request = WorkerRequest(run.request_id, run.token_ids, run.params,
+                                    kv_transfer_params=run.kv_transfer_params,
+                                    cache_salt=run.cache_salt)
+            run.emitter.restart_stream()
+            try:
+                async for chunk in self._worker_stream(run.decode_id, request, first=False):
+                    delta = run.emitter.update(chunk, final=True)
+                    if delta is not None:
+                        yield delta
+                return
+            except ReplayDiverged as error:
+                raise APIError(500, f"request {run.request_id} was lost with its decode worker "
+                                    f"and its replay diverged ({error}); the reply is cut short "
+                                    f"after {run.emitter.sent_tokens} tokens", type="server_error",
+                               code="replay_diverged") from None
+            except WorkerLost as lost:
+                self.retry_or_fail(lost, "decode", run, attempt, retryable=True)
+                # The replay recomputes the prompt: the lease may be gone with the pull.
+                self.release_lease(run)
+                run.kv_transfer_params = None
+
+    # ------------------------------------------------------------------ route, retry
+
+    def route(self, role: str, block_hashes: list[BlockHash], fallback: str | None = None) -> str:
+        """A worker of ``role`` by prefix and load; 503 when none is available, unless a
+        ``fallback`` is given: after a loss, the lost worker itself, which Serve restarts."""
+        try:
+            if role == "prefill":
+                return self.router.pick_prefill(block_hashes).worker_id
+            return self.router.pick_decode(block_hashes).worker_id
+        except NoWorkerAvailable as error:
+            if fallback is not None:
+                return fallback
+            raise no_worker_available(error.role) from None
+
+    def retry_or_fail(self, lost: WorkerLost, role: str, run: RequestRun, attempt: int,
+                      retryable: bool) -> None:
+        """The retry policy: returns to try again, or raises the error the client gets."""
+        self.router.set_available(lost.worker_id, False)
+        if retryable and attempt + 1 < self.config.max_attempts:
+            logger.warning("%s; running request %s again after %d sent tokens", lost,
+                           run.request_id, run.emitter.sent_tokens)
+            self.metrics.num_retries += 1
+            return
+        if not run.emitter.sent_tokens:
+            raise no_worker_available(role)
+        raise APIError(503, f"the {role} worker serving this request was lost and "
+                            f"{self.config.max_attempts} attempts did not finish it; the reply is "
+                            f"cut short after {run.emitter.sent_tokens} tokens: retry the request",
+                       type="server_error", code="worker_lost")
+
+    def release_lease(self, run: RequestRun) -> None:
+        """Tells the prefill worker to free the blocks it leased for this request."""
+        if run.kv_transfer_params is None:
+            return
+        task = asyncio.get_running_loop().create_task(
+            self.workers.call(run.prefill_id, "abort", run.request_id))
+        self._lease_releases.add(task)
+        task.add_done_callback(self._lease_released)
+
+    def _lease_released(self, task: asyncio.Task) -> None:
+        self._lease_releases.discard(task)
+        if not task.cancelled():
+            task.exception()  # a dead prefill worker took the lease with it
+
+    async def _worker_stream(self, worker_id: str, request: WorkerRequest,
+                             first: bool) -> AsyncIterator[GenerationChunk]:
+        """One worker's chunks, counted as its load. A worker whose stream breaks (dead,
+        unreachable) leaves routing until its event poll answers again: ``WorkerLost``."""
+        stream = self.workers.stream(worker_id, request)
+        answered = finished = False
+        self.router.begin(worker_id)
+        try:
+            while not finished:
+                try:
+                    chunk = await anext(stream)
+                except StopAsyncIteration:
+                    return
+                except Exception as error:
+                    logger.warning("worker %s failed %s: %r", worker_id,
+                                   "mid-stream" if answered else "before answering", error)
+                    raise WorkerLost(worker_id, answered, error) from None
+                answered = True
+                if chunk.error is not None:
+                    if first and chunk.refused:
+                        raise APIError(400, chunk.error)
+                    # Never a silently short reply: the client gets an error event.
+                    raise APIError(500, f"{worker_id} failed the request: {chunk.error}",
+                                   type="server_error", code="worker_error")
+                finished = chunk.finished
+                yield chunk
+        finally:
+            self.router.end(worker_id)
+            if first:
+                self.poller.refresh_soon(worker_id)
+            if not finished:
+                with contextlib.suppress(Exception):
+                    stream.cancel()  # the client went away: abort on the worker
+
+    # ------------------------------------------------------------------ stats
+
+    async def worker_stats(self) -> list[WorkerStats]:
+        results = await asyncio.gather(
+            *(asyncio.wait_for(self.workers.call(w, "stats"), _STATS_TIMEOUT_S)
+              for w in self.workers.all),
+            return_exceptions=True)
+        return [r for r in results if isinstance(r, WorkerStats)]
+
+    async def stats(self) -> dict:
+        """The ``/stats`` body; also refreshes the worker figures ``/metrics`` exposes."""
+        workers = await self.worker_stats()
+        self.metrics.latest_workers = workers
+        return stats_report(self.model_name, self.metrics.row(), workers)

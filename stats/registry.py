@@ -1,0 +1,130 @@
+"""Every statistic pdserve reports, defined once.
+
+One ``Stat`` per figure: its name (a ``WorkerStats`` / ``GatewayStats`` field and the
+``/stats`` key), its kind and unit, a help line, the Prometheus name (vLLM's where vLLM
+exports the same figure, else ``pdserve:*``), its ``pdserve stats`` column, and how the
+figures of many workers combine into the service's total. ``/stats``, ``/metrics`` and the
+CLI table are all derived from these tuples; tests check that the message fields match.
+
+    Stat ──▶ /stats     {"workers": [{name: value}], "totals": {name: total(values)}}
+         ──▶ /metrics   <metric>{model_name, worker, role} value   (counters get _total)
+         ──▶ pdserve stats   one column per Stat with a ``column``
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Kind(enum.Enum):
+    COUNTER = "counter"  # only grows while the process lives
+    GAUGE = "gauge"  # a present-tense reading
+    HISTOGRAM = "histogram"  # a ``HistogramSnapshot``
+
+
+class Total(enum.Enum):
+    """How one figure of many workers becomes the service's figure."""
+
+    SUM = "sum"
+    MAX = "max"
+    NONE = "none"  # no meaningful total (a median of medians is not a median)
+    RATIO = "ratio"  # total numerator / total denominator (``Stat.ratio_of``)
+    POOL_WEIGHTED = "pool_weighted"  # weighted by each worker's ``num_blocks``
+    MERGE = "merge"  # histograms: bucket counts added
+
+
+@dataclass(frozen=True, slots=True)
+class Stat:
+    name: str
+    kind: Kind
+    unit: str  # "requests", "tokens", "blocks", "bytes", "ratio", "seconds", ...
+    help: str
+    metric: str | None  # Prometheus name; None: /stats and the table only
+    column: str | None = None  # `pdserve stats` header; None: not in the table
+    total: Total = Total.SUM
+    ratio_of: tuple[str, str] | None = None  # (numerator, denominator) for Total.RATIO
+    label: str | None = None  # a counter kept per label value (a dict of counts)
+
+
+C, G, H = Kind.COUNTER, Kind.GAUGE, Kind.HISTOGRAM
+
+WORKER_STATS: tuple[Stat, ...] = (
+    Stat("num_requests_running", G, "requests", "Requests in the running batch.",
+         "vllm:num_requests_running", "run"),
+    Stat("num_requests_waiting", G, "requests", "Requests waiting to be scheduled.",
+         "vllm:num_requests_waiting", "wait"),
+    Stat("num_requests", C, "requests", "Requests the worker received.",
+         "pdserve:worker_requests", "reqs"),
+    Stat("prefix_cache_queries", C, "tokens", "Prompt tokens looked up in the prefix cache.",
+         "vllm:prefix_cache_queries"),
+    Stat("prefix_cache_hits", C, "tokens", "Prompt tokens found in the prefix cache.",
+         "vllm:prefix_cache_hits"),
+    Stat("prefix_cache_hit_rate", G, "ratio", "Prefix-cache hits over queries since start.",
+         None, "hit%", Total.RATIO, ratio_of=("prefix_cache_hits", "prefix_cache_queries")),
+    Stat("num_blocks", G, "blocks", "KV blocks in the pool.", "pdserve:kv_cache_blocks"),
+    Stat("num_free_blocks", G, "blocks", "KV blocks free (cached or empty).",
+         "pdserve:kv_cache_free_blocks", "free"),
+    Stat("kv_cache_usage", G, "ratio", "KV-cache usage (1 = full).",
+         "vllm:kv_cache_usage_perc", "usage%", Total.POOL_WEIGHTED),
+    Stat("num_evictions", C, "blocks", "Cached blocks evicted for reuse.",
+         "pdserve:kv_cache_evictions", "evict"),
+    Stat("num_preemptions", C, "requests", "Requests preempted (recomputed later).",
+         "vllm:num_preemptions", "preempt"),
+    Stat("num_leases_held", G, "requests", "Finished prefills whose blocks a lease holds.",
+         "pdserve:kv_transfer_leases_held", "leases"),
+    Stat("num_blocks_sent", C, "blocks", "KV blocks served to decode workers.",
+         "pdserve:kv_transfer_blocks_sent", "sent"),
+    Stat("num_blocks_received", C, "blocks", "KV blocks pulled from prefill workers.",
+         "pdserve:kv_transfer_blocks_received", "recv"),
+    Stat("num_bytes_sent", C, "bytes", "KV bytes served.", "pdserve:kv_transfer_bytes_sent"),
+    Stat("num_bytes_received", C, "bytes", "KV bytes pulled.",
+         "pdserve:kv_transfer_bytes_received"),
+    Stat("num_dedup_skipped_blocks", C, "blocks",
+         "Blocks not pulled because the decode worker already held them.",
+         "pdserve:kv_transfer_dedup_skipped_blocks", "dedup"),
+    Stat("transfer_latency", H, "seconds", "Latency of one pull, from start to last block.",
+         "pdserve:kv_transfer_latency_seconds", None, Total.MERGE),
+    Stat("transfer_latency_p50_s", G, "seconds", "Median latency of recent pulls.", None,
+         "xfer50ms", Total.NONE),
+    Stat("transfer_latency_p99_s", G, "seconds", "p99 latency of recent pulls.", None,
+         "xfer99ms", Total.MAX),
+    Stat("num_failed_transfers", C, "transfers", "Pulls that lost at least one block.",
+         "pdserve:kv_transfer_failures", "fail"),
+    Stat("num_lease_expiries", C, "leases", "Leases that expired before their release.",
+         "pdserve:kv_transfer_lease_expiries", "expired"),
+    Stat("num_recompute_fallbacks", C, "requests",
+         "Requests that computed KV a transfer did not deliver.",
+         "pdserve:kv_transfer_recompute_fallbacks", "recompute"),
+)
+
+GATEWAY_STATS: tuple[Stat, ...] = (
+    Stat("num_requests", C, "requests", "Requests admitted by the gateway.",
+         "pdserve:gateway_requests"),
+    Stat("num_requests_in_flight", G, "requests", "Requests in the gateway now.",
+         "pdserve:gateway_requests_in_flight"),
+    Stat("finished_by_reason", C, "requests", "Finished requests, by finish reason.",
+         "vllm:request_success", label="finished_reason"),
+    Stat("rejected_by_status", C, "requests", "Requests refused (4xx, 5xx), by status.",
+         "pdserve:requests_rejected", label="status"),
+    Stat("num_retries", C, "requests", "Requests run again after their worker was lost.",
+         "pdserve:gateway_retries"),
+    Stat("num_prompt_tokens", C, "tokens", "Prompt tokens of finished requests.",
+         "vllm:prompt_tokens"),
+    Stat("num_generation_tokens", C, "tokens", "Tokens sent to clients.",
+         "vllm:generation_tokens"),
+    Stat("time_to_first_token", H, "seconds", "Time to first token, at the gateway.",
+         "vllm:time_to_first_token_seconds"),
+    Stat("inter_token_latency", H, "seconds", "Time between output tokens, at the gateway.",
+         "vllm:inter_token_latency_seconds"),
+    Stat("e2e_request_latency", H, "seconds", "End-to-end request latency.",
+         "vllm:e2e_request_latency_seconds"),
+    Stat("ttft_p50_s", G, "seconds", "Median TTFT of recent requests.", None),
+    Stat("ttft_p99_s", G, "seconds", "p99 TTFT of recent requests.", None),
+    Stat("itl_p50_s", G, "seconds", "Median inter-token latency, recent tokens.", None),
+    Stat("itl_p99_s", G, "seconds", "p99 inter-token latency, recent tokens.", None),
+)
+
+
+def by_name(stats: tuple[Stat, ...]) -> dict[str, Stat]:
+    return {stat.name: stat for stat in stats}
