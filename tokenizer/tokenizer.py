@@ -1,32 +1,87 @@
-"""Tokenizers behind one small interface: bytes for the built-in model, HF ``tokenizer.json`` otherwise.
+"""Tokenizers behind one small interface, all backed by a ``tokenizers.Tokenizer``.
 
-The engine and the gateway only need ``encode``, ``decode``, ``eos_token_id`` and
-``vocab_size``; both classes here provide exactly that.
+Three sources build the same class, :class:`HFTokenizer`: a ``tokenizer.json`` (HF
+directory), a GGUF file's metadata (``gguf_tokenizer.py``), and the built-in ``tiny``
+model's byte vocabulary (:class:`ByteTokenizer`). One backend type means one incremental
+detokenizer (``tokenizers.decoders.DecodeStream`` needs a real ``tokenizers.Tokenizer``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from functools import cache
 from typing import Protocol
 
 import tokenizers
 
+from pdserve.tokenizer.chat_template import ChatTemplate
+
 
 class Tokenizer(Protocol):
-    """What the engine needs from a tokenizer."""
+    """What the engine and the gateway need from a tokenizer.
+
+    ``eos_token_ids`` holds every id the model declares as an end of sequence (e.g.
+    ``<|im_end|>`` for a ChatML model); each one ends generation. ``eos_token_id`` is
+    the first of them. ``chat_template`` is ``None`` when the model has none.
+    """
 
     eos_token_id: int
+    eos_token_ids: tuple[int, ...]
     vocab_size: int
+    chat_template: ChatTemplate | None
+    backend: tokenizers.Tokenizer
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, token_ids: list[int]) -> str: ...
+    def decode(self, token_ids: Sequence[int]) -> str: ...
 
 
-class ByteTokenizer:
+class HFTokenizer:
+    """A ``tokenizers.Tokenizer`` with the engine's interface.
+
+    ``encode`` adds the checkpoint's special tokens (e.g. Llama's BOS) as transformers
+    does, unless ``add_special_tokens=False`` (a rendered chat prompt already carries
+    them); ``decode`` drops special tokens, so an EOS is never shown.
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        eos_token_ids: Sequence[int],
+        chat_template: ChatTemplate | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
+        if not eos_token_ids:
+            raise ValueError("a tokenizer needs at least one end-of-sequence id")
+        self.backend = backend
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.eos_token_id = self.eos_token_ids[0]
+        self.chat_template = chat_template
+        self.vocab_size = vocab_size or backend.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_file(
+        cls, path: str, eos_token_ids: Sequence[int], chat_template: ChatTemplate | None = None
+    ) -> HFTokenizer:
+        return cls(tokenizers.Tokenizer.from_file(path), eos_token_ids, chat_template)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.backend.decode(list(token_ids), skip_special_tokens=True)
+
+
+class ByteTokenizer(HFTokenizer):
     """UTF-8 bytes as ids ``0..255``; ids from 256 up are specials (256 = end of sequence).
 
-    Special ids decode to nothing, and invalid UTF-8 (a sequence cut mid-character)
-    decodes with replacement characters rather than failing.
+    A byte-level BPE with no merges: the pre-tokenizer spells each byte as one
+    character of GPT-2's byte alphabet (:func:`bytes_to_unicode`), and the vocabulary
+    maps that character to the byte's value, so ``encode`` yields exactly the UTF-8
+    bytes. The specials are named ``<|special_256|>`` ... but text never turns into
+    them (``encode_special_tokens``): any text encodes to its bytes. Special ids decode
+    to nothing, and invalid UTF-8 (a sequence cut mid-character) decodes with
+    replacement characters rather than failing.
     """
 
     NUM_BYTES = 256
@@ -34,34 +89,34 @@ class ByteTokenizer:
     def __init__(self, vocab_size: int = 512) -> None:
         if vocab_size <= self.NUM_BYTES:
             raise ValueError(f"vocab_size must exceed {self.NUM_BYTES} (bytes plus specials), got {vocab_size}")
-        self.vocab_size = vocab_size
-        self.eos_token_id = self.NUM_BYTES
+        vocab = {char: byte for byte, char in bytes_to_unicode().items()}
+        backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+        backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        backend.decoder = tokenizers.decoders.ByteLevel()
+        backend.add_special_tokens([f"<|special_{i}|>" for i in range(self.NUM_BYTES, vocab_size)])
+        backend.encode_special_tokens = True
+        super().__init__(backend, [self.NUM_BYTES], TINY_CHAT_TEMPLATE, vocab_size)
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
 
-    def decode(self, token_ids: list[int]) -> str:
-        return bytes(t for t in token_ids if 0 <= t < self.NUM_BYTES).decode("utf-8", errors="replace")
+@cache
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte alphabet: every byte as one printable character.
 
-
-class HFTokenizer:
-    """A ``tokenizers.Tokenizer`` (from ``tokenizer.json``) with the engine's interface.
-
-    ``encode`` adds the checkpoint's special tokens (e.g. Llama's BOS) as transformers
-    does; ``decode`` drops special tokens.
+    Printable Latin-1 bytes stand for themselves; the other 68 (controls, space, ...)
+    map to ``chr(256 + n)`` in order, so ``" "`` is ``"Ġ"`` and ``"\\n"`` is ``"Ċ"``.
+    Byte-level BPE vocabularies (GPT-2, Llama 3, SmolLM, Qwen) are spelled in it.
     """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    spelling = {byte: chr(byte) for byte in printable}
+    others = (byte for byte in range(256) if byte not in spelling)
+    spelling.update({byte: chr(256 + n) for n, byte in enumerate(others)})
+    return dict(sorted(spelling.items()))
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, eos_token_id: int) -> None:
-        self._tokenizer = tokenizer
-        self.eos_token_id = eos_token_id
-        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
 
-    @classmethod
-    def from_file(cls, path: str, eos_token_id: int) -> HFTokenizer:
-        return cls(tokenizers.Tokenizer.from_file(path), eos_token_id)
-
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text).ids
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+# ChatML, so the chat path works end to end on the built-in model (its output is noise).
+TINY_CHAT_TEMPLATE = ChatTemplate(
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    bos_token="",
+    eos_token="<|im_end|>",
+)

@@ -26,7 +26,7 @@ def save_llama(directory, **overrides) -> transformers.LlamaForCausalLM:
 
 
 def test_missing_directory_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="neither the built-in 'tiny' nor a local directory"):
+    with pytest.raises(FileNotFoundError, match="neither a built-in model .* nor a local directory or .gguf file"):
         load_model(str(tmp_path / "nope"))
 
 

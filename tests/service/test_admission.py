@@ -63,7 +63,7 @@ class FakePool:
 
 def make_service(pool: FakePool, **fields) -> RequestOrchestrator:
     config = GatewayConfig(model="tiny", model_name="tiny", worker_timeout_s=0.05, **fields)
-    info = ModelInfo("tiny", 256, 16, "xxh3_128", 0, None)
+    info = ModelInfo("tiny", 256, 16, "xxh3_128", 0, [256])
     return RequestOrchestrator(config, pool, info, ByteTokenizer(512))
 
 

@@ -1,0 +1,53 @@
+"""Incremental detokenization (tokenizers' DecodeStream) emits the same text as a whole decode,
+holds back a cut UTF-8 character, hides every EOS and cuts at stop strings."""
+
+from __future__ import annotations
+
+from pdserve.tokenizer.detokenizer import IncrementalDetokenizer
+from pdserve.tokenizer.tokenizer import ByteTokenizer
+
+TOKENIZER = ByteTokenizer()
+TEXT = "Grüße, 世界! 🙂 done"
+
+
+def stream(token_ids: list[int], stop: list[str] | None = None) -> tuple[list[str], bool]:
+    """The text after each token, fed one at a time, and whether a stop string ended it."""
+    detokenizer = IncrementalDetokenizer(TOKENIZER, stop or [])
+    texts = []
+    for end in range(1, len(token_ids) + 1):
+        if detokenizer.update(token_ids[:end]):
+            return texts + [detokenizer.text], True
+        texts.append(detokenizer.text)
+    return texts, False
+
+
+def test_streamed_text_equals_the_whole_decode_and_hides_eos():
+    ids = TOKENIZER.encode(TEXT) + [TOKENIZER.eos_token_id]
+    texts, stopped = stream(ids)
+    assert texts[-1] == TEXT and not stopped
+    assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:]))
+
+
+def test_a_character_split_over_byte_tokens_waits_for_its_last_byte():
+    ids = TOKENIZER.encode("a🙂")
+    assert len(ids) == 5
+    texts, _ = stream(ids)
+    assert texts == ["a", "a", "a", "a", "a🙂"]
+
+
+def test_several_new_tokens_in_one_update():
+    detokenizer = IncrementalDetokenizer(TOKENIZER, [])
+    ids = TOKENIZER.encode(TEXT)
+    detokenizer.update(ids[:3])
+    detokenizer.update(ids)
+    assert detokenizer.text == TEXT
+
+
+def test_stop_string_spanning_tokens_cuts_the_text_before_it():
+    texts, stopped = stream(TOKENIZER.encode(TEXT), stop=["世界"])
+    assert stopped and texts[-1] == "Grüße, "
+
+
+def test_specials_above_eos_decode_to_nothing_and_text_never_becomes_one():
+    assert TOKENIZER.encode("<|special_300|>") == list(b"<|special_300|>")
+    assert TOKENIZER.decode([72, 300, 511, 105]) == "Hi"

@@ -1,0 +1,136 @@
+"""A model's tokenizer and chat template, rebuilt from a GGUF file's metadata.
+
+A GGUF carries no ``tokenizer.json``; llama.cpp stores the tokenizer as metadata::
+
+    tokenizer.ggml.model        "gpt2" (byte-level BPE; the only kind built here)
+    tokenizer.ggml.pre          how text is split before BPE ("smollm", "llama-bpe", ...)
+    tokenizer.ggml.tokens       [token string per id]     spelled in GPT-2's byte alphabet
+    tokenizer.ggml.merges       ["Ġ t", "h e", ...]       best first
+    tokenizer.ggml.token_type   [1 normal | 3 control | 4 user-defined | ... per id]
+    tokenizer.ggml.{bos,eos,eot,eom}_token_id, tokenizer.ggml.add_bos_token
+    tokenizer.chat_template     jinja source
+
+From these a ``tokenizers.Tokenizer`` is built as transformers builds it for the same
+file: BPE over the vocabulary and merges, a byte-level pre-tokenizer and decoder, control
+tokens added as special (matched whole, dropped by ``decode``), user-defined ones added as
+plain tokens, and a BOS post-processor when ``add_bos_token`` is set. Every end id the
+file declares (eos, end-of-turn, end-of-message) ends generation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from pdserve.tokenizer.chat_template import ChatTemplate
+from pdserve.tokenizer.gguf_file import require
+from pdserve.tokenizer.tokenizer import HFTokenizer, bytes_to_unicode
+
+# llama.cpp's token types (llama_token_type).
+_CONTROL = 3
+_USER_DEFINED = 4
+_END_TOKEN_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+# Llama 3's split (llama.cpp's LLAMA_VOCAB_PRE_TYPE_LLAMA3).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _gpt2_split() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _smollm_split() -> pre_tokenizers.PreTokenizer:
+    """Every digit alone, then GPT-2's split (SmolLM's ``tokenizer.json`` and llama.cpp agree)."""
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2_split()])
+
+
+def _llama3_split() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+PRE_TOKENIZERS = {
+    "default": _gpt2_split,
+    "gpt-2": _gpt2_split,
+    "smollm": _smollm_split,
+    "llama-bpe": _llama3_split,
+    "llama3": _llama3_split,
+}
+
+
+def tokenizer_from_gguf(metadata: dict[str, Any]) -> HFTokenizer:
+    """The tokenizer (with its chat template, if any) that ``metadata`` describes."""
+    kind = require(metadata, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2') is")
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(PRE_TOKENIZERS)}")
+    tokens: list[str] = require(metadata, "tokenizer.ggml.tokens")
+    token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    vocab = _byte_level_vocab(tokens)
+    try:
+        backend = Tokenizer(models.BPE(vocab=vocab, merges=_merges(metadata)))
+    except Exception as error:  # the Rust binding raises a bare Exception
+        raise ValueError(f"the GGUF tokenizer's merges do not fit its vocabulary: {error}") from None
+    backend.pre_tokenizer = PRE_TOKENIZERS[pre]()
+    backend.decoder = decoders.ByteLevel()
+    _add_special_tokens(backend, vocab, tokens, token_types)
+    bos_id = metadata.get("tokenizer.ggml.bos_token_id")
+    if metadata.get("tokenizer.ggml.add_bos_token") and bos_id is not None:
+        bos = tokens[bos_id]
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
+    eos_ids = list(dict.fromkeys(metadata[key] for key in _END_TOKEN_KEYS if key in metadata))
+    if not eos_ids:
+        raise ValueError("the GGUF file declares no end-of-sequence token (tokenizer.ggml.eos_token_id)")
+    template_source = metadata.get("tokenizer.chat_template")
+    chat_template = None
+    if template_source is not None:
+        bos_token = tokens[bos_id] if bos_id is not None else ""
+        chat_template = ChatTemplate(template_source, bos_token=bos_token, eos_token=tokens[eos_ids[0]])
+    return HFTokenizer(backend, eos_ids, chat_template, vocab_size=len(tokens))
+
+
+def _byte_level_vocab(tokens: list[str]) -> dict[str, int]:
+    """Token -> id; a token written in plain UTF-8 rather than the byte alphabet is re-spelled."""
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    return {
+        token if set(token) <= alphabet else "".join(spelling[byte] for byte in token.encode("utf-8")): index
+        for index, token in enumerate(tokens)
+    }
+
+
+def _merges(metadata: dict[str, Any]) -> list[tuple[str, str]]:
+    merges: list[str] = require(metadata, "tokenizer.ggml.merges")
+    pairs = [tuple(merge.split(" ")) for merge in merges]
+    bad = next((merge for merge, pair in zip(merges, pairs) if len(pair) != 2), None)
+    if bad is not None:
+        raise ValueError(f"GGUF merge {bad!r} is not two tokens separated by one space")
+    return pairs  # type: ignore[return-value]
+
+
+def _add_special_tokens(
+    backend: Tokenizer, vocab: dict[str, int], tokens: list[str], token_types: list[int]
+) -> None:
+    """Control tokens (``<|im_end|>``) as specials; user-defined ones (``<think>``) as plain
+    added tokens. Both are matched whole in text instead of being cut into BPE pieces.
+
+    Only tokens the vocabulary spells as written are added: adding any other would give it
+    a new id past the model's vocabulary (transformers skips them the same way)."""
+    backend.add_special_tokens([
+        AddedToken(token, normalized=False, special=True)
+        for token, kind in zip(tokens, token_types) if kind == _CONTROL and token in vocab
+    ])
+    backend.add_tokens([
+        AddedToken(token, normalized=False, special=False)
+        for token, kind in zip(tokens, token_types) if kind == _USER_DEFINED and token in vocab
+    ])
