@@ -8,7 +8,7 @@ from pdserve.cache.hashing import BlockHash
 from pdserve.cache.kv_cache_blocks import KVCacheBlocks
 from pdserve.cache.kv_cache_coordinator import KVCacheCoordinator
 from pdserve.cache.kv_cache_spec import KVCacheConfig
-from pdserve.cache.kv_events import KVCacheEvent
+from pdserve.cache.kv_events import BlockStored, KVCacheEvent
 from pdserve.cache.request import CacheRequest
 from pdserve.cache.stats import PrefixCacheStats
 
@@ -38,6 +38,9 @@ class KVCacheManager:
         self.block_pool = self.coordinator.block_pool
         self.block_size = kv_cache_config.block_size
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
+        self.kv_cache_event_metadata = tuple(
+            group.kv_cache_spec.event_metadata() for group in kv_cache_config.kv_cache_groups
+        )
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self._num_evicted_blocks_reported = 0
 
@@ -215,7 +218,18 @@ class KVCacheManager:
         return self.block_pool.get_num_free_blocks()
 
     def take_events(self) -> list[KVCacheEvent]:
-        return self.block_pool.take_events()
+        """The KV events since the last call, oldest first.
+
+        The pool knows only group ids; each `BlockStored` gets its group's spec kind
+        and sliding window here, as vLLM annotates them.
+        """
+        events = self.block_pool.take_events()
+        for event in events:
+            if isinstance(event, BlockStored) and event.group_idx is not None:
+                kind, window = self.kv_cache_event_metadata[event.group_idx]
+                event.kv_cache_spec_kind = kind
+                event.kv_cache_spec_sliding_window = window
+        return events
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         """The request's blocks per group (empty when it holds none)."""
