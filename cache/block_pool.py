@@ -91,17 +91,20 @@ class BlockPool:
             )
         run: list[BlockHash] = []
         run_start = num_cached_blocks
+        group_id_suffix = make_block_hash_with_group_id(b"", kv_cache_group_id)
+        insert = self.cached_block_hash_to_block.insert
+        block_hashes = request.block_hashes
         for index in range(num_cached_blocks, num_full_blocks):
             block = blocks[index]
             if block.is_null:
                 self._emit_stored(request, run, run_start, block_size, kv_cache_group_id)
                 run, run_start = [], index + 1
                 continue
-            block_hash = request.block_hashes[index]
-            key = make_block_hash_with_group_id(block_hash, kv_cache_group_id)
+            block_hash = block_hashes[index]
+            key = block_hash + group_id_suffix
             assert block.block_hash is None, f"block {block.block_id} is cached already"
             block.block_hash = key
-            self.cached_block_hash_to_block.insert(key, block)
+            insert(key, block)
             run.append(block_hash)
         self._emit_stored(request, run, run_start, block_size, kv_cache_group_id)
 
@@ -135,24 +138,18 @@ class BlockPool:
                 f"cannot allocate {num_blocks} blocks: only {self.get_num_free_blocks()} free"
             )
         blocks = self.free_block_queue.popleft_n(num_blocks)
+        cached_block_hash_to_block = self.cached_block_hash_to_block
         for block in blocks:
-            assert block.ref_cnt == 0
-            if self.enable_caching:
-                self._maybe_evict_cached_block(block)
+            key = block.block_hash
+            if key is not None:
+                removed = cached_block_hash_to_block.pop(key, block.block_id)
+                assert removed is block
+                block.block_hash = None
+                self.num_evicted_blocks += 1
+                if self.enable_kv_cache_events:
+                    self.kv_event_queue.append(BlockRemoved([get_block_hash(key)], get_group_id(key)))
             block.ref_cnt = 1
         return blocks
-
-    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
-        key = block.block_hash
-        if key is None:
-            return False
-        removed = self.cached_block_hash_to_block.pop(key, block.block_id)
-        assert removed is block
-        block.block_hash = None
-        self.num_evicted_blocks += 1
-        if self.enable_kv_cache_events:
-            self.kv_event_queue.append(BlockRemoved([get_block_hash(key)], get_group_id(key)))
-        return True
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-hit blocks; a free one leaves the free queue."""

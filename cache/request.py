@@ -54,5 +54,7 @@ class LedgerRequest:
         return len(self.all_token_ids)
 
     def append_token(self, token_id: int) -> None:
+        """Append one token; hash a block only when this token completes it."""
         self.all_token_ids.append(token_id)
-        self.block_hashes.extend(self.hasher.new_block_hashes(self))
+        if len(self.all_token_ids) >= (len(self.block_hashes) + 1) * self.hasher.block_size:
+            self.block_hashes.extend(self.hasher.new_block_hashes(self))

@@ -11,11 +11,12 @@ def request(request_id, tokens, **kwargs):
 
 
 def admit(manager, req, **kwargs):
-    """What a scheduler does on admission: look up, then allocate the rest."""
+    """What a scheduler does on admission: look up, allocate the rest, count the lookup."""
     hit, num_hit_tokens = manager.get_computed_blocks(req)
     blocks = manager.allocate_slots(req, req.num_tokens - num_hit_tokens, num_hit_tokens, hit, **kwargs)
     if blocks is not None:
         req.num_computed_tokens = req.num_tokens
+        manager.record_prefix_cache_stats(req, num_hit_tokens)
     return hit, num_hit_tokens, blocks
 
 
