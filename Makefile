@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench bench-vllm-env clean
 
 setup: $(VENV)/.installed
 
@@ -31,5 +31,22 @@ test: setup
 bench: setup
 	for b in bench/bench_*.py; do $(PY) $$b || exit 1; done
 
+# vLLM 0.33.0's KV ledger for bench/bench_cache.py's side-by-side run, in its own folder
+# (never the project's venv): the wheel without its dependencies, plus exactly the
+# packages that importing vllm.v1.core.kv_cache_manager, vllm.v1.request and
+# vllm.sampling_params needs, pinned. The project's CPU torch serves vLLM too.
+VLLM_BENCH_ENV ?= build/vllm-bench-env
+VLLM_BENCH_PACKAGES := vllm==0.33.0 psutil==7.2.2 pyzmq==27.3.0 msgspec==0.23.0 cbor2==6.3.0 \
+	openai-harmony==0.0.8 pillow==13.0.0 pybase64==1.5.1 cachetools==8.0.2 cloudpickle==3.1.3 \
+	py-cpuinfo==9.0.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.11 partial-json-parser==0.2.1.1.post7 \
+	llguidance==1.7.6
+
+bench-vllm-env: $(VLLM_BENCH_ENV)/.installed
+
+$(VLLM_BENCH_ENV)/.installed: | setup
+	$(PY) -m pip install -q --no-deps --target $(VLLM_BENCH_ENV) $(VLLM_BENCH_PACKAGES)
+	PYTHONPATH=$(VLLM_BENCH_ENV) $(PY) -c "import vllm.v1.core.kv_cache_manager, vllm.v1.request, vllm.sampling_params"
+	touch $@
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_BENCH_ENV) *.egg-info .pytest_cache .hypothesis

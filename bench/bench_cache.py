@@ -1,102 +1,118 @@
-"""pdserve.cache benchmark: the ledger under a synthetic serving trace, and block hashing.
+"""pdserve.cache benchmark: the ledger against vLLM 0.33.0's, side by side, and block hashing.
 
-1. A seeded trace: requests share a few system prompts, prefill in chunks, decode a
-   few steps, finish (or are preempted when the pool runs out). Reports allocate_slots
-   calls/s, the prefix hit rate and the peak pool usage.
+1. One seeded serving trace (`ledger_trace.py`: 2,000 requests over 8 shared system
+   prompts, chunked prefill at 2,048 tokens per step, a pool of 8,192 blocks of 16,
+   preemptions when it runs out) replayed against pdserve's `KVCacheManager` and, when
+   installed, vLLM 0.33.0's own (`vllm_ledger.py`), with the same scheduler calls, in
+   this process, interleaved. Prints both times, the ratio, and each side's digest of
+   every admit (with its hit length), preempt and finish decision: equal digests mean
+   identical decisions. `--profile` adds a cProfile summary of pdserve's replay.
 2. Hashing a 32k-token prompt into 2,048 chained block hashes: `BlockHasher` from an
    int32 array and from a list, beside a raw xxh3 loop and vLLM's default
    (sha256 over pickle of (parent, tuple(tokens), extra)) measured in the same run.
 
-Run: python bench/bench_cache.py   (about 10 s)
+vLLM side: `make bench-vllm-env` once (installs vllm 0.33.0 --no-deps and its pinned
+import-time packages into build/vllm-bench-env, never into the project's venv). Without
+it the bench prints pdserve's figures and says vLLM is not installed.
+
+Run: python bench/bench_cache.py [--repeat 3] [--requests 2000] [--profile]   (about 1 min)
 """
 
 from __future__ import annotations
 
+import argparse
+import cProfile
+import gc
 import hashlib
+import io
 import pickle
-import random
+import pstats
 import statistics
 import time
-from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import xxhash
+from ledger_trace import LedgerDriver, ReplayResult, TraceRequest, TraceShape, make_trace, replay
+from vllm_ledger import load_vllm
 
 from pdserve.cache import (
-    LedgerRequest,
     BlockHasher,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheManager,
+    LedgerRequest,
     RequestBlockHasher,
 )
 
 BLOCK_SIZE = 16
 
 
-@dataclass(slots=True)
-class TraceRequest(LedgerRequest):
-    """A ledger request that stops after ``max_new_tokens`` decode steps."""
+class PdserveDriver:
+    """pdserve's `KVCacheManager` over one full-attention group, `LedgerRequest`s."""
 
-    max_new_tokens: int = 0
+    name = "pdserve"
+
+    def __init__(self, shape: TraceShape) -> None:
+        spec = FullAttentionSpec(shape.block_size, 8, 128, "bfloat16")
+        config = KVCacheConfig(shape.num_blocks, [KVCacheGroupSpec(["layers.0"], spec)])
+        self.manager = KVCacheManager(config, shape.max_model_len)
+        self._hasher = RequestBlockHasher(BlockHasher(seed=0), shape.block_size)
+
+    def new_request(self, trace_request: TraceRequest) -> LedgerRequest:
+        return LedgerRequest(trace_request.request_id, trace_request.prompt_token_ids, self._hasher)
+
+    append_token = staticmethod(LedgerRequest.append_token)
+
+    def get_computed_blocks(self, request: LedgerRequest) -> tuple[Any, int]:
+        return self.manager.get_computed_blocks(request)
 
 
-def run_trace(num_requests: int = 3000, num_blocks: int = 512, chunk: int = 256, max_running: int = 48):
-    rng = random.Random(0)
-    hasher = RequestBlockHasher(BlockHasher(seed=0), BLOCK_SIZE)
-    spec = FullAttentionSpec(BLOCK_SIZE, 8, 128, "bfloat16")
-    manager = KVCacheManager(KVCacheConfig(num_blocks, [KVCacheGroupSpec(["l0"], spec)]), 8192)
-    system_prompts = [[rng.randrange(32000) for _ in range(rng.choice([256, 512, 1024]))] for _ in range(8)]
-    waiting = [
-        TraceRequest(
-            f"r{i}",
-            rng.choice(system_prompts) + [rng.randrange(32000) for _ in range(rng.randint(16, 512))],
-            hasher,
-            max_new_tokens=rng.randint(4, 64),
-        )
-        for i in range(num_requests)
-    ]
-    waiting.reverse()
-    running: list[TraceRequest] = []
-    calls = preemptions = 0
-    peak_usage = 0.0
-    elapsed = 0.0
-    while waiting or running:
-        start = time.perf_counter()
-        while waiting and len(running) < max_running:
-            req = waiting[-1]
-            hit, num_hit = manager.get_computed_blocks(req)
-            num_new = min(chunk, req.num_tokens - num_hit)
-            calls += 1
-            if manager.allocate_slots(req, num_new, num_hit, hit) is None:
-                break
-            req.num_computed_tokens = num_hit + num_new
-            running.append(waiting.pop())
-        for req in list(running):
-            if req.num_computed_tokens == req.num_tokens:
-                if req.max_new_tokens == 0:
-                    manager.free(req)
-                    running.remove(req)
-                    continue
-                req.append_token(rng.randrange(32000))
-                req.max_new_tokens -= 1
-            num_new = min(chunk, req.num_tokens - req.num_computed_tokens)
-            calls += 1
-            if manager.allocate_slots(req, num_new) is None:
-                manager.free(req)
-                req.num_computed_tokens = 0
-                req.num_preemptions += 1
-                preemptions += 1
-                running.remove(req)
-                waiting.append(req)
-                continue
-            req.num_computed_tokens += num_new
-        elapsed += time.perf_counter() - start
-        peak_usage = max(peak_usage, manager.usage)
-    stats = manager.make_prefix_cache_stats()
-    assert stats is not None and manager.get_num_free_blocks() == num_blocks - 1
-    return calls, elapsed, stats, peak_usage, preemptions
+def timed_replay(driver_class: type, trace: list[TraceRequest], shape: TraceShape) -> ReplayResult:
+    driver: LedgerDriver = driver_class(shape)
+    gc.collect()
+    return replay(driver, trace, shape)
+
+
+def side_by_side(shape: TraceShape, repeat: int) -> None:
+    trace = make_trace(shape)
+    vllm_driver, vllm_note = load_vllm()
+    drivers: list[type] = [PdserveDriver] + ([vllm_driver] if vllm_driver is not None else [])
+    results: dict[str, list[ReplayResult]] = {driver.name: [] for driver in drivers}
+    for _ in range(repeat):  # interleaved, so a noisy neighbour hits both sides alike
+        for driver in drivers:
+            results[driver.name].append(timed_replay(driver, trace, shape))
+    print(f"ledger trace: {shape.num_requests:,} requests, {shape.num_system_prompts} shared system prompts, "
+          f"{shape.num_blocks:,} blocks of {shape.block_size}, {shape.max_num_batched_tokens:,} tokens/step, "
+          f"best of {repeat} interleaved runs")
+    for name, runs in results.items():
+        run = runs[0]
+        best = min(r.seconds for r in runs)
+        print(f"  {name:14s} {best:6.3f} s best, {statistics.median(r.seconds for r in runs):6.3f} s median   "
+              f"{run.num_allocate_calls:,} allocate_slots calls, {run.num_admissions:,} admissions, "
+              f"{run.num_preemptions} preemptions, hit rate {run.hit_rate:.4f}, digest {run.digest}")
+    if vllm_driver is None:
+        print(f"  (no side-by-side: {vllm_note})")
+        return
+    ours, theirs = results[PdserveDriver.name], results[vllm_driver.name]
+    ratio = min(r.seconds for r in theirs) / min(r.seconds for r in ours)
+    same = {r.digest for r in ours} == {r.digest for r in theirs} and len({r.digest for r in ours}) == 1
+    print(f"  pdserve runs in {1 / ratio:.2f}x of {vllm_note}'s time: {ratio:.2f}x faster; "
+          f"decisions {'IDENTICAL (digests equal)' if same else 'DIFFER (digests differ)'}")
+
+
+def profile_pdserve(shape: TraceShape, top: int = 15) -> None:
+    trace = make_trace(shape)
+    driver = PdserveDriver(shape)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    replay(driver, trace, shape)
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    print(f"profile of pdserve's replay (top {top} by own time)")
+    print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:6000])
 
 
 def best_ms(fn, repeat: int = 30) -> float:
@@ -145,13 +161,19 @@ def hashing_figures(num_tokens: int = 32768):
 
 
 def main() -> None:
-    calls, elapsed, stats, peak_usage, preemptions = run_trace()
-    print("ledger trace (3,000 requests, 8 shared system prompts, 511 usable blocks of 16, chunk 256)")
-    print(f"  allocate_slots calls  {calls:,} in {elapsed:.2f} s (ledger + decode-token hashing) "
-          f"= {calls / elapsed:,.0f} calls/s")
-    print(f"  prefix hit rate       {stats.hit_rate:.1%} ({stats.hits:,} of {stats.queries:,} tokens; "
-          f"preempted re-admissions {stats.preempted_hits:,} of {stats.preempted_queries:,})")
-    print(f"  peak usage            {peak_usage:.1%}; preemptions {preemptions}; evicted blocks {stats.evicted_blocks:,}")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3, help="interleaved runs per ledger")
+    parser.add_argument("--requests", type=int, default=TraceShape().num_requests)
+    parser.add_argument("--profile", action="store_true", help="also profile pdserve's replay")
+    parser.add_argument("--skip-hashing", action="store_true")
+    args = parser.parse_args()
+    shape = TraceShape(num_requests=args.requests)
+    side_by_side(shape, args.repeat)
+    if args.profile:
+        print()
+        profile_pdserve(shape)
+    if args.skip_hashing:
+        return
     print()
     figures = hashing_figures()
     base = figures["raw xxh3_128 loop (no extras)"][0]

@@ -26,6 +26,7 @@ from pdserve.cache.hashing import BlockHash
 from pdserve.cache.kv_cache_block import (
     KVCacheBlock,
     get_block_hash,
+    get_group_id,
     make_block_hash_with_group_id,
 )
 from pdserve.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -90,22 +91,30 @@ class BlockPool:
             )
         run: list[BlockHash] = []
         run_start = num_cached_blocks
+        group_id_suffix = make_block_hash_with_group_id(b"", kv_cache_group_id)
+        insert = self.cached_block_hash_to_block.insert
+        block_hashes = request.block_hashes
         for index in range(num_cached_blocks, num_full_blocks):
             block = blocks[index]
             if block.is_null:
-                self._emit_stored(request, run, run_start, block_size)
+                self._emit_stored(request, run, run_start, block_size, kv_cache_group_id)
                 run, run_start = [], index + 1
                 continue
-            block_hash = request.block_hashes[index]
-            key = make_block_hash_with_group_id(block_hash, kv_cache_group_id)
+            block_hash = block_hashes[index]
+            key = block_hash + group_id_suffix
             assert block.block_hash is None, f"block {block.block_id} is cached already"
             block.block_hash = key
-            self.cached_block_hash_to_block.insert(key, block)
+            insert(key, block)
             run.append(block_hash)
-        self._emit_stored(request, run, run_start, block_size)
+        self._emit_stored(request, run, run_start, block_size, kv_cache_group_id)
 
     def _emit_stored(
-        self, request: CacheRequest, block_hashes: list[BlockHash], start: int, block_size: int
+        self,
+        request: CacheRequest,
+        block_hashes: list[BlockHash],
+        start: int,
+        block_size: int,
+        kv_cache_group_id: int,
     ) -> None:
         if not self.enable_kv_cache_events or not block_hashes:
             return
@@ -113,7 +122,10 @@ class BlockPool:
         end = start + len(block_hashes)
         token_ids = [int(t) for t in request.all_token_ids[start * block_size : end * block_size]]
         self.kv_event_queue.append(
-            BlockStored(block_hashes, parent, token_ids, block_size, request.lora_id)
+            BlockStored(
+                block_hashes, parent, token_ids, block_size, request.lora_id,
+                group_idx=kv_cache_group_id,
+            )
         )
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -126,24 +138,18 @@ class BlockPool:
                 f"cannot allocate {num_blocks} blocks: only {self.get_num_free_blocks()} free"
             )
         blocks = self.free_block_queue.popleft_n(num_blocks)
+        cached_block_hash_to_block = self.cached_block_hash_to_block
         for block in blocks:
-            assert block.ref_cnt == 0
-            if self.enable_caching:
-                self._maybe_evict_cached_block(block)
+            key = block.block_hash
+            if key is not None:
+                removed = cached_block_hash_to_block.pop(key, block.block_id)
+                assert removed is block
+                block.block_hash = None
+                self.num_evicted_blocks += 1
+                if self.enable_kv_cache_events:
+                    self.kv_event_queue.append(BlockRemoved([get_block_hash(key)], get_group_id(key)))
             block.ref_cnt = 1
         return blocks
-
-    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
-        key = block.block_hash
-        if key is None:
-            return False
-        removed = self.cached_block_hash_to_block.pop(key, block.block_id)
-        assert removed is block
-        block.block_hash = None
-        self.num_evicted_blocks += 1
-        if self.enable_kv_cache_events:
-            self.kv_event_queue.append(BlockRemoved([get_block_hash(key)]))
-        return True
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-hit blocks; a free one leaves the free queue."""
@@ -155,18 +161,33 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference per block; blocks reaching 0 join the free queue in order.
+        """Drop one reference per block; blocks reaching 0 join the free queue.
 
-        Callers pass a request's blocks tail first, so a chain's last blocks (the least
-        likely to be shared) are evicted before its first ones.
+        Callers pass a request's blocks tail first. A block that reaches 0 without a
+        hash (a partial tail block, or any block with caching off) can never be hit:
+        it goes to the head of the queue, in order, to be reused first. A cached one
+        goes to the tail (LRU), so a chain's last blocks, the least likely to be
+        shared, are evicted before its first ones:
+
+        ```
+        free [u9, c4, c3] (u9 unhashed)      head: u9 ... older free ... c4 c3 :tail
+        ```
         """
+        evict_first: list[KVCacheBlock] = []
+        evict_last: list[KVCacheBlock] = []
+        caching = self.enable_caching
         for block in ordered_blocks:
             if block.is_null:
                 continue
             assert block.ref_cnt > 0, f"block {block.block_id} freed more often than taken"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_block_queue.append(block)
+                if caching and block.block_hash is not None:
+                    evict_last.append(block)
+                else:
+                    evict_first.append(block)
+        self.free_block_queue.prepend_n(evict_first)
+        self.free_block_queue.append_n(evict_last)
 
     def evict_blocks(
         self, block_hashes: Iterable[BlockHash], kv_cache_group_ids: Sequence[int] = (0,)
@@ -176,7 +197,7 @@ class BlockPool:
         Referenced blocks keep their hash (a running request still uses them). The
         evicted blocks stay free. Returns how many blocks were evicted.
         """
-        removed: list[BlockHash] = []
+        removed: dict[int, list[BlockHash]] = {group_id: [] for group_id in kv_cache_group_ids}
         for block_hash in block_hashes:
             for group_id in kv_cache_group_ids:
                 key = make_block_hash_with_group_id(block_hash, group_id)
@@ -184,11 +205,14 @@ class BlockPool:
                     if block.ref_cnt == 0:
                         self.cached_block_hash_to_block.pop(key, block.block_id)
                         block.block_hash = None
-                        removed.append(block_hash)
-        self.num_evicted_blocks += len(removed)
-        if self.enable_kv_cache_events and removed:
-            self.kv_event_queue.append(BlockRemoved(removed))
-        return len(removed)
+                        removed[group_id].append(block_hash)
+        num_removed = sum(len(hashes) for hashes in removed.values())
+        self.num_evicted_blocks += num_removed
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.extend(
+                BlockRemoved(hashes, group_id) for group_id, hashes in removed.items() if hashes
+            )
+        return num_removed
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is referenced."""

@@ -1,19 +1,20 @@
 """The free blocks in eviction order: an intrusive doubly-linked list.
 
 ```
-fake_head <-> b7 <-> b3 <-> b9 <-> ... <-> b2 <-> fake_tail
- (popleft takes here: least recently freed)    (append puts here: just freed)
+fake_head <-> u5 <-> u4 <-> b7 <-> b3 <-> ... <-> b2 <-> fake_tail
+ ▲ prepend_n puts unhashed blocks here            ▲ append_n puts cached blocks here
+ popleft takes here: reused first                   (evicted last: LRU)
 ```
 
 Freed blocks keep their hash, so the queue *is* the prefix cache: a cached block is
 reused on a hit (`remove`, O(1) from the middle) or evicted when it reaches the head.
+A freed block without a hash can never be hit, so the pool puts it at the head
+(`prepend_n`) to be reused before any cached block is evicted.
 The links live in the blocks themselves and the sentinels remove every edge case, so
 no operation allocates or branches on emptiness of a neighbour.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 from pdserve.cache.kv_cache_block import KVCacheBlock
 
@@ -73,10 +74,34 @@ class FreeKVCacheBlockQueue:
         self.fake_free_list_tail.prev_free_block = block
         self.num_free_blocks += 1
 
-    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Append blocks in order: the first is evicted first."""
+    def append_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Append blocks in order at the tail: the first is evicted first."""
+        if not blocks:
+            return
+        last = self.fake_free_list_tail.prev_free_block
+        assert last is not None
         for block in blocks:
-            self.append(block)
+            block.prev_free_block = last
+            last.next_free_block = block
+            last = block
+        last.next_free_block = self.fake_free_list_tail
+        self.fake_free_list_tail.prev_free_block = last
+        self.num_free_blocks += len(blocks)
+
+    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Put blocks in order at the head: the first is handed out first."""
+        if not blocks:
+            return
+        first = self.fake_free_list_head.next_free_block
+        assert first is not None
+        previous = self.fake_free_list_head
+        for block in blocks:
+            block.prev_free_block = previous
+            previous.next_free_block = block
+            previous = block
+        previous.next_free_block = first
+        first.prev_free_block = previous
+        self.num_free_blocks += len(blocks)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """The free blocks head to tail (O(n): for tests and debugging)."""

@@ -104,7 +104,18 @@ def none_hash(seed: int | str = 0, algorithm: HashAlgorithm = "xxh3_128") -> Blo
     return _digest_for(algorithm)(b"pdserve-none-hash" + _encode_seed(seed))
 
 
+_SHORT_LIST_TOKENS = 64
+
+
 def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as int32 little-endian bytes.
+
+    A short list (a decode step completing one block) is packed by `struct`, several
+    times cheaper than building a numpy array for 16 ints; anything longer goes
+    through numpy.
+    """
+    if isinstance(token_ids, list) and len(token_ids) <= _SHORT_LIST_TOKENS:
+        return struct.pack(f"<{len(token_ids)}i", *token_ids)
     return np.asarray(token_ids, dtype=_TOKEN_DTYPE).tobytes()
 
 
@@ -165,9 +176,7 @@ class BlockHasher:
         tokens = memoryview(_token_bytes(token_ids[start_token : end * block_size]))
         step = 4 * block_size
         tail = _U32.pack(block_size)
-        # cache_salt goes into the first block only: that alone changes every later hash.
-        block0_suffix = ExtraKeys(lora_id, cache_salt).encode() + tail
-        suffix = ExtraKeys(lora_id).encode() + tail
+        suffix = ExtraKeys(lora_id).encode() + tail if lora_id is not None else tail
         parent = block_hashes[-1] if first else self.none_hash
         digest = self._digest
         new_hashes: list[BlockHash] = []
@@ -186,6 +195,8 @@ class BlockHasher:
             return new_hashes
         rest = 0
         if first == 0:
+            # cache_salt goes into the first block only: that alone changes every later hash.
+            block0_suffix = ExtraKeys(lora_id, cache_salt).encode() + tail
             parent = digest(parent + tokens[0:step] + block0_suffix)
             append(parent)
             rest = step

@@ -18,6 +18,11 @@ def get_block_hash(key: BlockHashWithGroupId) -> bytes:
     return key[:-4]
 
 
+def get_group_id(key: BlockHashWithGroupId) -> int:
+    """The KV cache group id inside a hash-index key."""
+    return int.from_bytes(key[-4:], "big")
+
+
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
     """A block id, how many requests hold it, and the hash it is cached under.

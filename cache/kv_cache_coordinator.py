@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pdserve.cache.block_pool import BlockPool
 from pdserve.cache.hashing import BlockHash
 from pdserve.cache.kv_cache_block import KVCacheBlock
-from pdserve.cache.kv_cache_spec import KVCacheConfig
+from pdserve.cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig
 from pdserve.cache.request import CacheRequest
 from pdserve.cache.single_type_kv_cache_manager import (
     SingleTypeKVCacheManager,
@@ -41,14 +41,45 @@ class KVCacheCoordinator:
             for group_id, group in enumerate(kv_cache_config.kv_cache_groups)
         )
         self.kv_cache_group_ids = tuple(range(len(self.single_type_managers)))
+        # Full-attention groups share one block size and never drop blocks, so every
+        # group holds as many blocks (and caches as many) as the first one.
+        self._all_full_attention = all(
+            type(group.kv_cache_spec) is FullAttentionSpec for group in kv_cache_config.kv_cache_groups
+        )
+        first = self.single_type_managers[0]
+        self._first_req_to_blocks = first.req_to_blocks
+        self._first_num_cached_block = first.num_cached_block
 
     def is_running(self, request_id: str) -> bool:
         return self.single_type_managers[0].is_running(request_id)
+
+    def has_room(self, request: CacheRequest, num_new_tokens: int, enable_caching: bool) -> bool:
+        """Whether a running request's next `num_new_tokens` fit its blocks and fill none.
+
+        True only for full-attention groups (a sliding window may free blocks at any
+        step): then the step needs no allocation and no caching, in any group. Most
+        decode steps are such steps (15 of every 16 at block size 16).
+        """
+        if not self._all_full_attention:
+            return False
+        blocks = self._first_req_to_blocks.get(request.request_id)
+        if blocks is None:
+            return False
+        end = request.num_computed_tokens + num_new_tokens
+        if end > len(blocks) * self.block_size:
+            return False
+        if not enable_caching:
+            return True
+        num_full_blocks = min(end, request.num_tokens) // self.block_size
+        return num_full_blocks <= self._first_num_cached_block.get(request.request_id, 0)
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_length: int
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """Per-group hit blocks and the hit length in tokens, usable by every group."""
+        if len(self.single_type_managers) == 1:
+            blocks = self.single_type_managers[0].find_longest_cache_hit(block_hashes, max_length)
+            return (blocks,), len(blocks) * self.block_size
         candidate = max_length
         while True:
             hits = tuple(

@@ -8,7 +8,7 @@ from pdserve.cache.hashing import BlockHash
 from pdserve.cache.kv_cache_blocks import KVCacheBlocks
 from pdserve.cache.kv_cache_coordinator import KVCacheCoordinator
 from pdserve.cache.kv_cache_spec import KVCacheConfig
-from pdserve.cache.kv_events import KVCacheEvent
+from pdserve.cache.kv_events import BlockStored, KVCacheEvent
 from pdserve.cache.request import CacheRequest
 from pdserve.cache.stats import PrefixCacheStats
 
@@ -38,7 +38,12 @@ class KVCacheManager:
         self.block_pool = self.coordinator.block_pool
         self.block_size = kv_cache_config.block_size
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
+        self.kv_cache_event_metadata = tuple(
+            group.kv_cache_spec.event_metadata() for group in kv_cache_config.kv_cache_groups
+        )
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        # One shared, immutable "no blocks" answer: most steps allocate nothing.
+        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
         self._num_evicted_blocks_reported = 0
 
     @property
@@ -55,29 +60,37 @@ class KVCacheManager:
         self._num_evicted_blocks_reported = self.block_pool.num_evicted_blocks
         return stats
 
-    def empty_kv_cache_blocks(self) -> KVCacheBlocks:
-        return KVCacheBlocks(tuple([] for _ in range(self.num_kv_cache_groups)))
-
     def get_computed_blocks(self, request: CacheRequest) -> tuple[KVCacheBlocks, int]:
         """The request's longest cached prefix: its blocks and its length in tokens.
 
         The hit stops at `num_tokens - 1`: the last prompt token is always computed
         again, since its logits give the next token. Nothing is taken yet; pass the
-        blocks to `allocate_slots` right away.
+        blocks to `allocate_slots` right away. Nothing is counted either: the scheduler
+        calls `record_prefix_cache_stats` once the admission succeeded, so a request
+        that waits for room and looks its prefix up again is one query, not several.
         """
         if not self.enable_caching:
-            return self.empty_kv_cache_blocks(), 0
-        max_cache_hit_length = request.num_tokens - 1
+            return self.empty_kv_cache_blocks, 0
         blocks, num_new_computed_tokens = self.coordinator.find_longest_cache_hit(
-            request.block_hashes, max_cache_hit_length
+            request.block_hashes, request.num_tokens - 1
         )
-        if self.prefix_cache_stats is not None:
-            self.prefix_cache_stats.record(
-                num_tokens=request.num_tokens,
-                num_hits=num_new_computed_tokens,
-                preempted=request.num_preemptions > 0,
-            )
+        if not num_new_computed_tokens:
+            return self.empty_kv_cache_blocks, 0
         return KVCacheBlocks(blocks), num_new_computed_tokens
+
+    def record_prefix_cache_stats(self, request: CacheRequest, num_hits: int) -> None:
+        """Count one admitted request's lookup: `num_hits` of its `num_tokens` hit.
+
+        Preempted requests (re-admissions) are counted apart. A no-op when prefix
+        caching or `log_stats` is off.
+        """
+        if self.prefix_cache_stats is None or not self.enable_caching:
+            return
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens,
+            num_hits=num_hits,
+            preempted=request.num_preemptions > 0,
+        )
 
     def allocate_slots(
         self,
@@ -126,11 +139,20 @@ class KVCacheManager:
         On None nothing was taken; only blocks a sliding window no longer reads may
         have been released (they would be at the next step anyway).
         """
+        if (
+            new_computed_blocks is None
+            and num_new_tokens > 0
+            and not (num_new_computed_tokens or num_lookahead_tokens or num_external_computed_tokens)
+            and self.coordinator.has_room(request, num_new_tokens, self.enable_caching)
+        ):
+            # A running request's step that its last block still holds, and that
+            # completes no block: nothing to allocate, nothing to cache.
+            return self.empty_kv_cache_blocks
         self._check_allocate_args(
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
             num_lookahead_tokens, num_external_computed_tokens,
         )
-        new_computed = (new_computed_blocks or self.empty_kv_cache_blocks()).blocks
+        new_computed = (new_computed_blocks or self.empty_kv_cache_blocks).blocks
         self.coordinator.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
 
         num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
@@ -146,11 +168,14 @@ class KVCacheManager:
         if num_blocks_to_allocate > self.block_pool.get_num_free_blocks():
             return None
 
-        self.coordinator.save_new_computed_blocks(request.request_id, new_computed)
+        if new_computed_blocks is not None:
+            self.coordinator.save_new_computed_blocks(request.request_id, new_computed)
         new_blocks = self.coordinator.allocate_new_blocks(request.request_id, num_tokens_need_slot)
         if self.enable_caching and not delay_cache_blocks:
             num_tokens_to_cache = min(total_computed_tokens + num_new_tokens, request.num_tokens)
             self.coordinator.cache_blocks(request, num_tokens_to_cache)
+        if not any(new_blocks):
+            return self.empty_kv_cache_blocks
         return KVCacheBlocks(new_blocks)
 
     def _check_allocate_args(
@@ -162,15 +187,15 @@ class KVCacheManager:
         num_lookahead_tokens: int,
         num_external_computed_tokens: int,
     ) -> None:
-        counts = {
-            "num_new_tokens": num_new_tokens,
-            "num_new_computed_tokens": num_new_computed_tokens,
-            "num_lookahead_tokens": num_lookahead_tokens,
-            "num_external_computed_tokens": num_external_computed_tokens,
-        }
-        for name, value in counts.items():
-            if value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
+        if min(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens) < 0:
+            counts = {
+                "num_new_tokens": num_new_tokens,
+                "num_new_computed_tokens": num_new_computed_tokens,
+                "num_lookahead_tokens": num_lookahead_tokens,
+                "num_external_computed_tokens": num_external_computed_tokens,
+            }
+            name, value = min(counts.items(), key=lambda item: item[1])
+            raise ValueError(f"{name} must be >= 0, got {value}")
         if num_new_tokens == 0 and num_external_computed_tokens == 0:
             raise ValueError(
                 "num_new_tokens must be greater than 0 when there are no external computed tokens"
@@ -215,7 +240,18 @@ class KVCacheManager:
         return self.block_pool.get_num_free_blocks()
 
     def take_events(self) -> list[KVCacheEvent]:
-        return self.block_pool.take_events()
+        """The KV events since the last call, oldest first.
+
+        The pool knows only group ids; each `BlockStored` gets its group's spec kind
+        and sliding window here, as vLLM annotates them.
+        """
+        events = self.block_pool.take_events()
+        for event in events:
+            if isinstance(event, BlockStored) and event.group_idx is not None:
+                kind, window = self.kv_cache_event_metadata[event.group_idx]
+                event.kv_cache_spec_kind = kind
+                event.kv_cache_spec_sliding_window = window
+        return events
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         """The request's blocks per group (empty when it holds none)."""

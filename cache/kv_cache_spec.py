@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 _DTYPE_ITEMSIZE: dict[str, int] = {
     "float32": 4,
@@ -38,6 +39,9 @@ def _check_positive(name: str, value: int) -> None:
 @dataclass(frozen=True, slots=True)
 class KVCacheSpec:
     """The shape of one layer's page: K and V for `block_size` tokens."""
+
+    kind: ClassVar[str] = "full_attention"
+    """The attention type's name in KV events (vLLM's `KVCacheSpecKind` values)."""
 
     block_size: int
     num_kv_heads: int
@@ -62,6 +66,10 @@ class KVCacheSpec:
         """Bytes of one block in one layer: 2 (K, V) * block_size * heads * head_size * itemsize."""
         return 2 * self.block_size * self.num_kv_heads * self.head_size * self.itemsize
 
+    def event_metadata(self) -> tuple[str, int | None]:
+        """(kind, sliding window in tokens or None), what a `BlockStored` carries."""
+        return self.kind, None
+
 
 @dataclass(frozen=True, slots=True)
 class FullAttentionSpec(KVCacheSpec):
@@ -76,11 +84,16 @@ class SlidingWindowSpec(KVCacheSpec):
     to the pool (they stay cached by hash for other requests).
     """
 
+    kind: ClassVar[str] = "sliding_window"
+
     sliding_window: int
 
     def __post_init__(self) -> None:
         KVCacheSpec.__post_init__(self)
         _check_positive("sliding_window", self.sliding_window)
+
+    def event_metadata(self) -> tuple[str, int | None]:
+        return self.kind, self.sliding_window
 
 
 @dataclass(slots=True)

@@ -3,7 +3,21 @@
 The router's prefix index is built from these, so every change to the hash index emits
 one: a block cached (`BlockStored`), a cached block evicted (`BlockRemoved`), the whole
 cache dropped (`AllBlocksCleared`). Hashes are plain `BlockHash` values, the same the
-gateway computes; a hash cached by several KV cache groups is reported once per group.
+gateway computes.
+
+Each event names its KV cache group (`group_idx`, as vLLM's do): a hybrid model caches
+the same hash once per group, and a sliding-window group evicts blocks that fell out
+of its window while the full-attention group still holds the whole prefix:
+
+```
+group 0 full_attention       h0 h1 h2 h3 h4   stored
+group 1 sliding_window (32)  h0 h1 h2 h3 h4   stored
+                             h0 h1            removed (group 1 only): the prefix still hits
+```
+
+`BlockStored` also carries its group's spec kind and window, so a consumer learns how
+to read a group from the first event it sees. The new fields default to None, so
+consumers that know only hashes keep working.
 """
 
 from __future__ import annotations
@@ -15,20 +29,28 @@ from pdserve.cache.hashing import BlockHash
 
 @dataclass(slots=True)
 class BlockStored:
-    """Consecutive blocks of one request became cached; `token_ids` are their tokens."""
+    """Consecutive blocks of one request became cached; `token_ids` are their tokens.
+
+    `kv_cache_spec_kind` is `"full_attention"` or `"sliding_window"`;
+    `kv_cache_spec_sliding_window` is the window in tokens (None for full attention).
+    """
 
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 @dataclass(slots=True)
 class BlockRemoved:
-    """Cached blocks were evicted: their hashes no longer hit here."""
+    """Cached blocks of group `group_idx` were evicted: their hashes no longer hit there."""
 
     block_hashes: list[BlockHash] = field(default_factory=list)
+    group_idx: int | None = None
 
 
 @dataclass(slots=True)

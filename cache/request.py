@@ -32,8 +32,10 @@ class CacheRequest(Protocol):
 class LedgerRequest:
     """The smallest concrete ``CacheRequest``: tokens plus hashes kept current.
 
-    For code that drives the ledger without the engine (benchmarks, property tests); the
-    engine's ``Request`` carries the same fields and much more.
+    Part of the ledger's public API: the request type for code that drives the ledger
+    without the engine (simulators, capacity planning, benchmarks, the ledger's own
+    tests). The engine's ``Request`` carries the same fields and much more.
+    `append_token` hashes only when the new token completes a block.
     """
 
     request_id: str
@@ -54,5 +56,7 @@ class LedgerRequest:
         return len(self.all_token_ids)
 
     def append_token(self, token_id: int) -> None:
+        """Append one token; hash a block only when this token completes it."""
         self.all_token_ids.append(token_id)
-        self.block_hashes.extend(self.hasher.new_block_hashes(self))
+        if len(self.all_token_ids) >= (len(self.block_hashes) + 1) * self.hasher.block_size:
+            self.block_hashes.extend(self.hasher.new_block_hashes(self))

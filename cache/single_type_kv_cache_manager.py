@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from pdserve.cache.block_pool import BlockPool
 from pdserve.cache.hashing import BlockHash
-from pdserve.cache.kv_cache_block import KVCacheBlock
+from pdserve.cache.kv_cache_block import KVCacheBlock, make_block_hash_with_group_id
 from pdserve.cache.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from pdserve.cache.request import CacheRequest
 
@@ -24,8 +24,9 @@ def cdiv(a: int, b: int) -> int:
 class SingleTypeKVCacheManager(ABC):
     """The block lists of one KV cache group.
 
-    `num_cached_block[request_id]` counts the request's leading blocks already in the
-    prefix cache; its presence also marks a request as running (admitted before).
+    `req_to_blocks[request_id]` is the request's block list; its presence marks a
+    request as running (admitted before). `num_cached_block[request_id]` counts its
+    leading blocks already in the prefix cache.
     """
 
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int) -> None:
@@ -34,11 +35,12 @@ class SingleTypeKVCacheManager(ABC):
         self.block_pool = block_pool
         self.kv_cache_group_id = kv_cache_group_id
         self._group_ids = (kv_cache_group_id,)
+        self._group_id_suffix = make_block_hash_with_group_id(b"", kv_cache_group_id)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
 
     def is_running(self, request_id: str) -> bool:
-        return request_id in self.num_cached_block
+        return request_id in self.req_to_blocks
 
     def get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
@@ -114,9 +116,11 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     """Every block stays needed; a hit is the longest run of cached blocks from the start."""
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> list[KVCacheBlock]:
+        get_one_block = self.block_pool.cached_block_hash_to_block.get_one_block
+        suffix = self._group_id_suffix
         computed: list[KVCacheBlock] = []
         for block_hash in block_hashes[: max_length // self.block_size]:
-            block = self._cached(block_hash)
+            block = get_one_block(block_hash + suffix)
             if block is None:
                 break
             computed.append(block)

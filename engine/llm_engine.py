@@ -15,12 +15,15 @@ from pdserve.cache import (
     KVCacheEvent,
     KVCacheGroupSpec,
     KVCacheManager,
+    KVCacheSpec,
     RequestBlockHasher,
+    SlidingWindowSpec,
     num_blocks_for_memory,
 )
 from pdserve.engine.engine_stats import EngineStats
 from pdserve.engine.kv_connector_base import KVConnectorBase
 from pdserve.engine.loader import load_model
+from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner, configure_torch_threads
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.request_output import RequestOutput
@@ -41,6 +44,21 @@ class _Tracked:
     detokenizer: IncrementalDetokenizer
 
 
+def kv_cache_spec(model_config: ModelConfig, config: EngineConfig) -> KVCacheSpec:
+    """The ledger's spec for the model's layers: windowed layers get a sliding-window
+    group, whose blocks leave the request (null block 0 in their place) once no
+    token can attend to them; attention masks those positions anyway."""
+    shape = dict(
+        block_size=config.block_size,
+        num_kv_heads=model_config.num_kv_heads,
+        head_size=model_config.head_dim,
+        dtype=config.dtype,
+    )
+    if model_config.sliding_window is not None:
+        return SlidingWindowSpec(**shape, sliding_window=model_config.sliding_window)
+    return FullAttentionSpec(**shape)
+
+
 class LLMEngine:
     """One model, one ledger, one scheduler; optionally a KV connector.
 
@@ -59,14 +77,8 @@ class LLMEngine:
         self.model, self.model_config, self.tokenizer = load_model(
             config.model, dtype=config.dtype, device=config.device
         )
-        spec = FullAttentionSpec(
-            block_size=config.block_size,
-            num_kv_heads=self.model_config.num_kv_heads,
-            head_size=self.model_config.head_dim,
-            dtype=config.dtype,
-        )
         layer_names = [f"layers.{i}" for i in range(self.model_config.num_layers)]
-        groups = [KVCacheGroupSpec(layer_names, spec)]
+        groups = [KVCacheGroupSpec(layer_names, kv_cache_spec(self.model_config, config))]
         num_blocks = config.num_kv_blocks or num_blocks_for_memory(
             config.kv_cache_memory_bytes, groups
         )

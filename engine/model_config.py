@@ -81,8 +81,6 @@ class ModelConfig:
         architecture = architectures[0]
         num_heads = hf["num_attention_heads"]
         rope_theta, rope_scaling = _parse_rope(hf)
-        if hf.get("use_sliding_window"):
-            raise ValueError(f"{architecture} with use_sliding_window=true is not supported")
         attention_bias = hf.get("attention_bias", _DEFAULT_ATTENTION_BIAS.get(architecture, False))
         return cls(
             architecture=architecture,
@@ -102,7 +100,7 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             eos_token_ids=_as_id_list(hf.get("eos_token_id")),
             dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
-            sliding_window=hf.get("sliding_window") if architecture == "MistralForCausalLM" else None,
+            sliding_window=_parse_sliding_window(hf, architecture),
         )
 
     @classmethod
@@ -171,6 +169,35 @@ def _gguf_rope_scaling(metadata: dict[str, Any], key: Callable[[str], str]) -> d
     if key("rope.scaling.original_context_length") in metadata:
         scaling["original_max_position_embeddings"] = metadata[key("rope.scaling.original_context_length")]
     return scaling
+
+
+def _parse_sliding_window(hf: dict[str, Any], architecture: str) -> int | None:
+    """The window every layer attends within, or None for full attention.
+
+    Mistral windows every layer when `sliding_window` is set. Qwen2 windows only with
+    `use_sliding_window`, and then the layers from `max_window_layers` on; transformers 5
+    also writes the result as `layer_types`, which wins when present. A mix of full and
+    windowed layers would need one block table per layer group in the runner, which it
+    does not have: that is refused with a clear error rather than computed wrongly.
+    """
+    window = hf.get("sliding_window")
+    if architecture == "Qwen2ForCausalLM" and not hf.get("use_sliding_window"):
+        window = None
+    if architecture not in ("MistralForCausalLM", "Qwen2ForCausalLM") or window is None:
+        return None
+    num_layers = hf["num_hidden_layers"]
+    layer_types = hf.get("layer_types")
+    if layer_types is None and architecture == "Qwen2ForCausalLM":
+        first_windowed = hf.get("max_window_layers", num_layers)
+        layer_types = ["full_attention" if i < first_windowed else "sliding_attention" for i in range(num_layers)]
+    windowed = {kind == "sliding_attention" for kind in layer_types or ["sliding_attention"]}
+    if windowed == {True, False}:
+        raise ValueError(
+            f"{architecture} mixes full-attention and sliding-window layers ({layer_types}); "
+            "only models whose layers all share one window are supported (Qwen2: set "
+            "max_window_layers to 0, or use_sliding_window to false)"
+        )
+    return int(window) if windowed == {True} else None
 
 def _as_id_list(value: int | list[int] | None) -> list[int]:
     if value is None:

@@ -125,4 +125,6 @@ class Request:
         self._update_block_hashes()
 
     def _update_block_hashes(self) -> None:
-        self.block_hashes.extend(self._block_hasher.new_block_hashes(self))
+        """Hash the blocks that just filled; a token that completes none costs one check."""
+        if len(self.all_token_ids) >= (len(self.block_hashes) + 1) * self._block_hasher.block_size:
+            self.block_hashes.extend(self._block_hasher.new_block_hashes(self))

@@ -174,6 +174,7 @@ class Scheduler:
                 )
                 if blocks is None:
                     return None
+                manager.record_prefix_cache_stats(request, num_local)
                 request.num_computed_tokens = num_local
                 request.num_cached_tokens = num_local  # pulled tokens are not cache hits
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -193,6 +194,8 @@ class Scheduler:
         )
         if blocks is None:
             return None
+        if computed_blocks is not None:  # a lookup ran: count it once, now it is admitted
+            manager.record_prefix_cache_stats(request, num_local)
         request.num_computed_tokens += num_local
         request.num_cached_tokens = max(request.num_cached_tokens, num_local)
         request.status = RequestStatus.RUNNING

@@ -29,6 +29,8 @@ class LedgerMachine(RuleBasedStateMachine):
         self.running: dict[str, FakeRequest] = {}
         self.shadow: dict[int, list[int | None]] = {}  # block id -> tokens written into it
         self.hash_tokens: dict[bytes, tuple[int, ...]] = {}  # block hash -> its block's tokens
+        # Free blocks whose hash an explicit evict / reset dropped: they stay where they sat.
+        self.unhashed_in_place: set[int] = set()
         self.next_id = 0
 
     # helpers
@@ -68,6 +70,12 @@ class LedgerMachine(RuleBasedStateMachine):
         handed_out = {b for group in new.get_block_ids() for b in group}
         assert not handed_out & others, "a live request's block was handed out"
         return True
+
+    def _drop_hashes(self, drop) -> None:
+        """Run an explicit evict / reset, remembering free blocks it left unhashed in place."""
+        cached_free = {b.block_id for b in self.pool.blocks if b.ref_cnt == 0 and b.block_hash is not None}
+        drop()
+        self.unhashed_in_place |= {b for b in cached_free if self.pool.blocks[b].block_hash is None}
 
     def _preempt(self, req: FakeRequest) -> None:
         self.manager.free(req)
@@ -145,12 +153,14 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def evict(self, data):
         block_hash = data.draw(st.sampled_from(sorted(self.hash_tokens)))
-        self.manager.evict_blocks([block_hash])
+        self._drop_hashes(lambda: self.manager.evict_blocks([block_hash]))
 
     @rule()
     def reset(self):
         anything_held = any(any(t) for r in self.running.values() for t in self.manager.get_block_ids(r))
-        assert self.manager.reset_prefix_cache() == (not anything_held)
+        reset: list[bool] = []
+        self._drop_hashes(lambda: reset.append(self.manager.reset_prefix_cache()))
+        assert reset == [not anything_held]
 
     # invariants
 
@@ -167,6 +177,18 @@ class LedgerMachine(RuleBasedStateMachine):
             assert block.ref_cnt == held.get(block.block_id, 0), f"block {block.block_id} ref_cnt is off"
         null = self.pool.null_block
         assert null.ref_cnt == 0 and null.block_hash is None and null.prev_free_block is None
+
+    @invariant()
+    def unhashed_free_blocks_are_reused_before_any_cached_one(self):
+        """vLLM's free-queue policy: a freed block without a hash never waits behind a
+        cached free block (except one whose hash an explicit evict / reset dropped)."""
+        self.unhashed_in_place = {b for b in self.unhashed_in_place if self.pool.blocks[b].ref_cnt == 0}
+        seen_cached = False
+        for block in self.pool.free_block_queue.get_all_free_blocks():
+            if block.block_hash is not None:
+                seen_cached = True
+            elif seen_cached:
+                assert block.block_id in self.unhashed_in_place, f"unhashed block {block.block_id} waits behind a cached one"
 
     @invariant()
     def hash_index_points_at_blocks_holding_those_tokens(self):

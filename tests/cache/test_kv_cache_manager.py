@@ -11,11 +11,12 @@ def request(request_id, tokens, **kwargs):
 
 
 def admit(manager, req, **kwargs):
-    """What a scheduler does on admission: look up, then allocate the rest."""
+    """What a scheduler does on admission: look up, allocate the rest, count the lookup."""
     hit, num_hit_tokens = manager.get_computed_blocks(req)
     blocks = manager.allocate_slots(req, req.num_tokens - num_hit_tokens, num_hit_tokens, hit, **kwargs)
     if blocks is not None:
         req.num_computed_tokens = req.num_tokens
+        manager.record_prefix_cache_stats(req, num_hit_tokens)
     return hit, num_hit_tokens, blocks
 
 
@@ -82,7 +83,7 @@ def test_preempted_request_hits_its_own_blocks_and_is_counted_apart():
     assert (stats.requests, stats.preempted_requests, stats.preempted_queries, stats.preempted_hits) == (0, 1, 10, 8)
 
 
-def test_eviction_takes_least_recently_freed_first_and_chain_tails_first():
+def test_unhashed_blocks_are_reused_first_then_cached_ones_least_recently_freed_tail_first():
     manager = make_manager(num_blocks=7, enable_kv_cache_events=True)  # 6 usable
     a, b = request("a", list(range(9))), request("b", list(range(100, 109)))
     admit(manager, a)
@@ -90,14 +91,20 @@ def test_eviction_takes_least_recently_freed_first_and_chain_tails_first():
     a_ids, b_ids = manager.get_block_ids(a)[0], manager.get_block_ids(b)[0]
     manager.free(a)
     manager.free(b)
+    # The partial tails (no hash) go to the head, latest freed first; cached blocks to
+    # the tail in freeing order, each chain tail first.
     free_order = [blk.block_id for blk in manager.block_pool.free_block_queue.get_all_free_blocks()]
-    assert free_order == a_ids[::-1] + b_ids[::-1]
+    assert free_order == [b_ids[2], a_ids[2], a_ids[1], a_ids[0], b_ids[1], b_ids[0]]
     manager.take_events()
     c = request("c", list(range(200, 208)))
-    admit(manager, c)  # 2 blocks from the head: a's partial tail, then a's block 1
-    assert manager.get_block_ids(c)[0] == [a_ids[2], a_ids[1]]
-    assert manager.take_events()[0] == BlockRemoved([a.block_hashes[1]])
-    assert manager.get_computed_blocks(request("a2", list(range(9))))[1] == 4
+    admit(manager, c)  # the two unhashed tails: nothing cached is evicted
+    assert manager.get_block_ids(c)[0] == [b_ids[2], a_ids[2]]
+    assert manager.take_events()[0].block_hashes == c.block_hashes  # stored, none removed
+    d = request("d", list(range(300, 307)))
+    admit(manager, d)  # now a's chain, least recently freed, tail first
+    assert manager.get_block_ids(d)[0] == [a_ids[1], a_ids[0]]
+    removed = [e for e in manager.take_events() if isinstance(e, BlockRemoved)]
+    assert removed == [BlockRemoved([a.block_hashes[1]], group_idx=0), BlockRemoved([a.block_hashes[0]], group_idx=0)]
     assert manager.get_computed_blocks(request("b2", list(range(100, 109))))[1] == 8
 
 
@@ -130,13 +137,16 @@ def test_events_report_stores_evictions_and_clears():
     manager = make_manager(num_blocks=3, enable_kv_cache_events=True)  # 2 usable
     a = request("a", list(range(8)), lora_id=5)
     manager.allocate_slots(a, 8)
-    assert manager.take_events() == [BlockStored(a.block_hashes[:2], None, list(range(8)), 4, 5)]
+    assert manager.take_events() == [
+        BlockStored(a.block_hashes[:2], None, list(range(8)), 4, 5, group_idx=0,
+                    kv_cache_spec_kind="full_attention")
+    ]
     manager.free(a)
     assert not manager.take_events()
     b = request("b", list(range(50, 55)))
     manager.allocate_slots(b, 5)
     events = manager.take_events()
-    assert events[:2] == [BlockRemoved([a.block_hashes[1]]), BlockRemoved([a.block_hashes[0]])]
+    assert events[:2] == [BlockRemoved([a.block_hashes[1]], 0), BlockRemoved([a.block_hashes[0]], 0)]
     assert not manager.reset_prefix_cache()
     manager.free(b)
     assert manager.reset_prefix_cache() and manager.make_prefix_cache_stats().reset

@@ -69,3 +69,20 @@ def test_hybrid_hit_satisfies_both_full_attention_and_the_window():
     assert num_hit_tokens == 8
     new = manager.allocate_slots(probe, probe.num_tokens - num_hit_tokens, num_hit_tokens, hit)
     assert new is not None and [len(g) for g in manager.get_block_ids(probe)] == [5, 5]
+
+
+def test_hybrid_events_name_their_group_and_the_window_groups_evictions_stay_its_own():
+    manager = make_manager(num_blocks=32, sliding_window=8, enable_kv_cache_events=True)
+    a = FakeRequest("a", list(range(16)), HASHER)
+    manager.allocate_slots(a, 16)
+    full, window = manager.take_events()
+    assert (full.group_idx, full.kv_cache_spec_kind, full.kv_cache_spec_sliding_window) == (0, "full_attention", None)
+    assert (window.group_idx, window.kv_cache_spec_kind, window.kv_cache_spec_sliding_window) == (1, "sliding_window", 8)
+    assert full.block_hashes == window.block_hashes == a.block_hashes
+    manager.free(a)
+    assert manager.evict_blocks(a.block_hashes[:1]) == 2  # both groups' copies
+    assert manager.block_pool.evict_blocks(a.block_hashes[1:2], kv_cache_group_ids=(1,)) == 1
+    removed = manager.take_events()
+    assert [(e.block_hashes, e.group_idx) for e in removed] == [
+        ([a.block_hashes[0]], 0), ([a.block_hashes[0]], 1), ([a.block_hashes[1]], 1),
+    ]

@@ -200,3 +200,15 @@ def test_engine_greedy_generate_equals_transformers_on_a_local_checkpoint(tmp_pa
             )
         assert output.output_token_ids == generated[0, len(prompt):].tolist()
     assert_all_blocks_free(engine)
+
+
+def test_a_request_waiting_for_room_counts_one_prefix_cache_query() -> None:
+    # 12 usable blocks of 16 tokens: the second 150-token prompt waits (its admission
+    # fails, step after step) until the first finishes; it is still one query.
+    engine = make_engine(num_kv_blocks=13, max_num_batched_tokens=256)
+    prompts = [list(range(150)), list(range(100, 250))]
+    engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    stats = engine.stats()
+    assert stats.num_preemptions == 0
+    assert stats.prefix_cache_requests == 2
+    assert stats.prefix_cache_queries == 300
