@@ -39,6 +39,7 @@ from pdserve.cache.kv_cache_spec import (
     SlidingWindowSpec,
     num_blocks_for_memory,
 )
+from pdserve.cache.held_blocks import HeldBlocks, HeldGroup
 from pdserve.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from pdserve.cache.request import CacheRequest, LedgerRequest
 from pdserve.cache.single_type_kv_cache_manager import (
@@ -69,6 +70,8 @@ __all__ = [
     "KVCacheBlocks",
     "KVCacheConfig",
     "KVCacheCoordinator",
+    "HeldBlocks",
+    "HeldGroup",
     "KVCacheEvent",
     "KVCacheGroupSpec",
     "KVCacheManager",

@@ -43,11 +43,12 @@ def worker_actor_options(config: PDServeConfig) -> dict[str, Any]:
 def build(config: PDServeConfig) -> Application:
     """The gateway bound to every worker's deployment; each worker gets its own spec.
 
-    The KV-transfer secret is resolved here, once per app (configured, else
-    ``PDSERVE_KV_TRANSFER_SECRET``, else generated), and reaches the workers only inside
-    their ``WorkerSpec``; the gateway never holds it.
+    The KV-transfer secret and the block-hash seed are resolved here, once per app
+    (configured, else generated; the secret may also come from ``PDSERVE_KV_TRANSFER_SECRET``),
+    and reach the workers inside their ``WorkerSpec``; the gateway never holds the secret and
+    learns the seed from a worker's ``ModelInfo``.
     """
-    config = config.resolve_kv_transfer_secret()
+    config = config.resolve_deployment_secrets()
     actor_options = worker_actor_options(config)
 
     def bind_workers(cls, role: str, count: int) -> dict[str, Application]:

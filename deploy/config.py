@@ -9,7 +9,7 @@ YAML file (``--config``) < flags given on the command line.
     num_prefill: 2              # PrefillWorker actors
     num_decode: 2               # DecodeWorker actors; 0 = colocated (prefill workers decode too)
     transport: grpc             # KV plane: grpc | nixl
-    hash_seed: 0                # MUST be equal on every node of the cluster
+    hash_seed: 7                # equal on every node; unset: random per app (xxh3)
 
 The KV-transfer secret is the one setting that must not travel in the open: see
 ``resolve_kv_transfer_secret`` (config key, else ``PDSERVE_KV_TRANSFER_SECRET``, else a
@@ -72,7 +72,10 @@ class PDServeConfig(BaseModel):
     max_num_batched_tokens: int = Field(2048, gt=0)
     enable_prefix_caching: bool = True
     hash_algorithm: Literal["xxh3_128", "sha256"] = "xxh3_128"
-    hash_seed: int = Field(0, description="MUST be equal on every node of the cluster")
+    hash_seed: int | None = Field(
+        None, ge=0, lt=2**63,
+        description="block-hash seed, equal on every worker and the gateway; unset: random per "
+                    "app with xxh3_128 (nobody can precompute colliding blocks), 0 with sha256")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = Field("auto", description="auto: cuda when the worker got a GPU, else cpu")
     torch_threads: int = Field(1, ge=1)
@@ -106,6 +109,25 @@ class PDServeConfig(BaseModel):
         if secret is not None:
             check_kv_transfer_secret(secret, "kv_transfer_secret")
         return secret
+
+    def resolve_deployment_secrets(self) -> PDServeConfig:
+        """This config with what one app must share and nobody else may guess: the KV-transfer
+        secret and the block-hash seed, generated once here by the app builder."""
+        return self.resolve_kv_transfer_secret().resolve_hash_seed()
+
+    def resolve_hash_seed(self) -> PDServeConfig:
+        """This config with the deployment's block-hash seed filled in.
+
+        An explicit ``hash_seed`` wins. Unset, xxh3 (fast, not collision-resistant against an
+        adversary who knows the seed) gets 63 random bits per app, so colliding blocks cannot
+        be computed offline to poison another tenant's prefix; sha256 is collision-resistant
+        without a secret and gets 0. Every worker gets the seed in its ``EngineConfig``, the
+        gateway from a worker's ``ModelInfo``, and the KV handshake compares it.
+        """
+        if self.hash_seed is not None:
+            return self
+        seed = secrets.randbits(63) if self.hash_algorithm == "xxh3_128" else 0
+        return self.model_copy(update={"hash_seed": seed})
 
     def resolve_kv_transfer_secret(self) -> PDServeConfig:
         """This config with the deployment's KV-transfer secret filled in.
@@ -142,6 +164,10 @@ class PDServeConfig(BaseModel):
         the worker), at ``kv_transfer_port + index`` when a port is set.
         """
         worker_id = f"{'prefill' if role == 'producer' else 'decode'}-{index}"
+        if self.hash_seed is None:
+            raise ValueError("a worker needs the deployment's hash seed; build the app with "
+                             "deploy.app.build (it resolves one) or call "
+                             "resolve_deployment_secrets() first")
         engine = self.engine_config(engine_id=worker_id, device=self.device)
         if self.colocated:
             return WorkerSpec(worker_id, engine)

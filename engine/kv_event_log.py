@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-from pdserve.cache import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from pdserve.cache import HeldBlocks, KVCacheEvent
 from pdserve.messages.kv_event_batch import KVEventBatch
 
 MAX_LOGGED_EVENTS = 65536
@@ -23,18 +23,13 @@ class KVEventLog:
         self.instance_id = instance_id
         self._events: deque[KVCacheEvent] = deque(maxlen=max_events)
         self._first_seq = 0
-        self._held: set[bytes] = set()
+        self._held = HeldBlocks()
         self._lock = threading.Lock()
 
     def extend(self, events: list[KVCacheEvent]) -> None:
         with self._lock:
             for event in events:
-                if isinstance(event, BlockStored):
-                    self._held.update(event.block_hashes)
-                elif isinstance(event, BlockRemoved):
-                    self._held.difference_update(event.block_hashes)
-                elif isinstance(event, AllBlocksCleared):
-                    self._held.clear()
+                self._held.apply(event)
                 if len(self._events) == self._events.maxlen:
                     self._first_seq += 1
                 self._events.append(event)
@@ -44,6 +39,6 @@ class KVEventLog:
             next_seq = self._first_seq + len(self._events)
             if seq < self._first_seq or seq > next_seq:
                 return KVEventBatch(self.worker_id, self.instance_id, next_seq, next_seq,
-                                    [], snapshot=list(self._held))
+                                    [], snapshot=self._held.copy())
             events = list(self._events)[seq - self._first_seq:] if seq < next_seq else []
             return KVEventBatch(self.worker_id, self.instance_id, seq, next_seq, events)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.cache import KVCacheEvent
+from pdserve.cache import HeldBlocks, KVCacheEvent
 
 
 @dataclass(slots=True)
@@ -13,7 +13,7 @@ class KVEventBatch:
 
     ``instance_id`` changes whenever the worker (re)starts: the router then drops everything
     it knew about the old instance. When the worker's bounded log no longer reaches back to
-    the asked sequence number, ``snapshot`` carries every block hash the worker holds and
+    the asked sequence number, ``snapshot`` carries every block hash the worker holds (per KV cache group) and
     ``events`` start after it.
     """
 
@@ -22,4 +22,4 @@ class KVEventBatch:
     first_seq: int
     next_seq: int
     events: list[KVCacheEvent] = field(default_factory=list)
-    snapshot: list[bytes] | None = None
+    snapshot: HeldBlocks | None = None

@@ -1,7 +1,8 @@
 """Which prefill and which decode worker serve a request: prefix first, then load.
 
-The router keeps, per worker, the set of block hashes that worker's ledger holds, built from
-the worker's KV events (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``). A prompt's
+The router keeps, per worker, the block hashes that worker's ledger holds per KV cache group
+(``cache.HeldBlocks``), built from the worker's KV events (``BlockStored`` / ``BlockRemoved``
+/ ``AllBlocksCleared``); a sliding-window group needs only a prefix's last blocks. A prompt's
 block hashes form a chain (hash ``i`` covers tokens ``0 .. (i+1)*block_size``), so a worker can
 reuse only a *contiguous prefix* of them:
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from pdserve.cache import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
+from pdserve.cache import BlockHash, HeldBlocks
 from pdserve.messages.kv_event_batch import KVEventBatch
 
 
@@ -46,7 +47,7 @@ class WorkerIndex:
 
     instance_id: str | None = None
     next_seq: int = 0
-    block_hashes: set[BlockHash] = field(default_factory=set)
+    held: HeldBlocks = field(default_factory=HeldBlocks)
     load: int = 0
     available: bool = True
 
@@ -92,28 +93,19 @@ class Router:
         if batch.instance_id != index.instance_id:
             # A restarted worker: its old blocks are gone, and its sequence restarted.
             index.instance_id = batch.instance_id
-            index.block_hashes.clear()
+            index.held = HeldBlocks()
             index.next_seq = 0
             if batch.snapshot is None and batch.first_seq > 0:
                 return  # partial history of a new instance: wait for a batch from 0 or a snapshot
         if batch.snapshot is not None:
-            index.block_hashes = set(batch.snapshot)
+            index.held = batch.snapshot.copy()
             index.next_seq = batch.first_seq
         if batch.next_seq <= index.next_seq:
             return
         skip = max(0, index.next_seq - batch.first_seq)
         for event in batch.events[skip:]:
-            self._apply_event(index, event)
+            index.held.apply(event)
         index.next_seq = batch.next_seq
-
-    @staticmethod
-    def _apply_event(index: WorkerIndex, event: object) -> None:
-        if isinstance(event, BlockStored):
-            index.block_hashes.update(event.block_hashes)
-        elif isinstance(event, BlockRemoved):
-            index.block_hashes.difference_update(event.block_hashes)
-        elif isinstance(event, AllBlocksCleared):
-            index.block_hashes.clear()
 
     def remove_worker(self, worker_id: str) -> None:
         """Forgets a worker (scaled away or dead): it is never picked again."""
@@ -149,7 +141,7 @@ class Router:
 
         Raises ``NoWorkerAvailable`` when no prefill worker is available.
         """
-        return self._pick("prefill", self._prefill_ids, block_hashes, self._prefix_match)
+        return self._pick("prefill", self._prefill_ids, block_hashes, HeldBlocks.prefix_match)
 
     def has_decode_workers(self) -> bool:
         """Whether the deployment disaggregates (False: colocated, prefill workers decode)."""
@@ -161,20 +153,7 @@ class Router:
         """
         if not self._decode_ids:
             return None
-        return self._pick("decode", self._decode_ids, block_hashes, self._count_held)
-
-    @staticmethod
-    def _prefix_match(held: set[BlockHash], block_hashes: list[BlockHash]) -> int:
-        matched = 0
-        for block_hash in block_hashes:
-            if block_hash not in held:
-                break
-            matched += 1
-        return matched
-
-    @staticmethod
-    def _count_held(held: set[BlockHash], block_hashes: list[BlockHash]) -> int:
-        return sum(1 for block_hash in block_hashes if block_hash in held)
+        return self._pick("decode", self._decode_ids, block_hashes, HeldBlocks.count_held)
 
     def _pick(self, role: str, all_ids: list[str], block_hashes: list[BlockHash],
               score) -> RouteChoice:
@@ -192,7 +171,7 @@ class Router:
             index = self._workers[worker_id]
             if index.load > ceiling:
                 continue
-            key = (score(index.block_hashes, block_hashes), -index.load)
+            key = (score(index.held, block_hashes), -index.load)
             if best is None or key > best:
                 best, best_id = key, worker_id
         assert best is not None  # the idlest worker is always under the ceiling

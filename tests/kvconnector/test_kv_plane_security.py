@@ -87,7 +87,7 @@ def test_a_producer_without_a_secret_refuses_to_start_unless_explicitly_insecure
 
 
 def test_the_secret_never_appears_in_a_config_repr():
-    config = PDServeConfig(kv_transfer_secret=SECRET)
+    config = PDServeConfig(kv_transfer_secret=SECRET, hash_seed=0)
     spec = config.worker_spec("producer", 0)
     assert SECRET not in repr(config) and SECRET not in repr(spec)
     assert SECRET not in repr(spec.connector) and spec.connector.secret == SECRET
@@ -96,8 +96,8 @@ def test_the_secret_never_appears_in_a_config_repr():
 def test_a_deployment_always_resolves_one_secret_for_all_its_workers(monkeypatch):
     monkeypatch.delenv(KV_TRANSFER_SECRET_ENV, raising=False)
     with pytest.raises(ValueError, match="KV-transfer secret"):
-        PDServeConfig().worker_spec("producer", 0)
-    resolved = PDServeConfig(num_prefill=2, num_decode=2).resolve_kv_transfer_secret()
+        PDServeConfig(hash_seed=0).worker_spec("producer", 0)
+    resolved = PDServeConfig(num_prefill=2, num_decode=2).resolve_deployment_secrets()
     secret = resolved.kv_transfer_secret
     assert secret and len(secret) >= 43  # token_urlsafe(32): 256 random bits
     assert secret != PDServeConfig().resolve_kv_transfer_secret().kv_transfer_secret
@@ -110,6 +110,19 @@ def test_a_deployment_always_resolves_one_secret_for_all_its_workers(monkeypatch
             == "from-the-environment-0123")
     assert (PDServeConfig(kv_transfer_secret=SECRET).resolve_kv_transfer_secret()
             .kv_transfer_secret == SECRET)  # the configured one wins
+
+
+def test_the_hash_seed_is_random_per_app_unless_configured_and_shared_by_every_worker():
+    seeds = {PDServeConfig().resolve_deployment_secrets().hash_seed for _ in range(3)}
+    assert len(seeds) == 3 and all(0 <= seed < 2**63 for seed in seeds)
+    assert PDServeConfig(hash_seed=5).resolve_deployment_secrets().hash_seed == 5
+    # sha256 resists collisions without a secret seed.
+    assert PDServeConfig(hash_algorithm="sha256").resolve_deployment_secrets().hash_seed == 0
+    resolved = PDServeConfig(num_prefill=2, num_decode=2).resolve_deployment_secrets()
+    specs = [resolved.worker_spec(role, i) for role in ("producer", "consumer") for i in (0, 1)]
+    assert {spec.engine.hash_seed for spec in specs} == {resolved.hash_seed}
+    with pytest.raises(ValueError, match="hash seed"):
+        PDServeConfig(kv_transfer_secret=SECRET).worker_spec("producer", 0)
 
 
 def test_a_weak_or_mistyped_configured_secret_is_refused(monkeypatch):

@@ -27,7 +27,7 @@ def test_serve_config_yaml_validates_and_builds_the_app():
     (application,) = config["applications"]
     assert isinstance(_build(application), Application)
     settings = PDServeConfig.model_validate(application["args"])
-    assert (settings.num_prefill, settings.num_decode, settings.hash_seed) == (2, 2, 0)
+    assert (settings.num_prefill, settings.num_decode, settings.hash_seed) == (2, 2, None)
 
 
 def test_the_kuberay_rayservice_runs_the_same_import_path_and_args():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cache import AllBlocksCleared, BlockRemoved, BlockStored
+from pdserve.cache import HeldBlocks, AllBlocksCleared, BlockRemoved, BlockStored
 from pdserve.messages.kv_event_batch import KVEventBatch
 from pdserve.prefill.gateway.router import NoWorkerAvailable, Router
 
@@ -17,7 +17,7 @@ def stored(*hashes: bytes) -> BlockStored:
 
 
 def batch(worker: str, events: list, first_seq: int = 0, instance: str = "a",
-          snapshot: list[bytes] | None = None) -> KVEventBatch:
+          snapshot: HeldBlocks | None = None) -> KVEventBatch:
     return KVEventBatch(worker, instance, first_seq, first_seq + len(events), events, snapshot)
 
 
@@ -96,7 +96,9 @@ def test_a_restarted_worker_loses_its_old_entries():
 def test_a_snapshot_replaces_the_index_when_the_log_was_truncated():
     router = Router(["p0"], [])
     router.apply(batch("p0", [stored(H[0])]))
-    router.apply(KVEventBatch("p0", "a", 100, 100, [], snapshot=[H[3]]))
+    snapshot = HeldBlocks()
+    snapshot.apply(stored(H[3]))
+    router.apply(KVEventBatch("p0", "a", 100, 100, [], snapshot=snapshot))
     assert router.next_seq("p0") == 100
     assert router.pick_prefill([H[0]]).num_matched_blocks == 0
     assert router.pick_prefill([H[3]]).num_matched_blocks == 1
@@ -125,3 +127,31 @@ def test_an_unavailable_worker_is_skipped_and_none_left_raises_no_worker_availab
         router.pick_decode(H[:2])
     router.set_available("p0", True)
     assert router.pick_prefill(H[:2]).worker_id == "p0"  # its index survived the outage
+
+
+def _group_stored(group_idx: int, *hashes, window: int | None = None) -> BlockStored:
+    return BlockStored(block_hashes=list(hashes), parent_block_hash=None, token_ids=[],
+                       block_size=16, lora_id=None, group_idx=group_idx,
+                       kv_cache_spec_kind="sliding_window" if window else "full_attention",
+                       kv_cache_spec_sliding_window=window)
+
+
+def test_a_sliding_window_groups_eviction_does_not_read_as_the_prefix_gone():
+    """Hybrid model: group 0 full attention, group 1 a 32-token window (2 blocks of 16)."""
+    router = Router(["p0", "p1"], [])
+    router.apply(batch("p0", [_group_stored(0, *H[:5]), _group_stored(1, *H[:5], window=32),
+                              BlockRemoved(block_hashes=H[:3], group_idx=1)]))
+    # p1 lost the same blocks from the full-attention group: its prefix is gone.
+    router.apply(batch("p1", [_group_stored(0, *H[:5]), _group_stored(1, *H[:5], window=32),
+                              BlockRemoved(block_hashes=H[:3], group_idx=0)]))
+    choice = router.pick_prefill(H[:5])
+    assert (choice.worker_id, choice.num_matched_blocks) == ("p0", 5)
+
+
+def test_a_sliding_window_prefix_needs_only_its_last_blocks_up_to_the_match():
+    router = Router(["p0"], [])
+    router.apply(batch("p0", [_group_stored(0, H[3], H[4], window=32)]))  # a pure-window model
+    assert router.pick_prefill(H[:5]).num_matched_blocks == 5  # h3 h4 cover the window at 5
+    assert router.pick_prefill(H[:4]).num_matched_blocks == 0  # at 4 the window needs h2 h3
+    router.apply(batch("p0", [BlockRemoved(block_hashes=[H[3]], group_idx=0)], first_seq=1))
+    assert router.pick_prefill(H[:5]).num_matched_blocks == 0
