@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from pdserve.kvconnector.checksum import block_checksums, page_view
-from pdserve.kvconnector.grpc_transport import (DEFAULT_MESSAGE_BYTES, GrpcTransferClient,
-                                                MAX_GRPC_MESSAGE_BYTES)
+from pdserve.kvconnector.grpc_client import GrpcTransferClient
+from pdserve.kvconnector.grpc_transport import DEFAULT_MESSAGE_BYTES, MAX_GRPC_MESSAGE_BYTES
 from pdserve.kvconnector.layout import KVLayout
 from pdserve.kvconnector.lease import LeaseTable
 from pdserve.kvconnector.nixl_transport import (NixlTransferClient, NixlTransferServer,

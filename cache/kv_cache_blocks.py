@@ -32,7 +32,3 @@ class KVCacheBlocks:
         if len(self.blocks) != 1:
             raise ValueError("get_unhashed_block_ids() supports one KV cache group only")
         return [block.block_id for block in self.blocks[0] if block.block_hash is None]
-
-    def new_empty(self) -> KVCacheBlocks:
-        """As many groups, no blocks."""
-        return KVCacheBlocks(tuple([] for _ in self.blocks))

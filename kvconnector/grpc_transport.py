@@ -1,4 +1,5 @@
-"""KV blocks over a gRPC server stream, and the control plane both transports share.
+"""KV blocks over a gRPC server stream, and the control plane both transports share: the
+prefill side's server (the decode side's client is ``grpc_client``).
 
 A read is one server-streaming call. The server gathers leased pages straight from its KV
 tensor into messages of about ``max_message_bytes`` (runs of consecutive block ids are one
@@ -23,18 +24,16 @@ from __future__ import annotations
 import contextlib
 import hmac
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from typing import TypeVar
 
 import grpc
-import numpy as np
 import torch
 from google.protobuf.message import DecodeError
-from pdserve.kvconnector.block_chunk import decode_block_chunk, encode_block_chunk
+from pdserve.kvconnector.block_chunk import encode_block_chunk
 from pdserve.kvconnector.checksum import page_view
-from pdserve.kvconnector.layout import KVLayout, check_compatible
+from pdserve.kvconnector.layout import KVLayout
 from pdserve.kvconnector.lease import (
     BlockNotLeasedError,
     LeaseEndedError,
@@ -46,13 +45,7 @@ from pdserve.kvconnector.lease import (
 from pdserve.kvconnector.transfer_stats import TransferStats
 from pdserve.kvconnector.transport import (
     SECRET_METADATA_KEY,
-    KVTransferClient,
     KVTransferServer,
-    PeerInfo,
-    ReadResult,
-    TransferError,
-    check_read_arguments,
-    verify_pages,
 )
 from pdserve.proto import kv_transfer_pb2 as pb
 from pdserve.proto import kv_transfer_pb2_grpc as pb_grpc
@@ -61,7 +54,7 @@ DEFAULT_MESSAGE_BYTES = 4 << 20
 # gRPC's 4 MiB default would refuse one message of a large-page layout (a 32-layer fp16 page
 # is 2 MiB, so pages never split and a message holds at least one).
 MAX_GRPC_MESSAGE_BYTES = 256 << 20
-_CHANNEL_OPTIONS = [
+CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
 ]
@@ -93,10 +86,10 @@ def consecutive_runs(block_ids: Sequence[int]) -> Iterator[tuple[int, int, int]]
 
 
 _SERVICE = "pdserve.kv.KvTransfer"
-_READ_BLOCKS_METHOD = f"/{_SERVICE}/ReadBlocks"
+READ_BLOCKS_METHOD = f"/{_SERVICE}/ReadBlocks"
 
 
-def _identity(payload: bytes) -> bytes:
+def identity(payload: bytes) -> bytes:
     return payload
 
 
@@ -234,7 +227,7 @@ def _method_handlers(servicer: _KvTransferServicer) -> grpc.GenericRpcHandler:
             _parsing(pb.HandshakeRequest, servicer.Handshake),
             response_serializer=pb.HandshakeReply.SerializeToString),
         "ReadBlocks": grpc.unary_stream_rpc_method_handler(
-            _parsing(pb.ReadBlocksRequest, servicer.ReadBlocks), response_serializer=_identity),
+            _parsing(pb.ReadBlocksRequest, servicer.ReadBlocks), response_serializer=identity),
         "HoldBlocks": grpc.stream_stream_rpc_method_handler(
             _parsing_stream(pb.HoldRequest, servicer.HoldBlocks),
             response_serializer=pb.HoldReply.SerializeToString),
@@ -277,190 +270,3 @@ class GrpcTransferServer(KVTransferServer):
 
     def stop(self, grace_s: float | None = None) -> None:
         self._server.stop(grace_s).wait()
-
-
-class GrpcTransferClient(KVTransferClient):
-    """The decode side's puller over gRPC; also the control plane of ``NixlTransferClient``.
-
-    ``timeout_s`` bounds every call, a whole stream included.
-    """
-
-    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, engine_id: str = "",
-                 secret: str | None = None, timeout_s: float = 30.0,
-                 stats: TransferStats | None = None) -> None:
-        self.stats = stats if stats is not None else TransferStats()
-        self.timeout_s = timeout_s
-        self._pages = page_view(kv_cache)
-        self._layout = layout
-        self._engine_id = engine_id
-        self._metadata = ((SECRET_METADATA_KEY, secret),) if secret else ()
-        self._channels: dict[str, grpc.Channel] = {}
-        self._stubs: dict[str, pb_grpc.KvTransferStub] = {}
-        self._lock = threading.Lock()
-        self._hold_opener = futures.ThreadPoolExecutor(max_workers=4,
-                                                       thread_name_prefix="kv-hold")
-
-    def handshake(self, address: str, nixl_info: pb.NixlAgentInfo | None = None) -> PeerInfo:
-        request = pb.HandshakeRequest(engine_id=self._engine_id, layout=self._layout.to_proto(),
-                                      nixl=nixl_info)
-        reply = self._call(address, "Handshake", lambda stub: stub.Handshake(
-            request, timeout=self.timeout_s, metadata=self._metadata))
-        remote_layout = KVLayout.from_proto(reply.layout)
-        check_compatible(self._layout, remote_layout)
-        return PeerInfo(address=address, engine_id=reply.engine_id, layout=remote_layout,
-                        num_blocks=reply.num_blocks,
-                        nixl=reply.nixl if reply.HasField("nixl") else None)
-
-    def read_blocks(self, peer: PeerInfo, lease_id: str, remote_block_ids: Sequence[int],
-                    local_block_ids: Sequence[int],
-                    expected_checksums: Sequence[int]) -> ReadResult:
-        check_read_arguments(remote_block_ids, local_block_ids, expected_checksums,
-                             self._pages.shape[0])
-        started = time.perf_counter()
-        local_of_remote = dict(zip(remote_block_ids, local_block_ids))
-        landed: set[int] = set()
-        request = pb.ReadBlocksRequest(lease_id=lease_id, block_ids=remote_block_ids)
-
-        ok: list[int] = []
-        failed: list[int] = []
-        expected_of_local = dict(zip(local_block_ids, expected_checksums))
-
-        def pull(_: pb_grpc.KvTransferStub) -> None:
-            stream = self._read_blocks_stream(peer.address)
-            for raw in stream(request, timeout=self.timeout_s, metadata=self._metadata):
-                local_ids = self._land(raw, local_of_remote, expected_of_local, ok, failed)
-                landed.update(local_ids)
-
-        try:
-            self._call(peer.address, "ReadBlocks", pull)
-        except TransferError:
-            self.stats.record_transfer(0, len(local_block_ids), len(landed) * self._layout.page_bytes,
-                                       time.perf_counter() - started)
-            raise
-        failed += [b for b in local_block_ids if b not in landed]
-        duration_s = time.perf_counter() - started
-        num_bytes = len(landed) * self._layout.page_bytes
-        self.stats.record_transfer(len(ok), len(failed), num_bytes, duration_s)
-        return ReadResult(ok_block_ids=ok, failed_block_ids=failed, num_bytes=num_bytes,
-                          duration_s=duration_s)
-
-    def renew(self, peer: PeerInfo, lease_id: str) -> float:
-        return self._call(peer.address, "RenewLease", lambda stub: stub.RenewLease(
-            pb.LeaseRequest(lease_id=lease_id), timeout=self.timeout_s,
-            metadata=self._metadata)).expires_at
-
-    def release(self, peer: PeerInfo, lease_id: str) -> None:
-        self._call(peer.address, "Release", lambda stub: stub.Release(
-            pb.LeaseRequest(lease_id=lease_id), timeout=self.timeout_s,
-            metadata=self._metadata))
-
-    @contextlib.contextmanager
-    def hold_blocks(self, peer: PeerInfo, lease_id: str,
-                    block_ids: Sequence[int]) -> Iterator[Callable[[], None]]:
-        """Keep the peer from freeing ``block_ids`` until the ``with`` body exits.
-
-        The call is opened and its answer awaited on a helper thread, so neither costs the
-        body anything (opening a streaming call is about 1.5 ms of Python, the answer a
-        round trip): the body gets ``confirm()``, which returns once the peer holds the
-        blocks and raises ``TransferError`` if it refused (lease unknown, ended, or blocks
-        not under it). Data read before ``confirm()`` returns is good only if it does
-        return: a lease never becomes active again once ended, so a hold granted after a
-        read began means the blocks were never freed during it. The hold ends when the body
-        exits, or when this process dies (the call breaks).
-        """
-        done = threading.Event()
-        opened: list[grpc.Call] = []
-        abandoned = threading.Lock()  # taken by the body's exit; checked before opening
-
-        def requests() -> Iterator[pb.HoldRequest]:
-            yield pb.HoldRequest(lease_id=lease_id, block_ids=block_ids)
-            done.wait()
-
-        def open_and_await_held() -> None:
-            with abandoned:
-                if done.is_set():
-                    raise TransferError(f"HoldBlocks to {peer.address} abandoned")
-                call = self._stub(peer.address).HoldBlocks(
-                    requests(), timeout=self.timeout_s, metadata=self._metadata)
-                opened.append(call)
-            try:
-                next(call)
-            except grpc.RpcError as error:
-                raise _transfer_error("HoldBlocks", peer.address, error) from error
-            except StopIteration:
-                raise TransferError(f"HoldBlocks to {peer.address} ended unanswered") from None
-
-        held = self._hold_opener.submit(open_and_await_held)
-        try:
-            yield held.result
-        finally:
-            with abandoned:
-                done.set()  # half-close: the peer ends the hold; no need to wait for it
-            if not held.done() and opened:
-                opened[0].cancel()  # the body failed before the peer answered
-
-    def close(self) -> None:
-        with self._lock:
-            for channel in self._channels.values():
-                channel.close()
-            self._channels.clear()
-            self._stubs.clear()
-        self._hold_opener.shutdown(wait=False)
-
-    def _land(self, raw: bytes, local_of_remote: dict[int, int],
-              expected_of_local: dict[int, int], ok: list[int], failed: list[int]) -> list[int]:
-        """Copy each page of a message into its local page and verify it there at once,
-        while it is still in cache; returns the local ids written."""
-        page_bytes = self._layout.page_bytes
-        try:
-            remote_ids, data = decode_block_chunk(raw)
-        except ValueError as error:
-            raise TransferError(f"peer sent a malformed BlockChunk: {error}") from error
-        if len(data) != len(remote_ids) * page_bytes:
-            raise TransferError(f"peer sent {len(data)} bytes for {len(remote_ids)} "
-                                f"pages of {page_bytes}")
-        unasked = [b for b in remote_ids if b not in local_of_remote]
-        if unasked:
-            raise TransferError(f"peer sent blocks {unasked[:8]} that were not asked for")
-        local_ids = [local_of_remote[b] for b in remote_ids]
-        pages = np.frombuffer(data, dtype=np.uint8).reshape(len(remote_ids), page_bytes)
-        for position, first, length in consecutive_runs(local_ids):
-            np.copyto(self._pages[first:first + length], pages[position:position + length])
-            run = local_ids[position:position + length]
-            verified, corrupt = verify_pages(self._pages, run,
-                                             [expected_of_local[b] for b in run])
-            ok += verified
-            failed += corrupt
-        return local_ids
-
-    def _call(self, address: str, method: str,
-                 invoke: Callable[[pb_grpc.KvTransferStub], T]) -> T:
-        try:
-            return invoke(self._stub(address))
-        except grpc.RpcError as error:
-            raise _transfer_error(method, address, error) from error
-
-    def _stub(self, address: str) -> pb_grpc.KvTransferStub:
-        with self._lock:
-            stub = self._stubs.get(address)
-            if stub is None:
-                stub = self._stubs[address] = pb_grpc.KvTransferStub(self._channel(address))
-            return stub
-
-    def _read_blocks_stream(self, address: str) -> grpc.UnaryStreamMultiCallable:
-        """``ReadBlocks`` yielding raw encoded messages, for ``decode_block_chunk``."""
-        with self._lock:
-            return self._channel(address).unary_stream(
-                _READ_BLOCKS_METHOD, request_serializer=pb.ReadBlocksRequest.SerializeToString,
-                response_deserializer=_identity)
-
-    def _channel(self, address: str) -> grpc.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = grpc.insecure_channel(
-                address, options=_CHANNEL_OPTIONS)
-        return channel
-
-
-def _transfer_error(method: str, address: str, error: grpc.RpcError) -> TransferError:
-    return TransferError(f"{method} to {address} failed: {error.code().name}: {error.details()}")

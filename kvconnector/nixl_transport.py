@@ -50,10 +50,10 @@ from typing import Any
 import numpy as np
 import torch
 from pdserve.kvconnector.checksum import page_view
+from pdserve.kvconnector.grpc_client import GrpcTransferClient
 from pdserve.kvconnector.grpc_transport import (
     DEFAULT_MESSAGE_BYTES,
     FaultInjector,
-    GrpcTransferClient,
     GrpcTransferServer,
 )
 from pdserve.kvconnector.layout import KVLayout

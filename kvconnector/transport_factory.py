@@ -39,7 +39,7 @@ def make_client(config: KVConnectorConfig, kv_cache: torch.Tensor, layout: KVLay
 
         client_type: type[KVTransferClient] = NixlTransferClient
     else:
-        from pdserve.kvconnector.grpc_transport import GrpcTransferClient
+        from pdserve.kvconnector.grpc_client import GrpcTransferClient
 
         client_type = GrpcTransferClient
     return client_type(kv_cache, layout, engine_id=engine_id,  # type: ignore[call-arg]

@@ -15,7 +15,6 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_input import ScheduledChunk
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.messages.sampling_params import SamplingParams
-from pdserve.tokenizer.model_source import builtin_gguf_path
 
 ATOL = 1e-3  # float32 over 30 layers; logits reach ~25
 BLOCK_SIZE = 16
@@ -31,23 +30,15 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def gguf_path():
-    try:
-        return builtin_gguf_path("smollm2")
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
-
-
-@pytest.fixture(scope="module")
-def reference(gguf_path) -> transformers.PreTrainedModel:
+def reference(smollm2_gguf) -> transformers.PreTrainedModel:
     torch.set_num_threads(1)
     return transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
     ).eval()
 
 
 @pytest.fixture(scope="module")
-def engine(gguf_path) -> LLMEngine:
+def engine(smollm2_gguf) -> LLMEngine:
     return LLMEngine.from_pretrained("smollm2", num_kv_blocks=64, block_size=BLOCK_SIZE)
 
 

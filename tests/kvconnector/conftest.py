@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from kv_peer import PeerProcess, PeerSpec  # noqa: E402
 
-from pdserve.kvconnector.grpc_transport import GrpcTransferClient  # noqa: E402
+from pdserve.kvconnector.grpc_client import GrpcTransferClient  # noqa: E402
 from pdserve.kvconnector.layout import KVLayout  # noqa: E402
 from pdserve.kvconnector.nixl_transport import NixlTransferClient, nixl_available  # noqa: E402
 from pdserve.kvconnector.transport import KVTransferClient  # noqa: E402

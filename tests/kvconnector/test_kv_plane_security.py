@@ -22,7 +22,8 @@ from pdserve.cache import BlockHasher
 from pdserve.deploy.config import KV_TRANSFER_SECRET_ENV, PDServeConfig
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.messages.connector_config import KVConnectorConfig
-from pdserve.kvconnector.grpc_transport import GrpcTransferClient, GrpcTransferServer
+from pdserve.kvconnector.grpc_client import GrpcTransferClient
+from pdserve.kvconnector.grpc_transport import GrpcTransferServer
 from pdserve.kvconnector.layout import KVLayout
 from pdserve.kvconnector.lease import LeaseTable
 from pdserve.kvconnector.pd_connector import PDConnector

@@ -24,7 +24,7 @@ import torch
 from pdserve.deploy.cluster import base_url
 from pdserve.deploy.config import KV_TRANSFER_SECRET_ENV
 from pdserve.messages.sampling_params import SamplingParams
-from pdserve.kvconnector.grpc_transport import GrpcTransferClient
+from pdserve.kvconnector.grpc_client import GrpcTransferClient
 from pdserve.kvconnector.layout import KVLayout
 from pdserve.kvconnector.transport import TransferError
 from pdserve.proto import generate_pb2, generate_pb2_grpc

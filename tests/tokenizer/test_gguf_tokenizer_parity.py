@@ -10,7 +10,6 @@ import pytest
 import transformers
 
 from pdserve.tokenizer.loading import load_tokenizer
-from pdserve.tokenizer.model_source import builtin_gguf_path
 
 TEXTS = [
     "Hello, world!",
@@ -30,21 +29,13 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def gguf_path():
-    try:
-        return builtin_gguf_path("smollm2")
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
+def ours(smollm2_gguf):
+    return load_tokenizer(str(smollm2_gguf))
 
 
 @pytest.fixture(scope="module")
-def ours(gguf_path):
-    return load_tokenizer(str(gguf_path))
-
-
-@pytest.fixture(scope="module")
-def reference(gguf_path):
-    return transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+def reference(smollm2_gguf):
+    return transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
 
 
 @pytest.mark.parametrize("text", TEXTS)
