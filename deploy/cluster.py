@@ -57,6 +57,18 @@ def deploy(config: PDServeConfig, blocking: bool = False) -> float:
     return time.perf_counter() - start
 
 
+def shut_down(config: PDServeConfig) -> None:
+    """Removes the app: on a joined cluster only the app; an embedded cluster goes down whole."""
+    import ray
+    from ray import serve
+
+    if config.ray_address:
+        serve.delete(config.app_name)
+    else:
+        forget_local_cluster()
+        ray.shutdown()
+
+
 def base_url(config: PDServeConfig) -> str:
     prefix = config.route_prefix.rstrip("/")
     return f"http://{config.host}:{config.port}{prefix}"

@@ -5,7 +5,7 @@ The app builder turns it into one ``WorkerSpec`` per worker and a ``GatewayConfi
 actor reads an environment variable to learn what the deployment is. Precedence: defaults <
 YAML file (``--config``) < flags given on the command line.
 
-    model: tiny                 # "tiny" (built in, no download) or a local HF directory
+    model: smollm2              # built in: smollm2 (real) or tiny; a local HF directory; a .gguf
     num_prefill: 2              # PrefillWorker actors
     num_decode: 2               # DecodeWorker actors; 0 = colocated (prefill workers decode too)
     transport: grpc             # KV plane: grpc | nixl
@@ -32,6 +32,7 @@ from pdserve.messages.connector_config import KVConnectorConfig
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.worker_spec import WorkerSpec
 from pdserve.prefill.gateway.config import GatewayConfig
+from pdserve.tokenizer.model_source import default_model_name
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # Where a deployment's KV-transfer secret may come from when the config does not set it:
@@ -45,7 +46,9 @@ class PDServeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
-    model: str = Field("tiny", description="'tiny' (built in) or a local HF directory")
+    model: str = Field(default_factory=default_model_name,
+                       description="'smollm2' or 'tiny' (built in; default: smollm2 when its "
+                                   "wheel is installed), a local HF directory or a .gguf file")
     served_model_name: str | None = Field(
         None, description="the name clients send as 'model' (default: the model's last path part)")
     num_prefill: int = Field(1, ge=1, validation_alias=AliasChoices("num_prefill", "prefill"),

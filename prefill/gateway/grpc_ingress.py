@@ -13,6 +13,7 @@ import uuid
 import grpc
 from google.protobuf.message import DecodeError
 
+from pdserve.prefill.gateway.chat import parse_chat
 from pdserve.prefill.gateway.config import GatewayConfig
 from pdserve.prefill.gateway.openai_schema import (DEFAULT_MAX_TOKENS, MAX_REQUEST_BYTES, APIError,
                                                    ParsedCompletion, parse_completion)
@@ -78,14 +79,18 @@ class GenerateServicer:
                                 f"{MAX_REQUEST_ID_CHARS} are allowed", param="request_id")
         which = request.WhichOneof("prompt")
         if which is None:
-            raise APIError(400, "prompt is required (text or token_ids)", param="prompt")
+            raise APIError(400, "prompt is required (text, token_ids or chat)", param="prompt")
         body = {"model": request.model or self.orchestrator.model_name,
-                "prompt": request.text if which == "text" else list(request.token_ids.ids),
                 "max_tokens": request.max_tokens or DEFAULT_MAX_TOKENS,
                 "stop": list(request.stop), "stream": True}
         for optional in ("temperature", "top_p", "seed", "cache_salt"):
             if request.HasField(optional):
                 body[optional] = getattr(request, optional)
+        if which == "chat":
+            body["messages"] = [{"role": m.role, "content": m.content}
+                                for m in request.chat.messages]
+            return parse_chat(body, self.orchestrator.tokenizer)
+        body["prompt"] = request.text if which == "text" else list(request.token_ids.ids)
         return parse_completion(body)
 
 

@@ -1,6 +1,7 @@
 """The gateway's HTTP ingress (FastAPI, OpenAI-compatible) and its Serve deployment.
 
-    POST /v1/completions   stream (SSE) or not; prompt as text or token ids
+    POST /v1/completions        stream (SSE) or not; prompt as text or token ids
+    POST /v1/chat/completions   stream (SSE) or not; messages rendered with the chat template
     GET  /v1/models        the one served model
     GET  /health           200 while each role has an answering worker, else 503
     GET  /stats            JSON: gateway latencies, each worker's counters, totals
@@ -31,9 +32,10 @@ from sse_starlette import EventSourceResponse
 
 from pdserve.prefill.gateway.config import GatewayConfig
 from pdserve.prefill.gateway.grpc_ingress import start_grpc_server
-from pdserve.prefill.gateway.openai_schema import (MAX_REQUEST_BYTES, APIError, completion_chunk,
-                                                   completion_response, models_response,
-                                                   parse_completion, request_too_large)
+from pdserve.prefill.gateway.chat import ChatFormat, parse_chat
+from pdserve.prefill.gateway.openai_schema import (MAX_REQUEST_BYTES, APIError, CompletionFormat,
+                                                   ParsedCompletion, models_response,
+                                                   parse_completion, request_too_large, usage)
 from pdserve.prefill.gateway.orchestrator import RequestOrchestrator
 from pdserve.prefill.gateway.stream_emitter import StreamDelta
 from pdserve.prefill.gateway.worker_pool import WorkerPool
@@ -85,20 +87,27 @@ def _refuse_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON value")
 
 
-async def _sse_events(orchestrator: RequestOrchestrator, request_id: str, first: StreamDelta,
+ResponseFormat = CompletionFormat | ChatFormat
+
+
+async def _sse_events(orchestrator: RequestOrchestrator, response_format: ResponseFormat,
+                      parsed: ParsedCompletion, first: StreamDelta,
                       stream: AsyncIterator[StreamDelta]) -> AsyncIterator[dict[str, str]]:
-    """The SSE events of a streamed completion (``sse-starlette`` frames them), ``[DONE]`` last.
+    """The SSE events of a streamed reply (``sse-starlette`` frames them), ``[DONE]`` last.
 
     An error after the status line went out is sent as an error event, as OpenAI does.
     """
-    created = int(time.time())
     try:
-        delta = first
-        while True:
-            chunk = completion_chunk(request_id, orchestrator.model_name, created, delta.text,
-                                     delta.finish_reason)
+        for chunk in response_format.opening_chunks():
             yield {"data": json.dumps(chunk)}
+        delta, num_output_tokens = first, 0
+        while True:
+            num_output_tokens += len(delta.token_ids)
+            yield {"data": json.dumps(response_format.chunk(delta.text, delta.finish_reason))}
             if delta.finish_reason is not None:
+                if parsed.include_usage:
+                    yield {"data": json.dumps(response_format.usage_chunk(usage(
+                        delta.num_prompt_tokens, num_output_tokens, delta.num_cached_tokens)))}
                 break
             try:
                 delta = await anext(stream)
@@ -112,6 +121,40 @@ async def _sse_events(orchestrator: RequestOrchestrator, request_id: str, first:
     finally:
         await stream.aclose()  # on a client disconnect: cancels the worker streams
         orchestrator.release()
+
+
+async def _serve(orchestrator: RequestOrchestrator, parsed: ParsedCompletion,
+                 response_format: ResponseFormat) -> Response:
+    """Runs a parsed request and answers it whole or as SSE, in ``response_format``."""
+    try:
+        token_ids, params = orchestrator.prepare(parsed)
+        orchestrator.admit()
+    except APIError as error:
+        return _error_response(orchestrator, error)
+    stream = orchestrator.generate(response_format.request_id, token_ids, params,
+                                   cache_salt=parsed.cache_salt)
+    try:
+        first = await anext(stream)
+    except APIError as error:
+        orchestrator.release()
+        return _error_response(orchestrator, error)
+    except BaseException:
+        orchestrator.release()
+        raise
+    if parsed.stream:
+        return EventSourceResponse(
+            _sse_events(orchestrator, response_format, parsed, first, stream), ping=None)
+    try:
+        deltas = [first] + [delta async for delta in stream]
+    except APIError as error:
+        return _error_response(orchestrator, error)
+    finally:
+        await stream.aclose()  # a cancelled request (client gone) aborts on the workers
+        orchestrator.release()
+    return JSONResponse(response_format.response(
+        "".join(d.text for d in deltas), deltas[-1].finish_reason,
+        usage(first.num_prompt_tokens, sum(len(d.token_ids) for d in deltas),
+              deltas[-1].num_cached_tokens)))
 
 
 # ---------------------------------------------------------------------- the ingress
@@ -155,34 +198,22 @@ class Gateway:
         orchestrator = await self._get_orchestrator()
         try:
             parsed = parse_completion(await read_json_body(request))
-            token_ids, params = orchestrator.prepare(parsed)
-            orchestrator.admit()
         except APIError as error:
             return _error_response(orchestrator, error)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = orchestrator.generate(request_id, token_ids, params, cache_salt=parsed.cache_salt)
+        return await _serve(orchestrator, parsed,
+                            CompletionFormat(f"cmpl-{uuid.uuid4().hex}", orchestrator.model_name))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        orchestrator = await self._get_orchestrator()
         try:
-            first = await anext(stream)
-        except APIError as error:
-            orchestrator.release()
-            return _error_response(orchestrator, error)
-        except BaseException:
-            orchestrator.release()
-            raise
-        if parsed.stream:
-            return EventSourceResponse(_sse_events(orchestrator, request_id, first, stream),
-                                       ping=None)
-        try:
-            deltas = [first] + [delta async for delta in stream]
+            body = await read_json_body(request)
+            # Rendering and tokenizing a long conversation is CPU work: off the event loop.
+            parsed = await asyncio.to_thread(parse_chat, body, orchestrator.tokenizer)
         except APIError as error:
             return _error_response(orchestrator, error)
-        finally:
-            await stream.aclose()  # a cancelled request (client gone) aborts on the workers
-            orchestrator.release()
-        return JSONResponse(completion_response(
-            request_id, orchestrator.model_name, "".join(d.text for d in deltas),
-            deltas[-1].finish_reason, first.num_prompt_tokens,
-            sum(len(d.token_ids) for d in deltas), deltas[-1].num_cached_tokens))
+        return await _serve(orchestrator, parsed,
+                            ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", orchestrator.model_name))
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:

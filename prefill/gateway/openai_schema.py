@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError,
                       ValidationInfo, field_validator)
@@ -89,29 +89,61 @@ StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_
 # Stop strings are searched for after every token, by the worker and by the gateway.
 StopStrings = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 CacheSalt = Annotated[str, StringConstraints(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
+RequestModel = TypeVar("RequestModel", bound=BaseModel)
 
 
-class CompletionRequest(BaseModel):
-    """``POST /v1/completions`` (and gRPC ``Generate``): the fields pdserve implements, with
-    their ranges, checked strictly; the one place a request's fields are validated."""
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """The fields completions and chat completions share, with their ranges, checked
+    strictly: the one place a request's sampling fields are validated."""
 
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     model: str
-    prompt: Prompt | Annotated[list[Prompt], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = DEFAULT_MAX_TOKENS
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = 1.0
     top_k: Annotated[int, Field(ge=0)] | None = None
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     stop: StopString | StopStrings | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     n: Literal[1] = 1
     user: str | None = None
     cache_salt: CacheSalt | None = None  # vLLM's extension: a tenant's prefix-cache namespace
 
-    @field_validator("prompt", "cache_salt")
+    @field_validator("cache_salt")
+    @classmethod
+    def _valid_salt(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None:
+            check_unicode(value, info.field_name)
+        return value
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions`` (and gRPC ``Generate``)."""
+
+    prompt: Prompt | Annotated[list[Prompt], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = DEFAULT_MAX_TOKENS
+
+    @field_validator("prompt")
     @classmethod
     def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
         for text in (value if isinstance(value, list) else [value]):
@@ -122,7 +154,7 @@ class CompletionRequest(BaseModel):
 
 @dataclass(slots=True)
 class ParsedCompletion:
-    """A validated completion request: one prompt, as text and/or token ids."""
+    """A validated request: one prompt, as text and/or token ids (chat: rendered ids)."""
 
     model: str
     prompt_text: str | None
@@ -130,21 +162,28 @@ class ParsedCompletion:
     params: SamplingParams
     stream: bool
     cache_salt: str | None = None
+    include_usage: bool = False  # streamed: a last chunk with the usage
 
 
-def parse_completion(body: Any) -> ParsedCompletion:
-    """Validates a decoded JSON body (or a gRPC request's fields); raises ``APIError(400)``
-    naming the first field that is wrong."""
+def validate_request(model: type[RequestModel], body: Any,
+                     unsupported: dict[str, Any]) -> RequestModel:
+    """``body`` as ``model``, or ``APIError(400)`` naming the first field that is wrong;
+    a field pdserve does not implement is refused unless it holds its default."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    for name, default in _UNSUPPORTED_FIELDS.items():
+    for name, default in unsupported.items():
         if body.get(name) not in (None, default):
             raise APIError(400, f"{name} is not supported; omit it or send {json.dumps(default)}",
                            param=name)
     try:
-        request = CompletionRequest.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as error:
         raise _field_error(error) from None
+
+
+def parse_completion(body: Any) -> ParsedCompletion:
+    """Validates a decoded JSON body (or a gRPC request's fields)."""
+    request = validate_request(CompletionRequest, body, _UNSUPPORTED_FIELDS)
     prompt = request.prompt
     if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -152,14 +191,10 @@ def parse_completion(body: Any) -> ParsedCompletion:
                            param="prompt")
         prompt = prompt[0]
     text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
-    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-    params = SamplingParams(
-        max_tokens=DEFAULT_MAX_TOKENS if request.max_tokens is None else request.max_tokens,
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=request.top_k or 0, seed=request.seed, stop=stop, ignore_eos=request.ignore_eos)
     return ParsedCompletion(model=request.model, prompt_text=text, prompt_token_ids=token_ids,
-                            params=params, stream=request.stream, cache_salt=request.cache_salt)
+                            params=request.sampling_params(request.max_tokens),
+                            stream=request.stream, cache_salt=request.cache_salt,
+                            include_usage=request.include_usage)
 
 
 def _field_error(error: ValidationError) -> APIError:
@@ -182,21 +217,39 @@ def check_unicode(text: str, param: str) -> None:
                             f"{error.start}; send valid Unicode", param=param) from None
 
 
-def completion_chunk(request_id: str, model: str, created: int, text: str,
-                     finish_reason: str | None) -> dict[str, Any]:
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None,
-                         "finish_reason": finish_reason}]}
+def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
+            "total_tokens": num_prompt_tokens + num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
 
 
-def completion_response(request_id: str, model: str, text: str, finish_reason: str | None,
-                        num_prompt_tokens: int, num_output_tokens: int,
-                        num_cached_tokens: int) -> dict[str, Any]:
-    body = completion_chunk(request_id, model, int(time.time()), text, finish_reason)
-    body["usage"] = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
-                     "total_tokens": num_prompt_tokens + num_output_tokens,
-                     "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
-    return body
+@dataclass(slots=True)
+class CompletionFormat:
+    """``text_completion`` bodies: the streamed chunks and the whole response.
+
+    The chat format (``chat.ChatFormat``) has the same methods, so the ingress streams and
+    answers both through one path.
+    """
+
+    request_id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        return []
+
+    def chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {"id": self.request_id, "object": "text_completion", "created": self.created,
+                "model": self.model, "choices": [{"index": 0, "text": text, "logprobs": None,
+                                                  "finish_reason": finish_reason}]}
+
+    def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
+        return {"id": self.request_id, "object": "text_completion", "created": self.created,
+                "model": self.model, "choices": [], "usage": usage_body}
+
+    def response(self, text: str, finish_reason: str | None,
+                 usage_body: dict[str, Any]) -> dict[str, Any]:
+        return {**self.chunk(text, finish_reason), "usage": usage_body}
 
 
 def models_response(model: str, created: int) -> dict[str, Any]:

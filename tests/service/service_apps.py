@@ -37,7 +37,8 @@ def running_app(num_kv_blocks: int = NUM_KV_BLOCKS, **fields) -> Iterator[PDServ
     ``num_kv_blocks`` below the default makes a pool that fills up on purpose."""
     from ray import serve
 
-    config = PDServeConfig(port=SERVE_PORT, num_kv_blocks=num_kv_blocks, **fields)
+    config = PDServeConfig(**{"model": "tiny", "port": SERVE_PORT, "num_kv_blocks": num_kv_blocks,
+                              **fields})
     deploy(config)
     try:
         yield config
