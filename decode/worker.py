@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 from pdserve.engine.engine_host import EngineHost
-from pdserve.engine.kv_connector_base import KVConnectorBase
 from pdserve.kvconnector.pd_connector import PDConnector
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.worker_spec import WorkerSpec
+
+logger = logging.getLogger(__name__)
 
 
 class DecodeWorker(EngineHost):
@@ -24,5 +28,19 @@ class DecodeWorker(EngineHost):
                              f"has role {spec.role!r}")
         super().__init__(spec)
 
-    def make_connector(self, engine_config: EngineConfig) -> KVConnectorBase:
+    def make_connector(self, engine_config: EngineConfig) -> PDConnector:
         return PDConnector.for_engine(self.spec.connector, engine_config)
+
+    async def connect_prefill_workers(self, addresses: list[str]) -> list[str]:
+        """Handshakes with each prefill worker's KV service now (prewarm), so no user
+        request pays it; returns the addresses that answered (the others are logged)."""
+        connector = self.engine.connector
+        connected = []
+        for address in addresses:
+            try:
+                await asyncio.to_thread(connector.connect, address)
+            except Exception as error:  # noqa: BLE001 — reported as not connected
+                logger.warning("prewarm handshake with %s failed: %s", address, error)
+            else:
+                connected.append(address)
+        return connected

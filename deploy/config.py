@@ -39,6 +39,8 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # read only by the app builder (the `pdserve` driver, or the Serve build task on the cluster).
 KV_TRANSFER_SECRET_ENV = "PDSERVE_KV_TRANSFER_SECRET"
 MIN_KV_TRANSFER_SECRET_CHARS = 16
+# Chosen by bench/bench_conditional_disagg.py (README, "Benchmarks").
+DEFAULT_DISAGG_MIN_UNCACHED_TOKENS = 0
 
 
 class PDServeConfig(BaseModel):
@@ -99,6 +101,10 @@ class PDServeConfig(BaseModel):
                                                    "workers are lost (1: no retry)")
     retry_backoff_s: float = Field(0.5, ge=0, description="between those runs")
     max_load_imbalance: int = Field(4, ge=0)
+    disagg_min_uncached_tokens: int = Field(
+        DEFAULT_DISAGG_MIN_UNCACHED_TOKENS, ge=0,
+        description="a prompt whose uncached part on the best decode worker is shorter runs "
+                    "whole there, with no KV hand-off; 0: always disaggregate")
     # Ray.
     ray_address: str | None = Field(None, validation_alias=AliasChoices("ray_address", "address"),
                                     description="unset: start an embedded local cluster")
@@ -196,7 +202,8 @@ class PDServeConfig(BaseModel):
                              retry_after_s=self.retry_after_s,
                              worker_timeout_s=self.worker_timeout_s,
                              max_attempts=self.max_attempts,
-                             retry_backoff_s=self.retry_backoff_s)
+                             retry_backoff_s=self.retry_backoff_s,
+                             disagg_min_uncached_tokens=self.disagg_min_uncached_tokens)
 
     def engine_config(self, engine_id: str, device: str) -> EngineConfig:
         """The ``EngineConfig`` of one worker; only ``engine_id`` and ``device`` differ."""

@@ -279,6 +279,15 @@ class PDConnector(KVConnectorBase):
             logger.info("release of lease %s at %s failed (it will expire): %s",
                         params.lease_id, params.transfer_address, error)
 
+    def connect(self, address: str) -> str:
+        """Handshakes with the prefill worker at ``address`` now (decode side), replacing any
+        cached peer there, so the first request's pull does not pay it; its engine id."""
+        if self._client is None:
+            raise RuntimeError("connect() is for the consumer side, after register_kv_caches")
+        peer = self._client.handshake(address)
+        self._peers[address] = peer
+        return peer.engine_id
+
     def _peer(self, address: str) -> PeerInfo:
         peer = self._peers.get(address)
         if peer is None:

@@ -39,3 +39,8 @@ class PrefillWorker(EngineHost):
             connector_config = dataclasses.replace(connector_config,
                                                    host=ray.util.get_node_ip_address())
         return PDConnector.for_engine(connector_config, engine_config)
+
+    def kv_transfer_address(self) -> str | None:
+        """Where decode workers pull this worker's leased blocks (None: colocated)."""
+        connector = self.engine.connector
+        return connector.address if isinstance(connector, PDConnector) else None

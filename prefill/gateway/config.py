@@ -18,7 +18,9 @@ class GatewayConfig:
     worker of a needed kind is available. ``worker_timeout_s``: a worker that does not
     answer the gateway's event poll within it is taken out of routing until it answers.
     ``max_attempts``: runs of one request on a worker role before a lost worker fails it
-    (1: no retry), ``retry_backoff_s`` apart.
+    (1: no retry), ``retry_backoff_s`` apart. ``disagg_min_uncached_tokens``: a prompt whose
+    uncached part on the best decode worker is shorter runs whole there, with no hand-off
+    (conditional disaggregation); 0 always disaggregates.
     """
 
     model: str  # "tiny" or a local HF directory: the gateway loads only its tokenizer
@@ -31,6 +33,7 @@ class GatewayConfig:
     worker_timeout_s: float = 5.0
     max_attempts: int = 3
     retry_backoff_s: float = 0.5
+    disagg_min_uncached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_inflight_requests < 1:
@@ -38,6 +41,9 @@ class GatewayConfig:
                              f"got {self.max_inflight_requests}")
         if self.retry_after_s < 0 or self.worker_timeout_s <= 0:
             raise ValueError("retry_after_s must be >= 0 and worker_timeout_s positive")
+        if self.disagg_min_uncached_tokens < 0:
+            raise ValueError(f"disagg_min_uncached_tokens must be >= 0, got "
+                             f"{self.disagg_min_uncached_tokens}")
         if self.max_attempts < 1 or self.retry_backoff_s < 0:
             raise ValueError(f"max_attempts must be at least 1 and retry_backoff_s >= 0, got "
                              f"{self.max_attempts} and {self.retry_backoff_s}")

@@ -3,7 +3,9 @@
     POST /v1/completions        stream (SSE) or not; prompt as text or token ids
     POST /v1/chat/completions   stream (SSE) or not; messages rendered with the chat template
     GET  /v1/models        the one served model
-    GET  /health           200 while each role has an answering worker, else 503
+    GET  /health           200 while the gateway runs; names workers that do not answer
+    GET  /ready            200 once every role answers and every decode worker has handshaken
+                           with every prefill worker (prewarmed), else 503
     GET  /stats            JSON: gateway latencies, each worker's counters, totals
     GET  /metrics          Prometheus text (vLLM names where one exists)
 
@@ -221,16 +223,19 @@ class Gateway:
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        """200 while every role has an available worker; 503 names the unavailable ones."""
+        """200 while the gateway runs (liveness); the body names workers that do not answer."""
         orchestrator = await self._get_orchestrator()
-        router = orchestrator.router
-        unavailable = [w for w in self.workers.all if not router.is_available(w)]
-        serving = (any(router.is_available(w) for w in self.workers.prefill)
-                   and (not self.workers.decode
-                        or any(router.is_available(w) for w in self.workers.decode)))
-        return JSONResponse({"status": "ok" if serving else "unavailable",
-                             "model": orchestrator.model_name, "workers": len(self.workers.all),
-                             "unavailable": unavailable}, status_code=200 if serving else 503)
+        return JSONResponse({"status": "ok", "model": orchestrator.model_name,
+                             "workers": len(self.workers.all),
+                             "unavailable": orchestrator.readiness.report()["unavailable"]})
+
+    @app.get("/ready")
+    async def ready(self) -> JSONResponse:
+        """200 when every role has an answering worker and every decode worker has
+        handshaken with every prefill worker (readiness); else 503 saying what is missing."""
+        orchestrator = await self._get_orchestrator()
+        report = orchestrator.readiness.report()
+        return JSONResponse(report, status_code=200 if report["ready"] else 503)
 
     @app.get("/stats")
     async def stats(self) -> dict[str, Any]:

@@ -3,12 +3,15 @@
 Every ``EVENT_POLL_S`` the gateway asks each worker for its KV events since the router's
 cursor (``kv_events(next_seq)``). The poll doubles as the health check: a worker that fails
 it, or does not answer within ``worker_timeout_s``, leaves routing until it answers again.
+After each round, ``after_each_round`` runs (the readiness prewarm: it needs the workers'
+current instance ids, which the poll has just refreshed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 from pdserve.prefill.gateway.router import Router
 from pdserve.prefill.gateway.worker_pool import WorkerPool
@@ -19,13 +22,14 @@ EVENT_POLL_S = 0.25
 
 
 class KVEventPoller:
-    def __init__(self, workers: WorkerPool, router: Router, worker_timeout_s: float) -> None:
+    def __init__(self, workers: WorkerPool, router: Router, worker_timeout_s: float,
+                 after_each_round: Callable[[], Awaitable[None]]) -> None:
         self.workers = workers
         self.router = router
         self.worker_timeout_s = worker_timeout_s
+        self._after_each_round = after_each_round
         self._task: asyncio.Task | None = None
-        self._refreshing: set[str] = set()
-        self._one_off: set[asyncio.Task] = set()  # refreshes asked for by requests
+        self._locks = {worker_id: asyncio.Lock() for worker_id in workers.all}
 
     def start(self) -> None:
         if self._task is None:
@@ -33,21 +37,23 @@ class KVEventPoller:
 
     async def _poll_forever(self) -> None:
         while True:
-            await asyncio.gather(*(self.refresh(w) for w in self.workers.all),
+            await asyncio.gather(*(self._poll_one(w) for w in self.workers.all),
                                  return_exceptions=True)
+            await self._after_each_round()
             await asyncio.sleep(EVENT_POLL_S)
 
-    def refresh_soon(self, worker_id: str) -> None:
-        """A refresh now, not at the next poll (a request just changed the worker's cache)."""
-        task = asyncio.get_running_loop().create_task(self.refresh(worker_id))
-        self._one_off.add(task)
-        task.add_done_callback(self._one_off.discard)
+    async def _poll_one(self, worker_id: str) -> None:
+        if not self._locks[worker_id].locked():  # the poll skips a worker already being read
+            await self.refresh(worker_id)
 
     async def refresh(self, worker_id: str) -> None:
-        """Pulls one worker's new KV events into the router (one refresh per worker at a time)."""
-        if worker_id in self._refreshing:
-            return
-        self._refreshing.add(worker_id)
+        """Pulls one worker's new KV events into the router, after any read in progress:
+        a request that just finished there calls it, so the next request routes by what
+        this one left in the worker's cache."""
+        async with self._locks[worker_id]:
+            await self._read_events(worker_id)
+
+    async def _read_events(self, worker_id: str) -> None:
         try:
             batch = await asyncio.wait_for(
                 self.workers.call(worker_id, "kv_events", self.router.next_seq(worker_id)),
@@ -60,5 +66,3 @@ class KVEventPoller:
             if self.router.is_available(worker_id):
                 logger.warning("worker %s is unavailable: %r", worker_id, error)
             self.router.set_available(worker_id, False)
-        finally:
-            self._refreshing.discard(worker_id)

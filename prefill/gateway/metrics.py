@@ -30,6 +30,7 @@ class GatewayMetrics:
         self.finished_by_reason: Counter[str] = Counter()
         self.rejected_by_status: Counter[str] = Counter()
         self.num_retries = 0
+        self.num_requests_prefilled_on_decode = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.time_to_first_token = LatencyHistogram(TTFT_BUCKETS_S)

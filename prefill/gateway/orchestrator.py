@@ -41,10 +41,19 @@ from pdserve.messages.worker_stats import WorkerStats
 from pdserve.prefill.gateway.config import GatewayConfig
 from pdserve.prefill.gateway.kv_event_poller import KVEventPoller
 from pdserve.prefill.gateway.metrics import GatewayMetrics, stats_report
-from pdserve.prefill.gateway.openai_schema import (APIError, ParsedCompletion,
-                                                   no_worker_available, too_many_requests)
+from pdserve.prefill.gateway.openai_schema import (
+    APIError,
+    ParsedCompletion,
+    no_worker_available,
+    too_many_requests,
+)
+from pdserve.prefill.gateway.readiness import Readiness
 from pdserve.prefill.gateway.router import NoWorkerAvailable, Router
-from pdserve.prefill.gateway.stream_emitter import ReplayDiverged, StreamDelta, StreamEmitter
+from pdserve.prefill.gateway.stream_emitter import (
+    ReplayDiverged,
+    StreamDelta,
+    StreamEmitter,
+)
 from pdserve.prefill.gateway.worker_pool import WorkerPool
 from pdserve.tokenizer.tokenizer import Tokenizer
 
@@ -74,6 +83,8 @@ class RequestRun:
     block_hashes: list[BlockHash]
     emitter: StreamEmitter
     remote_decode: bool  # the prefill worker hands off to a decode worker
+    # Conditional disaggregation: the decode worker that runs the whole request (no hand-off).
+    local_decode_id: str | None = None
     prefill_id: str = ""
     decode_id: str = ""
     last_prefill_chunk: GenerationChunk | None = None
@@ -98,7 +109,9 @@ class RequestOrchestrator:
         self.model_name = config.model_name
         self.hasher = BlockHasher(model_info.hash_algorithm, model_info.hash_seed)
         self.router = Router(list(workers.prefill), list(workers.decode), config.max_load_imbalance)
-        self.poller = KVEventPoller(workers, self.router, config.worker_timeout_s)
+        self.readiness = Readiness(workers, self.router, config.worker_timeout_s)
+        self.poller = KVEventPoller(workers, self.router, config.worker_timeout_s,
+                                    after_each_round=self.readiness.prewarm)
         self.metrics = GatewayMetrics(self.model_name)
         self._seed_rng = random.SystemRandom()
         self._lease_releases: set[asyncio.Task] = set()
@@ -163,6 +176,7 @@ class RequestOrchestrator:
                                                          cache_salt=cache_salt),
             emitter=StreamEmitter(params.stop, len(token_ids), self.metrics, start),
             remote_decode=params.max_tokens > 1 and self.router.has_decode_workers())
+        self.decide_disaggregation(run)
         async for delta in self.prefill(run):
             yield delta
         if not run.needs_decode:
@@ -178,13 +192,35 @@ class RequestOrchestrator:
                 # The decode side may never pull: free the prefill's lease now, not at expiry.
                 self.release_lease(run)
 
+    def decide_disaggregation(self, run: RequestRun) -> None:
+        """Runs a request whole on a decode worker when what that worker would compute
+        (the prompt minus its cached prefix, per the router's index) is shorter than
+        ``disagg_min_uncached_tokens``: the hand-off would cost more than it saves."""
+        threshold = self.config.disagg_min_uncached_tokens
+        if not run.remote_decode or not threshold:
+            return
+        try:
+            choice = self.router.pick_decode_by_prefix(run.block_hashes)
+        except NoWorkerAvailable:
+            return  # the prefill phase answers 503 with the usual message
+        cached_tokens = choice.num_matched_blocks * self.model_info.block_size
+        if len(run.token_ids) - cached_tokens < threshold:
+            run.remote_decode = False
+            run.local_decode_id = choice.worker_id
+            self.metrics.num_requests_prefilled_on_decode += 1
+
     async def prefill(self, run: RequestRun) -> AsyncIterator[StreamDelta]:
-        """The prefill worker's stream: the first token (or, colocated, every token)."""
+        """The prefill worker's stream: the first token (or, colocated or run whole on a
+        decode worker, every token)."""
         params = dataclasses.replace(run.params, max_tokens=1) if run.remote_decode else run.params
         request = WorkerRequest(run.request_id, run.token_ids, params,
                                 remote_decode=run.remote_decode, cache_salt=run.cache_salt)
         for attempt in range(self.config.max_attempts):
-            run.prefill_id = self.route("prefill", run.block_hashes)
+            if run.local_decode_id is not None:
+                run.prefill_id = self.route("decode", run.block_hashes,
+                                            fallback=run.local_decode_id if attempt else None)
+            else:
+                run.prefill_id = self.route("prefill", run.block_hashes)
             if run.remote_decode:
                 self.route("decode", run.block_hashes)  # 503 now, before any token, when none is up
             try:
@@ -293,6 +329,8 @@ class RequestOrchestrator:
                                    "mid-stream" if answered else "before answering", error)
                     raise WorkerLost(worker_id, answered, error) from None
                 answered = True
+                if chunk.finished:  # the next request routes by what this one cached
+                    await self.poller.refresh(worker_id)
                 if chunk.error is not None:
                     if first and chunk.refused:
                         raise APIError(400, chunk.error)
@@ -303,8 +341,6 @@ class RequestOrchestrator:
                 yield chunk
         finally:
             self.router.end(worker_id)
-            if first:
-                self.poller.refresh_soon(worker_id)
             if not finished:
                 with contextlib.suppress(Exception):
                     stream.cancel()  # the client went away: abort on the worker

@@ -114,6 +114,11 @@ class Router:
             if worker_id in ids:
                 ids.remove(worker_id)
 
+    def instance_id(self, worker_id: str) -> str | None:
+        """The worker instance the router last heard from (None: not yet, or removed)."""
+        index = self._workers.get(worker_id)
+        return index.instance_id if index is not None else None
+
     def set_available(self, worker_id: str, available: bool) -> None:
         """Takes a worker out of routing (it stopped answering) or puts it back."""
         if worker_id in self._workers:
@@ -154,6 +159,12 @@ class Router:
         if not self._decode_ids:
             return None
         return self._pick("decode", self._decode_ids, block_hashes, HeldBlocks.count_held)
+
+    def pick_decode_by_prefix(self, block_hashes: list[BlockHash]) -> RouteChoice:
+        """The decode worker with the longest cached prefix of ``block_hashes``: where a
+        request would run whole if the gateway skips the prefill worker (conditional
+        disaggregation). Raises ``NoWorkerAvailable`` when none is available."""
+        return self._pick("decode", self._decode_ids, block_hashes, HeldBlocks.prefix_match)
 
     def _pick(self, role: str, all_ids: list[str], block_hashes: list[BlockHash],
               score) -> RouteChoice:

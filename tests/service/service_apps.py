@@ -130,6 +130,20 @@ def wait_until_restarted(config: PDServeConfig, worker_id: str, old_instance_id:
         time.sleep(0.25)
 
 
+def wait_until_ready(config: PDServeConfig, timeout_s: float = 60.0) -> dict:
+    """Polls ``/ready`` until it answers 200 (every role answers, every decode worker has
+    handshaken with every prefill worker); returns its body, or raises with the last one."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            return get_json(config, "/ready")
+        except urllib.error.HTTPError as error:
+            report = json.loads(error.read())
+        if time.time() > deadline:
+            raise TimeoutError(f"not ready within {timeout_s} s: {report}")
+        time.sleep(0.2)
+
+
 def open_stream(config: PDServeConfig, body: dict, timeout_s: float = 60.0):
     """POSTs a streamed completion on a raw connection: (connection, response); the caller
     reads SSE lines with ``read_event`` and may close the connection mid-stream."""

@@ -15,7 +15,7 @@ import pytest
 
 from pdserve.messages.sampling_params import SamplingParams
 from pdserve.proto import generate_pb2, generate_pb2_grpc
-from service_apps import openai_client, post_completion, assert_completions_equal_colocated, free_port, running_app
+from service_apps import openai_client, post_completion, assert_completions_equal_colocated, free_port, running_app, wait_until_ready
 from load_driver import get_json, is_drained, wait_until_drained
 
 GRPC_PORT = free_port()
@@ -35,6 +35,11 @@ def service(ray_cluster):
 @pytest.fixture(scope="module")
 def client(service):
     return openai_client(service)
+
+
+def test_ready_once_the_decode_worker_has_handshaken_with_the_prefill_worker(service):
+    report = wait_until_ready(service)
+    assert report["ready"] and report["missing_handshakes"] == [] and report["unavailable"] == []
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.7, seed=7)],

@@ -14,7 +14,7 @@ import pytest
 
 from pdserve.deploy.cluster import base_url
 from pdserve.messages.sampling_params import SamplingParams
-from service_apps import openai_client, assert_completions_equal_colocated, expected_text, running_app
+from service_apps import openai_client, assert_completions_equal_colocated, expected_text, running_app, wait_until_ready
 from load_driver import get_json, is_drained, wait_until_drained
 
 PREFIX = "System: you are a careful assistant who answers in one short line. User asks: "
@@ -85,6 +85,11 @@ def test_bad_input_gets_4xx_with_a_message_and_the_service_keeps_serving(client,
         assert caught.value.code == status
         assert json.loads(caught.value.read())["error"]["message"]
     assert client.completions.create(model="tiny", prompt="still here?", max_tokens=2).choices
+
+
+def test_ready_once_every_decode_worker_has_handshaken_with_every_prefill_worker(service):
+    report = wait_until_ready(service)
+    assert report["ready"] and report["missing_handshakes"] == [] and report["unavailable"] == []
 
 
 def test_models_health_and_metrics_answer(service):

@@ -13,7 +13,7 @@ import concurrent.futures
 
 import pytest
 from load_driver import is_drained, wait_until_drained
-from service_apps import openai_client, running_app
+from service_apps import openai_client, running_app, wait_until_ready
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kvconnector.nixl_transport import nixl_available
@@ -55,6 +55,8 @@ def test_greedy_chat_replies_equal_the_colocated_engine(ray_cluster, expected_re
     with running_app(model="smollm2", num_prefill=num_prefill, num_decode=num_decode,
                      transport=transport, num_kv_blocks=NUM_KV_BLOCKS, app_name=name,
                      route_prefix=f"/{name}") as config:
+        report = wait_until_ready(config)
+        assert report["ready"] and report["missing_handshakes"] == []
         client = openai_client(config)
 
         def ask(messages):

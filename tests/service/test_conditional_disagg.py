@@ -1,0 +1,48 @@
+"""Conditional disaggregation on a 1 + 1 app: a prompt whose uncached part on the decode
+worker is under ``disagg_min_uncached_tokens`` runs whole on the decode worker, with no KV
+moved; a longer one is disaggregated. Both give the colocated engine's tokens."""
+
+from __future__ import annotations
+
+import pytest
+from load_driver import get_json, is_drained, wait_until_drained
+from service_apps import expected_text, openai_client, running_app
+
+from pdserve.messages.sampling_params import SamplingParams
+
+THRESHOLD = 48
+LONG = "A long shared preamble about caches, blocks and leases, " * 4  # ≈ 220 tokens
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster):
+    with running_app(num_prefill=1, num_decode=1, app_name="cond11", route_prefix="/cond11",
+                     disagg_min_uncached_tokens=THRESHOLD) as config:
+        yield config
+
+
+def moved_and_local(config) -> tuple[int, int]:
+    stats = get_json(config, "/stats")
+    return (stats["totals"]["num_blocks_received"],
+            stats["gateway"]["num_requests_prefilled_on_decode"])
+
+
+def ask(config, prompt: str) -> str:
+    return openai_client(config).completions.create(model="tiny", prompt=prompt, max_tokens=8,
+                                                    temperature=0).choices[0].text
+
+
+def test_short_prompts_run_on_the_decode_worker_and_long_ones_disaggregate(service, colocated):
+    params = SamplingParams(max_tokens=8, temperature=0)
+    moved, local = moved_and_local(service)
+    # Long and new: most of it is uncached on the decode worker, so it is disaggregated.
+    assert ask(service, LONG + "first") == expected_text(colocated, LONG + "first", params)
+    moved_after, local_after = moved_and_local(service)
+    assert moved_after > moved and local_after == local
+    # The decode worker now holds the preamble: the same prefix with a new tail stays local.
+    wait_until_drained(service)  # its KV events have reached the router's index
+    assert ask(service, LONG + "second") == expected_text(colocated, LONG + "second", params)
+    # Short and new: under the threshold even with nothing cached.
+    assert ask(service, "short one") == expected_text(colocated, "short one", params)
+    assert moved_and_local(service) == (moved_after, local_after + 2)
+    assert all(is_drained(w) for w in wait_until_drained(service))
