@@ -1,168 +1,135 @@
-"""pdserve serving benchmark: a bounded load through the gateway, disaggregated vs colocated.
+"""pdserve serving benchmark: disaggregated (1 prefill + 1 decode) against colocated serving
+with the same number of engine processes (2 colocated workers) and torch threads.
 
-One local Ray cluster, two apps run one after the other on the same request list:
+Two loads, each run against both apps, the apps interleaved over ``--reps`` repetitions
+(order alternating) on one local Ray cluster; medians of the repetitions are printed side
+by side with P/D / colocated ratios. Failed requests are counted and printed.
 
-- ``disagg``: 1 prefill + 1 decode worker (KV moved over the chosen transport);
-- ``coloc``:  1 colocated worker (prefill and decode in one engine), the baseline.
+- ``interference`` (DistServe's case for disaggregation): ``--streams`` clients each stream
+  short prompts with ``--stream-tokens`` output tokens one after another, while a long prompt
+  (``--long-chars`` tokens) arrives every ``--long-every-s``. Decode ITL is measured on the
+  streams alone; TTFT for short and long prompts apart.
+- ``shared-prefix``: Poisson arrivals, most prompts starting with one of a few shared
+  prefixes; TTFT, ITL, output tokens/s and the prefix-cache hit rate.
 
-Requests arrive as a Poisson process at ``--rate`` per second, at most ``--concurrency`` in
-flight; a ``--shared-prefix-ratio`` share of them starts with one of a few shared prefixes.
-Each is streamed over HTTP (SSE) with EOS ignored, so every request yields ``--max-tokens``.
-
-Reported per app: TTFT (first SSE event), TPOT (a request's mean inter-token latency,
-(last - first) / (tokens - 1)), per-request decode throughput, all p50/p99; the gateway's own
-inter-token p50/p99; overall output tokens/s; and the workers' prefix-cache hit rate. Then
-disagg / coloc ratios. Run: python bench/bench_serve.py   (≈ 1 minute on 2 cores)
+Run: python bench/bench_serve.py   (≈ 4 minutes on 2 cores; ``--loads interference`` for one)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
+import statistics
 import string
-import threading
-import time
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+import sys
+from pathlib import Path
 
-from pdserve.deploy.cluster import base_url, configure_ray_env, deploy, init_ray
-from pdserve.deploy.config import PDServeConfig
+sys.path.insert(0, str(Path(__file__).parent))
 
+from serve_load import Planned, poisson_delays, print_failures, run_load, summarize  # noqa: E402
 
-@dataclass(slots=True)
-class Result:
-    ttft_s: float
-    tpot_s: float
-    tokens_per_s: float
-    num_tokens: int
+from pdserve.deploy.cluster import base_url, configure_ray_env, deploy, init_ray  # noqa: E402
+from pdserve.deploy.config import PDServeConfig  # noqa: E402
+from pdserve.deploy.http_client import ServiceClient  # noqa: E402
+
+SHAPES = {"pd": dict(num_prefill=1, num_decode=1), "coloc": dict(num_prefill=2, num_decode=0)}
 
 
-def make_prompts(args: argparse.Namespace) -> list[str]:
+def text(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(string.ascii_letters + " ") for _ in range(n))
+
+
+def interference_load(args) -> tuple[list[Planned], list[list[Planned]]]:
+    """(long-prompt arrivals, one closed-loop lane of short streams per client)."""
     rng = random.Random(args.seed)
-
-    def text(n: int) -> str:
-        return "".join(rng.choice(string.ascii_letters + " ") for _ in range(n))
-
-    prefixes = [text(args.prefix_chars) for _ in range(args.num_prefixes)]
-    prompts = []
-    for _ in range(args.num_requests):
-        if rng.random() < args.shared_prefix_ratio:
-            prompts.append(rng.choice(prefixes) + text(args.suffix_chars))
-        else:
-            prompts.append(text(args.prefix_chars + args.suffix_chars))
-    return prompts
+    num_long = int(args.duration_s / args.long_every_s)
+    arrivals = [Planned("long", text(rng, args.long_chars), args.long_tokens,
+                        args.long_every_s if i else 0.2) for i in range(num_long)]
+    per_lane = max(1, int(args.duration_s * 1.2 / (args.stream_tokens * 0.02)))
+    lanes = [[Planned("short", text(rng, args.short_chars), args.stream_tokens)
+              for _ in range(per_lane)] for _ in range(args.streams)]
+    return arrivals, lanes
 
 
-def stream_one(url: str, prompt: str, max_tokens: int) -> Result:
-    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
-                       "temperature": 0, "ignore_eos": True, "stream": True}).encode()
-    request = urllib.request.Request(f"{url}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-    start = time.perf_counter()
-    first = last = None
-    with urllib.request.urlopen(request, timeout=120) as response:
-        for line in response:
-            if line.startswith(b"data: {"):
-                last = time.perf_counter()
-                first = first or last
-    assert first is not None and last is not None, "the stream carried no event"
-    decode_s = max(last - first, 1e-9)
-    return Result(first - start, decode_s / (max_tokens - 1), (max_tokens - 1) / decode_s,
-                  max_tokens)
-
-
-def run_load(url: str, prompts: list[str], args: argparse.Namespace) -> tuple[list[Result], float]:
-    """Poisson arrivals at ``rate``, at most ``concurrency`` in flight; returns results, wall s."""
+def shared_prefix_load(args) -> tuple[list[Planned], list[list[Planned]]]:
     rng = random.Random(args.seed + 1)
-    gate = threading.Semaphore(args.concurrency)
-    results: list[Result] = []
-
-    def task(prompt: str) -> None:
-        try:
-            results.append(stream_one(url, prompt, args.max_tokens))
-        finally:
-            gate.release()
-
-    start = time.perf_counter()
-    with ThreadPoolExecutor(args.concurrency) as pool:
-        for prompt in prompts:
-            time.sleep(rng.expovariate(args.rate))
-            gate.acquire()
-            pool.submit(task, prompt)
-    return results, time.perf_counter() - start
+    prefixes = [text(rng, args.prefix_chars) for _ in range(4)]
+    arrivals = []
+    for delay in poisson_delays(args.num_requests, args.rate, args.seed):
+        tag = "shared" if rng.random() < 0.75 else "fresh"
+        head = rng.choice(prefixes) if tag == "shared" else text(rng, args.prefix_chars)
+        arrivals.append(Planned(tag, head + text(rng, 32), args.stream_tokens, delay))
+    return arrivals, []
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] if ordered else 0.0
+LOADS = {"interference": interference_load, "shared-prefix": shared_prefix_load}
 
 
-def measure(name: str, config: PDServeConfig, prompts: list[str], args) -> dict[str, float]:
+def measure(load: str, shape: str, rep: int, args) -> dict[str, float]:
     from ray import serve
 
-    seconds = deploy(config)
+    name = f"{shape}{rep}{load[:5]}"
+    config = PDServeConfig(model="tiny", port=args.port, app_name=name, route_prefix=f"/{name}",
+                           num_kv_blocks=2048, transport=args.transport,
+                           disagg_min_uncached_tokens=0, **SHAPES[shape])
+    deploy(config)
     url = base_url(config)
+    arrivals, lanes = LOADS[load](args)
     try:
-        stream_one(url, "warm up the workers", 4)
-        results, wall_s = run_load(url, prompts, args)
-        time.sleep(0.3)
-        with urllib.request.urlopen(f"{url}/stats") as response:
-            stats = json.loads(response.read())
+        results, wall_s = run_load(url, "tiny", arrivals, args.concurrency, lanes=lanes)
+        client = ServiceClient(url)
+        hit_rate = client.get("/stats")["totals"]["prefix_cache_hit_rate"]
+        client.close()
     finally:
         serve.delete(config.app_name)
-    row = {"up_s": seconds}
-    for key, values in (("ttft", [r.ttft_s for r in results]), ("tpot", [r.tpot_s for r in results]),
-                        ("req_tok_s", [r.tokens_per_s for r in results])):
-        row[f"{key}_p50"] = percentile(values, 50)
-        row[f"{key}_p99"] = percentile(values, 99)
-    row["gw_itl_p50"] = stats["gateway"]["itl_p50_s"]
-    row["gw_itl_p99"] = stats["gateway"]["itl_p99_s"]
-    row["out_tok_s"] = sum(r.num_tokens for r in results) / wall_s
-    row["hit_rate"] = stats["totals"]["prefix_cache_hit_rate"]
-    row["requests"] = len(results)
-    print(f"{name:>7}: {len(results)} requests in {wall_s:.1f}s (up in {seconds:.1f}s)", flush=True)
+    print_failures(name, results)
+    row = summarize(results, wall_s, itl_tags=["short"] if load == "interference" else None)
+    row["hit_rate"] = hit_rate
+    print(f"  {load} {shape} rep {rep}: {len(results)} requests in {wall_s:.1f}s", flush=True)
     return row
 
 
-_ROWS = [("TTFT p50 ms", "ttft_p50", 1000), ("TTFT p99 ms", "ttft_p99", 1000),
-         ("TPOT p50 ms", "tpot_p50", 1000), ("TPOT p99 ms", "tpot_p99", 1000),
-         ("gateway ITL p50 ms", "gw_itl_p50", 1000), ("gateway ITL p99 ms", "gw_itl_p99", 1000),
-         ("req decode tok/s p50", "req_tok_s_p50", 1), ("req decode tok/s p99", "req_tok_s_p99", 1),
-         ("output tok/s (all)", "out_tok_s", 1), ("prefix-cache hit %", "hit_rate", 100)]
+def print_table(load: str, rows: dict[str, list[dict[str, float]]]) -> None:
+    medians = {shape: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+               for shape, runs in rows.items()}
+    keys = [k for k in medians["pd"] if k != "requests"]
+    print(f"\n{load}: median of {len(rows['pd'])} repetitions")
+    print(f"{'':>22}{'P/D 1+1':>12}{'coloc 2':>12}{'P/D/coloc':>11}")
+    for key in keys:
+        scale = 100 if key == "hit_rate" else 1000 if key.startswith(("ttft", "itl")) else 1
+        unit = " %" if key == "hit_rate" else " ms" if scale == 1000 else ""
+        a, b = medians["pd"][key], medians["coloc"][key]
+        ratio = f"{a / b:.2f}" if b else "-"
+        print(f"{key + unit:>22}{a * scale:>12.1f}{b * scale:>12.1f}{ratio:>11}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rate", type=float, default=6.0, help="requests per second (Poisson)")
-    parser.add_argument("--concurrency", type=int, default=8, help="most requests in flight")
+    parser.add_argument("--loads", nargs="+", choices=list(LOADS), default=list(LOADS))
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--duration-s", type=float, default=8.0)
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--stream-tokens", type=int, default=48)
+    parser.add_argument("--short-chars", type=int, default=24, help="≈ tokens (byte tokenizer)")
+    parser.add_argument("--long-chars", type=int, default=1800)
+    parser.add_argument("--long-tokens", type=int, default=4)
+    parser.add_argument("--long-every-s", type=float, default=0.5)
     parser.add_argument("--num-requests", type=int, default=48)
-    parser.add_argument("--shared-prefix-ratio", type=float, default=0.75)
-    parser.add_argument("--num-prefixes", type=int, default=4)
-    parser.add_argument("--prefix-chars", type=int, default=256, help="≈ tokens (byte tokenizer)")
-    parser.add_argument("--suffix-chars", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rate", type=float, default=6.0)
+    parser.add_argument("--prefix-chars", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--transport", choices=["grpc", "nixl"], default="grpc")
     parser.add_argument("--port", type=int, default=8050)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     configure_ray_env()
     init_ray(None, num_cpus=2)
-    prompts = make_prompts(args)
-    print(f"{args.num_requests} requests, rate {args.rate}/s, concurrency {args.concurrency}, "
-          f"shared-prefix ratio {args.shared_prefix_ratio}, {args.prefix_chars}+{args.suffix_chars} "
-          f"prompt chars, {args.max_tokens} output tokens, transport {args.transport}")
-    common = dict(port=args.port, transport=args.transport, num_kv_blocks=1024)
-    disagg = measure("disagg", PDServeConfig(model="tiny", num_prefill=1, num_decode=1, app_name="disagg",
-                                             route_prefix="/disagg", **common), prompts, args)
-    coloc = measure("coloc", PDServeConfig(model="tiny", num_prefill=1, num_decode=0, app_name="coloc",
-                                           route_prefix="/coloc", **common), prompts, args)
-    print(f"\n{'':>22}  {'disagg 1+1':>10}  {'coloc 1':>10}  {'disagg/coloc':>12}")
-    for label, key, scale in _ROWS:
-        a, b = disagg[key] * scale, coloc[key] * scale
-        ratio = f"{a / b:.2f}" if b else "-"
-        print(f"{label:>22}  {a:>10.1f}  {b:>10.1f}  {ratio:>12}")
+    for load in args.loads:
+        rows: dict[str, list[dict[str, float]]] = {"pd": [], "coloc": []}
+        for rep in range(args.reps):
+            for shape in (("pd", "coloc") if rep % 2 == 0 else ("coloc", "pd")):
+                rows[shape].append(measure(load, shape, rep, args))
+        print_table(load, rows)
 
 
 if __name__ == "__main__":

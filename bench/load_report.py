@@ -54,7 +54,8 @@ def main() -> int:
     init_ray(None, num_cpus=2)
     from ray import serve
 
-    config = PDServeConfig(model="tiny", num_prefill=args.prefill, num_decode=args.decode,
+    config = PDServeConfig(model="tiny", disagg_min_uncached_tokens=0,
+                           num_prefill=args.prefill, num_decode=args.decode,
                            transport=args.transport, num_kv_blocks=args.num_kv_blocks,
                            max_inflight_requests=args.max_inflight_requests, port=args.port,
                            app_name="load", route_prefix="/load")

@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         PDServeConfig.add_cli_flags(sub)
         sub.set_defaults(func=func)
         if name == "demo":
-            sub.set_defaults(num_prefill=1, num_decode=1, port=8000)
+            # The demo shows the KV plane: every question is disaggregated.
+            sub.set_defaults(num_prefill=1, num_decode=1, port=8000, disagg_min_uncached_tokens=0)
     for name, func in (("down", cmd_down), ("status", cmd_status)):
         sub = commands.add_parser(name)
         sub.add_argument("--address", help="Ray address (default: the local `pdserve up`, else auto)")

@@ -34,11 +34,13 @@ SERVE_PORT = free_port()
 def running_app(num_kv_blocks: int = NUM_KV_BLOCKS, **fields) -> Iterator[PDServeConfig]:
     """Deploys one pdserve app on the shared cluster; deletes it afterwards.
 
-    ``num_kv_blocks`` below the default makes a pool that fills up on purpose."""
+    ``num_kv_blocks`` below the default makes a pool that fills up on purpose; every
+    request is disaggregated unless ``disagg_min_uncached_tokens`` is given."""
     from ray import serve
 
+    # Always disaggregate unless a test says otherwise: most tests specify the hand-off.
     config = PDServeConfig(**{"model": "tiny", "port": SERVE_PORT, "num_kv_blocks": num_kv_blocks,
-                              **fields})
+                              "disagg_min_uncached_tokens": 0, **fields})
     deploy(config)
     try:
         yield config
