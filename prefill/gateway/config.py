@@ -18,7 +18,8 @@ class GatewayConfig:
     worker of a needed kind is available. ``worker_timeout_s``: a worker that does not
     answer the gateway's event poll within it is taken out of routing until it answers.
     ``max_attempts``: runs of one request on a worker role before a lost worker fails it
-    (1: no retry), ``retry_backoff_s`` apart.
+    (1: no retry), ``retry_backoff_s`` apart. ``num_recent_requests``: finished requests
+    whose KV provenance ``GET /v1/requests`` and the dashboard keep.
     """
 
     model: str  # "tiny" or a local HF directory: the gateway loads only its tokenizer
@@ -31,6 +32,7 @@ class GatewayConfig:
     worker_timeout_s: float = 5.0
     max_attempts: int = 3
     retry_backoff_s: float = 0.5
+    num_recent_requests: int = 256
 
     def __post_init__(self) -> None:
         if self.max_inflight_requests < 1:

@@ -193,10 +193,15 @@ def completion_response(request_id: str, model: str, text: str, finish_reason: s
                         num_prompt_tokens: int, num_output_tokens: int,
                         num_cached_tokens: int) -> dict[str, Any]:
     body = completion_chunk(request_id, model, int(time.time()), text, finish_reason)
-    body["usage"] = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
-                     "total_tokens": num_prompt_tokens + num_output_tokens,
-                     "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+    body["usage"] = usage(num_prompt_tokens, num_output_tokens, num_cached_tokens)
     return body
+
+
+def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's ``usage`` object (a whole response's, or a stream's last chunk's)."""
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
+            "total_tokens": num_prompt_tokens + num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
 
 
 def models_response(model: str, created: int) -> dict[str, Any]:
