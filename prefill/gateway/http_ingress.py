@@ -5,6 +5,8 @@
     GET  /health           200 while each role has an answering worker, else 503
     GET  /stats            JSON: gateway latencies, each worker's counters, totals
     GET  /metrics          Prometheus text (vLLM names where one exists)
+    GET  /v1/requests[/id] recent requests' KV provenance; GET /dashboard: the live page
+                           (both in ``dashboard.py``)
 
 Refusals are OpenAI-style error bodies: 400/404 for bad input (413 for a body over
 ``MAX_REQUEST_BYTES``, 415 for one that is not declared JSON), 429 with ``Retry-After``
@@ -30,10 +32,12 @@ from ray import serve
 from sse_starlette import EventSourceResponse
 
 from pdserve.prefill.gateway.config import GatewayConfig
+from pdserve.prefill.gateway.dashboard import (DEFAULT_LIMIT, dashboard_router,
+                                               recent_requests_body, request_provenance_response)
 from pdserve.prefill.gateway.grpc_ingress import start_grpc_server
 from pdserve.prefill.gateway.openai_schema import (MAX_REQUEST_BYTES, APIError, completion_chunk,
                                                    completion_response, models_response,
-                                                   parse_completion, request_too_large)
+                                                   parse_completion, request_too_large, usage)
 from pdserve.prefill.gateway.orchestrator import RequestOrchestrator
 from pdserve.prefill.gateway.stream_emitter import StreamDelta
 from pdserve.prefill.gateway.worker_pool import WorkerPool
@@ -42,6 +46,7 @@ from pdserve.tokenizer.loading import load_tokenizer
 logger = logging.getLogger(__name__)
 
 app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+app.include_router(dashboard_router)
 
 
 def _error_response(orchestrator: RequestOrchestrator, error: APIError) -> Response:
@@ -97,6 +102,11 @@ async def _sse_events(orchestrator: RequestOrchestrator, request_id: str, first:
         while True:
             chunk = completion_chunk(request_id, orchestrator.model_name, created, delta.text,
                                      delta.finish_reason)
+            if delta.kv_provenance is not None:  # the last chunk: usage and where KV came from
+                record = delta.kv_provenance
+                chunk["usage"] = usage(record.num_prompt_tokens, record.num_output_tokens,
+                                       delta.num_cached_tokens)
+                chunk["kv_provenance"] = record.to_json()
             yield {"data": json.dumps(chunk)}
             if delta.finish_reason is not None:
                 break
@@ -179,14 +189,25 @@ class Gateway:
         finally:
             await stream.aclose()  # a cancelled request (client gone) aborts on the workers
             orchestrator.release()
-        return JSONResponse(completion_response(
+        body = completion_response(
             request_id, orchestrator.model_name, "".join(d.text for d in deltas),
             deltas[-1].finish_reason, first.num_prompt_tokens,
-            sum(len(d.token_ids) for d in deltas), deltas[-1].num_cached_tokens))
+            sum(len(d.token_ids) for d in deltas), deltas[-1].num_cached_tokens)
+        if deltas[-1].kv_provenance is not None:
+            body["kv_provenance"] = deltas[-1].kv_provenance.to_json()
+        return JSONResponse(body)
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
         return models_response(self.config.model_name, self._created)
+
+    @app.get("/v1/requests")
+    async def recent_requests(self, limit: int = DEFAULT_LIMIT) -> dict[str, Any]:
+        return recent_requests_body((await self._get_orchestrator()).recent, limit)
+
+    @app.get("/v1/requests/{request_id}")
+    async def request_provenance(self, request_id: str) -> JSONResponse:
+        return request_provenance_response((await self._get_orchestrator()).recent, request_id)
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
