@@ -5,6 +5,7 @@
                                                                   # the Serve app stays up (detached)
     pdserve generate "Once upon a time" --max-tokens 32           # streams over HTTP
     pdserve stats                                                 # per-worker table
+    pdserve stats --watch                                         # ... redrawn every 2 s, with rates
     pdserve status                                                # the app's deployments and replicas
     pdserve down --address auto                                   # deletes the app
     pdserve demo                                                  # up (1+1), a burst of shared-prefix prompts,
@@ -154,6 +155,11 @@ def format_stats(stats: dict) -> str:
 
 
 def cmd_stats(args) -> int:
+    if args.watch:
+        from pdserve.deploy.stats_watch import watch
+
+        return watch(lambda: _get_json(f"{_url(args)}/stats"), format_stats, args.interval,
+                     args.count)
     stats = _get_json(f"{_url(args)}/stats")
     print(json.dumps(stats, indent=2) if args.json else format_stats(stats))
     return 0
@@ -223,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int)
     stats = commands.add_parser("stats")
     stats.add_argument("--json", action="store_true")
+    stats.add_argument("--watch", action="store_true",
+                       help="redraw the table in place, with rates over the last interval")
+    stats.add_argument("--interval", type=float, default=2.0, help="seconds between frames")
+    stats.add_argument("--count", type=int, help="frames to draw (default: until Ctrl-C)")
     for sub in (gen, stats):
         sub.add_argument("--url", default="http://127.0.0.1:8000")
     gen.set_defaults(func=cmd_generate)
