@@ -7,6 +7,7 @@
     pdserve generate --chat "What is the capital of France?"      # a chat reply, streamed
     pdserve chat                                                  # an interactive conversation
     pdserve stats                                                 # per-worker table
+    pdserve stats --watch                                         # ... redrawn every 2 s, with rates
     pdserve status                                                # the app's deployments and replicas
     pdserve down --address auto                                   # deletes the app
     pdserve demo                                                  # up (1+1), real questions sharing a long
@@ -155,6 +156,10 @@ def _system(args) -> list[dict[str, str]]:
 def cmd_stats(args) -> int:
     client = ServiceClient(args.url)
     try:
+        if args.watch:
+            from pdserve.deploy.stats_watch import watch
+
+            return watch(lambda: client.get("/stats"), format_stats, args.interval, args.count)
         stats = client.get("/stats")
     finally:
         client.close()
@@ -199,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("--seed", type=int)
     stats = commands.add_parser("stats")
     stats.add_argument("--json", action="store_true")
+    stats.add_argument("--watch", action="store_true",
+                       help="redraw the table in place, with rates over the last interval")
+    stats.add_argument("--interval", type=float, default=2.0, help="seconds between frames")
+    stats.add_argument("--count", type=int, help="frames to draw (default: until Ctrl-C)")
     for sub in (gen, chat, stats):
         sub.add_argument("--url", default="http://127.0.0.1:8000")
     gen.set_defaults(func=cmd_generate)

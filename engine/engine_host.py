@@ -35,6 +35,7 @@ from pdserve.engine.request_output import RequestOutput
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.generation import GenerationChunk, ModelInfo, WorkerRequest
 from pdserve.messages.kv_event_batch import KVEventBatch
+from pdserve.messages.kv_provenance import KVProvenance
 from pdserve.messages.worker_spec import WorkerSpec
 from pdserve.messages.worker_stats import WorkerStats
 
@@ -56,6 +57,7 @@ class EngineHost:
         self.worker_id = spec.worker_id
         self.role = spec.role
         self.instance_id = uuid.uuid4().hex
+        self.node_ip = _node_ip()
         engine_config = dataclasses.replace(
             spec.engine, engine_id=f"{spec.engine.engine_id}-{self.instance_id[:8]}",
             device=_pick_device(spec.engine.device))
@@ -119,6 +121,7 @@ class EngineHost:
                     num_cached_tokens=output.num_cached_tokens,
                     kv_transfer_params=output.kv_transfer_params,
                     error=output.error,
+                    kv_provenance=self._signed(output.kv_provenance),
                 )
                 sent_tokens, sent_chars = len(output.output_token_ids), len(output.text)
         finally:
@@ -130,6 +133,13 @@ class EngineHost:
         """Aborts a request, or releases the lease a finished prefill still holds for it."""
         self._ensure_loop()
         self._submit(lambda: self.engine.abort(request_id))
+
+    def _signed(self, provenance: KVProvenance | None) -> KVProvenance | None:
+        """The engine's account of a request's prompt KV, with who and where this worker is."""
+        if provenance is not None:
+            provenance.worker_id, provenance.role = self.worker_id, self.role
+            provenance.node_ip = self.node_ip
+        return provenance
 
     # ------------------------------------------------------------------ engine thread
 
@@ -245,6 +255,13 @@ class EngineHost:
         queue = self._streams.get(output.request_id)
         if queue is not None:
             self._loop.call_soon_threadsafe(queue.put_nowait, output)
+
+
+def _node_ip() -> str:
+    """The Ray node's address this worker runs on ("" outside a Ray actor, e.g. in tests)."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else ""
 
 
 def _pick_device(device: str) -> str:

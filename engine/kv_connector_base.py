@@ -52,6 +52,16 @@ class KVConnectorMetadata:
     releases: list[KVTransferParams] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class PullSummary:
+    """What one request's pull moved: blocks that arrived intact, bytes that landed (intact or
+    not, as the transfer counters count them) and how long it took."""
+
+    num_blocks: int
+    num_bytes: int
+    duration_s: float
+
+
 @dataclass(slots=True)
 class FinishedTransfers:
     """What the worker side finished since it was last asked.
@@ -59,13 +69,15 @@ class FinishedTransfers:
     ``freeable_request_ids``: prefill side, leases released or expired with no read in
     flight; their blocks may be freed now. ``loaded_request_ids``: decode side, pulls that
     ended (well or not); ``failed_block_ids`` names the local blocks that did not arrive intact
-    and ``load_errors`` why a request's pull failed, when it failed as a whole.
+    and ``load_errors`` why a request's pull failed, when it failed as a whole; ``pulls``
+    what each ended pull moved (a request's KV provenance).
     """
 
     freeable_request_ids: set[str] = field(default_factory=set)
     loaded_request_ids: set[str] = field(default_factory=set)
     failed_block_ids: set[int] = field(default_factory=set)
     load_errors: dict[str, str] = field(default_factory=dict)
+    pulls: dict[str, PullSummary] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

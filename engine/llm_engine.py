@@ -286,6 +286,7 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
             error=request.error,
             kv_transfer_params=request.kv_transfer_params_out,
+            kv_provenance=request.kv_provenance() if request.is_finished else None,
         )
 
     # ---- the colocated loop ---------------------------------------------------------

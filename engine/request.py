@@ -7,9 +7,11 @@ import time
 from typing import TYPE_CHECKING
 
 from pdserve.cache import BlockHash, RequestBlockHasher
+from pdserve.messages.kv_provenance import KVProvenance
 from pdserve.messages.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from pdserve.engine.kv_connector_base import PullSummary
     from pdserve.messages.kv_transfer_params import KVTransferParams
 
 
@@ -91,6 +93,12 @@ class Request:
         # Set on a prefill worker when the request finished with its blocks leased out.
         self.kv_transfer_params_out: KVTransferParams | None = None
         self.num_cached_tokens = 0
+        # Where the prompt's KV came from: fixed at the first admission and the first pull
+        # (a preemption's recompute, mostly from the prefix cache, does not change it).
+        self.kv_offered = kv_transfer_params is not None
+        self.num_prompt_cache_hit_tokens: int | None = None
+        self.num_pulled_tokens = 0
+        self.kv_pull: PullSummary | None = None
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -116,6 +124,32 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    def record_first_admission(self, num_cache_hit_tokens: int) -> None:
+        """The prefix-cache hit the request was first admitted with (later admissions, after
+        a preemption or a failed pull, keep the first)."""
+        if self.num_prompt_cache_hit_tokens is None:
+            self.num_prompt_cache_hit_tokens = min(num_cache_hit_tokens, self.num_prompt_tokens)
+
+    def kv_provenance(self) -> KVProvenance | None:
+        """Where this engine got the prompt's KV; None if it never needed it (never admitted,
+        e.g. a decode worker's request ended by the first token the prefill sampled).
+
+        What neither the cache nor the peer supplied was computed here: *recomputed* when a
+        peer had offered it (its pull failed), *computed* when none had."""
+        hit = self.num_prompt_cache_hit_tokens
+        if hit is None:
+            return None
+        rest = self.num_prompt_tokens - hit - self.num_pulled_tokens
+        pull = self.kv_pull
+        return KVProvenance(
+            num_prompt_tokens=self.num_prompt_tokens, num_cache_hit_tokens=hit,
+            num_pulled_tokens=self.num_pulled_tokens,
+            num_recomputed_tokens=rest if self.kv_offered else 0,
+            num_computed_tokens=0 if self.kv_offered else rest,
+            num_blocks_pulled=pull.num_blocks if pull else 0,
+            num_bytes_pulled=pull.num_bytes if pull else 0,
+            transfer_s=pull.duration_s if pull else 0.0)
 
     def append_output_token(self, token_id: int) -> None:
         if self.first_token_time is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.messages.kv_provenance import KVProvenance
 from pdserve.messages.kv_transfer_params import KVTransferParams
 
 
@@ -12,7 +13,8 @@ class RequestOutput:
     """A request's state after a step; ``output_token_ids`` and ``text`` are cumulative.
 
     ``kv_transfer_params`` is set on a prefill worker's request that finished with its blocks
-    held under a lease for a decode worker.
+    held under a lease for a decode worker. ``kv_provenance`` is set on a finished request
+    that was admitted: where its prompt's KV came from.
     """
 
     request_id: str
@@ -27,3 +29,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     kv_transfer_params: KVTransferParams | None = None
+    kv_provenance: KVProvenance | None = None

@@ -177,6 +177,7 @@ class Scheduler:
                 manager.record_prefix_cache_stats(request, num_local)
                 request.num_computed_tokens = num_local
                 request.num_cached_tokens = num_local  # pulled tokens are not cache hits
+                request.record_first_admission(num_local)
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 self.waiting_for_remote_kvs[request.request_id] = request
                 self.connector.update_state_after_alloc(
@@ -198,6 +199,7 @@ class Scheduler:
             manager.record_prefix_cache_stats(request, num_local)
         request.num_computed_tokens += num_local
         request.num_cached_tokens = max(request.num_cached_tokens, num_local)
+        request.record_first_admission(num_local)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self._schedule_chunk(output, request, num_new_tokens)
@@ -296,6 +298,7 @@ class Scheduler:
                 self.kv_cache_manager.free(request)
                 self.requests.pop(request_id, None)
                 continue
+            request.kv_pull = finished.pulls.get(request_id)
             self._finish_load(request, finished.failed_block_ids, finished.load_errors.get(request_id))
             if request.is_finished:
                 changed.append(request)
@@ -329,6 +332,7 @@ class Scheduler:
                 "request %s: %d of %d prompt tokens arrived intact; recomputing the rest",
                 request.request_id, num_loaded, params.num_tokens,
             )
+        request.num_pulled_tokens = max(0, num_loaded - request.num_computed_tokens)
         request.kv_transfer_params = None  # the lease is released; a preemption recomputes
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)

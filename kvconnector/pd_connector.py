@@ -31,6 +31,7 @@ from pdserve.engine.kv_connector_base import (
     KVConnectorBase,
     KVConnectorMetadata,
     LoadSpec,
+    PullSummary,
     TransferStatsSnapshot,
 )
 from pdserve.cache import cdiv
@@ -229,6 +230,8 @@ class PDConnector(KVConnectorBase):
     def _pull(self, load: LoadSpec) -> None:
         failed: list[int] = list(load.local_block_ids)
         error_message: str | None = None
+        started = time.perf_counter()
+        summary: PullSummary | None = None
         try:
             peer = self._peer(load.params.transfer_address)
             with self._lock:
@@ -242,6 +245,7 @@ class PDConnector(KVConnectorBase):
                 load.expected_checksums,
             )
             failed = result.failed_block_ids
+            summary = PullSummary(len(result.ok_block_ids), result.num_bytes, result.duration_s)
         except (TransferError, ValueError) as error:
             error_message = f"{type(error).__name__}: {error}"
             logger.warning("pull of %s from %s failed: %s", load.request_id,
@@ -258,6 +262,8 @@ class PDConnector(KVConnectorBase):
                 self._done.failed_block_ids.update(failed)
                 if error_message is not None:
                     self._done.load_errors[load.request_id] = error_message
+                self._done.pulls[load.request_id] = summary or PullSummary(
+                    0, 0, time.perf_counter() - started)
                 self._lock.notify_all()
 
     def _renew_if_expiring(self, peer: PeerInfo, params: KVTransferParams) -> None:

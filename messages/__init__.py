@@ -10,7 +10,8 @@ Nothing here imports torch or model code: the gateway imports this package.
        │── WorkerRequest (SamplingParams) ───────────────▶ │  engine.add_request(...)
        │◀─────────────────────── GenerationChunk (stream) ─│  one per engine step that changed it
        │          PrefillWorker's last chunk carries KVTransferParams; the gateway hands
-       │          them to the DecodeWorker inside its WorkerRequest
+       │          them to the DecodeWorker inside its WorkerRequest. Each worker's last
+       │          chunk carries its KVProvenance (where the prompt's KV came from)
        │── kv_events(since_seq) ─────────────────────────▶ │
        │◀──────────────────────────────────── KVEventBatch ─│  feeds the router's prefix index
        │── stats() ──────────────────────────────────────▶ │
@@ -26,6 +27,7 @@ Nothing here imports torch or model code: the gateway imports this package.
 | `sampling_params.py` | `SamplingParams` |
 | `generation.py` | `WorkerRequest`, `GenerationChunk`, `ModelInfo` |
 | `kv_transfer_params.py` | `KVTransferParams` (the prefill → decode hand-off) |
+| `kv_provenance.py` | `KVProvenance` (one worker's account of a request's prompt KV) |
 | `kv_event_batch.py` | `KVEventBatch` (of `pdserve.cache` KV events) |
 | `worker_stats.py` | `WorkerStats` |
 """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.messages.kv_provenance import KVProvenance
 from pdserve.messages.kv_transfer_params import KVTransferParams
 from pdserve.messages.sampling_params import SamplingParams
 
@@ -35,7 +36,8 @@ class GenerationChunk:
     Deltas, not the engine's cumulative lists, so a long stream costs O(n) to ship.
     ``num_output_tokens`` is the cumulative count after this chunk. ``refused``: the engine
     turned the request down as invalid (the client's fault, a 400), as opposed to an
-    ``error`` while running it (the server's, a 500).
+    ``error`` while running it (the server's, a 500). ``kv_provenance`` rides on the last
+    chunk: where this worker got the prompt's KV (None if it never needed it).
     """
 
     request_id: str
@@ -48,6 +50,7 @@ class GenerationChunk:
     kv_transfer_params: KVTransferParams | None = None
     error: str | None = None
     refused: bool = False
+    kv_provenance: KVProvenance | None = None
 
 
 @dataclass(slots=True)

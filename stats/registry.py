@@ -114,6 +114,13 @@ GATEWAY_STATS: tuple[Stat, ...] = (
          "pdserve:requests_prefilled_on_decode"),
     Stat("num_prompt_tokens", C, "tokens", "Prompt tokens of finished requests.",
          "vllm:prompt_tokens"),
+    Stat("prompt_tokens_by_source", C, "tokens",
+         "Prompt tokens of finished requests, by where the replying engine got their KV.",
+         "vllm:prompt_tokens_by_source", label="source"),
+    Stat("prompt_tokens_by_kv_source", C, "tokens",
+         "Prompt tokens of finished requests, by KV source on each worker (prefill: cache "
+         "hit or computed; decode: held, pulled, recomputed or prefilled there).",
+         "pdserve:prompt_tokens_by_kv_source", label="source"),
     Stat("num_generation_tokens", C, "tokens", "Tokens sent to clients.",
          "vllm:generation_tokens"),
     Stat("time_to_first_token", H, "seconds", "Time to first token, at the gateway.",

@@ -10,6 +10,8 @@
 | `router.py` | prefix- and load-aware choice of workers |
 | `kv_event_poller.py` | workers' KV events into the router; the poll is the health check |
 | `worker_pool.py` | the workers' Serve handles |
+| `request_provenance.py` | each request's KV provenance, merged from both workers; the last N |
+| `dashboard.py` | `/dashboard` (the page in `static/`, uPlot vendored) and `/v1/requests` |
 | `metrics.py` | the gateway's figures, `/stats` and `/metrics` over all workers |
 | `config.py` | `GatewayConfig` |
 """

@@ -20,7 +20,8 @@ class GatewayConfig:
     ``max_attempts``: runs of one request on a worker role before a lost worker fails it
     (1: no retry), ``retry_backoff_s`` apart. ``disagg_min_uncached_tokens``: a prompt whose
     uncached part on the best decode worker is shorter runs whole there, with no hand-off
-    (conditional disaggregation); 0 always disaggregates.
+    (conditional disaggregation); 0 always disaggregates. ``num_recent_requests``: finished
+    requests whose KV provenance ``GET /v1/requests`` and the dashboard keep.
     """
 
     model: str  # "tiny" or a local HF directory: the gateway loads only its tokenizer
@@ -34,6 +35,7 @@ class GatewayConfig:
     max_attempts: int = 3
     retry_backoff_s: float = 0.5
     disagg_min_uncached_tokens: int = 0
+    num_recent_requests: int = 256
 
     def __post_init__(self) -> None:
         if self.max_inflight_requests < 1:

@@ -8,6 +8,8 @@
                            with every prefill worker (prewarmed), else 503
     GET  /stats            JSON: gateway latencies, each worker's counters, totals
     GET  /metrics          Prometheus text (vLLM names where one exists)
+    GET  /v1/requests[/id] recent requests' KV provenance; GET /dashboard: the live page
+                           (both in ``dashboard.py``)
 
 Refusals are OpenAI-style error bodies: 400/404 for bad input (413 for a body over
 ``MAX_REQUEST_BYTES``, 415 for one that is not declared JSON), 429 with ``Retry-After``
@@ -33,6 +35,8 @@ from ray import serve
 from sse_starlette import EventSourceResponse
 
 from pdserve.prefill.gateway.config import GatewayConfig
+from pdserve.prefill.gateway.dashboard import (DEFAULT_LIMIT, dashboard_router,
+                                               recent_requests_body, request_provenance_response)
 from pdserve.prefill.gateway.grpc_ingress import start_grpc_server
 from pdserve.prefill.gateway.chat import ChatFormat, parse_chat
 from pdserve.prefill.gateway.openai_schema import (MAX_REQUEST_BYTES, APIError, CompletionFormat,
@@ -46,6 +50,7 @@ from pdserve.tokenizer.loading import load_tokenizer
 logger = logging.getLogger(__name__)
 
 app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+app.include_router(dashboard_router)
 
 
 def _error_response(orchestrator: RequestOrchestrator, error: APIError) -> Response:
@@ -97,7 +102,10 @@ async def _sse_events(orchestrator: RequestOrchestrator, response_format: Respon
                       stream: AsyncIterator[StreamDelta]) -> AsyncIterator[dict[str, str]]:
     """The SSE events of a streamed reply (``sse-starlette`` frames them), ``[DONE]`` last.
 
-    An error after the status line went out is sent as an error event, as OpenAI does.
+    The request's usage and KV provenance (pdserve's extension) ride in its final chunk: the
+    chunk with no choices that ``stream_options.include_usage`` asks for, else the chunk
+    with the finish reason. An error after the status line went out is sent as an error
+    event, as OpenAI does.
     """
     try:
         for chunk in response_format.opening_chunks():
@@ -105,11 +113,16 @@ async def _sse_events(orchestrator: RequestOrchestrator, response_format: Respon
         delta, num_output_tokens = first, 0
         while True:
             num_output_tokens += len(delta.token_ids)
-            yield {"data": json.dumps(response_format.chunk(delta.text, delta.finish_reason))}
-            if delta.finish_reason is not None:
+            chunk = response_format.chunk(delta.text, delta.finish_reason)
+            if delta.finish_reason is None:
+                yield {"data": json.dumps(chunk)}
+            else:
+                totals = {"usage": usage(delta.num_prompt_tokens, num_output_tokens,
+                                         delta.num_cached_tokens), **_provenance(delta)}
                 if parsed.include_usage:
-                    yield {"data": json.dumps(response_format.usage_chunk(usage(
-                        delta.num_prompt_tokens, num_output_tokens, delta.num_cached_tokens)))}
+                    yield {"data": json.dumps(chunk)}
+                    chunk = response_format.usage_chunk(totals.pop("usage"))
+                yield {"data": json.dumps({**chunk, **totals})}
                 break
             try:
                 delta = await anext(stream)
@@ -153,10 +166,16 @@ async def _serve(orchestrator: RequestOrchestrator, parsed: ParsedCompletion,
     finally:
         await stream.aclose()  # a cancelled request (client gone) aborts on the workers
         orchestrator.release()
-    return JSONResponse(response_format.response(
+    body = response_format.response(
         "".join(d.text for d in deltas), deltas[-1].finish_reason,
         usage(first.num_prompt_tokens, sum(len(d.token_ids) for d in deltas),
-              deltas[-1].num_cached_tokens)))
+              deltas[-1].num_cached_tokens))
+    return JSONResponse({**body, **_provenance(deltas[-1])})
+
+
+def _provenance(last: StreamDelta) -> dict[str, Any]:
+    """``{"kv_provenance": ...}`` of a request's last delta (where its prompt's KV came from)."""
+    return {"kv_provenance": last.kv_provenance.to_json()} if last.kv_provenance else {}
 
 
 # ---------------------------------------------------------------------- the ingress
@@ -220,6 +239,14 @@ class Gateway:
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
         return models_response(self.config.model_name, self._created)
+
+    @app.get("/v1/requests")
+    async def recent_requests(self, limit: int = DEFAULT_LIMIT) -> dict[str, Any]:
+        return recent_requests_body((await self._get_orchestrator()).recent, limit)
+
+    @app.get("/v1/requests/{request_id}")
+    async def request_provenance(self, request_id: str) -> JSONResponse:
+        return request_provenance_response((await self._get_orchestrator()).recent, request_id)
 
     @app.get("/health")
     async def health(self) -> JSONResponse:

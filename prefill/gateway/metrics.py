@@ -14,6 +14,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from pdserve.messages.worker_stats import WorkerStats
+from pdserve.prefill.gateway.request_provenance import KV_SOURCES, VLLM_SOURCES, RequestProvenance
 from pdserve.stats.latency import (E2E_BUCKETS_S, ITL_BUCKETS_S, TTFT_BUCKETS_S,
                                    LatencyHistogram, LatencyWindow)
 from pdserve.stats.registry import GATEWAY_STATS, WORKER_STATS
@@ -32,6 +33,9 @@ class GatewayMetrics:
         self.num_retries = 0
         self.num_requests_prefilled_on_decode = 0
         self.num_prompt_tokens = 0
+        # Every source from the start, at 0: a dashboard's query finds each series.
+        self.prompt_tokens_by_source: Counter[str] = Counter(dict.fromkeys(VLLM_SOURCES, 0))
+        self.prompt_tokens_by_kv_source: Counter[str] = Counter(dict.fromkeys(KV_SOURCES, 0))
         self.num_generation_tokens = 0
         self.time_to_first_token = LatencyHistogram(TTFT_BUCKETS_S)
         self.inter_token_latency = LatencyHistogram(ITL_BUCKETS_S)
@@ -59,6 +63,10 @@ class GatewayMetrics:
         self.finished_by_reason[reason] += 1
         self.num_prompt_tokens += num_prompt_tokens
         self.e2e_request_latency.observe(seconds)
+
+    def record_provenance(self, record: RequestProvenance) -> None:
+        self.prompt_tokens_by_source.update(record.tokens_by_vllm_source())
+        self.prompt_tokens_by_kv_source.update(record.tokens_by_kv_source())
 
     def record_rejected(self, status: int) -> None:
         self.rejected_by_status[str(status)] += 1

@@ -217,12 +217,6 @@ def check_unicode(text: str, param: str) -> None:
                             f"{error.start}; send valid Unicode", param=param) from None
 
 
-def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
-            "total_tokens": num_prompt_tokens + num_output_tokens,
-            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
-
-
 @dataclass(slots=True)
 class CompletionFormat:
     """``text_completion`` bodies: the streamed chunks and the whole response.
@@ -250,6 +244,13 @@ class CompletionFormat:
     def response(self, text: str, finish_reason: str | None,
                  usage_body: dict[str, Any]) -> dict[str, Any]:
         return {**self.chunk(text, finish_reason), "usage": usage_body}
+
+
+def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's ``usage`` object (a whole response's, or a stream's last chunk's)."""
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
+            "total_tokens": num_prompt_tokens + num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
 
 
 def models_response(model: str, created: int) -> dict[str, Any]:

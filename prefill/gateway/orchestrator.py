@@ -41,13 +41,10 @@ from pdserve.messages.worker_stats import WorkerStats
 from pdserve.prefill.gateway.config import GatewayConfig
 from pdserve.prefill.gateway.kv_event_poller import KVEventPoller
 from pdserve.prefill.gateway.metrics import GatewayMetrics, stats_report
-from pdserve.prefill.gateway.openai_schema import (
-    APIError,
-    ParsedCompletion,
-    no_worker_available,
-    too_many_requests,
-)
+from pdserve.prefill.gateway.openai_schema import (APIError, ParsedCompletion,
+                                                   no_worker_available, too_many_requests)
 from pdserve.prefill.gateway.readiness import Readiness
+from pdserve.prefill.gateway.request_provenance import RecentRequests, RequestProvenance
 from pdserve.prefill.gateway.router import NoWorkerAvailable, Router
 from pdserve.prefill.gateway.stream_emitter import (
     ReplayDiverged,
@@ -88,7 +85,10 @@ class RequestRun:
     prefill_id: str = ""
     decode_id: str = ""
     last_prefill_chunk: GenerationChunk | None = None
+    last_decode_chunk: GenerationChunk | None = None
     kv_transfer_params: KVTransferParams | None = field(default=None, repr=False)
+    lease_id: str | None = None  # the lease handed to the decode worker, kept after a replay
+    created: float = field(default_factory=time.time)
 
     @property
     def needs_decode(self) -> bool:
@@ -113,6 +113,7 @@ class RequestOrchestrator:
         self.poller = KVEventPoller(workers, self.router, config.worker_timeout_s,
                                     after_each_round=self.readiness.prewarm)
         self.metrics = GatewayMetrics(self.model_name)
+        self.recent = RecentRequests(config.num_recent_requests)
         self._seed_rng = random.SystemRandom()
         self._lease_releases: set[asyncio.Task] = set()
 
@@ -178,14 +179,14 @@ class RequestOrchestrator:
             remote_decode=params.max_tokens > 1 and self.router.has_decode_workers())
         self.decide_disaggregation(run)
         async for delta in self.prefill(run):
-            yield delta
+            yield self.account(run, delta)
         if not run.needs_decode:
             return
         self.hand_off(run)
         completed = False
         try:
             async for delta in self.decode_stream(run):
-                yield delta
+                yield self.account(run, delta)
             completed = True
         finally:
             if not completed:
@@ -238,6 +239,8 @@ class RequestOrchestrator:
     def hand_off(self, run: RequestRun) -> None:
         """The prefill's ``KVTransferParams`` (None: the decode side recomputes) go to decode."""
         run.kv_transfer_params = run.last_prefill_chunk.kv_transfer_params
+        if run.kv_transfer_params is not None:
+            run.lease_id = run.kv_transfer_params.lease_id
 
     async def decode_stream(self, run: RequestRun) -> AsyncIterator[StreamDelta]:
         """The decode worker's stream, replayed on another worker if this one is lost."""
@@ -252,6 +255,7 @@ class RequestOrchestrator:
             run.emitter.restart_stream()
             try:
                 async for chunk in self._worker_stream(run.decode_id, request, first=False):
+                    run.last_decode_chunk = chunk
                     delta = run.emitter.update(chunk, final=True)
                     if delta is not None:
                         yield delta
@@ -266,6 +270,25 @@ class RequestOrchestrator:
                 # The replay recomputes the prompt: the lease may be gone with the pull.
                 self.release_lease(run)
                 run.kv_transfer_params = None
+
+    def account(self, run: RequestRun, delta: StreamDelta) -> StreamDelta:
+        """On the request's last delta: where its KV came from (both workers' accounts and
+        the gateway's timing), kept in ``recent``, counted, and carried to the client."""
+        if delta.finish_reason is None:
+            return delta
+        emitter = run.emitter
+        decode = run.last_decode_chunk
+        record = RequestProvenance(
+            run.request_id, run.created, delta.finish_reason, len(run.token_ids),
+            emitter.sent_tokens, self.model_info.block_size,
+            prefill=run.last_prefill_chunk.kv_provenance if run.last_prefill_chunk else None,
+            decode=decode.kv_provenance if decode is not None else None,
+            lease_id=run.lease_id, ttft_s=emitter.ttft_s(), itl_s=emitter.mean_itl_s(),
+            e2e_s=time.perf_counter() - emitter.start)
+        self.recent.add(record)
+        self.metrics.record_provenance(record)
+        delta.kv_provenance = record
+        return delta
 
     # ------------------------------------------------------------------ route, retry
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from pdserve.messages.generation import GenerationChunk
 from pdserve.prefill.gateway.metrics import GatewayMetrics
+from pdserve.prefill.gateway.request_provenance import RequestProvenance
 
 
 class ReplayDiverged(Exception):
@@ -26,13 +27,15 @@ class ReplayDiverged(Exception):
 
 @dataclass(slots=True)
 class StreamDelta:
-    """What the client gets next: new tokens and text; ``finish_reason`` on the last one."""
+    """What the client gets next: new tokens and text; ``finish_reason`` and the request's
+    ``kv_provenance`` on the last one."""
 
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    kv_provenance: RequestProvenance | None = None
 
 
 def stop_safe_length(text: str, stops: list[str]) -> int:
@@ -57,6 +60,7 @@ class StreamEmitter:
         self.num_prompt_tokens = num_prompt_tokens
         self.metrics = metrics
         self.start = start
+        self.first_token_time: float | None = None
         self.last_token_time = start
         self.sent_tokens = 0
         self.sent_token_ids: list[int] = []
@@ -98,8 +102,18 @@ class StreamEmitter:
         return StreamDelta(new_tokens, new_text, reason, self.num_prompt_tokens,
                            self.num_cached_tokens)
 
+    def ttft_s(self) -> float:
+        return 0.0 if self.first_token_time is None else self.first_token_time - self.start
+
+    def mean_itl_s(self) -> float:
+        """Mean time between the tokens after the first (0 for a one-token reply)."""
+        if self.first_token_time is None or self.sent_tokens < 2:
+            return 0.0
+        return (self.last_token_time - self.first_token_time) / (self.sent_tokens - 1)
+
     def _time_tokens(self, num_tokens: int, now: float) -> None:
         if self.sent_tokens == 0:
+            self.first_token_time = now
             self.metrics.record_first_token(now - self.start)
             num_tokens -= 1
         if num_tokens:

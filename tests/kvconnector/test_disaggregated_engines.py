@@ -157,6 +157,8 @@ def test_prefill_killed_mid_transfer_decode_recomputes(colocated: LLMEngine, pre
     assert not prefill.process.is_alive(), "the prefill process should have died mid-stream"
     assert output.output_token_ids == colocated.generate([prompt], params)[0].output_token_ids
     assert decode.stats().num_recompute_fallbacks == 1
+    provenance = output.kv_provenance  # nothing arrived: the whole prompt was recomputed here
+    assert (provenance.num_pulled_tokens, provenance.num_recomputed_tokens) == (0, len(prompt))
     assert_decode_idle(decode)
     decode.shutdown()
 
@@ -189,6 +191,13 @@ def test_corrupted_block_is_dropped_and_recomputed(
     # Tokens from the corrupt block on were recomputed here, and nothing before it.
     recomputed = len(prompt) - corrupt_index * BLOCK_SIZE
     assert stats.num_scheduled_tokens == recomputed + len(output.output_token_ids) - 1
+    # The request's provenance says the same, and its bytes are the transfer counters'.
+    provenance = output.kv_provenance
+    assert (provenance.num_cache_hit_tokens, provenance.num_pulled_tokens,
+            provenance.num_recomputed_tokens, provenance.num_computed_tokens) == (
+        0, corrupt_index * BLOCK_SIZE, recomputed, 0)
+    assert provenance.num_blocks_pulled == stats.transfer.num_blocks_received
+    assert provenance.num_bytes_pulled == stats.transfer.num_bytes_received > 0
     assert_decode_idle(decode)
     prefill.wait_until_idle()
     decode.shutdown()

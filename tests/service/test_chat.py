@@ -83,7 +83,9 @@ def test_the_sse_stream_has_openais_chunk_shapes_and_ends_with_done(service):
     assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("chatcmpl-")
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert chunks[-1]["choices"][0]["delta"] == {} or chunks[-1]["choices"][0]["finish_reason"]
-    assert "usage" not in chunks[-1]  # only with stream_options.include_usage
+    # Without stream_options.include_usage the finish chunk carries the usage and provenance.
+    assert chunks[-1]["usage"]["completion_tokens"] == 4 and "kv_provenance" in chunks[-1]
+    assert all("usage" not in c for c in chunks[:-1])
 
 
 def test_a_repeated_conversation_reports_its_cached_prefix_in_usage(service):

@@ -1,0 +1,120 @@
+"""Where one request's KV came from, merged at the gateway, and the last N of them.
+
+Each worker sends its own account (``KVProvenance``) in its last chunk; the gateway adds what
+only it knows (the lease it handed over, TTFT, inter-token latency, end to end) and keeps the
+most recent requests for ``GET /v1/requests/{id}``, the dashboard and the response itself.
+
+A request's prompt is accounted twice, once per worker, and each account adds up to the
+prompt's tokens::
+
+    prefill worker:  | prefill_cache_hit | prefill_computed |
+    decode worker:   | decode_cache_hit | pulled | decode_recomputed | decode_prefilled |
+                       held already       from     after a failed     no KV was offered
+                       (dedup)            prefill  or skipped pull
+
+A request answered whole by the prefill worker (colocated, or ended by its first token) has
+no decode account. vLLM's three sources describe the engine that replied: the decode worker
+when there is one, else the prefill worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.messages.kv_provenance import KVProvenance
+
+KV_SOURCES = ("prefill_cache_hit", "prefill_computed", "decode_cache_hit", "pulled",
+              "decode_recomputed", "decode_prefilled")
+VLLM_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
+@dataclass(slots=True)
+class RequestProvenance:
+    """One finished request: its prompt's KV by source, the workers and the timing."""
+
+    request_id: str
+    created: float  # Unix seconds when the gateway took the request
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    block_size: int
+    prefill: KVProvenance | None
+    decode: KVProvenance | None
+    lease_id: str | None  # the prefill's lease the decode worker was handed, if any
+    ttft_s: float
+    itl_s: float  # mean time between output tokens after the first
+    e2e_s: float
+
+    def tokens_by_kv_source(self) -> dict[str, int]:
+        """The prompt's tokens by ``KV_SOURCES`` (each worker's account adds up to the prompt).
+
+        A decode worker computes a prompt from scratch either because no KV was offered
+        (``decode_prefilled``) or because the gateway skipped an offered pull (a replay after
+        the first decode worker was lost): that is ``decode_recomputed``."""
+        counts = dict.fromkeys(KV_SOURCES, 0)
+        if self.prefill is not None:
+            counts["prefill_cache_hit"] = self.prefill.num_cache_hit_tokens
+            counts["prefill_computed"] = self.prefill.num_computed_tokens
+        if self.decode is not None:
+            skipped = self.decode.num_computed_tokens if self.lease_id is not None else 0
+            counts["decode_cache_hit"] = self.decode.num_cache_hit_tokens
+            counts["pulled"] = self.decode.num_pulled_tokens
+            counts["decode_recomputed"] = self.decode.num_recomputed_tokens + skipped
+            counts["decode_prefilled"] = self.decode.num_computed_tokens - skipped
+        return counts
+
+    def tokens_by_vllm_source(self) -> dict[str, int]:
+        """vLLM's ``prompt_tokens_by_source``, from the engine that replied."""
+        replying = self.decode or self.prefill
+        if replying is None:
+            return dict.fromkeys(VLLM_SOURCES, 0)
+        return {"local_compute": replying.num_computed_tokens + replying.num_recomputed_tokens,
+                "local_cache_hit": replying.num_cache_hit_tokens,
+                "external_kv_transfer": replying.num_pulled_tokens}
+
+    def to_json(self) -> dict[str, Any]:
+        """The response's ``kv_provenance`` object and a ``/v1/requests`` entry."""
+        decode = self.decode
+        return {
+            "request_id": self.request_id, "created": self.created,
+            "finish_reason": self.finish_reason, "num_prompt_tokens": self.num_prompt_tokens,
+            "num_output_tokens": self.num_output_tokens, "block_size": self.block_size,
+            "prompt_tokens_by_source": self.tokens_by_kv_source(),
+            "prefill": _worker_json(self.prefill), "decode": _worker_json(decode),
+            "transfer": {"lease_id": self.lease_id,
+                         "num_blocks": decode.num_blocks_pulled if decode else 0,
+                         "num_bytes": decode.num_bytes_pulled if decode else 0,
+                         "seconds": decode.transfer_s if decode else 0.0},
+            "ttft_s": self.ttft_s, "itl_s": self.itl_s, "e2e_s": self.e2e_s,
+        }
+
+
+def _worker_json(provenance: KVProvenance | None) -> dict[str, Any] | None:
+    return None if provenance is None else dataclasses.asdict(provenance)
+
+
+class RecentRequests:
+    """The provenance of the last ``capacity`` finished requests, by id; oldest go first."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"the recent-requests store needs a capacity of at least 1, "
+                             f"got {capacity}")
+        self.capacity = capacity
+        self._records: OrderedDict[str, RequestProvenance] = OrderedDict()
+
+    def add(self, record: RequestProvenance) -> None:
+        self._records[record.request_id] = record
+        if len(self._records) > self.capacity:
+            self._records.popitem(last=False)
+
+    def get(self, request_id: str) -> RequestProvenance | None:
+        return self._records.get(request_id)
+
+    def latest(self, limit: int) -> list[RequestProvenance]:
+        """Up to ``limit`` records, newest first."""
+        newest = reversed(self._records.values())
+        return [record for _, record in zip(range(max(limit, 0)), newest)]
