@@ -48,7 +48,7 @@ def parse_chat(body: Any, tokenizer: Tokenizer) -> ParsedCompletion:
         prompt_token_ids=render_chat(request.messages, tokenizer),
         params=request.sampling_params(request.max_completion_tokens or request.max_tokens),
         stream=request.stream, cache_salt=request.cache_salt,
-        include_usage=request.include_usage)
+        include_usage=request.include_usage, n=request.n)
 
 
 def render_chat(messages: list[Any], tokenizer: Tokenizer) -> list[int]:
@@ -76,22 +76,23 @@ class ChatFormat:
         return {"id": self.request_id, "object": "chat.completion.chunk",
                 "created": self.created, "model": self.model, "choices": choices}
 
-    def opening_chunks(self) -> list[dict[str, Any]]:
-        return [self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                 "logprobs": None, "finish_reason": None}])]
+    def opening_chunks(self, n: int) -> list[dict[str, Any]]:
+        return [self._envelope([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None}])
+                for index in range(n)]
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def chunk(self, text: str, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
         delta = {"content": text} if text else {}
-        return self._envelope([{"index": 0, "delta": delta, "logprobs": None,
+        return self._envelope([{"index": index, "delta": delta, "logprobs": None,
                                 "finish_reason": finish_reason}])
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
         return {**self._envelope([]), "usage": usage_body}
 
-    def response(self, text: str, finish_reason: str | None,
+    def response(self, choices: list[tuple[str, str | None]],
                  usage_body: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.request_id, "object": "chat.completion", "created": self.created,
-                "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": finish_reason}],
-                "usage": usage_body}
+                "model": self.model, "usage": usage_body,
+                "choices": [{"index": i, "message": {"role": "assistant", "content": text},
+                             "logprobs": None, "finish_reason": reason}
+                            for i, (text, reason) in enumerate(choices)]}

@@ -18,6 +18,7 @@ from pdserve.prefill.gateway.config import GatewayConfig
 from pdserve.prefill.gateway.openai_schema import (DEFAULT_MAX_TOKENS, MAX_REQUEST_BYTES, APIError,
                                                    ParsedCompletion, parse_completion)
 from pdserve.prefill.gateway.orchestrator import RequestOrchestrator
+from pdserve.prefill.gateway.parallel_sampling import choice_params, generate_choices
 from pdserve.proto import generate_pb2
 
 logger = logging.getLogger(__name__)
@@ -52,12 +53,14 @@ class GenerateServicer:
             return
         worker_request_id = f"gen-{uuid.uuid4().hex}"  # a client's id may repeat another's
         request_id = request.request_id or worker_request_id
-        stream = orchestrator.generate(worker_request_id, token_ids, params,
-                                  cache_salt=parsed.cache_salt)
+        stream = generate_choices(
+            orchestrator, worker_request_id, token_ids,
+            choice_params(params, parsed.n, parsed.params.seed, orchestrator.seed_rng),
+            parsed.cache_salt)
         try:
-            async for delta in stream:
+            async for index, delta in stream:
                 yield generate_pb2.GenerateResponse(
-                    request_id=request_id, token_ids=delta.token_ids, text=delta.text,
+                    request_id=request_id, index=index, token_ids=delta.token_ids, text=delta.text,
                     finish_reason=delta.finish_reason or "",
                     num_prompt_tokens=delta.num_prompt_tokens,
                     num_cached_tokens=delta.num_cached_tokens)
@@ -83,7 +86,7 @@ class GenerateServicer:
         body = {"model": request.model or self.orchestrator.model_name,
                 "max_tokens": request.max_tokens or DEFAULT_MAX_TOKENS,
                 "stop": list(request.stop), "stream": True}
-        for optional in ("temperature", "top_p", "seed", "cache_salt"):
+        for optional in ("temperature", "top_p", "seed", "cache_salt", "n"):
             if request.HasField(optional):
                 body[optional] = getattr(request, optional)
         if which == "chat":

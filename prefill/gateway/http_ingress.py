@@ -43,6 +43,7 @@ from pdserve.prefill.gateway.openai_schema import (MAX_REQUEST_BYTES, APIError, 
                                                    ParsedCompletion, models_response,
                                                    parse_completion, request_too_large, usage)
 from pdserve.prefill.gateway.orchestrator import RequestOrchestrator
+from pdserve.prefill.gateway.parallel_sampling import choice_params, generate_choices
 from pdserve.prefill.gateway.stream_emitter import StreamDelta
 from pdserve.prefill.gateway.worker_pool import WorkerPool
 from pdserve.tokenizer.loading import load_tokenizer
@@ -97,35 +98,40 @@ def _refuse_constant(name: str) -> None:
 ResponseFormat = CompletionFormat | ChatFormat
 
 
+Choices = AsyncIterator[tuple[int, StreamDelta]]
+
+
 async def _sse_events(orchestrator: RequestOrchestrator, response_format: ResponseFormat,
-                      parsed: ParsedCompletion, first: StreamDelta,
-                      stream: AsyncIterator[StreamDelta]) -> AsyncIterator[dict[str, str]]:
-    """The SSE events of a streamed reply (``sse-starlette`` frames them), ``[DONE]`` last.
+                      parsed: ParsedCompletion, first: tuple[int, StreamDelta],
+                      choices: Choices) -> AsyncIterator[dict[str, str]]:
+    """The SSE events of a streamed reply (``sse-starlette`` frames them), ``[DONE]`` last;
+    with ``n > 1`` the choices' chunks interleave, each naming its index.
 
     The request's usage and KV provenance (pdserve's extension) ride in its final chunk: the
     chunk with no choices that ``stream_options.include_usage`` asks for, else the chunk
-    with the finish reason. An error after the status line went out is sent as an error
-    event, as OpenAI does.
+    with the last finish reason. An error after the status line went out is sent as an
+    error event, as OpenAI does.
     """
+    tally = _Tally(parsed.n)
     try:
-        for chunk in response_format.opening_chunks():
+        for chunk in response_format.opening_chunks(parsed.n):
             yield {"data": json.dumps(chunk)}
-        delta, num_output_tokens = first, 0
+        item = first
         while True:
-            num_output_tokens += len(delta.token_ids)
-            chunk = response_format.chunk(delta.text, delta.finish_reason)
-            if delta.finish_reason is None:
+            index, delta = item
+            tally.add(index, delta)
+            chunk = response_format.chunk(delta.text, delta.finish_reason, index)
+            if not tally.done:
                 yield {"data": json.dumps(chunk)}
             else:
-                totals = {"usage": usage(delta.num_prompt_tokens, num_output_tokens,
-                                         delta.num_cached_tokens), **_provenance(delta)}
+                totals = {"usage": tally.usage(), **tally.provenance()}
                 if parsed.include_usage:
                     yield {"data": json.dumps(chunk)}
                     chunk = response_format.usage_chunk(totals.pop("usage"))
                 yield {"data": json.dumps({**chunk, **totals})}
                 break
             try:
-                delta = await anext(stream)
+                item = await anext(choices)
             except StopAsyncIteration:
                 break
             except APIError as error:
@@ -134,8 +140,42 @@ async def _sse_events(orchestrator: RequestOrchestrator, response_format: Respon
                 break
         yield {"data": "[DONE]"}
     finally:
-        await stream.aclose()  # on a client disconnect: cancels the worker streams
+        await choices.aclose()  # on a client disconnect: cancels the worker streams
         orchestrator.release()
+
+
+class _Tally:
+    """A reply's choices as they arrive: their text, finish reasons and token counts."""
+
+    def __init__(self, n: int) -> None:
+        self.texts = [""] * n
+        self.finish_reasons: list[str | None] = [None] * n
+        self.num_output_tokens = 0
+        self.num_prompt_tokens = self.num_cached_tokens = 0
+        self.first_choice_last: StreamDelta | None = None
+
+    def add(self, index: int, delta: StreamDelta) -> None:
+        self.texts[index] += delta.text
+        self.num_output_tokens += len(delta.token_ids)
+        if delta.finish_reason is not None:
+            self.finish_reasons[index] = delta.finish_reason
+        if index == 0:
+            self.num_prompt_tokens = delta.num_prompt_tokens
+            self.num_cached_tokens = delta.num_cached_tokens
+            self.first_choice_last = delta
+
+    @property
+    def done(self) -> bool:
+        return all(reason is not None for reason in self.finish_reasons)
+
+    def usage(self) -> dict[str, Any]:
+        """The prompt once (it was prefilled once), every choice's tokens."""
+        return usage(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
+
+    def provenance(self) -> dict[str, Any]:
+        """``{"kv_provenance": ...}``: where the prompt's KV came from (choice 0 carries it)."""
+        last = self.first_choice_last
+        return {"kv_provenance": last.kv_provenance.to_json()} if last and last.kv_provenance else {}
 
 
 async def _serve(orchestrator: RequestOrchestrator, parsed: ParsedCompletion,
@@ -146,10 +186,12 @@ async def _serve(orchestrator: RequestOrchestrator, parsed: ParsedCompletion,
         orchestrator.admit()
     except APIError as error:
         return _error_response(orchestrator, error)
-    stream = orchestrator.generate(response_format.request_id, token_ids, params,
-                                   cache_salt=parsed.cache_salt)
+    choices = generate_choices(
+        orchestrator, response_format.request_id, token_ids,
+        choice_params(params, parsed.n, parsed.params.seed, orchestrator.seed_rng),
+        parsed.cache_salt)
     try:
-        first = await anext(stream)
+        first = await anext(choices)
     except APIError as error:
         orchestrator.release()
         return _error_response(orchestrator, error)
@@ -158,24 +200,19 @@ async def _serve(orchestrator: RequestOrchestrator, parsed: ParsedCompletion,
         raise
     if parsed.stream:
         return EventSourceResponse(
-            _sse_events(orchestrator, response_format, parsed, first, stream), ping=None)
+            _sse_events(orchestrator, response_format, parsed, first, choices), ping=None)
+    tally = _Tally(parsed.n)
     try:
-        deltas = [first] + [delta async for delta in stream]
+        tally.add(*first)
+        async for index, delta in choices:
+            tally.add(index, delta)
     except APIError as error:
         return _error_response(orchestrator, error)
     finally:
-        await stream.aclose()  # a cancelled request (client gone) aborts on the workers
+        await choices.aclose()  # a cancelled request (client gone) aborts on the workers
         orchestrator.release()
-    body = response_format.response(
-        "".join(d.text for d in deltas), deltas[-1].finish_reason,
-        usage(first.num_prompt_tokens, sum(len(d.token_ids) for d in deltas),
-              deltas[-1].num_cached_tokens))
-    return JSONResponse({**body, **_provenance(deltas[-1])})
-
-
-def _provenance(last: StreamDelta) -> dict[str, Any]:
-    """``{"kv_provenance": ...}`` of a request's last delta (where its prompt's KV came from)."""
-    return {"kv_provenance": last.kv_provenance.to_json()} if last.kv_provenance else {}
+    body = response_format.response(list(zip(tally.texts, tally.finish_reasons)), tally.usage())
+    return JSONResponse({**body, **tally.provenance()})
 
 
 # ---------------------------------------------------------------------- the ingress

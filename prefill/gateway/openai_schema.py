@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError,
                       ValidationInfo, field_validator)
@@ -32,6 +32,8 @@ MAX_REQUEST_BYTES = 4 << 20
 # Stop strings are searched for after every token, by the worker and by the gateway.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+# Choices per request (``n``): each decodes on its own, so a large n is a large request.
+MAX_CHOICES = 16
 # pdserve implements none of these; each is accepted only at its default value.
 _UNSUPPORTED_FIELDS: dict[str, Any] = {"best_of": 1, "echo": False, "logprobs": None,
                                        "suffix": None, "logit_bias": {}, "presence_penalty": 0,
@@ -113,7 +115,7 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    n: Literal[1] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     user: str | None = None
     cache_salt: CacheSalt | None = None  # vLLM's extension: a tenant's prefix-cache namespace
 
@@ -163,6 +165,7 @@ class ParsedCompletion:
     stream: bool
     cache_salt: str | None = None
     include_usage: bool = False  # streamed: a last chunk with the usage
+    n: int = 1  # choices, each sampled with its own seed
 
 
 def validate_request(model: type[RequestModel], body: Any,
@@ -194,7 +197,7 @@ def parse_completion(body: Any) -> ParsedCompletion:
     return ParsedCompletion(model=request.model, prompt_text=text, prompt_token_ids=token_ids,
                             params=request.sampling_params(request.max_tokens),
                             stream=request.stream, cache_salt=request.cache_salt,
-                            include_usage=request.include_usage)
+                            include_usage=request.include_usage, n=request.n)
 
 
 def _field_error(error: ValidationError) -> APIError:
@@ -229,21 +232,27 @@ class CompletionFormat:
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def opening_chunks(self) -> list[dict[str, Any]]:
+    def opening_chunks(self, n: int) -> list[dict[str, Any]]:
         return []
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def chunk(self, text: str, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
         return {"id": self.request_id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": [{"index": 0, "text": text, "logprobs": None,
-                                                  "finish_reason": finish_reason}]}
+                "model": self.model, "choices": [self._choice(index, text, finish_reason)]}
+
+    @staticmethod
+    def _choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.request_id, "object": "text_completion", "created": self.created,
                 "model": self.model, "choices": [], "usage": usage_body}
 
-    def response(self, text: str, finish_reason: str | None,
+    def response(self, choices: list[tuple[str, str | None]],
                  usage_body: dict[str, Any]) -> dict[str, Any]:
-        return {**self.chunk(text, finish_reason), "usage": usage_body}
+        """The whole reply: ``choices`` are ``(text, finish_reason)`` by index."""
+        return {"id": self.request_id, "object": "text_completion", "created": self.created,
+                "model": self.model, "usage": usage_body,
+                "choices": [self._choice(i, text, reason) for i, (text, reason) in enumerate(choices)]}
 
 
 def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict[str, Any]:

@@ -89,6 +89,16 @@ class RequestRun:
     kv_transfer_params: KVTransferParams | None = field(default=None, repr=False)
     lease_id: str | None = None  # the lease handed to the decode worker, kept after a replay
     created: float = field(default_factory=time.time)
+    # The worker whose stream ends the request (decode, or prefill when it runs whole),
+    # set with ``final_stream_started`` at that stream's first delta: its cache then holds
+    # every prompt block (what ``parallel_sampling`` waits for).
+    serving_worker: str = ""
+    final_stream_started: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def started_final_stream(self, worker_id: str) -> None:
+        if not self.final_stream_started.is_set():
+            self.serving_worker = worker_id
+            self.final_stream_started.set()
 
     @property
     def needs_decode(self) -> bool:
@@ -114,7 +124,7 @@ class RequestOrchestrator:
                                     after_each_round=self.readiness.prewarm)
         self.metrics = GatewayMetrics(self.model_name)
         self.recent = RecentRequests(config.num_recent_requests)
-        self._seed_rng = random.SystemRandom()
+        self.seed_rng = random.SystemRandom()
         self._lease_releases: set[asyncio.Task] = set()
 
     def start(self) -> None:
@@ -146,7 +156,7 @@ class RequestOrchestrator:
                            param="max_tokens")
         params = parsed.params
         if params.seed is None:  # both sides must sample with the same seed
-            params = dataclasses.replace(params, seed=self._seed_rng.getrandbits(63))
+            params = dataclasses.replace(params, seed=self.seed_rng.getrandbits(63))
         return token_ids, params
 
     def admit(self) -> None:
@@ -169,18 +179,27 @@ class RequestOrchestrator:
         no worker of a needed role is available (503); after it, when the request cannot be
         finished correctly (the stream then ends with an error event).
         """
-        start = time.perf_counter()
-        run = RequestRun(
+        async for delta in self.run_phases(self.new_run(request_id, token_ids, params,
+                                                        cache_salt)):
+            yield delta
+
+    def new_run(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                cache_salt: str | None) -> RequestRun:
+        return RequestRun(
             request_id, token_ids, params, cache_salt,
             # Salted like the workers' hashes: a tenant's prefix never routes by another's blocks.
             block_hashes=self.hasher.hash_request_blocks(token_ids, self.model_info.block_size,
                                                          cache_salt=cache_salt),
-            emitter=StreamEmitter(params.stop, len(token_ids), self.metrics, start),
+            emitter=StreamEmitter(params.stop, len(token_ids), self.metrics, time.perf_counter()),
             remote_decode=params.max_tokens > 1 and self.router.has_decode_workers())
+
+    async def run_phases(self, run: RequestRun) -> AsyncIterator[StreamDelta]:
+        """``generate``'s body: the phases, in order, for an already built ``RequestRun``."""
         self.decide_disaggregation(run)
         async for delta in self.prefill(run):
             yield self.account(run, delta)
         if not run.needs_decode:
+            run.started_final_stream(run.prefill_id)  # it ended at its first token
             return
         self.hand_off(run)
         completed = False
@@ -225,10 +244,12 @@ class RequestOrchestrator:
             if run.remote_decode:
                 self.route("decode", run.block_hashes)  # 503 now, before any token, when none is up
             try:
-                async for chunk in self._worker_stream(run.prefill_id, request, first=True):
+                async for chunk in self.worker_stream(run.prefill_id, request, first=True):
                     run.last_prefill_chunk = chunk
                     hands_off = run.remote_decode and chunk.finish_reason == "length"
                     delta = run.emitter.update(chunk, final=not hands_off)
+                    if not run.remote_decode:
+                        run.started_final_stream(run.prefill_id)
                     if delta is not None:
                         yield delta
                 return
@@ -254,8 +275,9 @@ class RequestOrchestrator:
                                     cache_salt=run.cache_salt)
             run.emitter.restart_stream()
             try:
-                async for chunk in self._worker_stream(run.decode_id, request, first=False):
+                async for chunk in self.worker_stream(run.decode_id, request, first=False):
                     run.last_decode_chunk = chunk
+                    run.started_final_stream(run.decode_id)
                     delta = run.emitter.update(chunk, final=True)
                     if delta is not None:
                         yield delta
@@ -334,7 +356,7 @@ class RequestOrchestrator:
         if not task.cancelled():
             task.exception()  # a dead prefill worker took the lease with it
 
-    async def _worker_stream(self, worker_id: str, request: WorkerRequest,
+    async def worker_stream(self, worker_id: str, request: WorkerRequest,
                              first: bool) -> AsyncIterator[GenerationChunk]:
         """One worker's chunks, counted as its load. A worker whose stream breaks (dead,
         unreachable) leaves routing until its event poll answers again: ``WorkerLost``."""

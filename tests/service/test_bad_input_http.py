@@ -131,7 +131,7 @@ def test_any_json_body_gets_a_completion_or_a_clear_4xx(http, body) -> None:
     ("prompt", [], "prompt"),
     ("stop", [""], "stop"),
     ("stop", ["x"] * 17, "stop"),
-    ("n", 2, "n"),
+    ("n", 0, "n"),
     ("best_of", 2, "best_of"),
     ("echo", True, "echo"),
     ("logprobs", 1, "logprobs"),

@@ -150,7 +150,7 @@ def test_pdserve_generate_chat_and_pdserve_chat_stream_the_reply(service, coloca
     ("messages", "hello", "messages", "list"),
     ("tools", [{"type": "function", "function": {"name": "f"}}], "tools", "not supported"),
     ("response_format", {"type": "json_object"}, "response_format", "not supported"),
-    ("n", 2, "n", ""),
+    ("n", 17, "n", ""),
     ("logprobs", True, "logprobs", "not supported"),
     ("max_completion_tokens", 0, "max_completion_tokens", ""),
     ("stream_options", {"include_usage": "yes"}, "stream_options", ""),

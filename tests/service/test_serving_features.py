@@ -1,0 +1,90 @@
+"""Serving features on 1 + 1 and 2 + 2 apps, over gRPC and NIXL: ``n`` choices (the prompt
+prefilled once, each choice its own seed) and readiness, each shape deployed once for
+the module's tests.
+
+References are the colocated engine's outputs for the same prompt and seeds: choice ``i``
+of ``n=3, seed=s`` equals a request with seed ``s + i``.
+"""
+
+from __future__ import annotations
+
+import grpc
+import httpx
+import pytest
+from load_driver import get_json, is_drained, wait_until_drained
+from service_apps import free_port, openai_client, running_app, wait_until_ready
+
+from pdserve.deploy.cluster import base_url
+from pdserve.kvconnector.nixl_transport import nixl_available
+from pdserve.messages.sampling_params import SamplingParams
+from pdserve.proto import generate_pb2, generate_pb2_grpc
+
+SHAPES = [(1, 1, "grpc"), (1, 1, "nixl"), (2, 2, "grpc"), (2, 2, "nixl")]
+PROMPT = "Parallel sampling: one prompt, prefilled once and leased once, decoded n times. "
+GRPC_PORT = free_port()
+
+
+@pytest.fixture(scope="module", params=SHAPES, ids=[f"{p}p{d}d-{t}" for p, d, t in SHAPES])
+def app(request, ray_cluster):
+    num_prefill, num_decode, transport = request.param
+    if transport == "nixl" and not nixl_available():
+        pytest.skip("NIXL does not load here (pip install 'pdserve[nixl]')")
+    name = f"feat{num_prefill}{num_decode}{transport}"
+    with running_app(num_prefill=num_prefill, num_decode=num_decode, transport=transport,
+                     app_name=name, route_prefix=f"/{name}", grpc_port=GRPC_PORT) as config:
+        assert wait_until_ready(config)["ready"]
+        yield config
+
+
+def colocated_texts(colocated, prompt: str, seeds: list[int | None], **sampling) -> list[str]:
+    return [colocated.generate([prompt], SamplingParams(seed=seed, **sampling))[0].text
+            for seed in seeds]
+
+
+def test_n_choices_with_a_seed_equal_the_colocated_engine_with_seeds_s_s1_s2(app, colocated):
+    sampling = dict(max_tokens=10, temperature=0.9)
+    before = get_json(app, "/stats")["totals"]
+    reply = openai_client(app).completions.create(model="tiny", prompt=PROMPT, n=3, seed=41,
+                                                  **sampling)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert [c.text for c in reply.choices] == colocated_texts(colocated, PROMPT, [41, 42, 43],
+                                                             **sampling)
+    assert reply.usage.completion_tokens == 30
+    assert reply.usage.prompt_tokens == len(colocated.tokenizer.encode(PROMPT))
+    after = get_json(app, "/stats")["totals"]
+    # One prefill, one pull: the prompt's blocks moved once, whatever n is.
+    num_prompt_blocks = -(-reply.usage.prompt_tokens // 16)
+    assert after["num_blocks_received"] - before["num_blocks_received"] <= num_prompt_blocks
+    assert all(is_drained(w) for w in wait_until_drained(app))
+
+
+def test_streamed_choices_interleave_by_index_and_greedy_choices_are_equal(app, colocated):
+    sampling = dict(max_tokens=8, temperature=0.0)
+    (expected,) = colocated_texts(colocated, PROMPT, [None], **sampling)
+    chunks = list(openai_client(app).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPT}], n=2, stream=True,
+        stream_options={"include_usage": True}, **sampling))
+    texts = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts[0] == texts[1]
+    assert chunks[-1].usage.completion_tokens == 16
+    whole = openai_client(app).completions.create(model="tiny", prompt=PROMPT, n=2, **sampling)
+    assert [c.text for c in whole.choices] == [expected, expected]
+
+
+def test_grpc_generate_streams_each_choice_with_its_index(app, colocated):
+    sampling = dict(max_tokens=6, temperature=0.8)
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        replies = list(generate_pb2_grpc.GenerateStub(channel).Generate(
+            generate_pb2.GenerateRequest(text=PROMPT, n=2, seed=7, **sampling), timeout=60))
+    texts = ["".join(r.text for r in replies if r.index == i) for i in (0, 1)]
+    assert texts == colocated_texts(colocated, PROMPT, [7, 8], **sampling)
+
+
+@pytest.mark.parametrize("field, value", [("n", 0), ("n", 17), ("best_of", 2)])
+def test_bad_n_is_a_400_naming_the_field(app, field, value):
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2, field: value}
+    response = httpx.post(base_url(app) + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == field
