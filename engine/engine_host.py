@@ -122,6 +122,7 @@ class EngineHost:
                     kv_transfer_params=output.kv_transfer_params,
                     error=output.error,
                     kv_provenance=self._signed(output.kv_provenance),
+                    new_logprobs=output.output_logprobs[sent_tokens:],
                 )
                 sent_tokens, sent_chars = len(output.output_token_ids), len(output.text)
         finally:

@@ -6,6 +6,7 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.cache import (
     BlockHasher,
@@ -27,12 +28,15 @@ from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner, configure_torch_threads
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.request_output import RequestOutput
-from pdserve.engine.sampler import sample
+from pdserve.engine.sampler import sample, token_logprobs
 from pdserve.engine.scheduler import Scheduler
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.kv_transfer_params import KVTransferParams
 from pdserve.messages.sampling_params import SamplingParams
 from pdserve.tokenizer.detokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 # While a pull is in flight and nothing else can run, wait this long for it per step.
 _IDLE_WAIT_S = 0.005
@@ -165,6 +169,8 @@ class LLMEngine:
             # The prefill worker sampled the first token; it may already end the request,
             # and then the lease is released unread and the next step reports it.
             request.append_output_token(kv_transfer_params.first_token_id)
+            if params.logprobs is not None:  # its logprob is the prefill worker's to report
+                request.output_logprobs.append(None)
             status = self.scheduler.stop_status(request)
             if tracked.detokenizer.update(request.output_token_ids):
                 status = RequestStatus.FINISHED_STOPPED
@@ -235,6 +241,7 @@ class LLMEngine:
                 [r.sampling_seed for r in sampled],
                 [r.num_output_tokens for r in sampled],
             )
+            _record_logprobs(logits, sampled, token_ids)
             changed += scheduler.update_from_output(output, token_ids)
             self._stats.record_step(output.num_scheduled_tokens, len(token_ids))
         if self.connector is not None:
@@ -277,6 +284,7 @@ class LLMEngine:
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=list(request.output_token_ids),
+            output_logprobs=list(request.output_logprobs),
             text=text,
             finished=request.is_finished,
             finish_reason=request.status.finish_reason,
@@ -316,3 +324,14 @@ class LLMEngine:
     def shutdown(self) -> None:
         if self.connector is not None:
             self.connector.shutdown()
+
+
+def _record_logprobs(logits: torch.Tensor, sampled: list[Request], token_ids: list[int]) -> None:
+    """Appends each sampled token's logprobs to the requests that ask for them."""
+    rows = [r for r, request in enumerate(sampled) if request.sampling_params.logprobs is not None]
+    if not rows:
+        return
+    results = token_logprobs(logits[rows], [token_ids[r] for r in rows],
+                             [sampled[r].sampling_params.logprobs for r in rows])
+    for row, result in zip(rows, results):
+        sampled[row].output_logprobs.append(result)

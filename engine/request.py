@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.cache import BlockHash, RequestBlockHasher
 from pdserve.messages.kv_provenance import KVProvenance
+from pdserve.messages.logprobs import TokenLogprobs
 from pdserve.messages.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -102,6 +103,9 @@ class Request:
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        # Aligned with output_token_ids when the params ask for logprobs (None: a token
+        # sampled elsewhere, the first one a prefill worker handed over).
+        self.output_logprobs: list[TokenLogprobs | None] = []
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

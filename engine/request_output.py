@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.messages.kv_provenance import KVProvenance
+from pdserve.messages.logprobs import TokenLogprobs
 from pdserve.messages.kv_transfer_params import KVTransferParams
 
 
@@ -30,3 +31,4 @@ class RequestOutput:
     error: str | None = None
     kv_transfer_params: KVTransferParams | None = None
     kv_provenance: KVProvenance | None = None
+    output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # when asked

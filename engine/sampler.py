@@ -14,6 +14,7 @@ and needs one vector of noise per row, no cumulative sums. Greedy rows (temperat
 from __future__ import annotations
 
 import torch
+from pdserve.messages.logprobs import TokenLogprobs
 from pdserve.messages.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -78,3 +79,20 @@ def _sample_row(logits: torch.Tensor, params: SamplingParams, draw: int) -> int:
     generator = torch.Generator(device="cpu").manual_seed(draw)
     noise = torch.empty(vocab_size).exponential_(generator=generator)
     return int(torch.argmax(probs / noise))
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int],
+                   num_top: list[int]) -> list[TokenLogprobs]:
+    """Each row's sampled token's logprob and its ``num_top[r]`` best alternatives, from the
+    raw logits (one ``log_softmax`` over the rows that asked, one ``topk`` for the widest)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(token_ids, dtype=torch.long,
+                                             device=logits.device).unsqueeze(1)).squeeze(1)
+    widest = max(num_top, default=0)
+    top_values, top_ids = (logprobs.topk(widest, dim=-1) if widest else (None, None))
+    results = []
+    for row, token_id in enumerate(token_ids):
+        k = num_top[row]
+        top = (list(zip(top_ids[row, :k].tolist(), top_values[row, :k].tolist())) if k else [])
+        results.append(TokenLogprobs(token_id, float(chosen[row]), top))
+    return results

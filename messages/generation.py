@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.messages.kv_provenance import KVProvenance
 from pdserve.messages.kv_transfer_params import KVTransferParams
+from pdserve.messages.logprobs import TokenLogprobs
 from pdserve.messages.sampling_params import SamplingParams
 
 
@@ -51,6 +52,8 @@ class GenerationChunk:
     error: str | None = None
     refused: bool = False
     kv_provenance: KVProvenance | None = None
+    # Aligned with new_token_ids when the request asked for logprobs, else empty.
+    new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
 
 @dataclass(slots=True)

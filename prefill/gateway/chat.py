@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 from pydantic import Field
 
+from pdserve.messages.logprobs import MAX_LOGPROBS, TokenLogprobs
+from pdserve.prefill.gateway.logprobs_format import LogprobsRenderer
 from pdserve.prefill.gateway.openai_schema import (APIError, ParsedCompletion, SamplingRequest,
                                                    validate_request)
 from pdserve.tokenizer.tokenizer import Tokenizer
@@ -25,7 +28,7 @@ from pdserve.tokenizer.tokenizer import Tokenizer
 # Chat fields pdserve does not implement; each is accepted only at its default value.
 _UNSUPPORTED_CHAT_FIELDS: dict[str, Any] = {
     "tools": None, "tool_choice": None, "functions": None, "function_call": None,
-    "response_format": None, "logprobs": False, "top_logprobs": None, "logit_bias": {},
+    "response_format": None, "logit_bias": {},
     "presence_penalty": 0, "frequency_penalty": 0, "audio": None, "modalities": None,
     "prediction": None,
 }
@@ -38,15 +41,21 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[Any]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 def parse_chat(body: Any, tokenizer: Tokenizer) -> ParsedCompletion:
     """Validates a chat body and renders its messages to prompt token ids."""
     request = validate_request(ChatCompletionRequest, body, _UNSUPPORTED_CHAT_FIELDS)
+    if request.top_logprobs is not None and not request.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
     return ParsedCompletion(
         model=request.model, prompt_text=None,
         prompt_token_ids=render_chat(request.messages, tokenizer),
-        params=request.sampling_params(request.max_completion_tokens or request.max_tokens),
+        params=request.sampling_params(request.max_completion_tokens or request.max_tokens,
+                                       logprobs),
         stream=request.stream, cache_salt=request.cache_salt,
         include_usage=request.include_usage, n=request.n)
 
@@ -70,6 +79,7 @@ class ChatFormat:
 
     request_id: str
     model: str
+    logprobs: LogprobsRenderer | None = None  # set when the request asked for logprobs
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -81,18 +91,23 @@ class ChatFormat:
                                  "logprobs": None, "finish_reason": None}])
                 for index in range(n)]
 
-    def chunk(self, text: str, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
+    def chunk(self, text: str, finish_reason: str | None, index: int = 0,
+              logprobs: Sequence[TokenLogprobs | None] = ()) -> dict[str, Any]:
         delta = {"content": text} if text else {}
-        return self._envelope([{"index": index, "delta": delta, "logprobs": None,
+        return self._envelope([{"index": index, "delta": delta,
+                                "logprobs": self._render(logprobs),
                                 "finish_reason": finish_reason}])
+
+    def _render(self, logprobs: Sequence[TokenLogprobs | None]) -> dict[str, Any] | None:
+        return self.logprobs.chat(logprobs) if self.logprobs else None
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
         return {**self._envelope([]), "usage": usage_body}
 
-    def response(self, choices: list[tuple[str, str | None]],
+    def response(self, choices: list[tuple[str, str | None, list[TokenLogprobs | None]]],
                  usage_body: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.request_id, "object": "chat.completion", "created": self.created,
                 "model": self.model, "usage": usage_body,
                 "choices": [{"index": i, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": reason}
-                            for i, (text, reason) in enumerate(choices)]}
+                             "logprobs": self._render(logprobs), "finish_reason": reason}
+                            for i, (text, reason, logprobs) in enumerate(choices)]}

@@ -34,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
 from sse_starlette import EventSourceResponse
 
+from pdserve.messages.logprobs import TokenLogprobs
 from pdserve.prefill.gateway.config import GatewayConfig
 from pdserve.prefill.gateway.dashboard import (DEFAULT_LIMIT, dashboard_router,
                                                recent_requests_body, request_provenance_response)
@@ -42,6 +43,7 @@ from pdserve.prefill.gateway.chat import ChatFormat, parse_chat
 from pdserve.prefill.gateway.openai_schema import (MAX_REQUEST_BYTES, APIError, CompletionFormat,
                                                    ParsedCompletion, models_response,
                                                    parse_completion, request_too_large, usage)
+from pdserve.prefill.gateway.logprobs_format import LogprobsRenderer
 from pdserve.prefill.gateway.orchestrator import RequestOrchestrator
 from pdserve.prefill.gateway.parallel_sampling import choice_params, generate_choices
 from pdserve.prefill.gateway.stream_emitter import StreamDelta
@@ -120,7 +122,7 @@ async def _sse_events(orchestrator: RequestOrchestrator, response_format: Respon
         while True:
             index, delta = item
             tally.add(index, delta)
-            chunk = response_format.chunk(delta.text, delta.finish_reason, index)
+            chunk = response_format.chunk(delta.text, delta.finish_reason, index, delta.logprobs)
             if not tally.done:
                 yield {"data": json.dumps(chunk)}
             else:
@@ -149,6 +151,7 @@ class _Tally:
 
     def __init__(self, n: int) -> None:
         self.texts = [""] * n
+        self.logprobs: list[list[TokenLogprobs | None]] = [[] for _ in range(n)]
         self.finish_reasons: list[str | None] = [None] * n
         self.num_output_tokens = 0
         self.num_prompt_tokens = self.num_cached_tokens = 0
@@ -156,6 +159,7 @@ class _Tally:
 
     def add(self, index: int, delta: StreamDelta) -> None:
         self.texts[index] += delta.text
+        self.logprobs[index].extend(delta.logprobs)
         self.num_output_tokens += len(delta.token_ids)
         if delta.finish_reason is not None:
             self.finish_reasons[index] = delta.finish_reason
@@ -211,8 +215,14 @@ async def _serve(orchestrator: RequestOrchestrator, parsed: ParsedCompletion,
     finally:
         await choices.aclose()  # a cancelled request (client gone) aborts on the workers
         orchestrator.release()
-    body = response_format.response(list(zip(tally.texts, tally.finish_reasons)), tally.usage())
+    body = response_format.response(list(zip(tally.texts, tally.finish_reasons, tally.logprobs)),
+                                    tally.usage())
     return JSONResponse({**body, **tally.provenance()})
+
+
+def _renderer(orchestrator: RequestOrchestrator, parsed: ParsedCompletion) -> LogprobsRenderer | None:
+    """Renders the request's logprobs, when it asked for them."""
+    return LogprobsRenderer(orchestrator.tokenizer) if parsed.params.logprobs is not None else None
 
 
 # ---------------------------------------------------------------------- the ingress
@@ -258,8 +268,8 @@ class Gateway:
             parsed = parse_completion(await read_json_body(request))
         except APIError as error:
             return _error_response(orchestrator, error)
-        return await _serve(orchestrator, parsed,
-                            CompletionFormat(f"cmpl-{uuid.uuid4().hex}", orchestrator.model_name))
+        return await _serve(orchestrator, parsed, CompletionFormat(
+            f"cmpl-{uuid.uuid4().hex}", orchestrator.model_name, _renderer(orchestrator, parsed)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -270,8 +280,8 @@ class Gateway:
             parsed = await asyncio.to_thread(parse_chat, body, orchestrator.tokenizer)
         except APIError as error:
             return _error_response(orchestrator, error)
-        return await _serve(orchestrator, parsed,
-                            ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", orchestrator.model_name))
+        return await _serve(orchestrator, parsed, ChatFormat(
+            f"chatcmpl-{uuid.uuid4().hex}", orchestrator.model_name, _renderer(orchestrator, parsed)))
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:

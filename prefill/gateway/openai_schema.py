@@ -17,13 +17,22 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
 
-from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError,
-                      ValidationInfo, field_validator)
-
+from pdserve.messages.logprobs import MAX_LOGPROBS, TokenLogprobs
 from pdserve.messages.sampling_params import SamplingParams
+from pdserve.prefill.gateway.logprobs_format import LogprobsRenderer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 DEFAULT_MAX_TOKENS = 16
 MAX_CACHE_SALT_CHARS = 256
@@ -35,7 +44,7 @@ MAX_STOP_CHARS = 256
 # Choices per request (``n``): each decodes on its own, so a large n is a large request.
 MAX_CHOICES = 16
 # pdserve implements none of these; each is accepted only at its default value.
-_UNSUPPORTED_FIELDS: dict[str, Any] = {"best_of": 1, "echo": False, "logprobs": None,
+_UNSUPPORTED_FIELDS: dict[str, Any] = {"best_of": 1, "echo": False,
                                        "suffix": None, "logit_bias": {}, "presence_penalty": 0,
                                        "frequency_penalty": 0}
 # What a field of a union type must be, for a message clearer than pydantic's per-member list.
@@ -126,13 +135,14 @@ class SamplingRequest(BaseModel):
             check_unicode(value, info.field_name)
         return value
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos)
+            top_k=self.top_k or 0, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
+            logprobs=logprobs)
 
     @property
     def include_usage(self) -> bool:
@@ -144,6 +154,7 @@ class CompletionRequest(SamplingRequest):
 
     prompt: Prompt | Annotated[list[Prompt], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = DEFAULT_MAX_TOKENS
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -195,7 +206,7 @@ def parse_completion(body: Any) -> ParsedCompletion:
         prompt = prompt[0]
     text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
     return ParsedCompletion(model=request.model, prompt_text=text, prompt_token_ids=token_ids,
-                            params=request.sampling_params(request.max_tokens),
+                            params=request.sampling_params(request.max_tokens, request.logprobs),
                             stream=request.stream, cache_salt=request.cache_salt,
                             include_usage=request.include_usage, n=request.n)
 
@@ -230,29 +241,34 @@ class CompletionFormat:
 
     request_id: str
     model: str
+    logprobs: LogprobsRenderer | None = None  # set when the request asked for logprobs
     created: int = field(default_factory=lambda: int(time.time()))
 
     def opening_chunks(self, n: int) -> list[dict[str, Any]]:
         return []
 
-    def chunk(self, text: str, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
+    def chunk(self, text: str, finish_reason: str | None, index: int = 0,
+              logprobs: Sequence[TokenLogprobs | None] = ()) -> dict[str, Any]:
         return {"id": self.request_id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": [self._choice(index, text, finish_reason)]}
+                "model": self.model,
+                "choices": [self._choice(index, text, finish_reason, logprobs)]}
 
-    @staticmethod
-    def _choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def _choice(self, index: int, text: str, finish_reason: str | None,
+                logprobs: Sequence[TokenLogprobs | None]) -> dict[str, Any]:
+        rendered = self.logprobs.completion(index, logprobs) if self.logprobs else None
+        return {"index": index, "text": text, "logprobs": rendered, "finish_reason": finish_reason}
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.request_id, "object": "text_completion", "created": self.created,
                 "model": self.model, "choices": [], "usage": usage_body}
 
-    def response(self, choices: list[tuple[str, str | None]],
+    def response(self, choices: list[tuple[str, str | None, list[TokenLogprobs | None]]],
                  usage_body: dict[str, Any]) -> dict[str, Any]:
-        """The whole reply: ``choices`` are ``(text, finish_reason)`` by index."""
+        """The whole reply: ``choices`` are ``(text, finish_reason, logprobs)`` by index."""
         return {"id": self.request_id, "object": "text_completion", "created": self.created,
                 "model": self.model, "usage": usage_body,
-                "choices": [self._choice(i, text, reason) for i, (text, reason) in enumerate(choices)]}
+                "choices": [self._choice(i, text, reason, logprobs)
+                            for i, (text, reason, logprobs) in enumerate(choices)]}
 
 
 def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict[str, Any]:

@@ -14,9 +14,10 @@ reply equals the non-streamed one.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.messages.generation import GenerationChunk
+from pdserve.messages.logprobs import TokenLogprobs
 from pdserve.prefill.gateway.metrics import GatewayMetrics
 from pdserve.prefill.gateway.request_provenance import RequestProvenance
 
@@ -36,6 +37,7 @@ class StreamDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     kv_provenance: RequestProvenance | None = None
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # per token, when asked
 
 
 def stop_safe_length(text: str, stops: list[str]) -> int:
@@ -70,6 +72,7 @@ class StreamEmitter:
 
     def restart_stream(self) -> None:
         self.stream_tokens: list[int] = []
+        self.stream_logprobs: list[TokenLogprobs | None] = []
         self.stream_text = ""
 
     def update(self, chunk: GenerationChunk, final: bool) -> StreamDelta | None:
@@ -77,6 +80,7 @@ class StreamEmitter:
         stream's finish is the request's (False for a prefill that hands off to decode)."""
         overlap = min(len(self.stream_tokens) + len(chunk.new_token_ids), self.sent_tokens)
         self.stream_tokens.extend(chunk.new_token_ids)
+        self.stream_logprobs.extend(chunk.new_logprobs)
         self.stream_text += chunk.text_delta
         if self.stream_tokens[:overlap] != self.sent_token_ids[:overlap]:
             raise ReplayDiverged(f"tokens {self.stream_tokens[:overlap]} where "
@@ -85,6 +89,7 @@ class StreamEmitter:
             self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
         finished = chunk.finished and final
         new_tokens = self.stream_tokens[self.sent_tokens:]
+        new_logprobs = self.stream_logprobs[self.sent_tokens:]
         end = len(self.stream_text) if finished else stop_safe_length(self.stream_text, self.stops)
         new_text = self.stream_text[self.sent_chars:end] if end > self.sent_chars else ""
         if not new_tokens and not new_text and not finished:
@@ -100,7 +105,7 @@ class StreamEmitter:
             self.metrics.record_finished(reason or "unknown", now - self.start,
                                          self.num_prompt_tokens)
         return StreamDelta(new_tokens, new_text, reason, self.num_prompt_tokens,
-                           self.num_cached_tokens)
+                           self.num_cached_tokens, logprobs=new_logprobs)
 
     def ttft_s(self) -> float:
         return 0.0 if self.first_token_time is None else self.first_token_time - self.start

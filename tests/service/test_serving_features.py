@@ -88,3 +88,69 @@ def test_bad_n_is_a_400_naming_the_field(app, field, value):
     body = {"model": "tiny", "prompt": "x", "max_tokens": 2, field: value}
     response = httpx.post(base_url(app) + "/v1/completions", json=body, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == field
+
+
+def colocated_logprobs(colocated, prompt, **sampling):
+    output = colocated.generate([prompt], SamplingParams(**sampling))[0]
+    return output, output.output_logprobs
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, seed=3)],
+                         ids=["greedy", "seeded"])
+def test_completion_logprobs_equal_the_colocated_engines_streamed_and_not(app, colocated, sampling):
+    output, expected = colocated_logprobs(colocated, PROMPT, max_tokens=6, logprobs=3, **sampling)
+    decode = colocated.tokenizer.decode
+    client = openai_client(app)
+    whole = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, logprobs=3,
+                                      **sampling).choices[0].logprobs
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=6, logprobs=3, stream=True, **sampling)
+        if c.choices and c.choices[0].logprobs]
+    for got in (whole, _concat(streamed)):
+        assert got.tokens == [decode([e.token_id]) for e in expected]
+        assert got.token_logprobs == pytest.approx([e.logprob for e in expected], abs=1e-4)
+        for top, entry in zip(got.top_logprobs, expected):
+            # OpenAI keys alternatives by text: ids that decode alike share a key.
+            assert len(entry.top) == 3 and top == pytest.approx(
+                {decode([t]): lp for t, lp in entry.top}, abs=1e-4)
+    # The first token's logprob is the prefill worker's, the rest the decode worker's.
+    assert len(whole.tokens) == len(output.output_token_ids) == 6
+
+
+def _concat(pieces):
+    class Joined:
+        tokens = [t for p in pieces for t in p.tokens]
+        token_logprobs = [lp for p in pieces for lp in p.token_logprobs]
+        top_logprobs = [top for p in pieces for top in p.top_logprobs]
+    return Joined
+
+
+def test_chat_logprobs_and_top_logprobs_equal_the_colocated_engines(app, colocated):
+    messages = [{"role": "user", "content": PROMPT}]
+    tokenizer = colocated.tokenizer
+    prompt_ids = tokenizer.encode(tokenizer.chat_template.render(messages), add_special_tokens=False)
+    _, expected = colocated_logprobs(colocated, prompt_ids, max_tokens=5, logprobs=2,
+                                     temperature=0.0)
+    reply = openai_client(app).chat.completions.create(
+        model="tiny", messages=messages, max_tokens=5, temperature=0.0, logprobs=True,
+        top_logprobs=2)
+    content = reply.choices[0].logprobs.content
+    assert [c.token for c in content] == [tokenizer.decode([e.token_id]) for e in expected]
+    assert [c.logprob for c in content] == pytest.approx([e.logprob for e in expected], abs=1e-4)
+    assert [t.logprob for c in content for t in c.top_logprobs] == pytest.approx(
+        [lp for e in expected for _, lp in e.top], abs=1e-4)
+    assert [len(c.top_logprobs) for c in content] == [2] * len(expected)
+    assert content[0].bytes == list(content[0].token.encode())
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                              "top_logprobs": 21}, "top_logprobs"),
+])
+def test_bad_logprobs_are_a_400_naming_the_field(app, path, body, param):
+    response = httpx.post(base_url(app) + path, json={"model": "tiny", "max_tokens": 2, **body},
+                          timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param

@@ -1,0 +1,47 @@
+"""Token log-probabilities in OpenAI's two shapes, rendered at the gateway (it has the
+tokenizer; workers send token ids and numbers).
+
+    completions:  {"tokens": ["Hel", "lo"], "token_logprobs": [-0.1, -2.3],
+                   "top_logprobs": [{"Hel": -0.1, "He": -2.5}, ...], "text_offset": [0, 3]}
+    chat:         {"content": [{"token": "Hel", "logprob": -0.1, "bytes": [72, 101, 108],
+                                "top_logprobs": [{"token": "Hel", "logprob": -0.1, ...}]}]}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pdserve.messages.logprobs import TokenLogprobs
+from pdserve.tokenizer.tokenizer import Tokenizer
+
+
+class LogprobsRenderer:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._text_offsets: dict[int, int] = {}  # per choice: characters rendered so far
+
+    def token_text(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id])
+
+    def completion(self, index: int, entries: Sequence[TokenLogprobs | None]) -> dict[str, Any]:
+        tokens, offsets = [], []
+        offset = self._text_offsets.get(index, 0)
+        for entry in entries:
+            text = self.token_text(entry.token_id)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+        self._text_offsets[index] = offset
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self.token_text(t): lp for t, lp in e.top} for e in entries],
+                "text_offset": offsets}
+
+    def chat(self, entries: Sequence[TokenLogprobs | None]) -> dict[str, Any]:
+        return {"content": [{**self._chat_token(e.token_id, e.logprob),
+                             "top_logprobs": [self._chat_token(t, lp) for t, lp in e.top]}
+                            for e in entries]}
+
+    def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
