@@ -29,6 +29,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
 from sse_starlette import EventSourceResponse
 
+from pdserve.prefill.gateway.admission import (AdmissionSlot, ReleaseSlotsAtRequestEnd,
+                                               hold_until_request_ends)
 from pdserve.prefill.gateway.config import GatewayConfig
 from pdserve.prefill.gateway.grpc_ingress import start_grpc_server
 from pdserve.prefill.gateway.openai_schema import (MAX_REQUEST_BYTES, APIError, completion_chunk,
@@ -36,12 +38,20 @@ from pdserve.prefill.gateway.openai_schema import (MAX_REQUEST_BYTES, APIError, 
                                                    parse_completion, request_too_large)
 from pdserve.prefill.gateway.orchestrator import RequestOrchestrator
 from pdserve.prefill.gateway.stream_emitter import StreamDelta
-from pdserve.prefill.gateway.worker_pool import WorkerPool
+from pdserve.prefill.gateway.worker_pool import NoModelInfo, WorkerPool
 from pdserve.tokenizer.loading import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+app.add_middleware(ReleaseSlotsAtRequestEnd)  # an admitted request's slot lives as long as it
+
+
+@app.exception_handler(APIError)
+async def _api_error(request: Request, error: APIError) -> Response:
+    """An ``APIError`` no route caught (no prefill worker described the model yet: 503)."""
+    return Response(json.dumps(error.body()), status_code=error.status,
+                    media_type="application/json")
 
 
 def _error_response(orchestrator: RequestOrchestrator, error: APIError) -> Response:
@@ -89,7 +99,8 @@ async def _sse_events(orchestrator: RequestOrchestrator, request_id: str, first:
                       stream: AsyncIterator[StreamDelta]) -> AsyncIterator[dict[str, str]]:
     """The SSE events of a streamed completion (``sse-starlette`` frames them), ``[DONE]`` last.
 
-    An error after the status line went out is sent as an error event, as OpenAI does.
+    An error after the status line went out is sent as an error event, as OpenAI does. The
+    request's ``AdmissionSlot`` closes ``stream`` and frees its place when the request ends.
     """
     created = int(time.time())
     try:
@@ -111,7 +122,39 @@ async def _sse_events(orchestrator: RequestOrchestrator, request_id: str, first:
         yield {"data": "[DONE]"}
     finally:
         await stream.aclose()  # on a client disconnect: cancels the worker streams
-        orchestrator.release()
+
+
+async def complete(orchestrator: RequestOrchestrator, request: Request) -> Response:
+    """``POST /v1/completions``: validate, admit, run; whole or streamed (SSE).
+
+    The admitted request's place and token stream belong to an ``AdmissionSlot`` that the
+    ASGI middleware ends when the request ends, whether its body was sent, failed, was
+    cancelled or never started.
+    """
+    try:
+        parsed = parse_completion(await read_json_body(request))
+        token_ids, params = await orchestrator.prepare_off_loop(parsed)
+        orchestrator.admit()
+    except APIError as error:
+        return _error_response(orchestrator, error)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    stream = orchestrator.generate(request_id, token_ids, params, cache_salt=parsed.cache_salt)
+    hold_until_request_ends(request.scope, AdmissionSlot(orchestrator.release, stream))
+    try:
+        first = await anext(stream)
+    except APIError as error:
+        return _error_response(orchestrator, error)
+    if parsed.stream:
+        return EventSourceResponse(_sse_events(orchestrator, request_id, first, stream),
+                                   ping=None)
+    try:
+        deltas = [first] + [delta async for delta in stream]
+    except APIError as error:
+        return _error_response(orchestrator, error)
+    return JSONResponse(completion_response(
+        request_id, orchestrator.model_name, "".join(d.text for d in deltas),
+        deltas[-1].finish_reason, first.num_prompt_tokens,
+        sum(len(d.token_ids) for d in deltas), deltas[-1].num_cached_tokens))
 
 
 # ---------------------------------------------------------------------- the ingress
@@ -135,10 +178,14 @@ class Gateway:
         if self.orchestrator is None:
             async with self._ready:
                 if self.orchestrator is None:
-                    first = next(iter(self.workers.prefill))
-                    info = await self.workers.call(first, "model_info")
+                    try:
+                        info = await self.workers.first_model_info(self.config.worker_timeout_s)
+                    except NoModelInfo as error:
+                        raise APIError(503, str(error), type="server_error",
+                                       code="no_worker_available") from None
+                    tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model)
                     orchestrator = RequestOrchestrator(self.config, self.workers, info,
-                                                       load_tokenizer(self.config.model))
+                                                       tokenizer)
                     orchestrator.start()
                     self.orchestrator = orchestrator
                     if self.config.grpc_port:
@@ -152,37 +199,7 @@ class Gateway:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        orchestrator = await self._get_orchestrator()
-        try:
-            parsed = parse_completion(await read_json_body(request))
-            token_ids, params = orchestrator.prepare(parsed)
-            orchestrator.admit()
-        except APIError as error:
-            return _error_response(orchestrator, error)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = orchestrator.generate(request_id, token_ids, params, cache_salt=parsed.cache_salt)
-        try:
-            first = await anext(stream)
-        except APIError as error:
-            orchestrator.release()
-            return _error_response(orchestrator, error)
-        except BaseException:
-            orchestrator.release()
-            raise
-        if parsed.stream:
-            return EventSourceResponse(_sse_events(orchestrator, request_id, first, stream),
-                                       ping=None)
-        try:
-            deltas = [first] + [delta async for delta in stream]
-        except APIError as error:
-            return _error_response(orchestrator, error)
-        finally:
-            await stream.aclose()  # a cancelled request (client gone) aborts on the workers
-            orchestrator.release()
-        return JSONResponse(completion_response(
-            request_id, orchestrator.model_name, "".join(d.text for d in deltas),
-            deltas[-1].finish_reason, first.num_prompt_tokens,
-            sum(len(d.token_ids) for d in deltas), deltas[-1].num_cached_tokens))
+        return await complete(await self._get_orchestrator(), request)
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:

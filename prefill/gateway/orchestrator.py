@@ -51,6 +51,9 @@ from pdserve.tokenizer.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 _STATS_TIMEOUT_S = 10.0
+# Prompts longer than this (characters or token ids) are tokenized and hashed on a worker
+# thread: up to 4 MiB of text would stall every stream the event loop serves.
+_INLINE_PROMPT_SIZE = 16_384
 
 
 class WorkerLost(Exception):
@@ -135,6 +138,22 @@ class RequestOrchestrator:
             params = dataclasses.replace(params, seed=self._seed_rng.getrandbits(63))
         return token_ids, params
 
+    async def prepare_off_loop(self, parsed: ParsedCompletion) -> tuple[list[int], SamplingParams]:
+        """``prepare``, on a worker thread when the prompt is long."""
+        size = len(parsed.prompt_text or "") + len(parsed.prompt_token_ids or ())
+        if size <= _INLINE_PROMPT_SIZE:
+            return self.prepare(parsed)
+        return await asyncio.to_thread(self.prepare, parsed)
+
+    async def hash_blocks(self, token_ids: list[int], cache_salt: str | None) -> list[BlockHash]:
+        """The prompt's block hashes, salted like the workers' (a tenant's prefix never
+        routes by another's blocks); on a worker thread when the prompt is long."""
+        block_size = self.model_info.block_size
+        if len(token_ids) <= _INLINE_PROMPT_SIZE:
+            return self.hasher.hash_request_blocks(token_ids, block_size, cache_salt=cache_salt)
+        return await asyncio.to_thread(self.hasher.hash_request_blocks, token_ids, block_size,
+                                       cache_salt=cache_salt)
+
     def admit(self) -> None:
         """Takes a place in the bounded in-flight queue, or refuses with 429."""
         if self.metrics.num_requests_in_flight >= self.config.max_inflight_requests:
@@ -158,9 +177,7 @@ class RequestOrchestrator:
         start = time.perf_counter()
         run = RequestRun(
             request_id, token_ids, params, cache_salt,
-            # Salted like the workers' hashes: a tenant's prefix never routes by another's blocks.
-            block_hashes=self.hasher.hash_request_blocks(token_ids, self.model_info.block_size,
-                                                         cache_salt=cache_salt),
+            block_hashes=await self.hash_blocks(token_ids, cache_salt),
             emitter=StreamEmitter(params.stop, len(token_ids), self.metrics, start),
             remote_decode=params.max_tokens > 1 and self.router.has_decode_workers())
         async for delta in self.prefill(run):
