@@ -33,6 +33,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from ray.exceptions import RayActorError, RayTaskError
+
 from pdserve.cache import BlockHash, BlockHasher
 from pdserve.messages.generation import GenerationChunk, ModelInfo, WorkerRequest
 from pdserve.messages.kv_transfer_params import KVTransferParams
@@ -54,6 +56,13 @@ _STATS_TIMEOUT_S = 10.0
 # Prompts longer than this (characters or token ids) are tokenized and hashed on a worker
 # thread: up to 4 MiB of text would stall every stream the event loop serves.
 _INLINE_PROMPT_SIZE = 16_384
+
+
+def raised_by_worker_code(error: BaseException) -> bool:
+    """True when the worker's own code raised (a bug, a request it cannot serve): the worker
+    is alive and would fail the same way again, so it stays in routing and the request is
+    not retried. Anything else (its actor died, is unreachable) is a lost worker."""
+    return isinstance(error, RayTaskError) and not isinstance(error.cause, RayActorError)
 
 
 class WorkerLost(Exception):
@@ -308,6 +317,9 @@ class RequestOrchestrator:
                 except Exception as error:
                     logger.warning("worker %s failed %s: %r", worker_id,
                                    "mid-stream" if answered else "before answering", error)
+                    if raised_by_worker_code(error):  # alive: neither retried nor unrouted
+                        raise APIError(500, f"{worker_id} failed the request: {error.cause!r}",
+                                       type="server_error", code="worker_error") from None
                     raise WorkerLost(worker_id, answered, error) from None
                 answered = True
                 if chunk.error is not None:

@@ -280,3 +280,36 @@ def test_start_up_with_no_prefill_worker_answering_fails_within_its_timeout_nami
                        "prefill-1": ModelInfoHandle("fail")}, {})
     with pytest.raises(NoModelInfo, match=r"prefill-0.*prefill-1.*the actor died"):
         asyncio.run(pool.first_model_info(timeout_s=0.2))
+
+
+# ---------------------------------------------------------------------- worker errors
+
+
+@pytest.mark.parametrize("raised, lost", [
+    (ValueError("a bug in the worker"), False),
+    (ConnectionError("the actor died"), True),
+])
+def test_a_worker_bug_fails_the_request_but_keeps_the_worker_a_lost_worker_leaves_routing(
+        raised, lost):
+    """A worker's deterministic error reaches the gateway as Ray's ``RayTaskError`` (built
+    here as Ray builds it); a dead actor's as anything else."""
+    from ray.exceptions import RayTaskError
+
+    class BrokenWorker(FakeWorker):
+        async def generate(self, request: WorkerRequest) -> AsyncIterator[GenerationChunk]:
+            if not lost:
+                raise RayTaskError("generate", "traceback", raised).as_instanceof_cause()
+            raise raised
+            yield  # an async generator
+
+    async def scenario() -> None:
+        pool = FakePool(["prefill-0"], [])
+        pool.prefill["prefill-0"] = pool.all["prefill-0"] = BrokenWorker("prefill-0")
+        service = make_service(pool)
+        with pytest.raises(APIError) as caught:
+            await run(service)
+        assert caught.value.status == (503 if lost else 500)
+        assert service.router.is_available("prefill-0") is not lost
+        assert (service.metrics.num_retries > 0) is lost
+
+    asyncio.run(scenario())
