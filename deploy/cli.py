@@ -24,6 +24,7 @@ import httpx
 from httpx_sse import connect_sse
 
 from pdserve.deploy.config import PDServeConfig
+from pdserve.deploy.preflight import preflight_problems
 from pdserve.stats.registry import WORKER_STATS
 from pdserve.stats.views import format_table
 
@@ -51,6 +52,11 @@ def cmd_up(args) -> int:
     from pdserve.deploy.cluster import base_url, deploy, init_ray, remember_local_cluster
 
     config = PDServeConfig.from_cli(args)
+    problems = preflight_problems(config)
+    if problems:
+        print("pdserve up: this config cannot start:\n" + "\n".join(f"  - {p}" for p in problems),
+              file=sys.stderr)
+        return 2
     init_ray(config.ray_address)
     seconds = deploy(config)
     if not config.ray_address:
