@@ -12,7 +12,6 @@ import threading
 import grpc
 import pytest
 import torch
-from conftest import make_client
 from kv_peer import PeerSpec, seeded_kv_cache
 
 from pdserve.kvconnector.backoff import IdleBackoff
