@@ -29,12 +29,18 @@ from typing import Any, TextIO
 from pdserve.deploy.config import PDServeConfig
 from pdserve.deploy.http_client import ServiceClient, ServiceError
 from pdserve.deploy.stats_table import format_stats
+from pdserve.deploy.preflight import preflight_problems
 
 
 def cmd_up(args) -> int:
     from pdserve.deploy.cluster import base_url, deploy, init_ray, remember_local_cluster, shut_down
 
     config = PDServeConfig.from_cli(args)
+    problems = preflight_problems(config)
+    if problems:
+        print("pdserve up: this config cannot start:\n" + "\n".join(f"  - {p}" for p in problems),
+              file=sys.stderr)
+        return 2
     init_ray(config.ray_address)
     seconds = deploy(config)
     if not config.ray_address:

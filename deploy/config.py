@@ -77,6 +77,9 @@ class PDServeConfig(BaseModel):
     max_model_len: int | None = Field(None, gt=0)
     max_num_seqs: int = Field(64, gt=0)
     max_num_batched_tokens: int = Field(2048, gt=0)
+    long_prefill_token_threshold: int = Field(
+        512, ge=0, description="a prompt computes at most this many tokens a step, so decodes "
+                               "keep stepping beside a long prompt (0: no cap)")
     enable_prefix_caching: bool = True
     hash_algorithm: Literal["xxh3_128", "sha256"] = "xxh3_128"
     hash_seed: int | None = Field(
@@ -218,6 +221,7 @@ class PDServeConfig(BaseModel):
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
             enable_prefix_caching=self.enable_prefix_caching,
             hash_algorithm=self.hash_algorithm,
             hash_seed=self.hash_seed,

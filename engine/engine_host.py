@@ -234,8 +234,8 @@ class EngineHost:
             outputs = self.engine.step()
         except Exception:  # an engine bug must not take the actor down: fail the in-flight requests
             logger.exception("engine step failed on %s", self.worker_id)
+            self.engine.abort_all()  # every request, streamed or not, loading included
             for request_id in list(self._streams):
-                self.engine.abort(request_id)
                 self._deliver(GenerationChunk(request_id, [], "", 0, True, "error",
                                               error="internal engine error"))
             return _IDLE

@@ -157,6 +157,11 @@ class KVConnectorBase(ABC):
         """True while any pull is in flight (the engine then waits instead of spinning)."""
 
     @abstractmethod
+    def is_loading(self, request_id: str) -> bool:
+        """True while the request's pull is queued, in flight, or reported by
+        ``get_finished`` but not yet taken: its blocks must not be freed until then."""
+
+    @abstractmethod
     def wait_for_progress(self, timeout_s: float) -> None:
         """Blocks until a transfer finishes or ``timeout_s`` passes."""
 

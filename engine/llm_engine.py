@@ -116,6 +116,7 @@ class LLMEngine:
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
             connector=connector,
             failure_policy=connector.failure_policy if connector else "recompute",
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
         )
         self._stats = EngineStats(num_blocks=num_blocks)
         self._finished_on_arrival: list[Request] = []
@@ -206,6 +207,16 @@ class LLMEngine:
             return self.scheduler.abort_request(request_id) is not None  # a held lease
         self.scheduler.abort_request(request_id)
         return True
+
+    def abort_all(self) -> list[str]:
+        """Aborts every unfinished request (after a failed step) and frees every block that
+        no transfer still writes; returns the aborted ids. Leases of finished prefills stay:
+        their decode workers may be reading them."""
+        aborted = list(self._tracked)
+        for request_id in aborted:
+            self.abort(request_id)
+        self.scheduler.free_aborted_loads()
+        return aborted
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._tracked) or self.scheduler.has_unfinished_requests()

@@ -2,7 +2,10 @@
 
 Each step has a token budget (``max_num_batched_tokens``) and a cap on running requests
 (``max_num_seqs``). Running requests go first (a decode needs one token, a long prompt is
-cut into chunks that fit the budget); then waiting requests are admitted in arrival order,
+cut into chunks that fit the budget, and into chunks of at most
+``long_prefill_token_threshold`` tokens when that is set, vLLM's knob: one long prompt, such
+as a recompute fallback on a decode worker, then takes several short steps instead of one
+long one that stalls every running decode); then waiting requests are admitted in arrival order,
 each starting from its longest prefix-cache hit. When the pool runs out, the most recently
 admitted running request is preempted (its blocks freed, recomputed later mostly from the
 prefix cache), so a full pool slows requests down but never deadlocks.
@@ -65,12 +68,14 @@ class Scheduler:
         eos_token_ids: frozenset[int],
         connector: KVConnectorBase | None = None,
         failure_policy: str = "recompute",
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold  # 0: no cap
         self.eos_token_ids = eos_token_ids
         self.connector = connector
         self.failure_policy = failure_policy
@@ -110,6 +115,19 @@ class Scheduler:
         self._release(request)
         return request
 
+    def free_aborted_loads(self) -> None:
+        """Frees aborted requests whose pull is over but whose "loaded" notice never reached
+        ``update_from_kv_xfer_finished``: a step that failed after ``get_finished`` took the
+        notice would otherwise leave their blocks allocated for good."""
+        for request in list(self.requests.values()):
+            request_id = request.request_id
+            if (request.status == RequestStatus.FINISHED_ABORTED
+                    and request_id not in self.held_for_transfer
+                    and not (self.connector and self.connector.is_loading(request_id))):
+                self.waiting_for_remote_kvs.pop(request_id, None)
+                self.kv_cache_manager.free(request)
+                self.requests.pop(request_id, None)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_remote_kvs)
 
@@ -122,7 +140,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new_tokens = self._chunk_size(request.num_tokens - request.num_computed_tokens,
+                                              budget)
             while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -186,7 +205,8 @@ class Scheduler:
                 return 0
             request.kv_transfer_params = None  # nothing to pull; the connector released it
 
-        num_new_tokens = min(request.num_tokens - request.num_computed_tokens - num_local, budget)
+        num_new_tokens = self._chunk_size(
+            request.num_tokens - request.num_computed_tokens - num_local, budget)
         blocks = manager.allocate_slots(
             request,
             num_new_tokens,
@@ -204,6 +224,13 @@ class Scheduler:
         self.running.append(request)
         self._schedule_chunk(output, request, num_new_tokens)
         return num_new_tokens
+
+    def _chunk_size(self, num_remaining_tokens: int, budget: int) -> int:
+        """This step's tokens of a request with ``num_remaining_tokens`` left to compute."""
+        num_tokens = min(num_remaining_tokens, budget)
+        if self.long_prefill_token_threshold:
+            num_tokens = min(num_tokens, self.long_prefill_token_threshold)
+        return num_tokens
 
     def _schedule_chunk(self, output: SchedulerOutput, request: Request, num_tokens: int) -> None:
         start = request.num_computed_tokens

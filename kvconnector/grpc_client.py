@@ -30,19 +30,25 @@ from pdserve.proto import kv_transfer_pb2 as pb
 from pdserve.proto import kv_transfer_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
+# A pull slower than this is a stalled peer (gRPC moves about 0.5-0.9 GiB/s on loopback).
+DEFAULT_MIN_TRANSFER_RATE = 64 << 20  # KVConnectorConfig.min_transfer_rate_bytes_per_s
 
 
 class GrpcTransferClient(KVTransferClient):
     """The decode side's puller over gRPC; also the control plane of ``NixlTransferClient``.
 
-    ``timeout_s`` bounds every call, a whole stream included.
+    ``timeout_s`` bounds every control call; a pull gets ``transfer_deadline_s`` of its bytes.
     """
 
     def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, engine_id: str = "",
                  secret: str | None = None, timeout_s: float = 30.0,
-                 stats: TransferStats | None = None) -> None:
+                 stats: TransferStats | None = None,
+                 min_rate_bytes_per_s: float = DEFAULT_MIN_TRANSFER_RATE) -> None:
+        if min_rate_bytes_per_s <= 0:
+            raise ValueError(f"min_rate_bytes_per_s must be positive, got {min_rate_bytes_per_s}")
         self.stats = stats if stats is not None else TransferStats()
         self.timeout_s = timeout_s
+        self.min_rate_bytes_per_s = min_rate_bytes_per_s
         self._pages = page_view(kv_cache)
         self._layout = layout
         self._engine_id = engine_id
@@ -64,6 +70,12 @@ class GrpcTransferClient(KVTransferClient):
                         num_blocks=reply.num_blocks,
                         nixl=reply.nixl if reply.HasField("nixl") else None)
 
+    def transfer_deadline_s(self, num_blocks: int) -> float:
+        """How long a pull of ``num_blocks`` pages may take: ``timeout_s`` plus its bytes at
+        ``min_rate_bytes_per_s``. One fixed deadline would make a pull of more than
+        ``timeout_s`` × the link's rate (a long prompt on a large model) fail every time."""
+        return self.timeout_s + num_blocks * self._layout.page_bytes / self.min_rate_bytes_per_s
+
     def read_blocks(self, peer: PeerInfo, lease_id: str, remote_block_ids: Sequence[int],
                     local_block_ids: Sequence[int],
                     expected_checksums: Sequence[int]) -> ReadResult:
@@ -80,7 +92,8 @@ class GrpcTransferClient(KVTransferClient):
 
         def pull(_: pb_grpc.KvTransferStub) -> None:
             stream = self._read_blocks_stream(peer.address)
-            for raw in stream(request, timeout=self.timeout_s, metadata=self._metadata):
+            deadline_s = self.transfer_deadline_s(len(remote_block_ids))
+            for raw in stream(request, timeout=deadline_s, metadata=self._metadata):
                 local_ids = self._land(raw, local_of_remote, expected_of_local, ok, failed)
                 landed.update(local_ids)
 
@@ -134,7 +147,8 @@ class GrpcTransferClient(KVTransferClient):
                 if done.is_set():
                     raise TransferError(f"HoldBlocks to {peer.address} abandoned")
                 call = self._stub(peer.address).HoldBlocks(
-                    requests(), timeout=self.timeout_s, metadata=self._metadata)
+                    requests(), timeout=self.transfer_deadline_s(len(block_ids)),
+                    metadata=self._metadata)
                 opened.append(call)
             try:
                 next(call)

@@ -17,6 +17,12 @@ which would copy each message's pages three more times; the wire format is the p
 
 The same service carries the handshake, lease renewal and release for the NIXL transport, and
 ``HoldBlocks`` pins blocks while a NIXL READ runs (see ``nixl_transport``).
+
+Data calls (``ReadBlocks``, ``HoldBlocks``) last as long as a transfer; control calls
+(``Handshake``, ``RenewLease``, ``Release``) are one round trip. Data calls may take all the
+server's threads but ``CONTROL_THREADS``: one more is refused with RESOURCE_EXHAUSTED (the
+puller recomputes), so renewals and releases are always served and leases never expire
+behind a queue of long reads.
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ CHANNEL_OPTIONS = [
 _REQUEST_BYTES_BASE = 1 << 20
 _REQUEST_BYTES_PER_BLOCK = 5
 MAX_LEASE_ID_CHARS = 64  # granted ids are 32 hex characters
+DEFAULT_SERVER_THREADS = 16
+CONTROL_THREADS = 2  # server threads data calls never take
 _LEASE_ERROR_CODES: dict[type[LeaseError], grpc.StatusCode] = {
     UnknownLeaseError: grpc.StatusCode.NOT_FOUND,
     LeaseEndedError: grpc.StatusCode.FAILED_PRECONDITION,
@@ -97,7 +105,8 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
     def __init__(self, kv_cache: torch.Tensor, leases: LeaseTable, layout: KVLayout,
                  engine_id: str, secret: str | None, stats: TransferStats,
                  nixl_info: pb.NixlAgentInfo | None, max_message_bytes: int,
-                 fault_injector: FaultInjector | None) -> None:
+                 fault_injector: FaultInjector | None, max_data_calls: int,
+                 activity: threading.Event) -> None:
         self._pages = page_view(kv_cache)
         self._leases = leases
         self._layout = layout
@@ -107,10 +116,14 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
         self._nixl_info = nixl_info
         self._blocks_per_message = max(1, max_message_bytes // layout.page_bytes)
         self._fault_injector = fault_injector
+        self._data_calls = threading.BoundedSemaphore(max_data_calls)
+        self._max_data_calls = max_data_calls
+        self._activity = activity
 
     def Handshake(self, request: pb.HandshakeRequest,
                   context: grpc.ServicerContext) -> pb.HandshakeReply:
         self._authorize(context)
+        self._activity.set()
         return pb.HandshakeReply(engine_id=self._engine_id, layout=self._layout.to_proto(),
                                  nixl=self._nixl_info, num_blocks=self._pages.shape[0])
 
@@ -119,18 +132,29 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
         """Yields encoded ``BlockChunk`` messages (see ``block_chunk``)."""
         self._authorize(context)
         block_ids = list(request.block_ids)
-        self._begin_read(request.lease_id, block_ids, context)
+        with self._data_call(context):
+            yield from self._stream_pages(request.lease_id, block_ids, context)
+
+    def _stream_pages(self, lease_id: str, block_ids: list[int],
+                      context: grpc.ServicerContext) -> Iterator[bytes]:
+        self._begin_read(lease_id, block_ids, context)
         try:
             for start in range(0, len(block_ids), self._blocks_per_message):
                 chunk_ids = block_ids[start:start + self._blocks_per_message]
                 yield self._pack(chunk_ids)
                 self._stats.record_sent(len(chunk_ids), len(chunk_ids) * self._layout.page_bytes)
         finally:
-            self._leases.end_read(request.lease_id)
+            self._leases.end_read(lease_id)
 
     def HoldBlocks(self, request_iterator: Iterator[pb.HoldRequest],
                    context: grpc.ServicerContext) -> Iterator[pb.HoldReply]:
         self._authorize(context)
+        self._activity.set()
+        with self._data_call(context):
+            yield from self._hold(request_iterator, context)
+
+    def _hold(self, request_iterator: Iterator[pb.HoldRequest],
+              context: grpc.ServicerContext) -> Iterator[pb.HoldReply]:
         first = next(request_iterator, None)
         if first is None:
             return
@@ -163,6 +187,18 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
         with self._lease_errors_to_status(context, request.lease_id):
             self._leases.release(request.lease_id)
         return pb.LeaseReply()
+
+    @contextlib.contextmanager
+    def _data_call(self, context: grpc.ServicerContext) -> Iterator[None]:
+        """A server thread for a data call, never one of the last ``CONTROL_THREADS``."""
+        if not self._data_calls.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{self._max_data_calls} reads are in flight on this prefill worker; "
+                          f"recompute, or retry later")
+        try:
+            yield
+        finally:
+            self._data_calls.release()
 
     def _pack(self, block_ids: list[int]) -> bytes:
         """One ``BlockChunk`` of the listed pages: one copy from the KV tensor to the wire."""
@@ -247,16 +283,23 @@ class GrpcTransferServer(KVTransferServer):
                  engine_id: str = "", host: str = "127.0.0.1", port: int = 0,
                  secret: str | None = None, stats: TransferStats | None = None,
                  nixl_info: pb.NixlAgentInfo | None = None,
-                 max_message_bytes: int = DEFAULT_MESSAGE_BYTES, max_workers: int = 8,
+                 max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
+                 max_workers: int = DEFAULT_SERVER_THREADS,
                  fault_injector: FaultInjector | None = None) -> None:
+        if max_workers <= CONTROL_THREADS:
+            raise ValueError(f"max_workers must exceed the {CONTROL_THREADS} threads kept for "
+                             f"control calls, got {max_workers}")
         self.stats = stats if stats is not None else TransferStats()
+        # Set on each handshake and hold: the NIXL server polls its agent fast after one.
+        self.activity = threading.Event()
         max_request_bytes = _REQUEST_BYTES_BASE + _REQUEST_BYTES_PER_BLOCK * kv_cache.shape[0]
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers),
             options=[("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
                      ("grpc.max_receive_message_length", max_request_bytes)])
         servicer = _KvTransferServicer(kv_cache, leases, layout, engine_id, secret, self.stats,
-                                       nixl_info, max_message_bytes, fault_injector)
+                                       nixl_info, max_message_bytes, fault_injector,
+                                       max_workers - CONTROL_THREADS, self.activity)
         self._server.add_generic_rpc_handlers([_method_handlers(servicer)])
         bound_port = self._server.add_insecure_port(f"{host}:{port}")
         if bound_port == 0:

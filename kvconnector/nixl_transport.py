@@ -41,6 +41,7 @@ too; the READ itself is aborted on the reader's side before its deadline passes.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -49,8 +50,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from pdserve.kvconnector.backoff import IdleBackoff
 from pdserve.kvconnector.checksum import page_view
-from pdserve.kvconnector.grpc_client import GrpcTransferClient
+from pdserve.kvconnector.grpc_client import DEFAULT_MIN_TRANSFER_RATE, GrpcTransferClient
 from pdserve.kvconnector.grpc_transport import (
     DEFAULT_MESSAGE_BYTES,
     FaultInjector,
@@ -84,8 +86,13 @@ else:
     NIXL_ERRORS = tuple(getattr(nixlBind, name) for name in dir(nixlBind)
                         if name.startswith("nixl") and name.endswith("Error"))
 
-# The prefill side polls its agent this often, so that UCX can answer connection setup.
+# The prefill side polls its agent this often while peers are active, so that UCX can answer
+# connection setup; idle, the interval doubles up to the maximum.
 PROGRESS_INTERVAL_S = 0.001
+IDLE_PROGRESS_INTERVAL_S = 0.05
+# A READ still in progress is polled again after these (doubling) pauses.
+READ_POLL_MIN_S = 20e-6
+READ_POLL_MAX_S = 0.001
 VERIFY_SEGMENT_BYTES = 4 << 20
 # A peer's pool is described by one 24-byte descriptor per page, built at the handshake:
 # a peer announcing more pages than this is refused rather than trusted with our memory.
@@ -177,8 +184,14 @@ class NixlTransferServer(KVTransferServer):
         self._progress.start()
 
     def _progress_loop(self) -> None:
-        while not self._stop_progress.wait(PROGRESS_INTERVAL_S):
+        """Polls the agent: every ``PROGRESS_INTERVAL_S`` after a control call (a handshake
+        or a hold, when UCX sets up or uses a connection), backing off to
+        ``IDLE_PROGRESS_INTERVAL_S`` while nothing happens."""
+        backoff = IdleBackoff(PROGRESS_INTERVAL_S, IDLE_PROGRESS_INTERVAL_S,
+                              wake=self.control.activity)
+        while not self._stop_progress.is_set():
             self.endpoint.agent.get_new_notifs()
+            backoff.wait_idle()
 
     @property
     def address(self) -> str:
@@ -187,6 +200,7 @@ class NixlTransferServer(KVTransferServer):
     def stop(self, grace_s: float | None = None) -> None:
         self.control.stop(grace_s)
         self._stop_progress.set()
+        self.control.activity.set()
         self._progress.join()
         self.endpoint.close()
 
@@ -196,64 +210,72 @@ class NixlTransferClient(KVTransferClient):
 
     A NIXL agent without its progress thread is not safe to drive from two threads at once
     (two concurrent ``transfer`` calls crash UCX), and the connector pulls on a thread pool:
-    one lock serializes every use of the agent.
+    one lock serializes each call into the agent, never a whole pull, so one pull's hold,
+    polling and verification overlap another's READ. A poll that finds the READ still in
+    progress backs off (``IdleBackoff``) instead of spinning on a core the engine needs.
     """
 
     def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, engine_id: str = "",
                  secret: str | None = None, timeout_s: float = 30.0,
-                 stats: TransferStats | None = None) -> None:
+                 stats: TransferStats | None = None,
+                 min_rate_bytes_per_s: float = DEFAULT_MIN_TRANSFER_RATE) -> None:
         self.endpoint = NixlEndpoint(kv_cache, layout, engine_id)
         self.control = GrpcTransferClient(kv_cache, layout, engine_id=engine_id, secret=secret,
-                                          timeout_s=timeout_s, stats=stats)
+                                          timeout_s=timeout_s, stats=stats,
+                                          min_rate_bytes_per_s=min_rate_bytes_per_s)
         self.stats = self.control.stats
         self.timeout_s = timeout_s
         self._pages = page_view(kv_cache)
         self._remote_pages: dict[str, Any] = {}  # peer agent name -> prepped remote dlist
+        self._agent_at: dict[str, str] = {}  # address -> the agent last handshaken there
         self._blocks_per_segment = max(1, VERIFY_SEGMENT_BYTES // layout.page_bytes)
         self._agent_lock = threading.Lock()
 
     def handshake(self, address: str) -> PeerInfo:
-        with self._agent_lock:
-            return self._handshake(address)
-
-    def _handshake(self, address: str) -> PeerInfo:
         peer = self.control.handshake(address, nixl_info=self.endpoint.info())
         if peer.nixl is None:
             raise TransferError(f"peer {address} serves no NIXL agent; use the gRPC transport")
         check_peer_region(peer, self.endpoint.layout.page_bytes)
-        if peer.nixl.agent_name not in self._remote_pages:
-            try:
-                name = self.endpoint.agent.add_remote_agent(peer.nixl.agent_metadata)
-                if isinstance(name, bytes):
-                    name = name.decode()
-                if name != peer.nixl.agent_name:
-                    raise TransferError(f"peer {address} announced agent "
-                                        f"{peer.nixl.agent_name!r} but its metadata names {name!r}")
-                self._remote_pages[name] = self.endpoint.agent.prep_xfer_dlist(
-                    name, page_descriptors(peer.nixl.base_address, peer.nixl.page_bytes,
-                                           peer.nixl.num_blocks), "DRAM")
-            except NIXL_ERRORS as error:
-                raise TransferError(f"NIXL refused peer {address}'s agent: {error!r}") from error
+        with self._agent_lock:
+            if peer.nixl.agent_name not in self._remote_pages:
+                self._add_remote_agent(peer)
         return peer
 
-    def read_blocks(self, peer: PeerInfo, lease_id: str, remote_block_ids: Sequence[int],
-                    local_block_ids: Sequence[int],
-                    expected_checksums: Sequence[int]) -> ReadResult:
-        with self._agent_lock:
-            return self._read_blocks(peer, lease_id, remote_block_ids, local_block_ids,
-                                     expected_checksums)
+    def _add_remote_agent(self, peer: PeerInfo) -> None:
+        """Learns the peer's agent and describes its pool; a previous agent at the same
+        address (the worker restarted there) is forgotten."""
+        agent = self.endpoint.agent
+        try:
+            name = agent.add_remote_agent(peer.nixl.agent_metadata)
+            if isinstance(name, bytes):
+                name = name.decode()
+            if name != peer.nixl.agent_name:
+                raise TransferError(f"peer {peer.address} announced agent "
+                                    f"{peer.nixl.agent_name!r} but its metadata names {name!r}")
+            self._remote_pages[name] = agent.prep_xfer_dlist(
+                name, page_descriptors(peer.nixl.base_address, peer.nixl.page_bytes,
+                                       peer.nixl.num_blocks), "DRAM")
+        except NIXL_ERRORS as error:
+            raise TransferError(f"NIXL refused peer {peer.address}'s agent: {error!r}") from error
+        previous = self._agent_at.get(peer.address)
+        self._agent_at[peer.address] = name
+        if previous is not None and previous != name:
+            self._remote_pages.pop(previous).release()
+            with contextlib.suppress(*NIXL_ERRORS):
+                agent.remove_remote_agent(previous)
 
-    def _read_blocks(self, peer: PeerInfo, lease_id: str, remote_block_ids: Sequence[int],
+    def read_blocks(self, peer: PeerInfo, lease_id: str, remote_block_ids: Sequence[int],
                      local_block_ids: Sequence[int],
                      expected_checksums: Sequence[int]) -> ReadResult:
         check_read_arguments(remote_block_ids, local_block_ids, expected_checksums,
                              self.endpoint.num_blocks)
-        remote_pages = self._remote_pages_of(peer)
+        with self._agent_lock:
+            remote_pages = self._remote_pages_of(peer)
         bad = [b for b in remote_block_ids if not 0 <= b < peer.num_blocks]
         if bad:
             raise ValueError(f"remote block ids {bad[:8]} outside 0..{peer.num_blocks - 1}")
         started = time.perf_counter()
-        deadline = started + self.timeout_s
+        deadline = started + self.control.transfer_deadline_s(len(remote_block_ids))
         local_index = np.asarray(local_block_ids, dtype=np.int32)
         remote_index = np.asarray(remote_block_ids, dtype=np.int32)
         ok: list[int] = []
@@ -304,23 +326,29 @@ class NixlTransferClient(KVTransferClient):
         completion before ``deadline``."""
         agent = self.endpoint.agent
         try:
-            handle = agent.make_prepped_xfer("READ", self.endpoint.local_pages, local_index,
-                                             remote_pages, remote_index)
+            with self._agent_lock:
+                handle = agent.make_prepped_xfer("READ", self.endpoint.local_pages, local_index,
+                                                 remote_pages, remote_index)
         except NIXL_ERRORS as error:
             raise TransferError(f"NIXL READ from {peer.address} refused: {error!r}") from error
+        backoff = IdleBackoff(READ_POLL_MIN_S, READ_POLL_MAX_S)
         try:
-            state = agent.transfer(handle)
+            with self._agent_lock:
+                state = agent.transfer(handle)
             while state == "PROC" and time.perf_counter() < deadline:
-                state = agent.check_xfer_state(handle)
+                backoff.wait_idle()
+                with self._agent_lock:
+                    state = agent.check_xfer_state(handle)
         except NIXL_ERRORS as error:
             state = f"ERR {error!r}"
         try:
-            handle.release()  # cancels a READ still in progress
+            with self._agent_lock:
+                handle.release()  # cancels a READ still in progress
         except NIXL_ERRORS as error:
             raise TransferError(f"could not cancel a stalled NIXL READ from {peer.address}: "
                                 f"{error!r}") from error
         if state == "PROC":
-            raise TransferError(f"NIXL READ from {peer.address} did not finish within "
-                                f"{self.timeout_s} s")
+            raise TransferError(f"NIXL READ from {peer.address} did not finish by its "
+                                f"deadline")
         if state != "DONE":
             raise TransferError(f"NIXL READ from {peer.address} failed ({state})")

@@ -88,7 +88,8 @@ class PDConnector(KVConnectorBase):
         self._server = None
         # consumer
         self._client: KVTransferClient | None = None
-        self._peers: dict[str, PeerInfo] = {}
+        self._peers: dict[str, PeerInfo] = {}  # by address; pull threads share it
+        self._peers_lock = threading.Lock()
         self._pending = KVConnectorMetadata()
         self._in_flight: set[str] = set()
         self._foreign_hashes: set[str] = set()  # requests whose hashes differ from the prefill's
@@ -228,12 +229,17 @@ class PDConnector(KVConnectorBase):
             self._executor.submit(self._release_remote, params)
 
     def _pull(self, load: LoadSpec) -> None:
+        """One request's pull on a transfer thread; always reports the load done.
+
+        The load is reported before the lease is released: the release is a round trip the
+        engine need not wait for (a lost release only lets the lease expire).
+        """
         failed: list[int] = list(load.local_block_ids)
         error_message: str | None = None
         started = time.perf_counter()
         summary: PullSummary | None = None
         try:
-            peer = self._peer(load.params.transfer_address)
+            peer = self._peer(load.params)
             with self._lock:
                 foreign = load.request_id in self._foreign_hashes
             if foreign:
@@ -250,11 +256,12 @@ class PDConnector(KVConnectorBase):
             error_message = f"{type(error).__name__}: {error}"
             logger.warning("pull of %s from %s failed: %s", load.request_id,
                            load.params.transfer_address, error)
+            if isinstance(error, TransferError):
+                self._forget_peer(load.params.transfer_address)
         except Exception as error:  # a transfer thread must always report back
             error_message = f"{type(error).__name__}: {error}"
             logger.exception("pull of %s crashed", load.request_id)
         finally:
-            self._release_remote(load.params)
             with self._lock:
                 self._in_flight.discard(load.request_id)
                 self._foreign_hashes.discard(load.request_id)
@@ -265,6 +272,7 @@ class PDConnector(KVConnectorBase):
                 self._done.pulls[load.request_id] = summary or PullSummary(
                     0, 0, time.perf_counter() - started)
                 self._lock.notify_all()
+            self._release_remote(load.params)
 
     def _renew_if_expiring(self, peer: PeerInfo, params: KVTransferParams) -> None:
         """Renews a lease that waited long for admission here, so the read finds it alive.
@@ -280,7 +288,7 @@ class PDConnector(KVConnectorBase):
 
     def _release_remote(self, params: KVTransferParams) -> None:
         try:
-            self._client.release(self._peer(params.transfer_address), params.lease_id)  # type: ignore[union-attr]
+            self._client.release(self._peer(params), params.lease_id)  # type: ignore[union-attr]
         except (TransferError, ValueError) as error:
             logger.info("release of lease %s at %s failed (it will expire): %s",
                         params.lease_id, params.transfer_address, error)
@@ -291,15 +299,31 @@ class PDConnector(KVConnectorBase):
         if self._client is None:
             raise RuntimeError("connect() is for the consumer side, after register_kv_caches")
         peer = self._client.handshake(address)
-        self._peers[address] = peer
+        with self._peers_lock:
+            self._peers[address] = peer
         return peer.engine_id
 
-    def _peer(self, address: str) -> PeerInfo:
-        peer = self._peers.get(address)
-        if peer is None:
-            peer = self._client.handshake(address)  # type: ignore[union-attr]
+    def _peer(self, params: KVTransferParams) -> PeerInfo:
+        """The prefill worker that made ``params``, handshaken once per engine.
+
+        A prefill worker restarted on the same address (a fixed ``kv_transfer_port``) is a
+        new engine with a new id, a new KV pool and (NIXL) a new agent: a hand-off naming
+        another engine than the cached peer, like a transport error (``_forget_peer``),
+        makes the next pull handshake again instead of reading from the dead one.
+        """
+        address = params.transfer_address
+        with self._peers_lock:
+            peer = self._peers.get(address)
+        if peer is not None and peer.engine_id == params.engine_id:
+            return peer
+        peer = self._client.handshake(address)  # type: ignore[union-attr]
+        with self._peers_lock:
             self._peers[address] = peer
         return peer
+
+    def _forget_peer(self, address: str) -> None:
+        with self._peers_lock:
+            self._peers.pop(address, None)
 
     def get_finished(self) -> FinishedTransfers:
         with self._lock:
@@ -313,6 +337,11 @@ class PDConnector(KVConnectorBase):
     def has_pending_loads(self) -> bool:
         with self._lock:
             return bool(self._in_flight)
+
+    def is_loading(self, request_id: str) -> bool:
+        with self._lock:
+            return (request_id in self._in_flight or request_id in self._done.loaded_request_ids
+                    or any(load.request_id == request_id for load in self._pending.loads))
 
     def wait_for_progress(self, timeout_s: float) -> None:
         with self._lock:

@@ -43,4 +43,5 @@ def make_client(config: KVConnectorConfig, kv_cache: torch.Tensor, layout: KVLay
 
         client_type = GrpcTransferClient
     return client_type(kv_cache, layout, engine_id=engine_id,  # type: ignore[call-arg]
-                       secret=config.secret, timeout_s=config.transfer_timeout_s, stats=stats)
+                       secret=config.secret, timeout_s=config.transfer_timeout_s, stats=stats,
+                       min_rate_bytes_per_s=config.min_transfer_rate_bytes_per_s)

@@ -32,6 +32,9 @@ class KVConnectorConfig:
     allow_insecure: bool = False
     lease_ttl_s: float = 30.0
     transfer_timeout_s: float = 10.0
+    # A pull may take transfer_timeout_s plus its bytes at this rate: the deadline follows
+    # the size, so a long prompt on a large model is not failed by a fixed one.
+    min_transfer_rate_bytes_per_s: float = 64 * 2**20
     failure_policy: FailurePolicy = "recompute"
 
     def __post_init__(self) -> None:
@@ -47,6 +50,8 @@ class KVConnectorConfig:
             raise ValueError("secret must be a non-empty string (or None with allow_insecure)")
         if self.lease_ttl_s <= 0 or self.transfer_timeout_s <= 0:
             raise ValueError("lease_ttl_s and transfer_timeout_s must be positive")
+        if self.min_transfer_rate_bytes_per_s <= 0:
+            raise ValueError("min_transfer_rate_bytes_per_s must be positive")
 
     def check_secure(self) -> None:
         """Refuses a producer with no secret unless ``allow_insecure`` (tests, benchmarks)."""

@@ -25,6 +25,9 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # A prompt computes at most this many tokens a step (0: no cap beyond the budget), so
+    # running decodes keep stepping while a long prompt is computed (vLLM's name).
+    long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = True
     hash_algorithm: Literal["xxh3_128", "sha256"] = "xxh3_128"
     hash_seed: int | str = 0
@@ -39,6 +42,9 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be 0 (no cap) or positive, "
+                             f"got {self.long_prefill_token_threshold}")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "

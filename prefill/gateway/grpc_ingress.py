@@ -46,7 +46,7 @@ class GenerateServicer:
         try:
             request = _parse_generate_request(raw)
             parsed = self._parse(request)
-            token_ids, params = orchestrator.prepare(parsed)
+            token_ids, params = await orchestrator.prepare_off_loop(parsed)
             orchestrator.admit()
         except APIError as error:
             await self._abort(context, error)

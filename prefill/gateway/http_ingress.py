@@ -35,6 +35,8 @@ from ray import serve
 from sse_starlette import EventSourceResponse
 
 from pdserve.messages.logprobs import TokenLogprobs
+from pdserve.prefill.gateway.admission import (AdmissionSlot, ReleaseSlotsAtRequestEnd,
+                                               hold_until_request_ends)
 from pdserve.prefill.gateway.config import GatewayConfig
 from pdserve.prefill.gateway.dashboard import (DEFAULT_LIMIT, dashboard_router,
                                                recent_requests_body, request_provenance_response)
@@ -47,13 +49,21 @@ from pdserve.prefill.gateway.logprobs_format import LogprobsRenderer
 from pdserve.prefill.gateway.orchestrator import RequestOrchestrator
 from pdserve.prefill.gateway.parallel_sampling import choice_params, generate_choices
 from pdserve.prefill.gateway.stream_emitter import StreamDelta
-from pdserve.prefill.gateway.worker_pool import WorkerPool
+from pdserve.prefill.gateway.worker_pool import NoModelInfo, WorkerPool
 from pdserve.tokenizer.loading import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
 app.include_router(dashboard_router)
+app.add_middleware(ReleaseSlotsAtRequestEnd)  # an admitted request's slot lives as long as it
+
+
+@app.exception_handler(APIError)
+async def _api_error(request: Request, error: APIError) -> Response:
+    """An ``APIError`` no route caught (no prefill worker described the model yet: 503)."""
+    return Response(json.dumps(error.body()), status_code=error.status,
+                    media_type="application/json")
 
 
 def _error_response(orchestrator: RequestOrchestrator, error: APIError) -> Response:
@@ -112,7 +122,8 @@ async def _sse_events(orchestrator: RequestOrchestrator, response_format: Respon
     The request's usage and KV provenance (pdserve's extension) ride in its final chunk: the
     chunk with no choices that ``stream_options.include_usage`` asks for, else the chunk
     with the last finish reason. An error after the status line went out is sent as an
-    error event, as OpenAI does.
+    error event, as OpenAI does. The request's ``AdmissionSlot`` closes ``choices`` and
+    frees its place when the request ends.
     """
     tally = _Tally(parsed.n)
     try:
@@ -143,7 +154,6 @@ async def _sse_events(orchestrator: RequestOrchestrator, response_format: Respon
         yield {"data": "[DONE]"}
     finally:
         await choices.aclose()  # on a client disconnect: cancels the worker streams
-        orchestrator.release()
 
 
 class _Tally:
@@ -182,11 +192,16 @@ class _Tally:
         return {"kv_provenance": last.kv_provenance.to_json()} if last and last.kv_provenance else {}
 
 
-async def _serve(orchestrator: RequestOrchestrator, parsed: ParsedCompletion,
+async def _serve(orchestrator: RequestOrchestrator, request: Request, parsed: ParsedCompletion,
                  response_format: ResponseFormat) -> Response:
-    """Runs a parsed request and answers it whole or as SSE, in ``response_format``."""
+    """Admits and runs a parsed request; answers it whole or as SSE, in ``response_format``.
+
+    The admitted request's place and its choices' stream belong to an ``AdmissionSlot`` that
+    the ASGI middleware ends when the request ends, whether its body was sent, failed, was
+    cancelled or never started.
+    """
     try:
-        token_ids, params = orchestrator.prepare(parsed)
+        token_ids, params = await orchestrator.prepare_off_loop(parsed)
         orchestrator.admit()
     except APIError as error:
         return _error_response(orchestrator, error)
@@ -194,14 +209,11 @@ async def _serve(orchestrator: RequestOrchestrator, parsed: ParsedCompletion,
         orchestrator, response_format.request_id, token_ids,
         choice_params(params, parsed.n, parsed.params.seed, orchestrator.seed_rng),
         parsed.cache_salt)
+    hold_until_request_ends(request.scope, AdmissionSlot(orchestrator.release, choices))
     try:
         first = await anext(choices)
     except APIError as error:
-        orchestrator.release()
         return _error_response(orchestrator, error)
-    except BaseException:
-        orchestrator.release()
-        raise
     if parsed.stream:
         return EventSourceResponse(
             _sse_events(orchestrator, response_format, parsed, first, choices), ping=None)
@@ -212,12 +224,31 @@ async def _serve(orchestrator: RequestOrchestrator, parsed: ParsedCompletion,
             tally.add(index, delta)
     except APIError as error:
         return _error_response(orchestrator, error)
-    finally:
-        await choices.aclose()  # a cancelled request (client gone) aborts on the workers
-        orchestrator.release()
     body = response_format.response(list(zip(tally.texts, tally.finish_reasons, tally.logprobs)),
                                     tally.usage())
     return JSONResponse({**body, **tally.provenance()})
+
+
+async def complete(orchestrator: RequestOrchestrator, request: Request) -> Response:
+    """``POST /v1/completions``: validate, then ``_serve``."""
+    try:
+        parsed = parse_completion(await read_json_body(request))
+    except APIError as error:
+        return _error_response(orchestrator, error)
+    return await _serve(orchestrator, request, parsed, CompletionFormat(
+        f"cmpl-{uuid.uuid4().hex}", orchestrator.model_name, _renderer(orchestrator, parsed)))
+
+
+async def chat_complete(orchestrator: RequestOrchestrator, request: Request) -> Response:
+    """``POST /v1/chat/completions``: validate, render the chat template, then ``_serve``."""
+    try:
+        body = await read_json_body(request)
+        # Rendering and tokenizing a long conversation is CPU work: off the event loop.
+        parsed = await asyncio.to_thread(parse_chat, body, orchestrator.tokenizer)
+    except APIError as error:
+        return _error_response(orchestrator, error)
+    return await _serve(orchestrator, request, parsed, ChatFormat(
+        f"chatcmpl-{uuid.uuid4().hex}", orchestrator.model_name, _renderer(orchestrator, parsed)))
 
 
 def _renderer(orchestrator: RequestOrchestrator, parsed: ParsedCompletion) -> LogprobsRenderer | None:
@@ -246,10 +277,14 @@ class Gateway:
         if self.orchestrator is None:
             async with self._ready:
                 if self.orchestrator is None:
-                    first = next(iter(self.workers.prefill))
-                    info = await self.workers.call(first, "model_info")
+                    try:
+                        info = await self.workers.first_model_info(self.config.worker_timeout_s)
+                    except NoModelInfo as error:
+                        raise APIError(503, str(error), type="server_error",
+                                       code="no_worker_available") from None
+                    tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model)
                     orchestrator = RequestOrchestrator(self.config, self.workers, info,
-                                                       load_tokenizer(self.config.model))
+                                                       tokenizer)
                     orchestrator.start()
                     self.orchestrator = orchestrator
                     if self.config.grpc_port:
@@ -263,25 +298,11 @@ class Gateway:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        orchestrator = await self._get_orchestrator()
-        try:
-            parsed = parse_completion(await read_json_body(request))
-        except APIError as error:
-            return _error_response(orchestrator, error)
-        return await _serve(orchestrator, parsed, CompletionFormat(
-            f"cmpl-{uuid.uuid4().hex}", orchestrator.model_name, _renderer(orchestrator, parsed)))
+        return await complete(await self._get_orchestrator(), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        orchestrator = await self._get_orchestrator()
-        try:
-            body = await read_json_body(request)
-            # Rendering and tokenizing a long conversation is CPU work: off the event loop.
-            parsed = await asyncio.to_thread(parse_chat, body, orchestrator.tokenizer)
-        except APIError as error:
-            return _error_response(orchestrator, error)
-        return await _serve(orchestrator, parsed, ChatFormat(
-            f"chatcmpl-{uuid.uuid4().hex}", orchestrator.model_name, _renderer(orchestrator, parsed)))
+        return await chat_complete(await self._get_orchestrator(), request)
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:

@@ -33,6 +33,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from ray.exceptions import RayActorError, RayTaskError
+
 from pdserve.cache import BlockHash, BlockHasher
 from pdserve.messages.generation import GenerationChunk, ModelInfo, WorkerRequest
 from pdserve.messages.kv_transfer_params import KVTransferParams
@@ -57,6 +59,16 @@ from pdserve.tokenizer.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 _STATS_TIMEOUT_S = 10.0
+# Prompts longer than this (characters or token ids) are tokenized and hashed on a worker
+# thread: up to 4 MiB of text would stall every stream the event loop serves.
+_INLINE_PROMPT_SIZE = 16_384
+
+
+def raised_by_worker_code(error: BaseException) -> bool:
+    """True when the worker's own code raised (a bug, a request it cannot serve): the worker
+    is alive and would fail the same way again, so it stays in routing and the request is
+    not retried. Anything else (its actor died, is unreachable) is a lost worker."""
+    return isinstance(error, RayTaskError) and not isinstance(error.cause, RayActorError)
 
 
 class WorkerLost(Exception):
@@ -159,6 +171,22 @@ class RequestOrchestrator:
             params = dataclasses.replace(params, seed=self.seed_rng.getrandbits(63))
         return token_ids, params
 
+    async def prepare_off_loop(self, parsed: ParsedCompletion) -> tuple[list[int], SamplingParams]:
+        """``prepare``, on a worker thread when the prompt is long."""
+        size = len(parsed.prompt_text or "") + len(parsed.prompt_token_ids or ())
+        if size <= _INLINE_PROMPT_SIZE:
+            return self.prepare(parsed)
+        return await asyncio.to_thread(self.prepare, parsed)
+
+    async def hash_blocks(self, token_ids: list[int], cache_salt: str | None) -> list[BlockHash]:
+        """The prompt's block hashes, salted like the workers' (a tenant's prefix never
+        routes by another's blocks); on a worker thread when the prompt is long."""
+        block_size = self.model_info.block_size
+        if len(token_ids) <= _INLINE_PROMPT_SIZE:
+            return self.hasher.hash_request_blocks(token_ids, block_size, cache_salt=cache_salt)
+        return await asyncio.to_thread(self.hasher.hash_request_blocks, token_ids, block_size,
+                                       cache_salt=cache_salt)
+
     def admit(self) -> None:
         """Takes a place in the bounded in-flight queue, or refuses with 429."""
         if self.metrics.num_requests_in_flight >= self.config.max_inflight_requests:
@@ -179,18 +207,18 @@ class RequestOrchestrator:
         no worker of a needed role is available (503); after it, when the request cannot be
         finished correctly (the stream then ends with an error event).
         """
-        async for delta in self.run_phases(self.new_run(request_id, token_ids, params,
-                                                        cache_salt)):
+        run = await self.new_run(request_id, token_ids, params, cache_salt)
+        async for delta in self.run_phases(run):
             yield delta
 
-    def new_run(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                cache_salt: str | None) -> RequestRun:
+    async def new_run(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                      cache_salt: str | None) -> RequestRun:
+        start = time.perf_counter()
         return RequestRun(
             request_id, token_ids, params, cache_salt,
             # Salted like the workers' hashes: a tenant's prefix never routes by another's blocks.
-            block_hashes=self.hasher.hash_request_blocks(token_ids, self.model_info.block_size,
-                                                         cache_salt=cache_salt),
-            emitter=StreamEmitter(params.stop, len(token_ids), self.metrics, time.perf_counter()),
+            block_hashes=await self.hash_blocks(token_ids, cache_salt),
+            emitter=StreamEmitter(params.stop, len(token_ids), self.metrics, start),
             remote_decode=params.max_tokens > 1 and self.router.has_decode_workers())
 
     async def run_phases(self, run: RequestRun) -> AsyncIterator[StreamDelta]:
@@ -372,6 +400,9 @@ class RequestOrchestrator:
                 except Exception as error:
                     logger.warning("worker %s failed %s: %r", worker_id,
                                    "mid-stream" if answered else "before answering", error)
+                    if raised_by_worker_code(error):  # alive: neither retried nor unrouted
+                        raise APIError(500, f"{worker_id} failed the request: {error.cause!r}",
+                                       type="server_error", code="worker_error") from None
                     raise WorkerLost(worker_id, answered, error) from None
                 answered = True
                 if chunk.finished:  # the next request routes by what this one cached

@@ -42,7 +42,7 @@ async def generate_choices(orchestrator: RequestOrchestrator, request_id: str,
                            token_ids: list[int], params: list[SamplingParams],
                            cache_salt: str | None) -> AsyncIterator[tuple[int, StreamDelta]]:
     """``(choice index, delta)`` of every choice, interleaved as they arrive."""
-    first = orchestrator.new_run(request_id, token_ids, params[0], cache_salt)
+    first = await orchestrator.new_run(request_id, token_ids, params[0], cache_salt)
     if len(params) == 1:
         async for delta in orchestrator.run_phases(first):
             yield 0, delta

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pdserve.messages.generation import GenerationChunk, WorkerRequest
+from pdserve.messages.generation import GenerationChunk, ModelInfo, WorkerRequest
+
+
+class NoModelInfo(Exception):
+    """No prefill worker described the model in time."""
 
 
 class WorkerPool:
@@ -22,3 +27,23 @@ class WorkerPool:
 
     async def call(self, worker_id: str, method: str, *args: Any) -> Any:
         return await getattr(self.all[worker_id], method).remote(*args)
+
+    async def first_model_info(self, timeout_s: float) -> ModelInfo:
+        """The ``ModelInfo`` of whichever prefill worker answers first (they all serve one
+        model), so one dead or slow worker delays neither start-up nor health checks.
+        Raises ``NoModelInfo`` when none answers within ``timeout_s``."""
+        asks = [asyncio.ensure_future(self.call(w, "model_info")) for w in self.prefill]
+        errors: list[str] = []
+        try:
+            for next_answer in asyncio.as_completed(asks, timeout=timeout_s):
+                try:
+                    return await next_answer
+                except Exception as error:  # noqa: BLE001 — that worker is down; ask the next
+                    errors.append(repr(error))
+        except TimeoutError:
+            errors.append(f"no answer within {timeout_s} s")
+        finally:
+            for ask in asks:
+                ask.cancel()
+        raise NoModelInfo(f"no prefill worker of {sorted(self.prefill)} described the model: "
+                          + "; ".join(errors))

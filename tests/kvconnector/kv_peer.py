@@ -31,6 +31,7 @@ class PeerSpec:
     lease_ttl_s: float = 30.0
     corrupt_block: int | None = None        # flip a byte of this block after its checksum
     stall_after_first_message: bool = False
+    delay_per_message_s: float = 0.0       # a slow link: every message waits this long
 
 
 def seeded_kv_cache(spec: PeerSpec, num_blocks: int | None = None,
@@ -62,8 +63,10 @@ def _serve(spec: PeerSpec, conn: Any) -> None:
             packed[block_ids.index(spec.corrupt_block) * layout.page_bytes + 7] ^= 0xFF
         if spec.stall_after_first_message:
             time.sleep(3600)
+        time.sleep(spec.delay_per_message_s)
 
-    injecting = spec.corrupt_block is not None or spec.stall_after_first_message
+    injecting = (spec.corrupt_block is not None or spec.stall_after_first_message
+                 or spec.delay_per_message_s > 0)
     kwargs = dict(engine_id="prefill-0", secret=spec.secret, max_message_bytes=256 << 10,
                   fault_injector=fault_injector if injecting else None)
     if spec.transport == "nixl":

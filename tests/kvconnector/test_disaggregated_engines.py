@@ -212,7 +212,7 @@ def test_incompatible_layout_is_refused_with_both_values(prefill_factory) -> Non
     decode.add_request("m0", prompt, params, kv_transfer_params=prefilled.kv_transfer_params)
     (output,) = run_to_completion(decode, ["m0"])
     assert output.finish_reason == "error"
-    assert "hash_seed" in output.error and "1" in output.error and "2" in output.error
+    assert "hash_seed: local=2 remote=1" in output.error
     assert_decode_idle(decode)
     prefill.wait_until_idle()
     decode.shutdown()
@@ -249,7 +249,9 @@ def test_a_lease_near_expiry_is_renewed_before_the_pull(colocated: LLMEngine, pr
     prompt = random_prompts(16, 1)[0]
     params = SamplingParams(max_tokens=6, temperature=0.0)
     prefilled = prefill.prefill("n0", prompt, params)
-    time.sleep(1.2)  # as if the request had queued behind a full pool on the decode side
+    # As if the request had queued behind a full pool on the decode side: less than half of
+    # the lease's TTL left by the hand-off's clock (the lease itself is still good).
+    prefilled.kv_transfer_params.lease_expires_at = time.time() + 0.4
     decode.add_request("n0", prompt, params, kv_transfer_params=prefilled.kv_transfer_params)
     (output,) = run_to_completion(decode, ["n0"])
     assert output.output_token_ids == colocated.generate([prompt], params)[0].output_token_ids
@@ -299,6 +301,50 @@ def test_a_pull_that_loses_the_first_block_recomputes_the_whole_prompt(
     stats = decode.stats()
     assert stats.num_recompute_fallbacks == 1
     assert stats.num_scheduled_tokens == len(prompt) + len(output.output_token_ids) - 1
+    assert_decode_idle(decode)
+    prefill.wait_until_idle()
+    decode.shutdown()
+
+
+def test_running_decodes_keep_stepping_while_a_long_prompt_is_recomputed(
+        colocated: LLMEngine, prefill_factory) -> None:
+    """A recompute fallback is computed in chunks of ``long_prefill_token_threshold``: the
+    running decode gets a token every step meanwhile (uncapped, the whole prompt took one
+    step of the full budget)."""
+    threshold = BLOCK_SIZE
+    prefill = prefill_factory(transport="grpc")
+    decode = make_decode_engine("grpc", long_prefill_token_threshold=threshold)
+    running_prompt, long_prompt = random_prompts(19, 1)[0], random_prompts(23, 1)[0]
+    running_params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    long_params = SamplingParams(max_tokens=4, temperature=0.0)
+    prefilled = prefill.prefill("d0", running_prompt, running_params)
+    decode.add_request("d0", running_prompt, running_params,
+                       kv_transfer_params=prefilled.kv_transfer_params)
+    while "d0" not in [r.request_id for r in decode.scheduler.running]:
+        decode.step()
+    prefilled = prefill.prefill("l0", long_prompt, long_params)
+    prefill.corrupt(prefilled.kv_transfer_params.block_ids[0])  # the whole prompt recomputes
+    decode.add_request("l0", long_prompt, long_params,
+                       kv_transfer_params=prefilled.kv_transfer_params)
+    running, recomputing = decode.scheduler.requests["d0"], decode.scheduler.requests["l0"]
+    prompt_steps = 0
+    outputs: dict[str, RequestOutput] = {}
+    while len(outputs) < 2:
+        computed_before = recomputing.num_computed_tokens
+        tokens_before = running.num_output_tokens
+        for out in decode.step():
+            if out.finished:
+                outputs[out.request_id] = out
+        if recomputing.num_computed_tokens > computed_before and \
+                computed_before < len(long_prompt) - 1:
+            prompt_steps += 1
+            assert recomputing.num_computed_tokens - computed_before <= threshold
+            assert running.num_output_tokens == tokens_before + 1 or running.is_finished
+    assert prompt_steps >= len(long_prompt) // threshold
+    expected = colocated.generate([running_prompt, long_prompt], [running_params, long_params])
+    assert [outputs["d0"].output_token_ids, outputs["l0"].output_token_ids] == \
+        [o.output_token_ids for o in expected]
+    assert decode.stats().num_recompute_fallbacks == 1
     assert_decode_idle(decode)
     prefill.wait_until_idle()
     decode.shutdown()

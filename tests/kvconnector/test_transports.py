@@ -17,6 +17,15 @@ from pdserve.kvconnector.transport import TransferError
 NUM_LOCAL_BLOCKS = 48
 
 
+def wait_for(poll, deadline_s: float):
+    """Polls ``poll`` until it returns something truthy; fails after ``deadline_s``."""
+    deadline = time.monotonic() + deadline_s
+    while not (result := poll()):
+        assert time.monotonic() < deadline, f"{poll} returned nothing for {deadline_s} s"
+        time.sleep(0.05)
+    return result
+
+
 def pages(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
     return kv_cache.view(kv_cache.shape[0], -1)[block_ids].view(torch.uint8)
 
@@ -121,8 +130,7 @@ def test_lease_never_released_expires_and_becomes_freeable(start_peer, transport
     assert client.renew(info, lease_id) > time.time()
     client.read_blocks(info, lease_id, [1, 2], [0, 1], checksums)
     assert peer.take_freeable() == []
-    time.sleep(0.7)
-    assert peer.take_freeable() == ["req-0"]
+    assert wait_for(peer.take_freeable, deadline_s=30) == ["req-0"]
     assert peer.num_expired() == 1
     client.close()
 

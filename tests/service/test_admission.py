@@ -12,15 +12,18 @@ import json
 from collections.abc import AsyncIterator
 
 import pytest
+from fastapi import FastAPI, Request
 
 from pdserve.messages.generation import GenerationChunk, ModelInfo, WorkerRequest
 from pdserve.messages.kv_event_batch import KVEventBatch
 from pdserve.messages.sampling_params import SamplingParams
 from pdserve.tokenizer.tokenizer import ByteTokenizer
-from pdserve.prefill.gateway.http_ingress import _error_response
+from pdserve.prefill.gateway.admission import ReleaseSlotsAtRequestEnd
+from pdserve.prefill.gateway.http_ingress import _error_response, complete
 from pdserve.prefill.gateway.config import GatewayConfig
 from pdserve.prefill.gateway.openai_schema import APIError
 from pdserve.prefill.gateway.orchestrator import RequestOrchestrator
+from pdserve.prefill.gateway.worker_pool import NoModelInfo, WorkerPool
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0, seed=1)
 
@@ -105,16 +108,28 @@ def test_with_every_decode_worker_failing_the_poll_requests_get_503_until_one_an
 def test_a_prefill_worker_that_dies_mid_call_gets_503_and_leaves_routing():
     async def scenario() -> None:
         pool = FakePool(["prefill-0", "prefill-1"], [])
-        service = make_service(pool)
+        service = make_service(pool, max_attempts=1)  # no retry: the loss reaches the client
         pool.prefill["prefill-0"].down = True
+        service.router.set_available("prefill-1", False)  # the request must pick prefill-0
         outcomes = []
-        for _ in range(4):
+        for _ in range(3):
             try:
                 outcomes.append(await run(service))
             except APIError as error:
                 outcomes.append(error.status)
-        # At most the first pick of the dead worker fails; afterwards only prefill-1 serves.
-        assert outcomes.count(503) <= 1 and outcomes[-2:] == ["AAAA", "AAAA"]
+            service.router.set_available("prefill-1", True)
+        assert outcomes == [503, "AAAA", "AAAA"]
+        assert not service.router.is_available("prefill-0")
+
+    asyncio.run(scenario())
+
+
+def test_a_prefill_worker_that_dies_before_answering_is_routed_around_unseen():
+    async def scenario() -> None:
+        pool = FakePool(["prefill-0", "prefill-1"], [])
+        service = make_service(pool)
+        pool.prefill["prefill-0"].down = True
+        assert [await run(service) for _ in range(4)] == ["AAAA"] * 4
         assert not service.router.is_available("prefill-0")
 
     asyncio.run(scenario())
@@ -144,5 +159,157 @@ def test_a_worker_refusal_is_the_clients_fault_and_a_worker_failure_is_the_serve
             await run(make_service(pool))
         assert caught.value.status == status
         assert "the worker said no" in caught.value.message
+
+    asyncio.run(scenario())
+
+
+# ---------------------------------------------------------------------- the slot's life (ASGI)
+
+
+def completion_app(service: RequestOrchestrator):
+    """The gateway's completion route on ``service``, with the gateway's middleware."""
+    app = FastAPI()
+    app.add_middleware(ReleaseSlotsAtRequestEnd)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await complete(service, request)
+
+    return app
+
+
+async def call_asgi(app, body: dict, send) -> None:
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions",
+             "raw_path": b"/v1/completions", "root_path": "", "query_string": b"",
+             "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000)}
+    messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+    disconnected = asyncio.Event()
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop()
+        await disconnected.wait()
+        return {"type": "http.disconnect"}
+
+    try:
+        await app(scope, receive, send)
+    finally:
+        disconnected.set()
+
+
+BODY = {"model": "tiny", "prompt": "hello world", "max_tokens": 4, "temperature": 0}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_gone_before_the_body_starts_frees_its_slot(stream):
+    """The connection resets as the status line goes out: the body never starts, and the
+    slot must be freed anyway (it was freed only in the SSE body's ``finally`` before)."""
+    async def scenario() -> None:
+        service = make_service(FakePool(["prefill-0"], []), max_inflight_requests=1)
+
+        async def reset_connection(message: dict) -> None:
+            raise ConnectionResetError("the client reset the connection")
+
+        with pytest.raises(ConnectionResetError):
+            await call_asgi(completion_app(service), {**BODY, "stream": stream},
+                            reset_connection)
+        assert service.metrics.num_requests_in_flight == 0
+        assert service.metrics.num_requests == 1  # it was admitted, then freed
+        sent: list[dict] = []
+
+        async def record(message: dict) -> None:
+            sent.append(message)
+
+        await call_asgi(completion_app(service), BODY, record)  # not a 429: the slot is free
+        assert sent[0]["status"] == 200
+
+    asyncio.run(scenario())
+
+
+def test_a_request_cancelled_before_its_response_starts_frees_its_slot():
+    async def scenario() -> None:
+        service = make_service(FakePool(["prefill-0"], []))
+        response_started = asyncio.Event()
+
+        async def stall(message: dict) -> None:
+            response_started.set()
+            await asyncio.Event().wait()  # a proxy that never drives the body
+
+        call = asyncio.ensure_future(call_asgi(completion_app(service),
+                                               {**BODY, "stream": True}, stall))
+        await response_started.wait()
+        assert service.metrics.num_requests_in_flight == 1
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert service.metrics.num_requests_in_flight == 0
+
+    asyncio.run(scenario())
+
+
+# ---------------------------------------------------------------------- start-up
+
+
+class ModelInfoHandle:
+    """A worker's Serve handle as far as ``model_info`` goes: answers, fails, or hangs (a
+    dead worker Serve has not noticed yet: a real one cannot be held in that state)."""
+
+    def __init__(self, behaviour: str) -> None:
+        async def model_info() -> ModelInfo:
+            if behaviour == "hang":
+                await asyncio.Event().wait()
+            if behaviour == "fail":
+                raise ConnectionError("the actor died")
+            return ModelInfo("tiny", 256, 16, "xxh3_128", 0, [256])
+
+        self.model_info = type("Method", (), {"remote": staticmethod(model_info)})
+
+
+@pytest.mark.parametrize("prefill_0", ["hang", "fail"])
+def test_start_up_takes_the_model_from_any_prefill_worker_not_only_prefill_0(prefill_0):
+    pool = WorkerPool({"prefill-0": ModelInfoHandle(prefill_0),
+                       "prefill-1": ModelInfoHandle("answer")}, {})
+    info = asyncio.run(pool.first_model_info(timeout_s=60))
+    assert info.model == "tiny"
+
+
+def test_start_up_with_no_prefill_worker_answering_fails_within_its_timeout_naming_them():
+    pool = WorkerPool({"prefill-0": ModelInfoHandle("hang"),
+                       "prefill-1": ModelInfoHandle("fail")}, {})
+    with pytest.raises(NoModelInfo, match=r"prefill-0.*prefill-1.*the actor died"):
+        asyncio.run(pool.first_model_info(timeout_s=0.2))
+
+
+# ---------------------------------------------------------------------- worker errors
+
+
+@pytest.mark.parametrize("raised, lost", [
+    (ValueError("a bug in the worker"), False),
+    (ConnectionError("the actor died"), True),
+])
+def test_a_worker_bug_fails_the_request_but_keeps_the_worker_a_lost_worker_leaves_routing(
+        raised, lost):
+    """A worker's deterministic error reaches the gateway as Ray's ``RayTaskError`` (built
+    here as Ray builds it); a dead actor's as anything else."""
+    from ray.exceptions import RayTaskError
+
+    class BrokenWorker(FakeWorker):
+        async def generate(self, request: WorkerRequest) -> AsyncIterator[GenerationChunk]:
+            if not lost:
+                raise RayTaskError("generate", "traceback", raised).as_instanceof_cause()
+            raise raised
+            yield  # an async generator
+
+    async def scenario() -> None:
+        pool = FakePool(["prefill-0"], [])
+        pool.prefill["prefill-0"] = pool.all["prefill-0"] = BrokenWorker("prefill-0")
+        service = make_service(pool)
+        with pytest.raises(APIError) as caught:
+            await run(service)
+        assert caught.value.status == (503 if lost else 500)
+        assert service.router.is_available("prefill-0") is not lost
+        assert (service.metrics.num_retries > 0) is lost
 
     asyncio.run(scenario())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import socket
 import sys
 
 from service_apps import free_port
@@ -69,3 +70,26 @@ def test_the_stats_table_has_a_row_per_worker_and_totals():
     assert (total["worker"], total["reqs"], total["hit%"], total["usage%"]) == \
         ("total", "6", "25.0", "12.5")
     assert lines[4].startswith("gateway: 3 requests, 1 rejected, 12 tokens; TTFT p50 10.0 ms")
+
+
+def test_pdserve_up_refuses_a_config_that_cannot_start_before_deploying_naming_each_fix(tmp_path):
+    """nixl missing (this venv has it: a package of that name that fails to import stands
+    in for its absence), the HTTP port taken, the model absent: exit 2 at once, no cluster."""
+    fake_nixl = tmp_path / "nixl"
+    fake_nixl.mkdir()
+    (fake_nixl / "__init__.py").write_text("raise ImportError('No module named nixl')\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "pdserve.deploy.cli", "up", "--transport", "nixl",
+             "--port", str(port), "--model", str(tmp_path / "no-such-model")],
+            env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "pip install 'pdserve[nixl]'" in done.stderr
+    assert f"127.0.0.1:{port} is in use" in done.stderr and "--port" in done.stderr
+    assert "no-such-model" in done.stderr and "nothing is downloaded" in done.stderr
+    assert "up in" not in done.stdout

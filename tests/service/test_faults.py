@@ -131,8 +131,7 @@ def test_a_decode_worker_killed_mid_generation_replays_its_requests_into_one_cle
         assert client.error is None, client.error
         assert client.text == _expected(colocated, prompts[i], max_tokens, _sampling(i)), client.finish_reason
     assert get_json(faults, "/stats")["gateway"]["num_retries"] >= 1
-    restarted = wait_until_restarted(faults, victim, rows[victim]["instance_id"])
-    assert restarted["num_requests"] == 0 or restarted["instance_id"] != rows[victim]["instance_id"]
+    wait_until_restarted(faults, victim, rows[victim]["instance_id"])  # a new instance, routed to
     _assert_drained(faults)
     # The restarted worker is routed to again and answers correctly.
     again = [StreamClient(faults, p, 8, _sampling(i)) for i, p in enumerate(prompts)]

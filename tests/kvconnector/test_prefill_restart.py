@@ -1,0 +1,50 @@
+"""A prefill worker restarted on the same address (a fixed ``kv_transfer_port``, as the
+shipped cluster configs set) must be pulled from again, without restarting the decode side.
+
+Measured before the fix on a 1 + 1 app: over NIXL every request after the restart fell back
+to recompute (0 blocks received) until the decode worker restarted, because the decode
+connector kept the dead engine's handshake (its NIXL agent and pool) cached by address.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from test_disaggregated_engines import (TRANSPORTS, assert_decode_idle, colocated,  # noqa: F401
+                                        disaggregate, make_decode_engine, prefill_factory,
+                                        random_prompts)
+
+from pdserve.engine import LLMEngine, SamplingParams
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_prefill_restarted_on_the_same_port_is_pulled_from_not_recomputed(
+        transport: str, colocated: LLMEngine, prefill_factory) -> None:
+    port = free_port()
+    decode = make_decode_engine(transport)
+    prompts = random_prompts(21, 2)
+    params = [SamplingParams(max_tokens=4, temperature=0.0)]
+    expected = [o.output_token_ids for o in colocated.generate(prompts, params * 2)]
+
+    first = prefill_factory(transport=transport, port=port, engine_id="prefill-0-first")
+    before = disaggregate(first, decode, prompts[:1], params, prefix="before")
+    first.close()  # the worker dies; Serve starts a new one on the same port
+    second = prefill_factory(transport=transport, port=port, engine_id="prefill-0-second")
+    assert second.address == first.address
+    received_before = decode.stats().transfer.num_blocks_received
+    after = disaggregate(second, decode, prompts[1:], params, prefix="after")
+
+    assert [before[0].output_token_ids, after[0].output_token_ids] == expected
+    stats = decode.stats()
+    assert stats.num_recompute_fallbacks == 0
+    assert stats.transfer.num_blocks_received > received_before
+    assert_decode_idle(decode)
+    second.wait_until_idle()
+    decode.shutdown()
