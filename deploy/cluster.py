@@ -40,7 +40,9 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> None:
         loopback = {"_node_ip_address": "127.0.0.1"} if address.startswith("127.0.0.1:") else {}
         ray.init(address=address, namespace="pdserve", log_to_driver=False, **loopback)
     else:
-        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+        # address="local": always a new embedded cluster, never one that `ray start` left
+        # running on this machine (plain ray.init() would join that one).
+        ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
                  namespace="pdserve", log_to_driver=False, _node_ip_address="127.0.0.1")
 
 
