@@ -292,7 +292,13 @@ class Gateway:
         return self.orchestrator
 
     async def check_health(self) -> None:
-        await self._get_orchestrator()
+        """Serve's health check: the replica answers. It tries to start the orchestrator
+        (so the first request finds it), but workers that are still loading their model do
+        not make the gateway unhealthy: readiness is ``/ready``'s to say."""
+        try:
+            await self._get_orchestrator()
+        except APIError as error:
+            logger.info("gateway up, workers not yet: %s", error.message)
 
     # ------------------------------------------------------------------ HTTP
 

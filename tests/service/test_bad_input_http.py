@@ -134,7 +134,7 @@ def test_any_json_body_gets_a_completion_or_a_clear_4xx(http, body) -> None:
     ("n", 0, "n"),
     ("best_of", 2, "best_of"),
     ("echo", True, "echo"),
-    ("logprobs", 1, "logprobs"),
+    ("logprobs", 21, "logprobs"),
     ("cache_salt", "\udfff", "cache_salt"),
 ])
 def test_each_bad_field_is_a_400_naming_it(http, field, value, param) -> None:

@@ -151,7 +151,7 @@ def test_pdserve_generate_chat_and_pdserve_chat_stream_the_reply(service, coloca
     ("tools", [{"type": "function", "function": {"name": "f"}}], "tools", "not supported"),
     ("response_format", {"type": "json_object"}, "response_format", "not supported"),
     ("n", 17, "n", ""),
-    ("logprobs", True, "logprobs", "not supported"),
+    ("top_logprobs", 21, "top_logprobs", ""),
     ("max_completion_tokens", 0, "max_completion_tokens", ""),
     ("stream_options", {"include_usage": "yes"}, "stream_options", ""),
 ])
