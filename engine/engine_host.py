@@ -99,7 +99,7 @@ class EngineHost:
         request_id = request.request_id
         self._streams[request_id] = queue
         self._submit(lambda: self._add(request))
-        finished = False
+        finished = prompt_logprobs_sent = False
         sent_tokens = sent_chars = 0
         try:
             while not finished:
@@ -123,7 +123,9 @@ class EngineHost:
                     error=output.error,
                     kv_provenance=self._signed(output.kv_provenance),
                     new_logprobs=output.output_logprobs[sent_tokens:],
+                    prompt_logprobs=[] if prompt_logprobs_sent else output.prompt_logprobs,
                 )
+                prompt_logprobs_sent = prompt_logprobs_sent or bool(output.prompt_logprobs)
                 sent_tokens, sent_chars = len(output.output_token_ids), len(output.text)
         finally:
             self._streams.pop(request_id, None)

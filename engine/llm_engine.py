@@ -244,7 +244,7 @@ class LLMEngine:
             self.connector.start_load_kv(output.connector_metadata)
         changed, self._finished_on_arrival = self._finished_on_arrival, []
         if output.chunks:
-            logits = self.runner.execute(output.chunks)
+            logits = self._sampled_rows(self.runner.execute(output.chunks), output)
             sampled = [r for c, r in zip(output.chunks, output.requests) if c.sample]
             token_ids = sample(
                 logits,
@@ -261,6 +261,23 @@ class LLMEngine:
             changed += scheduler.update_from_kv_xfer_finished(self.connector.get_finished())
         self._stats.num_evictions += self._collect_kv_events()
         return [self._make_output(request) for request in changed]
+
+    @staticmethod
+    def _sampled_rows(logits: torch.Tensor, output) -> torch.Tensor:
+        """The sampling rows of a step's logits; a prompt-logprobs chunk's other rows are
+        turned into its prompt's logprobs on the way (row ``k`` of a chunk starting at
+        position ``p`` predicts the token at ``p + k + 1``)."""
+        if not any(chunk.all_logits for chunk in output.chunks):
+            return logits
+        rows, offset = [], 0
+        for chunk, request in zip(output.chunks, output.requests):
+            count = chunk.num_logit_rows
+            if chunk.all_logits:
+                _record_prompt_logprobs(logits[offset:offset + count], chunk, request)
+            if chunk.sample:
+                rows.append(offset + count - 1)
+            offset += count
+        return logits[rows]
 
     def _collect_kv_events(self) -> int:
         """Moves the ledger's events to the publish buffer (if publishing); returns how many
@@ -296,6 +313,8 @@ class LLMEngine:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=list(request.output_token_ids),
             output_logprobs=list(request.output_logprobs),
+            prompt_logprobs=(list(request.prompt_logprobs)
+                             if not request.needs_prompt_logprobs else []),
             text=text,
             finished=request.is_finished,
             finish_reason=request.status.finish_reason,
@@ -346,3 +365,15 @@ def _record_logprobs(logits: torch.Tensor, sampled: list[Request], token_ids: li
                              [sampled[r].sampling_params.logprobs for r in rows])
     for row, result in zip(rows, results):
         sampled[row].output_logprobs.append(result)
+
+
+def _record_prompt_logprobs(logits: torch.Tensor, chunk, request: Request) -> None:
+    """Appends the logprobs of the prompt tokens this chunk's rows predict."""
+    prompt = request.prompt_token_ids
+    first_target = chunk.start_position + 1
+    targets = prompt[first_target:first_target + len(chunk.token_ids)]
+    if not targets or first_target != len(request.prompt_logprobs):
+        return  # nothing left in the prompt, or already recorded (a recompute)
+    k = request.sampling_params.prompt_logprobs
+    request.prompt_logprobs.extend(
+        token_logprobs(logits[:len(targets)], targets, [k] * len(targets)))

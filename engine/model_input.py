@@ -13,7 +13,8 @@ class ScheduledChunk:
     their K/V are written into the request's blocks (``block_ids``, the whole block table
     in position order), and attention reads everything from position 0 to the chunk's end.
     A decode step is a chunk of one token; a prefill may be split into several chunks, and
-    only the last one (``sample=True``) needs logits.
+    only the last one (``sample=True``) needs logits, unless the request asked for its
+    prompt's logprobs (``all_logits=True``: a logits row for every token of the chunk).
 
         block_ids:  | b0 | b1 | b2 | b3 |          (block_size tokens each)
         positions:  0 ......... start_position ... start_position + len(token_ids)
@@ -25,3 +26,9 @@ class ScheduledChunk:
     start_position: int
     block_ids: list[int]
     sample: bool
+    all_logits: bool = False
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Rows of the step's logits this chunk gets: all its tokens, its last, or none."""
+        return len(self.token_ids) if self.all_logits else int(self.sample)

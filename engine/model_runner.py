@@ -70,7 +70,9 @@ class ModelRunner:
         )
 
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Run one step; float32 logits ``[num_sampled, vocab]``, one row per ``sample=True`` chunk, in order."""
+        """Run one step; float32 logits, ``chunk.num_logit_rows`` rows per chunk in the caller's
+        order: the last token's row for a ``sample=True`` chunk, every token's for an
+        ``all_logits`` chunk (a prompt whose logprobs were asked for)."""
         if not chunks:
             raise ValueError("execute() needs at least one chunk")
         for chunk in chunks:
@@ -101,13 +103,14 @@ class ModelRunner:
                 f"max_position_embeddings ({self.model_config.max_position_embeddings})"
             )
         input_ids = torch.tensor(list(chain.from_iterable(c.token_ids for c in ordered)), dtype=torch.long)
-        # Row of the last token of each sampling chunk, in the caller's chunk order.
+        # Row of the last token of each chunk, in the caller's chunk order.
         last_row = [0] * len(chunks)
         row = -1
         for index, count in zip(order, counts):
             row += count
             last_row[index] = row
-        sample_rows = [last_row[i] for i, c in enumerate(chunks) if c.sample]
+        sample_rows = [r for i, c in enumerate(chunks)
+                       for r in range(last_row[i] - c.num_logit_rows + 1, last_row[i] + 1)]
         with torch.inference_mode():
             # .forward, not __call__: no hooks on the hot path (models/llama.py module doc).
             hidden = self.model.forward(input_ids.to(self.device), metadata.positions, self.kv_cache, metadata)

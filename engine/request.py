@@ -106,12 +106,21 @@ class Request:
         # Aligned with output_token_ids when the params ask for logprobs (None: a token
         # sampled elsewhere, the first one a prefill worker handed over).
         self.output_logprobs: list[TokenLogprobs | None] = []
+        # Each prompt token's logprob given the ones before it, when asked (None for the first).
+        self.prompt_logprobs: list[TokenLogprobs | None] = (
+            [None] if sampling_params.prompt_logprobs is not None else [])
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
         self._update_block_hashes()
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs, and some are still to compute (a preempted request's
+        recompute does not compute them again)."""
+        return 0 < len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

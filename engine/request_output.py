@@ -32,3 +32,4 @@ class RequestOutput:
     kv_transfer_params: KVTransferParams | None = None
     kv_provenance: KVProvenance | None = None
     output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # when asked
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # when asked

@@ -172,9 +172,10 @@ class Scheduler:
         Returns the tokens it scheduled (0 while its KV loads from a peer), or None when
         the pool cannot hold it now."""
         manager = self.kv_cache_manager
-        if request.num_computed_tokens == 0:
+        if request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None:
             computed_blocks, num_local = manager.get_computed_blocks(request)
-        else:  # its KV arrived from a prefill worker while it waited
+        else:  # its KV arrived from a prefill worker while it waited, or every prompt
+            # position needs its logits (prompt logprobs: no prefix-cache hit, as vLLM does)
             computed_blocks, num_local = None, 0
 
         if request.kv_transfer_params is not None and request.num_computed_tokens == 0:
@@ -242,6 +243,7 @@ class Scheduler:
                 start_position=start,
                 block_ids=self.kv_cache_manager.get_block_ids(request)[0],
                 sample=end == request.num_tokens,
+                all_logits=request.needs_prompt_logprobs,
             )
         )
         output.requests.append(request)

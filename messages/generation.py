@@ -54,6 +54,8 @@ class GenerationChunk:
     kv_provenance: KVProvenance | None = None
     # Aligned with new_token_ids when the request asked for logprobs, else empty.
     new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # Once, on the chunk after the prompt was computed, when asked (the first is None).
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
 
 @dataclass(slots=True)

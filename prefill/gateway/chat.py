@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from collections.abc import Sequence
 from typing import Annotated, Any
 
 from pydantic import Field
 
-from pdserve.messages.logprobs import MAX_LOGPROBS, TokenLogprobs
-from pdserve.prefill.gateway.logprobs_format import LogprobsRenderer
+from pdserve.messages.logprobs import MAX_LOGPROBS
+from pdserve.prefill.gateway.logprobs_format import LogprobsRenderer, TokensWithLogprobs
 from pdserve.prefill.gateway.openai_schema import (APIError, ParsedCompletion, SamplingRequest,
                                                    validate_request)
 from pdserve.tokenizer.tokenizer import Tokenizer
@@ -92,22 +91,22 @@ class ChatFormat:
                 for index in range(n)]
 
     def chunk(self, text: str, finish_reason: str | None, index: int = 0,
-              logprobs: Sequence[TokenLogprobs | None] = ()) -> dict[str, Any]:
+              tokens: TokensWithLogprobs = ((), ())) -> dict[str, Any]:
         delta = {"content": text} if text else {}
         return self._envelope([{"index": index, "delta": delta,
-                                "logprobs": self._render(logprobs),
+                                "logprobs": self._render(tokens),
                                 "finish_reason": finish_reason}])
 
-    def _render(self, logprobs: Sequence[TokenLogprobs | None]) -> dict[str, Any] | None:
-        return self.logprobs.chat(logprobs) if self.logprobs else None
+    def _render(self, tokens: TokensWithLogprobs) -> dict[str, Any] | None:
+        return self.logprobs.chat(*tokens) if self.logprobs else None
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
         return {**self._envelope([]), "usage": usage_body}
 
-    def response(self, choices: list[tuple[str, str | None, list[TokenLogprobs | None]]],
+    def response(self, choices: list[tuple[str, str | None, TokensWithLogprobs]],
                  usage_body: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.request_id, "object": "chat.completion", "created": self.created,
                 "model": self.model, "usage": usage_body,
                 "choices": [{"index": i, "message": {"role": "assistant", "content": text},
-                             "logprobs": self._render(logprobs), "finish_reason": reason}
-                            for i, (text, reason, logprobs) in enumerate(choices)]}
+                             "logprobs": self._render(tokens), "finish_reason": reason}
+                            for i, (text, reason, tokens) in enumerate(choices)]}

@@ -45,12 +45,13 @@ from pdserve.prefill.gateway.chat import ChatFormat, parse_chat
 from pdserve.prefill.gateway.openai_schema import (MAX_REQUEST_BYTES, APIError, CompletionFormat,
                                                    ParsedCompletion, models_response,
                                                    parse_completion, request_too_large, usage)
-from pdserve.prefill.gateway.logprobs_format import LogprobsRenderer
+from pdserve.prefill.gateway.logprobs_format import LogprobsRenderer, TokensWithLogprobs
 from pdserve.prefill.gateway.orchestrator import RequestOrchestrator
 from pdserve.prefill.gateway.parallel_sampling import choice_params, generate_choices
 from pdserve.prefill.gateway.stream_emitter import StreamDelta
 from pdserve.prefill.gateway.worker_pool import NoModelInfo, WorkerPool
 from pdserve.tokenizer.loading import load_tokenizer
+from pdserve.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -125,15 +126,15 @@ async def _sse_events(orchestrator: RequestOrchestrator, response_format: Respon
     error event, as OpenAI does. The request's ``AdmissionSlot`` closes ``choices`` and
     frees its place when the request ends.
     """
-    tally = _Tally(parsed.n)
+    tally = _Tally(parsed, orchestrator.tokenizer)
     try:
         for chunk in response_format.opening_chunks(parsed.n):
             yield {"data": json.dumps(chunk)}
         item = first
         while True:
             index, delta = item
-            tally.add(index, delta)
-            chunk = response_format.chunk(delta.text, delta.finish_reason, index, delta.logprobs)
+            text, tokens = tally.add(index, delta)
+            chunk = response_format.chunk(text, delta.finish_reason, index, tokens)
             if not tally.done:
                 yield {"data": json.dumps(chunk)}
             else:
@@ -157,19 +158,35 @@ async def _sse_events(orchestrator: RequestOrchestrator, response_format: Respon
 
 
 class _Tally:
-    """A reply's choices as they arrive: their text, finish reasons and token counts."""
+    """A reply's choices as they arrive: their text, tokens and logprobs, finish reasons
+    and token counts; with ``echo`` each choice's first delta starts with the prompt."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, parsed: ParsedCompletion, tokenizer: Tokenizer) -> None:
+        n = parsed.n
         self.texts = [""] * n
+        self.token_ids: list[list[int]] = [[] for _ in range(n)]
         self.logprobs: list[list[TokenLogprobs | None]] = [[] for _ in range(n)]
         self.finish_reasons: list[str | None] = [None] * n
         self.num_output_tokens = 0
         self.num_prompt_tokens = self.num_cached_tokens = 0
         self.first_choice_last: StreamDelta | None = None
+        self._echo = parsed if parsed.echo else None
+        self._tokenizer = tokenizer
+        self._prompt_logprobs: list[TokenLogprobs | None] = []
 
-    def add(self, index: int, delta: StreamDelta) -> None:
-        self.texts[index] += delta.text
-        self.logprobs[index].extend(delta.logprobs)
+    def add(self, index: int, delta: StreamDelta) -> tuple[str, TokensWithLogprobs]:
+        """Records ``delta``; returns what its chunk shows: text, and tokens with logprobs."""
+        text, token_ids, logprobs = delta.text, delta.token_ids, delta.logprobs
+        if delta.prompt_logprobs:  # choice 0's prefill computed them; every choice echoes them
+            self._prompt_logprobs = delta.prompt_logprobs
+        if self._echo is not None and not self.texts[index] and not self.token_ids[index]:
+            prompt_ids = self._echo.prompt_token_ids or self._tokenizer.encode(self._echo.prompt_text)
+            prompt_text = self._echo.prompt_text or self._tokenizer.decode(prompt_ids)
+            text, token_ids = prompt_text + text, [*prompt_ids, *token_ids]
+            logprobs = [*(self._prompt_logprobs or [None] * len(prompt_ids)), *logprobs]
+        self.texts[index] += text
+        self.token_ids[index] += token_ids
+        self.logprobs[index] += logprobs
         self.num_output_tokens += len(delta.token_ids)
         if delta.finish_reason is not None:
             self.finish_reasons[index] = delta.finish_reason
@@ -177,6 +194,7 @@ class _Tally:
             self.num_prompt_tokens = delta.num_prompt_tokens
             self.num_cached_tokens = delta.num_cached_tokens
             self.first_choice_last = delta
+        return text, (token_ids, logprobs)
 
     @property
     def done(self) -> bool:
@@ -217,15 +235,16 @@ async def _serve(orchestrator: RequestOrchestrator, request: Request, parsed: Pa
     if parsed.stream:
         return EventSourceResponse(
             _sse_events(orchestrator, response_format, parsed, first, choices), ping=None)
-    tally = _Tally(parsed.n)
+    tally = _Tally(parsed, orchestrator.tokenizer)
     try:
         tally.add(*first)
         async for index, delta in choices:
             tally.add(index, delta)
     except APIError as error:
         return _error_response(orchestrator, error)
-    body = response_format.response(list(zip(tally.texts, tally.finish_reasons, tally.logprobs)),
-                                    tally.usage())
+    body = response_format.response(
+        list(zip(tally.texts, tally.finish_reasons, zip(tally.token_ids, tally.logprobs))),
+        tally.usage())
     return JSONResponse({**body, **tally.provenance()})
 
 
@@ -253,7 +272,8 @@ async def chat_complete(orchestrator: RequestOrchestrator, request: Request) -> 
 
 def _renderer(orchestrator: RequestOrchestrator, parsed: ParsedCompletion) -> LogprobsRenderer | None:
     """Renders the request's logprobs, when it asked for them."""
-    return LogprobsRenderer(orchestrator.tokenizer) if parsed.params.logprobs is not None else None
+    wanted = parsed.params.logprobs is not None or parsed.params.prompt_logprobs is not None
+    return LogprobsRenderer(orchestrator.tokenizer) if wanted else None
 
 
 # ---------------------------------------------------------------------- the ingress

@@ -15,15 +15,15 @@ are ignored.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
 
-from pdserve.messages.logprobs import MAX_LOGPROBS, TokenLogprobs
+from pdserve.messages.logprobs import MAX_LOGPROBS
 from pdserve.messages.sampling_params import SamplingParams
-from pdserve.prefill.gateway.logprobs_format import LogprobsRenderer
+from pdserve.prefill.gateway.logprobs_format import LogprobsRenderer, TokensWithLogprobs
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -44,7 +44,7 @@ MAX_STOP_CHARS = 256
 # Choices per request (``n``): each decodes on its own, so a large n is a large request.
 MAX_CHOICES = 16
 # pdserve implements none of these; each is accepted only at its default value.
-_UNSUPPORTED_FIELDS: dict[str, Any] = {"best_of": 1, "echo": False,
+_UNSUPPORTED_FIELDS: dict[str, Any] = {"best_of": 1,
                                        "suffix": None, "logit_bias": {}, "presence_penalty": 0,
                                        "frequency_penalty": 0}
 # What a field of a union type must be, for a message clearer than pydantic's per-member list.
@@ -155,6 +155,7 @@ class CompletionRequest(SamplingRequest):
     prompt: Prompt | Annotated[list[Prompt], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = DEFAULT_MAX_TOKENS
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False  # the reply starts with the prompt (and its logprobs, with logprobs)
 
     @field_validator("prompt")
     @classmethod
@@ -177,6 +178,7 @@ class ParsedCompletion:
     cache_salt: str | None = None
     include_usage: bool = False  # streamed: a last chunk with the usage
     n: int = 1  # choices, each sampled with its own seed
+    echo: bool = False  # completions: the reply repeats the prompt first
 
 
 def validate_request(model: type[RequestModel], body: Any,
@@ -205,8 +207,11 @@ def parse_completion(body: Any) -> ParsedCompletion:
                            param="prompt")
         prompt = prompt[0]
     text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+    params = request.sampling_params(request.max_tokens, request.logprobs)
+    if request.echo and request.logprobs is not None:
+        params = dataclasses.replace(params, prompt_logprobs=request.logprobs)
     return ParsedCompletion(model=request.model, prompt_text=text, prompt_token_ids=token_ids,
-                            params=request.sampling_params(request.max_tokens, request.logprobs),
+                            params=params, echo=request.echo,
                             stream=request.stream, cache_salt=request.cache_salt,
                             include_usage=request.include_usage, n=request.n)
 
@@ -248,27 +253,27 @@ class CompletionFormat:
         return []
 
     def chunk(self, text: str, finish_reason: str | None, index: int = 0,
-              logprobs: Sequence[TokenLogprobs | None] = ()) -> dict[str, Any]:
+              tokens: TokensWithLogprobs = ((), ())) -> dict[str, Any]:
         return {"id": self.request_id, "object": "text_completion", "created": self.created,
                 "model": self.model,
-                "choices": [self._choice(index, text, finish_reason, logprobs)]}
+                "choices": [self._choice(index, text, finish_reason, tokens)]}
 
     def _choice(self, index: int, text: str, finish_reason: str | None,
-                logprobs: Sequence[TokenLogprobs | None]) -> dict[str, Any]:
-        rendered = self.logprobs.completion(index, logprobs) if self.logprobs else None
+                tokens: TokensWithLogprobs) -> dict[str, Any]:
+        rendered = self.logprobs.completion(index, *tokens) if self.logprobs else None
         return {"index": index, "text": text, "logprobs": rendered, "finish_reason": finish_reason}
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.request_id, "object": "text_completion", "created": self.created,
                 "model": self.model, "choices": [], "usage": usage_body}
 
-    def response(self, choices: list[tuple[str, str | None, list[TokenLogprobs | None]]],
+    def response(self, choices: list[tuple[str, str | None, TokensWithLogprobs]],
                  usage_body: dict[str, Any]) -> dict[str, Any]:
-        """The whole reply: ``choices`` are ``(text, finish_reason, logprobs)`` by index."""
+        """The whole reply: ``choices`` are ``(text, finish_reason, tokens)`` by index."""
         return {"id": self.request_id, "object": "text_completion", "created": self.created,
                 "model": self.model, "usage": usage_body,
-                "choices": [self._choice(i, text, reason, logprobs)
-                            for i, (text, reason, logprobs) in enumerate(choices)]}
+                "choices": [self._choice(i, text, reason, tokens)
+                            for i, (text, reason, tokens) in enumerate(choices)]}
 
 
 def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict[str, Any]:

@@ -298,7 +298,9 @@ class RequestOrchestrator:
                 await asyncio.sleep(self.config.retry_backoff_s)  # let Serve see the dead replica
             run.decode_id = self.route("decode", run.block_hashes,
                                        fallback=run.decode_id if attempt else None)
-            request = WorkerRequest(run.request_id, run.token_ids, run.params,
+            # The prompt's logprobs (if asked) came from the prefill worker.
+            request = WorkerRequest(run.request_id, run.token_ids,
+                                    dataclasses.replace(run.params, prompt_logprobs=None),
                                     kv_transfer_params=run.kv_transfer_params,
                                     cache_salt=run.cache_salt)
             run.emitter.restart_stream()

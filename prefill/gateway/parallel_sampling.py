@@ -33,7 +33,8 @@ def choice_params(params: SamplingParams, n: int, client_seed: int | None,
                   rng: random.Random) -> list[SamplingParams]:
     """Each choice's params: ``params`` (already seeded) first, then the siblings'."""
     siblings = [dataclasses.replace(params, seed=(client_seed + i) % MAX_SEED
-                                    if client_seed is not None else rng.getrandbits(63))
+                                    if client_seed is not None else rng.getrandbits(63),
+                                    prompt_logprobs=None)  # choice 0 brings the prompt's
                 for i in range(1, n)]
     return [params, *siblings]
 

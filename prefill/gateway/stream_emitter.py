@@ -38,6 +38,7 @@ class StreamDelta:
     num_cached_tokens: int = 0
     kv_provenance: RequestProvenance | None = None
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # per token, when asked
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # once, when asked
 
 
 def stop_safe_length(text: str, stops: list[str]) -> int:
@@ -68,6 +69,7 @@ class StreamEmitter:
         self.sent_token_ids: list[int] = []
         self.sent_chars = 0
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list[TokenLogprobs | None] = []  # until sent with a delta
         self.restart_stream()
 
     def restart_stream(self) -> None:
@@ -81,6 +83,8 @@ class StreamEmitter:
         overlap = min(len(self.stream_tokens) + len(chunk.new_token_ids), self.sent_tokens)
         self.stream_tokens.extend(chunk.new_token_ids)
         self.stream_logprobs.extend(chunk.new_logprobs)
+        if chunk.prompt_logprobs:
+            self.prompt_logprobs = chunk.prompt_logprobs
         self.stream_text += chunk.text_delta
         if self.stream_tokens[:overlap] != self.sent_token_ids[:overlap]:
             raise ReplayDiverged(f"tokens {self.stream_tokens[:overlap]} where "
@@ -104,8 +108,10 @@ class StreamEmitter:
         if finished:
             self.metrics.record_finished(reason or "unknown", now - self.start,
                                          self.num_prompt_tokens)
+        prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, []
         return StreamDelta(new_tokens, new_text, reason, self.num_prompt_tokens,
-                           self.num_cached_tokens, logprobs=new_logprobs)
+                           self.num_cached_tokens, logprobs=new_logprobs,
+                           prompt_logprobs=prompt_logprobs)
 
     def ttft_s(self) -> float:
         return 0.0 if self.first_token_time is None else self.first_token_time - self.start

@@ -154,3 +154,26 @@ def test_bad_logprobs_are_a_400_naming_the_field(app, path, body, param):
     response = httpx.post(base_url(app) + path, json={"model": "tiny", "max_tokens": 2, **body},
                           timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_echo_with_logprobs_returns_the_prompts_logprobs_computed_on_the_prefill_worker(
+        app, colocated):
+    output = colocated.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0,
+                                                         logprobs=1, prompt_logprobs=1))[0]
+    decode = colocated.tokenizer.decode
+    client = openai_client(app)
+    for _ in range(2):  # the repeat would be a prefix hit: prompt logprobs skip the cache
+        reply = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4,
+                                          temperature=0, logprobs=1, echo=True)
+        choice = reply.choices[0]
+        assert choice.text == PROMPT + output.text
+        prompt_ids, output_ids = output.prompt_token_ids, output.output_token_ids
+        assert choice.logprobs.tokens == [decode([t]) for t in prompt_ids + output_ids]
+        assert choice.logprobs.token_logprobs[0] is None
+        expected = [e.logprob for e in output.prompt_logprobs[1:] + output.output_logprobs]
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+        prefill = reply.model_extra["kv_provenance"]["prefill"]
+        assert prefill["num_cache_hit_tokens"] == 0 and prefill["num_computed_tokens"] == len(prompt_ids)
+    streamed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4,
+                                         temperature=0, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == PROMPT + output.text
