@@ -10,7 +10,7 @@ same cluster-wide seed. Pure Python + numpy + xxhash: no torch.
 """
 
 from pdserve.cache.block_hash_map import BlockHashToBlockMap
-from pdserve.cache.block_pool import BlockPool
+from pdserve.cache.block_pool import BlockPool, BlockPoolListener
 from pdserve.cache.free_block_queue import FreeKVCacheBlockQueue
 from pdserve.cache.hashing import (
     BlockHash,
@@ -57,6 +57,7 @@ __all__ = [
     "BlockHashWithGroupId",
     "BlockHasher",
     "BlockPool",
+    "BlockPoolListener",
     "BlockRemoved",
     "BlockStored",
     "CacheRequest",

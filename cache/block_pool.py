@@ -14,16 +14,23 @@ free queue doubles as the LRU list of the prefix cache: `get_new_blocks` pops fr
 head (least recently freed) and only then drops that block's hash (a `BlockRemoved`
 event). Block 0 is the null block: never free, never cached, never counted; it stands
 for positions a sliding window no longer needs.
+
+A `BlockPoolListener` (a KV tier, `kvconnector/tier_connector.py`) hears of each block
+cached and each block evicted, by id, while its page still holds the evicted bytes: the
+eviction happens in `allocate_slots`, and the step that reuses the block writes its page
+only later (the model runner, or a connector's load), so the listener copies it out in time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 from pdserve.cache.block_hash_map import BlockHashToBlockMap
 from pdserve.cache.free_block_queue import FreeKVCacheBlockQueue
 from pdserve.cache.hashing import BlockHash
 from pdserve.cache.kv_cache_block import (
+    BlockHashWithGroupId,
     KVCacheBlock,
     get_block_hash,
     get_group_id,
@@ -31,6 +38,14 @@ from pdserve.cache.kv_cache_block import (
 )
 from pdserve.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from pdserve.cache.request import CacheRequest
+
+
+class BlockPoolListener(Protocol):
+    """Told of every block that becomes cached, and of every cached block about to be reused."""
+
+    def block_cached(self, block_id: int, block_hash: BlockHashWithGroupId) -> None: ...
+
+    def block_evicted(self, block_id: int, block_hash: BlockHashWithGroupId) -> None: ...
 
 
 class BlockPool:
@@ -53,6 +68,7 @@ class BlockPool:
         self.null_block.is_null = True
         self.num_evicted_blocks = 0
         self.kv_event_queue: list[KVCacheEvent] = []
+        self.listener: BlockPoolListener | None = None
 
     def get_cached_block(
         self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int]
@@ -106,6 +122,8 @@ class BlockPool:
             block.block_hash = key
             insert(key, block)
             run.append(block_hash)
+            if self.listener is not None:
+                self.listener.block_cached(block.block_id, key)
         self._emit_stored(request, run, run_start, block_size, kv_cache_group_id)
 
     def _emit_stored(
@@ -144,6 +162,8 @@ class BlockPool:
             if key is not None:
                 removed = cached_block_hash_to_block.pop(key, block.block_id)
                 assert removed is block
+                if self.listener is not None:
+                    self.listener.block_evicted(block.block_id, key)
                 block.block_hash = None
                 self.num_evicted_blocks += 1
                 if self.enable_kv_cache_events:

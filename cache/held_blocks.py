@@ -11,6 +11,10 @@ worker can reuse only a prefix of them, and what a prefix needs differs by group
 
 A sliding-window group's ``BlockRemoved`` (blocks that left its window) therefore does not
 mean the prefix is gone. Events without a ``group_idx`` (old workers) are group 0.
+
+Events with a ``medium`` (a KV tier below the pool: ``cpu``, ``disk``) fill ``tiers``
+instead: a prefix continues from the pool into the tiers (``num_tier_blocks_after``), whose
+blocks load back instead of being computed.
 """
 
 from __future__ import annotations
@@ -45,11 +49,19 @@ class HeldGroup:
 @dataclass(slots=True)
 class HeldBlocks:
     groups: dict[int, HeldGroup] = field(default_factory=dict)
+    tiers: dict[str, set[BlockHash]] = field(default_factory=dict)
 
     def apply(self, event: KVCacheEvent) -> None:
         if isinstance(event, AllBlocksCleared):
             for group in self.groups.values():
                 group.hashes.clear()
+            return
+        if event.medium is not None:
+            tier = self.tiers.setdefault(event.medium, set())
+            if isinstance(event, BlockStored):
+                tier.update(event.block_hashes)
+            else:
+                tier.difference_update(event.block_hashes)
             return
         group = self.groups.setdefault(event.group_idx or 0, HeldGroup())
         if isinstance(event, BlockStored):
@@ -63,7 +75,18 @@ class HeldBlocks:
 
     def copy(self) -> HeldBlocks:
         return HeldBlocks({idx: HeldGroup(g.kind, g.sliding_window, g.block_size, set(g.hashes))
-                           for idx, g in self.groups.items()})
+                           for idx, g in self.groups.items()},
+                          {medium: set(hashes) for medium, hashes in self.tiers.items()})
+
+    def num_tier_blocks_after(self, block_hashes: list[BlockHash], start: int) -> int:
+        """How many blocks of ``block_hashes`` from ``start`` on some tier holds, in a row."""
+        if not self.tiers:
+            return 0
+        tiers = list(self.tiers.values())
+        end = start
+        while end < len(block_hashes) and any(block_hashes[end] in t for t in tiers):
+            end += 1
+        return end - start
 
     def prefix_match(self, block_hashes: list[BlockHash]) -> int:
         """How many leading blocks of ``block_hashes`` this worker can reuse."""

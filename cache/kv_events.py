@@ -18,6 +18,16 @@ group 1 sliding_window (32)  h0 h1 h2 h3 h4   stored
 `BlockStored` also carries its group's spec kind and window, so a consumer learns how
 to read a group from the first event it sees. The new fields default to None, so
 consumers that know only hashes keep working.
+
+`medium` says which tier an event is about (vLLM's field): None for the device block pool,
+`"cpu"` or `"disk"` for a KV tier below it (`kvconnector/tier_store.py`). A block can sit in
+the pool and a tier at once; the router ranks a pool hit above a tier hit:
+
+```
+pool (medium None)  h0 h1            BlockStored / BlockRemoved as before
+tier "cpu"          h0 h1 h2 h3      stored when evicted (or filled: write-through)
+                    → 2 blocks hit in the pool, 2 more load from the tier
+```
 """
 
 from __future__ import annotations
@@ -43,14 +53,17 @@ class BlockStored:
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    medium: str | None = None
 
 
 @dataclass(slots=True)
 class BlockRemoved:
-    """Cached blocks of group `group_idx` were evicted: their hashes no longer hit there."""
+    """Cached blocks of group `group_idx` were evicted from `medium` (None: the pool): their
+    hashes no longer hit there."""
 
     block_hashes: list[BlockHash] = field(default_factory=list)
     group_idx: int | None = None
+    medium: str | None = None
 
 
 @dataclass(slots=True)

@@ -6,7 +6,10 @@ import asyncio
 import logging
 
 from pdserve.engine.engine_host import EngineHost
+from pdserve.engine.kv_connector_base import KVConnectorBase
 from pdserve.kvconnector.pd_connector import PDConnector
+from pdserve.kvconnector.tier_connector import TierConnector
+from pdserve.kvconnector.tiered_connector import TieredConnector, with_tier
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.worker_spec import WorkerSpec
 
@@ -20,6 +23,7 @@ class DecodeWorker(EngineHost):
     worker's ``KVTransferParams``; its connector pulls the blocks it lacks, the request joins
     the decode batch with the first token already appended, and the stream carries every
     output token (the first equals the prefill's). Without params it recomputes the prompt.
+    A ``kv_tier`` in its spec is asked before the pull (``TieredConnector``).
     """
 
     def __init__(self, spec: WorkerSpec) -> None:
@@ -28,13 +32,16 @@ class DecodeWorker(EngineHost):
                              f"has role {spec.role!r}")
         super().__init__(spec)
 
-    def make_connector(self, engine_config: EngineConfig) -> PDConnector:
-        return PDConnector.for_engine(self.spec.connector, engine_config)
+    def make_connector(self, engine_config: EngineConfig) -> KVConnectorBase:
+        tier = TierConnector(self.spec.kv_tier, self.worker_id) if self.spec.kv_tier else None
+        return with_tier(PDConnector.for_engine(self.spec.connector, engine_config), tier)
 
     async def connect_prefill_workers(self, addresses: list[str]) -> list[str]:
         """Handshakes with each prefill worker's KV service now (prewarm), so no user
         request pays it; returns the addresses that answered (the others are logged)."""
         connector = self.engine.connector
+        if isinstance(connector, TieredConnector):
+            connector = connector.pd
         connected = []
         for address in addresses:
             try:

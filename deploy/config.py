@@ -30,6 +30,7 @@ from pydantic_settings import CliSettingsSource
 
 from pdserve.messages.connector_config import KVConnectorConfig
 from pdserve.messages.engine_config import EngineConfig
+from pdserve.messages.kv_tier_config import KVTierConfig
 from pdserve.messages.worker_spec import WorkerSpec
 from pdserve.prefill.gateway.config import GatewayConfig
 from pdserve.tokenizer.model_source import default_model_name
@@ -86,6 +87,15 @@ class PDServeConfig(BaseModel):
         None, ge=0, lt=2**63,
         description="block-hash seed, equal on every worker and the gateway; unset: random per "
                     "app with xxh3_128 (nobody can precompute colliding blocks), 0 with sha256")
+    # A KV tier below each worker's pool (docs/architecture.md, "The KV tier"); off by default.
+    kv_tier_cpu_bytes: int = Field(0, ge=0, description="host memory per worker for blocks "
+                                                        "evicted from the pool (0: none)")
+    kv_tier_disk_path: str | None = Field(
+        None, description="directory for a disk tier (one subdirectory per worker, emptied at "
+                          "start); unset: none")
+    kv_tier_disk_bytes: int = Field(0, ge=0, description="disk budget per worker")
+    kv_tier_write_through: bool = Field(
+        False, description="copy blocks to the tier when they fill, not only when evicted")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = Field("auto", description="auto: cuda when the worker got a GPU, else cpu")
     torch_threads: int = Field(1, ge=1)
@@ -183,8 +193,9 @@ class PDServeConfig(BaseModel):
                              "deploy.app.build (it resolves one) or call "
                              "resolve_deployment_secrets() first")
         engine = self.engine_config(engine_id=worker_id, device=self.device)
+        kv_tier = self.kv_tier_config()
         if self.colocated:
-            return WorkerSpec(worker_id, engine)
+            return WorkerSpec(worker_id, engine, kv_tier=kv_tier)
         if self.kv_transfer_secret is None:
             raise ValueError("a disaggregated worker needs the deployment's KV-transfer secret; "
                              "build the app with deploy.app.build (it resolves one) or call "
@@ -197,7 +208,14 @@ class PDServeConfig(BaseModel):
             secret=self.kv_transfer_secret, lease_ttl_s=self.lease_ttl_s,
             failure_policy=self.kv_failure_policy)
         return WorkerSpec(worker_id, engine, connector,
-                          advertise_node_address=not self.kv_transfer_host and not on_loopback)
+                          advertise_node_address=not self.kv_transfer_host and not on_loopback,
+                          kv_tier=kv_tier)
+
+    def kv_tier_config(self) -> KVTierConfig | None:
+        """Every worker's KV tier settings; None when no tier is configured."""
+        config = KVTierConfig(self.kv_tier_cpu_bytes, self.kv_tier_disk_path,
+                              self.kv_tier_disk_bytes, self.kv_tier_write_through)
+        return config if config.enabled else None
 
     def gateway_config(self) -> GatewayConfig:
         return GatewayConfig(model=self.model, model_name=self.model_name, host=self.host,

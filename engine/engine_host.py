@@ -37,7 +37,7 @@ from pdserve.messages.generation import GenerationChunk, ModelInfo, WorkerReques
 from pdserve.messages.kv_event_batch import KVEventBatch
 from pdserve.messages.kv_provenance import KVProvenance
 from pdserve.messages.worker_spec import WorkerSpec
-from pdserve.messages.worker_stats import WorkerStats
+from pdserve.messages.worker_stats import WorkerStats, per_tier
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +165,10 @@ class EngineHost:
             values = {f.name: transfer[f.name] for f in dataclasses.fields(WorkerStats)
                       if f.name in transfer}
             values["transfer_latency"] = stats.transfer.transfer_latency
+        for tier in stats.tiers:
+            for name, value in dataclasses.asdict(tier).items():
+                if name != "medium":
+                    values.setdefault(f"kv_tier_{name}", per_tier())[tier.medium] = value
         return WorkerStats(
             worker_id=self.worker_id, role=self.role, instance_id=self.instance_id,
             num_requests_running=engine.num_running, num_requests_waiting=engine.num_waiting,

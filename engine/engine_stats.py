@@ -10,7 +10,11 @@ from pdserve.cache import KVCacheManager
 from pdserve.engine.request import Request
 
 if TYPE_CHECKING:
-    from pdserve.engine.kv_connector_base import KVConnectorBase, TransferStatsSnapshot
+    from pdserve.engine.kv_connector_base import (
+        KVConnectorBase,
+        TierStatsSnapshot,
+        TransferStatsSnapshot,
+    )
     from pdserve.engine.scheduler import SchedulerCounters
 
 
@@ -40,6 +44,7 @@ class EngineStats:
     num_steps: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
     transfer: TransferStatsSnapshot | None = None
+    tiers: list[TierStatsSnapshot] = field(default_factory=list)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -79,4 +84,5 @@ class EngineStats:
         stats = copy.deepcopy(self)
         if connector is not None:
             stats.transfer = connector.transfer_stats()
+            stats.tiers = connector.tier_stats()
         return stats

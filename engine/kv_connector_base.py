@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+    from pdserve.cache import KVCacheEvent, KVCacheManager
     from pdserve.engine.request import Request
     from pdserve.messages.kv_transfer_params import KVTransferParams
     from pdserve.stats.latency import HistogramSnapshot
@@ -102,6 +103,25 @@ class TransferStatsSnapshot:
     transfer_latency_p99_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class TierStatsSnapshot:
+    """One KV tier's counters at one moment (``tier_stats()``); ``medium`` is ``cpu`` or
+    ``disk``. Bytes and seconds are totals since start: a mean latency is seconds / blocks."""
+
+    medium: str
+    bytes_used: int
+    blocks_stored: int
+    blocks_loaded: int
+    hit_tokens: int
+    store_bytes: int
+    load_bytes: int
+    store_seconds: float
+    load_seconds: float
+    evictions: int
+    store_failures: int
+    load_failures: int
+
+
 class KVConnectorBase(ABC):
     """One worker's connector: both sides, called from the engine's step loop."""
 
@@ -172,3 +192,18 @@ class KVConnectorBase(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stops servers and threads; fails whatever is still in flight."""
+
+    # ---- optional: a KV tier below the pool (vLLM's names where it has one) ------------
+    def attach_kv_cache_manager(self, manager: KVCacheManager) -> None:
+        """Sees the ledger once at start (a tier listens to its block pool's evictions)."""
+
+    def wait_for_save(self) -> None:
+        """Called after each step's forward pass: this step's K/V is written, saving may read it."""
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The connector's own KV events since the last call (a tier's stores and evictions)."""
+        return []
+
+    def tier_stats(self) -> list[TierStatsSnapshot]:
+        """Counters of each KV tier this connector keeps (none by default)."""
+        return []

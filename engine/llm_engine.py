@@ -107,6 +107,7 @@ class LLMEngine:
         self.connector = connector
         if connector is not None:
             connector.register_kv_caches(self.runner.kv_cache)
+            connector.attach_kv_cache_manager(self.kv_cache_manager)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             block_size=config.block_size,
@@ -256,6 +257,7 @@ class LLMEngine:
             changed += scheduler.update_from_output(output, token_ids)
             self._stats.record_step(output.num_scheduled_tokens, len(token_ids))
         if self.connector is not None:
+            self.connector.wait_for_save()
             if not output.chunks and self.connector.has_pending_loads():
                 self.connector.wait_for_progress(_IDLE_WAIT_S)
             changed += scheduler.update_from_kv_xfer_finished(self.connector.get_finished())
@@ -283,9 +285,12 @@ class LLMEngine:
         """Moves the ledger's events to the publish buffer (if publishing); returns how many
         cached blocks were evicted this step."""
         events = self.kv_cache_manager.take_events()
+        if self.connector is not None:
+            events += self.connector.take_events()
         if self.config.publish_kv_events:
             self._kv_events.extend(events)
-        return sum(len(e.block_hashes) for e in events if isinstance(e, BlockRemoved))
+        return sum(len(e.block_hashes) for e in events
+                   if isinstance(e, BlockRemoved) and e.medium is None)
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         """KV events since the last call, for the router's prefix index."""

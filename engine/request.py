@@ -99,6 +99,8 @@ class Request:
         self.kv_offered = kv_transfer_params is not None
         self.num_prompt_cache_hit_tokens: int | None = None
         self.num_pulled_tokens = 0
+        # While in WAITING_FOR_REMOTE_KVS: the computed tokens once its load lands.
+        self.num_tokens_after_load = 0
         self.kv_pull: PullSummary | None = None
 
         self.all_token_ids: list[int] = list(prompt_token_ids)

@@ -178,8 +178,8 @@ class Scheduler:
             # position needs its logits (prompt logprobs: no prefix-cache hit, as vLLM does)
             computed_blocks, num_local = None, 0
 
-        if request.kv_transfer_params is not None and request.num_computed_tokens == 0:
-            assert self.connector is not None, "kv_transfer_params need a connector"
+        if self.connector is not None and request.num_computed_tokens == 0:
+            # Past the pool's hit: what a KV tier or a prefill worker holds (ext_comp).
             num_external, load_async = self.connector.get_num_new_matched_tokens(
                 request, num_local
             )
@@ -196,6 +196,7 @@ class Scheduler:
                     return None
                 manager.record_prefix_cache_stats(request, num_local)
                 request.num_computed_tokens = num_local
+                request.num_tokens_after_load = num_local + num_external
                 request.num_cached_tokens = num_local  # pulled tokens are not cache hits
                 request.record_first_admission(num_local)
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -337,19 +338,20 @@ class Scheduler:
         self, request: Request, failed_block_ids: set[int], load_error: str | None
     ) -> None:
         params = request.kv_transfer_params
-        assert params is not None
+        num_target = request.num_tokens_after_load
         block_ids = self.kv_cache_manager.get_block_ids(request)[0]
-        num_loaded = params.num_tokens
+        num_loaded = num_target
         first_block = request.num_computed_tokens // self.block_size
-        for index in range(first_block, min(len(block_ids), -(-params.num_tokens // self.block_size))):
+        for index in range(first_block, min(len(block_ids), -(-num_target // self.block_size))):
             if block_ids[index] in failed_block_ids:
                 num_loaded = index * self.block_size
                 break
-        if num_loaded < params.num_tokens:
+        if num_loaded < num_target:
             self.counters.num_load_failures += 1
             if self.failure_policy == "fail":
+                source = params.engine_id if params is not None else "the KV tier"
                 request.error = (
-                    f"KV transfer from {params.engine_id} failed for request "
+                    f"KV transfer from {source} failed for request "
                     f"{request.request_id} (policy 'fail'): "
                     f"{load_error or 'blocks arrived corrupt or incomplete'}"
                 )
@@ -359,7 +361,7 @@ class Scheduler:
             self.counters.num_recompute_fallbacks += 1
             logger.warning(
                 "request %s: %d of %d prompt tokens arrived intact; recomputing the rest",
-                request.request_id, num_loaded, params.num_tokens,
+                request.request_id, num_loaded, num_target,
             )
         request.num_pulled_tokens = max(0, num_loaded - request.num_computed_tokens)
         request.kv_transfer_params = None  # the lease is released; a preemption recomputes

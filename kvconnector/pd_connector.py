@@ -144,7 +144,8 @@ class PDConnector(KVConnectorBase):
     ) -> None:
         params = request.kv_transfer_params
         assert params is not None and num_external_tokens > 0
-        first = request.num_computed_tokens // self._block_size
+        # The pull is the prompt's tail: what neither the pool nor a KV tier holds.
+        first = (params.num_tokens - num_external_tokens) // self._block_size
         last = cdiv(params.num_tokens, self._block_size)
         # Counted here, once per admitted request: admission may be retried while the pool is full.
         self.stats.record_dedup_skipped(first)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from pdserve.messages.connector_config import KVConnectorConfig
 from pdserve.messages.engine_config import EngineConfig
+from pdserve.messages.kv_tier_config import KVTierConfig
 
 
 @dataclass(slots=True)
@@ -21,12 +22,15 @@ class WorkerSpec:
     - ``engine.device == "auto"`` becomes ``cuda`` when the actor got a GPU, else ``cpu``;
     - ``advertise_node_address``: the connector's ``host`` is replaced by the node's
       address, which decode workers on other nodes can reach (a multi-node cluster).
+
+    ``kv_tier``: a KV tier below the worker's block pool (None: the pool is the only tier).
     """
 
     worker_id: str
     engine: EngineConfig
     connector: KVConnectorConfig | None = None
     advertise_node_address: bool = False
+    kv_tier: KVTierConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.worker_id:

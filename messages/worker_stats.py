@@ -6,6 +6,13 @@ from dataclasses import dataclass, field
 
 from pdserve.stats.latency import TRANSFER_BUCKETS_S, HistogramSnapshot
 
+KV_TIER_MEDIA = ("cpu", "disk")
+
+
+def per_tier() -> dict[str, float]:
+    """A per-tier figure, every medium present (a Prometheus series exists from the start)."""
+    return dict.fromkeys(KV_TIER_MEDIA, 0)
+
 
 @dataclass(slots=True)
 class WorkerStats:
@@ -13,6 +20,7 @@ class WorkerStats:
 
     Counters are cumulative since the worker (re)started, so a restarted worker's counters
     begin again under its new ``instance_id``. Units and meanings: ``stats/registry.py``.
+    The ``kv_tier_*`` figures are kept per tier medium (``{"cpu": .., "disk": ..}``).
     """
 
     worker_id: str
@@ -42,6 +50,17 @@ class WorkerStats:
     num_failed_transfers: int = 0
     num_lease_expiries: int = 0
     num_recompute_fallbacks: int = 0
+    kv_tier_bytes_used: dict[str, float] = field(default_factory=per_tier)
+    kv_tier_blocks_stored: dict[str, float] = field(default_factory=per_tier)
+    kv_tier_blocks_loaded: dict[str, float] = field(default_factory=per_tier)
+    kv_tier_hit_tokens: dict[str, float] = field(default_factory=per_tier)
+    kv_tier_store_bytes: dict[str, float] = field(default_factory=per_tier)
+    kv_tier_load_bytes: dict[str, float] = field(default_factory=per_tier)
+    kv_tier_store_seconds: dict[str, float] = field(default_factory=per_tier)
+    kv_tier_load_seconds: dict[str, float] = field(default_factory=per_tier)
+    kv_tier_evictions: dict[str, float] = field(default_factory=per_tier)
+    kv_tier_store_failures: dict[str, float] = field(default_factory=per_tier)
+    kv_tier_load_failures: dict[str, float] = field(default_factory=per_tier)
 
     def __post_init__(self) -> None:
         if self.prefix_cache_queries:

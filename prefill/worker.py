@@ -7,6 +7,8 @@ import dataclasses
 from pdserve.engine.engine_host import EngineHost
 from pdserve.engine.kv_connector_base import KVConnectorBase
 from pdserve.kvconnector.pd_connector import PDConnector
+from pdserve.kvconnector.tier_connector import TierConnector
+from pdserve.kvconnector.tiered_connector import TieredConnector, with_tier
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.worker_spec import WorkerSpec
 
@@ -20,7 +22,8 @@ class PrefillWorker(EngineHost):
     service listens where decode workers can reach it: the configured host, or the Ray
     node's address on a multi-node cluster (``advertise_node_address``). In a colocated
     deployment (no decode workers) its spec has no connector and it runs whole requests
-    with role ``both``.
+    with role ``both``. A ``kv_tier`` in its spec adds the tier connector (alone when
+    colocated).
     """
 
     def __init__(self, spec: WorkerSpec) -> None:
@@ -30,17 +33,20 @@ class PrefillWorker(EngineHost):
         super().__init__(spec)
 
     def make_connector(self, engine_config: EngineConfig) -> KVConnectorBase | None:
+        tier = TierConnector(self.spec.kv_tier, self.worker_id) if self.spec.kv_tier else None
         if self.spec.connector is None:
-            return None
+            return tier
         connector_config = self.spec.connector
         if self.spec.advertise_node_address:
             import ray
 
             connector_config = dataclasses.replace(connector_config,
                                                    host=ray.util.get_node_ip_address())
-        return PDConnector.for_engine(connector_config, engine_config)
+        return with_tier(PDConnector.for_engine(connector_config, engine_config), tier)
 
     def kv_transfer_address(self) -> str | None:
         """Where decode workers pull this worker's leased blocks (None: colocated)."""
         connector = self.engine.connector
+        if isinstance(connector, TieredConnector):
+            connector = connector.pd
         return connector.address if isinstance(connector, PDConnector) else None

@@ -26,7 +26,10 @@ def totals(stats: Sequence[Stat], rows: Sequence[Row]) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for stat in stats:
         values = [row[stat.name] for row in rows]
-        if stat.total is Total.SUM:
+        if stat.label:  # per label value: each value's total
+            result[stat.name] = {key: sum(v.get(key, 0) for v in values)
+                                 for key in sorted({k for v in values for k in v})}
+        elif stat.total is Total.SUM:
             result[stat.name] = sum(values)
         elif stat.total is Total.MAX:
             result[stat.name] = max(values, default=0.0)

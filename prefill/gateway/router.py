@@ -10,6 +10,13 @@ reuse only a *contiguous prefix* of them:
     worker A holds:  h0  h1  --  h3         → prefix match 2 blocks (h3 is useless without h2)
     worker B holds:  h0  h1  h2             → prefix match 3 blocks   ← prefill goes here
 
+A worker with a KV tier (KV events with a ``medium``) continues a prefix past its pool: those
+blocks load back instead of being computed, but a load is not free, so a pool block ranks
+twice a tier block (``prefix_rank``); the matched count includes both:
+
+    worker A: pool h0 h1 h2          rank 2*3 + 0 = 6   ← a pool hit wins a tie of length
+    worker B: pool h0 | tier h1 h2   rank 2*1 + 2 = 4
+
 For decode the connector pulls exactly the blocks the decode worker lacks, so every held
 hash saves a transfer: decode candidates are ranked by the *count* of hashes held.
 
@@ -23,6 +30,7 @@ Pure Python: no Ray, no engine; the gateway feeds it ``KVEventBatch`` messages.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.cache import BlockHash, HeldBlocks
@@ -50,6 +58,19 @@ class WorkerIndex:
     held: HeldBlocks = field(default_factory=HeldBlocks)
     load: int = 0
     available: bool = True
+
+
+def prefix_rank(held: HeldBlocks, block_hashes: list[BlockHash]) -> tuple[int, int]:
+    """``(rank, matched blocks)`` of a worker's prefix: pool blocks count twice tier blocks."""
+    num_pool = held.prefix_match(block_hashes)
+    num_tier = held.num_tier_blocks_after(block_hashes, num_pool)
+    return 2 * num_pool + num_tier, num_pool + num_tier
+
+
+def count_rank(held: HeldBlocks, block_hashes: list[BlockHash]) -> tuple[int, int]:
+    """``(rank, matched blocks)`` of a decode worker: the hashes its pool holds."""
+    num_held = held.count_held(block_hashes)
+    return num_held, num_held
 
 
 @dataclass(slots=True)
@@ -146,7 +167,7 @@ class Router:
 
         Raises ``NoWorkerAvailable`` when no prefill worker is available.
         """
-        return self._pick("prefill", self._prefill_ids, block_hashes, HeldBlocks.prefix_match)
+        return self._pick("prefill", self._prefill_ids, block_hashes, prefix_rank)
 
     def has_decode_workers(self) -> bool:
         """Whether the deployment disaggregates (False: colocated, prefill workers decode)."""
@@ -158,16 +179,16 @@ class Router:
         """
         if not self._decode_ids:
             return None
-        return self._pick("decode", self._decode_ids, block_hashes, HeldBlocks.count_held)
+        return self._pick("decode", self._decode_ids, block_hashes, count_rank)
 
     def pick_decode_by_prefix(self, block_hashes: list[BlockHash]) -> RouteChoice:
         """The decode worker with the longest cached prefix of ``block_hashes``: where a
         request would run whole if the gateway skips the prefill worker (conditional
         disaggregation). Raises ``NoWorkerAvailable`` when none is available."""
-        return self._pick("decode", self._decode_ids, block_hashes, HeldBlocks.prefix_match)
+        return self._pick("decode", self._decode_ids, block_hashes, prefix_rank)
 
     def _pick(self, role: str, all_ids: list[str], block_hashes: list[BlockHash],
-              score) -> RouteChoice:
+              score: Callable[[HeldBlocks, list[BlockHash]], tuple[int, int]]) -> RouteChoice:
         worker_ids = [w for w in all_ids if self._workers[w].available]
         if not worker_ids:
             raise NoWorkerAvailable(role)
@@ -176,14 +197,16 @@ class Router:
         # Rotate the start so that equal candidates are taken in turn.
         start = next(self._turn) % len(worker_ids)
         best: tuple[int, int] | None = None
+        best_matched = 0
         best_id = worker_ids[start]
         for offset in range(len(worker_ids)):
             worker_id = worker_ids[(start + offset) % len(worker_ids)]
             index = self._workers[worker_id]
             if index.load > ceiling:
                 continue
-            key = (score(index.held, block_hashes), -index.load)
+            rank, matched = score(index.held, block_hashes)
+            key = (rank, -index.load)
             if best is None or key > best:
-                best, best_id = key, worker_id
+                best, best_matched, best_id = key, matched, worker_id
         assert best is not None  # the idlest worker is always under the ceiling
-        return RouteChoice(worker_id=best_id, num_matched_blocks=best[0])
+        return RouteChoice(worker_id=best_id, num_matched_blocks=best_matched)

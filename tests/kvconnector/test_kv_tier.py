@@ -1,0 +1,179 @@
+"""A KV tier below a colocated engine's pool: real tiny-model engines, real files in tmp_path.
+
+The pool (15 usable blocks of 16 tokens) holds one 7-block system prompt's request at a
+time; four system prompts take turns, so without a tier every prompt is computed in full.
+With a tier the evicted prefixes come back, and the tokens must not change.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+
+import pytest
+
+from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.kvconnector.tier_connector import TierConnector
+from pdserve.messages.kv_tier_config import KVTierConfig
+
+BLOCK_SIZE = 16
+ENGINE_KWARGS = dict(num_kv_blocks=16, block_size=BLOCK_SIZE, max_num_seqs=1)
+PAGE_BYTES = 64 * 1024  # tiny model: 4 layers x K,V x 16 tokens x 4 heads x 64 x fp32
+NUM_SYSTEMS, SYSTEM_TOKENS, QUESTION_TOKENS, NUM_REQUESTS = 4, 96, 8, 12
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def workload() -> list[list[int]]:
+    rng = random.Random(0)
+    systems = [[rng.randrange(1, 500) for _ in range(SYSTEM_TOKENS)] for _ in range(NUM_SYSTEMS)]
+    return [systems[i % NUM_SYSTEMS] + [rng.randrange(1, 500) for _ in range(QUESTION_TOKENS)]
+            for i in range(NUM_REQUESTS)]
+
+
+def run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    return [engine.generate([prompt], PARAMS)[0].output_token_ids for prompt in prompts]
+
+
+def tier_engine(config: KVTierConfig) -> LLMEngine:
+    return LLMEngine.from_pretrained("tiny", connector=TierConnector(config, "worker-0"),
+                                     **ENGINE_KWARGS)
+
+
+@pytest.fixture(scope="module")
+def baseline() -> tuple[list[list[int]], int]:
+    engine = LLMEngine.from_pretrained("tiny", **ENGINE_KWARGS)
+    outputs = run(engine, workload())
+    return outputs, engine.stats().num_scheduled_tokens
+
+
+def wait_for_writes(connector: TierConnector) -> None:
+    disk = connector.store.levels[-1]
+    while disk.num_queued():
+        threading.Event().wait(0.01)
+
+
+def tier_configs(tmp_path: Path) -> dict[str, KVTierConfig]:
+    return {
+        "cpu": KVTierConfig(cpu_bytes=64 * PAGE_BYTES),
+        "disk": KVTierConfig(disk_path=str(tmp_path), disk_bytes=64 * PAGE_BYTES),
+        "cpu_over_disk_write_through": KVTierConfig(
+            cpu_bytes=8 * PAGE_BYTES, disk_path=str(tmp_path), disk_bytes=64 * PAGE_BYTES,
+            write_through=True),
+    }
+
+
+@pytest.mark.parametrize("kind", ["cpu", "disk", "cpu_over_disk_write_through"])
+def test_evicted_prefixes_load_back_from_the_tier_with_the_same_tokens(baseline, tmp_path, kind):
+    outputs, baseline_computed = baseline
+    engine = tier_engine(tier_configs(tmp_path)[kind])
+    assert run(engine, workload()) == outputs
+    stats = engine.stats()
+    tiers = {tier.medium: tier for tier in stats.tiers}
+    loaded = sum(tier.blocks_loaded for tier in tiers.values())
+    # The first round (4 requests) computes its system prompts; the next 8 load all six full
+    # blocks of theirs (the 7th block holds the question) from the tier.
+    assert loaded == 8 * (SYSTEM_TOKENS // BLOCK_SIZE)
+    assert sum(t.hit_tokens for t in tiers.values()) == loaded * BLOCK_SIZE
+    assert stats.num_scheduled_tokens == baseline_computed - loaded * BLOCK_SIZE
+    assert all(t.load_failures == 0 and t.store_failures == 0 for t in tiers.values())
+    assert stats.prefix_cache_hits == 0  # the pool alone never keeps a prefix that long
+    engine.shutdown()
+
+
+def test_a_corrupted_or_truncated_disk_page_is_recomputed_not_used(baseline, tmp_path):
+    outputs, _ = baseline
+    engine = tier_engine(tier_configs(tmp_path)["disk"])
+    prompts = workload()
+    assert run(engine, prompts[:NUM_SYSTEMS]) == outputs[:NUM_SYSTEMS]
+    wait_for_writes(engine.connector)
+    disk = engine.connector.store.levels[0]
+    pages = sorted(disk.directory.glob("*.kv"))
+    assert pages  # the evicted system prompts (the pool still holds the last one)
+    for index, page in enumerate(pages):  # every page: corrupted (one bit) or truncated
+        data = bytearray(page.read_bytes())
+        if index % 2:
+            data[123] ^= 0x01
+            page.write_bytes(bytes(data))
+        else:
+            page.write_bytes(bytes(data[: PAGE_BYTES // 2]))
+    assert run(engine, prompts[NUM_SYSTEMS:]) == outputs[NUM_SYSTEMS:]
+    stats = engine.stats()
+    (tier,) = stats.tiers
+    # Each damaged prefix fails at its first page, is recomputed, and is not tried again.
+    assert tier.load_failures == stats.num_recompute_fallbacks > 0
+    assert len(list(disk.directory.glob("*.kv"))) <= len(pages) - tier.load_failures + (
+        tier.blocks_stored - len(pages))  # each page that failed was deleted
+    engine.shutdown()
+
+
+def test_after_drain_no_block_is_held_and_the_disk_holds_exactly_the_indexed_pages(tmp_path):
+    engine = tier_engine(KVTierConfig(cpu_bytes=4 * PAGE_BYTES, disk_path=str(tmp_path),
+                                      disk_bytes=10 * PAGE_BYTES))
+    run(engine, workload())
+    wait_for_writes(engine.connector)
+    assert engine.kv_cache_manager.get_num_free_blocks() == ENGINE_KWARGS["num_kv_blocks"] - 1
+    assert not engine.has_unfinished_requests()
+    assert not engine.connector.has_pending_loads()
+    cpu, disk = engine.connector.store.levels
+    assert cpu.num_pages() == 4 and disk.num_pages() == 10  # full, within budget
+    on_disk = {path.stem for path in disk.directory.glob("*")}
+    assert on_disk == {block_hash.hex() for block_hash in disk._index}
+    engine.shutdown()
+    assert not disk._writer.is_alive()
+
+
+def test_a_restarted_disk_tier_starts_empty_and_deletes_the_old_pages(tmp_path):
+    config = KVTierConfig(disk_path=str(tmp_path), disk_bytes=64 * PAGE_BYTES)
+    engine = tier_engine(config)
+    run(engine, workload()[:NUM_SYSTEMS])
+    wait_for_writes(engine.connector)
+    directory = engine.connector.store.levels[0].directory
+    assert list(directory.glob("*.kv"))
+    engine.shutdown()
+    restarted = tier_engine(config)
+    assert not list(directory.glob("*.kv"))
+    assert restarted.stats().tiers[0].bytes_used == 0
+    restarted.shutdown()
+
+
+def test_an_unusable_disk_path_is_a_clear_error_at_start(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match="disk KV tier cannot use"):
+        tier_engine(KVTierConfig(disk_path=str(blocker), disk_bytes=64 * PAGE_BYTES))
+    missing = tmp_path / "missing" / "nested"
+    engine = tier_engine(KVTierConfig(disk_path=str(missing), disk_bytes=64 * PAGE_BYTES))
+    assert (missing / "worker-0").is_dir()  # a missing directory is created
+    engine.shutdown()
+
+
+def test_a_budget_below_one_page_is_a_clear_error_at_start():
+    with pytest.raises(ValueError, match="holds no page"):
+        tier_engine(KVTierConfig(cpu_bytes=PAGE_BYTES - 1))
+
+
+def test_failed_writes_are_counted_store_failures_and_tokens_stay_right(baseline, tmp_path):
+    """A disk that stops taking writes (here its directory is removed: the same OSError path
+    as a full disk, which a test cannot make on a shared machine) never crashes the engine."""
+    outputs, _ = baseline
+    engine = tier_engine(tier_configs(tmp_path)["disk"])
+    directory = engine.connector.store.levels[0].directory
+    directory.rmdir()
+    assert run(engine, workload()) == outputs
+    wait_for_writes(engine.connector)
+    (tier,) = engine.stats().tiers
+    assert tier.store_failures > 0 and tier.blocks_stored == 0 and tier.blocks_loaded == 0
+    engine.shutdown()
+
+
+def test_a_sliding_window_model_is_refused():
+    from pdserve.cache import KVCacheManager
+
+    class SlidingManager:
+        kv_cache_event_metadata = (("sliding_window", 32),)
+
+    with pytest.raises(ValueError, match="one full-attention"):
+        TierConnector(KVTierConfig(cpu_bytes=PAGE_BYTES), "w").attach_kv_cache_manager(
+            SlidingManager())  # type: ignore[arg-type]
+    assert KVCacheManager  # the real manager's metadata has this shape

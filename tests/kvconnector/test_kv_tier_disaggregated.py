@@ -1,0 +1,71 @@
+"""A decode engine with a KV tier: pool, then tier, then a pull from a real prefill process.
+
+The decode pool is too small to keep the four system prompts; with a cpu tier the evicted
+ones load back from host memory and only the rest is pulled. Every block is either pulled or
+loaded, never both, so the two runs must add up exactly, and the tokens must not change.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from prefill_engine_process import PrefillProcess, PrefillSpec  # noqa: E402
+from test_kv_tier import BLOCK_SIZE, PAGE_BYTES, PARAMS, workload  # noqa: E402
+
+from pdserve.engine import LLMEngine, SamplingParams  # noqa: E402
+from pdserve.kvconnector.pd_connector import PDConnector  # noqa: E402
+from pdserve.kvconnector.tier_connector import TierConnector  # noqa: E402
+from pdserve.kvconnector.tiered_connector import with_tier  # noqa: E402
+from pdserve.messages.connector_config import KVConnectorConfig  # noqa: E402
+from pdserve.messages.kv_tier_config import KVTierConfig  # noqa: E402
+
+DECODE_KWARGS = dict(num_kv_blocks=16, block_size=BLOCK_SIZE, max_num_batched_tokens=512)
+
+
+def decode_engine(tier: KVTierConfig | None) -> LLMEngine:
+    pd = PDConnector(KVConnectorConfig(role="consumer"), engine_id="decode-0",
+                     hash_algorithm="xxh3_128", hash_seed=0)
+    connector = with_tier(pd, TierConnector(tier, "decode-0") if tier else None)
+    return LLMEngine.from_pretrained("tiny", connector=connector, engine_id="decode-0",
+                                     **DECODE_KWARGS)
+
+
+def run_disaggregated(prefill: PrefillProcess, engine: LLMEngine, tag: str) -> list[list[int]]:
+    outputs = []
+    for index, prompt in enumerate(workload()):
+        request_id = f"{tag}-{index}"
+        first = prefill.prefill(request_id, prompt, SamplingParams(
+            max_tokens=1, temperature=0.0, ignore_eos=True))
+        engine.add_request(request_id, prompt, PARAMS,
+                           kv_transfer_params=first.kv_transfer_params)
+        while engine.has_unfinished_requests():
+            done = [o for o in engine.step() if o.finished]
+            if done:
+                outputs.append(done[0].output_token_ids)
+    return outputs
+
+
+def test_decode_loads_from_its_tier_first_and_pulls_only_the_rest():
+    colocated = LLMEngine.from_pretrained("tiny", **DECODE_KWARGS)
+    expected = [colocated.generate([p], PARAMS)[0].output_token_ids for p in workload()]
+    prefill = PrefillProcess(PrefillSpec())
+    try:
+        without = decode_engine(None)
+        assert run_disaggregated(prefill, without, "plain") == expected
+        with_cpu = decode_engine(KVTierConfig(cpu_bytes=64 * PAGE_BYTES))
+        assert run_disaggregated(prefill, with_cpu, "tier") == expected
+        plain, tiered = without.stats(), with_cpu.stats()
+        (tier,) = tiered.tiers
+        assert tier.blocks_loaded > 0 and tier.load_failures == 0
+        assert (tiered.transfer.num_blocks_received + tier.blocks_loaded
+                == plain.transfer.num_blocks_received)
+        assert tiered.num_scheduled_tokens == plain.num_scheduled_tokens  # nothing recomputed
+        for engine in (without, with_cpu):
+            assert engine.kv_cache_manager.get_num_free_blocks() == DECODE_KWARGS["num_kv_blocks"] - 1
+            engine.shutdown()
+        assert prefill.wait_until_idle().num_leases == 0  # every lease released
+    finally:
+        prefill.close()
