@@ -111,6 +111,10 @@ class EngineHost:
                     yield output
                     return
                 finished = output.finished
+                transfer_params = output.kv_transfer_params
+                if transfer_params is not None:  # a prefill's hand-off: completed off the step path
+                    transfer_params = await asyncio.to_thread(
+                        self.engine.connector.complete_transfer_params, transfer_params)
                 yield GenerationChunk(
                     request_id=request_id,
                     new_token_ids=output.output_token_ids[sent_tokens:],
@@ -119,7 +123,7 @@ class EngineHost:
                     finished=output.finished,
                     finish_reason=output.finish_reason,
                     num_cached_tokens=output.num_cached_tokens,
-                    kv_transfer_params=output.kv_transfer_params,
+                    kv_transfer_params=transfer_params,
                     error=output.error,
                     kv_provenance=self._signed(output.kv_provenance),
                     new_logprobs=output.output_logprobs[sent_tokens:],

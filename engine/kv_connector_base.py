@@ -155,6 +155,14 @@ class KVConnectorBase(ABC):
         """``(delay_free, params)``: True keeps the blocks until the worker side says they
         are freeable (a lease held for a decode worker)."""
 
+    def complete_transfer_params(self, params: KVTransferParams) -> KVTransferParams:
+        """The hand-off ``request_finished`` returned, made whole before it leaves the worker.
+
+        Called off the engine thread (the worker's stream, ``EngineHost.generate``), so
+        work proportional to the prompt, such as checksumming its blocks, stays off the
+        step path. The default has nothing to add."""
+        return params
+
     @abstractmethod
     def request_aborted(self, request: Request) -> None:
         """Drops any transfer state of a request that will never finish normally."""

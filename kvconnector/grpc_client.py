@@ -153,6 +153,8 @@ class GrpcTransferClient(KVTransferClient):
             try:
                 next(call)
             except grpc.RpcError as error:
+                if error.code() is grpc.StatusCode.UNAVAILABLE:
+                    self._forget_channel(peer.address)
                 raise _transfer_error("HoldBlocks", peer.address, error) from error
             except StopIteration:
                 raise TransferError(f"HoldBlocks to {peer.address} ended unanswered") from None
@@ -205,7 +207,19 @@ class GrpcTransferClient(KVTransferClient):
         try:
             return invoke(self._stub(address))
         except grpc.RpcError as error:
+            if error.code() is grpc.StatusCode.UNAVAILABLE:
+                self._forget_channel(address)
             raise _transfer_error(method, address, error) from error
+
+    def _forget_channel(self, address: str) -> None:
+        """The next call to an unreachable peer opens a fresh channel. The old one waits out
+        gRPC's reconnect backoff, which grows with each refused connect (to minutes), and
+        fails every call fast meanwhile: a prefill worker restarted on the same address
+        would be refused, and its hand-offs recomputed, long after it is back. Calls still
+        running on the old channel keep it alive until they end."""
+        with self._lock:
+            self._channels.pop(address, None)
+            self._stubs.pop(address, None)
 
     def _stub(self, address: str) -> pb_grpc.KvTransferStub:
         with self._lock:

@@ -44,6 +44,7 @@ from pdserve.kvconnector.lease import (
     BlockNotLeasedError,
     LeaseEndedError,
     LeaseError,
+    LeaseNotReadyError,
     LeaseTable,
     RepeatedBlockError,
     UnknownLeaseError,
@@ -75,6 +76,7 @@ CONTROL_THREADS = 2  # server threads data calls never take
 _LEASE_ERROR_CODES: dict[type[LeaseError], grpc.StatusCode] = {
     UnknownLeaseError: grpc.StatusCode.NOT_FOUND,
     LeaseEndedError: grpc.StatusCode.FAILED_PRECONDITION,
+    LeaseNotReadyError: grpc.StatusCode.FAILED_PRECONDITION,
     BlockNotLeasedError: grpc.StatusCode.PERMISSION_DENIED,
     RepeatedBlockError: grpc.StatusCode.INVALID_ARGUMENT,
 }

@@ -13,10 +13,16 @@ freeable only when that count drops to zero.
 gRPC server threads call ``begin_read`` / ``end_read`` / ``renew`` / ``release``; the engine
 thread calls ``grant`` and polls ``take_freeable`` once a step, then frees the returned
 requests' blocks. One lock guards it all; no call scans every lease.
+
+A lease may be granted before its checksums exist (the engine thread does not hash a whole
+prompt; the worker's stream does, ``attach_checksums``, before the hand-off leaves the
+worker). Until then ``begin_read`` refuses it: no read is served under a lease whose pages
+nobody can verify.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import threading
 import time
@@ -48,6 +54,10 @@ class RepeatedBlockError(LeaseError):
     """A read named a block twice: it would send the same page again and again."""
 
 
+class LeaseNotReadyError(LeaseError):
+    """The lease's checksums are not attached yet: its hand-off has not left the worker."""
+
+
 class LeaseState(Enum):
     ACTIVE = "active"
     RELEASED = "released"
@@ -74,6 +84,7 @@ class _LeaseEntry:
     expires_at: float
     state: LeaseState = LeaseState.ACTIVE
     reads_in_flight: int = 0
+    checksummed: bool = True
 
 
 class LeaseTable:
@@ -92,21 +103,33 @@ class LeaseTable:
         self._ended: set[str] = set()                    # released/expired, not yet freed
 
     def grant(self, request_id: str, block_ids: Sequence[int],
-              block_hashes: Sequence[bytes], checksums: Sequence[int],
+              block_hashes: Sequence[bytes], checksums: Sequence[int] | None,
               ttl_s: float | None = None) -> Lease:
-        if len(checksums) != len(block_ids):
-            raise ValueError(f"{len(block_ids)} block ids but {len(checksums)} checksums")
+        """``checksums=None``: they come later (``attach_checksums``); no read until then."""
+        if checksums is not None:
+            _check_one_checksum_per_block(block_ids, checksums)
         ttl = self.default_ttl_s if ttl_s is None else ttl_s
         with self._lock:
             expires_at = self._clock() + ttl
             lease = Lease(lease_id=uuid.uuid4().hex, request_id=request_id,
                           block_ids=tuple(block_ids), block_hashes=tuple(block_hashes),
-                          checksums=tuple(checksums), expires_at=expires_at)
+                          checksums=tuple(checksums or ()), expires_at=expires_at)
             self._entries[lease.lease_id] = _LeaseEntry(
                 lease=lease, block_id_set=frozenset(lease.block_ids), ttl_s=ttl,
-                expires_at=expires_at)
+                expires_at=expires_at, checksummed=checksums is not None)
             heapq.heappush(self._expiry_heap, (expires_at, lease.lease_id))
             return lease
+
+    def attach_checksums(self, lease_id: str, checksums: Sequence[int]) -> None:
+        """Completes a lease granted without checksums; reads are served from now on.
+        A lease that ended meanwhile (its request aborted) is left as it is."""
+        with self._lock:
+            entry = self._entries.get(lease_id)
+            if entry is None or entry.state is not LeaseState.ACTIVE:
+                return
+            _check_one_checksum_per_block(entry.lease.block_ids, checksums)
+            entry.lease = dataclasses.replace(entry.lease, checksums=tuple(checksums))
+            entry.checksummed = True
 
     def renew(self, lease_id: str) -> float:
         """Push the expiry ``ttl_s`` past now; returns the new ``expires_at``."""
@@ -131,6 +154,10 @@ class LeaseTable:
         """Start serving a read of ``block_ids``; they stay allocated until ``end_read``."""
         with self._lock:
             entry = self._active_entry(lease_id, self._clock())
+            if not entry.checksummed:
+                raise LeaseNotReadyError(
+                    f"lease {lease_id!r} has no checksums yet; its hand-off has not left the "
+                    f"prefill worker, so no one should hold its id")
             outside = [b for b in block_ids if b not in entry.block_id_set]
             if outside:
                 raise BlockNotLeasedError(
@@ -189,3 +216,8 @@ class LeaseTable:
         self.num_expired += 1
         if self._stats is not None:
             self._stats.record_lease_expiry()
+
+
+def _check_one_checksum_per_block(block_ids: Sequence[int], checksums: Sequence[int]) -> None:
+    if len(checksums) != len(block_ids):
+        raise ValueError(f"{len(block_ids)} block ids but {len(checksums)} checksums")

@@ -2,8 +2,10 @@
 
 Prefill side (``producer``)::
 
-    request finishes by length ─▶ request_finished: checksum each prompt block, grant a
-    lease, return KVTransferParams (address, lease, block ids, hashes, checksums, first token)
+    request finishes by length ─▶ request_finished (engine thread): grant a lease, return
+    KVTransferParams (address, lease, block ids, hashes, first token), no checksums yet
+    the worker's stream ─▶ complete_transfer_params (off the step path): checksum each
+    prompt block, attach them to the lease (reads are refused until then) and the params
     lease released by the decode side, or expired ─▶ get_finished().freeable ─▶ blocks freed
 
 Decode side (``consumer``)::
@@ -182,9 +184,8 @@ class PDConnector(KVConnectorBase):
         assert self._kv_cache is not None and self._server is not None
         num_tokens = request.num_prompt_tokens
         leased_ids = block_ids[: cdiv(num_tokens, self._block_size)]
-        checksums = block_checksums(self._kv_cache, leased_ids)
         hashes = request.block_hashes[: num_tokens // self._block_size]
-        lease = self.leases.grant(request.request_id, leased_ids, hashes, checksums)
+        lease = self.leases.grant(request.request_id, leased_ids, hashes, checksums=None)
         self._lease_of_request[request.request_id] = lease.lease_id
         return True, KVTransferParams(
             engine_id=self.engine_id,
@@ -192,12 +193,26 @@ class PDConnector(KVConnectorBase):
             lease_id=lease.lease_id,
             block_ids=list(leased_ids),
             block_hashes=list(hashes),
-            block_checksums=checksums,
+            block_checksums=[],  # complete_transfer_params, off the step path
             num_tokens=num_tokens,
             first_token_id=request.output_token_ids[0],
             sampling_seed=request.sampling_seed,
             lease_expires_at=lease.expires_at,
         )
+
+    def complete_transfer_params(self, params: KVTransferParams) -> KVTransferParams:
+        """Checksums the leased pages (a whole prompt: milliseconds per thousand blocks, on
+        the worker's stream thread, not the engine's) and attaches them to the lease.
+
+        The leased blocks are pinned and no longer written (the prompt is computed), so
+        their pages are what the decode side will read."""
+        if self.config.role != "producer" or params.block_checksums or not params.block_ids:
+            return params
+        assert self._kv_cache is not None
+        checksums = block_checksums(self._kv_cache, params.block_ids)
+        self.leases.attach_checksums(params.lease_id, checksums)
+        params.block_checksums = checksums
+        return params
 
     def request_aborted(self, request: Request) -> None:
         lease_id = self._lease_of_request.get(request.request_id)

@@ -58,6 +58,8 @@ def run(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingP
     for _ in range(10_000):
         done = [o for o in engine.step() if o.request_id == request_id and o.finished]
         if done:
+            if done[0].kv_transfer_params is not None:  # as the worker's stream does
+                engine.connector.complete_transfer_params(done[0].kv_transfer_params)
             return done[0]
     raise AssertionError(f"{request_id} did not finish")
 

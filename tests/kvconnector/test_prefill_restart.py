@@ -9,6 +9,7 @@ connector kept the dead engine's handshake (its NIXL agent and pool) cached by a
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 from test_disaggregated_engines import (TRANSPORTS, assert_decode_idle, colocated,  # noqa: F401
@@ -45,6 +46,38 @@ def test_a_prefill_restarted_on_the_same_port_is_pulled_from_not_recomputed(
     stats = decode.stats()
     assert stats.num_recompute_fallbacks == 0
     assert stats.transfer.num_blocks_received > received_before
+    assert_decode_idle(decode)
+    second.wait_until_idle()
+    decode.shutdown()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_prefill_down_for_a_while_is_pulled_from_at_once_when_it_comes_back(
+        transport: str, colocated: LLMEngine, prefill_factory) -> None:
+    """While the prefill is down, the decode side keeps trying it (prewarm handshakes, pulls)
+    and gRPC's channel to the address backs off further with each refused connect: the
+    first pull after the restart must not fail fast on that backed-off channel."""
+    from pdserve.kvconnector.transport import TransferError
+
+    port = free_port()
+    decode = make_decode_engine(transport)
+    prompts = random_prompts(22, 2)
+    params = [SamplingParams(max_tokens=4, temperature=0.0)]
+    expected = [o.output_token_ids for o in colocated.generate(prompts, params * 2)]
+    first = prefill_factory(transport=transport, port=port, engine_id="prefill-0-first")
+    disaggregate(first, decode, prompts[:1], params, prefix="before")
+    first.close()
+    refusals = 0
+    while refusals < 4:  # each refused connect lengthens the channel's reconnect backoff
+        with pytest.raises(TransferError):
+            decode.connector.connect(first.address)
+        refusals += 1
+        time.sleep(0.8)  # let the backoff run out, so the next try really connects (and fails)
+    second = prefill_factory(transport=transport, port=port, engine_id="prefill-0-second")
+    after = disaggregate(second, decode, prompts[1:], params, prefix="after")
+
+    assert after[0].output_token_ids == expected[1]
+    assert decode.stats().num_recompute_fallbacks == 0, "the first pull after the restart failed"
     assert_decode_idle(decode)
     second.wait_until_idle()
     decode.shutdown()
