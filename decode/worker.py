@@ -6,6 +6,7 @@ import asyncio
 import logging
 
 from pdserve.engine.engine_host import EngineHost
+from pdserve.kvconnector.node_network import on_node_address
 from pdserve.kvconnector.pd_connector import PDConnector
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.worker_spec import WorkerSpec
@@ -29,7 +30,10 @@ class DecodeWorker(EngineHost):
         super().__init__(spec)
 
     def make_connector(self, engine_config: EngineConfig) -> PDConnector:
-        return PDConnector.for_engine(self.spec.connector, engine_config)
+        connector_config = self.spec.connector
+        if self.spec.advertise_node_address:  # NIXL's data path uses this node's interface
+            connector_config = on_node_address(connector_config)
+        return PDConnector.for_engine(connector_config, engine_config)
 
     async def connect_prefill_workers(self, addresses: list[str]) -> list[str]:
         """Handshakes with each prefill worker's KV service now (prewarm), so no user

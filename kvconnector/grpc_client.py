@@ -88,12 +88,12 @@ class GrpcTransferClient(KVTransferClient):
             self._call(peer.address, "ReadBlocks", pull)
         except TransferError:
             self.stats.record_transfer(0, len(local_block_ids), len(landed) * self._layout.page_bytes,
-                                       time.perf_counter() - started)
+                                       time.perf_counter() - started, peer.address)
             raise
         failed += [b for b in local_block_ids if b not in landed]
         duration_s = time.perf_counter() - started
         num_bytes = len(landed) * self._layout.page_bytes
-        self.stats.record_transfer(len(ok), len(failed), num_bytes, duration_s)
+        self.stats.record_transfer(len(ok), len(failed), num_bytes, duration_s, peer.address)
         return ReadResult(ok_block_ids=ok, failed_block_ids=failed, num_bytes=num_bytes,
                           duration_s=duration_s)
 

@@ -149,8 +149,10 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
         finally:
             cap.cancel()
             self._leases.end_read(first.lease_id)
-        self._stats.record_sent(len(first.block_ids),
-                                len(first.block_ids) * self._layout.page_bytes)
+            # Here, not after: a client that cancels its half-closed call (as it may once the
+            # READ is done) ends this generator with GeneratorExit, and the pages went anyway.
+            self._stats.record_sent(len(first.block_ids),
+                                    len(first.block_ids) * self._layout.page_bytes)
 
     def RenewLease(self, request: pb.LeaseRequest,
                    context: grpc.ServicerContext) -> pb.LeaseReply:

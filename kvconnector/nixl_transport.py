@@ -271,11 +271,11 @@ class NixlTransferClient(KVTransferClient):
                 confirm_held()
         except TransferError:
             self.stats.record_transfer(0, len(local_block_ids), 0,
-                                       time.perf_counter() - started)
+                                       time.perf_counter() - started, peer.address)
             raise
         duration_s = time.perf_counter() - started
         num_bytes = len(local_block_ids) * self.endpoint.layout.page_bytes
-        self.stats.record_transfer(len(ok), len(failed), num_bytes, duration_s)
+        self.stats.record_transfer(len(ok), len(failed), num_bytes, duration_s, peer.address)
         return ReadResult(ok_block_ids=ok, failed_block_ids=failed, num_bytes=num_bytes,
                           duration_s=duration_s)
 

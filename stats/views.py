@@ -34,6 +34,8 @@ def totals(stats: Sequence[Stat], rows: Sequence[Row]) -> dict[str, Any]:
             pool = sum(row["num_blocks"] for row in rows)
             result[stat.name] = (sum(row[stat.name] * row["num_blocks"] for row in rows) / pool
                                  if pool else 0.0)
+        elif stat.total is Total.MERGE and stat.label:
+            result[stat.name] = merge_counts(values)
         elif stat.total is Total.MERGE:
             result[stat.name] = merge_histograms([as_histogram(v) for v in values])
     for stat in stats:  # ratios of the totals, once those exist
@@ -49,6 +51,15 @@ def as_histogram(value: HistogramSnapshot | Mapping[str, Any]) -> HistogramSnaps
     if isinstance(value, HistogramSnapshot):
         return value
     return HistogramSnapshot(tuple(value["bounds"]), tuple(value["counts"]), value["sum"])
+
+
+def merge_counts(counts: Sequence[Mapping[str, int]]) -> dict[str, int]:
+    """Counts kept per label value, added label by label."""
+    merged: dict[str, int] = {}
+    for count in counts:
+        for key, value in count.items():
+            merged[key] = merged.get(key, 0) + value
+    return merged
 
 
 def merge_histograms(histograms: Sequence[HistogramSnapshot]) -> HistogramSnapshot | None:
