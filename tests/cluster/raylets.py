@@ -46,6 +46,9 @@ def cluster_env() -> dict[str, str]:
     """The environment of every node and of the driver: several nodes on one host, one auth
     mode, this worktree's code on the path of every Ray worker."""
     env = dict(os.environ)
+    # Ray workers import this suite's helpers (kv_endpoint) by name, as the driver does.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                       env.get("PYTHONPATH")]))
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1", RAY_AUTH_MODE="disabled",
                OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0")
     return env

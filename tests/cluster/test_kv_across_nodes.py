@@ -41,3 +41,41 @@ def test_prefill_on_b_decode_on_c_equal_colocated_and_bytes_move_b_to_c(
     assert decode["num_bytes_received"] > 0
     assert decode["num_bytes_received_by_peer"] == {NODE_B_IP: decode["num_bytes_received"]}
     assert prefill["num_bytes_sent"] == decode["num_bytes_received"]
+
+
+@pytest.mark.timeout(120)
+def test_hash_seed_and_layout_mismatch_between_nodes_is_refused_naming_both_sides(
+        cluster) -> None:
+    import ray
+    from kv_endpoint import KVEndpoint
+
+    endpoint = ray.remote(num_cpus=0)(KVEndpoint)
+    on_b = endpoint.options(resources={"node_b": 0.01}).remote(block_size=16, hash_seed=11)
+    address = ray.get(on_b.serve.remote(), timeout=60)
+    assert address.startswith(f"{NODE_B_IP}:")
+    same = endpoint.options(resources={"node_c": 0.01}).remote(block_size=16, hash_seed=11)
+    other = endpoint.options(resources={"node_c": 0.01}).remote(block_size=32, hash_seed=12)
+
+    assert ray.get(same.handshake_refusal.remote(address), timeout=60) is None
+    refusal = ray.get(other.handshake_refusal.remote(address), timeout=60)
+
+    assert "block_size: local=32 remote=16" in refusal
+    assert "hash_seed: local=12 remote=11" in refusal
+    for actor in (on_b, same, other):
+        ray.kill(actor)
+
+
+def test_pdserve_up_refuses_a_placement_no_node_can_satisfy(cluster, capsys) -> None:
+    from cluster_apps import HEAD_IP, SERVE_PORT
+
+    from pdserve.deploy.cli import main
+
+    head = cluster[HEAD_IP]
+    code = main(["up", "--address", head.address, "--model", "tiny", "--host", HEAD_IP,
+                 "--port", str(SERVE_PORT), "--app-name", "unplaceable",
+                 "--proxy-location", "HeadOnly", "--decode-resources", '{"gpu_node": 1}'])
+
+    error = capsys.readouterr().err
+    assert code == 2
+    assert "no node can host decode-0: it asks for {gpu_node: 1}" in error
+    assert f"{NODE_B_IP} {{CPU: 2, node_b: 1}}" in error
