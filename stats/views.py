@@ -108,12 +108,12 @@ def format_table(stats: Sequence[Stat], rows: Sequence[Row], total_row: Row,
                  leading: Sequence[tuple[str, str]]) -> str:
     """A right-aligned text table: the ``leading`` (header, key) columns, then one column per
     stat with a ``column``; the last line is ``total_row``, where a stat whose total is NONE
-    (and a leading key the row lacks) shows ``-``."""
+    (and a leading key the row lacks or leaves empty) shows ``-``."""
     shown = [stat for stat in stats if stat.column]
     header = [title for title, _ in leading] + [stat.column for stat in shown]
 
     def line(row: Row, is_total: bool) -> list[str]:
-        cells = [str(row.get(key, "-")) for _, key in leading]
+        cells = [str(row.get(key) or "-") for _, key in leading]
         for stat in shown:
             blank = is_total and stat.total is Total.NONE
             cells.append("-" if blank else format_cell(stat, row[stat.name]))

@@ -18,10 +18,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -64,6 +66,7 @@ class RayNode:
     num_cpus: int = 2
     port: int = field(default_factory=free_port)
     process: subprocess.Popen | None = None
+    temp_dir: str | None = None  # the head's; removed with it
 
     @property
     def address(self) -> str:
@@ -77,8 +80,13 @@ class RayNode:
                    "--min-worker-port", "0", "--max-worker-port", "0"]
         env = cluster_env()
         if self.head_address is None:
+            # A temp dir of its own: `ray start --head` records its address in the temp dir's
+            # ray_current_cluster, and a later `ray.init()` anywhere on the machine that finds
+            # it in the shared /tmp/ray joins this cluster instead of starting its own.
+            self.temp_dir = tempfile.mkdtemp(prefix="pdr-", dir="/tmp")
             command += ["--head", "--port", str(self.port), "--include-dashboard", "false",
-                        "--ray-client-server-port", str(free_port())]
+                        "--ray-client-server-port", str(free_port()),
+                        "--temp-dir", self.temp_dir]
             env.update(HEAD_SYSTEM_ENV)
         else:
             command += ["--address", self.head_address]
@@ -111,6 +119,8 @@ class RayNode:
             os.killpg(self.process.pid, signal.SIGKILL)  # the session we created for it
         self.process.wait(timeout=30)
         self.process = None
+        if self.temp_dir is not None:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 def wait_for_nodes(expected_ips: set[str], timeout_s: float = NODE_START_TIMEOUT_S) -> None:

@@ -23,6 +23,8 @@ from pdserve.kvconnector.nixl_transport import (NixlTransferClient, NixlTransfer
 from pdserve.kvconnector.pd_connector import PDConnector
 from pdserve.messages.connector_config import KVConnectorConfig
 
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs CUDA (torch.cuda.is_available() is False)")
 SHAPE = (32, 2, 2, 16, 2, 64)  # blocks, layers, K/V, block size, kv heads, head size
 CLIENTS = {"grpc": (GrpcTransferServer, GrpcTransferClient),
            "nixl": (NixlTransferServer, NixlTransferClient)}
