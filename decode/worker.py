@@ -7,6 +7,7 @@ import logging
 
 from pdserve.engine.engine_host import EngineHost
 from pdserve.engine.kv_connector_base import KVConnectorBase
+from pdserve.kvconnector.node_network import on_node_address
 from pdserve.kvconnector.pd_connector import PDConnector
 from pdserve.kvconnector.tier_connector import TierConnector
 from pdserve.kvconnector.tiered_connector import TieredConnector, with_tier
@@ -34,7 +35,10 @@ class DecodeWorker(EngineHost):
 
     def make_connector(self, engine_config: EngineConfig) -> KVConnectorBase:
         tier = TierConnector(self.spec.kv_tier, self.worker_id) if self.spec.kv_tier else None
-        return with_tier(PDConnector.for_engine(self.spec.connector, engine_config), tier)
+        connector_config = self.spec.connector
+        if self.spec.advertise_node_address:  # NIXL's data path uses this node's interface
+            connector_config = on_node_address(connector_config)
+        return with_tier(PDConnector.for_engine(connector_config, engine_config), tier)
 
     async def connect_prefill_workers(self, addresses: list[str]) -> list[str]:
         """Handshakes with each prefill worker's KV service now (prewarm), so no user

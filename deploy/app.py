@@ -21,6 +21,7 @@ from ray.serve import Application
 
 from pdserve.decode.worker import DecodeWorker
 from pdserve.deploy.config import PDServeConfig
+from pdserve.deploy.placement import resource_demand
 from pdserve.prefill.gateway.http_ingress import Gateway
 from pdserve.prefill.worker import PrefillWorker
 
@@ -28,16 +29,37 @@ from pdserve.prefill.worker import PrefillWorker
 _WORKER_MAX_ONGOING = 4096
 
 
-def worker_actor_options(config: PDServeConfig) -> dict[str, Any]:
-    """Placement of one worker: fractional CPUs on a small box, a GPU when asked for."""
-    options: dict[str, Any] = {
-        "num_cpus": config.num_cpus_per_worker,
-        "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(config.torch_threads),
-                                     "MKL_NUM_THREADS": str(config.torch_threads)}},
-    }
+def worker_actor_options(config: PDServeConfig, worker_id: str) -> dict[str, Any]:
+    """Placement of one worker: fractional CPUs on a small box, a GPU when asked for, the
+    custom resources of its role (or its own), and the UCX transports NIXL may use."""
+    env_vars = {"OMP_NUM_THREADS": str(config.torch_threads),
+                "MKL_NUM_THREADS": str(config.torch_threads)}
+    if config.transport == "nixl" and config.ucx_tls:
+        env_vars["UCX_TLS"] = config.ucx_tls
+    options: dict[str, Any] = {"num_cpus": config.num_cpus_per_worker,
+                               "runtime_env": {"env_vars": env_vars}}
     if config.num_gpus_per_worker:
         options["num_gpus"] = config.num_gpus_per_worker
+    resources = config.resources_of(worker_id)
+    if resources:
+        options["resources"] = resources
     return options
+
+
+def gateway_actor_options(config: PDServeConfig) -> dict[str, Any]:
+    """The gateway needs no CPU of its own (it waits on workers) and no GPU."""
+    options: dict[str, Any] = {"num_cpus": 0}
+    if config.gateway_resources:
+        options["resources"] = dict(config.gateway_resources)
+    return options
+
+
+def resource_demands(config: PDServeConfig) -> dict[str, dict[str, float]]:
+    """What each part of the app asks Ray for, by part name (for ``check_placement``)."""
+    demands = {"gateway": resource_demand(gateway_actor_options(config))}
+    for worker_id in config.worker_ids():
+        demands[worker_id] = resource_demand(worker_actor_options(config, worker_id))
+    return demands
 
 
 def build(config: PDServeConfig) -> Application:
@@ -49,21 +71,22 @@ def build(config: PDServeConfig) -> Application:
     learns the seed from a worker's ``ModelInfo``.
     """
     config = config.resolve_deployment_secrets()
-    actor_options = worker_actor_options(config)
 
     def bind_workers(cls, role: str, count: int) -> dict[str, Application]:
         bound = {}
         for index in range(count):
             spec = config.worker_spec(role, index)
             deployment = serve.deployment(cls).options(
-                name=spec.worker_id, num_replicas=1, ray_actor_options=actor_options,
+                name=spec.worker_id, num_replicas=1,
+                ray_actor_options=worker_actor_options(config, spec.worker_id),
                 max_ongoing_requests=_WORKER_MAX_ONGOING, health_check_period_s=5)
             bound[spec.worker_id] = deployment.bind(spec)
         return bound
 
     prefill = bind_workers(PrefillWorker, "producer", config.num_prefill)
     decode = bind_workers(DecodeWorker, "consumer", config.num_decode)
-    return Gateway.bind(config.gateway_config(), prefill, decode)
+    gateway = Gateway.options(ray_actor_options=gateway_actor_options(config))
+    return gateway.bind(config.gateway_config(), prefill, decode)
 
 
 def build_app(args: dict[str, Any]) -> Application:

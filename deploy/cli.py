@@ -35,6 +35,8 @@ from pdserve.deploy.preflight import preflight_problems
 def cmd_up(args) -> int:
     from pdserve.deploy.cluster import base_url, deploy, init_ray, remember_local_cluster, shut_down
 
+    from pdserve.deploy.placement import PlacementError
+
     config = PDServeConfig.from_cli(args)
     problems = preflight_problems(config)
     if problems:
@@ -42,7 +44,11 @@ def cmd_up(args) -> int:
               file=sys.stderr)
         return 2
     init_ray(config.ray_address)
-    seconds = deploy(config)
+    try:
+        seconds = deploy(config)
+    except PlacementError as error:
+        print(f"pdserve: cannot deploy: {error}", file=sys.stderr)
+        return 2
     if not config.ray_address:
         remember_local_cluster(config)
     print(f"pdserve: {config.num_prefill} prefill + {config.num_decode} decode workers of "

@@ -47,13 +47,19 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> None:
 
 
 def deploy(config: PDServeConfig, blocking: bool = False) -> float:
-    """Runs the app on the connected cluster; returns seconds until it answered."""
+    """Runs the app on the connected cluster; returns seconds until it answered.
+
+    Raises ``PlacementError`` before deploying when no node can host a part of the app."""
+    import ray
     from ray import serve
 
-    from pdserve.deploy.app import build
+    from pdserve.deploy.app import build, resource_demands
+    from pdserve.deploy.placement import check_placement
 
+    check_placement(resource_demands(config), ray.nodes())  # a clear error, not a hang
     start = time.perf_counter()
-    serve.start(http_options={"host": config.host, "port": config.port})
+    serve.start(http_options={"host": config.host, "port": config.port},
+                proxy_location=config.proxy_location)
     serve.run(build(config), name=config.app_name, route_prefix=config.route_prefix,
               blocking=blocking)
     return time.perf_counter() - start

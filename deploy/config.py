@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import CliSettingsSource
 
 from pdserve.messages.connector_config import KVConnectorConfig
@@ -35,7 +35,6 @@ from pdserve.messages.worker_spec import WorkerSpec
 from pdserve.prefill.gateway.config import GatewayConfig
 from pdserve.tokenizer.model_source import default_model_name
 
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # Where a deployment's KV-transfer secret may come from when the config does not set it:
 # read only by the app builder (the `pdserve` driver, or the Serve build task on the cluster).
 KV_TRANSFER_SECRET_ENV = "PDSERVE_KV_TRANSFER_SECRET"
@@ -64,8 +63,8 @@ class PDServeConfig(BaseModel):
     kv_failure_policy: Literal["recompute", "fail"] = "recompute"
     lease_ttl_s: float = Field(30.0, gt=0)
     kv_transfer_host: str | None = Field(
-        None, description="where KV services listen; unset: loopback when host is, else the "
-                          "node's address")
+        None, description="where KV services listen and what they advertise; unset: the Ray "
+                          "node's address (127.0.0.1 on the embedded `pdserve up` cluster)")
     kv_transfer_port: int = Field(0, ge=0, lt=65536,
                                   description="0: any free port; N: prefill-i listens on N + i")
     kv_transfer_secret: str | None = Field(
@@ -99,13 +98,31 @@ class PDServeConfig(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = Field("auto", description="auto: cuda when the worker got a GPU, else cpu")
     torch_threads: int = Field(1, ge=1)
-    # Placement.
+    ucx_tls: str | None = Field(
+        None, description="UCX_TLS of NIXL workers, e.g. 'tcp' (tested between nodes); unset: "
+                          "UCX's own choice (cma on one host, RDMA or TCP between hosts)")
+    # Placement: Ray resources per part (docs/deploy.md, "Placement"); `pdserve up` refuses an
+    # app that no node can host rather than leave Serve waiting for one.
+    gateway_resources: dict[str, float] = Field(
+        default_factory=dict, description='Ray custom resources of the gateway, e.g. {"head": 1}')
+    prefill_resources: dict[str, float] = Field(
+        default_factory=dict, description='Ray custom resources of every prefill worker, e.g. '
+                                          '{"prefill_node": 1}')
+    decode_resources: dict[str, float] = Field(
+        default_factory=dict, description="Ray custom resources of every decode worker")
+    worker_resources: dict[str, dict[str, float]] = Field(
+        default_factory=dict, description='per worker id, resources that replace its role\'s, '
+                                          'e.g. {"prefill-1": {"node_d": 1}}')
     num_gpus_per_worker: float = Field(0.0, ge=0, description="> 0 on a GPU cluster")
     num_cpus_per_worker: float = Field(0.0, ge=0,
                                        description="0 lets several workers share a small box")
     # Ingress.
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, lt=65536)
+    proxy_location: Literal["EveryNode", "HeadOnly"] = Field(
+        "EveryNode", description="Serve's HTTP proxies: on every node with a replica, or only "
+                                 "on the head (several Ray nodes on one machine would bind "
+                                 "the same host:port)")
     grpc_port: int = Field(0, ge=0, lt=65536, description="0: no gRPC Generate service")
     max_inflight_requests: int = Field(256, ge=1,
                                        description="beyond: 429 with Retry-After")
@@ -126,6 +143,34 @@ class PDServeConfig(BaseModel):
     app_name: str = "pdserve"
     route_prefix: str = "/"
     extra_engine_args: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_placement_names(self) -> PDServeConfig:
+        unknown = sorted(set(self.worker_resources) - set(self.worker_ids()))
+        if unknown:
+            raise ValueError(f"worker_resources names {unknown}, but this app's workers are "
+                             f"{self.worker_ids()}")
+        for part, resources in [("gateway_resources", self.gateway_resources),
+                                ("prefill_resources", self.prefill_resources),
+                                ("decode_resources", self.decode_resources),
+                                *self.worker_resources.items()]:
+            negative = {name: amount for name, amount in resources.items() if amount < 0}
+            if negative:
+                raise ValueError(f"{part} asks for negative amounts {negative}")
+        return self
+
+    def worker_ids(self) -> list[str]:
+        """Every worker's id (and Serve deployment name), prefill first."""
+        return ([f"prefill-{i}" for i in range(self.num_prefill)]
+                + [f"decode-{i}" for i in range(self.num_decode)])
+
+    def resources_of(self, worker_id: str) -> dict[str, float]:
+        """The Ray custom resources worker ``worker_id`` asks for: its own, else its role's."""
+        if worker_id in self.worker_resources:
+            return dict(self.worker_resources[worker_id])
+        role_resources = self.prefill_resources if worker_id.startswith("prefill-") else \
+            self.decode_resources
+        return dict(role_resources)
 
     @field_validator("kv_transfer_secret", mode="before")
     @classmethod
@@ -183,9 +228,10 @@ class PDServeConfig(BaseModel):
         A colocated deployment's prefill workers get no connector (they run role ``both``).
         Every connector gets the deployment's secret, so call ``resolve_kv_transfer_secret``
         first (``deploy.app.build`` does); without one this refuses.
-        The KV transfer service (prefill side) listens on ``kv_transfer_host``, else on
-        loopback when the ingress is on loopback, else on the node's address (resolved inside
-        the worker), at ``kv_transfer_port + index`` when a port is set.
+        The KV transfer service (prefill side) listens on, and advertises, ``kv_transfer_host``,
+        else the address of the Ray node the worker lands on (resolved inside the worker: on a
+        multi-node cluster only the worker knows its node), at ``kv_transfer_port + index``
+        when a port is set.
         """
         worker_id = f"{'prefill' if role == 'producer' else 'decode'}-{index}"
         if self.hash_seed is None:
@@ -200,7 +246,6 @@ class PDServeConfig(BaseModel):
             raise ValueError("a disaggregated worker needs the deployment's KV-transfer secret; "
                              "build the app with deploy.app.build (it resolves one) or call "
                              "resolve_kv_transfer_secret() first")
-        on_loopback = self.host in _LOOPBACK
         transfer_host = self.kv_transfer_host or "127.0.0.1"
         port = self.kv_transfer_port + index if self.kv_transfer_port and role == "producer" else 0
         connector = KVConnectorConfig(
@@ -208,7 +253,7 @@ class PDServeConfig(BaseModel):
             secret=self.kv_transfer_secret, lease_ttl_s=self.lease_ttl_s,
             failure_policy=self.kv_failure_policy)
         return WorkerSpec(worker_id, engine, connector,
-                          advertise_node_address=not self.kv_transfer_host and not on_loopback,
+                          advertise_node_address=not self.kv_transfer_host,
                           kv_tier=kv_tier)
 
     def kv_tier_config(self) -> KVTierConfig | None:

@@ -11,7 +11,8 @@ from pdserve.stats.views import format_table
 def format_stats(stats: dict[str, Any]) -> str:
     """The per-worker table, columns from the stats registry, then the gateway's line."""
     table = format_table(WORKER_STATS, stats["workers"], {**stats["totals"], "worker_id": "total"},
-                         leading=[("worker", "worker_id"), ("role", "role")])
+                         leading=[("worker", "worker_id"), ("role", "role"),
+                                  ("node", "node_ip")])
     g = stats["gateway"]
     rejected = sum(g["rejected_by_status"].values())
     return (f"{table}\ngateway: {g['num_requests']} requests, {rejected} rejected, "

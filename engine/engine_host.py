@@ -57,7 +57,7 @@ class EngineHost:
         self.worker_id = spec.worker_id
         self.role = spec.role
         self.instance_id = uuid.uuid4().hex
-        self.node_ip = _node_ip()
+        self.node_id, self.node_ip = _node_identity()
         engine_config = dataclasses.replace(
             spec.engine, engine_id=f"{spec.engine.engine_id}-{self.instance_id[:8]}",
             device=_pick_device(spec.engine.device))
@@ -175,6 +175,7 @@ class EngineHost:
                     values.setdefault(f"kv_tier_{name}", per_tier())[tier.medium] = value
         return WorkerStats(
             worker_id=self.worker_id, role=self.role, instance_id=self.instance_id,
+            node_id=self.node_id, node_ip=self.node_ip,
             num_requests_running=engine.num_running, num_requests_waiting=engine.num_waiting,
             num_requests=stats.num_requests, prefix_cache_queries=stats.prefix_cache_queries,
             prefix_cache_hits=stats.prefix_cache_hits, num_blocks=stats.num_blocks,
@@ -268,11 +269,14 @@ class EngineHost:
             self._loop.call_soon_threadsafe(queue.put_nowait, output)
 
 
-def _node_ip() -> str:
-    """The Ray node's address this worker runs on ("" outside a Ray actor, e.g. in tests)."""
+def _node_identity() -> tuple[str, str]:
+    """The id and address of the Ray node this worker runs on (both "" outside Ray, e.g. in
+    unit tests): ``/stats`` shows them, so a multi-node deployment says where each worker is."""
     import ray
 
-    return ray.util.get_node_ip_address() if ray.is_initialized() else ""
+    if not ray.is_initialized():
+        return "", ""
+    return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
 
 def _pick_device(device: str) -> str:

@@ -3,6 +3,10 @@
 A page of the KV tensor is contiguous, so its checksum is one xxhash call over a numpy view of
 the tensor's storage -- no copy of the KV bytes. The decode side recomputes it after the bytes
 land in the destination block; a mismatch means the block is not used.
+
+A CUDA KV tensor has no host view: its listed pages are gathered on the device and copied to
+the host once, then hashed the same way, so both devices give the same checksum for the same
+bytes (a CUDA prefill and a CPU decode agree).
 """
 
 from __future__ import annotations
@@ -23,8 +27,14 @@ def page_view(kv_cache: torch.Tensor) -> np.ndarray:
 
 
 def block_checksums(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> list[int]:
-    """xxh3_64 of each listed block's page, in order."""
-    return page_checksums(page_view(kv_cache), block_ids)
+    """xxh3_64 of each listed block's page, in order (a CUDA tensor's pages via the host)."""
+    if kv_cache.device.type == "cpu":
+        return page_checksums(page_view(kv_cache), block_ids)
+    from pdserve.kvconnector.pinned_staging import device_page_view
+
+    index = torch.as_tensor(list(block_ids), dtype=torch.long, device=kv_cache.device)
+    host_pages = device_page_view(kv_cache).index_select(0, index).cpu().numpy()
+    return page_checksums(host_pages, range(len(block_ids)))
 
 
 def page_checksums(pages: np.ndarray, block_ids: Sequence[int]) -> list[int]:

@@ -19,9 +19,10 @@ import torch
 
 from pdserve.kvconnector.block_chunk import decode_block_chunk
 from pdserve.kvconnector.checksum import page_view
-from pdserve.kvconnector.grpc_transport import (CHANNEL_OPTIONS, READ_BLOCKS_METHOD,
-                                                consecutive_runs, identity)
+from pdserve.kvconnector.grpc_transport import (CHANNEL_OPTIONS, DEFAULT_MESSAGE_BYTES,
+                                                READ_BLOCKS_METHOD, consecutive_runs, identity)
 from pdserve.kvconnector.layout import KVLayout, check_compatible
+from pdserve.kvconnector.pinned_staging import PinnedStaging
 from pdserve.kvconnector.transfer_stats import TransferStats
 from pdserve.kvconnector.transport import (SECRET_METADATA_KEY, KVTransferClient, PeerInfo,
                                            ReadResult, TransferError, check_read_arguments,
@@ -49,7 +50,12 @@ class GrpcTransferClient(KVTransferClient):
         self.stats = stats if stats is not None else TransferStats()
         self.timeout_s = timeout_s
         self.min_rate_bytes_per_s = min_rate_bytes_per_s
-        self._pages = page_view(kv_cache)
+        # A CPU tensor is written in place; a CUDA one through a pinned buffer.
+        on_host = kv_cache.device.type == "cpu"
+        self._pages = page_view(kv_cache) if on_host else None
+        self._staging = None if on_host else PinnedStaging(
+            kv_cache, DEFAULT_MESSAGE_BYTES // layout.page_bytes)
+        self._num_blocks = kv_cache.shape[0]
         self._layout = layout
         self._engine_id = engine_id
         self._metadata = ((SECRET_METADATA_KEY, secret),) if secret else ()
@@ -80,7 +86,7 @@ class GrpcTransferClient(KVTransferClient):
                     local_block_ids: Sequence[int],
                     expected_checksums: Sequence[int]) -> ReadResult:
         check_read_arguments(remote_block_ids, local_block_ids, expected_checksums,
-                             self._pages.shape[0])
+                             self._num_blocks)
         started = time.perf_counter()
         local_of_remote = dict(zip(remote_block_ids, local_block_ids))
         landed: set[int] = set()
@@ -101,12 +107,12 @@ class GrpcTransferClient(KVTransferClient):
             self._call(peer.address, "ReadBlocks", pull)
         except TransferError:
             self.stats.record_transfer(0, len(local_block_ids), len(landed) * self._layout.page_bytes,
-                                       time.perf_counter() - started)
+                                       time.perf_counter() - started, peer.address)
             raise
         failed += [b for b in local_block_ids if b not in landed]
         duration_s = time.perf_counter() - started
         num_bytes = len(landed) * self._layout.page_bytes
-        self.stats.record_transfer(len(ok), len(failed), num_bytes, duration_s)
+        self.stats.record_transfer(len(ok), len(failed), num_bytes, duration_s, peer.address)
         return ReadResult(ok_block_ids=ok, failed_block_ids=failed, num_bytes=num_bytes,
                           duration_s=duration_s)
 
@@ -193,6 +199,13 @@ class GrpcTransferClient(KVTransferClient):
             raise TransferError(f"peer sent blocks {unasked[:8]} that were not asked for")
         local_ids = [local_of_remote[b] for b in remote_ids]
         pages = np.frombuffer(data, dtype=np.uint8).reshape(len(remote_ids), page_bytes)
+        if self._staging is not None:  # CUDA: verify the host bytes, then land them on the device
+            verified, corrupt = verify_pages(pages, range(len(local_ids)),
+                                             [expected_of_local[b] for b in local_ids])
+            ok += [local_ids[position] for position in verified]
+            failed += [local_ids[position] for position in corrupt]
+            self._staging.write(local_ids, pages)
+            return local_ids
         for position, first, length in consecutive_runs(local_ids):
             np.copyto(self._pages[first:first + length], pages[position:position + length])
             run = local_ids[position:position + length]

@@ -49,6 +49,7 @@ from pdserve.kvconnector.lease import (
     RepeatedBlockError,
     UnknownLeaseError,
 )
+from pdserve.kvconnector.pinned_staging import PinnedStaging
 from pdserve.kvconnector.transfer_stats import TransferStats
 from pdserve.kvconnector.transport import (
     SECRET_METADATA_KEY,
@@ -109,14 +110,18 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
                  nixl_info: pb.NixlAgentInfo | None, max_message_bytes: int,
                  fault_injector: FaultInjector | None, max_data_calls: int,
                  activity: threading.Event) -> None:
-        self._pages = page_view(kv_cache)
+        self._blocks_per_message = max(1, max_message_bytes // layout.page_bytes)
+        # A CPU tensor is read in place; a CUDA one through a pinned buffer (pinned_staging).
+        on_host = kv_cache.device.type == "cpu"
+        self._pages = page_view(kv_cache) if on_host else None
+        self._staging = None if on_host else PinnedStaging(kv_cache, self._blocks_per_message)
+        self._num_blocks = kv_cache.shape[0]
         self._leases = leases
         self._layout = layout
         self._engine_id = engine_id
         self._secret = secret.encode() if secret else None
         self._stats = stats
         self._nixl_info = nixl_info
-        self._blocks_per_message = max(1, max_message_bytes // layout.page_bytes)
         self._fault_injector = fault_injector
         self._data_calls = threading.BoundedSemaphore(max_data_calls)
         self._max_data_calls = max_data_calls
@@ -127,7 +132,7 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
         self._authorize(context)
         self._activity.set()
         return pb.HandshakeReply(engine_id=self._engine_id, layout=self._layout.to_proto(),
-                                 nixl=self._nixl_info, num_blocks=self._pages.shape[0])
+                                 nixl=self._nixl_info, num_blocks=self._num_blocks)
 
     def ReadBlocks(self, request: pb.ReadBlocksRequest,
                    context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -175,8 +180,10 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
         finally:
             cap.cancel()
             self._leases.end_read(first.lease_id)
-        self._stats.record_sent(len(first.block_ids),
-                                len(first.block_ids) * self._layout.page_bytes)
+            # Here, not after: a client that cancels its half-closed call (as it may once the
+            # READ is done) ends this generator with GeneratorExit, and the pages went anyway.
+            self._stats.record_sent(len(first.block_ids),
+                                    len(first.block_ids) * self._layout.page_bytes)
 
     def RenewLease(self, request: pb.LeaseRequest,
                    context: grpc.ServicerContext) -> pb.LeaseReply:
@@ -203,9 +210,13 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
             self._data_calls.release()
 
     def _pack(self, block_ids: list[int]) -> bytes:
-        """One ``BlockChunk`` of the listed pages: one copy from the KV tensor to the wire."""
-        pages = [self._pages[first:first + length].data
-                 for _, first, length in consecutive_runs(block_ids)]
+        """One ``BlockChunk`` of the listed pages: one copy from the KV tensor to the wire
+        (a CUDA tensor's: one more, device to pinned host buffer)."""
+        if self._staging is not None:
+            pages = [memoryview(self._staging.read(block_ids))]
+        else:
+            pages = [self._pages[first:first + length].data
+                     for _, first, length in consecutive_runs(block_ids)]
         if self._fault_injector is not None:
             packed = bytearray(b"".join(pages))
             self._fault_injector(block_ids, packed)

@@ -1,7 +1,10 @@
 """KV blocks by NIXL READ: the decode side reads the prefill side's pages itself.
 
 Each worker registers its whole KV tensor with one NIXL agent (UCX backend; on one host UCX
-moves DRAM with cma, zero-copy) and describes it as one descriptor per page, prepared once:
+moves DRAM with cma, zero-copy; between nodes over TCP or RDMA, see docs/deploy.md) and
+describes it as one descriptor per page, prepared once. A CPU tensor is ``DRAM``, a CUDA one
+``VRAM`` on its device (``memory_of``); each side's type and device travel in the handshake,
+so a READ lands in the decode worker's GPU memory straight from the prefill worker's:
 
     local dlist  (decode):  [page 0][page 1] ... [page N-1]      prep_xfer_dlist once
     remote dlist (prefill): [page 0][page 1] ... [page M-1]      prep_xfer_dlist once per peer
@@ -68,6 +71,7 @@ from pdserve.kvconnector.transport import (
     ReadResult,
     TransferError,
     check_read_arguments,
+    verify_blocks,
     verify_pages,
 )
 from pdserve.proto import kv_transfer_pb2 as pb
@@ -103,12 +107,26 @@ def nixl_available() -> bool:
     return _NIXL_IMPORT_ERROR is None
 
 
-def page_descriptors(base_address: int, page_bytes: int, num_blocks: int) -> np.ndarray:
-    """``[num_blocks, 3]`` NIXL descriptors (address, length, device 0): one per page."""
+def page_descriptors(base_address: int, page_bytes: int, num_blocks: int,
+                     device_id: int = 0) -> np.ndarray:
+    """``[num_blocks, 3]`` NIXL descriptors (address, length, device id): one per page."""
     descriptors = np.zeros((num_blocks, 3), dtype=np.uint64)
     descriptors[:, 0] = base_address + np.arange(num_blocks, dtype=np.uint64) * page_bytes
     descriptors[:, 1] = page_bytes
+    descriptors[:, 2] = device_id
     return descriptors
+
+
+def memory_of(kv_cache: torch.Tensor) -> tuple[str, int]:
+    """NIXL's memory type and device id of a KV tensor: ``DRAM`` (CPU) or ``VRAM`` with its
+    CUDA device (READs then land in the decode worker's GPU memory, GPUDirect where UCX has
+    it)."""
+    if kv_cache.device.type == "cpu":
+        return "DRAM", 0
+    if kv_cache.device.type == "cuda":
+        return "VRAM", kv_cache.device.index or 0
+    raise ValueError(f"the NIXL transport registers a CPU or CUDA kv_cache, not "
+                     f"{kv_cache.device.type}")
 
 
 class NixlEndpoint:
@@ -119,23 +137,32 @@ class NixlEndpoint:
             raise RuntimeError(
                 "the NIXL transport needs the nixl package (pip install 'pdserve[nixl]'); "
                 f"importing it failed: {_NIXL_IMPORT_ERROR}") from _NIXL_IMPORT_ERROR
-        if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
-            raise ValueError("the NIXL transport registers a contiguous CPU kv_cache")
+        if not kv_cache.is_contiguous():
+            raise ValueError("the NIXL transport registers a contiguous kv_cache")
+        self.memory_type, self.device_id = memory_of(kv_cache)
         self.kv_cache = kv_cache
         self.layout = layout
         self.name = f"{name_prefix or 'pdserve'}-{uuid.uuid4().hex[:12]}"
         self.agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=False))
-        self._registration = self.agent.register_memory(kv_cache)
+        try:
+            self._registration = self.agent.register_memory(kv_cache)
+        except NIXL_ERRORS as error:
+            raise RuntimeError(
+                f"NIXL could not register the {self.memory_type} KV cache on {kv_cache.device}"
+                f" ({error!r}); a CUDA cache needs a NIXL and UCX built with CUDA support, "
+                "else use the gRPC transport") from error
         self.num_blocks = kv_cache.shape[0]
         self.local_pages = self.agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT",
-            page_descriptors(kv_cache.data_ptr(), layout.page_bytes, self.num_blocks), "DRAM")
+            page_descriptors(kv_cache.data_ptr(), layout.page_bytes, self.num_blocks,
+                             self.device_id), self.memory_type)
 
     def info(self) -> pb.NixlAgentInfo:
         return pb.NixlAgentInfo(agent_name=self.name,
                                 agent_metadata=self.agent.get_agent_metadata(),
                                 base_address=self.kv_cache.data_ptr(),
-                                page_bytes=self.layout.page_bytes, num_blocks=self.num_blocks)
+                                page_bytes=self.layout.page_bytes, num_blocks=self.num_blocks,
+                                memory_type=self.memory_type, device_id=self.device_id)
 
     def close(self) -> None:
         self.local_pages.release()
@@ -225,7 +252,7 @@ class NixlTransferClient(KVTransferClient):
                                           min_rate_bytes_per_s=min_rate_bytes_per_s)
         self.stats = self.control.stats
         self.timeout_s = timeout_s
-        self._pages = page_view(kv_cache)
+        self._pages = page_view(kv_cache) if kv_cache.device.type == "cpu" else None
         self._remote_pages: dict[str, Any] = {}  # peer agent name -> prepped remote dlist
         self._agent_at: dict[str, str] = {}  # address -> the agent last handshaken there
         self._blocks_per_segment = max(1, VERIFY_SEGMENT_BYTES // layout.page_bytes)
@@ -254,7 +281,8 @@ class NixlTransferClient(KVTransferClient):
                                     f"{peer.nixl.agent_name!r} but its metadata names {name!r}")
             self._remote_pages[name] = agent.prep_xfer_dlist(
                 name, page_descriptors(peer.nixl.base_address, peer.nixl.page_bytes,
-                                       peer.nixl.num_blocks), "DRAM")
+                                       peer.nixl.num_blocks, peer.nixl.device_id),
+                peer.nixl.memory_type or "DRAM")
         except NIXL_ERRORS as error:
             raise TransferError(f"NIXL refused peer {peer.address}'s agent: {error!r}") from error
         previous = self._agent_at.get(peer.address)
@@ -286,20 +314,27 @@ class NixlTransferClient(KVTransferClient):
                     end = start + self._blocks_per_segment
                     self._read(peer, remote_pages, remote_index[start:end],
                                local_index[start:end], deadline)
-                    verified, corrupt = verify_pages(self._pages, local_block_ids[start:end],
+                    verified, corrupt = self._verify(local_block_ids[start:end],
                                                      expected_checksums[start:end])
                     ok += verified
                     failed += corrupt
                 confirm_held()
         except TransferError:
             self.stats.record_transfer(0, len(local_block_ids), 0,
-                                       time.perf_counter() - started)
+                                       time.perf_counter() - started, peer.address)
             raise
         duration_s = time.perf_counter() - started
         num_bytes = len(local_block_ids) * self.endpoint.layout.page_bytes
-        self.stats.record_transfer(len(ok), len(failed), num_bytes, duration_s)
+        self.stats.record_transfer(len(ok), len(failed), num_bytes, duration_s, peer.address)
         return ReadResult(ok_block_ids=ok, failed_block_ids=failed, num_bytes=num_bytes,
                           duration_s=duration_s)
+
+    def _verify(self, local_block_ids: Sequence[int],
+                expected_checksums: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Checks landed pages where they are: in place on the CPU, via the host on a GPU."""
+        if self._pages is not None:
+            return verify_pages(self._pages, local_block_ids, expected_checksums)
+        return verify_blocks(self.endpoint.kv_cache, local_block_ids, expected_checksums)
 
     def renew(self, peer: PeerInfo, lease_id: str) -> float:
         return self.control.renew(peer, lease_id)

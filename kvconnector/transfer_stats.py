@@ -30,6 +30,9 @@ class TransferStats:
     num_failed_blocks: int = 0
     num_lease_expiries: int = 0
     num_lease_renewals: int = 0
+    # Receiver: bytes landed per peer host (the prefill worker's advertised IP), so a
+    # multi-node deployment shows which node's KV reached which.
+    num_bytes_received_by_peer: dict[str, int] = field(default_factory=dict)
     transfer_latency: LatencyHistogram = field(
         default_factory=lambda: LatencyHistogram(TRANSFER_BUCKETS_S))
     recent_latency: LatencyWindow = field(default_factory=LatencyWindow)
@@ -41,11 +44,16 @@ class TransferStats:
             self.num_bytes_sent += num_bytes
 
     def record_transfer(self, num_ok_blocks: int, num_failed_blocks: int, num_bytes: int,
-                        duration_s: float) -> None:
-        """One pull finished: a transfer fails when any of its blocks failed."""
+                        duration_s: float, peer_address: str = "") -> None:
+        """One pull from ``peer_address`` (``host:port``) finished: a transfer fails when any
+        of its blocks failed."""
+        peer_host = peer_address.rpartition(":")[0] or peer_address
         with self._lock:
             self.num_blocks_received += num_ok_blocks
             self.num_bytes_received += num_bytes
+            if num_bytes:
+                self.num_bytes_received_by_peer[peer_host] = (
+                    self.num_bytes_received_by_peer.get(peer_host, 0) + num_bytes)
             self.num_failed_blocks += num_failed_blocks
             if num_failed_blocks:
                 self.num_failed_transfers += 1
@@ -79,6 +87,7 @@ class TransferStats:
                 num_failed_blocks=self.num_failed_blocks,
                 num_lease_expiries=self.num_lease_expiries,
                 num_lease_renewals=self.num_lease_renewals,
+                num_bytes_received_by_peer=dict(self.num_bytes_received_by_peer),
                 transfer_latency=self.transfer_latency.snapshot(),
                 transfer_latency_p50_s=self.recent_latency.percentile(50),
                 transfer_latency_p99_s=self.recent_latency.percentile(99),

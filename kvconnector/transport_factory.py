@@ -1,4 +1,8 @@
-"""Picks the transport named in the connector config; the connector never names a class."""
+"""Picks the transport named in the connector config; the connector never names a class.
+
+``config.host`` is where this worker's KV plane lives (the node's address in a deployment):
+NIXL's UCX data path is pinned to the interface that carries it (``node_network``).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.kvconnector.layout import KVLayout
 from pdserve.kvconnector.lease import LeaseTable
+from pdserve.kvconnector.node_network import pin_ucx_to
 from pdserve.kvconnector.transfer_stats import TransferStats
 from pdserve.kvconnector.transport import KVTransferClient, KVTransferServer
 from pdserve.messages.connector_config import KVConnectorConfig
@@ -22,6 +27,8 @@ def make_server(config: KVConnectorConfig, kv_cache: torch.Tensor, leases: Lease
     if config.transport == "nixl":
         from pdserve.kvconnector.nixl_transport import NixlTransferServer
 
+        pin_ucx_to(config.host)
+
         server_type: type[KVTransferServer] = NixlTransferServer
     else:
         from pdserve.kvconnector.grpc_transport import GrpcTransferServer
@@ -36,6 +43,8 @@ def make_client(config: KVConnectorConfig, kv_cache: torch.Tensor, layout: KVLay
                 engine_id: str, stats: TransferStats) -> KVTransferClient:
     if config.transport == "nixl":
         from pdserve.kvconnector.nixl_transport import NixlTransferClient
+
+        pin_ucx_to(config.host)
 
         client_type: type[KVTransferClient] = NixlTransferClient
     else:

@@ -20,8 +20,9 @@ class WorkerSpec:
     - ``engine.engine_id`` gets the worker's instance id appended, so a restarted worker is
       a new KV peer;
     - ``engine.device == "auto"`` becomes ``cuda`` when the actor got a GPU, else ``cpu``;
-    - ``advertise_node_address``: the connector's ``host`` is replaced by the node's
-      address, which decode workers on other nodes can reach (a multi-node cluster).
+    - ``advertise_node_address``: the connector's ``host`` is replaced by the address of
+      the Ray node the worker runs on: a prefill worker's KV service binds and advertises
+      it, and a NIXL worker's UCX data path uses that node's interface.
 
     ``kv_tier``: a KV tier below the worker's block pool (None: the pool is the only tier).
     """

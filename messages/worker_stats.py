@@ -16,7 +16,8 @@ def per_tier() -> dict[str, float]:
 
 @dataclass(slots=True)
 class WorkerStats:
-    """The worker's identity, then one field per ``WORKER_STATS`` entry, same name and order.
+    """The worker's identity (which worker, which instance, on which Ray node), then one
+    field per ``WORKER_STATS`` entry, same name and order.
 
     Counters are cumulative since the worker (re)started, so a restarted worker's counters
     begin again under its new ``instance_id``. Units and meanings: ``stats/registry.py``.
@@ -26,6 +27,8 @@ class WorkerStats:
     worker_id: str
     role: str
     instance_id: str
+    node_id: str = ""
+    node_ip: str = ""
     num_requests_running: int = 0
     num_requests_waiting: int = 0
     num_requests: int = 0
@@ -43,6 +46,7 @@ class WorkerStats:
     num_bytes_sent: int = 0
     num_bytes_received: int = 0
     num_dedup_skipped_blocks: int = 0
+    num_bytes_received_by_peer: dict[str, int] = field(default_factory=dict)
     transfer_latency: HistogramSnapshot = field(
         default_factory=lambda: HistogramSnapshot.empty(TRANSFER_BUCKETS_S))
     transfer_latency_p50_s: float = 0.0

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from pdserve.engine.engine_host import EngineHost
 from pdserve.engine.kv_connector_base import KVConnectorBase
+from pdserve.kvconnector.node_network import on_node_address
 from pdserve.kvconnector.pd_connector import PDConnector
 from pdserve.kvconnector.tier_connector import TierConnector
 from pdserve.kvconnector.tiered_connector import TieredConnector, with_tier
@@ -19,8 +18,8 @@ class PrefillWorker(EngineHost):
     The gateway sends it each request with ``max_tokens=1`` and ``remote_decode=True``; its
     connector leases the prompt's blocks when the request finishes by length, and the last
     chunk carries the ``KVTransferParams`` the decode worker pulls with. Its KV transfer
-    service listens where decode workers can reach it: the configured host, or the Ray
-    node's address on a multi-node cluster (``advertise_node_address``). In a colocated
+    service listens where decode workers can reach it: the configured host, else the address
+    of the Ray node it runs on (``advertise_node_address``). In a colocated
     deployment (no decode workers) its spec has no connector and it runs whole requests
     with role ``both``. A ``kv_tier`` in its spec adds the tier connector (alone when
     colocated).
@@ -38,10 +37,7 @@ class PrefillWorker(EngineHost):
             return tier
         connector_config = self.spec.connector
         if self.spec.advertise_node_address:
-            import ray
-
-            connector_config = dataclasses.replace(connector_config,
-                                                   host=ray.util.get_node_ip_address())
+            connector_config = on_node_address(connector_config)
         return with_tier(PDConnector.for_engine(connector_config, engine_config), tier)
 
     def kv_transfer_address(self) -> str | None:

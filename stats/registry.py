@@ -31,7 +31,7 @@ class Total(enum.Enum):
     NONE = "none"  # no meaningful total (a median of medians is not a median)
     RATIO = "ratio"  # total numerator / total denominator (``Stat.ratio_of``)
     POOL_WEIGHTED = "pool_weighted"  # weighted by each worker's ``num_blocks``
-    MERGE = "merge"  # histograms: bucket counts added
+    MERGE = "merge"  # histograms: bucket counts added; labelled counters: added per label
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +83,9 @@ WORKER_STATS: tuple[Stat, ...] = (
     Stat("num_dedup_skipped_blocks", C, "blocks",
          "Blocks not pulled because the decode worker already held them.",
          "pdserve:kv_transfer_dedup_skipped_blocks", "dedup"),
+    Stat("num_bytes_received_by_peer", C, "bytes",
+         "KV bytes pulled, by the prefill worker's host (its advertised IP).",
+         "pdserve:kv_transfer_bytes_received_by_peer", None, Total.MERGE, label="peer"),
     Stat("transfer_latency", H, "seconds", "Latency of one pull, from start to last block.",
          "pdserve:kv_transfer_latency_seconds", None, Total.MERGE),
     Stat("transfer_latency_p50_s", G, "seconds", "Median latency of recent pulls.", None,

@@ -37,6 +37,8 @@ def totals(stats: Sequence[Stat], rows: Sequence[Row]) -> dict[str, Any]:
             pool = sum(row["num_blocks"] for row in rows)
             result[stat.name] = (sum(row[stat.name] * row["num_blocks"] for row in rows) / pool
                                  if pool else 0.0)
+        elif stat.total is Total.MERGE and stat.label:
+            result[stat.name] = merge_counts(values)
         elif stat.total is Total.MERGE:
             result[stat.name] = merge_histograms([as_histogram(v) for v in values])
     for stat in stats:  # ratios of the totals, once those exist
@@ -52,6 +54,15 @@ def as_histogram(value: HistogramSnapshot | Mapping[str, Any]) -> HistogramSnaps
     if isinstance(value, HistogramSnapshot):
         return value
     return HistogramSnapshot(tuple(value["bounds"]), tuple(value["counts"]), value["sum"])
+
+
+def merge_counts(counts: Sequence[Mapping[str, int]]) -> dict[str, int]:
+    """Counts kept per label value, added label by label."""
+    merged: dict[str, int] = {}
+    for count in counts:
+        for key, value in count.items():
+            merged[key] = merged.get(key, 0) + value
+    return merged
 
 
 def merge_histograms(histograms: Sequence[HistogramSnapshot]) -> HistogramSnapshot | None:
@@ -100,12 +111,12 @@ def format_table(stats: Sequence[Stat], rows: Sequence[Row], total_row: Row,
                  leading: Sequence[tuple[str, str]]) -> str:
     """A right-aligned text table: the ``leading`` (header, key) columns, then one column per
     stat with a ``column``; the last line is ``total_row``, where a stat whose total is NONE
-    (and a leading key the row lacks) shows ``-``."""
+    (and a leading key the row lacks or leaves empty) shows ``-``."""
     shown = [stat for stat in stats if stat.column]
     header = [title for title, _ in leading] + [stat.column for stat in shown]
 
     def line(row: Row, is_total: bool) -> list[str]:
-        cells = [str(row.get(key, "-")) for _, key in leading]
+        cells = [str(row.get(key) or "-") for _, key in leading]
         for stat in shown:
             blank = is_total and stat.total is Total.NONE
             cells.append("-" if blank else format_cell(stat, row[stat.name]))

@@ -44,7 +44,7 @@ def test_pdserve_demo_answers_real_questions_prints_the_stats_table_and_exits_0(
 
 def test_the_stats_table_has_a_row_per_worker_and_totals():
     workers = [
-        WorkerStats("prefill-0", "producer", "a", num_requests=3, prefix_cache_queries=4,
+        WorkerStats("prefill-0", "producer", "a", node_ip="127.0.0.2", num_requests=3, prefix_cache_queries=4,
                     prefix_cache_hits=2, num_blocks=40, num_free_blocks=30, kv_cache_usage=0.25,
                     num_blocks_sent=7, transfer_latency_p50_s=0.002, transfer_latency_p99_s=0.004),
         WorkerStats("decode-0", "consumer", "b", num_requests=3, prefix_cache_queries=4,
@@ -59,13 +59,14 @@ def test_the_stats_table_has_a_row_per_worker_and_totals():
     stats = json.loads(json.dumps(stats_report("tiny", gateway.row(), workers)))
     lines = format_stats(stats).splitlines()
     header = lines[0].split()
-    assert header[:2] == ["worker", "role"]
+    assert header[:3] == ["worker", "role", "node"]
     assert {"hit%", "sent", "recv", "dedup", "leases", "recompute"} <= set(header)
     prefill, decode, total = (dict(zip(header, line.split())) for line in lines[1:4])
     assert (prefill["worker"], prefill["reqs"], prefill["hit%"], prefill["usage%"]) == \
         ("prefill-0", "3", "50.0", "25.0")
     assert (prefill["xfer50ms"], prefill["xfer99ms"], prefill["sent"]) == ("2.00", "4.00", "7")
     assert (decode["worker"], decode["hit%"], decode["recv"]) == ("decode-0", "0.0", "7")
+    assert (prefill["node"], decode["node"]) == ("127.0.0.2", "-")  # "-": not in a Ray actor
     # Totals: hits over queries of the sums, usage weighted by pool size, p99 the worst.
     assert (total["worker"], total["reqs"], total["hit%"], total["usage%"]) == \
         ("total", "6", "25.0", "12.5")

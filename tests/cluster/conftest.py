@@ -1,0 +1,42 @@
+"""Fixtures of the multi-node suite: real raylets on 127.0.0.x, and the colocated reference.
+
+Each module starts its own small cluster (``cluster``: a head and two nodes, ≈ 8 s on 2
+cores) and kills every node by process id when it ends, also on failure (``raylets``). The
+head carries the gateway (resource ``head``), node B the prefill worker (``node_b``), node C
+the decode worker (``node_c``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# Several Ray nodes on one host: set before anything imports ray (read once, at import).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"
+os.environ["RAY_AUTH_MODE"] = "disabled"
+sys.path.insert(0, str(Path(__file__).parent))
+# The load driver lives with the benchmarks (the service suite uses it too).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from cluster_apps import HEAD_IP, NODE_B_IP, NODE_C_IP, NUM_KV_BLOCKS  # noqa: E402
+from raylets import RayNode, ray_cluster  # noqa: E402
+
+from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
+
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[dict[str, RayNode]]:
+    with ray_cluster(HEAD_IP, {"head": 1}, {NODE_B_IP: {"node_b": 1},
+                                            NODE_C_IP: {"node_c": 1}}) as nodes:
+        yield nodes
+
+
+@pytest.fixture(scope="session")
+def colocated() -> LLMEngine:
+    """The reference: a colocated engine with the workers' settings."""
+    return LLMEngine.from_pretrained("tiny", num_kv_blocks=NUM_KV_BLOCKS)

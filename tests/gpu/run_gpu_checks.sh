@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Runs every CUDA test of pdserve on a GPU machine, in one go, and says what it ran on.
+# Usage (repository root, a Python with CUDA torch and pdserve's dependencies):
+#   tests/gpu/run_gpu_checks.sh [python]
+# Exit status: pytest's; 3 when this Python has no CUDA (nothing would be checked).
+set -euo pipefail
+PYTHON="${1:-python}"
+cd "$(dirname "$0")/../.."
+export PYTHONPATH="${PYTHONPATH:-$PWD/.pypath}" OMP_NUM_THREADS=1
+"$PYTHON" - <<'PY' || exit 3
+import sys, torch
+print(f"torch {torch.__version__}, cuda {torch.version.cuda}, "
+      f"available {torch.cuda.is_available()}", flush=True)
+if torch.cuda.is_available():
+    print(f"device 0: {torch.cuda.get_device_name(0)}")
+sys.exit(0 if torch.cuda.is_available() else 1)
+PY
+exec "$PYTHON" -m pytest -q -rs tests/gpu "${@:2}"

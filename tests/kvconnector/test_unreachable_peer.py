@@ -1,0 +1,54 @@
+"""An advertised KV address that cannot be reached: the pull fails within its deadline and
+the decode side recomputes, token for token.
+
+The unreachable peer is a listening socket on 127.0.0.7 that never accepts: the TCP
+handshake completes in the kernel, then nothing answers, as behind a firewall that drops
+packets (a real firewall cannot run in this sandbox). The prefill engine and its lease are
+real, in their own process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator
+
+from test_disaggregated_engines import (  # noqa: F401 (fixtures)
+    colocated,
+    make_decode_engine,
+    prefill_factory,
+    random_prompts,
+    run_to_completion,
+)
+
+from pdserve.engine import LLMEngine, SamplingParams
+
+PULL_DEADLINE_S = 1.0
+
+
+@contextlib.contextmanager
+def silent_listener(host: str = "127.0.0.7") -> Iterator[str]:
+    """``host:port`` of a socket that accepts TCP connections into its backlog, never more."""
+    with socket.socket() as listener:
+        listener.bind((host, 0))
+        listener.listen(64)
+        yield f"{host}:{listener.getsockname()[1]}"
+
+
+def test_unreachable_advertised_address_fails_the_pull_in_its_deadline_and_recomputes(
+        colocated: LLMEngine, prefill_factory) -> None:
+    prefill = prefill_factory(transport="grpc")
+    decode = make_decode_engine("grpc", transfer_timeout_s=PULL_DEADLINE_S)
+    prompt = random_prompts(3, 1)[0]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    prefilled = prefill.prefill("u0", prompt, params)
+
+    with silent_listener() as unreachable:
+        prefilled.kv_transfer_params.transfer_address = unreachable
+        decode.add_request("u0", prompt, params, kv_transfer_params=prefilled.kv_transfer_params)
+        (output,) = run_to_completion(decode, ["u0"])
+
+    assert output.output_token_ids == colocated.generate([prompt], [params])[0].output_token_ids
+    assert decode.stats().num_recompute_fallbacks == 1
+    assert output.kv_provenance.num_recomputed_tokens == len(prompt)
+    decode.shutdown()
