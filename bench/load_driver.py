@@ -53,7 +53,10 @@ def wait_until_drained(config: PDServeConfig, timeout_s: float = 20.0) -> list[d
 NUM_REQUESTS = 1000
 CONCURRENCY = 64
 NUM_PREFIXES = 8
-MAX_ATTEMPTS = 30  # per request, counting 429 / 503 refusals that are retried
+# How long one request keeps retrying 429 / 503 refusals. A count would not do: the gateway
+# admits whoever arrives first, so a client that just got a slot back often beats one that
+# is sleeping out its Retry-After, and an unlucky request can be refused dozens of times.
+RETRY_REFUSALS_FOR_S = 120.0
 REQUEST_TIMEOUT_S = 60.0
 WORDS = ("block", "lease", "cache", "prefix", "decode", "prefill", "token", "page", "hash",
          "router", "gateway", "worker", "stream", "batch", "slot", "chunk")
@@ -162,7 +165,8 @@ async def _send(session: aiohttp.ClientSession, url: str, request: PlannedReques
                 gate: asyncio.Semaphore) -> Outcome:
     outcome = Outcome(request.index)
     async with gate:
-        for _ in range(MAX_ATTEMPTS):
+        give_up_at = time.monotonic() + RETRY_REFUSALS_FOR_S
+        while time.monotonic() < give_up_at:
             try:
                 retry_after = await _send_once(session, url, request, outcome)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as error:
@@ -172,7 +176,8 @@ async def _send(session: aiohttp.ClientSession, url: str, request: PlannedReques
                 return outcome
             outcome.refusals += 1
             await asyncio.sleep(min(retry_after, 0.5) * random.uniform(0.5, 1.0))
-        outcome.error = f"still refused after {MAX_ATTEMPTS} attempts"
+        outcome.error = (f"still refused after {RETRY_REFUSALS_FOR_S:.0f} s "
+                         f"({outcome.refusals} refusals)")
     return outcome
 
 

@@ -32,6 +32,7 @@ class WorkerStats:
     num_requests_running: int = 0
     num_requests_waiting: int = 0
     num_requests: int = 0
+    num_generation_tokens: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     prefix_cache_hit_rate: float = 0.0

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
-# Several Ray nodes on one host: set before anything imports ray (read once, at import).
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"
-os.environ["RAY_AUTH_MODE"] = "disabled"
+# The raylets get RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 in their own environment
+# (raylets.cluster_env); this process's is left alone: a Ray cluster started later in the same
+# session (the service suite's embedded one) inherits it, and with it set Ray registers a
+# one-node cluster under the machine's network address instead of 127.0.0.1.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 sys.path.insert(0, str(Path(__file__).parent))
 # The load driver lives with the benchmarks (the service suite uses it too).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))

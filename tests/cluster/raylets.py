@@ -154,8 +154,7 @@ def ray_cluster(head_ip: str, head_resources: dict[str, float],
                 nodes: dict[str, dict[str, float]]) -> Iterator[dict[str, RayNode]]:
     """A head at ``head_ip`` and one node per ``{ip: resources}``, this process connected as
     the driver; every node is killed on the way out, whatever happened."""
-    os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1", RAY_AUTH_MODE="disabled")
-    import ray
+    import ray  # this driver joins with the head's address given: no cluster flag needed here
 
     head = RayNode(head_ip, head_resources)
     started: dict[str, RayNode] = {head_ip: head}

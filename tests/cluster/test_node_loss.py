@@ -54,7 +54,7 @@ def post(config, body: dict) -> tuple[int, dict[str, str]]:
 def test_node_b_killed_mid_load_none_lost_503_until_a_node_b_returns_nothing_leaked(
         cluster, colocated, monkeypatch) -> None:
     # The client resends refused requests for as long as no prefill node exists.
-    monkeypatch.setattr(load_driver, "MAX_ATTEMPTS", 1000)
+    monkeypatch.setattr(load_driver, "RETRY_REFUSALS_FOR_S", 240.0)
     planned = plan_requests(NUM_REQUESTS, seed=3)
     expected = reference_outputs(colocated, planned)
     with placed_app(app_name="loss", route_prefix="/loss", worker_timeout_s=1.0) as config:

@@ -13,7 +13,16 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
+
+from pdserve.kvconnector.grpc_client import GrpcTransferClient
+from pdserve.kvconnector.layout import KVLayout
+from pdserve.kvconnector.nixl_transport import NixlTransferClient, nixl_available
+from pdserve.kvconnector.transport import KVTransferClient
+
+TRANSPORTS = ["grpc", pytest.param("nixl", marks=pytest.mark.skipif(
+    not nixl_available(), reason="nixl is not installed (pip install 'pdserve[nixl]')"))]
 
 TINY_SHAPE = dict(num_layers=4, block_size=16, num_kv_heads=2, head_size=64)
 
@@ -47,6 +56,7 @@ def seeded_kv_cache(spec: PeerSpec, num_blocks: int | None = None,
 
 
 def _serve(spec: PeerSpec, conn: Any) -> None:
+    import threading
     import time
 
     from pdserve.kvconnector.checksum import block_checksums
@@ -58,10 +68,13 @@ def _serve(spec: PeerSpec, conn: Any) -> None:
     layout = KVLayout.from_kv_cache(kv_cache, spec.hash_algorithm, spec.hash_seed)
     leases = LeaseTable(default_ttl_s=spec.lease_ttl_s)
 
+    stalled = threading.Event()  # a read reached the stall: it is in flight now
+
     def fault_injector(block_ids: list[int], packed: bytearray) -> None:
         if spec.corrupt_block in block_ids:
             packed[block_ids.index(spec.corrupt_block) * layout.page_bytes + 7] ^= 0xFF
         if spec.stall_after_first_message:
+            stalled.set()
             time.sleep(3600)
         time.sleep(spec.delay_per_message_s)
 
@@ -90,6 +103,8 @@ def _serve(spec: PeerSpec, conn: Any) -> None:
             conn.send(leases.take_freeable())
         elif command == "num_expired":
             conn.send(leases.num_expired)
+        elif command == "stalled":
+            conn.send(stalled.is_set())
         elif command == "stop":
             server.stop(0)
             conn.send(None)
@@ -123,6 +138,10 @@ class PeerProcess:
     def take_freeable(self) -> list[str]:
         return self._ask("take_freeable")
 
+    def is_stalled(self) -> bool:
+        """True once a read reached ``stall_after_first_message``'s stall (gRPC)."""
+        return self._ask("stalled")
+
     def num_expired(self) -> int:
         return self._ask("num_expired")
 
@@ -138,3 +157,13 @@ class PeerProcess:
             except (TimeoutError, OSError, EOFError):
                 pass
         self.kill()
+
+
+def make_client(spec: PeerSpec, local: torch.Tensor, secret: str | None = None,
+                timeout_s: float = 10.0, hash_seed: int | None = None) -> KVTransferClient:
+    """A transfer client of ``spec``'s transport over the local KV tensor ``local``."""
+    layout = KVLayout.from_kv_cache(local, spec.hash_algorithm,
+                                    spec.hash_seed if hash_seed is None else hash_seed)
+    client_type = NixlTransferClient if spec.transport == "nixl" else GrpcTransferClient
+    return client_type(local, layout, engine_id="decode-0", secret=secret,
+                       timeout_s=timeout_s)

@@ -15,10 +15,9 @@ import time
 import grpc
 import pytest
 import torch
-from conftest import make_client
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kv_peer import PeerProcess, PeerSpec, seeded_kv_cache
+from kv_peer import PeerProcess, PeerSpec, make_client, seeded_kv_cache
 
 from pdserve.kvconnector.block_chunk import MalformedChunkError, decode_block_chunk
 from pdserve.kvconnector.grpc_transport import GrpcTransferServer, MAX_LEASE_ID_CHARS
@@ -84,6 +83,15 @@ def expected_refusal(lease_id: str, valid_lease_id: str, block_ids: list[int]):
     if len(set(block_ids)) != len(block_ids):
         return grpc.StatusCode.INVALID_ARGUMENT
     return None
+
+
+@pytest.fixture(autouse=True)
+def still_serves_after(request):
+    """After each test that talked to the shared peer: it still serves a good read (a hostile
+    input must not break the server for everyone else), whatever order the tests run in."""
+    yield
+    if {"peer", "channel"} & set(request.fixturenames):
+        assert_still_serves(request.getfixturevalue("peer"), request.getfixturevalue("remote_pages"))
 
 
 def assert_still_serves(peer: PeerProcess, remote_pages: torch.Tensor) -> None:
@@ -225,10 +233,6 @@ def test_a_chunk_from_a_peer_decodes_or_is_malformed_nothing_else(raw) -> None:
     except MalformedChunkError:
         return
     assert all(isinstance(b, int) for b in block_ids) and len(data) <= len(raw)
-
-
-def test_after_all_that_the_server_still_serves(peer, remote_pages) -> None:
-    assert_still_serves(peer, remote_pages)
 
 
 def test_a_hold_that_is_never_closed_ends_at_the_lease_ttl_and_frees_its_blocks() -> None:

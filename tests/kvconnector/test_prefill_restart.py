@@ -25,22 +25,32 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+PARAMS = [SamplingParams(max_tokens=4, temperature=0.0)]
+
+
+def _pulled_from_a_first_prefill(transport: str, colocated: LLMEngine, prefill_factory,
+                                 seed: int) -> tuple:
+    """A decode engine that pulled one of two prompts from a prefill on a fixed port:
+    (port, decode, prompts, expected tokens of both, the prefill, the first outputs)."""
+    port = free_port()
+    decode = make_decode_engine(transport)
+    prompts = random_prompts(seed, 2)
+    expected = [o.output_token_ids for o in colocated.generate(prompts, PARAMS * 2)]
+    first = prefill_factory(transport=transport, port=port, engine_id="prefill-0-first")
+    before = disaggregate(first, decode, prompts[:1], PARAMS, prefix="before")
+    return port, decode, prompts, expected, first, before
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_prefill_restarted_on_the_same_port_is_pulled_from_not_recomputed(
         transport: str, colocated: LLMEngine, prefill_factory) -> None:
-    port = free_port()
-    decode = make_decode_engine(transport)
-    prompts = random_prompts(21, 2)
-    params = [SamplingParams(max_tokens=4, temperature=0.0)]
-    expected = [o.output_token_ids for o in colocated.generate(prompts, params * 2)]
-
-    first = prefill_factory(transport=transport, port=port, engine_id="prefill-0-first")
-    before = disaggregate(first, decode, prompts[:1], params, prefix="before")
+    port, decode, prompts, expected, first, before = _pulled_from_a_first_prefill(
+        transport, colocated, prefill_factory, seed=21)
     first.close()  # the worker dies; Serve starts a new one on the same port
     second = prefill_factory(transport=transport, port=port, engine_id="prefill-0-second")
     assert second.address == first.address
     received_before = decode.stats().transfer.num_blocks_received
-    after = disaggregate(second, decode, prompts[1:], params, prefix="after")
+    after = disaggregate(second, decode, prompts[1:], PARAMS, prefix="after")
 
     assert [before[0].output_token_ids, after[0].output_token_ids] == expected
     stats = decode.stats()
@@ -59,13 +69,8 @@ def test_a_prefill_down_for_a_while_is_pulled_from_at_once_when_it_comes_back(
     first pull after the restart must not fail fast on that backed-off channel."""
     from pdserve.kvconnector.transport import TransferError
 
-    port = free_port()
-    decode = make_decode_engine(transport)
-    prompts = random_prompts(22, 2)
-    params = [SamplingParams(max_tokens=4, temperature=0.0)]
-    expected = [o.output_token_ids for o in colocated.generate(prompts, params * 2)]
-    first = prefill_factory(transport=transport, port=port, engine_id="prefill-0-first")
-    disaggregate(first, decode, prompts[:1], params, prefix="before")
+    port, decode, prompts, expected, first, _ = _pulled_from_a_first_prefill(
+        transport, colocated, prefill_factory, seed=22)
     first.close()
     refusals = 0
     while refusals < 4:  # each refused connect lengthens the channel's reconnect backoff
@@ -74,7 +79,7 @@ def test_a_prefill_down_for_a_while_is_pulled_from_at_once_when_it_comes_back(
         refusals += 1
         time.sleep(0.8)  # let the backoff run out, so the next try really connects (and fails)
     second = prefill_factory(transport=transport, port=port, engine_id="prefill-0-second")
-    after = disaggregate(second, decode, prompts[1:], params, prefix="after")
+    after = disaggregate(second, decode, prompts[1:], PARAMS, prefix="after")
 
     assert after[0].output_token_ids == expected[1]
     assert decode.stats().num_recompute_fallbacks == 0, "the first pull after the restart failed"

@@ -31,6 +31,10 @@ def ray_cluster() -> Iterator[None]:
     from ray import serve
 
     init_ray(None, num_cpus=2)
+    # Every test here talks to loopback only: a node registered under the machine's network
+    # address (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 leaking into this process) would break that.
+    addresses = [node["NodeManagerAddress"] for node in ray.nodes()]
+    assert all(a.startswith("127.") for a in addresses), f"Ray nodes off loopback: {addresses}"
     yield
     serve.shutdown()
     ray.shutdown()

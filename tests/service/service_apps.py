@@ -8,9 +8,11 @@ import socket
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
-from load_driver import get_json
+from load_driver import get_json, wait_until_drained
 
 from pdserve.deploy.cluster import base_url, deploy
 from pdserve.deploy.config import PDServeConfig
@@ -18,6 +20,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.messages.sampling_params import SamplingParams
 
 NUM_KV_BLOCKS = 256
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -96,6 +99,16 @@ def worker_rows(config: PDServeConfig) -> dict[str, dict]:
     return {w["worker_id"]: w for w in get_json(config, "/stats")["workers"]}
 
 
+def _replica_actor(config: PDServeConfig, worker_id: str):
+    import ray
+
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry["name"]
+        if name.startswith("SERVE_REPLICA::") and f"{config.app_name}#{worker_id}#" in name:
+            return ray.get_actor(name, namespace=entry["namespace"])
+    raise LookupError(f"no replica actor of {worker_id} in app {config.app_name}")
+
+
 def kill_worker(config: PDServeConfig, worker_id: str) -> int:
     """SIGKILLs the process of ``worker_id``'s Serve replica (as the OOM killer would);
     returns its pid. Serve notices the dead actor and starts a new replica."""
@@ -104,14 +117,29 @@ def kill_worker(config: PDServeConfig, worker_id: str) -> int:
 
     import ray
 
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        name = entry["name"]
-        if name.startswith("SERVE_REPLICA::") and f"{config.app_name}#{worker_id}#" in name:
-            actor = ray.get_actor(name, namespace=entry["namespace"])
-            pid = ray.get(actor.__ray_call__.remote(lambda _replica: os.getpid()), timeout=30)
-            os.kill(pid, signal.SIGKILL)
-            return pid
-    raise LookupError(f"no replica actor of {worker_id} in app {config.app_name}")
+    actor = _replica_actor(config, worker_id)
+    pid = ray.get(actor.__ray_call__.remote(lambda _replica: os.getpid()), timeout=30)
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def on_worker(config: PDServeConfig, worker_id: str, action: Callable[[Any], T]) -> T:
+    """Runs ``action(worker)`` inside ``worker_id``'s process, on its live ``PrefillWorker``
+    or ``DecodeWorker``, and returns the result: how a test injects a fault (a slow read, a
+    short lease, a corrupted page) into a real worker of a real app. ``action`` must be a
+    closure or lambda (pickled by value; the worker cannot import test modules)."""
+    import ray
+
+    def run(replica: Any) -> T:  # Serve's replica actor holds the deployment's instance
+        wrapper = replica._replica_impl._user_callable_wrapper
+        try:
+            return action(wrapper._callable)
+        finally:
+            # Serve caches each method on its first call: a method the action replaced (or
+            # restored) must be looked up again.
+            wrapper._cached_user_method_info.clear()
+
+    return ray.get(_replica_actor(config, worker_id).__ray_call__.remote(run), timeout=60)
 
 
 def wait_until_restarted(config: PDServeConfig, worker_id: str, old_instance_id: str,
@@ -119,16 +147,19 @@ def wait_until_restarted(config: PDServeConfig, worker_id: str, old_instance_id:
     """Polls ``/stats`` and ``/health`` until ``worker_id`` answers with a new instance and
     the gateway routes to every worker again; returns its row."""
     deadline = time.time() + timeout_s
+    health: dict | None = None
     while True:
         row = worker_rows(config).get(worker_id)
         if row is not None and row["instance_id"] != old_instance_id:
             try:
-                if get_json(config, "/health")["unavailable"] == []:
-                    return row
-            except urllib.error.HTTPError:
-                pass
+                health = get_json(config, "/health")
+            except urllib.error.HTTPError as error:
+                health = json.loads(error.read())
+            if health["unavailable"] == []:
+                return row
         if time.time() > deadline:
-            raise TimeoutError(f"{worker_id} did not come back within {timeout_s} s")
+            raise TimeoutError(f"{worker_id} did not come back within {timeout_s} s "
+                               f"(its row: {row and row['instance_id']}, /health: {health})")
         time.sleep(0.25)
 
 
@@ -169,3 +200,94 @@ def read_event(response) -> dict | None:
             continue
         data = line[len(b"data:"):].strip()
         return None if data == b"[DONE]" else json.loads(data)
+
+
+class StreamClient(threading.Thread):
+    """One streamed completion in a thread: its text, finish reason or error, and a hook to
+    drop the connection after ``drop_after_events`` events or ``drop_after_s`` seconds, or
+    when ``drop_now`` is set (None everywhere: read to the end)."""
+
+    def __init__(self, config: PDServeConfig, prompt: str, max_tokens: int, sampling: dict,
+                 drop_after_events: int | None = None, drop_after_s: float | None = None) -> None:
+        super().__init__(daemon=True)
+        self.config, self.prompt, self.max_tokens, self.sampling = config, prompt, max_tokens, sampling
+        self.drop_after_events, self.drop_after_s = drop_after_events, drop_after_s
+        self.drop_now = threading.Event()
+        self.events = 0
+        self.text = ""
+        self.status: int | None = None
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.dropped = False
+        self.first_event = threading.Event()
+
+    def drop(self) -> None:
+        """Walks away now, even while waiting for the next event (the socket is shut)."""
+        self.drop_now.set()
+        if getattr(self, "_socket", None) is not None:
+            with contextlib.suppress(OSError):
+                self._socket.shutdown(socket.SHUT_RDWR)
+
+    def run(self) -> None:
+        body = dict(model="tiny", prompt=self.prompt, max_tokens=self.max_tokens, **self.sampling)
+        connection, response = open_stream(self.config, body)
+        self._socket = connection.sock
+        started = time.time()
+        try:
+            self.status = response.status
+            if response.status != 200:
+                self.error = response.read().decode()
+                return
+            while True:
+                if (self.drop_now.is_set()
+                        or (self.drop_after_events is not None and self.events >= self.drop_after_events)
+                        or (self.drop_after_s is not None and time.time() - started > self.drop_after_s)):
+                    self.dropped = True
+                    return
+                event = read_event(response)
+                if event is None:
+                    self.dropped = self.drop_now.is_set()
+                    return
+                if "error" in event:
+                    self.error = json.dumps(event["error"])
+                    return
+                self.events += 1
+                self.first_event.set()
+                choice = event["choices"][0]
+                self.text += choice["text"]
+                self.finish_reason = choice["finish_reason"] or self.finish_reason
+        finally:
+            self.first_event.set()
+            connection.close()  # mid-stream when dropped: the gateway sees the disconnect
+
+
+def run_all(clients: list[StreamClient], timeout_s: float = 60.0) -> None:
+    """Starts the clients not yet started and joins them all; a client still running after
+    ``timeout_s`` is a hang."""
+    for client in clients:
+        if client.ident is None:
+            client.start()
+    for client in clients:
+        client.join(timeout_s)
+        assert not client.is_alive(), "a request hung"
+
+
+def leftovers(workers: list[dict]) -> dict[str, tuple]:
+    """Per worker that is not drained: (blocks in use, leases, running, waiting)."""
+    return {w["worker_id"]: (w["num_blocks"] - 1 - w["num_free_blocks"], w["num_leases_held"],
+                             w["num_requests_running"], w["num_requests_waiting"])
+            for w in workers
+            if (w["num_free_blocks"] != w["num_blocks"] - 1 or w["num_leases_held"]
+                or w["num_requests_running"] or w["num_requests_waiting"])}
+
+
+def assert_drained(config: PDServeConfig) -> None:
+    """Every worker back to its baseline: all blocks free, no lease, nothing running or
+    waiting; and nothing in flight at the gateway."""
+    leaked = leftovers(wait_until_drained(config))
+    assert leaked == {}, f"blocks, leases or requests left behind: {leaked}"
+    deadline = time.time() + 20  # a dropped stream's slot is freed when its call unwinds
+    while (in_flight := get_json(config, "/stats")["gateway"]["num_requests_in_flight"]) \
+            and time.time() < deadline:
+        time.sleep(0.2)
+    assert in_flight == 0, f"{in_flight} requests still in flight at the gateway"

@@ -2,7 +2,8 @@
 
 Property, for any field values: the call streams tokens up to a ``finish_reason``, or fails
 with INVALID_ARGUMENT / NOT_FOUND and a message; bytes that are no ``GenerateRequest`` get
-INVALID_ARGUMENT, a message over the size limit RESOURCE_EXHAUSTED; the server keeps serving.
+INVALID_ARGUMENT, a message over the size limit RESOURCE_EXHAUSTED; after every test the
+server still serves and has freed every block.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from pdserve.prefill.gateway.grpc_ingress import MAX_REQUEST_ID_CHARS
 from pdserve.prefill.gateway.openai_schema import MAX_REQUEST_BYTES
 from pdserve.proto import generate_pb2, generate_pb2_grpc
-from service_apps import free_port, running_app
+from service_apps import assert_drained, free_port, running_app
 
 GRPC_PORT = free_port()
 VOCAB_SIZE = 512  # the tiny model's
@@ -26,12 +27,26 @@ CLEAR_REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
 
 
 @pytest.fixture(scope="module")
-def channel(ray_cluster):
+def service(ray_cluster):
     with running_app(num_prefill=1, num_decode=0, app_name="badgrpc", route_prefix="/badgrpc",
-                     grpc_port=GRPC_PORT):
-        with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
-            generate(channel, generate_pb2.GenerateRequest(text="warm up", max_tokens=1))
-            yield channel
+                     grpc_port=GRPC_PORT) as config:
+        yield config
+
+
+@pytest.fixture(scope="module")
+def channel(service):
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        generate(channel, generate_pb2.GenerateRequest(text="warm up", max_tokens=1))
+        yield channel
+
+
+@pytest.fixture(autouse=True)
+def ends_serving_and_drained(service, channel):
+    """Whatever a test sent, the server still streams a plain request afterwards, and every
+    block is free, nothing in flight."""
+    yield
+    assert_still_serves(channel)
+    assert_drained(service)
 
 
 def generate(channel: grpc.Channel, request: generate_pb2.GenerateRequest):
@@ -135,6 +150,3 @@ def test_two_clients_with_the_same_request_id_each_get_their_own_stream(channel)
         thread.join()
     assert len(results) == 2 and results[0] == results[1] and len(results[0]) == 24
 
-
-def test_after_all_that_the_server_still_serves(channel) -> None:
-    assert_still_serves(channel)

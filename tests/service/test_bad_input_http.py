@@ -2,7 +2,8 @@
 
 Property, for any body at all: the reply is a 2xx with a completion, or a 4xx whose body is
 an OpenAI-style error ``{"error": {"message", "type", "param", "code"}}`` -- never a 5xx,
-never a hang -- and the service still serves a plain request afterwards.
+never a hang -- and after every test the service still serves a plain request and has freed
+every block and lease.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 
 from pdserve.deploy.cluster import base_url
 from pdserve.prefill.gateway.openai_schema import MAX_REQUEST_BYTES
-from service_apps import running_app
+from service_apps import assert_drained, running_app
 
 VOCAB_SIZE = 512  # the tiny model's
 VALID = {"model": "tiny", "prompt": "Hello there", "max_tokens": 4, "temperature": 0}
@@ -40,6 +41,15 @@ class Http:
 
     def post(self, **kwargs) -> requests.Response:
         return self.session.post(self.url, timeout=60, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def ends_serving_and_drained(service, http):
+    """Whatever a test sent, the app still answers a plain request afterwards, and every
+    block is free, no lease held, nothing in flight."""
+    yield
+    assert_still_serves(http)
+    assert_drained(service)
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +207,3 @@ def test_a_client_that_stops_mid_body_does_not_wedge_the_gateway(service, http) 
                     '{"model": "tiny"'.encode())
     assert_still_serves(http)
 
-
-def test_after_all_that_the_service_still_serves(http) -> None:
-    assert_still_serves(http)

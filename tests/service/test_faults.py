@@ -8,26 +8,26 @@ Serve starts a new replica, which reports a new ``instance_id``.
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
 
 import pytest
 
-from pdserve.messages.sampling_params import SamplingParams
-from load_driver import wait_until_drained
 from service_apps import (
+    StreamClient,
+    assert_drained,
     expected_text,
     get_json,
     kill_worker,
-    open_stream,
-    read_event,
-    running_app,
     post_completion,
+    run_all,
+    running_app,
     wait_until_restarted,
     worker_rows,
 )
+
+from pdserve.messages.sampling_params import SamplingParams
 
 LONG_PROMPT = "A long shared preamble that spans several KV blocks, so a pull has work. " * 2
 
@@ -47,70 +47,6 @@ def _expected(colocated, prompt: str, max_tokens: int, sampling: dict) -> str:
     return expected_text(colocated, prompt, SamplingParams(max_tokens=max_tokens, **sampling))
 
 
-class StreamClient(threading.Thread):
-    """One streamed completion in a thread: its text, finish reason or error, and a hook to
-    drop the connection after ``drop_after_events`` events (None: read to the end)."""
-
-    def __init__(self, config, prompt: str, max_tokens: int, sampling: dict,
-                 drop_after_events: int | None = None, drop_after_s: float | None = None) -> None:
-        super().__init__(daemon=True)
-        self.config, self.prompt, self.max_tokens, self.sampling = config, prompt, max_tokens, sampling
-        self.drop_after_events, self.drop_after_s = drop_after_events, drop_after_s
-        self.events = 0
-        self.text = ""
-        self.status: int | None = None
-        self.finish_reason: str | None = None
-        self.error: str | None = None
-        self.dropped = False
-        self.first_event = threading.Event()
-
-    def run(self) -> None:
-        body = dict(model="tiny", prompt=self.prompt, max_tokens=self.max_tokens, **self.sampling)
-        connection, response = open_stream(self.config, body)
-        started = time.time()
-        try:
-            self.status = response.status
-            if response.status != 200:
-                self.error = response.read().decode()
-                return
-            while True:
-                if ((self.drop_after_events is not None and self.events >= self.drop_after_events)
-                        or (self.drop_after_s is not None and time.time() - started > self.drop_after_s)):
-                    self.dropped = True
-                    return
-                event = read_event(response)
-                if event is None:
-                    return
-                if "error" in event:
-                    self.error = json.dumps(event["error"])
-                    return
-                self.events += 1
-                self.first_event.set()
-                choice = event["choices"][0]
-                self.text += choice["text"]
-                self.finish_reason = choice["finish_reason"] or self.finish_reason
-        finally:
-            self.first_event.set()
-            connection.close()  # mid-stream when dropped: the gateway sees the disconnect
-
-
-def _run_all(clients: list[StreamClient], timeout_s: float = 60.0) -> None:
-    for client in clients:
-        if client.ident is None:
-            client.start()
-    for client in clients:
-        client.join(timeout_s)
-        assert not client.is_alive(), "a request hung"
-
-
-def _assert_drained(config) -> None:
-    workers = wait_until_drained(config)
-    leaked = {w["worker_id"]: (w["kv_cache_usage"], w["num_leases_held"], w["num_requests_running"],
-                               w["num_requests_waiting"]) for w in workers
-              if w["kv_cache_usage"] or w["num_leases_held"] or w["num_requests_running"] or w["num_requests_waiting"]}
-    assert leaked == {}, f"blocks, leases or requests left behind: {leaked}"
-
-
 def test_a_decode_worker_killed_mid_generation_replays_its_requests_into_one_clean_stream(
         faults, colocated):
     prompts = [f"Request {i}: tell a long story about the number {i}." for i in range(4)]
@@ -125,20 +61,20 @@ def test_a_decode_worker_killed_mid_generation_replays_its_requests_into_one_cle
     victim = max(("decode-0", "decode-1"), key=lambda w: rows[w]["num_requests_running"])
     assert rows[victim]["num_requests_running"] > 0, "no request was mid-generation when the kill came"
     kill_worker(faults, victim)
-    _run_all(clients)
+    run_all(clients)
 
     for i, client in enumerate(clients):
         assert client.error is None, client.error
         assert client.text == _expected(colocated, prompts[i], max_tokens, _sampling(i)), client.finish_reason
     assert get_json(faults, "/stats")["gateway"]["num_retries"] >= 1
     wait_until_restarted(faults, victim, rows[victim]["instance_id"])  # a new instance, routed to
-    _assert_drained(faults)
+    assert_drained(faults)
     # The restarted worker is routed to again and answers correctly.
     again = [StreamClient(faults, p, 8, _sampling(i)) for i, p in enumerate(prompts)]
-    _run_all(again)
+    run_all(again)
     assert [c.text for c in again] == [_expected(colocated, p, 8, _sampling(i))
                                        for i, p in enumerate(prompts)]
-    _assert_drained(faults)
+    assert_drained(faults)
 
 
 def test_a_prefill_worker_killed_mid_transfer_leaves_the_decode_side_to_recompute(
@@ -151,7 +87,7 @@ def test_a_prefill_worker_killed_mid_transfer_leaves_the_decode_side_to_recomput
         client.start()
     clients[0].first_event.wait(30)  # its first token is out: its KV is leased for the pull
     kill_worker(faults, "prefill-0")
-    _run_all(clients)
+    run_all(clients)
 
     for i, client in enumerate(clients):
         assert client.error is None, client.error
@@ -161,35 +97,48 @@ def test_a_prefill_worker_killed_mid_transfer_leaves_the_decode_side_to_recomput
                      for w in ("decode-0", "decode-1"))
     assert recomputed >= 1, "no pull met the dead prefill worker"
     wait_until_restarted(faults, "prefill-0", before["prefill-0"]["instance_id"])
-    _assert_drained(faults)
+    assert_drained(faults)
     again = StreamClient(faults, prompts[0], 8, _sampling(0))
-    _run_all([again])
+    run_all([again])
     assert again.text == _expected(colocated, prompts[0], 8, _sampling(0))
 
 
-def test_a_client_that_drops_its_stream_frees_its_blocks_and_lease_on_both_sides(faults):
-    client = StreamClient(faults, LONG_PROMPT, 200, dict(temperature=0.0), drop_after_events=3)
-    _run_all([client])
+def _decode_tokens(config) -> int:
+    rows = worker_rows(config)
+    return sum(rows[w]["num_generation_tokens"] for w in ("decode-0", "decode-1"))
+
+
+def test_a_client_that_drops_its_stream_stops_its_generation_and_frees_both_sides(faults):
+    max_tokens = 200
+    before = _decode_tokens(faults)
+    client = StreamClient(faults, LONG_PROMPT, max_tokens, dict(temperature=0.0), drop_after_events=3)
+    run_all([client])
     assert client.dropped and client.error is None
-    _assert_drained(faults)
+    assert_drained(faults)
+    # The decode worker's request was aborted: it sampled far fewer than max_tokens - 1.
+    assert _decode_tokens(faults) - before < max_tokens - 1
 
 
 def test_random_disconnects_racing_transfers_never_leak_or_corrupt(faults, colocated):
     rng = random.Random(6)
     prompts = [f"{LONG_PROMPT[: rng.randrange(20, len(LONG_PROMPT))]} #{i}" for i in range(24)]
     clients = []
+    before = _decode_tokens(faults)
     for i, prompt in enumerate(prompts):
         drop = rng.random() < 0.5
         clients.append(StreamClient(faults, prompt, 16, _sampling(i),
                                     drop_after_s=rng.uniform(0.0, 0.4) if drop else None))
-    _run_all(clients)
+    run_all(clients)
 
     completed = [c for c in clients if not c.dropped]
     for client in completed:
         assert client.error is None, client.error
         assert client.text == _expected(colocated, client.prompt, 16, client.sampling)
     assert len(completed) >= 6
-    _assert_drained(faults)
+    assert_drained(faults)
+    # Each completed request sampled max_tokens - 1 on its decode worker; the dropped ones,
+    # aborted, sampled less in all.
+    assert _decode_tokens(faults) - before < 15 * len(clients)
 
 
 def test_a_burst_over_a_tiny_pool_and_queue_is_served_or_refused_then_recovers(
@@ -218,7 +167,7 @@ def test_a_burst_over_a_tiny_pool_and_queue_is_served_or_refused_then_recovers(
             if status == 200:
                 assert body["choices"][0]["text"] == _expected(colocated, prompt, 32,
                                                                dict(temperature=0.0))
-        _assert_drained(config)
+        assert_drained(config)
         # The burst is over: plain requests succeed and equal the colocated engine.
         for prompt in prompts[:3]:
             status, _, body = post_completion(config, dict(model="tiny", prompt=prompt,
@@ -226,4 +175,4 @@ def test_a_burst_over_a_tiny_pool_and_queue_is_served_or_refused_then_recovers(
             assert status == 200
             assert body["choices"][0]["text"] == _expected(colocated, prompt, 32,
                                                            dict(temperature=0.0))
-        _assert_drained(config)
+        assert_drained(config)

@@ -10,7 +10,8 @@ mismatched, leaked blocks, wall time, throughput) are printed and written to JSO
 Every prompt is ``shared prefix + unique suffix`` (the suffix names the request), so a
 response maps to exactly one request; the reference runs all of them in one batched
 ``generate`` call before the load. Requests mix greedy and seeded sampling, streamed and
-whole responses; max_tokens stays small (4–8) so the run fits CI time on 2 cores.
+whole responses; max_tokens stays small (4–8) so the run fits CI time on 2 cores. The gateway
+admits half the client's concurrency, so part of the load is refused with 429 and retried.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ def test_a_thousand_requests_64_in_flight_are_each_answered_once_as_colocated_an
     start = time.perf_counter()
     expected = reference_outputs(colocated, planned)
     reference_s = time.perf_counter() - start
-    with running_app(num_prefill=2, num_decode=2, max_inflight_requests=4 * CONCURRENCY,
+    # Half the client's concurrency admitted: the 429 path runs, and refused requests retried
+    # after Retry-After must still be answered exactly once.
+    with running_app(num_prefill=2, num_decode=2, max_inflight_requests=CONCURRENCY // 2,
                      app_name="load22", route_prefix="/load22") as config:
         workers_before = get_json(config, "/stats")["workers"]
         outcomes, wall_s = asyncio.run(run_load(base_url(config) + "/v1/completions", planned))
@@ -55,5 +58,7 @@ def test_a_thousand_requests_64_in_flight_are_each_answered_once_as_colocated_an
     # token already finished it (EOS), and the gateway finished exactly as many as it admitted.
     assert figures["prefill_requests"] == NUM_REQUESTS
     assert figures["decode_requests"] == sum(1 for _, _, n in expected if n > 1)
+    assert figures["rejected_and_retried"] > 0, "the 429 path was never reached"
+    assert gateway_after["rejected_by_status"] == {"429": figures["rejected_and_retried"]}
     assert gateway_after["num_requests_in_flight"] == 0
     assert sum(gateway_after["finished_by_reason"].values()) == gateway_after["num_requests"] == NUM_REQUESTS

@@ -28,7 +28,8 @@ from pdserve.kvconnector.grpc_client import GrpcTransferClient
 from pdserve.kvconnector.layout import KVLayout
 from pdserve.kvconnector.transport import TransferError
 from pdserve.proto import generate_pb2, generate_pb2_grpc
-from service_apps import post_completion, SERVE_PORT, expected_text, free_port, get_json, running_app
+from service_apps import (SERVE_PORT, assert_drained, expected_text, free_port, get_json,
+                          post_completion, running_app)
 
 SECRET = "service-suite-secret-" + os.urandom(8).hex()
 GRPC_PORT = free_port()
@@ -49,6 +50,13 @@ def service(ray_cluster):
             os.environ.pop(KV_TRANSFER_SECRET_ENV, None)
         else:
             os.environ[KV_TRANSFER_SECRET_ENV] = previous
+
+
+@pytest.fixture(autouse=True)
+def ends_drained(service):
+    """Every test ends with every block free, no lease held and nothing in flight."""
+    yield
+    assert_drained(service)
 
 
 def _worker(config, role: str) -> dict:

@@ -64,7 +64,7 @@ def test_grpc_generate_streams_the_colocated_tokens(service, colocated):
         assert caught.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def test_a_burst_over_the_inflight_limit_gets_429_with_retry_after(service):
+def test_a_burst_over_the_inflight_limit_gets_429_with_retry_after_and_drains_clean(service):
     num_requests = 4 * MAX_INFLIGHT
     barrier = threading.Barrier(num_requests)
     results: list[tuple[int, dict, dict]] = []
@@ -89,9 +89,7 @@ def test_a_burst_over_the_inflight_limit_gets_429_with_retry_after(service):
         else:
             assert body["usage"]["completion_tokens"] == 48
     assert get_json(service, "/stats")["gateway"]["rejected_by_status"].get("429", 0) >= statuses.count(429)
-
-
-def test_after_the_burst_drains_every_block_is_free_and_no_lease_is_held(service):
+    # Once the burst drains, every block is free and no lease is held.
     workers = wait_until_drained(service)
     assert [w["role"] for w in workers] == ["producer", "consumer"]
     assert all(is_drained(w) for w in workers), workers

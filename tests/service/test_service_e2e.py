@@ -6,7 +6,6 @@ Every output must equal the colocated ``LLMEngine`` for the same prompt and para
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.request
 
@@ -14,8 +13,9 @@ import pytest
 
 from pdserve.deploy.cluster import base_url
 from pdserve.messages.sampling_params import SamplingParams
-from service_apps import openai_client, assert_completions_equal_colocated, expected_text, running_app, wait_until_ready
-from load_driver import get_json, is_drained, wait_until_drained
+from service_apps import (assert_completions_equal_colocated, assert_drained, expected_text, openai_client,
+                          post_completion, running_app, wait_until_ready)
+from load_driver import get_json
 
 PREFIX = "System: you are a careful assistant who answers in one short line. User asks: "
 PROMPTS = [PREFIX + q for q in ("what is paged attention?", "why disaggregate?",
@@ -26,6 +26,14 @@ PROMPTS = [PREFIX + q for q in ("what is paged attention?", "why disaggregate?",
 def service(ray_cluster):
     with running_app(num_prefill=2, num_decode=2, app_name="pd22", route_prefix="/pd22") as config:
         yield config
+
+
+@pytest.fixture(autouse=True)
+def ends_drained(service):
+    """Every test ends with every block on all four workers free, no lease held and nothing
+    in flight."""
+    yield
+    assert_drained(service)
 
 
 @pytest.fixture(scope="module")
@@ -57,15 +65,16 @@ def test_token_id_prompts_stop_strings_and_one_token_requests_equal_colocated(cl
     assert "".join(c.choices[0].text for c in streamed) == expected
 
 
-def test_a_repeated_prefix_hits_the_routed_workers_cache(client, service):
-    before = get_json(service, "/stats")["totals"]["prefix_cache_hits"]
+def test_a_repeated_prompt_is_routed_to_the_prefill_worker_that_cached_it_and_hits_there(service):
+    """No wait between the two: a finished request refreshes the router from its worker's
+    KV events before its reply ends (``RequestOrchestrator``: ``poller.refresh``)."""
     prompt = PREFIX + "tell me about caches, in detail please."
-    client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
-    time.sleep(0.6)  # the router's event poll
-    client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
-    full_blocks = (len(prompt.encode()) - 1) // 16
-    hits = get_json(service, "/stats")["totals"]["prefix_cache_hits"] - before
-    assert hits >= full_blocks * 16
+    body = dict(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    first = post_completion(service, body)[2]["kv_provenance"]
+    second = post_completion(service, body)[2]["kv_provenance"]
+    full_block_tokens = (first["num_prompt_tokens"] - 1) // 16 * 16
+    assert second["prefill"]["worker_id"] == first["prefill"]["worker_id"]
+    assert second["prefill"]["num_cache_hit_tokens"] >= full_block_tokens > 0
 
 
 def test_bad_input_gets_4xx_with_a_message_and_the_service_keeps_serving(client, service):
@@ -103,8 +112,9 @@ def test_models_health_and_metrics_answer(service):
         assert name in metrics
 
 
-def test_after_the_load_drains_every_block_is_free_and_no_lease_is_held(service):
-    workers = wait_until_drained(service)
-    assert len(workers) == 4
-    assert all(is_drained(w) for w in workers), workers
-    assert sum(w["num_blocks_received"] for w in workers) > 0  # KV did move prefill → decode
+def test_kv_moves_from_prefill_to_decode(service):
+    before = {w["worker_id"]: w for w in get_json(service, "/stats")["workers"]}
+    post_completion(service, dict(model="tiny", prompt=PREFIX + "a fresh question?", max_tokens=4))
+    after = get_json(service, "/stats")["workers"]
+    assert sum(w["num_blocks_received"] - before[w["worker_id"]]["num_blocks_received"]
+               for w in after) > 0
