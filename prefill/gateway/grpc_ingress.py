@@ -13,6 +13,7 @@ import uuid
 import grpc
 from google.protobuf.message import DecodeError
 
+from pdserve.messages.logprobs import TokenLogprobs
 from pdserve.prefill.gateway.chat import parse_chat
 from pdserve.prefill.gateway.config import GatewayConfig
 from pdserve.prefill.gateway.openai_schema import (DEFAULT_MAX_TOKENS, MAX_REQUEST_BYTES, APIError,
@@ -63,7 +64,8 @@ class GenerateServicer:
                     request_id=request_id, index=index, token_ids=delta.token_ids, text=delta.text,
                     finish_reason=delta.finish_reason or "",
                     num_prompt_tokens=delta.num_prompt_tokens,
-                    num_cached_tokens=delta.num_cached_tokens)
+                    num_cached_tokens=delta.num_cached_tokens,
+                    logprobs=[_token_logprob(entry) for entry in delta.logprobs if entry is not None])
         except APIError as error:
             await self._abort(context, error)
         finally:
@@ -86,15 +88,24 @@ class GenerateServicer:
         body = {"model": request.model or self.orchestrator.model_name,
                 "max_tokens": request.max_tokens or DEFAULT_MAX_TOKENS,
                 "stop": list(request.stop), "stream": True}
-        for optional in ("temperature", "top_p", "seed", "cache_salt", "n"):
+        for optional in ("temperature", "top_p", "seed", "cache_salt", "n", "logprobs"):
             if request.HasField(optional):
                 body[optional] = getattr(request, optional)
         if which == "chat":
+            if "logprobs" in body:  # chat's shape: a flag and the number of alternatives
+                body["logprobs"], body["top_logprobs"] = True, body["logprobs"]
             body["messages"] = [{"role": m.role, "content": m.content}
                                 for m in request.chat.messages]
             return parse_chat(body, self.orchestrator.tokenizer)
         body["prompt"] = request.text if which == "text" else list(request.token_ids.ids)
         return parse_completion(body)
+
+
+def _token_logprob(entry: TokenLogprobs) -> generate_pb2.TokenLogprob:
+    return generate_pb2.TokenLogprob(
+        token_id=entry.token_id, logprob=entry.logprob,
+        top=[generate_pb2.TopLogprob(token_id=token_id, logprob=logprob)
+             for token_id, logprob in entry.top])
 
 
 def _parse_generate_request(raw: bytes) -> generate_pb2.GenerateRequest:

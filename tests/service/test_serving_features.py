@@ -83,6 +83,25 @@ def test_grpc_generate_streams_each_choice_with_its_index(app, colocated):
     assert texts == colocated_texts(colocated, PROMPT, [7, 8], **sampling)
 
 
+def test_grpc_generate_returns_each_tokens_logprobs_equal_to_the_colocated_engines(app, colocated):
+    output = colocated.generate([PROMPT], SamplingParams(max_tokens=5, temperature=0.0,
+                                                         logprobs=2))[0]
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        stub = generate_pb2_grpc.GenerateStub(channel)
+        replies = list(stub.Generate(generate_pb2.GenerateRequest(
+            text=PROMPT, max_tokens=5, temperature=0.0, logprobs=2), timeout=60))
+        with pytest.raises(grpc.RpcError) as caught:
+            next(stub.Generate(generate_pb2.GenerateRequest(text=PROMPT, logprobs=21)))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs" in caught.value.details()
+    got = [entry for reply in replies for entry in reply.logprobs]
+    assert [e.token_id for e in got] == [t for r in replies for t in r.token_ids] \
+        == output.output_token_ids
+    assert [e.logprob for e in got] == pytest.approx(
+        [e.logprob for e in output.output_logprobs], abs=1e-4)
+    assert [[(t.token_id, t.logprob) for t in e.top] for e in got] == [
+        [(t, pytest.approx(lp, abs=1e-4)) for t, lp in e.top] for e in output.output_logprobs]
+
+
 @pytest.mark.parametrize("field, value", [("n", 0), ("n", 17), ("best_of", 2)])
 def test_bad_n_is_a_400_naming_the_field(app, field, value):
     body = {"model": "tiny", "prompt": "x", "max_tokens": 2, field: value}
