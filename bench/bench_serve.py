@@ -1,5 +1,6 @@
-"""pdserve serving benchmark: disaggregated (1 prefill + 1 decode) against colocated serving
-with the same number of engine processes (2 colocated workers) and torch threads.
+"""pdserve serving benchmark: disaggregated (1 prefill + 1 decode; always disaggregating, and
+with the default conditional disaggregation) against colocated serving with the same number
+of engine processes (2 colocated workers) and torch threads.
 
 Two loads, each run against both apps, the apps interleaved over ``--reps`` repetitions
 (order alternating) on one local Ray cluster; medians of the repetitions are printed side
@@ -12,7 +13,7 @@ by side with P/D / colocated ratios. Failed requests are counted and printed.
 - ``shared-prefix``: Poisson arrivals, most prompts starting with one of a few shared
   prefixes; TTFT, ITL, output tokens/s and the prefix-cache hit rate.
 
-Run: python bench/bench_serve.py   (≈ 4 minutes on 2 cores; ``--loads interference`` for one)
+Run: python bench/bench_serve.py   (≈ 6 minutes on 2 cores; ``--loads interference`` for one)
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ from pdserve.deploy.cluster import base_url, configure_ray_env, deploy, init_ray
 from pdserve.deploy.config import PDServeConfig  # noqa: E402
 from pdserve.deploy.http_client import ServiceClient  # noqa: E402
 
-SHAPES = {"pd": dict(num_prefill=1, num_decode=1), "coloc": dict(num_prefill=2, num_decode=0)}
+# P/D always disaggregating, P/D with the default conditional disaggregation (a prompt whose
+# uncached part is under 256 tokens runs whole on the decode worker), and colocated.
+SHAPES = {"pd": dict(num_prefill=1, num_decode=1, disagg_min_uncached_tokens=0),
+          "pd256": dict(num_prefill=1, num_decode=1, disagg_min_uncached_tokens=256),
+          "coloc": dict(num_prefill=2, num_decode=0)}
+TITLES = {"pd": "P/D 1+1", "pd256": "P/D cond.", "coloc": "coloc 2"}
 
 
 def text(rng: random.Random, n: int) -> str:
@@ -70,8 +76,7 @@ def measure(load: str, shape: str, rep: int, args) -> dict[str, float]:
 
     name = f"{shape}{rep}{load[:5]}"
     config = PDServeConfig(model="tiny", port=args.port, app_name=name, route_prefix=f"/{name}",
-                           num_kv_blocks=2048, transport=args.transport,
-                           disagg_min_uncached_tokens=0, **SHAPES[shape])
+                           num_kv_blocks=2048, transport=args.transport, **SHAPES[shape])
     deploy(config)
     url = base_url(config)
     arrivals, lanes = LOADS[load](args)
@@ -92,21 +97,27 @@ def measure(load: str, shape: str, rep: int, args) -> dict[str, float]:
 def print_table(load: str, rows: dict[str, list[dict[str, float]]]) -> None:
     medians = {shape: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                for shape, runs in rows.items()}
-    keys = [k for k in medians["pd"] if k != "requests"]
-    print(f"\n{load}: median of {len(rows['pd'])} repetitions")
-    print(f"{'':>22}{'P/D 1+1':>12}{'coloc 2':>12}{'P/D/coloc':>11}")
+    keys = [k for k in medians["coloc"] if k != "requests"]
+    shapes = [shape for shape in SHAPES if shape in medians]
+    print(f"\n{load}: median of {len(rows['coloc'])} repetitions; ratios over colocated")
+    print(f"{'':>22}" + "".join(f"{TITLES[s]:>12}" for s in shapes)
+          + "".join(f"{TITLES[s] + '/col':>14}" for s in shapes if s != "coloc"))
     for key in keys:
         scale = 100 if key == "hit_rate" else 1000 if key.startswith(("ttft", "itl")) else 1
         unit = " %" if key == "hit_rate" else " ms" if scale == 1000 else ""
-        a, b = medians["pd"][key], medians["coloc"][key]
-        ratio = f"{a / b:.2f}" if b else "-"
-        print(f"{key + unit:>22}{a * scale:>12.1f}{b * scale:>12.1f}{ratio:>11}")
+        base = medians["coloc"][key]
+        values = "".join(f"{medians[s][key] * scale:>12.1f}" for s in shapes)
+        ratios = "".join(f"{medians[s][key] / base:>14.2f}" if base else f"{'-':>14}"
+                         for s in shapes if s != "coloc")
+        print(f"{key + unit:>22}{values}{ratios}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--loads", nargs="+", choices=list(LOADS), default=list(LOADS))
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES),
+                        help="coloc is the baseline and always runs")
     parser.add_argument("--duration-s", type=float, default=8.0)
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--stream-tokens", type=int, default=48)
@@ -122,12 +133,14 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8050)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    args.shapes = list(dict.fromkeys(args.shapes + ["coloc"]))
     configure_ray_env()
     init_ray(None, num_cpus=2)
     for load in args.loads:
-        rows: dict[str, list[dict[str, float]]] = {"pd": [], "coloc": []}
+        rows: dict[str, list[dict[str, float]]] = {shape: [] for shape in args.shapes}
         for rep in range(args.reps):
-            for shape in (("pd", "coloc") if rep % 2 == 0 else ("coloc", "pd")):
+            order = args.shapes[rep % len(args.shapes):] + args.shapes[:rep % len(args.shapes)]
+            for shape in order:  # each shape runs first in turn: drift hits all alike
                 rows[shape].append(measure(load, shape, rep, args))
         print_table(load, rows)
 

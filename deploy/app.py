@@ -62,31 +62,41 @@ def resource_demands(config: PDServeConfig) -> dict[str, dict[str, float]]:
     return demands
 
 
-def build(config: PDServeConfig) -> Application:
+def build(config: PDServeConfig, retiring_from: PDServeConfig | None = None) -> Application:
     """The gateway bound to every worker's deployment; each worker gets its own spec.
 
     The KV-transfer secret and the block-hash seed are resolved here, once per app
     (configured, else generated; the secret may also come from ``PDSERVE_KV_TRANSFER_SECRET``),
     and reach the workers inside their ``WorkerSpec``; the gateway never holds the secret and
     learns the seed from a worker's ``ModelInfo``.
+
+    ``retiring_from``: the app's previous config, during a scale-down; its workers beyond
+    this config's counts stay deployed, unrouted, until the old gateway drained.
     """
     config = config.resolve_deployment_secrets()
 
-    def bind_workers(cls, role: str, count: int) -> dict[str, Application]:
+    def bind_workers(source: PDServeConfig, cls, role: str,
+                     indices: range) -> dict[str, Application]:
         bound = {}
-        for index in range(count):
-            spec = config.worker_spec(role, index)
+        for index in indices:
+            spec = source.worker_spec(role, index)
             deployment = serve.deployment(cls).options(
                 name=spec.worker_id, num_replicas=1,
-                ray_actor_options=worker_actor_options(config, spec.worker_id),
+                ray_actor_options=worker_actor_options(source, spec.worker_id),
                 max_ongoing_requests=_WORKER_MAX_ONGOING, health_check_period_s=5)
             bound[spec.worker_id] = deployment.bind(spec)
         return bound
 
-    prefill = bind_workers(PrefillWorker, "producer", config.num_prefill)
-    decode = bind_workers(DecodeWorker, "consumer", config.num_decode)
+    prefill = bind_workers(config, PrefillWorker, "producer", range(config.num_prefill))
+    decode = bind_workers(config, DecodeWorker, "consumer", range(config.num_decode))
+    retiring = {}
+    if retiring_from is not None:
+        retiring |= bind_workers(retiring_from, PrefillWorker, "producer",
+                                 range(config.num_prefill, retiring_from.num_prefill))
+        retiring |= bind_workers(retiring_from, DecodeWorker, "consumer",
+                                 range(config.num_decode, retiring_from.num_decode))
     gateway = Gateway.options(ray_actor_options=gateway_actor_options(config))
-    return gateway.bind(config.gateway_config(), prefill, decode)
+    return gateway.bind(config.gateway_config(), prefill, decode, retiring)
 
 
 def build_app(args: dict[str, Any]) -> Application:

@@ -9,6 +9,7 @@
     pdserve stats                                                 # per-worker table
     pdserve stats --watch                                         # ... redrawn every 2 s, with rates
     pdserve status                                                # the app's deployments and replicas
+    pdserve scale --prefill 2 --decode 3                          # change the running app's workers
     pdserve down --address auto                                   # deletes the app
     pdserve demo                                                  # up (1+1), real questions sharing a long
                                                                   # system prompt, answers, stats, down
@@ -79,11 +80,25 @@ def _join(args) -> None:
 
 
 def cmd_down(args) -> int:
-    from ray import serve
+    from pdserve.deploy.cluster import delete_app
 
     _join(args)
-    serve.delete(args.app_name)
+    delete_app(args.app_name)
     print(f"pdserve: deleted app {args.app_name!r}")
+    return 0
+
+
+def cmd_scale(args) -> int:
+    from pdserve.deploy.cluster import scale
+
+    _join(args)
+    try:
+        config = scale(args.app_name, args.prefill, args.decode)
+    except (LookupError, ValueError) as error:
+        print(f"pdserve scale: {error}", file=sys.stderr)
+        return 2
+    print(f"pdserve: {args.app_name!r} now has {config.num_prefill} prefill + "
+          f"{config.num_decode} decode workers")
     return 0
 
 
@@ -198,11 +213,14 @@ def main(argv: list[str] | None = None) -> int:
         if name == "demo":
             # The demo shows the KV plane: every question is disaggregated.
             sub.set_defaults(num_prefill=1, num_decode=1, port=8000, disagg_min_uncached_tokens=0)
-    for name, func in (("down", cmd_down), ("status", cmd_status)):
+    for name, func in (("down", cmd_down), ("status", cmd_status), ("scale", cmd_scale)):
         sub = commands.add_parser(name)
         sub.add_argument("--address", help="Ray address (default: the local `pdserve up`, else auto)")
         sub.add_argument("--app-name", default="pdserve")
         sub.set_defaults(func=func)
+        if name == "scale":  # the running app's worker counts, changed in place
+            sub.add_argument("--prefill", type=int, required=True)
+            sub.add_argument("--decode", type=int, required=True)
     gen = commands.add_parser("generate", help="stream one completion or chat reply")
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true",

@@ -46,23 +46,105 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> None:
                  namespace="pdserve", log_to_driver=False, _node_ip_address="127.0.0.1")
 
 
-def deploy(config: PDServeConfig, blocking: bool = False) -> float:
+def deploy(config: PDServeConfig, blocking: bool = False,
+           retiring_from: PDServeConfig | None = None) -> float:
     """Runs the app on the connected cluster; returns seconds until it answered.
 
+    The config, with the secrets resolved for this app, is kept in the cluster (Ray's
+    internal KV, under ``_config_key``) so that ``scale`` can redeploy the same app later.
     Raises ``PlacementError`` before deploying when no node can host a part of the app."""
     import ray
     from ray import serve
+    from ray.experimental import internal_kv
 
     from pdserve.deploy.app import build, resource_demands
     from pdserve.deploy.placement import check_placement
 
+    config = config.resolve_deployment_secrets()
     check_placement(resource_demands(config), ray.nodes())  # a clear error, not a hang
     start = time.perf_counter()
     serve.start(http_options={"host": config.host, "port": config.port},
                 proxy_location=config.proxy_location)
-    serve.run(build(config), name=config.app_name, route_prefix=config.route_prefix,
-              blocking=blocking)
+    internal_kv._internal_kv_put(_config_key(config.app_name), config.model_dump_json(),
+                                 overwrite=True)
+    serve.run(build(config, retiring_from), name=config.app_name,
+              route_prefix=config.route_prefix, blocking=blocking)
     return time.perf_counter() - start
+
+
+def scale(app_name: str, num_prefill: int, num_decode: int,
+          drain_timeout_s: float = 120.0) -> PDServeConfig:
+    """Changes the number of workers of the running app ``app_name``; returns its new config.
+
+    The app is redeployed with the config it was deployed with (same secrets and hash seed,
+    so new workers share the old ones' block hashes and KV plane) and the new counts:
+
+        up:    deploy(new)                     new workers start; Serve swaps the gateway
+                                               (the old one drains, the new one routes to all)
+        down:  deploy(new, retiring=removed)   the new gateway routes to the new set only;
+               wait: the old gateway is gone,  the removed workers stay up, unrouted, while
+                     removed workers idle      the old gateway's requests finish on them
+               deploy(new)                     then Serve stops them
+
+    A colocated app stays colocated and a disaggregated one disaggregated (roles differ:
+    ``pdserve down`` and ``up`` instead).
+    """
+    from ray.experimental import internal_kv
+
+    stored = internal_kv._internal_kv_get(_config_key(app_name))
+    if stored is None:
+        raise LookupError(f"no app {app_name!r} deployed by pdserve on this cluster")
+    config = PDServeConfig.model_validate_json(stored)
+    if (config.num_decode == 0) != (num_decode == 0):
+        raise ValueError(f"{app_name!r} is {'colocated' if config.num_decode == 0 else 'disaggregated'}; "
+                         f"scaling keeps that (decode workers {config.num_decode} -> {num_decode}): "
+                         f"`pdserve down` and `pdserve up` to change it")
+    scaled = PDServeConfig.model_validate(
+        {**config.model_dump(), "num_prefill": num_prefill, "num_decode": num_decode})
+    removed = sorted(set(config.worker_ids()) - set(scaled.worker_ids()))
+    if removed:
+        deploy(scaled, retiring_from=config)
+        _wait_until_retired(app_name, removed, drain_timeout_s)
+    deploy(scaled)
+    return scaled
+
+
+def _wait_until_retired(app_name: str, worker_ids: list[str], timeout_s: float) -> None:
+    """Waits until the app runs one gateway replica (the replaced one has drained) and the
+    ``worker_ids`` have no request running or waiting and no lease held."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+
+    def idle() -> bool:
+        gateway = serve.status().applications[app_name].deployments["gateway"]
+        if dict(gateway.replica_states) != {"RUNNING": 1}:
+            return False
+        for worker_id in worker_ids:
+            stats = serve.get_deployment_handle(worker_id, app_name).stats.remote().result(
+                timeout_s=10)
+            if stats.num_requests_running or stats.num_requests_waiting or stats.num_leases_held:
+                return False
+        return True
+
+    while not idle():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{worker_ids} of {app_name!r} still busy after {timeout_s:.0f} s; "
+                               f"they stay deployed, unrouted: run the scale again to remove them")
+        time.sleep(0.5)
+
+
+def delete_app(app_name: str) -> None:
+    """Removes the app from the connected cluster, and the config ``scale`` kept for it."""
+    from ray import serve
+    from ray.experimental import internal_kv
+
+    serve.delete(app_name)
+    internal_kv._internal_kv_del(_config_key(app_name))
+
+
+def _config_key(app_name: str) -> bytes:
+    return f"pdserve/app/{app_name}/config".encode()
 
 
 def shut_down(config: PDServeConfig) -> None:
@@ -71,7 +153,7 @@ def shut_down(config: PDServeConfig) -> None:
     from ray import serve
 
     if config.ray_address:
-        serve.delete(config.app_name)
+        delete_app(config.app_name)
     else:
         forget_local_cluster()
         ray.shutdown()

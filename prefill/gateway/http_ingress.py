@@ -283,9 +283,14 @@ def _renderer(orchestrator: RequestOrchestrator, parsed: ParsedCompletion) -> Lo
                   max_ongoing_requests=1024)
 @serve.ingress(app)
 class Gateway:
-    """Ingress replica: owns the orchestrator (router included) and every worker's handle."""
+    """Ingress replica: owns the orchestrator (router included) and every worker's handle.
 
-    def __init__(self, config: GatewayConfig, prefill: dict, decode: dict) -> None:
+    ``retiring``: the handles of workers a scale-down is removing. They are bound here only
+    so that Serve keeps them running while the replaced gateway drains requests that still
+    use them; this gateway never routes to them (``deploy.cluster.scale``)."""
+
+    def __init__(self, config: GatewayConfig, prefill: dict, decode: dict,
+                 retiring: dict | None = None) -> None:
         self.config = config
         self.workers = WorkerPool(prefill, decode)
         self.orchestrator: "RequestOrchestrator | None" = None

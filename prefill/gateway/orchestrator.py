@@ -269,8 +269,8 @@ class RequestOrchestrator:
                                             fallback=run.local_decode_id if attempt else None)
             else:
                 run.prefill_id = self.route("prefill", run.block_hashes)
-            if run.remote_decode:
-                self.route("decode", run.block_hashes)  # 503 now, before any token, when none is up
+            if run.remote_decode:  # 503 now, before any token, when none is up
+                run.decode_id = self.route("decode", run.block_hashes)
             try:
                 async for chunk in self.worker_stream(run.prefill_id, request, first=True):
                     run.last_prefill_chunk = chunk
@@ -296,8 +296,10 @@ class RequestOrchestrator:
         for attempt in range(self.config.max_attempts):
             if attempt:
                 await asyncio.sleep(self.config.retry_backoff_s)  # let Serve see the dead replica
-            run.decode_id = self.route("decode", run.block_hashes,
-                                       fallback=run.decode_id if attempt else None)
+            # Once the first token is out, a decode worker that answered a moment ago (or the
+            # one just lost, which Serve restarts) is tried rather than failing the stream
+            # because the router's view flickered (polls slowed while workers start).
+            run.decode_id = self.route("decode", run.block_hashes, fallback=run.decode_id)
             # The prompt's logprobs (if asked) came from the prefill worker.
             request = WorkerRequest(run.request_id, run.token_ids,
                                     dataclasses.replace(run.params, prompt_logprobs=None),

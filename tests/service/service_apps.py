@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from load_driver import get_json, wait_until_drained
 
-from pdserve.deploy.cluster import base_url, deploy
+from pdserve.deploy.cluster import base_url, delete_app, deploy
 from pdserve.deploy.config import PDServeConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.messages.sampling_params import SamplingParams
@@ -39,8 +39,6 @@ def running_app(num_kv_blocks: int = NUM_KV_BLOCKS, **fields) -> Iterator[PDServ
 
     ``num_kv_blocks`` below the default makes a pool that fills up on purpose; every
     request is disaggregated unless ``disagg_min_uncached_tokens`` is given."""
-    from ray import serve
-
     # Always disaggregate unless a test says otherwise: most tests specify the hand-off.
     config = PDServeConfig(**{"model": "tiny", "port": SERVE_PORT, "num_kv_blocks": num_kv_blocks,
                               "disagg_min_uncached_tokens": 0, **fields})
@@ -48,7 +46,7 @@ def running_app(num_kv_blocks: int = NUM_KV_BLOCKS, **fields) -> Iterator[PDServ
     try:
         yield config
     finally:
-        serve.delete(config.app_name)
+        delete_app(config.app_name)
 
 
 def expected_text(engine: LLMEngine, prompt: str | list[int], params: SamplingParams) -> str:

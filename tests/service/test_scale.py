@@ -1,0 +1,106 @@
+"""Live scaling: ``pdserve scale`` changes a running app's workers under load, both ways.
+
+A background load keeps four streamed completions in flight (greedy, so each reply has one
+right answer: the colocated engine's) while the app goes from 1 + 1 to 2 + 2 and back.
+No request may be lost or wrong, the new gateway routes to the workers added, forgets the
+ones removed, and every surviving worker drains to its baseline. (Serve replaces every
+replica of an app redeployed from Python, kept workers included, one by one and gracefully:
+docs/deploy.md, "Scaling and restarts".)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from service_apps import (StreamClient, assert_drained, expected_text, run_all, running_app,
+                          wait_until_ready, worker_rows)
+
+from pdserve.deploy.cluster import scale
+from pdserve.deploy.cli import main as pdserve_cli
+from pdserve.messages.sampling_params import SamplingParams
+
+PREAMBLE = "Scaling under load: the prompt spans a few KV blocks so each hand-off pulls some. "
+MAX_TOKENS = 12
+IN_FLIGHT = 4
+
+
+class SteadyLoad(threading.Thread):
+    """Keeps ``IN_FLIGHT`` streams running, each a new prompt, until ``stop()``."""
+
+    def __init__(self, config) -> None:
+        super().__init__(daemon=True)
+        self.config = config
+        self.clients: list[StreamClient] = []
+        self._stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self._stopping.is_set():
+            running = [c for c in self.clients if c.is_alive()]
+            for _ in range(IN_FLIGHT - len(running)):
+                client = StreamClient(self.config, f"{len(self.clients)}: {PREAMBLE}", MAX_TOKENS,
+                                      dict(temperature=0.0))
+                self.clients.append(client)
+                client.start()
+            time.sleep(0.05)
+
+    def stop(self) -> list[StreamClient]:
+        self._stopping.set()
+        self.join()
+        run_all(self.clients, timeout_s=90)
+        return self.clients
+
+    def wait_for(self, count: int, timeout_s: float = 120.0) -> None:
+        deadline = time.time() + timeout_s
+        while sum(1 for c in self.clients if not c.is_alive()) < count:
+            assert time.time() < deadline, f"fewer than {count} requests finished in {timeout_s} s"
+            time.sleep(0.1)
+
+
+def _wait_for_requests_on(config, worker_ids: list[str], timeout_s: float = 120.0) -> dict:
+    deadline = time.time() + timeout_s
+    while True:
+        rows = worker_rows(config)
+        if all(rows.get(w, {}).get("num_requests", 0) > 0 for w in worker_ids):
+            return rows
+        assert time.time() < deadline, f"no request reached {worker_ids} in {timeout_s} s: {rows}"
+        time.sleep(0.25)
+
+
+@pytest.mark.timeout(420)
+def test_scaling_up_and_down_under_load_loses_no_request_and_routes_to_the_new_set(
+        ray_cluster, colocated):
+    with running_app(num_prefill=1, num_decode=1, app_name="scale", route_prefix="/scale") as config:
+        wait_until_ready(config)
+        load = SteadyLoad(config)
+        load.start()
+        try:
+            load.wait_for(IN_FLIGHT)
+            assert pdserve_cli(["scale", "--app-name", "scale", "--prefill", "2",
+                                "--decode", "2"]) == 0
+            wait_until_ready(config, timeout_s=120)
+            rows = _wait_for_requests_on(config, ["prefill-1", "decode-1"])
+            assert sorted(rows) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
+            finished = sum(1 for c in load.clients if not c.is_alive())
+            scale("scale", 1, 1)
+            wait_until_ready(config, timeout_s=120)
+            load.wait_for(finished + 2 * IN_FLIGHT)  # served by the smaller set
+            assert sorted(worker_rows(config)) == ["decode-0", "prefill-0"]
+        finally:
+            clients = load.stop()
+        lost = [(c.prompt[:4], c.status, c.error) for c in clients
+                if c.error is not None or c.finish_reason is None]
+        assert lost == []
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+        wrong = [c.prompt[:4] for c in clients if c.text != expected_text(colocated, c.prompt, params)]
+        assert wrong == []
+        assert_drained(config)
+
+
+def test_scaling_refuses_to_turn_a_disaggregated_app_colocated_and_an_unknown_app(ray_cluster):
+    with running_app(num_prefill=1, num_decode=1, app_name="scale2", route_prefix="/scale2"):
+        with pytest.raises(ValueError, match="disaggregated.*pdserve down"):
+            scale("scale2", 1, 0)
+    with pytest.raises(LookupError, match="no app 'scale2'"):
+        scale("scale2", 1, 1)
