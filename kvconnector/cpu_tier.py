@@ -53,10 +53,7 @@ class CpuTier(TierLevel):
                 checksum = page_checksum(page)
             self._index.put(block_hash, (slot, checksum))
             self._stored_event(block_hash)
-            counters = self.counters
-            counters.blocks_stored += 1
-            counters.store_bytes += self.page_bytes
-            counters.store_seconds += time.perf_counter() - started
+            self.counters.record_store(self.page_bytes, time.perf_counter() - started)
 
     def _evict_lru(self) -> int:
         """Under the lock: frees the least recently used slot, its page handed below."""
@@ -76,13 +73,7 @@ class CpuTier(TierLevel):
             slot, checksum = entry
             np.copyto(dst, self._slab[slot])
             ok = page_checksum(dst) == checksum
-            counters = self.counters
-            if ok:
-                counters.blocks_loaded += 1
-                counters.load_bytes += self.page_bytes
-            else:
-                counters.load_failures += 1
-            counters.load_seconds += time.perf_counter() - started
+            self.counters.record_load(ok, self.page_bytes, time.perf_counter() - started)
             return ok
 
     def discard(self, block_hash: BlockHash) -> None:

@@ -120,9 +120,7 @@ class DiskTier(TierLevel):
                     self._evict_lru()
                 self._index.put(block_hash, checksum)
                 self._stored_event(block_hash)
-                counters.blocks_stored += 1
-                counters.store_bytes += self.page_bytes
-                counters.store_seconds += time.perf_counter() - started
+                counters.record_store(self.page_bytes, time.perf_counter() - started)
 
     def _write_file(self, block_hash: BlockHash, page: np.ndarray) -> bool:
         path = self.path_of(block_hash)
@@ -159,13 +157,7 @@ class DiskTier(TierLevel):
                     return False
         ok = (queued is not None or self._read_file(block_hash, dst)) and page_checksum(dst) == checksum
         with self._lock:
-            counters = self.counters
-            if ok:
-                counters.blocks_loaded += 1
-                counters.load_bytes += self.page_bytes
-            else:
-                counters.load_failures += 1
-            counters.load_seconds += time.perf_counter() - started
+            self.counters.record_load(ok, self.page_bytes, time.perf_counter() - started)
         return ok
 
     def _read_file(self, block_hash: BlockHash, dst: np.ndarray) -> bool:

@@ -46,6 +46,20 @@ class TierCounters:
     store_failures: int = 0
     load_failures: int = 0
 
+    def record_store(self, page_bytes: int, seconds: float) -> None:
+        self.blocks_stored += 1
+        self.store_bytes += page_bytes
+        self.store_seconds += seconds
+
+    def record_load(self, ok: bool, page_bytes: int, seconds: float) -> None:
+        """One load: intact (counted with its bytes) or failed (recomputed)."""
+        if ok:
+            self.blocks_loaded += 1
+            self.load_bytes += page_bytes
+        else:
+            self.load_failures += 1
+        self.load_seconds += seconds
+
 
 class TierLevel(ABC):
     """A level's pages, LRU and counters; every method is safe from any thread."""
