@@ -13,7 +13,7 @@ by side with P/D / colocated ratios. Failed requests are counted and printed.
 - ``shared-prefix``: Poisson arrivals, most prompts starting with one of a few shared
   prefixes; TTFT, ITL, output tokens/s and the prefix-cache hit rate.
 
-Run: python bench/bench_serve.py   (≈ 6 minutes on 2 cores; ``--loads interference`` for one)
+Run: python bench/bench_serve.py   (≈ 8 minutes on 2 cores; ``--loads interference`` for one)
 """
 
 from __future__ import annotations
@@ -34,11 +34,14 @@ from pdserve.deploy.config import PDServeConfig  # noqa: E402
 from pdserve.deploy.http_client import ServiceClient  # noqa: E402
 
 # P/D always disaggregating, P/D with the default conditional disaggregation (a prompt whose
-# uncached part is under 256 tokens runs whole on the decode worker), and colocated.
+# uncached part is under 256 tokens runs whole on the decode worker), the same with the
+# prefill worker pinned to CPU 0 and the decode worker to CPU 1, and colocated.
 SHAPES = {"pd": dict(num_prefill=1, num_decode=1, disagg_min_uncached_tokens=0),
           "pd256": dict(num_prefill=1, num_decode=1, disagg_min_uncached_tokens=256),
+          "pinned": dict(num_prefill=1, num_decode=1, disagg_min_uncached_tokens=256,
+                         prefill_cpus=[0], decode_cpus=[1]),
           "coloc": dict(num_prefill=2, num_decode=0)}
-TITLES = {"pd": "P/D 1+1", "pd256": "P/D cond.", "coloc": "coloc 2"}
+TITLES = {"pd": "P/D 1+1", "pd256": "P/D cond.", "pinned": "P/D pinned", "coloc": "coloc 2"}
 
 
 def text(rng: random.Random, n: int) -> str:
@@ -101,13 +104,13 @@ def print_table(load: str, rows: dict[str, list[dict[str, float]]]) -> None:
     shapes = [shape for shape in SHAPES if shape in medians]
     print(f"\n{load}: median of {len(rows['coloc'])} repetitions; ratios over colocated")
     print(f"{'':>22}" + "".join(f"{TITLES[s]:>12}" for s in shapes)
-          + "".join(f"{TITLES[s] + '/col':>14}" for s in shapes if s != "coloc"))
+          + "".join(f"{TITLES[s] + '/col':>16}" for s in shapes if s != "coloc"))
     for key in keys:
         scale = 100 if key == "hit_rate" else 1000 if key.startswith(("ttft", "itl")) else 1
         unit = " %" if key == "hit_rate" else " ms" if scale == 1000 else ""
         base = medians["coloc"][key]
         values = "".join(f"{medians[s][key] * scale:>12.1f}" for s in shapes)
-        ratios = "".join(f"{medians[s][key] / base:>14.2f}" if base else f"{'-':>14}"
+        ratios = "".join(f"{medians[s][key] / base:>16.2f}" if base else f"{'-':>16}"
                          for s in shapes if s != "coloc")
         print(f"{key + unit:>22}{values}{ratios}")
 

@@ -95,7 +95,8 @@ def build(config: PDServeConfig, retiring_from: PDServeConfig | None = None) -> 
                                  range(config.num_prefill, retiring_from.num_prefill))
         retiring |= bind_workers(retiring_from, DecodeWorker, "consumer",
                                  range(config.num_decode, retiring_from.num_decode))
-    gateway = Gateway.options(ray_actor_options=gateway_actor_options(config))
+    gateway = Gateway.options(num_replicas=config.num_gateway_replicas,
+                              ray_actor_options=gateway_actor_options(config))
     return gateway.bind(config.gateway_config(), prefill, decode, retiring)
 
 

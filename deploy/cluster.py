@@ -13,6 +13,7 @@ loopback-only cluster does not listen on).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -104,13 +105,14 @@ def scale(app_name: str, num_prefill: int, num_decode: int,
     removed = sorted(set(config.worker_ids()) - set(scaled.worker_ids()))
     if removed:
         deploy(scaled, retiring_from=config)
-        _wait_until_retired(app_name, removed, drain_timeout_s)
+        _wait_until_retired(app_name, removed, scaled.num_gateway_replicas, drain_timeout_s)
     deploy(scaled)
     return scaled
 
 
-def _wait_until_retired(app_name: str, worker_ids: list[str], timeout_s: float) -> None:
-    """Waits until the app runs one gateway replica (the replaced one has drained) and the
+def _wait_until_retired(app_name: str, worker_ids: list[str], num_gateways: int,
+                        timeout_s: float) -> None:
+    """Waits until the app runs only its new gateway replicas (the replaced ones drained) and the
     ``worker_ids`` have no request running or waiting and no lease held."""
     from ray import serve
 
@@ -118,7 +120,7 @@ def _wait_until_retired(app_name: str, worker_ids: list[str], timeout_s: float) 
 
     def idle() -> bool:
         gateway = serve.status().applications[app_name].deployments["gateway"]
-        if dict(gateway.replica_states) != {"RUNNING": 1}:
+        if dict(gateway.replica_states) != {"RUNNING": num_gateways}:
             return False
         for worker_id in worker_ids:
             stats = serve.get_deployment_handle(worker_id, app_name).stats.remote().result(
@@ -135,12 +137,18 @@ def _wait_until_retired(app_name: str, worker_ids: list[str], timeout_s: float) 
 
 
 def delete_app(app_name: str) -> None:
-    """Removes the app from the connected cluster, and the config ``scale`` kept for it."""
+    """Removes the app from the connected cluster, the config ``scale`` kept for it, and its
+    gateway replicas' board (when it had several)."""
+    import ray
     from ray import serve
     from ray.experimental import internal_kv
 
+    from pdserve.prefill.gateway.replica_board import board_name
+
     serve.delete(app_name)
     internal_kv._internal_kv_del(_config_key(app_name))
+    with contextlib.suppress(ValueError):  # ValueError: there is none
+        ray.kill(ray.get_actor(board_name(app_name), namespace="pdserve"))
 
 
 def _config_key(app_name: str) -> bytes:
@@ -150,7 +158,6 @@ def _config_key(app_name: str) -> bytes:
 def shut_down(config: PDServeConfig) -> None:
     """Removes the app: on a joined cluster only the app; an embedded cluster goes down whole."""
     import ray
-    from ray import serve
 
     if config.ray_address:
         delete_app(config.app_name)

@@ -98,6 +98,11 @@ class PDServeConfig(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = Field("auto", description="auto: cuda when the worker got a GPU, else cpu")
     torch_threads: int = Field(1, ge=1)
+    prefill_cpus: list[int] | None = Field(
+        None, description="CPU ids every prefill worker's process is pinned to "
+                          "(os.sched_setaffinity; unset: not pinned)")
+    decode_cpus: list[int] | None = Field(
+        None, description="the same for decode workers, e.g. prefill on 0-5, decode on 6-7")
     ucx_tls: str | None = Field(
         None, description="UCX_TLS of NIXL workers, e.g. 'tcp' (tested between nodes); unset: "
                           "UCX's own choice (cma on one host, RDMA or TCP between hosts)")
@@ -125,7 +130,11 @@ class PDServeConfig(BaseModel):
                                  "the same host:port)")
     grpc_port: int = Field(0, ge=0, lt=65536, description="0: no gRPC Generate service")
     max_inflight_requests: int = Field(256, ge=1,
-                                       description="beyond: 429 with Retry-After")
+                                       description="beyond: 429 with Retry-After (with several "
+                                                   "gateway replicas, each admits its share)")
+    num_gateway_replicas: int = Field(
+        1, ge=1, description="gateway replicas (Serve spreads HTTP over them); they answer "
+                             "/stats, /metrics and /v1/requests as one service")
     retry_after_s: int = Field(1, ge=0, description="the Retry-After of a 429 or 503")
     worker_timeout_s: float = Field(5.0, gt=0,
                                     description="a worker silent this long leaves routing")
@@ -143,6 +152,14 @@ class PDServeConfig(BaseModel):
     app_name: str = "pdserve"
     route_prefix: str = "/"
     extra_engine_args: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_one_grpc_listener(self) -> PDServeConfig:
+        if self.grpc_port and self.num_gateway_replicas > 1:
+            raise ValueError(f"the gRPC Generate service (grpc_port {self.grpc_port}) runs in "
+                             f"one gateway replica; set num_gateway_replicas to 1 or grpc_port "
+                             f"to 0")
+        return self
 
     @model_validator(mode="after")
     def _check_placement_names(self) -> PDServeConfig:
@@ -240,8 +257,10 @@ class PDServeConfig(BaseModel):
                              "resolve_deployment_secrets() first")
         engine = self.engine_config(engine_id=worker_id, device=self.device)
         kv_tier = self.kv_tier_config()
+        cpus = self.prefill_cpus if role == "producer" else self.decode_cpus
+        cpus = tuple(cpus) if cpus else None
         if self.colocated:
-            return WorkerSpec(worker_id, engine, kv_tier=kv_tier)
+            return WorkerSpec(worker_id, engine, kv_tier=kv_tier, cpus=cpus)
         if self.kv_transfer_secret is None:
             raise ValueError("a disaggregated worker needs the deployment's KV-transfer secret; "
                              "build the app with deploy.app.build (it resolves one) or call "
@@ -254,7 +273,7 @@ class PDServeConfig(BaseModel):
             failure_policy=self.kv_failure_policy)
         return WorkerSpec(worker_id, engine, connector,
                           advertise_node_address=not self.kv_transfer_host,
-                          kv_tier=kv_tier)
+                          kv_tier=kv_tier, cpus=cpus)
 
     def kv_tier_config(self) -> KVTierConfig | None:
         """Every worker's KV tier settings; None when no tier is configured."""
@@ -265,13 +284,16 @@ class PDServeConfig(BaseModel):
     def gateway_config(self) -> GatewayConfig:
         return GatewayConfig(model=self.model, model_name=self.model_name, host=self.host,
                              grpc_port=self.grpc_port,
-                             max_inflight_requests=self.max_inflight_requests,
+                             # Each replica admits its share (the proxy balances them).
+                             max_inflight_requests=-(-self.max_inflight_requests
+                                                     // self.num_gateway_replicas),
                              max_load_imbalance=self.max_load_imbalance,
                              retry_after_s=self.retry_after_s,
                              worker_timeout_s=self.worker_timeout_s,
                              max_attempts=self.max_attempts,
                              retry_backoff_s=self.retry_backoff_s,
-                             disagg_min_uncached_tokens=self.disagg_min_uncached_tokens)
+                             disagg_min_uncached_tokens=self.disagg_min_uncached_tokens,
+                             app_name=self.app_name, num_replicas=self.num_gateway_replicas)
 
     def engine_config(self, engine_id: str, device: str) -> EngineConfig:
         """The ``EngineConfig`` of one worker; only ``engine_id`` and ``device`` differ."""

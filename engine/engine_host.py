@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -54,6 +55,8 @@ class EngineHost:
         if not isinstance(spec, WorkerSpec):
             raise TypeError(f"a worker is built from a WorkerSpec, got {type(spec).__name__}")
         self.spec = spec
+        if spec.cpus is not None:
+            _pin_to(spec.worker_id, spec.cpus)
         self.worker_id = spec.worker_id
         self.role = spec.role
         self.instance_id = uuid.uuid4().hex
@@ -286,3 +289,13 @@ def _pick_device(device: str) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _pin_to(worker_id: str, cpus: tuple[int, ...]) -> None:
+    """Pins this process (the engine's torch threads start after this) to ``cpus``."""
+    allowed = os.sched_getaffinity(0)
+    missing = sorted(set(cpus) - allowed)
+    if missing:
+        raise ValueError(f"{worker_id} is to run on CPUs {sorted(cpus)}, but {missing} are not "
+                         f"among this node's usable CPUs {sorted(allowed)}")
+    os.sched_setaffinity(0, cpus)

@@ -25,6 +25,8 @@ class WorkerSpec:
       it, and a NIXL worker's UCX data path uses that node's interface.
 
     ``kv_tier``: a KV tier below the worker's block pool (None: the pool is the only tier).
+    ``cpus``: CPU ids the worker's process is pinned to (``os.sched_setaffinity``), so that
+    prefill and decode workers on one node do not take each other's cores (None: unpinned).
     """
 
     worker_id: str
@@ -32,10 +34,13 @@ class WorkerSpec:
     connector: KVConnectorConfig | None = None
     advertise_node_address: bool = False
     kv_tier: KVTierConfig | None = None
+    cpus: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.worker_id:
             raise ValueError("a worker needs a non-empty worker_id")
+        if self.cpus is not None and (not self.cpus or min(self.cpus) < 0):
+            raise ValueError(f"cpus must name at least one CPU id >= 0, got {self.cpus}")
 
     @property
     def role(self) -> str:

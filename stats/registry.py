@@ -157,16 +157,20 @@ GATEWAY_STATS: tuple[Stat, ...] = (
          "pdserve:prompt_tokens_by_kv_source", label="source"),
     Stat("num_generation_tokens", C, "tokens", "Tokens sent to clients.",
          "vllm:generation_tokens"),
+    # Several gateway replicas (replica_board.py) add their histograms bucket by bucket and
+    # show the worst replica's recent percentiles.
     Stat("time_to_first_token", H, "seconds", "Time to first token, at the gateway.",
-         "vllm:time_to_first_token_seconds"),
+         "vllm:time_to_first_token_seconds", total=Total.MERGE),
     Stat("inter_token_latency", H, "seconds", "Time between output tokens, at the gateway.",
-         "vllm:inter_token_latency_seconds"),
+         "vllm:inter_token_latency_seconds", total=Total.MERGE),
     Stat("e2e_request_latency", H, "seconds", "End-to-end request latency.",
-         "vllm:e2e_request_latency_seconds"),
-    Stat("ttft_p50_s", G, "seconds", "Median TTFT of recent requests.", None),
-    Stat("ttft_p99_s", G, "seconds", "p99 TTFT of recent requests.", None),
-    Stat("itl_p50_s", G, "seconds", "Median inter-token latency, recent tokens.", None),
-    Stat("itl_p99_s", G, "seconds", "p99 inter-token latency, recent tokens.", None),
+         "vllm:e2e_request_latency_seconds", total=Total.MERGE),
+    Stat("ttft_p50_s", G, "seconds", "Median TTFT of recent requests.", None, total=Total.MAX),
+    Stat("ttft_p99_s", G, "seconds", "p99 TTFT of recent requests.", None, total=Total.MAX),
+    Stat("itl_p50_s", G, "seconds", "Median inter-token latency, recent tokens.", None,
+         total=Total.MAX),
+    Stat("itl_p99_s", G, "seconds", "p99 inter-token latency, recent tokens.", None,
+         total=Total.MAX),
 )
 
 

@@ -13,5 +13,6 @@
 | `request_provenance.py` | each request's KV provenance, merged from both workers; the last N |
 | `dashboard.py` | `/dashboard` (the page in `static/`, uPlot vendored) and `/v1/requests` |
 | `metrics.py` | the gateway's figures, `/stats` and `/metrics` over all workers |
+| `replica_board.py` | several gateway replicas answering as one: the app's board of their figures |
 | `config.py` | `GatewayConfig` |
 """

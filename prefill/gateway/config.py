@@ -22,6 +22,9 @@ class GatewayConfig:
     uncached part on the best decode worker is shorter runs whole there, with no hand-off
     (conditional disaggregation); 0 always disaggregates. ``num_recent_requests``: finished
     requests whose KV provenance ``GET /v1/requests`` and the dashboard keep.
+    ``num_replicas``: gateway replicas of the app ``app_name``; with more than one,
+    ``max_inflight_requests`` is each replica's share and the replicas answer the figures
+    and request records of the whole service (``replica_board.py``).
     """
 
     model: str  # "tiny" or a local HF directory: the gateway loads only its tokenizer
@@ -36,6 +39,8 @@ class GatewayConfig:
     retry_backoff_s: float = 0.5
     disagg_min_uncached_tokens: int = 0
     num_recent_requests: int = 256
+    app_name: str = "pdserve"
+    num_replicas: int = 1
 
     def __post_init__(self) -> None:
         if self.max_inflight_requests < 1:

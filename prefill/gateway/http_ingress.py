@@ -341,11 +341,17 @@ class Gateway:
 
     @app.get("/v1/requests")
     async def recent_requests(self, limit: int = DEFAULT_LIMIT) -> dict[str, Any]:
-        return recent_requests_body((await self._get_orchestrator()).recent, limit)
+        orchestrator = await self._get_orchestrator()
+        shared = await orchestrator.share.latest(limit) if orchestrator.share else None
+        return recent_requests_body(orchestrator.recent, limit, shared)
 
     @app.get("/v1/requests/{request_id}")
     async def request_provenance(self, request_id: str) -> JSONResponse:
-        return request_provenance_response((await self._get_orchestrator()).recent, request_id)
+        orchestrator = await self._get_orchestrator()
+        shared = None  # another gateway replica may have finished it
+        if orchestrator.recent.get(request_id) is None and orchestrator.share is not None:
+            shared = await orchestrator.share.record(request_id)
+        return request_provenance_response(orchestrator.recent, request_id, shared)
 
     @app.get("/health")
     async def health(self) -> JSONResponse:

@@ -43,6 +43,8 @@ class GatewayMetrics:
         self._recent_ttft = LatencyWindow()
         self._recent_itl = LatencyWindow()
         self.latest_workers: list[WorkerStats] = []
+        # The whole service's gateway row when several replicas share a board (else None).
+        self.service_row: dict[str, Any] | None = None
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
@@ -88,7 +90,7 @@ class GatewayMetrics:
     def collect(self):
         """Prometheus: the gateway's families, then every worker's (latest ``stats()``)."""
         yield from prometheus_families(GATEWAY_STATS, ["model_name"],
-                                       [([self.model_name], self.row())])
+                                       [([self.model_name], self.service_row or self.row())])
         yield from prometheus_families(
             WORKER_STATS, ["model_name", "worker", "role"],
             [([self.model_name, w.worker_id, w.role], dataclasses.asdict(w) | {

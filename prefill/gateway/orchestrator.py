@@ -30,6 +30,7 @@ import dataclasses
 import logging
 import random
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -46,6 +47,7 @@ from pdserve.prefill.gateway.metrics import GatewayMetrics, stats_report
 from pdserve.prefill.gateway.openai_schema import (APIError, ParsedCompletion,
                                                    no_worker_available, too_many_requests)
 from pdserve.prefill.gateway.readiness import Readiness
+from pdserve.prefill.gateway.replica_board import ReplicaShare
 from pdserve.prefill.gateway.request_provenance import RecentRequests, RequestProvenance
 from pdserve.prefill.gateway.router import NoWorkerAvailable, Router
 from pdserve.prefill.gateway.stream_emitter import (
@@ -136,11 +138,16 @@ class RequestOrchestrator:
                                     after_each_round=self.readiness.prewarm)
         self.metrics = GatewayMetrics(self.model_name)
         self.recent = RecentRequests(config.num_recent_requests)
+        # With several gateway replicas: the board they answer the service's figures from.
+        self.share = (ReplicaShare(config.app_name, uuid.uuid4().hex[:12], config.num_recent_requests)
+                      if config.num_replicas > 1 else None)
         self.seed_rng = random.SystemRandom()
         self._lease_releases: set[asyncio.Task] = set()
 
     def start(self) -> None:
         self.poller.start()
+        if self.share is not None:
+            self.share.start(self.metrics.row)
 
     # ------------------------------------------------------------------ validate, admit
 
@@ -340,6 +347,8 @@ class RequestOrchestrator:
             lease_id=run.lease_id, ttft_s=emitter.ttft_s(), itl_s=emitter.mean_itl_s(),
             e2e_s=time.perf_counter() - emitter.start)
         self.recent.add(record)
+        if self.share is not None:
+            self.share.finished(record.to_json())
         self.metrics.record_provenance(record)
         delta.kv_provenance = record
         return delta
@@ -438,4 +447,8 @@ class RequestOrchestrator:
         """The ``/stats`` body; also refreshes the worker figures ``/metrics`` exposes."""
         workers = await self.worker_stats()
         self.metrics.latest_workers = workers
-        return stats_report(self.model_name, self.metrics.row(), workers)
+        if self.share is None:
+            return stats_report(self.model_name, self.metrics.row(), workers)
+        service_row, replicas = await self.share.service_row()
+        self.metrics.service_row = service_row
+        return stats_report(self.model_name, service_row, workers) | {"gateway_replicas": replicas}

@@ -89,9 +89,12 @@ def expected_refusal(lease_id: str, valid_lease_id: str, block_ids: list[int]):
 def still_serves_after(request):
     """After each test that talked to the shared peer: it still serves a good read (a hostile
     input must not break the server for everyone else), whatever order the tests run in."""
+    shared = {"peer", "channel"} & set(request.fixturenames)
+    peer = request.getfixturevalue("peer") if shared else None
+    pages = request.getfixturevalue("remote_pages") if shared else None
     yield
-    if {"peer", "channel"} & set(request.fixturenames):
-        assert_still_serves(request.getfixturevalue("peer"), request.getfixturevalue("remote_pages"))
+    if peer is not None:
+        assert_still_serves(peer, pages)
 
 
 def assert_still_serves(peer: PeerProcess, remote_pages: torch.Tensor) -> None:

@@ -204,7 +204,8 @@ def test_corrupted_block_is_dropped_and_recomputed(
 
 
 def test_incompatible_layout_is_refused_with_both_values(prefill_factory) -> None:
-    prefill = prefill_factory(transport="grpc", hash_seed=1)
+    # A refused handshake reads nothing and releases nothing: the lease ends at its TTL.
+    prefill = prefill_factory(transport="grpc", hash_seed=1, lease_ttl_s=2.0)
     decode = make_decode_engine("grpc", failure_policy="fail", hash_seed=2)
     prompt = random_prompts(14, 1)[0]
     params = SamplingParams(max_tokens=5, temperature=0.0)

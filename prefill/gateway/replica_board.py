@@ -1,0 +1,135 @@
+"""Several gateway replicas answering as one service: a small shared board of their figures.
+
+With ``num_replicas > 1`` Serve's proxy spreads requests over the gateway replicas; each keeps
+its own router index (fed by the same KV events) and its own admission count, but a user
+asks ``/stats``, ``/metrics`` or ``GET /v1/requests/{id}`` of the service, and any replica
+may answer. So each replica pushes its gateway row and the requests it finished since its
+last push to one ``ReplicaBoard`` actor per app, every ``PUSH_INTERVAL_S``, and answers
+from the board's rows (its own fresh):
+
+    replica A ──push(row, new records)──▶ ReplicaBoard ◀──push── replica B
+    GET /stats on B:  totals(GATEWAY_STATS, [A's last row, B's row now])
+
+Counters and histograms add up; the recent p50/p99 show the worst replica's. A replica that
+stopped pushing (stopped, restarted) keeps its counters in the sum, as a restarted worker's
+Prometheus series would, but its present-tense gauges count as 0 once its row is older
+than ``STALE_AFTER_S``. With one replica none of this runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from typing import Any
+
+import ray
+
+from pdserve.stats.registry import GATEWAY_STATS, Kind
+from pdserve.stats.views import totals
+
+logger = logging.getLogger(__name__)
+
+PUSH_INTERVAL_S = 1.0
+STALE_AFTER_S = 5.0
+
+
+@ray.remote(num_cpus=0)
+class ReplicaBoard:
+    """The gateway replicas' rows and recent request records, by replica id."""
+
+    def __init__(self, num_recent_requests: int) -> None:
+        self._rows: dict[str, tuple[float, dict[str, Any]]] = {}
+        self._records: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._capacity = num_recent_requests
+
+    def push(self, replica_id: str, row: dict[str, Any], records: list[dict[str, Any]]) -> None:
+        self._rows[replica_id] = (time.monotonic(), row)
+        for record in records:  # oldest first: the newest end up last
+            self._records[record["request_id"]] = record
+            self._records.move_to_end(record["request_id"])
+        while len(self._records) > self._capacity:
+            self._records.popitem(last=False)
+
+    def rows(self) -> dict[str, tuple[float, dict[str, Any]]]:
+        """Each replica's last row and how many seconds ago it came."""
+        now = time.monotonic()
+        return {replica: (now - pushed, row) for replica, (pushed, row) in self._rows.items()}
+
+    def record(self, request_id: str) -> dict[str, Any] | None:
+        return self._records.get(request_id)
+
+    def latest(self, limit: int) -> list[dict[str, Any]]:
+        """Up to ``limit`` records of every replica, newest first."""
+        return list(reversed(self._records.values()))[:max(limit, 0)]
+
+
+def board_for(app_name: str, num_recent_requests: int):
+    """The app's board: created by the first replica that asks, found by the others.
+
+    Detached, so that it outlives any one replica; ``deploy.cluster.delete_app`` ends it."""
+    return ReplicaBoard.options(name=board_name(app_name), namespace="pdserve",
+                                get_if_exists=True, lifetime="detached").remote(num_recent_requests)
+
+
+def board_name(app_name: str) -> str:
+    return f"pdserve-gateway-board-{app_name}"
+
+
+def merged_gateway_row(rows: dict[str, tuple[float, dict[str, Any]]]) -> dict[str, Any]:
+    """One gateway row for the service from every replica's (age in seconds, row)."""
+    present = []
+    for age, row in rows.values():
+        if age > STALE_AFTER_S:  # gone or hung: its counts stay, its "now" does not
+            row = {**row, **{s.name: 0 for s in GATEWAY_STATS if s.kind is Kind.GAUGE}}
+        present.append(row)
+    return totals(GATEWAY_STATS, present)
+
+
+class ReplicaShare:
+    """One replica's side: pushes its figures, and reads the service's back."""
+
+    def __init__(self, app_name: str, replica_id: str, num_recent_requests: int) -> None:
+        self.replica_id = replica_id
+        self._board = board_for(app_name, num_recent_requests)
+        self._unpushed: list[dict[str, Any]] = []
+        self._task: asyncio.Task | None = None
+
+    def finished(self, record_json: dict[str, Any]) -> None:
+        self._unpushed.append(record_json)
+
+    def start(self, read_row) -> None:
+        """Pushes ``read_row()`` and the new records every ``PUSH_INTERVAL_S``."""
+        self._read_row = read_row
+        self._task = asyncio.get_running_loop().create_task(self._push_forever())
+
+    async def push(self) -> None:
+        records, self._unpushed = self._unpushed, []
+        await self._board.push.remote(self.replica_id, self._read_row(), records)
+
+    async def _push_forever(self) -> None:
+        while True:
+            try:
+                await self.push()
+            except Exception as error:  # the board restarting: the next push tries again
+                logger.warning("gateway replica %s could not push its figures: %r",
+                               self.replica_id, error)
+            await asyncio.sleep(PUSH_INTERVAL_S)
+
+    async def service_row(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The merged gateway row, and each replica's own (``replica_id``, requests, in flight)."""
+        await self.push()  # this replica's figures as of now
+        rows = await self._board.rows.remote()
+        replicas = [{"replica_id": replica, "num_requests": row["num_requests"],
+                     "num_requests_in_flight": row["num_requests_in_flight"],
+                     "seconds_since_push": round(age, 3)}
+                    for replica, (age, row) in sorted(rows.items())]
+        return merged_gateway_row(rows), replicas
+
+    async def record(self, request_id: str) -> dict[str, Any] | None:
+        return await self._board.record.remote(request_id)
+
+    async def latest(self, limit: int) -> list[dict[str, Any]]:
+        await self.push()
+        return await self._board.latest.remote(limit)

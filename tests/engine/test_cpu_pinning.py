@@ -1,0 +1,43 @@
+"""A worker pinned to CPUs (``prefill_cpus`` / ``decode_cpus``) runs on exactly those, and a
+CPU the node does not have is refused by name. Run in a child process: pinning the test
+process would pin the rest of the suite."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import pytest
+
+from pdserve.deploy.config import PDServeConfig
+from pdserve.engine.engine_host import _pin_to
+from pdserve.messages.worker_spec import WorkerSpec
+
+
+def _affinity_after_pinning(cpus: tuple[int, ...]) -> set[int] | str:
+    try:
+        _pin_to("decode-0", cpus)
+    except ValueError as error:
+        return str(error)
+    return os.sched_getaffinity(0)
+
+
+def _in_child(cpus: tuple[int, ...]):
+    with mp.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_affinity_after_pinning, (cpus,))
+
+
+def test_a_pinned_worker_runs_on_its_cpus_and_an_absent_cpu_is_refused_by_name():
+    first = min(os.sched_getaffinity(0))
+    assert _in_child((first,)) == {first}
+    absent = max(os.sched_getaffinity(0)) + 1000
+    assert f"[{absent}] are not among this node's usable CPUs" in _in_child((first, absent))
+
+
+def test_each_role_gets_its_own_cpus_in_its_spec():
+    config = PDServeConfig(model="tiny", prefill_cpus=[0, 1], decode_cpus=[2]).resolve_deployment_secrets()
+    assert config.worker_spec("producer", 0).cpus == (0, 1)
+    assert config.worker_spec("consumer", 0).cpus == (2,)
+    assert PDServeConfig(model="tiny").resolve_deployment_secrets().worker_spec("consumer", 0).cpus is None
+    with pytest.raises(ValueError, match="cpus must name at least one CPU"):
+        WorkerSpec("decode-0", config.engine_config("decode-0", "cpu"), cpus=())

@@ -1,0 +1,101 @@
+"""Two gateway replicas answering as one service.
+
+Serve's proxy spreads requests over both replicas; each admits half of
+``max_inflight_requests``, keeps its own router and pushes its figures and finished
+requests to the app's board, so whichever replica answers, ``/stats`` counts every request
+once, ``/metrics`` the same, and ``GET /v1/requests/{id}`` finds any request.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from load_driver import get_json
+from service_apps import assert_drained, expected_text, running_app, wait_until_ready
+
+from pdserve.deploy.cluster import base_url
+from pdserve.deploy.config import PDServeConfig
+from pdserve.messages.sampling_params import SamplingParams
+
+NUM_REQUESTS = 24
+CONCURRENCY = 6
+
+
+def test_two_gateway_replicas_share_the_load_and_answer_stats_and_records_as_one(
+        ray_cluster, colocated):
+    with running_app(num_prefill=1, num_decode=1, num_gateway_replicas=2,
+                     max_inflight_requests=64, app_name="gw2", route_prefix="/gw2") as config:
+        wait_until_ready(config)
+        url = base_url(config) + "/v1/completions"
+        prompts = [f"request {i} through one of two gateways: " + "shared words " * 12
+                   for i in range(NUM_REQUESTS)]
+        replies: dict[int, httpx.Response] = {}
+
+        def send(indices: list[int]) -> None:
+            with httpx.Client(timeout=60) as client:
+                for i in indices:
+                    replies[i] = client.post(url, json={"model": "tiny", "prompt": prompts[i],
+                                                        "max_tokens": 6, "temperature": 0})
+
+        threads = [threading.Thread(target=send, args=(list(range(k, NUM_REQUESTS, CONCURRENCY)),))
+                   for k in range(CONCURRENCY)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert sorted(replies) == list(range(NUM_REQUESTS))
+        assert [r.status_code for r in replies.values()] == [200] * NUM_REQUESTS
+        params = SamplingParams(max_tokens=6, temperature=0.0)
+        for i, reply in replies.items():
+            assert reply.json()["choices"][0]["text"] == expected_text(colocated, prompts[i], params)
+
+        stats = get_json(config, "/stats")
+        replicas = stats["gateway_replicas"]
+        assert len(replicas) == 2
+        assert all(r["num_requests"] > 0 for r in replicas), replicas  # both served
+        # Every request counted once, whichever replica answers (the other's row may be up
+        # to a push old: poll until it has caught up).
+        deadline = time.time() + 10
+        while stats["gateway"]["num_requests"] != NUM_REQUESTS and time.time() < deadline:
+            time.sleep(0.5)
+            stats = get_json(config, "/stats")
+        assert stats["gateway"]["num_requests"] == NUM_REQUESTS
+        assert stats["gateway"]["time_to_first_token"]["counts"] and \
+            sum(stats["gateway"]["time_to_first_token"]["counts"]) == NUM_REQUESTS
+        metrics = httpx.get(base_url(config) + "/metrics", timeout=30).text
+        assert f'pdserve:gateway_requests_total{{model_name="tiny"}} {float(NUM_REQUESTS)}' in metrics
+        # Any request's record, from either replica.
+        for reply in replies.values():
+            request_id = reply.json()["id"]
+            record = httpx.get(base_url(config) + f"/v1/requests/{request_id}", timeout=30)
+            assert record.status_code == 200 and record.json()["request_id"] == request_id
+        listed = get_json(config, f"/v1/requests?limit={NUM_REQUESTS}")["data"]
+        assert {r["request_id"] for r in listed} == {r.json()["id"] for r in replies.values()}
+        assert_drained(config)
+
+
+def test_each_replica_admits_its_share_and_grpc_needs_one_replica():
+    config = PDServeConfig(model="tiny", num_gateway_replicas=3, max_inflight_requests=10)
+    assert config.gateway_config().max_inflight_requests == 4  # ceil(10 / 3)
+    with pytest.raises(ValueError, match="gRPC Generate service .* one gateway replica"):
+        PDServeConfig(model="tiny", num_gateway_replicas=2, grpc_port=50051)
+
+
+def test_a_silent_replicas_counts_stay_in_the_sum_but_its_in_flight_does_not():
+    from pdserve.prefill.gateway.metrics import GatewayMetrics
+    from pdserve.prefill.gateway.replica_board import STALE_AFTER_S, merged_gateway_row
+
+    rows = []
+    for num_requests, in_flight, ttft in ((5, 2, 0.02), (3, 1, 0.4)):
+        metrics = GatewayMetrics("tiny")
+        metrics.num_requests, metrics.num_requests_in_flight = num_requests, in_flight
+        metrics.record_first_token(ttft)
+        rows.append(metrics.row())
+    fresh = merged_gateway_row({"a": (0.5, rows[0]), "b": (0.5, rows[1])})
+    assert (fresh["num_requests"], fresh["num_requests_in_flight"]) == (8, 3)
+    assert fresh["time_to_first_token"].count == 2 and fresh["ttft_p99_s"] == 0.4
+    silent = merged_gateway_row({"a": (0.5, rows[0]), "b": (STALE_AFTER_S + 1, rows[1])})
+    assert (silent["num_requests"], silent["num_requests_in_flight"]) == (8, 2)
