@@ -10,6 +10,7 @@ current instance ids, which the poll has just refreshed).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -33,7 +34,10 @@ class KVEventPoller:
 
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._poll_forever())
+            # A fresh context: started while serving a request, the poll's worker calls would
+            # otherwise be that request's children, cancelled by Serve when it is.
+            self._task = asyncio.get_running_loop().create_task(self._poll_forever(),
+                                                                context=contextvars.Context())
 
     async def _poll_forever(self) -> None:
         while True:

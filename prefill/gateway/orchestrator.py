@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import random
@@ -384,11 +385,16 @@ class RequestOrchestrator:
                        type="server_error", code="worker_lost")
 
     def release_lease(self, run: RequestRun) -> None:
-        """Tells the prefill worker to free the blocks it leased for this request."""
+        """Tells the prefill worker to free the blocks it leased for this request.
+
+        The call runs in a fresh context: made in the request's own, Serve would count it
+        as the request's child and cancel it with the request (a client that hung up), and
+        the lease would stay held until its TTL."""
         if run.kv_transfer_params is None:
             return
         task = asyncio.get_running_loop().create_task(
-            self.workers.call(run.prefill_id, "abort", run.request_id))
+            self.workers.call(run.prefill_id, "abort", run.request_id),
+            context=contextvars.Context())
         self._lease_releases.add(task)
         task.add_done_callback(self._lease_released)
 

@@ -19,6 +19,7 @@ than ``STALE_AFTER_S``. With one replica none of this runs.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections import OrderedDict
@@ -102,7 +103,8 @@ class ReplicaShare:
     def start(self, read_row) -> None:
         """Pushes ``read_row()`` and the new records every ``PUSH_INTERVAL_S``."""
         self._read_row = read_row
-        self._task = asyncio.get_running_loop().create_task(self._push_forever())
+        self._task = asyncio.get_running_loop().create_task(  # not any request's child
+            self._push_forever(), context=contextvars.Context())
 
     async def push(self) -> None:
         records, self._unpushed = self._unpushed, []
