@@ -50,7 +50,7 @@ def post(config, body: dict) -> tuple[int, dict[str, str]]:
         return error.code, {name.lower(): value for name, value in error.headers.items()}
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_node_b_killed_mid_load_none_lost_503_until_a_node_b_returns_nothing_leaked(
         cluster, colocated, monkeypatch) -> None:
     # The client resends refused requests for as long as no prefill node exists.
@@ -78,7 +78,7 @@ def test_node_b_killed_mid_load_none_lost_503_until_a_node_b_returns_nothing_lea
 
         cluster[NEW_NODE_B_IP] = RayNode(NEW_NODE_B_IP, {"node_b": 1},
                                          head_address=cluster[HEAD_IP].address).start()
-        load.join(timeout=240)
+        load.join(timeout=330)  # a replica restarted on a new raylet: slow on 2 busy cores
         assert not load.is_alive(), "the load did not finish"
         after = wait_until_drained(config)
         figures = load_figures(planned, result["outcomes"], expected, result["wall_s"], before,

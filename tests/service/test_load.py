@@ -1,4 +1,4 @@
-"""Load: 1,000 requests, 64 in flight, shared prefixes, through 2 prefill + 2 decode workers.
+"""Load: 600 requests, 64 in flight, shared prefixes, through 2 prefill + 2 decode workers.
 
 The service under a bounded load must answer every request exactly once, each answer equal
 to the colocated ``LLMEngine``'s for the same prompt and params, and free every block and
@@ -20,17 +20,20 @@ import asyncio
 import time
 
 import pytest
-from load_driver import (CONCURRENCY, NUM_REQUESTS, get_json, load_figures, plan_requests, reference_outputs,
+from load_driver import (CONCURRENCY, get_json, load_figures, plan_requests, reference_outputs,
                          run_load, wait_until_drained, write_report)
 from service_apps import running_app
 
 from pdserve.deploy.cluster import base_url
 
 
+NUM_REQUESTS = 600  # load_driver's default is 1,000; 600 keeps the suite's time
+
+
 @pytest.mark.timeout(400)
-def test_a_thousand_requests_64_in_flight_are_each_answered_once_as_colocated_and_free_every_block(
+def test_six_hundred_requests_64_in_flight_are_each_answered_once_as_colocated_and_free_every_block(
         ray_cluster, colocated, tmp_path):
-    planned = plan_requests()
+    planned = plan_requests(NUM_REQUESTS)
     assert len({r.prompt for r in planned}) == NUM_REQUESTS  # a response maps to one request
     start = time.perf_counter()
     expected = reference_outputs(colocated, planned)
