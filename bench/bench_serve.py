@@ -19,10 +19,12 @@ Run: python bench/bench_serve.py   (≈ 8 minutes on 2 cores; ``--loads interfer
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import string
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -74,22 +76,28 @@ def shared_prefix_load(args) -> tuple[list[Planned], list[list[Planned]]]:
 LOADS = {"interference": interference_load, "shared-prefix": shared_prefix_load}
 
 
-def measure(load: str, shape: str, rep: int, args) -> dict[str, float]:
+@contextlib.contextmanager
+def deployed(shape: str, name: str, args) -> Iterator[str]:
+    """An app of ``shape`` named ``name`` while the block runs; yields its base URL."""
     from ray import serve
 
-    name = f"{shape}{rep}{load[:5]}"
     config = PDServeConfig(model="tiny", port=args.port, app_name=name, route_prefix=f"/{name}",
                            num_kv_blocks=2048, transport=args.transport, **SHAPES[shape])
     deploy(config)
-    url = base_url(config)
-    arrivals, lanes = LOADS[load](args)
     try:
+        yield base_url(config)
+    finally:
+        serve.delete(config.app_name)
+
+
+def measure(load: str, shape: str, rep: int, args) -> dict[str, float]:
+    name = f"{shape}{rep}{load[:5]}"
+    arrivals, lanes = LOADS[load](args)
+    with deployed(shape, name, args) as url:
         results, wall_s = run_load(url, "tiny", arrivals, args.concurrency, lanes=lanes)
         client = ServiceClient(url)
         hit_rate = client.get("/stats")["totals"]["prefix_cache_hit_rate"]
         client.close()
-    finally:
-        serve.delete(config.app_name)
     print_failures(name, results)
     row = summarize(results, wall_s, itl_tags=["short"] if load == "interference" else None)
     row["hit_rate"] = hit_rate

@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -97,12 +98,14 @@ class EngineHost:
 
     async def generate(self, request: WorkerRequest) -> AsyncIterator[GenerationChunk]:
         """Streams the request's chunks; cancelling the stream aborts the request."""
+        entered_at = time.perf_counter()
         self._ensure_loop()
         queue: asyncio.Queue = asyncio.Queue()
         request_id = request.request_id
         self._streams[request_id] = queue
         self._submit(lambda: self._add(request))
         finished = prompt_logprobs_sent = False
+        first_chunk = True
         sent_tokens = sent_chars = 0
         try:
             while not finished:
@@ -115,9 +118,16 @@ class EngineHost:
                     return
                 finished = output.finished
                 transfer_params = output.kv_transfer_params
+                checksum_s = 0.0
                 if transfer_params is not None:  # a prefill's hand-off: completed off the step path
+                    started = time.perf_counter()
                     transfer_params = await asyncio.to_thread(
                         self.engine.connector.complete_transfer_params, transfer_params)
+                    checksum_s = time.perf_counter() - started
+                timing = None
+                if first_chunk:  # where the time to it went
+                    timing = output.stamps.timing(entered_at, time.perf_counter(), checksum_s)
+                    first_chunk = False
                 yield GenerationChunk(
                     request_id=request_id,
                     new_token_ids=output.output_token_ids[sent_tokens:],
@@ -131,6 +141,7 @@ class EngineHost:
                     kv_provenance=self._signed(output.kv_provenance),
                     new_logprobs=output.output_logprobs[sent_tokens:],
                     prompt_logprobs=[] if prompt_logprobs_sent else output.prompt_logprobs,
+                    timing=timing,
                 )
                 prompt_logprobs_sent = prompt_logprobs_sent or bool(output.prompt_logprobs)
                 sent_tokens, sent_chars = len(output.output_token_ids), len(output.text)

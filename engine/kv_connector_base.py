@@ -56,11 +56,13 @@ class KVConnectorMetadata:
 @dataclass(frozen=True, slots=True)
 class PullSummary:
     """What one request's pull moved: blocks that arrived intact, bytes that landed (intact or
-    not, as the transfer counters count them) and how long it took."""
+    not, as the transfer counters count them), how long the read took and, before it, the
+    handshake with a peer met for the first time (0 when it was known)."""
 
     num_blocks: int
     num_bytes: int
     duration_s: float
+    handshake_s: float = 0.0
 
 
 @dataclass(slots=True)

@@ -330,6 +330,7 @@ class LLMEngine:
             error=request.error,
             kv_transfer_params=request.kv_transfer_params_out,
             kv_provenance=request.kv_provenance() if request.is_finished else None,
+            stamps=request.stamps,
         )
 
     # ---- the colocated loop ---------------------------------------------------------

@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 from pdserve.cache import BlockHash, RequestBlockHasher
+from pdserve.engine.request_stamps import RequestStamps
 from pdserve.messages.kv_provenance import KVProvenance
 from pdserve.messages.logprobs import TokenLogprobs
 from pdserve.messages.sampling_params import SamplingParams
@@ -89,6 +90,7 @@ class Request:
         self.kv_transfer_params = kv_transfer_params
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
+        self.stamps = RequestStamps()
         self.finish_time: float | None = None
         self.error: str | None = None
         # Set on a prefill worker when the request finished with its blocks leased out.
@@ -144,6 +146,7 @@ class Request:
         """The prefix-cache hit the request was first admitted with (later admissions, after
         a preemption or a failed pull, keep the first)."""
         if self.num_prompt_cache_hit_tokens is None:
+            self.stamps.admitted_at = time.perf_counter()
             self.num_prompt_cache_hit_tokens = min(num_cache_hit_tokens, self.num_prompt_tokens)
 
     def kv_provenance(self) -> KVProvenance | None:

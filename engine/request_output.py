@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.engine.request_stamps import RequestStamps
 from pdserve.messages.kv_provenance import KVProvenance
 from pdserve.messages.logprobs import TokenLogprobs
 from pdserve.messages.kv_transfer_params import KVTransferParams
@@ -15,7 +16,8 @@ class RequestOutput:
 
     ``kv_transfer_params`` is set on a prefill worker's request that finished with its blocks
     held under a lease for a decode worker. ``kv_provenance`` is set on a finished request
-    that was admitted: where its prompt's KV came from.
+    that was admitted: where its prompt's KV came from. ``stamps`` is the request's own
+    record (not a copy: outputs stay in the engine's process) of its way to a first token.
     """
 
     request_id: str
@@ -33,3 +35,4 @@ class RequestOutput:
     kv_provenance: KVProvenance | None = None
     output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # when asked
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # when asked
+    stamps: RequestStamps | None = None

@@ -18,6 +18,7 @@ connector pulls them, then joins the batch as if its prompt had been computed he
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -263,12 +264,14 @@ class Scheduler:
         """Appends each sampled token, checks stop conditions; returns requests that changed."""
         changed: list[Request] = []
         tokens = iter(sampled_token_ids)
+        sampled_at = time.perf_counter()
         for chunk, request in zip(output.chunks, output.requests):
             if not chunk.sample:
                 continue
             token_id = next(tokens)
             if request.is_finished:  # aborted while the step ran
                 continue
+            request.stamps.first_token_at = request.stamps.first_token_at or sampled_at
             request.append_output_token(token_id)
             changed.append(request)
             status = self.stop_status(request)
@@ -365,6 +368,7 @@ class Scheduler:
             )
         request.num_pulled_tokens = max(0, num_loaded - request.num_computed_tokens)
         request.kv_transfer_params = None  # the lease is released; a preemption recomputes
+        request.stamps.record_load(request.kv_pull)
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
         request.num_computed_tokens = max(request.num_computed_tokens, num_loaded)

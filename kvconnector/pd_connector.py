@@ -256,6 +256,7 @@ class PDConnector(KVConnectorBase):
         summary: PullSummary | None = None
         try:
             peer = self._peer(load.params)
+            handshake_s = time.perf_counter() - started
             with self._lock:
                 foreign = load.request_id in self._foreign_hashes
             if foreign:
@@ -267,7 +268,8 @@ class PDConnector(KVConnectorBase):
                 load.expected_checksums,
             )
             failed = result.failed_block_ids
-            summary = PullSummary(len(result.ok_block_ids), result.num_bytes, result.duration_s)
+            summary = PullSummary(len(result.ok_block_ids), result.num_bytes, result.duration_s,
+                                  handshake_s)
         except (TransferError, ValueError) as error:
             error_message = f"{type(error).__name__}: {error}"
             logger.warning("pull of %s from %s failed: %s", load.request_id,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.messages.first_chunk_timing import FirstChunkTiming
 from pdserve.messages.kv_provenance import KVProvenance
 from pdserve.messages.kv_transfer_params import KVTransferParams
 from pdserve.messages.logprobs import TokenLogprobs
@@ -38,7 +39,8 @@ class GenerationChunk:
     ``num_output_tokens`` is the cumulative count after this chunk. ``refused``: the engine
     turned the request down as invalid (the client's fault, a 400), as opposed to an
     ``error`` while running it (the server's, a 500). ``kv_provenance`` rides on the last
-    chunk: where this worker got the prompt's KV (None if it never needed it).
+    chunk: where this worker got the prompt's KV (None if it never needed it); ``timing`` on
+    the first: where the worker's time to it went.
     """
 
     request_id: str
@@ -56,6 +58,7 @@ class GenerationChunk:
     new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     # Once, on the chunk after the prompt was computed, when asked (the first is None).
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    timing: FirstChunkTiming | None = None
 
 
 @dataclass(slots=True)

@@ -50,6 +50,7 @@ from pdserve.prefill.gateway.openai_schema import (APIError, ParsedCompletion,
 from pdserve.prefill.gateway.readiness import Readiness
 from pdserve.prefill.gateway.replica_board import ReplicaShare
 from pdserve.prefill.gateway.request_provenance import RecentRequests, RequestProvenance
+from pdserve.prefill.gateway.request_timeline import RequestTimeline
 from pdserve.prefill.gateway.router import NoWorkerAvailable, Router
 from pdserve.prefill.gateway.stream_emitter import (
     ReplayDiverged,
@@ -94,6 +95,7 @@ class RequestRun:
     cache_salt: str | None
     block_hashes: list[BlockHash]
     emitter: StreamEmitter
+    timeline: RequestTimeline
     remote_decode: bool  # the prefill worker hands off to a decode worker
     # Conditional disaggregation: the decode worker that runs the whole request (no hand-off).
     local_decode_id: str | None = None
@@ -227,6 +229,7 @@ class RequestOrchestrator:
             # Salted like the workers' hashes: a tenant's prefix never routes by another's blocks.
             block_hashes=await self.hash_blocks(token_ids, cache_salt),
             emitter=StreamEmitter(params.stop, len(token_ids), self.metrics, start),
+            timeline=RequestTimeline(start),
             remote_decode=params.max_tokens > 1 and self.router.has_decode_workers())
 
     async def run_phases(self, run: RequestRun) -> AsyncIterator[StreamDelta]:
@@ -279,8 +282,10 @@ class RequestOrchestrator:
                 run.prefill_id = self.route("prefill", run.block_hashes)
             if run.remote_decode:  # 503 now, before any token, when none is up
                 run.decode_id = self.route("decode", run.block_hashes)
+            run.timeline.called("prefill", run.prefill_id)
             try:
                 async for chunk in self.worker_stream(run.prefill_id, request, first=True):
+                    run.timeline.answered("prefill", chunk)
                     run.last_prefill_chunk = chunk
                     hands_off = run.remote_decode and chunk.finish_reason == "length"
                     delta = run.emitter.update(chunk, final=not hands_off)
@@ -314,8 +319,10 @@ class RequestOrchestrator:
                                     kv_transfer_params=run.kv_transfer_params,
                                     cache_salt=run.cache_salt)
             run.emitter.restart_stream()
+            run.timeline.called("decode", run.decode_id)
             try:
                 async for chunk in self.worker_stream(run.decode_id, request, first=False):
+                    run.timeline.answered("decode", chunk)
                     run.last_decode_chunk = chunk
                     run.started_final_stream(run.decode_id)
                     delta = run.emitter.update(chunk, final=True)
@@ -346,7 +353,7 @@ class RequestOrchestrator:
             prefill=run.last_prefill_chunk.kv_provenance if run.last_prefill_chunk else None,
             decode=decode.kv_provenance if decode is not None else None,
             lease_id=run.lease_id, ttft_s=emitter.ttft_s(), itl_s=emitter.mean_itl_s(),
-            e2e_s=time.perf_counter() - emitter.start)
+            e2e_s=time.perf_counter() - emitter.start, timeline=run.timeline.to_json())
         self.recent.add(record)
         if self.share is not None:
             self.share.finished(record.to_json())

@@ -47,6 +47,7 @@ class RequestProvenance:
     ttft_s: float
     itl_s: float  # mean time between output tokens after the first
     e2e_s: float
+    timeline: dict[str, Any] | None = None  # RequestTimeline.to_json(): the first tokens' way
 
     def tokens_by_kv_source(self) -> dict[str, int]:
         """The prompt's tokens by ``KV_SOURCES`` (each worker's account adds up to the prompt).
@@ -89,6 +90,7 @@ class RequestProvenance:
                          "num_bytes": decode.num_bytes_pulled if decode else 0,
                          "seconds": decode.transfer_s if decode else 0.0},
             "ttft_s": self.ttft_s, "itl_s": self.itl_s, "e2e_s": self.e2e_s,
+            "timeline": self.timeline,
         }
 
 

@@ -32,6 +32,10 @@ def ask(config, prompt: str) -> str:
                                                     temperature=0).choices[0].text
 
 
+def timeline_of_last_request(config) -> dict:
+    return get_json(config, "/v1/requests?limit=1")["data"][0]["timeline"]
+
+
 def test_short_prompts_run_on_the_decode_worker_and_long_ones_disaggregate(service, colocated):
     params = SamplingParams(max_tokens=8, temperature=0)
     moved, local = moved_and_local(service)
@@ -39,10 +43,16 @@ def test_short_prompts_run_on_the_decode_worker_and_long_ones_disaggregate(servi
     assert ask(service, LONG + "first") == expected_text(colocated, LONG + "first", params)
     moved_after, local_after = moved_and_local(service)
     assert moved_after > moved and local_after == local
+    timeline = timeline_of_last_request(service)
+    assert timeline["prefill"]["worker_id"] == "prefill-0"
+    assert timeline["decode"]["worker_id"] == "decode-0" and timeline["decode"]["load_s"] > 0
     # The decode worker now holds the preamble: the same prefix with a new tail stays local.
     wait_until_drained(service)  # its KV events have reached the router's index
     assert ask(service, LONG + "second") == expected_text(colocated, LONG + "second", params)
     # Short and new: under the threshold even with nothing cached.
     assert ask(service, "short one") == expected_text(colocated, "short one", params)
+    timeline = timeline_of_last_request(service)  # one stream, whole on the decode worker
+    assert timeline["prefill"]["worker_id"] == "decode-0" and timeline["decode"] is None
+    assert timeline["prefill"]["load_s"] == 0 and timeline["hand_off_s"] is None
     assert moved_and_local(service) == (moved_after, local_after + 2)
     assert all(is_drained(w) for w in wait_until_drained(service))

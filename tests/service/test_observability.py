@@ -80,6 +80,38 @@ def test_a_reply_says_where_its_prompt_kv_came_from_and_the_bytes_match_the_coun
     assert get_json(service, f"/v1/requests/{body['id']}") == provenance
 
 
+WORKER_INTERVALS = ("op_wait_s", "queued_s", "load_s", "compute_s", "emit_s")
+
+
+def assert_stream_adds_up(stream: dict, worker_id: str) -> None:
+    """A stream's round trip is Ray's share plus the worker's intervals, none negative."""
+    assert stream["worker_id"] == worker_id
+    assert all(stream[name] >= 0 for name in WORKER_INTERVALS)
+    assert sum(stream[name] for name in WORKER_INTERVALS) == pytest.approx(stream["in_worker_s"])
+    assert stream["round_trip_s"] == pytest.approx(stream["ray_s"] + stream["in_worker_s"])
+    assert 0 <= stream["ray_s"] < stream["round_trip_s"]
+
+
+def test_a_replys_timeline_says_where_the_time_to_its_first_two_tokens_went(service):
+    body = complete(service, "Timeline: which part of the hand-off took how long, in order.")
+    provenance = body["kv_provenance"]
+    timeline = provenance["timeline"]
+    prefill, decode = timeline["prefill"], timeline["decode"]
+    assert_stream_adds_up(prefill, "prefill-0")
+    assert_stream_adds_up(decode, "decode-0")
+    # The prefill computed the prompt and checksummed its lease; the decode side pulled it.
+    assert prefill["compute_s"] > 0 and prefill["load_s"] == 0
+    assert 0 < prefill["checksum_s"] <= prefill["emit_s"]
+    assert decode["transfer_s"] == provenance["transfer"]["seconds"] > 0
+    assert decode["handshake_s"] + decode["transfer_s"] <= decode["load_s"]
+    assert decode["compute_s"] > 0 and decode["checksum_s"] == 0
+    # The gateway's part comes before the first stream, the hand-off between the two.
+    assert timeline["gateway_s"] >= 0 and timeline["hand_off_s"] >= 0
+    assert provenance["ttft_s"] >= timeline["gateway_s"] + prefill["round_trip_s"]
+    assert provenance["e2e_s"] >= (timeline["gateway_s"] + prefill["round_trip_s"]
+                                   + timeline["hand_off_s"] + decode["round_trip_s"])
+
+
 def test_a_repeated_prompt_hits_the_prefill_cache_and_the_decode_worker_holds_its_blocks(service):
     prompt = "Provenance, second sight: this exact prompt is sent twice, word for word."
     first = complete(service, prompt)["kv_provenance"]
