@@ -166,6 +166,11 @@ class KVConnectorBase(ABC):
         step path. The default has nothing to add."""
         return params
 
+    def completion_bytes(self, params: KVTransferParams) -> int:
+        """How many KV bytes ``complete_transfer_params`` reads for ``params``: the host
+        completes a small hand-off inline rather than paying a thread hop for it."""
+        return 0
+
     @abstractmethod
     def request_aborted(self, request: Request) -> None:
         """Drops any transfer state of a request that will never finish normally."""

@@ -214,6 +214,11 @@ class PDConnector(KVConnectorBase):
         params.block_checksums = checksums
         return params
 
+    def completion_bytes(self, params: KVTransferParams) -> int:
+        if self.config.role != "producer" or params.block_checksums or self._kv_cache is None:
+            return 0
+        return len(params.block_ids) * self._kv_cache[0].nbytes
+
     def request_aborted(self, request: Request) -> None:
         lease_id = self._lease_of_request.get(request.request_id)
         if lease_id is not None:  # prefill: the decode side will never read; free on release

@@ -114,6 +114,12 @@ class TieredConnector(KVConnectorBase):
     ) -> tuple[bool, KVTransferParams | None]:
         return self.pd.request_finished(request, block_ids)
 
+    def complete_transfer_params(self, params: KVTransferParams) -> KVTransferParams:
+        return self.pd.complete_transfer_params(params)
+
+    def completion_bytes(self, params: KVTransferParams) -> int:
+        return self.pd.completion_bytes(params)
+
     def request_aborted(self, request: Request) -> None:
         self._split.pop(request.request_id, None)
         self.tier.request_aborted(request)

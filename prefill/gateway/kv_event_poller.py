@@ -31,6 +31,7 @@ class KVEventPoller:
         self._after_each_round = after_each_round
         self._task: asyncio.Task | None = None
         self._locks = {worker_id: asyncio.Lock() for worker_id in workers.all}
+        self._refreshing: dict[str, asyncio.Task] = {}  # by request id: refresh_soon's reads
 
     def start(self) -> None:
         if self._task is None:
@@ -56,6 +57,21 @@ class KVEventPoller:
         this one left in the worker's cache."""
         async with self._locks[worker_id]:
             await self._read_events(worker_id)
+
+    def refresh_soon(self, worker_id: str, request_id: str) -> None:
+        """``refresh`` without waiting for it: a prefill worker's hand-off chunk starts it,
+        so neither the first token nor the decode call waits a Ray round trip for the
+        prefill's events. ``settled(request_id)`` waits for it before the reply ends."""
+        task = asyncio.get_running_loop().create_task(self.refresh(worker_id),
+                                                      context=contextvars.Context())
+        self._refreshing[request_id] = task
+        task.add_done_callback(lambda _: self._refreshing.pop(request_id, None))
+
+    async def settled(self, request_id: str) -> None:
+        """Returns once the request's ``refresh_soon`` read (if any) is over."""
+        task = self._refreshing.get(request_id)
+        if task is not None:
+            await asyncio.shield(task)
 
     async def _read_events(self, worker_id: str) -> None:
         try:

@@ -432,7 +432,11 @@ class RequestOrchestrator:
                     raise WorkerLost(worker_id, answered, error) from None
                 answered = True
                 if chunk.finished:  # the next request routes by what this one cached
-                    await self.poller.refresh(worker_id)
+                    if chunk.kv_transfer_params is not None:  # a hand-off: the reply goes on
+                        self.poller.refresh_soon(worker_id, request.request_id)
+                    else:
+                        await self.poller.refresh(worker_id)
+                        await self.poller.settled(request.request_id)
                 if chunk.error is not None:
                     if first and chunk.refused:
                         raise APIError(400, chunk.error)

@@ -45,8 +45,11 @@ async def _stream(worker, request: WorkerRequest) -> list[GenerationChunk]:
     return [chunk async for chunk in worker.generate(request)]
 
 
+@pytest.mark.parametrize("num_tokens, num_blocks, on_event_loop", [
+    (200, 13, True),    # 13 pages of 64 KiB: checksummed inline, no thread hop
+    (400, 25, False)])  # 1.6 MiB, over the inline limit: on a worker thread
 def test_the_prefill_engine_thread_never_checksums_and_the_hand_off_carries_the_checksums(
-        monkeypatch) -> None:
+        monkeypatch, num_tokens, num_blocks, on_event_loop) -> None:
     threads_that_checksummed: list[str] = []
 
     def spying_block_checksums(kv_cache, block_ids):
@@ -55,18 +58,19 @@ def test_the_prefill_engine_thread_never_checksums_and_the_hand_off_carries_the_
 
     monkeypatch.setattr(pd_connector_module, "block_checksums", spying_block_checksums)
     prefill = PrefillWorker(_worker_spec("prefill-0", "producer"))
-    prompt = _prompt(7, 200)
+    prompt = _prompt(7, num_tokens)
     try:
         chunks = asyncio.run(_stream(prefill, WorkerRequest(
             "h0", prompt, SamplingParams(max_tokens=1, temperature=0.0), remote_decode=True)))
         params = chunks[-1].kv_transfer_params
-        assert params is not None and len(params.block_ids) == 13
+        assert params is not None and len(params.block_ids) == num_blocks
         assert params.block_checksums == block_checksums(prefill.engine.runner.kv_cache,
                                                          params.block_ids)
-        assert threads_that_checksummed, "nobody checksummed the hand-off"
-        on_engine_thread = [name for name in threads_that_checksummed
-                            if name.startswith("prefill-0-engine")]
-        assert on_engine_thread == [], "the engine's step path hashed the prompt"
+        assert chunks[0].timing.checksum_s > 0
+        assert len(threads_that_checksummed) == 1, "nobody checksummed the hand-off"
+        assert not threads_that_checksummed[0].startswith("prefill-0-engine"), \
+            "the engine's step path hashed the prompt"
+        assert (threads_that_checksummed[0] == "MainThread") == on_event_loop
     finally:
         prefill.engine.shutdown()
 

@@ -42,6 +42,8 @@ def test_a_tiered_1p1d_app_gives_the_colocated_text_and_loads_from_its_tiers(ser
     assert sum(prefill["kv_tier_blocks_loaded"].values()) > 0  # prompts not computed again
     assert sum(decode["kv_tier_blocks_loaded"].values()) > 0   # blocks not pulled again
     assert all(sum(w["kv_tier_load_failures"].values()) == 0 for w in workers)
+    # What no tier held was pulled from the prefill worker, intact: nothing recomputed.
+    assert decode["num_blocks_received"] > 0 and decode["num_recompute_fallbacks"] == 0
     with urllib.request.urlopen(base_url(service) + "/metrics", timeout=30) as response:
         metrics = response.read().decode()
     assert 'pdserve:kv_tier_blocks_loaded_total{' in metrics and 'tier="cpu"' in metrics

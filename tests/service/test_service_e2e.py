@@ -66,8 +66,9 @@ def test_token_id_prompts_stop_strings_and_one_token_requests_equal_colocated(cl
 
 
 def test_a_repeated_prompt_is_routed_to_the_prefill_worker_that_cached_it_and_hits_there(service):
-    """No wait between the two: a finished request refreshes the router from its worker's
-    KV events before its reply ends (``RequestOrchestrator``: ``poller.refresh``)."""
+    """No wait between the two: a finished request refreshes the router from its workers'
+    KV events before its reply ends (the prefill's read in the background during the decode
+    phase, ``KVEventPoller.refresh_soon``; the reply's last chunk waits for it, ``settled``)."""
     prompt = PREFIX + "tell me about caches, in detail please."
     body = dict(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
     first = post_completion(service, body)[2]["kv_provenance"]
