@@ -10,7 +10,7 @@ same cluster-wide seed. Pure Python + numpy + xxhash: no torch.
 """
 
 from pdserve.cache.block_hash_map import BlockHashToBlockMap
-from pdserve.cache.block_pool import BlockPool, BlockPoolListener
+from pdserve.cache.block_pool import NULL_BLOCK_ID, BlockPool, BlockPoolListener
 from pdserve.cache.free_block_queue import FreeKVCacheBlockQueue
 from pdserve.cache.hashing import (
     BlockHash,
@@ -51,6 +51,7 @@ from pdserve.cache.single_type_kv_cache_manager import (
 from pdserve.cache.stats import PrefixCacheStats
 
 __all__ = [
+    "NULL_BLOCK_ID",
     "AllBlocksCleared",
     "BlockHash",
     "BlockHashToBlockMap",

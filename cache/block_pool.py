@@ -40,6 +40,11 @@ from pdserve.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored,
 from pdserve.cache.request import CacheRequest
 
 
+# The block that stands in a request's table where a sliding window no longer reads: the
+# pool's first block, never handed out, never cached, never moved between workers.
+NULL_BLOCK_ID = 0
+
+
 class BlockPoolListener(Protocol):
     """Told of every block that becomes cached, and of every cached block about to be reused."""
 
@@ -66,6 +71,7 @@ class BlockPool:
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
+        assert self.null_block.block_id == NULL_BLOCK_ID
         self.num_evicted_blocks = 0
         self.kv_event_queue: list[KVCacheEvent] = []
         self.listener: BlockPoolListener | None = None

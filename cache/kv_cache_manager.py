@@ -220,6 +220,12 @@ class KVCacheManager:
         if self.enable_caching:
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
+    def remove_skipped_blocks(self, request: CacheRequest, num_computed_tokens: int) -> None:
+        """Release the blocks no token after the first `num_computed_tokens` reads (a sliding
+        window's; the null block takes their place). Before a load, it keeps the blocks the
+        window has left from being loaded, and then cached, at all."""
+        self.coordinator.remove_skipped_blocks(request.request_id, num_computed_tokens)
+
     def free(self, request: CacheRequest) -> None:
         """Release the request's blocks, tail first, so its chain's tail is evicted first."""
         self.coordinator.free(request.request_id)

@@ -22,7 +22,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from pdserve.cache import KVCacheManager
+from pdserve.cache import NULL_BLOCK_ID, KVCacheManager
 from pdserve.engine.kv_connector_base import (
     FinishedTransfers,
     KVConnectorBase,
@@ -195,6 +195,9 @@ class Scheduler:
                 )
                 if blocks is None:
                     return None
+                # A sliding window reads none of the blocks it will have left once the load
+                # lands: they become the null block now, neither loaded nor cached.
+                manager.remove_skipped_blocks(request, num_local + num_external)
                 manager.record_prefix_cache_stats(request, num_local)
                 request.num_computed_tokens = num_local
                 request.num_tokens_after_load = num_local + num_external
@@ -366,6 +369,10 @@ class Scheduler:
                 "request %s: %d of %d prompt tokens arrived intact; recomputing the rest",
                 request.request_id, num_loaded, num_target,
             )
+        if num_loaded < num_target and NULL_BLOCK_ID in block_ids[first_block:]:
+            # Blocks a sliding window will have left were dropped for the load; recomputing
+            # from the bad block would read them: the prompt starts over instead.
+            num_loaded = request.num_computed_tokens = 0
         request.num_pulled_tokens = max(0, num_loaded - request.num_computed_tokens)
         request.kv_transfer_params = None  # the lease is released; a preemption recomputes
         request.stamps.record_load(request.kv_pull)

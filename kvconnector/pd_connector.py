@@ -36,7 +36,7 @@ from pdserve.engine.kv_connector_base import (
     PullSummary,
     TransferStatsSnapshot,
 )
-from pdserve.cache import cdiv
+from pdserve.cache import NULL_BLOCK_ID, cdiv
 from pdserve.engine.request import RequestStatus
 from pdserve.kvconnector.checksum import block_checksums
 from pdserve.kvconnector.layout import KVLayout
@@ -146,9 +146,12 @@ class PDConnector(KVConnectorBase):
     ) -> None:
         params = request.kv_transfer_params
         assert params is not None and num_external_tokens > 0
-        # The pull is the prompt's tail: what neither the pool nor a KV tier holds.
+        # The pull is the prompt's tail: what neither the pool nor a KV tier holds, less the
+        # blocks a sliding window has left (null here, so null at the prefill too, or held
+        # there still but read by no later token).
         first = (params.num_tokens - num_external_tokens) // self._block_size
         last = cdiv(params.num_tokens, self._block_size)
+        pulled = [i for i in range(first, last) if block_ids[i] != NULL_BLOCK_ID]
         # Counted here, once per admitted request: admission may be retried while the pool is full.
         self.stats.record_dedup_skipped(first)
         if list(request.block_hashes[:len(params.block_hashes)]) != list(params.block_hashes):
@@ -161,9 +164,9 @@ class PDConnector(KVConnectorBase):
             LoadSpec(
                 request_id=request.request_id,
                 params=params,
-                remote_block_ids=params.block_ids[first:last],
-                local_block_ids=block_ids[first:last],
-                expected_checksums=params.block_checksums[first:last],
+                remote_block_ids=[params.block_ids[i] for i in pulled],
+                local_block_ids=[block_ids[i] for i in pulled],
+                expected_checksums=[params.block_checksums[i] for i in pulled],
             )
         )
 
@@ -183,15 +186,15 @@ class PDConnector(KVConnectorBase):
             return False, None
         assert self._kv_cache is not None and self._server is not None
         num_tokens = request.num_prompt_tokens
-        leased_ids = block_ids[: cdiv(num_tokens, self._block_size)]
+        prompt_ids = block_ids[: cdiv(num_tokens, self._block_size)]  # by position, nulls too
         hashes = request.block_hashes[: num_tokens // self._block_size]
-        lease = self.leases.grant(request.request_id, leased_ids, hashes, checksums=None)
+        lease = self.leases.grant(request.request_id, _held(prompt_ids), hashes, checksums=None)
         self._lease_of_request[request.request_id] = lease.lease_id
         return True, KVTransferParams(
             engine_id=self.engine_id,
             transfer_address=self._server.address,
             lease_id=lease.lease_id,
-            block_ids=list(leased_ids),
+            block_ids=list(prompt_ids),
             block_hashes=list(hashes),
             block_checksums=[],  # complete_transfer_params, off the step path
             num_tokens=num_tokens,
@@ -209,15 +212,16 @@ class PDConnector(KVConnectorBase):
         if self.config.role != "producer" or params.block_checksums or not params.block_ids:
             return params
         assert self._kv_cache is not None
-        checksums = block_checksums(self._kv_cache, params.block_ids)
-        self.leases.attach_checksums(params.lease_id, checksums)
-        params.block_checksums = checksums
+        held = _held(params.block_ids)
+        checksum_of = dict(zip(held, block_checksums(self._kv_cache, held)))
+        self.leases.attach_checksums(params.lease_id, [checksum_of[b] for b in held])
+        params.block_checksums = [checksum_of.get(b, 0) for b in params.block_ids]
         return params
 
     def completion_bytes(self, params: KVTransferParams) -> int:
         if self.config.role != "producer" or params.block_checksums or self._kv_cache is None:
             return 0
-        return len(params.block_ids) * self._kv_cache[0].nbytes
+        return len(_held(params.block_ids)) * self._kv_cache[0].nbytes
 
     def request_aborted(self, request: Request) -> None:
         lease_id = self._lease_of_request.get(request.request_id)
@@ -381,3 +385,9 @@ class PDConnector(KVConnectorBase):
             self._client.close()
         if self._server is not None:
             self._server.stop(grace_s=1.0)
+
+
+def _held(block_ids: list[int]) -> list[int]:
+    """The blocks a prefill still holds for its prompt: all but the null block, which stands
+    where its sliding window had already freed them."""
+    return [block_id for block_id in block_ids if block_id != NULL_BLOCK_ID]

@@ -19,6 +19,10 @@ class KVTransferParams:
         block_ids:     |     7      |     3      |     12     |    5    |
         block_hashes:  |     h0     |     h1     |     h2     |            (full blocks only)
         block_checksums: one per block id, xxh3 of the block's bytes at lease time
+
+    With a sliding window, blocks the prefill's window had already left are the null block
+    (``NULL_BLOCK_ID``, checksum 0): no token after the prompt reads them, so they are
+    neither leased nor pulled, and the decode side drops its own blocks there too.
     """
 
     engine_id: str
