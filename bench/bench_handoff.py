@@ -27,10 +27,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_serve import SHAPES, TITLES, deployed, interference_load, text  # noqa: E402
+from bench_serve import (SHAPES, TITLES, add_interference_args, deployed,  # noqa: E402
+                         interference_load, run_interleaved, text)
 from serve_load import Planned, print_failures, run_load, summarize  # noqa: E402
 
-from pdserve.deploy.cluster import configure_ray_env, init_ray  # noqa: E402
 from pdserve.deploy.http_client import ServiceClient  # noqa: E402
 
 SHORT_PROMPT_TOKENS = 256  # a prompt under this is "short" in the timelines
@@ -123,32 +123,12 @@ def main() -> None:
                         default=["idle", "interference"])
     parser.add_argument("--shapes", nargs="+", choices=["pd", "pd256", "coloc"],
                         default=["pd", "pd256", "coloc"], help="coloc always runs")
-    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--num-idle", type=int, default=40)
     parser.add_argument("--short-tokens", type=int, default=4)
-    # The interference load's knobs, as bench_serve.py has them.
-    parser.add_argument("--duration-s", type=float, default=8.0)
-    parser.add_argument("--streams", type=int, default=4)
-    parser.add_argument("--stream-tokens", type=int, default=48)
-    parser.add_argument("--short-chars", type=int, default=24, help="≈ tokens (byte tokenizer)")
-    parser.add_argument("--long-chars", type=int, default=1800)
-    parser.add_argument("--long-tokens", type=int, default=4)
-    parser.add_argument("--long-every-s", type=float, default=0.5)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--transport", choices=["grpc", "nixl"], default="grpc")
+    add_interference_args(parser)
     parser.add_argument("--port", type=int, default=8052)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    args.shapes = list(dict.fromkeys(args.shapes + ["coloc"]))
-    configure_ray_env()
-    init_ray(None, num_cpus=2)
-    for load in args.loads:
-        runs: dict[str, list[dict[str, list[float]]]] = {shape: [] for shape in args.shapes}
-        for rep in range(args.reps):
-            order = args.shapes[rep % len(args.shapes):] + args.shapes[:rep % len(args.shapes)]
-            for shape in order:
-                runs[shape].append(measure(load, shape, rep, args))
-        print_table(load, runs)
+    run_interleaved(parser.parse_args(), measure, print_table)
 
 
 if __name__ == "__main__":

@@ -24,8 +24,9 @@ import random
 import statistics
 import string
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -43,6 +44,7 @@ SHAPES = {"pd": dict(num_prefill=1, num_decode=1, disagg_min_uncached_tokens=0),
           "pinned": dict(num_prefill=1, num_decode=1, disagg_min_uncached_tokens=256,
                          prefill_cpus=[0], decode_cpus=[1]),
           "coloc": dict(num_prefill=2, num_decode=0)}
+T = TypeVar("T")
 TITLES = {"pd": "P/D 1+1", "pd256": "P/D cond.", "pinned": "P/D pinned", "coloc": "coloc 2"}
 
 
@@ -123,12 +125,8 @@ def print_table(load: str, rows: dict[str, list[dict[str, float]]]) -> None:
         print(f"{key + unit:>22}{values}{ratios}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--loads", nargs="+", choices=list(LOADS), default=list(LOADS))
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES),
-                        help="coloc is the baseline and always runs")
+def add_interference_args(parser: argparse.ArgumentParser) -> None:
+    """The interference load's knobs and the deployment's (``bench_handoff.py`` sends it too)."""
     parser.add_argument("--duration-s", type=float, default=8.0)
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--stream-tokens", type=int, default=48)
@@ -136,24 +134,39 @@ def main() -> None:
     parser.add_argument("--long-chars", type=int, default=1800)
     parser.add_argument("--long-tokens", type=int, default=4)
     parser.add_argument("--long-every-s", type=float, default=0.5)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--transport", choices=["grpc", "nixl"], default="grpc")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run_interleaved(args, measure: Callable[[str, str, int, Any], T],
+                    print_table: Callable[[str, dict[str, list[T]]], None]) -> None:
+    """On a local 2-CPU Ray cluster, for each of ``args.loads``: ``measure(load, shape, rep,
+    args)`` of every shape (colocated added: the baseline) in each of ``args.reps``
+    repetitions, each shape running first in turn (drift hits all alike), then the table."""
+    configure_ray_env()
+    init_ray(None, num_cpus=2)
+    shapes = list(dict.fromkeys(args.shapes + ["coloc"]))
+    for load in args.loads:
+        runs: dict[str, list[T]] = {shape: [] for shape in shapes}
+        for rep in range(args.reps):
+            for shape in shapes[rep % len(shapes):] + shapes[:rep % len(shapes)]:
+                runs[shape].append(measure(load, shape, rep, args))
+        print_table(load, runs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--loads", nargs="+", choices=list(LOADS), default=list(LOADS))
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES),
+                        help="coloc is the baseline and always runs")
+    add_interference_args(parser)
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--rate", type=float, default=6.0)
     parser.add_argument("--prefix-chars", type=int, default=256)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--transport", choices=["grpc", "nixl"], default="grpc")
     parser.add_argument("--port", type=int, default=8050)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    args.shapes = list(dict.fromkeys(args.shapes + ["coloc"]))
-    configure_ray_env()
-    init_ray(None, num_cpus=2)
-    for load in args.loads:
-        rows: dict[str, list[dict[str, float]]] = {shape: [] for shape in args.shapes}
-        for rep in range(args.reps):
-            order = args.shapes[rep % len(args.shapes):] + args.shapes[:rep % len(args.shapes)]
-            for shape in order:  # each shape runs first in turn: drift hits all alike
-                rows[shape].append(measure(load, shape, rep, args))
-        print_table(load, rows)
+    run_interleaved(parser.parse_args(), measure, print_table)
 
 
 if __name__ == "__main__":
