@@ -41,6 +41,7 @@ from pdserve.engine.request import RequestStatus
 from pdserve.kvconnector.checksum import block_checksums
 from pdserve.kvconnector.layout import KVLayout
 from pdserve.kvconnector.lease import LeaseTable
+from pdserve.kvconnector.load_tracker import LoadTracker
 from pdserve.kvconnector.transfer_stats import TransferStats
 from pdserve.kvconnector.transport import KVTransferClient, PeerInfo, TransferError
 from pdserve.kvconnector.transport_factory import make_client, make_server
@@ -83,7 +84,6 @@ class PDConnector(KVConnectorBase):
         self.stats = TransferStats()
         self._kv_cache: torch.Tensor | None = None
         self._block_size = 0
-        self._lock = threading.Condition()
         # producer
         self.leases = LeaseTable(default_ttl_s=config.lease_ttl_s, stats=self.stats)
         self._lease_of_request: dict[str, str] = {}
@@ -92,10 +92,10 @@ class PDConnector(KVConnectorBase):
         self._client: KVTransferClient | None = None
         self._peers: dict[str, PeerInfo] = {}  # by address; pull threads share it
         self._peers_lock = threading.Lock()
-        self._pending = KVConnectorMetadata()
-        self._in_flight: set[str] = set()
+        self._pending = KVConnectorMetadata()  # engine thread only
+        self._loads = LoadTracker()
+        self._foreign_lock = threading.Lock()
         self._foreign_hashes: set[str] = set()  # requests whose hashes differ from the prefill's
-        self._done = FinishedTransfers()
         self._executor: ThreadPoolExecutor | None = None
 
     @classmethod
@@ -158,7 +158,7 @@ class PDConnector(KVConnectorBase):
             # Another cache_salt or prompt than the prefill's: the pulled blocks would be cached
             # under this request's hashes, handing one tenant's KV to another. The pull fails
             # them (after the handshake, so a layout mismatch is still reported as such).
-            with self._lock:
+            with self._foreign_lock:
                 self._foreign_hashes.add(request.request_id)
         self._pending.loads.append(
             LoadSpec(
@@ -231,14 +231,14 @@ class PDConnector(KVConnectorBase):
         params = request.kv_transfer_params
         if params is None:
             return
-        with self._lock:
-            if request.request_id in self._in_flight:
-                return  # the pull reports done; the scheduler frees then
-            queued = [load for load in self._pending.loads if load.request_id == request.request_id]
+        if self._loads.is_in_flight(request.request_id):
+            return  # the pull reports done; the scheduler frees then
+        with self._foreign_lock:
             self._foreign_hashes.discard(request.request_id)
-            for load in queued:
-                self._pending.loads.remove(load)
-                self._done.loaded_request_ids.add(request.request_id)
+        queued = [load for load in self._pending.loads if load.request_id == request.request_id]
+        for load in queued:  # never started: reported loaded, so its blocks are freed
+            self._pending.loads.remove(load)
+            self._loads.finish(request.request_id)
         self._pending.releases.append(params)
 
     # ---- worker side: transfers -----------------------------------------------------
@@ -246,8 +246,7 @@ class PDConnector(KVConnectorBase):
         if not metadata.loads and not metadata.releases:
             return
         assert self._executor is not None
-        with self._lock:
-            self._in_flight.update(load.request_id for load in metadata.loads)
+        self._loads.start(load.request_id for load in metadata.loads)
         for load in metadata.loads:
             self._executor.submit(self._pull, load)
         for params in metadata.releases:
@@ -266,7 +265,7 @@ class PDConnector(KVConnectorBase):
         try:
             peer = self._peer(load.params)
             handshake_s = time.perf_counter() - started
-            with self._lock:
+            with self._foreign_lock:
                 foreign = load.request_id in self._foreign_hashes
             if foreign:
                 raise TransferError("the prefill's block hashes differ from this request's "
@@ -289,16 +288,10 @@ class PDConnector(KVConnectorBase):
             error_message = f"{type(error).__name__}: {error}"
             logger.exception("pull of %s crashed", load.request_id)
         finally:
-            with self._lock:
-                self._in_flight.discard(load.request_id)
+            with self._foreign_lock:
                 self._foreign_hashes.discard(load.request_id)
-                self._done.loaded_request_ids.add(load.request_id)
-                self._done.failed_block_ids.update(failed)
-                if error_message is not None:
-                    self._done.load_errors[load.request_id] = error_message
-                self._done.pulls[load.request_id] = summary or PullSummary(
-                    0, 0, time.perf_counter() - started)
-                self._lock.notify_all()
+            self._loads.finish(load.request_id, failed, error_message,
+                               summary or PullSummary(0, 0, time.perf_counter() - started))
             self._release_remote(load.params)
 
     def _renew_if_expiring(self, peer: PeerInfo, params: KVTransferParams) -> None:
@@ -353,8 +346,7 @@ class PDConnector(KVConnectorBase):
             self._peers.pop(address, None)
 
     def get_finished(self) -> FinishedTransfers:
-        with self._lock:
-            finished, self._done = self._done, FinishedTransfers()
+        finished = self._loads.take()
         if self.config.role == "producer":
             for request_id in self.leases.take_freeable():
                 self._lease_of_request.pop(request_id, None)
@@ -362,18 +354,14 @@ class PDConnector(KVConnectorBase):
         return finished
 
     def has_pending_loads(self) -> bool:
-        with self._lock:
-            return bool(self._in_flight)
+        return self._loads.has_in_flight()
 
     def is_loading(self, request_id: str) -> bool:
-        with self._lock:
-            return (request_id in self._in_flight or request_id in self._done.loaded_request_ids
-                    or any(load.request_id == request_id for load in self._pending.loads))
+        return (self._loads.is_loading(request_id)
+                or any(load.request_id == request_id for load in self._pending.loads))
 
     def wait_for_progress(self, timeout_s: float) -> None:
-        with self._lock:
-            if self._in_flight and not self._done.loaded_request_ids:
-                self._lock.wait(timeout_s)
+        self._loads.wait(timeout_s)
 
     def transfer_stats(self) -> TransferStatsSnapshot:
         return self.stats.snapshot()

@@ -22,7 +22,6 @@ refused at start.
 from __future__ import annotations
 
 import logging
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -37,6 +36,7 @@ from pdserve.engine.kv_connector_base import (
     TransferStatsSnapshot,
 )
 from pdserve.kvconnector.kv_pages import KVPages
+from pdserve.kvconnector.load_tracker import LoadTracker
 from pdserve.kvconnector.tier_store import TierStore
 from pdserve.kvconnector.transfer_stats import TransferStats
 from pdserve.messages.kv_tier_config import KVTierConfig
@@ -74,10 +74,8 @@ class TierConnector(KVConnectorBase):
         self.store: TierStore | None = None
         self._block_size = 0
         self._write_through: dict[int, BlockHash] = {}  # block id → hash, cached this step
-        self._pending: list[TierLoad] = []
-        self._lock = threading.Condition()
-        self._in_flight: set[str] = set()
-        self._done = FinishedTransfers()
+        self._pending: list[TierLoad] = []  # engine thread only
+        self._loads = LoadTracker()
         self._loader: ThreadPoolExecutor | None = None
         self._no_transfers = TransferStats()
 
@@ -152,14 +150,12 @@ class TierConnector(KVConnectorBase):
         queued = [load for load in self._pending if load.request_id == request.request_id]
         for load in queued:  # never started: reported loaded, so its blocks are freed
             self._pending.remove(load)
-            with self._lock:
-                self._done.loaded_request_ids.add(load.request_id)
+            self._loads.finish(load.request_id)
 
     # ---- worker side ----------------------------------------------------------------
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         loads = metadata.tier_loads if isinstance(metadata, TierConnectorMetadata) else []
-        with self._lock:
-            self._in_flight.update(load.request_id for load in loads)
+        self._loads.start(load.request_id for load in loads)
         for load in loads:
             self._loader.submit(self._load, load)  # type: ignore[union-attr]
 
@@ -174,30 +170,20 @@ class TierConnector(KVConnectorBase):
         except Exception:  # a loader thread must always report back
             logger.exception("tier load of %s crashed", load.request_id)
         finally:
-            with self._lock:
-                self._in_flight.discard(load.request_id)
-                self._done.loaded_request_ids.add(load.request_id)
-                self._done.failed_block_ids.update(load.block_ids[num_loaded:])
-                self._lock.notify_all()
+            self._loads.finish(load.request_id, load.block_ids[num_loaded:])
 
     def get_finished(self) -> FinishedTransfers:
-        with self._lock:
-            finished, self._done = self._done, FinishedTransfers()
-        return finished
+        return self._loads.take()
 
     def has_pending_loads(self) -> bool:
-        with self._lock:
-            return bool(self._in_flight)
+        return self._loads.has_in_flight()
 
     def is_loading(self, request_id: str) -> bool:
-        with self._lock:
-            return (request_id in self._in_flight or request_id in self._done.loaded_request_ids
-                    or any(load.request_id == request_id for load in self._pending))
+        return (self._loads.is_loading(request_id)
+                or any(load.request_id == request_id for load in self._pending))
 
     def wait_for_progress(self, timeout_s: float) -> None:
-        with self._lock:
-            if self._in_flight and not self._done.loaded_request_ids:
-                self._lock.wait(timeout_s)
+        self._loads.wait(timeout_s)
 
     def transfer_stats(self) -> TransferStatsSnapshot:
         return self._no_transfers.snapshot()  # a tier moves no blocks between workers
