@@ -165,6 +165,21 @@ GATEWAY_STATS: tuple[Stat, ...] = (
          "vllm:inter_token_latency_seconds", total=Total.MERGE),
     Stat("e2e_request_latency", H, "seconds", "End-to-end request latency.",
          "vllm:e2e_request_latency_seconds", total=Total.MERGE),
+    # From each request's timeline (prefill/gateway/request_timeline.py); the first stream
+    # is the prefill phase wherever it ran.
+    Stat("request_queue_time", H, "seconds",
+         "Time the first worker held a request before computing it (the step in progress, "
+         "then its queue).", "vllm:request_queue_time_seconds", total=Total.MERGE),
+    Stat("request_prefill_time", H, "seconds",
+         "Time the first worker computed until the first token.",
+         "vllm:request_prefill_time_seconds", total=Total.MERGE),
+    Stat("kv_load_time", H, "seconds",
+         "Time a decode worker took from admitting a request to holding its prompt's KV "
+         "(handshake, read, hand-back).", "pdserve:kv_load_seconds", total=Total.MERGE),
+    Stat("worker_call_overhead", H, "seconds",
+         "Ray's share of a worker stream's round trip to its first chunk (the call and the "
+         "chunk's way back), per stream.", "pdserve:worker_call_overhead_seconds",
+         total=Total.MERGE),
     Stat("ttft_p50_s", G, "seconds", "Median TTFT of recent requests.", None, total=Total.MAX),
     Stat("ttft_p99_s", G, "seconds", "p99 TTFT of recent requests.", None, total=Total.MAX),
     Stat("itl_p50_s", G, "seconds", "Median inter-token latency, recent tokens.", None,

@@ -15,8 +15,9 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.messages.worker_stats import WorkerStats
 from pdserve.prefill.gateway.request_provenance import KV_SOURCES, VLLM_SOURCES, RequestProvenance
-from pdserve.stats.latency import (E2E_BUCKETS_S, ITL_BUCKETS_S, TTFT_BUCKETS_S,
-                                   LatencyHistogram, LatencyWindow)
+from pdserve.prefill.gateway.request_timeline import RequestTimeline
+from pdserve.stats.latency import (E2E_BUCKETS_S, ITL_BUCKETS_S, TRANSFER_BUCKETS_S,
+                                   TTFT_BUCKETS_S, LatencyHistogram, LatencyWindow)
 from pdserve.stats.registry import GATEWAY_STATS, WORKER_STATS
 from pdserve.stats.views import prometheus_families, totals
 
@@ -40,6 +41,10 @@ class GatewayMetrics:
         self.time_to_first_token = LatencyHistogram(TTFT_BUCKETS_S)
         self.inter_token_latency = LatencyHistogram(ITL_BUCKETS_S)
         self.e2e_request_latency = LatencyHistogram(E2E_BUCKETS_S)
+        self.request_queue_time = LatencyHistogram(TTFT_BUCKETS_S)
+        self.request_prefill_time = LatencyHistogram(TTFT_BUCKETS_S)
+        self.kv_load_time = LatencyHistogram(TRANSFER_BUCKETS_S)
+        self.worker_call_overhead = LatencyHistogram(TRANSFER_BUCKETS_S)
         self._recent_ttft = LatencyWindow()
         self._recent_itl = LatencyWindow()
         self.latest_workers: list[WorkerStats] = []
@@ -69,6 +74,20 @@ class GatewayMetrics:
     def record_provenance(self, record: RequestProvenance) -> None:
         self.prompt_tokens_by_source.update(record.tokens_by_vllm_source())
         self.prompt_tokens_by_kv_source.update(record.tokens_by_kv_source())
+
+    def record_timeline(self, timeline: RequestTimeline) -> None:
+        """vLLM's queue and prefill times from the first stream, the decode worker's KV load,
+        and Ray's share of each stream."""
+        for phase, stream in timeline.streams.items():
+            inside = stream.worker
+            if stream.answered_at is None or inside is None:
+                continue
+            self.worker_call_overhead.observe(stream.ray_s)
+            if phase == "prefill":
+                self.request_queue_time.observe(inside.op_wait_s + inside.queued_s)
+                self.request_prefill_time.observe(inside.compute_s)
+            elif inside.load_s:
+                self.kv_load_time.observe(inside.load_s)
 
     def record_rejected(self, status: int) -> None:
         self.rejected_by_status[str(status)] += 1

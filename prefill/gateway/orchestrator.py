@@ -358,6 +358,7 @@ class RequestOrchestrator:
         if self.share is not None:
             self.share.finished(record.to_json())
         self.metrics.record_provenance(record)
+        self.metrics.record_timeline(run.timeline)
         delta.kv_provenance = record
         return delta
 

@@ -34,14 +34,24 @@ class StreamTiming:
     answered_at: float | None = None
     worker: FirstChunkTiming | None = None
 
+    @property
+    def round_trip_s(self) -> float | None:
+        return None if self.answered_at is None else self.answered_at - self.called_at
+
+    @property
+    def ray_s(self) -> float | None:
+        """The round trip less the worker's own time: the call and the first chunk's way back."""
+        round_trip_s = self.round_trip_s
+        if round_trip_s is None or self.worker is None:
+            return None
+        return round_trip_s - self.worker.in_worker_s
+
     def to_json(self) -> dict[str, Any] | None:
         if self.answered_at is None:
             return None
-        round_trip_s = self.answered_at - self.called_at
         inside = self.worker
-        figures = {"worker_id": self.worker_id, "round_trip_s": round_trip_s,
-                   "ray_s": round_trip_s - inside.in_worker_s if inside else None,
-                   "in_worker_s": inside.in_worker_s if inside else None}
+        figures = {"worker_id": self.worker_id, "round_trip_s": self.round_trip_s,
+                   "ray_s": self.ray_s, "in_worker_s": inside.in_worker_s if inside else None}
         return figures | (dataclasses.asdict(inside) if inside else {})
 
 

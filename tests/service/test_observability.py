@@ -112,6 +112,30 @@ def test_a_replys_timeline_says_where_the_time_to_its_first_two_tokens_went(serv
                                    + timeline["hand_off_s"] + decode["round_trip_s"])
 
 
+def test_the_timelines_pieces_are_histograms_in_metrics_one_observation_per_piece(service):
+    families = {"request_queue_time": "vllm:request_queue_time_seconds",
+                "request_prefill_time": "vllm:request_prefill_time_seconds",
+                "kv_load_time": "pdserve:kv_load_seconds",
+                "worker_call_overhead": "pdserve:worker_call_overhead_seconds"}
+    before = _metrics(service)
+    timeline = complete(service, "Histograms of the hand-off, one request's worth.")[
+        "kv_provenance"]["timeline"]
+    after = _metrics(service)
+
+    def growth(family: str, series: str) -> float:
+        name = f"{families[family]}_{series}"
+        return sum(_samples(after, name).values()) - sum(_samples(before, name).values())
+
+    prefill, decode = timeline["prefill"], timeline["decode"]
+    expected = {"request_queue_time": [prefill["op_wait_s"] + prefill["queued_s"]],
+                "request_prefill_time": [prefill["compute_s"]],
+                "kv_load_time": [decode["load_s"]],
+                "worker_call_overhead": [prefill["ray_s"], decode["ray_s"]]}
+    for family, values in expected.items():
+        assert growth(family, "count") == len(values), family
+        assert growth(family, "sum") == pytest.approx(sum(values), rel=1e-6, abs=1e-9), family
+
+
 def test_a_repeated_prompt_hits_the_prefill_cache_and_the_decode_worker_holds_its_blocks(service):
     prompt = "Provenance, second sight: this exact prompt is sent twice, word for word."
     first = complete(service, prompt)["kv_provenance"]
