@@ -83,23 +83,31 @@ def side_by_side(shape: TraceShape, repeat: int) -> None:
     for _ in range(repeat):  # interleaved, so a noisy neighbour hits both sides alike
         for driver in drivers:
             results[driver.name].append(timed_replay(driver, trace, shape))
-    print(f"ledger trace: {shape.num_requests:,} requests, {shape.num_system_prompts} shared system prompts, "
-          f"{shape.num_blocks:,} blocks of {shape.block_size}, {shape.max_num_batched_tokens:,} tokens/step, "
-          f"best of {repeat} interleaved runs")
+    print(
+        f"ledger trace: {shape.num_requests:,} requests, {shape.num_system_prompts} shared system prompts, "
+        f"{shape.num_blocks:,} blocks of {shape.block_size}, {shape.max_num_batched_tokens:,} tokens/step, "
+        f"best of {repeat} interleaved runs"
+    )
     for name, runs in results.items():
         run = runs[0]
         best = min(r.seconds for r in runs)
-        print(f"  {name:14s} {best:6.3f} s best, {statistics.median(r.seconds for r in runs):6.3f} s median   "
-              f"{run.num_allocate_calls:,} allocate_slots calls, {run.num_admissions:,} admissions, "
-              f"{run.num_preemptions} preemptions, hit rate {run.hit_rate:.4f}, digest {run.digest}")
+        print(
+            f"  {name:14s} {best:6.3f} s best, {statistics.median(r.seconds for r in runs):6.3f} s median   "
+            f"{run.num_allocate_calls:,} allocate_slots calls, {run.num_admissions:,} admissions, "
+            f"{run.num_preemptions} preemptions, hit rate {run.hit_rate:.4f}, digest {run.digest}"
+        )
     if vllm_driver is None:
         print(f"  (no side-by-side: {vllm_note})")
         return
     ours, theirs = results[PdserveDriver.name], results[vllm_driver.name]
     ratio = min(r.seconds for r in theirs) / min(r.seconds for r in ours)
-    same = {r.digest for r in ours} == {r.digest for r in theirs} and len({r.digest for r in ours}) == 1
-    print(f"  pdserve runs in {1 / ratio:.2f}x of {vllm_note}'s time: {ratio:.2f}x faster; "
-          f"decisions {'IDENTICAL (digests equal)' if same else 'DIFFER (digests differ)'}")
+    same = {r.digest for r in ours} == {r.digest for r in theirs} and len(
+        {r.digest for r in ours}
+    ) == 1
+    print(
+        f"  pdserve runs in {1 / ratio:.2f}x of {vllm_note}'s time: {ratio:.2f}x faster; "
+        f"decisions {'IDENTICAL (digests equal)' if same else 'DIFFER (digests differ)'}"
+    )
 
 
 def profile_pdserve(shape: TraceShape, top: int = 15) -> None:
@@ -146,15 +154,23 @@ def hashing_figures(num_tokens: int = 32768):
         parent, out = hasher.none_hash, []
         for index in range(num_blocks):
             block = tuple(as_list[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE])
-            parent = hashlib.sha256(pickle.dumps((parent, block, None), protocol=pickle.HIGHEST_PROTOCOL)).digest()
+            parent = hashlib.sha256(
+                pickle.dumps((parent, block, None), protocol=pickle.HIGHEST_PROTOCOL)
+            ).digest()
             out.append(parent)
         return out
 
     assert len(hasher.hash_request_blocks(array, BLOCK_SIZE)) == num_blocks
     return {
-        "BlockHasher xxh3_128, int32 array": best_ms(lambda: hasher.hash_request_blocks(array, BLOCK_SIZE)),
-        "BlockHasher xxh3_128, list[int]": best_ms(lambda: hasher.hash_request_blocks(as_list, BLOCK_SIZE)),
-        "BlockHasher sha256, int32 array": best_ms(lambda: sha_hasher.hash_request_blocks(array, BLOCK_SIZE)),
+        "BlockHasher xxh3_128, int32 array": best_ms(
+            lambda: hasher.hash_request_blocks(array, BLOCK_SIZE)
+        ),
+        "BlockHasher xxh3_128, list[int]": best_ms(
+            lambda: hasher.hash_request_blocks(as_list, BLOCK_SIZE)
+        ),
+        "BlockHasher sha256, int32 array": best_ms(
+            lambda: sha_hasher.hash_request_blocks(array, BLOCK_SIZE)
+        ),
         "raw xxh3_128 loop (no extras)": best_ms(raw_xxh3),
         "vLLM default sha256(pickle)": best_ms(vllm_sha256_pickle, repeat=10),
     }
@@ -180,8 +196,10 @@ def main() -> None:
     vllm = figures["vLLM default sha256(pickle)"][0]
     print("hashing a 32,768-token prompt into 2,048 chained block hashes (best / median ms)")
     for name, (best, median) in figures.items():
-        print(f"  {name:36s} {best:7.3f} / {median:7.3f} ms   x{best / base:5.2f} of raw   "
-              f"{vllm / best:5.1f}x faster than vLLM default")
+        print(
+            f"  {name:36s} {best:7.3f} / {median:7.3f} ms   x{best / base:5.2f} of raw   "
+            f"{vllm / best:5.1f}x faster than vLLM default"
+        )
 
 
 if __name__ == "__main__":

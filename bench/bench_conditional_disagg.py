@@ -50,9 +50,16 @@ def measure(threshold: int, rep: int, plan: list[Planned], args) -> dict[str, fl
     from ray import serve
 
     name = f"cond{threshold}r{rep}"
-    config = PDServeConfig(model="tiny", num_prefill=1, num_decode=1, port=args.port,
-                           app_name=name, route_prefix=f"/{name}", num_kv_blocks=1024,
-                           disagg_min_uncached_tokens=threshold)
+    config = PDServeConfig(
+        model="tiny",
+        num_prefill=1,
+        num_decode=1,
+        port=args.port,
+        app_name=name,
+        route_prefix=f"/{name}",
+        num_kv_blocks=1024,
+        disagg_min_uncached_tokens=threshold,
+    )
     deploy(config)
     url = base_url(config)
     try:
@@ -65,16 +72,25 @@ def measure(threshold: int, rep: int, plan: list[Planned], args) -> dict[str, fl
     print_failures(name, results)
     row = summarize(results, wall_s)
     row["on_decode"] = local
-    print(f"  threshold {threshold:>4}, rep {rep}: {len(results)} requests in {wall_s:.1f}s, "
-          f"{local} run on decode", flush=True)
+    print(
+        f"  threshold {threshold:>4}, rep {rep}: {len(results)} requests in {wall_s:.1f}s, "
+        f"{local} run on decode",
+        flush=True,
+    )
     return row
 
 
-ROWS = [("TTFT short p50 ms", "ttft_short_p50", 1000), ("TTFT short p99 ms", "ttft_short_p99", 1000),
-        ("TTFT long p50 ms", "ttft_long_p50", 1000), ("TTFT long p99 ms", "ttft_long_p99", 1000),
-        ("ITL p50 ms", "itl_p50", 1000), ("ITL p99 ms", "itl_p99", 1000),
-        ("output tok/s", "out_tok_s", 1), ("run on decode", "on_decode", 1),
-        ("failed", "failed", 1)]
+ROWS = [
+    ("TTFT short p50 ms", "ttft_short_p50", 1000),
+    ("TTFT short p99 ms", "ttft_short_p99", 1000),
+    ("TTFT long p50 ms", "ttft_long_p50", 1000),
+    ("TTFT long p99 ms", "ttft_long_p99", 1000),
+    ("ITL p50 ms", "itl_p50", 1000),
+    ("ITL p99 ms", "itl_p99", 1000),
+    ("output tok/s", "out_tok_s", 1),
+    ("run on decode", "on_decode", 1),
+    ("failed", "failed", 1),
+]
 
 
 def main() -> None:
@@ -95,19 +111,25 @@ def main() -> None:
     configure_ray_env()
     init_ray(None, num_cpus=2)
     plan = make_plan(args)
-    print(f"{args.num_requests} requests at {args.rate}/s, ≤ {args.concurrency} in flight, "
-          f"{args.short_ratio:.0%} short ({args.short_chars} tokens), the rest a shared "
-          f"{args.long_chars}-token preamble + {args.tail_chars}; {args.max_tokens} output tokens")
+    print(
+        f"{args.num_requests} requests at {args.rate}/s, ≤ {args.concurrency} in flight, "
+        f"{args.short_ratio:.0%} short ({args.short_chars} tokens), the rest a shared "
+        f"{args.long_chars}-token preamble + {args.tail_chars}; {args.max_tokens} output tokens"
+    )
     rows: dict[int, list[dict[str, float]]] = {t: [] for t in args.thresholds}
     for rep in range(args.reps):
         order = args.thresholds if rep % 2 == 0 else list(reversed(args.thresholds))
         for threshold in order:
             rows[threshold].append(measure(threshold, rep, plan, args))
-    medians = {t: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-               for t, runs in rows.items()}
+    medians = {
+        t: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        for t, runs in rows.items()
+    }
     base = medians[args.thresholds[0]]
-    print(f"\nmedian of {args.reps} repetitions; ratio = value / value at threshold "
-          f"{args.thresholds[0]}")
+    print(
+        f"\nmedian of {args.reps} repetitions; ratio = value / value at threshold "
+        f"{args.thresholds[0]}"
+    )
     print(f"{'':>20}" + "".join(f"{f'thr {t}':>12}{'ratio':>7}" for t in args.thresholds))
     for label, key, scale in ROWS:
         cells = ""

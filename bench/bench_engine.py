@@ -67,7 +67,9 @@ def hf_model(engine: LLMEngine) -> HFLlamaForCausalLM:
     return model
 
 
-def hf_generate(model: HFLlamaForCausalLM, prompts: list[list[int]], output_tokens: int) -> list[list[int]]:
+def hf_generate(
+    model: HFLlamaForCausalLM, prompts: list[list[int]], output_tokens: int
+) -> list[list[int]]:
     """Greedy generation of a left-padded batch; the new tokens of each row."""
     width = max(len(p) for p in prompts)
     input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -88,7 +90,9 @@ def hf_generate(model: HFLlamaForCausalLM, prompts: list[list[int]], output_toke
     return out[:, width:].tolist()
 
 
-def engine_generate(engine: LLMEngine, prompts: list[list[int]], output_tokens: int) -> list[list[int]]:
+def engine_generate(
+    engine: LLMEngine, prompts: list[list[int]], output_tokens: int
+) -> list[list[int]]:
     params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
     return [out.output_token_ids for out in engine.generate(prompts, params)]
 
@@ -119,8 +123,10 @@ def bench_throughput(
             identical = ours == hf_generate(model, prompts, output_tokens)
         best = best_of(
             rounds,
-            {"engine": lambda: engine_generate(engine, prompts, output_tokens),
-             "hf": lambda: hf_generate(model, prompts, output_tokens)},
+            {
+                "engine": lambda: engine_generate(engine, prompts, output_tokens),
+                "hf": lambda: hf_generate(model, prompts, output_tokens),
+            },
         )
         tokens = batch * output_tokens
         ours_tps, hf_tps = tokens / best["engine"], tokens / best["hf"]
@@ -165,14 +171,18 @@ def read_bandwidth(num_bytes: int = 512 * 2**20, rounds: int = 5) -> float:
 
 def weight_bytes(engine: LLMEngine) -> int:
     """Bytes of every distinct weight tensor (a tied LM head is the embedding, counted once)."""
-    tensors = {tensor.untyped_storage().data_ptr(): tensor for tensor in engine.model.state_dict().values()}
+    tensors = {
+        tensor.untyped_storage().data_ptr(): tensor for tensor in engine.model.state_dict().values()
+    }
     return sum(t.untyped_storage().nbytes() for t in tensors.values())
 
 
 def bench_decode_bandwidth(engine: LLMEngine, prompt: list[int]) -> None:
     """Batch-1 decode tokens/s (a 32-token run minus its 1-token prefill run) vs the bandwidth limit."""
     prefill = best_of(SMOLLM2_ROUNDS, {"run": lambda: engine_generate(engine, [prompt], 1)})["run"]
-    whole = best_of(SMOLLM2_ROUNDS, {"run": lambda: engine_generate(engine, [prompt], SMOLLM2_OUTPUT_TOKENS)})["run"]
+    whole = best_of(
+        SMOLLM2_ROUNDS, {"run": lambda: engine_generate(engine, [prompt], SMOLLM2_OUTPUT_TOKENS)}
+    )["run"]
     decode_tps = (SMOLLM2_OUTPUT_TOKENS - 1) / (whole - prefill)
     bandwidth, weights = read_bandwidth(), weight_bytes(engine)
     limit_tps = bandwidth / weights
@@ -195,12 +205,16 @@ def bench_smollm2() -> None:
     vocab = engine.model_config.vocab_size
 
     def prompts_of_batch(batch: int) -> list[list[int]]:
-        return [[rng.randrange(3, vocab) for _ in range(SMOLLM2_PROMPT_TOKENS)] for _ in range(batch)]
+        return [
+            [rng.randrange(3, vocab) for _ in range(SMOLLM2_PROMPT_TOKENS)] for _ in range(batch)
+        ]
 
     engine_generate(engine, [[1, 2, 3]], 2)  # warm both up
     hf_generate(model, [[1, 2, 3]], 2)
-    print(f"smollm2 (SmolLM2-135M, GGUF dequantized to float32), {SMOLLM2_PROMPT_TOKENS}-token prompts, "
-          f"{SMOLLM2_OUTPUT_TOKENS} output tokens, ignore_eos, 1 torch thread, best of {SMOLLM2_ROUNDS}")
+    print(
+        f"smollm2 (SmolLM2-135M, GGUF dequantized to float32), {SMOLLM2_PROMPT_TOKENS}-token prompts, "
+        f"{SMOLLM2_OUTPUT_TOKENS} output tokens, ignore_eos, 1 torch thread, best of {SMOLLM2_ROUNDS}"
+    )
     bench_throughput(engine, model, prompts_of_batch, SMOLLM2_OUTPUT_TOKENS, SMOLLM2_ROUNDS)
     bench_decode_bandwidth(engine, prompts_of_batch(1)[0])
 
@@ -214,9 +228,13 @@ def main() -> None:
     hf_generate(model, [[1, 2, 3]], OUTPUT_TOKENS)
 
     def prompts_of_batch(batch: int) -> list[list[int]]:
-        return [[rng.randrange(256) for _ in range(rng.randint(*PROMPT_LENGTHS))] for _ in range(batch)]
+        return [
+            [rng.randrange(256) for _ in range(rng.randint(*PROMPT_LENGTHS))] for _ in range(batch)
+        ]
 
-    print(f"tiny model, greedy, {OUTPUT_TOKENS} output tokens, ignore_eos, 1 torch thread, best of {ROUNDS}")
+    print(
+        f"tiny model, greedy, {OUTPUT_TOKENS} output tokens, ignore_eos, 1 torch thread, best of {ROUNDS}"
+    )
     bench_throughput(engine, model, prompts_of_batch, OUTPUT_TOKENS, ROUNDS)
     bench_prefix(engine, rng)
     bench_smollm2()

@@ -32,14 +32,21 @@ MAX_TOKENS = 8
 def workload(num_requests: int, system_tokens: int) -> list[list[int]]:
     rng = random.Random(0)
     systems = [[rng.randrange(1, 500) for _ in range(system_tokens)] for _ in range(NUM_SYSTEMS)]
-    return [systems[i % NUM_SYSTEMS] + [rng.randrange(1, 500) for _ in range(QUESTION_TOKENS)]
-            for i in range(num_requests)]
+    return [
+        systems[i % NUM_SYSTEMS] + [rng.randrange(1, 500) for _ in range(QUESTION_TOKENS)]
+        for i in range(num_requests)
+    ]
 
 
 def run(name: str, tier: KVTierConfig | None, prompts: list[list[int]], num_blocks: int) -> dict:
     connector = TierConnector(tier, "bench") if tier else None
-    engine = LLMEngine.from_pretrained("tiny", connector=connector, num_kv_blocks=num_blocks,
-                                       block_size=BLOCK_SIZE, max_num_batched_tokens=2048)
+    engine = LLMEngine.from_pretrained(
+        "tiny",
+        connector=connector,
+        num_kv_blocks=num_blocks,
+        block_size=BLOCK_SIZE,
+        max_num_batched_tokens=2048,
+    )
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     engine.generate([prompts[0][:32]], params)  # warm-up (not counted)
     before = engine.stats()
@@ -55,12 +62,15 @@ def run(name: str, tier: KVTierConfig | None, prompts: list[list[int]], num_bloc
     tier_hits = sum(t.hit_tokens for t in stats.tiers)
     pool_hits = stats.prefix_cache_hits - before.prefix_cache_hits
     return dict(
-        name=name, outputs=outputs,
+        name=name,
+        outputs=outputs,
         hit_rate=(pool_hits + tier_hits) / num_prompt_tokens,
         computed=stats.num_scheduled_tokens - before.num_scheduled_tokens - decode_tokens,
-        ttft_p50=percentile(ttfts, 50), ttft_p99=percentile(ttfts, 99),
+        ttft_p50=percentile(ttfts, 50),
+        ttft_p99=percentile(ttfts, 99),
         loads=sum(t.blocks_loaded for t in stats.tiers),
-        failures=sum(t.load_failures + t.store_failures for t in stats.tiers))
+        failures=sum(t.load_failures + t.store_failures for t in stats.tiers),
+    )
 
 
 def main() -> None:
@@ -77,24 +87,38 @@ def main() -> None:
         results = [
             run("pool only", None, prompts, num_blocks),
             run("+ cpu tier", KVTierConfig(cpu_bytes=2 * working_set), prompts, num_blocks),
-            run("+ disk tier", KVTierConfig(disk_path=disk_dir, disk_bytes=2 * working_set),
-                prompts, num_blocks),
-            run("+ cpu 1/4 over disk", KVTierConfig(cpu_bytes=working_set // 4,
-                                                    disk_path=disk_dir,
-                                                    disk_bytes=2 * working_set),
-                prompts, num_blocks),
+            run(
+                "+ disk tier",
+                KVTierConfig(disk_path=disk_dir, disk_bytes=2 * working_set),
+                prompts,
+                num_blocks,
+            ),
+            run(
+                "+ cpu 1/4 over disk",
+                KVTierConfig(
+                    cpu_bytes=working_set // 4, disk_path=disk_dir, disk_bytes=2 * working_set
+                ),
+                prompts,
+                num_blocks,
+            ),
         ]
-    print(f"tiny model, pool {num_blocks} blocks of {BLOCK_SIZE}; {len(prompts)} requests over "
-          f"{NUM_SYSTEMS} system prompts of {args.system_tokens} tokens (+{QUESTION_TOKENS}), "
-          f"{MAX_TOKENS} tokens each, one at a time")
-    header = f"{'config':<22}{'hit rate':>9}{'prefill computed':>18}{'TTFT p50 ms':>13}" \
-             f"{'TTFT p99 ms':>13}{'tier loads':>12}{'failures':>10}{'tokens equal':>14}"
+    print(
+        f"tiny model, pool {num_blocks} blocks of {BLOCK_SIZE}; {len(prompts)} requests over "
+        f"{NUM_SYSTEMS} system prompts of {args.system_tokens} tokens (+{QUESTION_TOKENS}), "
+        f"{MAX_TOKENS} tokens each, one at a time"
+    )
+    header = (
+        f"{'config':<22}{'hit rate':>9}{'prefill computed':>18}{'TTFT p50 ms':>13}"
+        f"{'TTFT p99 ms':>13}{'tier loads':>12}{'failures':>10}{'tokens equal':>14}"
+    )
     print(header)
     baseline = results[0]["outputs"]
     for r in results:
-        print(f"{r['name']:<22}{100 * r['hit_rate']:>8.1f}%{r['computed']:>18}"
-              f"{1000 * r['ttft_p50']:>13.1f}{1000 * r['ttft_p99']:>13.1f}{r['loads']:>12}"
-              f"{r['failures']:>10}{str(r['outputs'] == baseline):>14}")
+        print(
+            f"{r['name']:<22}{100 * r['hit_rate']:>8.1f}%{r['computed']:>18}"
+            f"{1000 * r['ttft_p50']:>13.1f}{1000 * r['ttft_p99']:>13.1f}{r['loads']:>12}"
+            f"{r['failures']:>10}{str(r['outputs'] == baseline):>14}"
+        )
 
 
 if __name__ == "__main__":

@@ -39,11 +39,18 @@ from pdserve.deploy.http_client import ServiceClient  # noqa: E402
 # P/D always disaggregating, P/D with the default conditional disaggregation (a prompt whose
 # uncached part is under 256 tokens runs whole on the decode worker), the same with the
 # prefill worker pinned to CPU 0 and the decode worker to CPU 1, and colocated.
-SHAPES = {"pd": dict(num_prefill=1, num_decode=1, disagg_min_uncached_tokens=0),
-          "pd256": dict(num_prefill=1, num_decode=1, disagg_min_uncached_tokens=256),
-          "pinned": dict(num_prefill=1, num_decode=1, disagg_min_uncached_tokens=256,
-                         prefill_cpus=[0], decode_cpus=[1]),
-          "coloc": dict(num_prefill=2, num_decode=0)}
+SHAPES = {
+    "pd": dict(num_prefill=1, num_decode=1, disagg_min_uncached_tokens=0),
+    "pd256": dict(num_prefill=1, num_decode=1, disagg_min_uncached_tokens=256),
+    "pinned": dict(
+        num_prefill=1,
+        num_decode=1,
+        disagg_min_uncached_tokens=256,
+        prefill_cpus=[0],
+        decode_cpus=[1],
+    ),
+    "coloc": dict(num_prefill=2, num_decode=0),
+}
 T = TypeVar("T")
 TITLES = {"pd": "P/D 1+1", "pd256": "P/D cond.", "pinned": "P/D pinned", "coloc": "coloc 2"}
 
@@ -56,11 +63,17 @@ def interference_load(args) -> tuple[list[Planned], list[list[Planned]]]:
     """(long-prompt arrivals, one closed-loop lane of short streams per client)."""
     rng = random.Random(args.seed)
     num_long = int(args.duration_s / args.long_every_s)
-    arrivals = [Planned("long", text(rng, args.long_chars), args.long_tokens,
-                        args.long_every_s if i else 0.2) for i in range(num_long)]
+    arrivals = [
+        Planned(
+            "long", text(rng, args.long_chars), args.long_tokens, args.long_every_s if i else 0.2
+        )
+        for i in range(num_long)
+    ]
     per_lane = max(1, int(args.duration_s * 1.2 / (args.stream_tokens * 0.02)))
-    lanes = [[Planned("short", text(rng, args.short_chars), args.stream_tokens)
-              for _ in range(per_lane)] for _ in range(args.streams)]
+    lanes = [
+        [Planned("short", text(rng, args.short_chars), args.stream_tokens) for _ in range(per_lane)]
+        for _ in range(args.streams)
+    ]
     return arrivals, lanes
 
 
@@ -83,8 +96,15 @@ def deployed(shape: str, name: str, args) -> Iterator[str]:
     """An app of ``shape`` named ``name`` while the block runs; yields its base URL."""
     from ray import serve
 
-    config = PDServeConfig(model="tiny", port=args.port, app_name=name, route_prefix=f"/{name}",
-                           num_kv_blocks=2048, transport=args.transport, **SHAPES[shape])
+    config = PDServeConfig(
+        model="tiny",
+        port=args.port,
+        app_name=name,
+        route_prefix=f"/{name}",
+        num_kv_blocks=2048,
+        transport=args.transport,
+        **SHAPES[shape],
+    )
     deploy(config)
     try:
         yield base_url(config)
@@ -108,20 +128,28 @@ def measure(load: str, shape: str, rep: int, args) -> dict[str, float]:
 
 
 def print_table(load: str, rows: dict[str, list[dict[str, float]]]) -> None:
-    medians = {shape: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-               for shape, runs in rows.items()}
+    medians = {
+        shape: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        for shape, runs in rows.items()
+    }
     keys = [k for k in medians["coloc"] if k != "requests"]
     shapes = [shape for shape in SHAPES if shape in medians]
     print(f"\n{load}: median of {len(rows['coloc'])} repetitions; ratios over colocated")
-    print(f"{'':>22}" + "".join(f"{TITLES[s]:>12}" for s in shapes)
-          + "".join(f"{TITLES[s] + '/col':>16}" for s in shapes if s != "coloc"))
+    print(
+        f"{'':>22}"
+        + "".join(f"{TITLES[s]:>12}" for s in shapes)
+        + "".join(f"{TITLES[s] + '/col':>16}" for s in shapes if s != "coloc")
+    )
     for key in keys:
         scale = 100 if key == "hit_rate" else 1000 if key.startswith(("ttft", "itl")) else 1
         unit = " %" if key == "hit_rate" else " ms" if scale == 1000 else ""
         base = medians["coloc"][key]
         values = "".join(f"{medians[s][key] * scale:>12.1f}" for s in shapes)
-        ratios = "".join(f"{medians[s][key] / base:>16.2f}" if base else f"{'-':>16}"
-                         for s in shapes if s != "coloc")
+        ratios = "".join(
+            f"{medians[s][key] / base:>16.2f}" if base else f"{'-':>16}"
+            for s in shapes
+            if s != "coloc"
+        )
         print(f"{key + unit:>22}{values}{ratios}")
 
 
@@ -139,8 +167,11 @@ def add_interference_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
-def run_interleaved(args, measure: Callable[[str, str, int, Any], T],
-                    print_table: Callable[[str, dict[str, list[T]]], None]) -> None:
+def run_interleaved(
+    args,
+    measure: Callable[[str, str, int, Any], T],
+    print_table: Callable[[str, dict[str, list[T]]], None],
+) -> None:
     """On a local 2-CPU Ray cluster, for each of ``args.loads``: ``measure(load, shape, rep,
     args)`` of every shape (colocated added: the baseline) in each of ``args.reps``
     repetitions, each shape running first in turn (drift hits all alike), then the table."""
@@ -150,7 +181,7 @@ def run_interleaved(args, measure: Callable[[str, str, int, Any], T],
     for load in args.loads:
         runs: dict[str, list[T]] = {shape: [] for shape in shapes}
         for rep in range(args.reps):
-            for shape in shapes[rep % len(shapes):] + shapes[:rep % len(shapes)]:
+            for shape in shapes[rep % len(shapes) :] + shapes[: rep % len(shapes)]:
                 runs[shape].append(measure(load, shape, rep, args))
         print_table(load, runs)
 
@@ -159,8 +190,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--loads", nargs="+", choices=list(LOADS), default=list(LOADS))
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES),
-                        help="coloc is the baseline and always runs")
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        choices=list(SHAPES),
+        default=list(SHAPES),
+        help="coloc is the baseline and always runs",
+    )
     add_interference_args(parser)
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--rate", type=float, default=6.0)

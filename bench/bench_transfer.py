@@ -37,24 +37,37 @@ from pdserve.kvconnector.grpc_client import GrpcTransferClient
 from pdserve.kvconnector.grpc_transport import DEFAULT_MESSAGE_BYTES, MAX_GRPC_MESSAGE_BYTES
 from pdserve.kvconnector.layout import KVLayout
 from pdserve.kvconnector.lease import LeaseTable
-from pdserve.kvconnector.nixl_transport import (NixlTransferClient, NixlTransferServer,
-                                                nixl_available)
+from pdserve.kvconnector.nixl_transport import (
+    NixlTransferClient,
+    NixlTransferServer,
+    nixl_available,
+)
 
 LAYOUTS = {
-    "tiny (4L x 2H x 64, fp32)": dict(num_layers=4, num_kv_heads=2, head_size=64,
-                                      dtype=torch.float32),
-    "realistic (32L x 8H x 128, fp16)": dict(num_layers=32, num_kv_heads=8, head_size=128,
-                                             dtype=torch.float16),
+    "tiny (4L x 2H x 64, fp32)": dict(
+        num_layers=4, num_kv_heads=2, head_size=64, dtype=torch.float32
+    ),
+    "realistic (32L x 8H x 128, fp16)": dict(
+        num_layers=32, num_kv_heads=8, head_size=128, dtype=torch.float16
+    ),
 }
 BLOCK_SIZE = 16
 _RAW_METHOD = "/bench.Raw/Stream"
-_IDENTITY = (lambda payload: payload)
-_OPTIONS = [("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES)]
+_IDENTITY = lambda payload: payload
+_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
+]
 
 
-def make_kv_cache(num_blocks: int, num_layers: int, num_kv_heads: int, head_size: int,
-                  dtype: torch.dtype, seed: int) -> torch.Tensor:
+def make_kv_cache(
+    num_blocks: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    seed: int,
+) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     shape = (num_blocks, num_layers, 2, BLOCK_SIZE, num_kv_heads, head_size)
     return torch.randn(shape, generator=generator).to(dtype)
@@ -63,7 +76,7 @@ def make_kv_cache(num_blocks: int, num_layers: int, num_kv_heads: int, head_size
 def raw_messages(kv_cache: torch.Tensor, message_bytes: int) -> list[bytes]:
     """The same bytes as a transfer, prebuilt into messages: what a raw stream sends."""
     flat = page_view(kv_cache).reshape(-1)
-    return [flat[i:i + message_bytes].tobytes() for i in range(0, flat.size, message_bytes)]
+    return [flat[i : i + message_bytes].tobytes() for i in range(0, flat.size, message_bytes)]
 
 
 def _serve(shape: dict[str, Any], num_blocks: int, conn: Any) -> None:
@@ -79,8 +92,14 @@ def _serve(shape: dict[str, Any], num_blocks: int, conn: Any) -> None:
         yield from messages
 
     raw_grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=_OPTIONS)
-    raw_grpc.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Raw", {
-        "Stream": grpc.unary_stream_rpc_method_handler(stream, _IDENTITY, _IDENTITY)})])
+    raw_grpc.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "bench.Raw",
+                {"Stream": grpc.unary_stream_rpc_method_handler(stream, _IDENTITY, _IDENTITY)},
+            )
+        ]
+    )
     raw_grpc_port = raw_grpc.add_insecure_port("127.0.0.1:0")
     raw_grpc.start()
 
@@ -105,8 +124,12 @@ def _serve(shape: dict[str, Any], num_blocks: int, conn: Any) -> None:
         conn.send((lease.lease_id, list(lease.checksums)))
 
 
-def best_mib_s(num_bytes: int, repeats: int, run: Callable[..., None],
-               prepare: Callable[[], Any] = lambda: None) -> float:
+def best_mib_s(
+    num_bytes: int,
+    repeats: int,
+    run: Callable[..., None],
+    prepare: Callable[[], Any] = lambda: None,
+) -> float:
     """Throughput of the fastest of ``repeats`` runs; ``prepare`` runs untimed before each."""
     best = float("inf")
     for _ in range(repeats):
@@ -117,8 +140,13 @@ def best_mib_s(num_bytes: int, repeats: int, run: Callable[..., None],
     return num_bytes / best / 2**20
 
 
-def paired_mib_s(num_bytes: int, repeats: int, run: Callable[..., None],
-                 prepare: Callable[[], Any], ceiling: Callable[[], None]) -> tuple[float, float]:
+def paired_mib_s(
+    num_bytes: int,
+    repeats: int,
+    run: Callable[..., None],
+    prepare: Callable[[], Any],
+    ceiling: Callable[[], None],
+) -> tuple[float, float]:
     """A path and its ceiling measured alternately, so a noisy neighbour hits both alike."""
     path_mib_s = ceiling_mib_s = 0.0
     for _ in range(repeats):
@@ -128,8 +156,7 @@ def paired_mib_s(num_bytes: int, repeats: int, run: Callable[..., None],
 
 
 def bench_layout(name: str, shape: dict[str, Any], mib: int, repeats: int) -> list[tuple]:
-    page_bytes = KVLayout.from_kv_cache(make_kv_cache(1, seed=0, **shape), "xxh3_128",
-                                        0).page_bytes
+    page_bytes = KVLayout.from_kv_cache(make_kv_cache(1, seed=0, **shape), "xxh3_128", 0).page_bytes
     num_blocks = max(1, (mib << 20) // page_bytes)
     total = num_blocks * page_bytes
     context = mp.get_context("spawn")
@@ -158,6 +185,7 @@ def bench_layout(name: str, shape: dict[str, Any], mib: int, repeats: int) -> li
             result = client.read_blocks(peer, lease_id, remote_ids, local_ids, checksums)
             if result.failed_block_ids:
                 raise RuntimeError(f"{len(result.failed_block_ids)} blocks failed")
+
         return run
 
     rows = []
@@ -165,7 +193,8 @@ def bench_layout(name: str, shape: dict[str, Any], mib: int, repeats: int) -> li
     channel = grpc.insecure_channel(raw_grpc_address, options=_OPTIONS)
     raw_stream = channel.unary_stream(_RAW_METHOD, _IDENTITY, _IDENTITY)
     grpc_mib_s, raw_grpc_mib_s = paired_mib_s(
-        total, repeats, pull(grpc_client), grant, lambda: [None for _ in raw_stream(b"")])
+        total, repeats, pull(grpc_client), grant, lambda: [None for _ in raw_stream(b"")]
+    )
     channel.close()
     grpc_client.close()
     rows.append((name, "grpc", grpc_mib_s, "raw gRPC stream", raw_grpc_mib_s))
@@ -190,8 +219,9 @@ def bench_layout(name: str, shape: dict[str, Any], mib: int, repeats: int) -> li
         remote_index = np.asarray(remote_ids, dtype=np.int32)
 
         def raw_nixl() -> None:
-            handle = agent.make_prepped_xfer("READ", nixl_client.endpoint.local_pages,
-                                             local_index, remote_pages, remote_index)
+            handle = agent.make_prepped_xfer(
+                "READ", nixl_client.endpoint.local_pages, local_index, remote_pages, remote_index
+            )
             state = agent.transfer(handle)
             while state == "PROC":
                 state = agent.check_xfer_state(handle)
@@ -202,17 +232,18 @@ def bench_layout(name: str, shape: dict[str, Any], mib: int, repeats: int) -> li
         def pull_nixl_unverified(lease: tuple[str, list[int]]) -> None:
             """The transport's pull without its checksums: hold, READ, confirm."""
             with nixl_client.control.hold_blocks(peer, lease[0], remote_ids) as confirm_held:
-                nixl_client._read(peer, remote_pages, remote_index, local_index,
-                                  time.perf_counter() + 60)
+                nixl_client._read(
+                    peer, remote_pages, remote_index, local_index, time.perf_counter() + 60
+                )
                 confirm_held()
 
         nixl_mib_s, raw_nixl_mib_s = paired_mib_s(total, repeats, pull_nixl, grant, raw_nixl)
-        unverified_mib_s, raw_nixl_mib_s_2 = paired_mib_s(total, repeats, pull_nixl_unverified,
-                                                          grant, raw_nixl)
+        unverified_mib_s, raw_nixl_mib_s_2 = paired_mib_s(
+            total, repeats, pull_nixl_unverified, grant, raw_nixl
+        )
         nixl_client.close()
         rows.append((name, "nixl", nixl_mib_s, "raw NIXL READ", raw_nixl_mib_s))
-        rows.append((name, "nixl unverified", unverified_mib_s, "raw NIXL READ",
-                     raw_nixl_mib_s_2))
+        rows.append((name, "nixl unverified", unverified_mib_s, "raw NIXL READ", raw_nixl_mib_s_2))
         rows.append((name, "nixl", nixl_mib_s, "nixl unverified", unverified_mib_s))
 
     source = page_view(make_kv_cache(num_blocks, seed=3, **shape))
@@ -239,8 +270,10 @@ def main() -> None:
         rows += bench_layout(name, shape, args.mib, args.repeats)
     print(f"\n{'layout':34} {'path':16} {'MiB/s':>8}   {'ceiling':16} {'MiB/s':>8}  ratio")
     for name, path, mib_s, ceiling, ceiling_mib_s in rows:
-        print(f"{name:34} {path:16} {mib_s:8.0f}   {ceiling:16} {ceiling_mib_s:8.0f}  "
-              f"{mib_s / ceiling_mib_s:5.2f}")
+        print(
+            f"{name:34} {path:16} {mib_s:8.0f}   {ceiling:16} {ceiling_mib_s:8.0f}  "
+            f"{mib_s / ceiling_mib_s:5.2f}"
+        )
 
 
 if __name__ == "__main__":

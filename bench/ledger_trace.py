@@ -117,7 +117,10 @@ def replay(driver: LedgerDriver, trace: list[TraceRequest], shape: TraceShape) -
     digest = hashlib.blake2b(digest_size=16)
     decisions: list[str] = []
     requests = [driver.new_request(trace_request) for trace_request in trace]
-    outputs = {request.request_id: trace_request.output_token_ids for request, trace_request in zip(requests, trace)}
+    outputs = {
+        request.request_id: trace_request.output_token_ids
+        for request, trace_request in zip(requests, trace)
+    }
     num_sampled = dict.fromkeys(outputs, 0)
     waiting = list(reversed(requests))  # the waiting queue's head is its last item
     running: list[Any] = []
@@ -189,4 +192,6 @@ def replay(driver: LedgerDriver, trace: list[TraceRequest], shape: TraceShape) -
     seconds = time.perf_counter() - start
     if manager.block_pool.get_num_free_blocks() != shape.num_blocks - 1:
         raise RuntimeError(f"{driver.name}: blocks still referenced after every request finished")
-    return ReplayResult(seconds, digest.hexdigest(), num_calls, num_admissions, num_preemptions, queried, hits)
+    return ReplayResult(
+        seconds, digest.hexdigest(), num_calls, num_admissions, num_preemptions, queried, hits
+    )

@@ -32,12 +32,15 @@ def get_json(config: PDServeConfig, path: str) -> dict:
         return json.loads(response.read())
 
 
-
 def is_drained(worker: dict) -> bool:
     """Nothing running or waiting, no lease, every block free (all but the null block)."""
-    return (worker["num_leases_held"] == 0 and worker["kv_cache_usage"] == 0.0
-            and worker["num_requests_running"] == 0 and worker["num_requests_waiting"] == 0
-            and worker["num_free_blocks"] == worker["num_blocks"] - 1)
+    return (
+        worker["num_leases_held"] == 0
+        and worker["kv_cache_usage"] == 0.0
+        and worker["num_requests_running"] == 0
+        and worker["num_requests_waiting"] == 0
+        and worker["num_free_blocks"] == worker["num_blocks"] - 1
+    )
 
 
 def wait_until_drained(config: PDServeConfig, timeout_s: float = 20.0) -> list[dict]:
@@ -58,8 +61,24 @@ NUM_PREFIXES = 8
 # is sleeping out its Retry-After, and an unlucky request can be refused dozens of times.
 RETRY_REFUSALS_FOR_S = 120.0
 REQUEST_TIMEOUT_S = 60.0
-WORDS = ("block", "lease", "cache", "prefix", "decode", "prefill", "token", "page", "hash",
-         "router", "gateway", "worker", "stream", "batch", "slot", "chunk")
+WORDS = (
+    "block",
+    "lease",
+    "cache",
+    "prefix",
+    "decode",
+    "prefill",
+    "token",
+    "page",
+    "hash",
+    "router",
+    "gateway",
+    "worker",
+    "stream",
+    "batch",
+    "slot",
+    "chunk",
+)
 
 
 @dataclass(slots=True)
@@ -73,9 +92,16 @@ class PlannedRequest:
     send_seed: bool  # greedy requests sometimes omit the seed: the gateway draws one
 
     def body(self) -> dict:
-        body = {"model": "tiny", "prompt": self.prompt, "max_tokens": self.params.max_tokens,
-                "temperature": self.params.temperature, "top_p": self.params.top_p,
-                "top_k": self.params.top_k, "stream": self.stream, "user": f"load-{self.index}"}
+        body = {
+            "model": "tiny",
+            "prompt": self.prompt,
+            "max_tokens": self.params.max_tokens,
+            "temperature": self.params.temperature,
+            "top_p": self.params.top_p,
+            "top_k": self.params.top_k,
+            "stream": self.stream,
+            "user": f"load-{self.index}",
+        }
         if self.send_seed:
             body["seed"] = self.params.seed
         return body
@@ -98,11 +124,17 @@ class Outcome:
 def plan_requests(num_requests: int = NUM_REQUESTS, seed: int = 0) -> list[PlannedRequest]:
     """Shared prefixes (≈ 2–4 blocks) + a unique suffix; greedy / seeded, streamed / whole."""
     rng = random.Random(seed)
-    prefixes = [f"System {p}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 10)))
-                + ". User: " for p in range(NUM_PREFIXES)]
+    prefixes = [
+        f"System {p}: "
+        + " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 10)))
+        + ". User: "
+        for p in range(NUM_PREFIXES)
+    ]
     planned = []
     for index in range(num_requests):
-        suffix = f"request {index:04d} " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 4)))
+        suffix = f"request {index:04d} " + " ".join(
+            rng.choice(WORDS) for _ in range(rng.randint(1, 4))
+        )
         max_tokens = rng.randint(4, 8)
         if rng.random() < 0.5:
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
@@ -110,17 +142,29 @@ def plan_requests(num_requests: int = NUM_REQUESTS, seed: int = 0) -> list[Plann
             if send_seed:
                 params.seed = rng.randrange(2**31)
         else:
-            params = SamplingParams(max_tokens=max_tokens, temperature=rng.choice((0.7, 1.0)),
-                                    top_p=rng.choice((1.0, 0.9)), top_k=rng.choice((0, 20)),
-                                    seed=rng.randrange(2**31))
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=rng.choice((0.7, 1.0)),
+                top_p=rng.choice((1.0, 0.9)),
+                top_k=rng.choice((0, 20)),
+                seed=rng.randrange(2**31),
+            )
             send_seed = True
-        planned.append(PlannedRequest(index, rng.choice(prefixes) + suffix, params,
-                                      stream=rng.random() < 0.5, send_seed=send_seed))
+        planned.append(
+            PlannedRequest(
+                index,
+                rng.choice(prefixes) + suffix,
+                params,
+                stream=rng.random() < 0.5,
+                send_seed=send_seed,
+            )
+        )
     return planned
 
 
-async def _send_once(session: aiohttp.ClientSession, url: str, request: PlannedRequest,
-                     outcome: Outcome) -> float | None:
+async def _send_once(
+    session: aiohttp.ClientSession, url: str, request: PlannedRequest, outcome: Outcome
+) -> float | None:
     """One attempt; returns the Retry-After seconds of a 429 / 503, else None (answered)."""
     async with session.post(url, json=request.body()) as response:
         outcome.status = response.status
@@ -143,7 +187,7 @@ async def _send_once(session: aiohttp.ClientSession, url: str, request: PlannedR
             line = line.strip()
             if not line.startswith(b"data: "):
                 continue
-            data = line[len(b"data: "):]
+            data = line[len(b"data: ") :]
             if data == b"[DONE]":
                 done = True
                 continue
@@ -161,8 +205,9 @@ async def _send_once(session: aiohttp.ClientSession, url: str, request: PlannedR
         return None
 
 
-async def _send(session: aiohttp.ClientSession, url: str, request: PlannedRequest,
-                gate: asyncio.Semaphore) -> Outcome:
+async def _send(
+    session: aiohttp.ClientSession, url: str, request: PlannedRequest, gate: asyncio.Semaphore
+) -> Outcome:
     outcome = Outcome(request.index)
     async with gate:
         give_up_at = time.monotonic() + RETRY_REFUSALS_FOR_S
@@ -176,13 +221,15 @@ async def _send(session: aiohttp.ClientSession, url: str, request: PlannedReques
                 return outcome
             outcome.refusals += 1
             await asyncio.sleep(min(retry_after, 0.5) * random.uniform(0.5, 1.0))
-        outcome.error = (f"still refused after {RETRY_REFUSALS_FOR_S:.0f} s "
-                         f"({outcome.refusals} refusals)")
+        outcome.error = (
+            f"still refused after {RETRY_REFUSALS_FOR_S:.0f} s ({outcome.refusals} refusals)"
+        )
     return outcome
 
 
-async def run_load(url: str, planned: list[PlannedRequest],
-                   concurrency: int = CONCURRENCY) -> tuple[list[Outcome], float]:
+async def run_load(
+    url: str, planned: list[PlannedRequest], concurrency: int = CONCURRENCY
+) -> tuple[list[Outcome], float]:
     """Sends every request, at most ``concurrency`` in flight; returns outcomes and wall s."""
     gate = asyncio.Semaphore(concurrency)
     connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
@@ -193,7 +240,9 @@ async def run_load(url: str, planned: list[PlannedRequest],
         return list(outcomes), time.perf_counter() - start
 
 
-def reference_outputs(engine: LLMEngine, planned: list[PlannedRequest]) -> list[tuple[str, str, int]]:
+def reference_outputs(
+    engine: LLMEngine, planned: list[PlannedRequest]
+) -> list[tuple[str, str, int]]:
     """The colocated engine's (text, finish_reason, num tokens), all requests in one batch.
 
     A greedy request sent without a seed gets one drawn by the gateway; greedy output does
@@ -203,9 +252,15 @@ def reference_outputs(engine: LLMEngine, planned: list[PlannedRequest]) -> list[
     return [(o.text, o.finish_reason, len(o.output_token_ids)) for o in outputs]
 
 
-def load_figures(planned: list[PlannedRequest], outcomes: list[Outcome],
-                 expected: list[tuple[str, str, int]], wall_s: float, workers_before: list[dict],
-                 workers_after: list[dict], gateway_after: dict) -> dict:
+def load_figures(
+    planned: list[PlannedRequest],
+    outcomes: list[Outcome],
+    expected: list[tuple[str, str, int]],
+    wall_s: float,
+    workers_before: list[dict],
+    workers_after: list[dict],
+    gateway_after: dict,
+) -> dict:
     """The run's figures; every count the test asserts on is here.
 
     Worker counters are cumulative, so the requests each role ran are after − before.
@@ -223,12 +278,28 @@ def load_figures(planned: list[PlannedRequest], outcomes: list[Outcome],
             if response_id in id_owners:
                 duplicated_ids += 1
             id_owners[response_id] = index
-    mismatches = [o.index for o in answered
-                  if (o.text, o.finish_reason) != expected[o.index][:2]
-                  or (o.completion_tokens is not None and o.completion_tokens != expected[o.index][2])]
-    leaked = [{k: w[k] for k in ("worker_id", "kv_cache_usage", "num_leases_held", "num_requests_running",
-                                 "num_requests_waiting", "num_free_blocks", "num_blocks")}
-              for w in workers_after if not is_drained(w)]
+    mismatches = [
+        o.index
+        for o in answered
+        if (o.text, o.finish_reason) != expected[o.index][:2]
+        or (o.completion_tokens is not None and o.completion_tokens != expected[o.index][2])
+    ]
+    leaked = [
+        {
+            k: w[k]
+            for k in (
+                "worker_id",
+                "kv_cache_usage",
+                "num_leases_held",
+                "num_requests_running",
+                "num_requests_waiting",
+                "num_free_blocks",
+                "num_blocks",
+            )
+        }
+        for w in workers_after
+        if not is_drained(w)
+    ]
     output_tokens = sum(expected[o.index][2] for o in answered)
     return {
         "requests_sent": len(planned),
@@ -236,27 +307,43 @@ def load_figures(planned: list[PlannedRequest], outcomes: list[Outcome],
         "lost": len(planned) - len(answered),
         "rejected_and_retried": sum(o.refusals for o in outcomes),
         "errors": [(o.index, o.status, o.error) for o in outcomes if o.error is not None][:20],
-        "requests_without_one_response_id": sum(1 for ids in ids_by_request.values() if len(ids) != 1),
+        "requests_without_one_response_id": sum(
+            1 for ids in ids_by_request.values() if len(ids) != 1
+        ),
         "duplicated_response_ids": duplicated_ids,
         "mismatches_vs_colocated": len(mismatches),
-        "mismatch_examples": [(i, planned[i].prompt, planned[i].stream, asdict(planned[i].params),
-                               next(o for o in outcomes if o.index == i).text, expected[i][0])
-                              for i in mismatches[:5]],
+        "mismatch_examples": [
+            (
+                i,
+                planned[i].prompt,
+                planned[i].stream,
+                asdict(planned[i].params),
+                next(o for o in outcomes if o.index == i).text,
+                expected[i][0],
+            )
+            for i in mismatches[:5]
+        ],
         "streamed": sum(1 for r in planned if r.stream),
         "seeded": sum(1 for r in planned if r.params.temperature > 0),
         "workers_not_drained": leaked,
-        "leased_or_used_blocks_after": sum(w["num_blocks"] - 1 - w["num_free_blocks"]
-                                           for w in workers_after),
+        "leased_or_used_blocks_after": sum(
+            w["num_blocks"] - 1 - w["num_free_blocks"] for w in workers_after
+        ),
         "wall_s": round(wall_s, 2),
         "requests_per_s": round(len(answered) / wall_s, 1),
         "output_tokens_per_s": round(output_tokens / wall_s, 1),
         "gateway": gateway_after,
-        "prefill_requests": role_requests(workers_after, "producer") - role_requests(workers_before, "producer"),
-        "decode_requests": role_requests(workers_after, "consumer") - role_requests(workers_before, "consumer"),
+        "prefill_requests": role_requests(workers_after, "producer")
+        - role_requests(workers_before, "producer"),
+        "decode_requests": role_requests(workers_after, "consumer")
+        - role_requests(workers_before, "consumer"),
         "blocks_received": sum(w["num_blocks_received"] for w in workers_after),
         "dedup_skipped_blocks": sum(w["num_dedup_skipped_blocks"] for w in workers_after),
-        "prefix_cache_hit_rate": round(sum(w["prefix_cache_hits"] for w in workers_after)
-                                       / max(1, sum(w["prefix_cache_queries"] for w in workers_after)), 3),
+        "prefix_cache_hit_rate": round(
+            sum(w["prefix_cache_hits"] for w in workers_after)
+            / max(1, sum(w["prefix_cache_queries"] for w in workers_after)),
+            3,
+        ),
         "preemptions": sum(w["num_preemptions"] for w in workers_after),
         "transfer_failures": sum(w["num_failed_transfers"] for w in workers_after),
         "recompute_fallbacks": sum(w["num_recompute_fallbacks"] for w in workers_after),
@@ -265,13 +352,15 @@ def load_figures(planned: list[PlannedRequest], outcomes: list[Outcome],
 
 
 def summary_line(figures: dict) -> str:
-    return (f"load: sent {figures['requests_sent']} completed {figures['completed']} "
-            f"lost {figures['lost']} rejected {figures['rejected_and_retried']} "
-            f"duplicated {figures['duplicated_response_ids']} "
-            f"mismatched {figures['mismatches_vs_colocated']} "
-            f"leaked blocks {figures['leased_or_used_blocks_after']} "
-            f"in {figures['wall_s']} s ({figures['requests_per_s']} req/s, "
-            f"{figures['output_tokens_per_s']} tok/s)")
+    return (
+        f"load: sent {figures['requests_sent']} completed {figures['completed']} "
+        f"lost {figures['lost']} rejected {figures['rejected_and_retried']} "
+        f"duplicated {figures['duplicated_response_ids']} "
+        f"mismatched {figures['mismatches_vs_colocated']} "
+        f"leaked blocks {figures['leased_or_used_blocks_after']} "
+        f"in {figures['wall_s']} s ({figures['requests_per_s']} req/s, "
+        f"{figures['output_tokens_per_s']} tok/s)"
+    )
 
 
 def write_report(figures: dict, path: Path) -> None:

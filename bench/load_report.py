@@ -20,8 +20,15 @@ import sys
 import time
 from pathlib import Path
 
-from load_driver import (get_json, load_figures, plan_requests, reference_outputs, run_load,
-                         wait_until_drained, write_report)
+from load_driver import (
+    get_json,
+    load_figures,
+    plan_requests,
+    reference_outputs,
+    run_load,
+    wait_until_drained,
+    write_report,
+)
 
 from pdserve.deploy.cluster import base_url, configure_ray_env, deploy, init_ray
 from pdserve.deploy.config import PDServeConfig
@@ -35,9 +42,13 @@ def main() -> int:
     parser.add_argument("--decode", type=int, default=2)
     parser.add_argument("--transport", choices=["grpc", "nixl"], default="grpc")
     parser.add_argument("--num-kv-blocks", type=int, default=256)
-    parser.add_argument("--max-inflight-requests", type=int, default=256,
-                        help="the gateway's admission limit; below --concurrency it answers 429s, "
-                             "which the client counts and retries")
+    parser.add_argument(
+        "--max-inflight-requests",
+        type=int,
+        default=256,
+        help="the gateway's admission limit; below --concurrency it answers 429s, "
+        "which the client counts and retries",
+    )
     parser.add_argument("--port", type=int, default=8060)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("load_report.json"))
@@ -48,34 +59,52 @@ def main() -> int:
 
     planned = plan_requests(args.num_requests, args.seed)
     start = time.perf_counter()
-    expected = reference_outputs(LLMEngine.from_pretrained("tiny", num_kv_blocks=args.num_kv_blocks),
-                                 planned)
+    expected = reference_outputs(
+        LLMEngine.from_pretrained("tiny", num_kv_blocks=args.num_kv_blocks), planned
+    )
     reference_s = time.perf_counter() - start
     init_ray(None, num_cpus=2)
     from ray import serve
 
-    config = PDServeConfig(model="tiny", disagg_min_uncached_tokens=0,
-                           num_prefill=args.prefill, num_decode=args.decode,
-                           transport=args.transport, num_kv_blocks=args.num_kv_blocks,
-                           max_inflight_requests=args.max_inflight_requests, port=args.port,
-                           app_name="load", route_prefix="/load")
+    config = PDServeConfig(
+        model="tiny",
+        disagg_min_uncached_tokens=0,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        transport=args.transport,
+        num_kv_blocks=args.num_kv_blocks,
+        max_inflight_requests=args.max_inflight_requests,
+        port=args.port,
+        app_name="load",
+        route_prefix="/load",
+    )
     up_s = deploy(config)
     try:
         workers_before = get_json(config, "/stats")["workers"]
-        outcomes, wall_s = asyncio.run(run_load(base_url(config) + "/v1/completions", planned,
-                                                args.concurrency))
+        outcomes, wall_s = asyncio.run(
+            run_load(base_url(config) + "/v1/completions", planned, args.concurrency)
+        )
         workers_after = wait_until_drained(config, timeout_s=30.0)
         gateway_after = get_json(config, "/stats")["gateway"]
     finally:
         serve.delete(config.app_name)
-    figures = load_figures(planned, outcomes, expected, wall_s, workers_before, workers_after,
-                           gateway_after)
-    figures.update(reference_s=round(reference_s, 2), up_s=round(up_s, 2),
-                   concurrency=args.concurrency, transport=args.transport)
+    figures = load_figures(
+        planned, outcomes, expected, wall_s, workers_before, workers_after, gateway_after
+    )
+    figures.update(
+        reference_s=round(reference_s, 2),
+        up_s=round(up_s, 2),
+        concurrency=args.concurrency,
+        transport=args.transport,
+    )
     write_report(figures, args.out)
-    bad = (figures["lost"] or figures["duplicated_response_ids"]
-           or figures["requests_without_one_response_id"] or figures["mismatches_vs_colocated"]
-           or figures["workers_not_drained"])
+    bad = (
+        figures["lost"]
+        or figures["duplicated_response_ids"]
+        or figures["requests_without_one_response_id"]
+        or figures["mismatches_vs_colocated"]
+        or figures["workers_not_drained"]
+    )
     return 1 if bad else 0
 
 

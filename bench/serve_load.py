@@ -40,8 +40,14 @@ class StreamResult:
 
 def stream_completion(client: httpx.Client, url: str, model: str, planned: Planned) -> StreamResult:
     result = StreamResult(planned.tag)
-    body = {"model": model, "prompt": planned.prompt, "max_tokens": planned.max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": model,
+        "prompt": planned.prompt,
+        "max_tokens": planned.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     start = previous = time.perf_counter()
     try:
         with client.stream("POST", f"{url}/v1/completions", json=body) as response:
@@ -52,7 +58,7 @@ def stream_completion(client: httpx.Client, url: str, model: str, planned: Plann
                 if not line.startswith("data: {"):
                     continue
                 now = time.perf_counter()
-                chunk = json.loads(line[len("data: "):])
+                chunk = json.loads(line[len("data: ") :])
                 if "error" in chunk:
                     result.error = chunk["error"]["message"]
                     return result
@@ -69,16 +75,22 @@ def stream_completion(client: httpx.Client, url: str, model: str, planned: Plann
     return result
 
 
-def run_load(url: str, model: str, arrivals: Sequence[Planned], concurrency: int,
-             lanes: Sequence[Sequence[Planned]] = ()) -> tuple[list[StreamResult], float]:
+def run_load(
+    url: str,
+    model: str,
+    arrivals: Sequence[Planned],
+    concurrency: int,
+    lanes: Sequence[Sequence[Planned]] = (),
+) -> tuple[list[StreamResult], float]:
     """Sends ``arrivals`` open-loop (each after its delay, at most ``concurrency`` in flight)
     while each of ``lanes`` runs closed-loop (its requests one after another, as a client
     that waits for each reply); returns every result and the wall time."""
     gate = threading.Semaphore(concurrency)
     results: list[StreamResult] = []
     lock = threading.Lock()
-    client = httpx.Client(timeout=300.0,
-                          limits=httpx.Limits(max_connections=concurrency + len(lanes)))
+    client = httpx.Client(
+        timeout=300.0, limits=httpx.Limits(max_connections=concurrency + len(lanes))
+    )
 
     def send(planned: Planned) -> None:
         result = stream_completion(client, url, model, planned)
@@ -114,13 +126,17 @@ def poisson_delays(num: int, rate_per_s: float, seed: int) -> list[float]:
     return [rng.expovariate(rate_per_s) for _ in range(num)]
 
 
-def summarize(results: Sequence[StreamResult], wall_s: float,
-              itl_tags: Sequence[str] | None = None) -> dict[str, float]:
+def summarize(
+    results: Sequence[StreamResult], wall_s: float, itl_tags: Sequence[str] | None = None
+) -> dict[str, float]:
     """TTFT p50/p99 per tag, ITL p50/p99 over the tokens of ``itl_tags`` (all: None),
     output tokens/s, failures."""
     ok = [r for r in results if r.error is None]
-    row: dict[str, float] = {"requests": len(results), "failed": len(results) - len(ok),
-                             "out_tok_s": sum(r.num_tokens for r in ok) / wall_s}
+    row: dict[str, float] = {
+        "requests": len(results),
+        "failed": len(results) - len(ok),
+        "out_tok_s": sum(r.num_tokens for r in ok) / wall_s,
+    }
     for tag in sorted({r.tag for r in results}):
         ttfts = [r.ttft_s for r in ok if r.tag == tag]
         row[f"ttft_{tag}_p50"] = percentile(ttfts, 50)

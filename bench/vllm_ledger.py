@@ -49,7 +49,10 @@ def load_vllm(env_dir: Path = DEFAULT_VLLM_ENV) -> tuple[Callable[[TraceShape], 
     finally:
         sys.path.remove(str(env_dir))
     if vllm.__version__ != VLLM_VERSION:
-        return None, f"{env_dir} holds vllm {vllm.__version__}, the benchmark compares against {VLLM_VERSION}"
+        return (
+            None,
+            f"{env_dir} holds vllm {vllm.__version__}, the benchmark compares against {VLLM_VERSION}",
+        )
     logging.getLogger("vllm").setLevel(logging.ERROR)
     init_none_hash(xxhash)
 
@@ -59,20 +62,33 @@ def load_vllm(env_dir: Path = DEFAULT_VLLM_ENV) -> tuple[Callable[[TraceShape], 
         name = f"vLLM {VLLM_VERSION}"
 
         def __init__(self, shape: TraceShape) -> None:
-            spec = FullAttentionSpec(block_size=shape.block_size, num_kv_heads=8, head_size=128,
-                                     dtype=torch.bfloat16)
-            config = KVCacheConfig(num_blocks=shape.num_blocks, kv_cache_tensors=[],
-                                   kv_cache_groups=[KVCacheGroupSpec(["layers.0"], spec)])
+            spec = FullAttentionSpec(
+                block_size=shape.block_size, num_kv_heads=8, head_size=128, dtype=torch.bfloat16
+            )
+            config = KVCacheConfig(
+                num_blocks=shape.num_blocks,
+                kv_cache_tensors=[],
+                kv_cache_groups=[KVCacheGroupSpec(["layers.0"], spec)],
+            )
             self.manager = KVCacheManager(
-                config, max_model_len=shape.max_model_len, scheduler_block_size=shape.block_size,
-                hash_block_size=shape.block_size, enable_caching=True, log_stats=True,
+                config,
+                max_model_len=shape.max_model_len,
+                scheduler_block_size=shape.block_size,
+                hash_block_size=shape.block_size,
+                enable_caching=True,
+                log_stats=True,
             )
             self._hasher = get_request_block_hasher(shape.block_size, xxhash)
             self._params = SamplingParams(max_tokens=shape.max_model_len)
 
         def new_request(self, trace_request: TraceRequest) -> Any:
-            return Request(trace_request.request_id, list(trace_request.prompt_token_ids),
-                           self._params, None, block_hasher=self._hasher)
+            return Request(
+                trace_request.request_id,
+                list(trace_request.prompt_token_ids),
+                self._params,
+                None,
+                block_hasher=self._hasher,
+            )
 
         append_token = staticmethod(Request.append_output_token_ids)
 

@@ -147,7 +147,11 @@ class BlockPool:
         token_ids = [int(t) for t in request.all_token_ids[start * block_size : end * block_size]]
         self.kv_event_queue.append(
             BlockStored(
-                block_hashes, parent, token_ids, block_size, request.lora_id,
+                block_hashes,
+                parent,
+                token_ids,
+                block_size,
+                request.lora_id,
                 group_idx=kv_cache_group_id,
             )
         )
@@ -173,7 +177,9 @@ class BlockPool:
                 block.block_hash = None
                 self.num_evicted_blocks += 1
                 if self.enable_kv_cache_events:
-                    self.kv_event_queue.append(BlockRemoved([get_block_hash(key)], get_group_id(key)))
+                    self.kv_event_queue.append(
+                        BlockRemoved([get_block_hash(key)], get_group_id(key))
+                    )
             block.ref_cnt = 1
         return blocks
 

@@ -95,7 +95,9 @@ def _encode_seed(seed: int | str) -> bytes:
 
 def _digest_for(algorithm: str) -> Callable[[bytes], bytes]:
     if algorithm not in _DIGESTS:
-        raise ValueError(f"unknown block hash algorithm {algorithm!r}; use one of {sorted(_DIGESTS)}")
+        raise ValueError(
+            f"unknown block hash algorithm {algorithm!r}; use one of {sorted(_DIGESTS)}"
+        )
     return _DIGESTS[algorithm]
 
 

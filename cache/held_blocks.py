@@ -74,9 +74,13 @@ class HeldBlocks:
             group.hashes.difference_update(event.block_hashes)
 
     def copy(self) -> HeldBlocks:
-        return HeldBlocks({idx: HeldGroup(g.kind, g.sliding_window, g.block_size, set(g.hashes))
-                           for idx, g in self.groups.items()},
-                          {medium: set(hashes) for medium, hashes in self.tiers.items()})
+        return HeldBlocks(
+            {
+                idx: HeldGroup(g.kind, g.sliding_window, g.block_size, set(g.hashes))
+                for idx, g in self.groups.items()
+            },
+            {medium: set(hashes) for medium, hashes in self.tiers.items()},
+        )
 
     def num_tier_blocks_after(self, block_hashes: list[BlockHash], start: int) -> int:
         """How many blocks of ``block_hashes`` from ``start`` on some tier holds, in a row."""

@@ -21,7 +21,9 @@ class KVCacheBlocks:
             raise ValueError(
                 f"cannot add KVCacheBlocks of {len(self.blocks)} and {len(other.blocks)} groups"
             )
-        return KVCacheBlocks(tuple(mine + theirs for mine, theirs in zip(self.blocks, other.blocks)))
+        return KVCacheBlocks(
+            tuple(mine + theirs for mine, theirs in zip(self.blocks, other.blocks))
+        )
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         """Block ids per group, the form block tables take."""

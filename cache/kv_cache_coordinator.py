@@ -32,10 +32,14 @@ from pdserve.cache.single_type_kv_cache_manager import (
 class KVCacheCoordinator:
     """One `SingleTypeKVCacheManager` per KV cache group over one shared `BlockPool`."""
 
-    def __init__(self, kv_cache_config: KVCacheConfig, enable_caching: bool, enable_kv_cache_events: bool) -> None:
+    def __init__(
+        self, kv_cache_config: KVCacheConfig, enable_caching: bool, enable_kv_cache_events: bool
+    ) -> None:
         self.kv_cache_config = kv_cache_config
         self.block_size = kv_cache_config.block_size
-        self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching, enable_kv_cache_events)
+        self.block_pool = BlockPool(
+            kv_cache_config.num_blocks, enable_caching, enable_kv_cache_events
+        )
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             get_manager_for_kv_cache_spec(group.kv_cache_spec, self.block_pool, group_id)
             for group_id, group in enumerate(kv_cache_config.kv_cache_groups)
@@ -44,7 +48,8 @@ class KVCacheCoordinator:
         # Full-attention groups share one block size and never drop blocks, so every
         # group holds as many blocks (and caches as many) as the first one.
         self._all_full_attention = all(
-            type(group.kv_cache_spec) is FullAttentionSpec for group in kv_cache_config.kv_cache_groups
+            type(group.kv_cache_spec) is FullAttentionSpec
+            for group in kv_cache_config.kv_cache_groups
         )
         first = self.single_type_managers[0]
         self._first_req_to_blocks = first.req_to_blocks
@@ -96,7 +101,10 @@ class KVCacheCoordinator:
             manager.remove_skipped_blocks(request_id, num_computed_tokens)
 
     def get_num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, new_computed_blocks: tuple[Sequence[KVCacheBlock], ...]
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
     ) -> int:
         return sum(
             manager.get_num_blocks_to_allocate(request_id, num_tokens, blocks)
@@ -109,8 +117,13 @@ class KVCacheCoordinator:
         for manager, blocks in zip(self.single_type_managers, new_computed_blocks):
             manager.save_new_computed_blocks(request_id, blocks)
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> tuple[list[KVCacheBlock], ...]:
-        return tuple(manager.allocate_new_blocks(request_id, num_tokens) for manager in self.single_type_managers)
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int
+    ) -> tuple[list[KVCacheBlock], ...]:
+        return tuple(
+            manager.allocate_new_blocks(request_id, num_tokens)
+            for manager in self.single_type_managers
+        )
 
     def cache_blocks(self, request: CacheRequest, num_tokens: int) -> None:
         for manager in self.single_type_managers:
@@ -121,4 +134,6 @@ class KVCacheCoordinator:
             manager.free(request_id)
 
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
-        return tuple(manager.req_to_blocks.get(request_id, []) for manager in self.single_type_managers)
+        return tuple(
+            manager.req_to_blocks.get(request_id, []) for manager in self.single_type_managers
+        )

@@ -34,7 +34,9 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.log_stats = log_stats
-        self.coordinator = KVCacheCoordinator(kv_cache_config, enable_caching, enable_kv_cache_events)
+        self.coordinator = KVCacheCoordinator(
+            kv_cache_config, enable_caching, enable_kv_cache_events
+        )
         self.block_pool = self.coordinator.block_pool
         self.block_size = kv_cache_config.block_size
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
@@ -43,7 +45,9 @@ class KVCacheManager:
         )
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         # One shared, immutable "no blocks" answer: most steps allocate nothing.
-        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
+        self.empty_kv_cache_blocks = KVCacheBlocks(
+            tuple(() for _ in range(self.num_kv_cache_groups))
+        )
         self._num_evicted_blocks_reported = 0
 
     @property
@@ -56,7 +60,9 @@ class KVCacheManager:
         if self.prefix_cache_stats is None:
             return None
         stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
-        stats.evicted_blocks = self.block_pool.num_evicted_blocks - self._num_evicted_blocks_reported
+        stats.evicted_blocks = (
+            self.block_pool.num_evicted_blocks - self._num_evicted_blocks_reported
+        )
         self._num_evicted_blocks_reported = self.block_pool.num_evicted_blocks
         return stats
 
@@ -142,15 +148,21 @@ class KVCacheManager:
         if (
             new_computed_blocks is None
             and num_new_tokens > 0
-            and not (num_new_computed_tokens or num_lookahead_tokens or num_external_computed_tokens)
+            and not (
+                num_new_computed_tokens or num_lookahead_tokens or num_external_computed_tokens
+            )
             and self.coordinator.has_room(request, num_new_tokens, self.enable_caching)
         ):
             # A running request's step that its last block still holds, and that
             # completes no block: nothing to allocate, nothing to cache.
             return self.empty_kv_cache_blocks
         self._check_allocate_args(
-            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-            num_lookahead_tokens, num_external_computed_tokens,
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
         )
         new_computed = (new_computed_blocks or self.empty_kv_cache_blocks).blocks
         self.coordinator.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
@@ -187,7 +199,15 @@ class KVCacheManager:
         num_lookahead_tokens: int,
         num_external_computed_tokens: int,
     ) -> None:
-        if min(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens) < 0:
+        if (
+            min(
+                num_new_tokens,
+                num_new_computed_tokens,
+                num_lookahead_tokens,
+                num_external_computed_tokens,
+            )
+            < 0
+        ):
             counts = {
                 "num_new_tokens": num_new_tokens,
                 "num_new_computed_tokens": num_new_computed_tokens,

@@ -29,7 +29,9 @@ class SingleTypeKVCacheManager(ABC):
     leading blocks already in the prefix cache.
     """
 
-    def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int) -> None:
+    def __init__(
+        self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int
+    ) -> None:
         self.kv_cache_spec = kv_cache_spec
         self.block_size = kv_cache_spec.block_size
         self.block_pool = block_pool
@@ -58,7 +60,9 @@ class SingleTypeKVCacheManager(ABC):
         )
         return num_new_blocks + num_evictable_computed_blocks
 
-    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]) -> None:
+    def save_new_computed_blocks(
+        self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> None:
         """Take the prefix-hit blocks of a request being admitted (no-op for a running one)."""
         if self.is_running(request_id):
             assert not new_computed_blocks, "a running request cannot get new prefix hits"
@@ -104,7 +108,9 @@ class SingleTypeKVCacheManager(ABC):
         return cached[0] if cached is not None else None
 
     @abstractmethod
-    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> list[KVCacheBlock]:
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_length: int
+    ) -> list[KVCacheBlock]:
         """The cached blocks of the longest usable prefix of at most `max_length` tokens."""
 
     @abstractmethod
@@ -115,7 +121,9 @@ class SingleTypeKVCacheManager(ABC):
 class FullAttentionManager(SingleTypeKVCacheManager):
     """Every block stays needed; a hit is the longest run of cached blocks from the start."""
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> list[KVCacheBlock]:
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_length: int
+    ) -> list[KVCacheBlock]:
         get_one_block = self.block_pool.cached_block_hash_to_block.get_one_block
         suffix = self._group_id_suffix
         computed: list[KVCacheBlock] = []
@@ -143,14 +151,18 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     ```
     """
 
-    def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int) -> None:
+    def __init__(
+        self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int
+    ) -> None:
         assert isinstance(kv_cache_spec, SlidingWindowSpec)
         super().__init__(kv_cache_spec, block_pool, kv_cache_group_id)
         self.sliding_window = kv_cache_spec.sliding_window
         # The next token reads the `sliding_window - 1` tokens before it.
         self.sliding_window_contiguous_blocks = cdiv(self.sliding_window - 1, self.block_size)
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> list[KVCacheBlock]:
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_length: int
+    ) -> list[KVCacheBlock]:
         max_num_blocks = min(max_length // self.block_size, len(block_hashes))
         null_block = self.block_pool.null_block
         computed = [null_block] * max_num_blocks

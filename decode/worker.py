@@ -29,8 +29,10 @@ class DecodeWorker(EngineHost):
 
     def __init__(self, spec: WorkerSpec) -> None:
         if spec.role != "consumer":
-            raise ValueError(f"a DecodeWorker runs the consumer side, but {spec.worker_id!r} "
-                             f"has role {spec.role!r}")
+            raise ValueError(
+                f"a DecodeWorker runs the consumer side, but {spec.worker_id!r} "
+                f"has role {spec.role!r}"
+            )
         super().__init__(spec)
 
     def make_connector(self, engine_config: EngineConfig) -> KVConnectorBase:

@@ -32,12 +32,16 @@ _WORKER_MAX_ONGOING = 4096
 def worker_actor_options(config: PDServeConfig, worker_id: str) -> dict[str, Any]:
     """Placement of one worker: fractional CPUs on a small box, a GPU when asked for, the
     custom resources of its role (or its own), and the UCX transports NIXL may use."""
-    env_vars = {"OMP_NUM_THREADS": str(config.torch_threads),
-                "MKL_NUM_THREADS": str(config.torch_threads)}
+    env_vars = {
+        "OMP_NUM_THREADS": str(config.torch_threads),
+        "MKL_NUM_THREADS": str(config.torch_threads),
+    }
     if config.transport == "nixl" and config.ucx_tls:
         env_vars["UCX_TLS"] = config.ucx_tls
-    options: dict[str, Any] = {"num_cpus": config.num_cpus_per_worker,
-                               "runtime_env": {"env_vars": env_vars}}
+    options: dict[str, Any] = {
+        "num_cpus": config.num_cpus_per_worker,
+        "runtime_env": {"env_vars": env_vars},
+    }
     if config.num_gpus_per_worker:
         options["num_gpus"] = config.num_gpus_per_worker
     resources = config.resources_of(worker_id)
@@ -75,15 +79,19 @@ def build(config: PDServeConfig, retiring_from: PDServeConfig | None = None) -> 
     """
     config = config.resolve_deployment_secrets()
 
-    def bind_workers(source: PDServeConfig, cls, role: str,
-                     indices: range) -> dict[str, Application]:
+    def bind_workers(
+        source: PDServeConfig, cls, role: str, indices: range
+    ) -> dict[str, Application]:
         bound = {}
         for index in indices:
             spec = source.worker_spec(role, index)
             deployment = serve.deployment(cls).options(
-                name=spec.worker_id, num_replicas=1,
+                name=spec.worker_id,
+                num_replicas=1,
                 ray_actor_options=worker_actor_options(source, spec.worker_id),
-                max_ongoing_requests=_WORKER_MAX_ONGOING, health_check_period_s=5)
+                max_ongoing_requests=_WORKER_MAX_ONGOING,
+                health_check_period_s=5,
+            )
             bound[spec.worker_id] = deployment.bind(spec)
         return bound
 
@@ -91,12 +99,21 @@ def build(config: PDServeConfig, retiring_from: PDServeConfig | None = None) -> 
     decode = bind_workers(config, DecodeWorker, "consumer", range(config.num_decode))
     retiring = {}
     if retiring_from is not None:
-        retiring |= bind_workers(retiring_from, PrefillWorker, "producer",
-                                 range(config.num_prefill, retiring_from.num_prefill))
-        retiring |= bind_workers(retiring_from, DecodeWorker, "consumer",
-                                 range(config.num_decode, retiring_from.num_decode))
-    gateway = Gateway.options(num_replicas=config.num_gateway_replicas,
-                              ray_actor_options=gateway_actor_options(config))
+        retiring |= bind_workers(
+            retiring_from,
+            PrefillWorker,
+            "producer",
+            range(config.num_prefill, retiring_from.num_prefill),
+        )
+        retiring |= bind_workers(
+            retiring_from,
+            DecodeWorker,
+            "consumer",
+            range(config.num_decode, retiring_from.num_decode),
+        )
+    gateway = Gateway.options(
+        num_replicas=config.num_gateway_replicas, ray_actor_options=gateway_actor_options(config)
+    )
     return gateway.bind(config.gateway_config(), prefill, decode, retiring)
 
 

@@ -41,8 +41,10 @@ def cmd_up(args) -> int:
     config = PDServeConfig.from_cli(args)
     problems = preflight_problems(config)
     if problems:
-        print("pdserve up: this config cannot start:\n" + "\n".join(f"  - {p}" for p in problems),
-              file=sys.stderr)
+        print(
+            "pdserve up: this config cannot start:\n" + "\n".join(f"  - {p}" for p in problems),
+            file=sys.stderr,
+        )
         return 2
     init_ray(config.ray_address)
     try:
@@ -52,12 +54,15 @@ def cmd_up(args) -> int:
         return 2
     if not config.ray_address:
         remember_local_cluster(config)
-    print(f"pdserve: {config.num_prefill} prefill + {config.num_decode} decode workers of "
-          f"{config.model_name!r} up in {seconds:.1f}s at {base_url(config)}/v1")
+    print(
+        f"pdserve: {config.num_prefill} prefill + {config.num_decode} decode workers of "
+        f"{config.model_name!r} up in {seconds:.1f}s at {base_url(config)}/v1"
+    )
     if config.ray_address:
         return 0  # the app lives on in the cluster; `pdserve down` removes it
-    print(f"try: pdserve chat --url {base_url(config)}   |   "
-          f"pdserve stats --url {base_url(config)}")
+    print(
+        f"try: pdserve chat --url {base_url(config)}   |   pdserve stats --url {base_url(config)}"
+    )
     print("Ctrl-C (or SIGTERM) to stop")
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
@@ -97,8 +102,10 @@ def cmd_scale(args) -> int:
     except (LookupError, ValueError) as error:
         print(f"pdserve scale: {error}", file=sys.stderr)
         return 2
-    print(f"pdserve: {args.app_name!r} now has {config.num_prefill} prefill + "
-          f"{config.num_decode} decode workers")
+    print(
+        f"pdserve: {args.app_name!r} now has {config.num_prefill} prefill + "
+        f"{config.num_decode} decode workers"
+    )
     return 0
 
 
@@ -115,8 +122,11 @@ def cmd_status(args) -> int:
 
 
 def _sampling_body(client: ServiceClient, args) -> dict[str, Any]:
-    body = {"model": args.model or client.served_model(), "max_tokens": args.max_tokens,
-            "temperature": args.temperature}
+    body = {
+        "model": args.model or client.served_model(),
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+    }
     if args.seed is not None:
         body["seed"] = args.seed
     return body
@@ -141,8 +151,9 @@ def cmd_generate(args) -> int:
             body["messages"] = _system(args) + [{"role": "user", "content": args.prompt}]
             _print_stream(client.stream_text("/v1/chat/completions", body), sys.stdout)
         else:
-            _print_stream(client.stream_text("/v1/completions", {**body, "prompt": args.prompt}),
-                          sys.stdout)
+            _print_stream(
+                client.stream_text("/v1/completions", {**body, "prompt": args.prompt}), sys.stdout
+            )
     except ServiceError as error:
         print(f"error {error}", file=sys.stderr)
         return 1
@@ -167,7 +178,8 @@ def cmd_chat(args) -> int:
             print("assistant> ", end="", flush=True)
             reply = _print_stream(
                 client.stream_text("/v1/chat/completions", {**body, "messages": messages}),
-                sys.stdout)
+                sys.stdout,
+            )
             messages.append({"role": "assistant", "content": reply})
     except ServiceError as error:
         print(f"error {error}", file=sys.stderr)
@@ -215,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
             sub.set_defaults(num_prefill=1, num_decode=1, port=8000, disagg_min_uncached_tokens=0)
     for name, func in (("down", cmd_down), ("status", cmd_status), ("scale", cmd_scale)):
         sub = commands.add_parser(name)
-        sub.add_argument("--address", help="Ray address (default: the local `pdserve up`, else auto)")
+        sub.add_argument(
+            "--address", help="Ray address (default: the local `pdserve up`, else auto)"
+        )
         sub.add_argument("--app-name", default="pdserve")
         sub.set_defaults(func=func)
         if name == "scale":  # the running app's worker counts, changed in place
@@ -223,8 +237,11 @@ def main(argv: list[str] | None = None) -> int:
             sub.add_argument("--decode", type=int, required=True)
     gen = commands.add_parser("generate", help="stream one completion or chat reply")
     gen.add_argument("prompt")
-    gen.add_argument("--chat", action="store_true",
-                     help="send the prompt as a user message to /v1/chat/completions")
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user message to /v1/chat/completions",
+    )
     chat = commands.add_parser("chat", help="an interactive conversation")
     for sub in (gen, chat):
         sub.add_argument("--model", help="the served model name (default: ask the server)")
@@ -234,8 +251,11 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("--seed", type=int)
     stats = commands.add_parser("stats")
     stats.add_argument("--json", action="store_true")
-    stats.add_argument("--watch", action="store_true",
-                       help="redraw the table in place, with rates over the last interval")
+    stats.add_argument(
+        "--watch",
+        action="store_true",
+        help="redraw the table in place, with rates over the last interval",
+    )
     stats.add_argument("--interval", type=float, default=2.0, help="seconds between frames")
     stats.add_argument("--count", type=int, help="frames to draw (default: until Ctrl-C)")
     for sub in (gen, chat, stats):

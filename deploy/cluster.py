@@ -43,12 +43,19 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> None:
     else:
         # address="local": always a new embedded cluster, never one that `ray start` left
         # running on this machine (plain ray.init() would join that one).
-        ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
-                 namespace="pdserve", log_to_driver=False, _node_ip_address="127.0.0.1")
+        ray.init(
+            address="local",
+            num_cpus=num_cpus or os.cpu_count(),
+            include_dashboard=False,
+            namespace="pdserve",
+            log_to_driver=False,
+            _node_ip_address="127.0.0.1",
+        )
 
 
-def deploy(config: PDServeConfig, blocking: bool = False,
-           retiring_from: PDServeConfig | None = None) -> float:
+def deploy(
+    config: PDServeConfig, blocking: bool = False, retiring_from: PDServeConfig | None = None
+) -> float:
     """Runs the app on the connected cluster; returns seconds until it answered.
 
     The config, with the secrets resolved for this app, is kept in the cluster (Ray's
@@ -64,17 +71,25 @@ def deploy(config: PDServeConfig, blocking: bool = False,
     config = config.resolve_deployment_secrets()
     check_placement(resource_demands(config), ray.nodes())  # a clear error, not a hang
     start = time.perf_counter()
-    serve.start(http_options={"host": config.host, "port": config.port},
-                proxy_location=config.proxy_location)
-    internal_kv._internal_kv_put(_config_key(config.app_name), config.model_dump_json(),
-                                 overwrite=True)
-    serve.run(build(config, retiring_from), name=config.app_name,
-              route_prefix=config.route_prefix, blocking=blocking)
+    serve.start(
+        http_options={"host": config.host, "port": config.port},
+        proxy_location=config.proxy_location,
+    )
+    internal_kv._internal_kv_put(
+        _config_key(config.app_name), config.model_dump_json(), overwrite=True
+    )
+    serve.run(
+        build(config, retiring_from),
+        name=config.app_name,
+        route_prefix=config.route_prefix,
+        blocking=blocking,
+    )
     return time.perf_counter() - start
 
 
-def scale(app_name: str, num_prefill: int, num_decode: int,
-          drain_timeout_s: float = 120.0) -> PDServeConfig:
+def scale(
+    app_name: str, num_prefill: int, num_decode: int, drain_timeout_s: float = 120.0
+) -> PDServeConfig:
     """Changes the number of workers of the running app ``app_name``; returns its new config.
 
     The app is redeployed with the config it was deployed with (same secrets and hash seed,
@@ -97,11 +112,14 @@ def scale(app_name: str, num_prefill: int, num_decode: int,
         raise LookupError(f"no app {app_name!r} deployed by pdserve on this cluster")
     config = PDServeConfig.model_validate_json(stored)
     if (config.num_decode == 0) != (num_decode == 0):
-        raise ValueError(f"{app_name!r} is {'colocated' if config.num_decode == 0 else 'disaggregated'}; "
-                         f"scaling keeps that (decode workers {config.num_decode} -> {num_decode}): "
-                         f"`pdserve down` and `pdserve up` to change it")
+        raise ValueError(
+            f"{app_name!r} is {'colocated' if config.num_decode == 0 else 'disaggregated'}; "
+            f"scaling keeps that (decode workers {config.num_decode} -> {num_decode}): "
+            f"`pdserve down` and `pdserve up` to change it"
+        )
     scaled = PDServeConfig.model_validate(
-        {**config.model_dump(), "num_prefill": num_prefill, "num_decode": num_decode})
+        {**config.model_dump(), "num_prefill": num_prefill, "num_decode": num_decode}
+    )
     removed = sorted(set(config.worker_ids()) - set(scaled.worker_ids()))
     if removed:
         deploy(scaled, retiring_from=config)
@@ -110,8 +128,9 @@ def scale(app_name: str, num_prefill: int, num_decode: int,
     return scaled
 
 
-def _wait_until_retired(app_name: str, worker_ids: list[str], num_gateways: int,
-                        timeout_s: float) -> None:
+def _wait_until_retired(
+    app_name: str, worker_ids: list[str], num_gateways: int, timeout_s: float
+) -> None:
     """Waits until the app runs only its new gateway replicas (the replaced ones drained) and the
     ``worker_ids`` have no request running or waiting and no lease held."""
     from ray import serve
@@ -123,16 +142,19 @@ def _wait_until_retired(app_name: str, worker_ids: list[str], num_gateways: int,
         if dict(gateway.replica_states) != {"RUNNING": num_gateways}:
             return False
         for worker_id in worker_ids:
-            stats = serve.get_deployment_handle(worker_id, app_name).stats.remote().result(
-                timeout_s=10)
+            stats = (
+                serve.get_deployment_handle(worker_id, app_name).stats.remote().result(timeout_s=10)
+            )
             if stats.num_requests_running or stats.num_requests_waiting or stats.num_leases_held:
                 return False
         return True
 
     while not idle():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{worker_ids} of {app_name!r} still busy after {timeout_s:.0f} s; "
-                               f"they stay deployed, unrouted: run the scale again to remove them")
+            raise TimeoutError(
+                f"{worker_ids} of {app_name!r} still busy after {timeout_s:.0f} s; "
+                f"they stay deployed, unrouted: run the scale again to remove them"
+            )
         time.sleep(0.5)
 
 
@@ -181,9 +203,16 @@ def remember_local_cluster(config: PDServeConfig) -> None:
 
     path = _state_file()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"address": ray.get_runtime_context().gcs_address,
-                                "app_name": config.app_name, "url": base_url(config),
-                                "pid": os.getpid()}))
+    path.write_text(
+        json.dumps(
+            {
+                "address": ray.get_runtime_context().gcs_address,
+                "app_name": config.app_name,
+                "url": base_url(config),
+                "pid": os.getpid(),
+            }
+        )
+    )
 
 
 def forget_local_cluster() -> None:

@@ -50,27 +50,43 @@ class PDServeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
-    model: str = Field(default_factory=default_model_name,
-                       description="'smollm2' or 'tiny' (built in; default: smollm2 when its "
-                                   "wheel is installed), a local HF directory or a .gguf file")
+    model: str = Field(
+        default_factory=default_model_name,
+        description="'smollm2' or 'tiny' (built in; default: smollm2 when its "
+        "wheel is installed), a local HF directory or a .gguf file",
+    )
     served_model_name: str | None = Field(
-        None, description="the name clients send as 'model' (default: the model's last path part)")
-    num_prefill: int = Field(1, ge=1, validation_alias=AliasChoices("num_prefill", "prefill"),
-                             description="prefill workers")
-    num_decode: int = Field(1, ge=0, validation_alias=AliasChoices("num_decode", "decode"),
-                            description="decode workers; 0 = colocated")
+        None, description="the name clients send as 'model' (default: the model's last path part)"
+    )
+    num_prefill: int = Field(
+        1,
+        ge=1,
+        validation_alias=AliasChoices("num_prefill", "prefill"),
+        description="prefill workers",
+    )
+    num_decode: int = Field(
+        1,
+        ge=0,
+        validation_alias=AliasChoices("num_decode", "decode"),
+        description="decode workers; 0 = colocated",
+    )
     transport: Literal["grpc", "nixl"] = "grpc"
     kv_failure_policy: Literal["recompute", "fail"] = "recompute"
     lease_ttl_s: float = Field(30.0, gt=0)
     kv_transfer_host: str | None = Field(
-        None, description="where KV services listen and what they advertise; unset: the Ray "
-                          "node's address (127.0.0.1 on the embedded `pdserve up` cluster)")
-    kv_transfer_port: int = Field(0, ge=0, lt=65536,
-                                  description="0: any free port; N: prefill-i listens on N + i")
+        None,
+        description="where KV services listen and what they advertise; unset: the Ray "
+        "node's address (127.0.0.1 on the embedded `pdserve up` cluster)",
+    )
+    kv_transfer_port: int = Field(
+        0, ge=0, lt=65536, description="0: any free port; N: prefill-i listens on N + i"
+    )
     kv_transfer_secret: str | None = Field(
-        None, repr=False,
+        None,
+        repr=False,
         description=f"shared secret of the KV plane; prefer the {KV_TRANSFER_SECRET_ENV} "
-                    "environment variable (flags show in ps); unset: a random one per app")
+        "environment variable (flags show in ps); unset: a random one per app",
+    )
     # Engine settings shared by every worker.
     block_size: int = Field(16, gt=0)
     num_kv_blocks: int | None = Field(512, ge=2)
@@ -78,77 +94,113 @@ class PDServeConfig(BaseModel):
     max_num_seqs: int = Field(64, gt=0)
     max_num_batched_tokens: int = Field(2048, gt=0)
     long_prefill_token_threshold: int = Field(
-        512, ge=0, description="a prompt computes at most this many tokens a step, so decodes "
-                               "keep stepping beside a long prompt (0: no cap)")
+        512,
+        ge=0,
+        description="a prompt computes at most this many tokens a step, so decodes "
+        "keep stepping beside a long prompt (0: no cap)",
+    )
     enable_prefix_caching: bool = True
     hash_algorithm: Literal["xxh3_128", "sha256"] = "xxh3_128"
     hash_seed: int | None = Field(
-        None, ge=0, lt=2**63,
+        None,
+        ge=0,
+        lt=2**63,
         description="block-hash seed, equal on every worker and the gateway; unset: random per "
-                    "app with xxh3_128 (nobody can precompute colliding blocks), 0 with sha256")
+        "app with xxh3_128 (nobody can precompute colliding blocks), 0 with sha256",
+    )
     # A KV tier below each worker's pool (docs/architecture.md, "The KV tier"); off by default.
-    kv_tier_cpu_bytes: int = Field(0, ge=0, description="host memory per worker for blocks "
-                                                        "evicted from the pool (0: none)")
+    kv_tier_cpu_bytes: int = Field(
+        0, ge=0, description="host memory per worker for blocks evicted from the pool (0: none)"
+    )
     kv_tier_disk_path: str | None = Field(
-        None, description="directory for a disk tier (one subdirectory per worker, emptied at "
-                          "start); unset: none")
+        None,
+        description="directory for a disk tier (one subdirectory per worker, emptied at "
+        "start); unset: none",
+    )
     kv_tier_disk_bytes: int = Field(0, ge=0, description="disk budget per worker")
     kv_tier_write_through: bool = Field(
-        False, description="copy blocks to the tier when they fill, not only when evicted")
+        False, description="copy blocks to the tier when they fill, not only when evicted"
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = Field("auto", description="auto: cuda when the worker got a GPU, else cpu")
     torch_threads: int = Field(1, ge=1)
     prefill_cpus: list[int] | None = Field(
-        None, description="CPU ids every prefill worker's process is pinned to "
-                          "(os.sched_setaffinity; unset: not pinned)")
+        None,
+        description="CPU ids every prefill worker's process is pinned to "
+        "(os.sched_setaffinity; unset: not pinned)",
+    )
     decode_cpus: list[int] | None = Field(
-        None, description="the same for decode workers, e.g. prefill on 0-5, decode on 6-7")
+        None, description="the same for decode workers, e.g. prefill on 0-5, decode on 6-7"
+    )
     ucx_tls: str | None = Field(
-        None, description="UCX_TLS of NIXL workers, e.g. 'tcp' (tested between nodes); unset: "
-                          "UCX's own choice (cma on one host, RDMA or TCP between hosts)")
+        None,
+        description="UCX_TLS of NIXL workers, e.g. 'tcp' (tested between nodes); unset: "
+        "UCX's own choice (cma on one host, RDMA or TCP between hosts)",
+    )
     # Placement: Ray resources per part (docs/deploy.md, "Placement"); `pdserve up` refuses an
     # app that no node can host rather than leave Serve waiting for one.
     gateway_resources: dict[str, float] = Field(
-        default_factory=dict, description='Ray custom resources of the gateway, e.g. {"head": 1}')
+        default_factory=dict, description='Ray custom resources of the gateway, e.g. {"head": 1}'
+    )
     prefill_resources: dict[str, float] = Field(
-        default_factory=dict, description='Ray custom resources of every prefill worker, e.g. '
-                                          '{"prefill_node": 1}')
+        default_factory=dict,
+        description='Ray custom resources of every prefill worker, e.g. {"prefill_node": 1}',
+    )
     decode_resources: dict[str, float] = Field(
-        default_factory=dict, description="Ray custom resources of every decode worker")
+        default_factory=dict, description="Ray custom resources of every decode worker"
+    )
     worker_resources: dict[str, dict[str, float]] = Field(
-        default_factory=dict, description='per worker id, resources that replace its role\'s, '
-                                          'e.g. {"prefill-1": {"node_d": 1}}')
+        default_factory=dict,
+        description="per worker id, resources that replace its role's, "
+        'e.g. {"prefill-1": {"node_d": 1}}',
+    )
     num_gpus_per_worker: float = Field(0.0, ge=0, description="> 0 on a GPU cluster")
-    num_cpus_per_worker: float = Field(0.0, ge=0,
-                                       description="0 lets several workers share a small box")
+    num_cpus_per_worker: float = Field(
+        0.0, ge=0, description="0 lets several workers share a small box"
+    )
     # Ingress.
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, lt=65536)
     proxy_location: Literal["EveryNode", "HeadOnly"] = Field(
-        "EveryNode", description="Serve's HTTP proxies: on every node with a replica, or only "
-                                 "on the head (several Ray nodes on one machine would bind "
-                                 "the same host:port)")
+        "EveryNode",
+        description="Serve's HTTP proxies: on every node with a replica, or only "
+        "on the head (several Ray nodes on one machine would bind "
+        "the same host:port)",
+    )
     grpc_port: int = Field(0, ge=0, lt=65536, description="0: no gRPC Generate service")
-    max_inflight_requests: int = Field(256, ge=1,
-                                       description="beyond: 429 with Retry-After (with several "
-                                                   "gateway replicas, each admits its share)")
+    max_inflight_requests: int = Field(
+        256,
+        ge=1,
+        description="beyond: 429 with Retry-After (with several "
+        "gateway replicas, each admits its share)",
+    )
     num_gateway_replicas: int = Field(
-        1, ge=1, description="gateway replicas (Serve spreads HTTP over them); they answer "
-                             "/stats, /metrics and /v1/requests as one service")
+        1,
+        ge=1,
+        description="gateway replicas (Serve spreads HTTP over them); they answer "
+        "/stats, /metrics and /v1/requests as one service",
+    )
     retry_after_s: int = Field(1, ge=0, description="the Retry-After of a 429 or 503")
-    worker_timeout_s: float = Field(5.0, gt=0,
-                                    description="a worker silent this long leaves routing")
-    max_attempts: int = Field(3, ge=1, description="runs of a request per worker role when "
-                                                   "workers are lost (1: no retry)")
+    worker_timeout_s: float = Field(
+        5.0, gt=0, description="a worker silent this long leaves routing"
+    )
+    max_attempts: int = Field(
+        3, ge=1, description="runs of a request per worker role when workers are lost (1: no retry)"
+    )
     retry_backoff_s: float = Field(0.5, ge=0, description="between those runs")
     max_load_imbalance: int = Field(4, ge=0)
     disagg_min_uncached_tokens: int = Field(
-        DEFAULT_DISAGG_MIN_UNCACHED_TOKENS, ge=0,
+        DEFAULT_DISAGG_MIN_UNCACHED_TOKENS,
+        ge=0,
         description="a prompt whose uncached part on the best decode worker is shorter runs "
-                    "whole there, with no KV hand-off; 0: always disaggregate")
+        "whole there, with no KV hand-off; 0: always disaggregate",
+    )
     # Ray.
-    ray_address: str | None = Field(None, validation_alias=AliasChoices("ray_address", "address"),
-                                    description="unset: start an embedded local cluster")
+    ray_address: str | None = Field(
+        None,
+        validation_alias=AliasChoices("ray_address", "address"),
+        description="unset: start an embedded local cluster",
+    )
     app_name: str = "pdserve"
     route_prefix: str = "/"
     extra_engine_args: dict[str, Any] = Field(default_factory=dict)
@@ -156,21 +208,26 @@ class PDServeConfig(BaseModel):
     @model_validator(mode="after")
     def _check_one_grpc_listener(self) -> PDServeConfig:
         if self.grpc_port and self.num_gateway_replicas > 1:
-            raise ValueError(f"the gRPC Generate service (grpc_port {self.grpc_port}) runs in "
-                             f"one gateway replica; set num_gateway_replicas to 1 or grpc_port "
-                             f"to 0")
+            raise ValueError(
+                f"the gRPC Generate service (grpc_port {self.grpc_port}) runs in "
+                f"one gateway replica; set num_gateway_replicas to 1 or grpc_port "
+                f"to 0"
+            )
         return self
 
     @model_validator(mode="after")
     def _check_placement_names(self) -> PDServeConfig:
         unknown = sorted(set(self.worker_resources) - set(self.worker_ids()))
         if unknown:
-            raise ValueError(f"worker_resources names {unknown}, but this app's workers are "
-                             f"{self.worker_ids()}")
-        for part, resources in [("gateway_resources", self.gateway_resources),
-                                ("prefill_resources", self.prefill_resources),
-                                ("decode_resources", self.decode_resources),
-                                *self.worker_resources.items()]:
+            raise ValueError(
+                f"worker_resources names {unknown}, but this app's workers are {self.worker_ids()}"
+            )
+        for part, resources in [
+            ("gateway_resources", self.gateway_resources),
+            ("prefill_resources", self.prefill_resources),
+            ("decode_resources", self.decode_resources),
+            *self.worker_resources.items(),
+        ]:
             negative = {name: amount for name, amount in resources.items() if amount < 0}
             if negative:
                 raise ValueError(f"{part} asks for negative amounts {negative}")
@@ -178,15 +235,17 @@ class PDServeConfig(BaseModel):
 
     def worker_ids(self) -> list[str]:
         """Every worker's id (and Serve deployment name), prefill first."""
-        return ([f"prefill-{i}" for i in range(self.num_prefill)]
-                + [f"decode-{i}" for i in range(self.num_decode)])
+        return [f"prefill-{i}" for i in range(self.num_prefill)] + [
+            f"decode-{i}" for i in range(self.num_decode)
+        ]
 
     def resources_of(self, worker_id: str) -> dict[str, float]:
         """The Ray custom resources worker ``worker_id`` asks for: its own, else its role's."""
         if worker_id in self.worker_resources:
             return dict(self.worker_resources[worker_id])
-        role_resources = self.prefill_resources if worker_id.startswith("prefill-") else \
-            self.decode_resources
+        role_resources = (
+            self.prefill_resources if worker_id.startswith("prefill-") else self.decode_resources
+        )
         return dict(role_resources)
 
     @field_validator("kv_transfer_secret", mode="before")
@@ -252,9 +311,11 @@ class PDServeConfig(BaseModel):
         """
         worker_id = f"{'prefill' if role == 'producer' else 'decode'}-{index}"
         if self.hash_seed is None:
-            raise ValueError("a worker needs the deployment's hash seed; build the app with "
-                             "deploy.app.build (it resolves one) or call "
-                             "resolve_deployment_secrets() first")
+            raise ValueError(
+                "a worker needs the deployment's hash seed; build the app with "
+                "deploy.app.build (it resolves one) or call "
+                "resolve_deployment_secrets() first"
+            )
         engine = self.engine_config(engine_id=worker_id, device=self.device)
         kv_tier = self.kv_tier_config()
         cpus = self.prefill_cpus if role == "producer" else self.decode_cpus
@@ -262,38 +323,58 @@ class PDServeConfig(BaseModel):
         if self.colocated:
             return WorkerSpec(worker_id, engine, kv_tier=kv_tier, cpus=cpus)
         if self.kv_transfer_secret is None:
-            raise ValueError("a disaggregated worker needs the deployment's KV-transfer secret; "
-                             "build the app with deploy.app.build (it resolves one) or call "
-                             "resolve_kv_transfer_secret() first")
+            raise ValueError(
+                "a disaggregated worker needs the deployment's KV-transfer secret; "
+                "build the app with deploy.app.build (it resolves one) or call "
+                "resolve_kv_transfer_secret() first"
+            )
         transfer_host = self.kv_transfer_host or "127.0.0.1"
         port = self.kv_transfer_port + index if self.kv_transfer_port and role == "producer" else 0
         connector = KVConnectorConfig(
-            role=role, transport=self.transport, host=transfer_host, port=port,
-            secret=self.kv_transfer_secret, lease_ttl_s=self.lease_ttl_s,
-            failure_policy=self.kv_failure_policy)
-        return WorkerSpec(worker_id, engine, connector,
-                          advertise_node_address=not self.kv_transfer_host,
-                          kv_tier=kv_tier, cpus=cpus)
+            role=role,
+            transport=self.transport,
+            host=transfer_host,
+            port=port,
+            secret=self.kv_transfer_secret,
+            lease_ttl_s=self.lease_ttl_s,
+            failure_policy=self.kv_failure_policy,
+        )
+        return WorkerSpec(
+            worker_id,
+            engine,
+            connector,
+            advertise_node_address=not self.kv_transfer_host,
+            kv_tier=kv_tier,
+            cpus=cpus,
+        )
 
     def kv_tier_config(self) -> KVTierConfig | None:
         """Every worker's KV tier settings; None when no tier is configured."""
-        config = KVTierConfig(self.kv_tier_cpu_bytes, self.kv_tier_disk_path,
-                              self.kv_tier_disk_bytes, self.kv_tier_write_through)
+        config = KVTierConfig(
+            self.kv_tier_cpu_bytes,
+            self.kv_tier_disk_path,
+            self.kv_tier_disk_bytes,
+            self.kv_tier_write_through,
+        )
         return config if config.enabled else None
 
     def gateway_config(self) -> GatewayConfig:
-        return GatewayConfig(model=self.model, model_name=self.model_name, host=self.host,
-                             grpc_port=self.grpc_port,
-                             # Each replica admits its share (the proxy balances them).
-                             max_inflight_requests=-(-self.max_inflight_requests
-                                                     // self.num_gateway_replicas),
-                             max_load_imbalance=self.max_load_imbalance,
-                             retry_after_s=self.retry_after_s,
-                             worker_timeout_s=self.worker_timeout_s,
-                             max_attempts=self.max_attempts,
-                             retry_backoff_s=self.retry_backoff_s,
-                             disagg_min_uncached_tokens=self.disagg_min_uncached_tokens,
-                             app_name=self.app_name, num_replicas=self.num_gateway_replicas)
+        return GatewayConfig(
+            model=self.model,
+            model_name=self.model_name,
+            host=self.host,
+            grpc_port=self.grpc_port,
+            # Each replica admits its share (the proxy balances them).
+            max_inflight_requests=-(-self.max_inflight_requests // self.num_gateway_replicas),
+            max_load_imbalance=self.max_load_imbalance,
+            retry_after_s=self.retry_after_s,
+            worker_timeout_s=self.worker_timeout_s,
+            max_attempts=self.max_attempts,
+            retry_backoff_s=self.retry_backoff_s,
+            disagg_min_uncached_tokens=self.disagg_min_uncached_tokens,
+            app_name=self.app_name,
+            num_replicas=self.num_gateway_replicas,
+        )
 
     def engine_config(self, engine_id: str, device: str) -> EngineConfig:
         """The ``EngineConfig`` of one worker; only ``engine_id`` and ``device`` differ."""
@@ -327,8 +408,9 @@ class PDServeConfig(BaseModel):
         """``--config FILE`` and one flag per field, generated from the model (aliases:
         ``--prefill``, ``--decode``, ``--address``); ``from_cli`` reads them back."""
         parser.add_argument("--config", type=Path, help="YAML file of config keys")
-        source = CliSettingsSource(cls, root_parser=parser, cli_kebab_case=True,
-                                   cli_implicit_flags=True)
+        source = CliSettingsSource(
+            cls, root_parser=parser, cli_kebab_case=True, cli_implicit_flags=True
+        )
         parser.set_defaults(config_source=source)
 
     @classmethod
@@ -343,19 +425,22 @@ def load_yaml_mapping(path: str | Path) -> dict[str, Any]:
     """A YAML file of config keys: a mapping (or empty), else a clear error."""
     values = yaml.safe_load(Path(path).read_text()) or {}
     if not isinstance(values, dict):
-        raise ValueError(f"{path}: expected a mapping of config keys, got a {type(values).__name__}")
+        raise ValueError(
+            f"{path}: expected a mapping of config keys, got a {type(values).__name__}"
+        )
     return values
 
 
 def check_kv_transfer_secret(secret: Any, source: str) -> None:
     """A configured secret must be a string long enough not to be guessed."""
     if not isinstance(secret, str):
-        raise ValueError(f"{source} must be a string (quote it in YAML), "
-                         f"got a {type(secret).__name__}")
+        raise ValueError(
+            f"{source} must be a string (quote it in YAML), got a {type(secret).__name__}"
+        )
     if len(secret) < MIN_KV_TRANSFER_SECRET_CHARS:
         raise ValueError(
             f"{source} is {len(secret)} characters; use at least "
             f"{MIN_KV_TRANSFER_SECRET_CHARS} random ones, e.g. "
             "python -c 'import secrets; print(secrets.token_urlsafe(32))', or leave it unset "
-            "for a random one per app")
-
+            "for a random one per app"
+        )

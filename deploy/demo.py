@@ -41,15 +41,23 @@ def run_demo(config: PDServeConfig) -> int:
 
     start = time.perf_counter()
     init_ray(config.ray_address, num_cpus=2)
-    print(f"starting {config.num_prefill} prefill + {config.num_decode} decode workers of "
-          f"{config.model_name!r} ...")
+    print(
+        f"starting {config.num_prefill} prefill + {config.num_decode} decode workers of "
+        f"{config.model_name!r} ..."
+    )
     print(f"up in {deploy(config):.1f}s")
     client = ServiceClient(base_url(config))
 
     def ask(question: str) -> str:
-        body = {"model": config.model_name, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "messages": [{"role": "system", "content": SYSTEM_PROMPT},
-                             {"role": "user", "content": question}]}
+        body = {
+            "model": config.model_name,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "messages": [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": question},
+            ],
+        }
         return client.post("/v1/chat/completions", body)["choices"][0]["message"]["content"]
 
     try:

@@ -40,8 +40,9 @@ class ServiceClient:
 
     def stream_text(self, path: str, body: dict[str, Any]) -> Iterator[str]:
         """The text pieces of a streamed completion or chat completion, as they arrive."""
-        with connect_sse(self._http, "POST", self.url + path,
-                         json={**body, "stream": True}) as source:
+        with connect_sse(
+            self._http, "POST", self.url + path, json={**body, "stream": True}
+        ) as source:
             if source.response.status_code != 200:
                 source.response.read()
                 self._checked(source.response)

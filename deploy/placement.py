@@ -28,14 +28,17 @@ class PlacementError(ValueError):
 
 def resource_demand(actor_options: Mapping[str, Any]) -> dict[str, float]:
     """What one replica asks Ray for, under Ray's own resource names."""
-    demand = {"CPU": float(actor_options.get("num_cpus", 0) or 0),
-              "GPU": float(actor_options.get("num_gpus", 0) or 0)}
+    demand = {
+        "CPU": float(actor_options.get("num_cpus", 0) or 0),
+        "GPU": float(actor_options.get("num_gpus", 0) or 0),
+    }
     demand.update(actor_options.get("resources", {}))
     return {name: amount for name, amount in demand.items() if amount > 0}
 
 
-def check_placement(demands: Mapping[str, Mapping[str, float]],
-                    nodes: Sequence[Mapping[str, Any]]) -> None:
+def check_placement(
+    demands: Mapping[str, Mapping[str, float]], nodes: Sequence[Mapping[str, Any]]
+) -> None:
     """Raises ``PlacementError`` when a part cannot be placed; ``demands`` by part name,
     ``nodes`` as ``ray.nodes()`` lists them."""
     alive = [node for node in nodes if node.get("Alive")]
@@ -46,7 +49,8 @@ def check_placement(demands: Mapping[str, Mapping[str, float]],
             raise PlacementError(
                 f"no node can host {part}: it asks for {_short(demand)}, the alive nodes offer "
                 f"{shown or 'nothing'}. Start a node with the missing resources (ray start "
-                f"--resources '{{\"NAME\": 1}}') or change the app's *_resources")
+                f"--resources '{{\"NAME\": 1}}') or change the app's *_resources"
+            )
     for name in {name for demand in demands.values() for name in demand}:
         wanted = sum(demand.get(name, 0.0) for demand in demands.values())
         available = sum(offer.get(name, 0.0) for offer in offers.values())
@@ -54,7 +58,8 @@ def check_placement(demands: Mapping[str, Mapping[str, float]],
             users = sorted(part for part, demand in demands.items() if name in demand)
             raise PlacementError(
                 f"the app asks for {wanted:g} {name} in all ({', '.join(users)}), the cluster "
-                f"has {available:g}: {shown}")
+                f"has {available:g}: {shown}"
+            )
 
 
 def _fits(demand: Mapping[str, float], offer: Mapping[str, float]) -> bool:
@@ -63,6 +68,9 @@ def _fits(demand: Mapping[str, float], offer: Mapping[str, float]) -> bool:
 
 def _short(resources: Mapping[str, float]) -> str:
     """Resources without Ray's bookkeeping entries (memory, node:IP, ...)."""
-    kept = {name: amount for name, amount in sorted(resources.items())
-            if not name.startswith("node:") and name not in ("memory", "object_store_memory")}
+    kept = {
+        name: amount
+        for name, amount in sorted(resources.items())
+        if not name.startswith("node:") and name not in ("memory", "object_store_memory")
+    }
     return "{" + ", ".join(f"{name}: {amount:g}" for name, amount in kept.items()) + "}"

@@ -24,17 +24,22 @@ def preflight_problems(config: PDServeConfig) -> list[str]:
         try:
             importlib.import_module("nixl._api")
         except ImportError as error:
-            problems.append(f"--transport nixl needs the nixl package, which does not import "
-                            f"here ({error}): pip install 'pdserve[nixl]', or use "
-                            f"--transport grpc")
+            problems.append(
+                f"--transport nixl needs the nixl package, which does not import "
+                f"here ({error}): pip install 'pdserve[nixl]', or use "
+                f"--transport grpc"
+            )
     try:
         resolve_model(config.model)
     except (FileNotFoundError, ValueError) as error:
         problems.append(f"--model {config.model!r}: {error}")
     if not config.ray_address:
-        problems += [f"{what} {host}:{port} is in use: stop what listens there, or choose "
-                     f"another with {flag}" for what, host, port, flag in _ports(config)
-                     if not _is_free(host, port)]
+        problems += [
+            f"{what} {host}:{port} is in use: stop what listens there, or choose "
+            f"another with {flag}"
+            for what, host, port, flag in _ports(config)
+            if not _is_free(host, port)
+        ]
     return problems
 
 
@@ -45,8 +50,15 @@ def _ports(config: PDServeConfig) -> list[tuple[str, str, int, str]]:
         ports.append(("the gRPC port", config.host, config.grpc_port, "--grpc-port"))
     if config.kv_transfer_port and not config.colocated:
         host = config.kv_transfer_host or "127.0.0.1"
-        ports += [(f"prefill-{i}'s KV transfer port", host, config.kv_transfer_port + i,
-                   "--kv-transfer-port") for i in range(config.num_prefill)]
+        ports += [
+            (
+                f"prefill-{i}'s KV transfer port",
+                host,
+                config.kv_transfer_port + i,
+                "--kv-transfer-port",
+            )
+            for i in range(config.num_prefill)
+        ]
     return [entry for entry in ports if entry[2]]
 
 

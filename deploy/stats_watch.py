@@ -50,11 +50,21 @@ def interval_rates(before: dict, after: dict, seconds: float) -> list[WorkerRate
             continue
         queries = now["prefix_cache_queries"] - then["prefix_cache_queries"]
         hits = now["prefix_cache_hits"] - then["prefix_cache_hits"]
-        per_s = [(now[key] - then[key]) / seconds for key in (
-            "num_blocks_sent", "num_blocks_received", "num_bytes_sent", "num_bytes_received",
-            "num_dedup_skipped_blocks")]
-        rates.append(WorkerRates(now["worker_id"], now["role"], *per_s,
-                                 hit_rate=hits / queries if queries else None))
+        per_s = [
+            (now[key] - then[key]) / seconds
+            for key in (
+                "num_blocks_sent",
+                "num_blocks_received",
+                "num_bytes_sent",
+                "num_bytes_received",
+                "num_dedup_skipped_blocks",
+            )
+        ]
+        rates.append(
+            WorkerRates(
+                now["worker_id"], now["role"], *per_s, hit_rate=hits / queries if queries else None
+            )
+        )
     return rates
 
 
@@ -69,20 +79,43 @@ def byte_rate(bytes_per_s: float) -> str:
 
 def format_rates(rates: list[WorkerRates], seconds: float) -> str:
     """The rates table, right-aligned, headed by the interval it covers."""
-    header = ["worker", "role", "blk/s sent", "blk/s recv", "bytes sent", "bytes recv",
-              "dedup blk/s", "hit% (interval)"]
-    rows = [[r.worker_id, r.role, f"{r.blocks_sent_per_s:.1f}", f"{r.blocks_received_per_s:.1f}",
-             byte_rate(r.bytes_sent_per_s), byte_rate(r.bytes_received_per_s),
-             f"{r.dedup_blocks_per_s:.1f}",
-             "-" if r.hit_rate is None else f"{100 * r.hit_rate:.1f}"] for r in rates]
+    header = [
+        "worker",
+        "role",
+        "blk/s sent",
+        "blk/s recv",
+        "bytes sent",
+        "bytes recv",
+        "dedup blk/s",
+        "hit% (interval)",
+    ]
+    rows = [
+        [
+            r.worker_id,
+            r.role,
+            f"{r.blocks_sent_per_s:.1f}",
+            f"{r.blocks_received_per_s:.1f}",
+            byte_rate(r.bytes_sent_per_s),
+            byte_rate(r.bytes_received_per_s),
+            f"{r.dedup_blocks_per_s:.1f}",
+            "-" if r.hit_rate is None else f"{100 * r.hit_rate:.1f}",
+        ]
+        for r in rates
+    ]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths))
-             for row in [header, *rows]]
+    lines = [
+        "  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in [header, *rows]
+    ]
     return f"rates over the last {seconds:.1f} s\n" + "\n".join(lines)
 
 
-def watch(read_stats: Callable[[], dict], render_totals: Callable[[dict], str],
-          interval_s: float, count: int | None, out: TextIO | None = None) -> int:
+def watch(
+    read_stats: Callable[[], dict],
+    render_totals: Callable[[dict], str],
+    interval_s: float,
+    count: int | None,
+    out: TextIO | None = None,
+) -> int:
     """Draws a frame every ``interval_s`` seconds, ``count`` frames (None: until Ctrl-C), to
     ``out`` (default: the ``sys.stdout`` of the moment)."""
     out = out or sys.stdout
@@ -98,8 +131,7 @@ def watch(read_stats: Callable[[], dict], render_totals: Callable[[dict], str],
             frame = render_totals(stats)
             if previous is not None:
                 seconds = now - previous[0]
-                frame += "\n\n" + format_rates(interval_rates(previous[1], stats, seconds),
-                                               seconds)
+                frame += "\n\n" + format_rates(interval_rates(previous[1], stats, seconds), seconds)
             else:
                 frame += "\n\nrates: after the next reading"
             out.write(CLEAR_SCREEN + frame + "\n")

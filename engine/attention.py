@@ -99,7 +99,10 @@ def build_attention_metadata(
     if num_prefills == 0:  # decode-only step: one token per chunk, plain Python lists
         positions = torch.tensor(start_positions, dtype=torch.long)
         base_rows = torch.tensor(
-            [ids[p // block_size] * rows_per_block + p % block_size for ids, p in zip(block_ids, start_positions)],
+            [
+                ids[p // block_size] * rows_per_block + p % block_size
+                for ids, p in zip(block_ids, start_positions)
+            ],
             dtype=torch.long,
         )
     else:
@@ -118,8 +121,12 @@ def build_attention_metadata(
         mask = None
         if start > 0 or sliding_window is not None:
             query_pos = torch.arange(start, start + count)[:, None]
-            mask = _visible(query_pos, torch.arange(start + count)[None, :], sliding_window)[None, None].to(device)
-        prefills.append(PrefillAttention(query_start, query_start + count, table, start + count, mask))
+            mask = _visible(query_pos, torch.arange(start + count)[None, :], sliding_window)[
+                None, None
+            ].to(device)
+        prefills.append(
+            PrefillAttention(query_start, query_start + count, table, start + count, mask)
+        )
         query_start += count
 
     decode = None
@@ -127,7 +134,10 @@ def build_attention_metadata(
         decode_needed = blocks_needed[num_prefills:]
         max_blocks = max(decode_needed)
         tables = torch.tensor(
-            [ids[:need] + [0] * (max_blocks - need) for ids, need in zip(block_ids[num_prefills:], decode_needed)],
+            [
+                ids[:need] + [0] * (max_blocks - need)
+                for ids, need in zip(block_ids[num_prefills:], decode_needed)
+            ],
             dtype=torch.long,
         )
         decode_starts = start_positions[num_prefills:]
@@ -136,10 +146,14 @@ def build_attention_metadata(
         else:
             seq_len = max_blocks * block_size
             query_pos = torch.tensor(decode_starts, dtype=torch.long)[:, None]
-            mask = _visible(query_pos, torch.arange(seq_len)[None, :], sliding_window)[:, None, None, :].to(device)
+            mask = _visible(query_pos, torch.arange(seq_len)[None, :], sliding_window)[
+                :, None, None, :
+            ].to(device)
         decode = DecodeAttention(query_start, tables.to(device), seq_len, mask)
 
-    return AttentionMetadata(positions.to(device), write_rows.to(device), max(ends), prefills, decode)
+    return AttentionMetadata(
+        positions.to(device), write_rows.to(device), max(ends), prefills, decode
+    )
 
 
 @functools.cache
@@ -159,20 +173,27 @@ def _token_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token: its position, and its K row in layer 0 (torch ops, no per-token Python)."""
     flat_blocks = torch.tensor(
-        list(chain.from_iterable(ids[:need] for ids, need in zip(block_ids, blocks_needed))), dtype=torch.long
+        list(chain.from_iterable(ids[:need] for ids, need in zip(block_ids, blocks_needed))),
+        dtype=torch.long,
     )
     counts = torch.tensor(token_counts, dtype=torch.long)
     starts = torch.tensor(start_positions, dtype=torch.long)
     needed = torch.tensor(blocks_needed, dtype=torch.long)
-    block_offsets = torch.cumsum(needed, 0) - needed  # where each chunk's table starts in flat_blocks
+    block_offsets = (
+        torch.cumsum(needed, 0) - needed
+    )  # where each chunk's table starts in flat_blocks
     query_offsets = torch.cumsum(counts, 0) - counts
     chunk_of_token = torch.repeat_interleave(torch.arange(len(token_counts)), counts)
-    positions = starts[chunk_of_token] + torch.arange(int(counts.sum())) - query_offsets[chunk_of_token]
+    positions = (
+        starts[chunk_of_token] + torch.arange(int(counts.sum())) - query_offsets[chunk_of_token]
+    )
     blocks = flat_blocks[block_offsets[chunk_of_token] + positions // block_size]
     return positions, blocks * rows_per_block + positions % block_size
 
 
-def _visible(query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+def _visible(
+    query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window: int | None
+) -> torch.Tensor:
     """Causal (and optionally windowed) visibility, broadcast over the two position grids."""
     visible = key_pos <= query_pos
     if sliding_window is not None:
@@ -180,7 +201,9 @@ def _visible(query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window: int
     return visible
 
 
-def _gather(layer_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather(
+    layer_cache: torch.Tensor, block_table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of the blocks in ``block_table`` ``[*table]``, as ``[*table[:-1], tokens, kv_heads, head]``.
 
     K and V are gathered apart (one ``index_select`` each from the strided views): the
@@ -231,11 +254,15 @@ def paged_attention(
         )
         output[chunk.query_start : chunk.query_end] = attended[0].transpose(0, 1)
     if decode is not None:
-        output[decode.query_start :] = _decode(query[decode.query_start : num_tokens], layer_cache, decode)
+        output[decode.query_start :] = _decode(
+            query[decode.query_start : num_tokens], layer_cache, decode
+        )
     return output
 
 
-def _decode(query: torch.Tensor, layer_cache: torch.Tensor, decode: DecodeAttention) -> torch.Tensor:
+def _decode(
+    query: torch.Tensor, layer_cache: torch.Tensor, decode: DecodeAttention
+) -> torch.Tensor:
     """One SDPA over the padded batch of single-token queries ``[batch, num_heads, head_size]``.
 
     The query heads that share a K/V head are passed as that head's queries
@@ -243,7 +270,9 @@ def _decode(query: torch.Tensor, layer_cache: torch.Tensor, decode: DecodeAttent
     K and V: a single token attends to every visible key, hence no causal mask among them.
     At batch 16 this halves the attention time (the GQA path copies K/V per query head).
     """
-    keys, values = _gather(layer_cache, decode.block_tables)  # [batch, max_blocks * block_size, ...]
+    keys, values = _gather(
+        layer_cache, decode.block_tables
+    )  # [batch, max_blocks * block_size, ...]
     if decode.attn_mask is None:
         keys, values = keys[:, : decode.seq_len], values[:, : decode.seq_len]
     batch, num_heads, head_size = query.shape

@@ -66,12 +66,15 @@ class EngineHost:
         self.instance_id = uuid.uuid4().hex
         self.node_id, self.node_ip = _node_identity()
         engine_config = dataclasses.replace(
-            spec.engine, engine_id=f"{spec.engine.engine_id}-{self.instance_id[:8]}",
-            device=_pick_device(spec.engine.device))
+            spec.engine,
+            engine_id=f"{spec.engine.engine_id}-{self.instance_id[:8]}",
+            device=_pick_device(spec.engine.device),
+        )
         self.engine = LLMEngine(engine_config, connector=self.make_connector(engine_config))
         self.events = KVEventLog(self.worker_id, self.instance_id)
-        self._executor = ThreadPoolExecutor(max_workers=1,
-                                            thread_name_prefix=f"{self.worker_id}-engine")
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"{self.worker_id}-engine"
+        )
         self._ops: list[Callable[[], None]] = []
         self._ops_lock = threading.Lock()
         self._streams: dict[str, asyncio.Queue] = {}
@@ -87,10 +90,14 @@ class EngineHost:
 
     def model_info(self) -> ModelInfo:
         config = self.engine.config
-        return ModelInfo(model=config.model, max_model_len=self.engine.max_model_len,
-                         block_size=config.block_size, hash_algorithm=config.hash_algorithm,
-                         hash_seed=config.hash_seed,
-                         eos_token_ids=list(self.engine.tokenizer.eos_token_ids))
+        return ModelInfo(
+            model=config.model,
+            max_model_len=self.engine.max_model_len,
+            block_size=config.block_size,
+            hash_algorithm=config.hash_algorithm,
+            hash_seed=config.hash_seed,
+            eos_token_ids=list(self.engine.tokenizer.eos_token_ids),
+        )
 
     def kv_events(self, since_seq: int) -> KVEventBatch:
         return self.events.since(since_seq)
@@ -177,13 +184,20 @@ class EngineHost:
 
     def _add(self, request: WorkerRequest) -> None:
         try:
-            self.engine.add_request(request.request_id, request.prompt_token_ids, request.params,
-                                    cache_salt=request.cache_salt,
-                                    remote_decode=request.remote_decode,
-                                    kv_transfer_params=request.kv_transfer_params)
+            self.engine.add_request(
+                request.request_id,
+                request.prompt_token_ids,
+                request.params,
+                cache_salt=request.cache_salt,
+                remote_decode=request.remote_decode,
+                kv_transfer_params=request.kv_transfer_params,
+            )
         except (ValueError, TypeError) as error:
-            self._deliver(GenerationChunk(request.request_id, [], "", 0, True, "error",
-                                          error=str(error), refused=True))
+            self._deliver(
+                GenerationChunk(
+                    request.request_id, [], "", 0, True, "error", error=str(error), refused=True
+                )
+            )
 
     def _read_stats(self) -> WorkerStats:
         engine = self.engine
@@ -191,25 +205,38 @@ class EngineHost:
         values: dict[str, Any] = {}
         if stats.transfer is not None:
             transfer = dataclasses.asdict(stats.transfer)
-            values = {f.name: transfer[f.name] for f in dataclasses.fields(WorkerStats)
-                      if f.name in transfer}
+            values = {
+                f.name: transfer[f.name]
+                for f in dataclasses.fields(WorkerStats)
+                if f.name in transfer
+            }
             values["transfer_latency"] = stats.transfer.transfer_latency
         for tier in stats.tiers:
             for name, value in dataclasses.asdict(tier).items():
                 if name != "medium":
                     values.setdefault(f"kv_tier_{name}", per_tier())[tier.medium] = value
         return WorkerStats(
-            worker_id=self.worker_id, role=self.role, instance_id=self.instance_id,
-            node_id=self.node_id, node_ip=self.node_ip,
-            num_requests_running=engine.num_running, num_requests_waiting=engine.num_waiting,
-            num_requests=stats.num_requests, num_generation_tokens=stats.num_generation_tokens,
+            worker_id=self.worker_id,
+            role=self.role,
+            instance_id=self.instance_id,
+            node_id=self.node_id,
+            node_ip=self.node_ip,
+            num_requests_running=engine.num_running,
+            num_requests_waiting=engine.num_waiting,
+            num_requests=stats.num_requests,
+            num_generation_tokens=stats.num_generation_tokens,
             prefix_cache_queries=stats.prefix_cache_queries,
-            prefix_cache_hits=stats.prefix_cache_hits, num_blocks=stats.num_blocks,
-            num_free_blocks=stats.num_free_blocks, kv_cache_usage=stats.kv_cache_usage,
-            num_evictions=stats.num_evictions, num_preemptions=stats.num_preemptions,
+            prefix_cache_hits=stats.prefix_cache_hits,
+            num_blocks=stats.num_blocks,
+            num_free_blocks=stats.num_free_blocks,
+            kv_cache_usage=stats.kv_cache_usage,
+            num_evictions=stats.num_evictions,
+            num_preemptions=stats.num_preemptions,
             num_leases_held=engine.num_leases_held,
             # The scheduler's count is the authority; the connector's counts the same events.
-            num_recompute_fallbacks=stats.num_recompute_fallbacks, **values)
+            num_recompute_fallbacks=stats.num_recompute_fallbacks,
+            **values,
+        )
 
     async def _on_engine_thread(self, read: Callable[[], T]) -> T:
         """Runs ``read`` as an op of the engine thread and returns its result."""
@@ -273,8 +300,11 @@ class EngineHost:
             logger.exception("engine step failed on %s", self.worker_id)
             self.engine.abort_all()  # every request, streamed or not, loading included
             for request_id in list(self._streams):
-                self._deliver(GenerationChunk(request_id, [], "", 0, True, "error",
-                                              error="internal engine error"))
+                self._deliver(
+                    GenerationChunk(
+                        request_id, [], "", 0, True, "error", error="internal engine error"
+                    )
+                )
             return _IDLE
         self._take_events()
         for output in outputs:
@@ -318,6 +348,8 @@ def _pin_to(worker_id: str, cpus: tuple[int, ...]) -> None:
     allowed = os.sched_getaffinity(0)
     missing = sorted(set(cpus) - allowed)
     if missing:
-        raise ValueError(f"{worker_id} is to run on CPUs {sorted(cpus)}, but {missing} are not "
-                         f"among this node's usable CPUs {sorted(allowed)}")
+        raise ValueError(
+            f"{worker_id} is to run on CPUs {sorted(cpus)}, but {missing} are not "
+            f"among this node's usable CPUs {sorted(allowed)}"
+        )
     os.sched_setaffinity(0, cpus)

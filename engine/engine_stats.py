@@ -48,7 +48,9 @@ class EngineStats:
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
 
     def record_step(self, num_scheduled_tokens: int, num_sampled: int) -> None:
         self.num_steps += 1

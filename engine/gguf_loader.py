@@ -25,11 +25,23 @@ from gguf import GGMLQuantizationType as Quant
 from pdserve.engine.model_config import ModelConfig
 
 # Weight types loaded (the package dequantizes each); anything else is refused by name.
-SUPPORTED_QUANTIZATIONS = frozenset({
-    Quant.F32, Quant.F16, Quant.BF16,
-    Quant.Q4_0, Quant.Q4_1, Quant.Q5_0, Quant.Q5_1, Quant.Q8_0,
-    Quant.Q2_K, Quant.Q3_K, Quant.Q4_K, Quant.Q5_K, Quant.Q6_K,
-})
+SUPPORTED_QUANTIZATIONS = frozenset(
+    {
+        Quant.F32,
+        Quant.F16,
+        Quant.BF16,
+        Quant.Q4_0,
+        Quant.Q4_1,
+        Quant.Q5_0,
+        Quant.Q5_1,
+        Quant.Q8_0,
+        Quant.Q2_K,
+        Quant.Q3_K,
+        Quant.Q4_K,
+        Quant.Q5_K,
+        Quant.Q6_K,
+    }
+)
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -74,7 +86,9 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row permutation (module doc): ``[heads * d, in]`` back to HF order."""
     rows, columns = weight.shape
     head_dim = rows // num_heads
-    return weight.reshape(num_heads, head_dim // 2, 2, columns).transpose(1, 2).reshape(rows, columns)
+    return (
+        weight.reshape(num_heads, head_dim // 2, 2, columns).transpose(1, 2).reshape(rows, columns)
+    )
 
 
 def _our_name(gguf_name: str) -> str:
@@ -84,8 +98,10 @@ def _our_name(gguf_name: str) -> str:
     if match is not None and match.group(2) in _LAYER_NAMES:
         return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
     if gguf_name == "rope_freqs.weight":
-        raise ValueError("GGUF tensor 'rope_freqs.weight' (per-frequency RoPE factors, Llama 3.1 style) "
-                         "is not supported")
+        raise ValueError(
+            "GGUF tensor 'rope_freqs.weight' (per-frequency RoPE factors, Llama 3.1 style) "
+            "is not supported"
+        )
     raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in the Llama model")
 
 

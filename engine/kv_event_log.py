@@ -18,7 +18,9 @@ class KVEventLog:
     not seen, it gets a snapshot of every held hash instead, so no reader can drift.
     """
 
-    def __init__(self, worker_id: str, instance_id: str, max_events: int = MAX_LOGGED_EVENTS) -> None:
+    def __init__(
+        self, worker_id: str, instance_id: str, max_events: int = MAX_LOGGED_EVENTS
+    ) -> None:
         self.worker_id = worker_id
         self.instance_id = instance_id
         self._events: deque[KVCacheEvent] = deque(maxlen=max_events)
@@ -38,7 +40,13 @@ class KVEventLog:
         with self._lock:
             next_seq = self._first_seq + len(self._events)
             if seq < self._first_seq or seq > next_seq:
-                return KVEventBatch(self.worker_id, self.instance_id, next_seq, next_seq,
-                                    [], snapshot=self._held.copy())
-            events = list(self._events)[seq - self._first_seq:] if seq < next_seq else []
+                return KVEventBatch(
+                    self.worker_id,
+                    self.instance_id,
+                    next_seq,
+                    next_seq,
+                    [],
+                    snapshot=self._held.copy(),
+                )
+            events = list(self._events)[seq - self._first_seq :] if seq < next_seq else []
             return KVEventBatch(self.worker_id, self.instance_id, seq, next_seq, events)

@@ -88,7 +88,12 @@ class LLMEngine:
         )
         kv_cache_config = KVCacheConfig(num_blocks, groups)
         self.runner = ModelRunner(
-            self.model, self.model_config, num_blocks, config.block_size, config.device, config.dtype
+            self.model,
+            self.model_config,
+            num_blocks,
+            config.block_size,
+            config.device,
+            config.dtype,
         )
         self.block_hasher = BlockHasher(config.hash_algorithm, config.hash_seed)
         # One request must always fit alone in the pool, or preemption could loop forever.
@@ -189,7 +194,9 @@ class LLMEngine:
         else:
             token_ids = list(prompt)
             vocab_size = self.model_config.vocab_size
-            bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+            bad = next(
+                (t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None
+            )
             if bad is not None:
                 raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {vocab_size})")
         if not token_ids:
@@ -275,7 +282,7 @@ class LLMEngine:
         for chunk, request in zip(output.chunks, output.requests):
             count = chunk.num_logit_rows
             if chunk.all_logits:
-                _record_prompt_logprobs(logits[offset:offset + count], chunk, request)
+                _record_prompt_logprobs(logits[offset : offset + count], chunk, request)
             if chunk.sample:
                 rows.append(offset + count - 1)
             offset += count
@@ -289,8 +296,9 @@ class LLMEngine:
             events += self.connector.take_events()
         if self.config.publish_kv_events:
             self._kv_events.extend(events)
-        return sum(len(e.block_hashes) for e in events
-                   if isinstance(e, BlockRemoved) and e.medium is None)
+        return sum(
+            len(e.block_hashes) for e in events if isinstance(e, BlockRemoved) and e.medium is None
+        )
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         """KV events since the last call, for the router's prefix index."""
@@ -318,8 +326,9 @@ class LLMEngine:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=list(request.output_token_ids),
             output_logprobs=list(request.output_logprobs),
-            prompt_logprobs=(list(request.prompt_logprobs)
-                             if not request.needs_prompt_logprobs else []),
+            prompt_logprobs=(
+                list(request.prompt_logprobs) if not request.needs_prompt_logprobs else []
+            ),
             text=text,
             finished=request.is_finished,
             finish_reason=request.status.finish_reason,
@@ -367,8 +376,11 @@ def _record_logprobs(logits: torch.Tensor, sampled: list[Request], token_ids: li
     rows = [r for r, request in enumerate(sampled) if request.sampling_params.logprobs is not None]
     if not rows:
         return
-    results = token_logprobs(logits[rows], [token_ids[r] for r in rows],
-                             [sampled[r].sampling_params.logprobs for r in rows])
+    results = token_logprobs(
+        logits[rows],
+        [token_ids[r] for r in rows],
+        [sampled[r].sampling_params.logprobs for r in rows],
+    )
     for row, result in zip(rows, results):
         sampled[row].output_logprobs.append(result)
 
@@ -377,9 +389,10 @@ def _record_prompt_logprobs(logits: torch.Tensor, chunk, request: Request) -> No
     """Appends the logprobs of the prompt tokens this chunk's rows predict."""
     prompt = request.prompt_token_ids
     first_target = chunk.start_position + 1
-    targets = prompt[first_target:first_target + len(chunk.token_ids)]
+    targets = prompt[first_target : first_target + len(chunk.token_ids)]
     if not targets or first_target != len(request.prompt_logprobs):
         return  # nothing left in the prompt, or already recorded (a recompute)
     k = request.sampling_params.prompt_logprobs
     request.prompt_logprobs.extend(
-        token_logprobs(logits[:len(targets)], targets, [k] * len(targets)))
+        token_logprobs(logits[: len(targets)], targets, [k] * len(targets))
+    )

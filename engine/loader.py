@@ -59,7 +59,9 @@ def load_gguf_model(
     declared end id stops generation), its tensors the weights."""
     reader = open_gguf(source.path)
     metadata = gguf_metadata(reader)
-    config = ModelConfig.from_gguf_metadata(metadata, tie_word_embeddings=not gguf_has_output_head(reader))
+    config = ModelConfig.from_gguf_metadata(
+        metadata, tie_word_embeddings=not gguf_has_output_head(reader)
+    )
     config.dtype = _dtype_name(dtype)
     tokenizer = tokenizer_from_gguf(metadata)
     config.eos_token_ids = list(tokenizer.eos_token_ids)
@@ -73,7 +75,9 @@ def load_model_config(directory: str | Path) -> ModelConfig:
     directory = Path(directory)
     config_path = directory / "config.json"
     if not config_path.is_file():
-        raise FileNotFoundError(f"{directory} has no config.json; expected a Hugging Face model directory")
+        raise FileNotFoundError(
+            f"{directory} has no config.json; expected a Hugging Face model directory"
+        )
     config = ModelConfig.from_hf_config(json.loads(config_path.read_text()))
     config.eos_token_ids = hf_eos_token_ids(directory)
     return config

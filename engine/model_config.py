@@ -77,7 +77,9 @@ class ModelConfig:
         """Parse a ``config.json`` dict (transformers 4.x or 5.x layout)."""
         architectures = hf.get("architectures") or []
         if not architectures:
-            raise ValueError("config.json has no 'architectures' entry; cannot tell which model to build")
+            raise ValueError(
+                "config.json has no 'architectures' entry; cannot tell which model to build"
+            )
         architecture = architectures[0]
         num_heads = hf["num_attention_heads"]
         rope_theta, rope_scaling = _parse_rope(hf)
@@ -158,16 +160,23 @@ def _parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta), scaling
 
 
-def _gguf_rope_scaling(metadata: dict[str, Any], key: Callable[[str], str]) -> dict[str, Any] | None:
+def _gguf_rope_scaling(
+    metadata: dict[str, Any], key: Callable[[str], str]
+) -> dict[str, Any] | None:
     """llama.cpp's ``rope.scaling.type`` / ``.factor`` as the HF scaling dict (``None`` for plain RoPE).
 
     Other types keep their name, so ``__post_init__`` refuses them clearly."""
     rope_type = metadata.get(key("rope.scaling.type"), "none")
     if rope_type == "none":
         return None
-    scaling: dict[str, Any] = {"rope_type": rope_type, "factor": float(require(metadata, key("rope.scaling.factor")))}
+    scaling: dict[str, Any] = {
+        "rope_type": rope_type,
+        "factor": float(require(metadata, key("rope.scaling.factor"))),
+    }
     if key("rope.scaling.original_context_length") in metadata:
-        scaling["original_max_position_embeddings"] = metadata[key("rope.scaling.original_context_length")]
+        scaling["original_max_position_embeddings"] = metadata[
+            key("rope.scaling.original_context_length")
+        ]
     return scaling
 
 
@@ -189,7 +198,10 @@ def _parse_sliding_window(hf: dict[str, Any], architecture: str) -> int | None:
     layer_types = hf.get("layer_types")
     if layer_types is None and architecture == "Qwen2ForCausalLM":
         first_windowed = hf.get("max_window_layers", num_layers)
-        layer_types = ["full_attention" if i < first_windowed else "sliding_attention" for i in range(num_layers)]
+        layer_types = [
+            "full_attention" if i < first_windowed else "sliding_attention"
+            for i in range(num_layers)
+        ]
     windowed = {kind == "sliding_attention" for kind in layer_types or ["sliding_attention"]}
     if windowed == {True, False}:
         raise ValueError(
@@ -198,6 +210,7 @@ def _parse_sliding_window(hf: dict[str, Any], architecture: str) -> int | None:
             "max_window_layers to 0, or use_sliding_window to false)"
         )
     return int(window) if windowed == {True} else None
+
 
 def _as_id_list(value: int | list[int] | None) -> list[int]:
     if value is None:

@@ -49,7 +49,9 @@ class ModelRunner:
         dtype: torch.dtype | str = torch.float32,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
+            raise ValueError(
+                f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}"
+            )
         self.model = model.eval()
         if hasattr(model, "fuse_weights"):  # pack projections for inference (models/llama.py)
             model.fuse_weights()
@@ -102,18 +104,27 @@ class ModelRunner:
                 f"a chunk reaches position {metadata.max_position}, beyond the model's "
                 f"max_position_embeddings ({self.model_config.max_position_embeddings})"
             )
-        input_ids = torch.tensor(list(chain.from_iterable(c.token_ids for c in ordered)), dtype=torch.long)
+        input_ids = torch.tensor(
+            list(chain.from_iterable(c.token_ids for c in ordered)), dtype=torch.long
+        )
         # Row of the last token of each chunk, in the caller's chunk order.
         last_row = [0] * len(chunks)
         row = -1
         for index, count in zip(order, counts):
             row += count
             last_row[index] = row
-        sample_rows = [r for i, c in enumerate(chunks)
-                       for r in range(last_row[i] - c.num_logit_rows + 1, last_row[i] + 1)]
+        sample_rows = [
+            r
+            for i, c in enumerate(chunks)
+            for r in range(last_row[i] - c.num_logit_rows + 1, last_row[i] + 1)
+        ]
         with torch.inference_mode():
             # .forward, not __call__: no hooks on the hot path (models/llama.py module doc).
-            hidden = self.model.forward(input_ids.to(self.device), metadata.positions, self.kv_cache, metadata)
-            if len(sample_rows) != input_ids.shape[0]:  # else every token is a sampled decode, in order
+            hidden = self.model.forward(
+                input_ids.to(self.device), metadata.positions, self.kv_cache, metadata
+            )
+            if (
+                len(sample_rows) != input_ids.shape[0]
+            ):  # else every token is a sampled decode, in order
                 hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
             return self.model.compute_logits(hidden).float()

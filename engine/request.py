@@ -20,10 +20,10 @@ if TYPE_CHECKING:
 class RequestStatus(enum.Enum):
     """Where a request is in its life.
 
-        WAITING ──admit──▶ RUNNING ──stop / length / abort──▶ FINISHED_*
-           │  ▲               │
-           │  └──preempt──────┘  (blocks freed; recomputed from the prefix cache)
-           └─remote KV─▶ WAITING_FOR_REMOTE_KVS ──loaded──▶ WAITING (prompt already computed)
+    WAITING ──admit──▶ RUNNING ──stop / length / abort──▶ FINISHED_*
+       │  ▲               │
+       │  └──preempt──────┘  (blocks freed; recomputed from the prefix cache)
+       └─remote KV─▶ WAITING_FOR_REMOTE_KVS ──loaded──▶ WAITING (prompt already computed)
     """
 
     WAITING = enum.auto()
@@ -112,7 +112,8 @@ class Request:
         self.output_logprobs: list[TokenLogprobs | None] = []
         # Each prompt token's logprob given the ones before it, when asked (None for the first).
         self.prompt_logprobs: list[TokenLogprobs | None] = (
-            [None] if sampling_params.prompt_logprobs is not None else [])
+            [None] if sampling_params.prompt_logprobs is not None else []
+        )
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
@@ -161,13 +162,15 @@ class Request:
         rest = self.num_prompt_tokens - hit - self.num_pulled_tokens
         pull = self.kv_pull
         return KVProvenance(
-            num_prompt_tokens=self.num_prompt_tokens, num_cache_hit_tokens=hit,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cache_hit_tokens=hit,
             num_pulled_tokens=self.num_pulled_tokens,
             num_recomputed_tokens=rest if self.kv_offered else 0,
             num_computed_tokens=0 if self.kv_offered else rest,
             num_blocks_pulled=pull.num_blocks if pull else 0,
             num_bytes_pulled=pull.num_bytes if pull else 0,
-            transfer_s=pull.duration_s if pull else 0.0)
+            transfer_s=pull.duration_s if pull else 0.0,
+        )
 
     def append_output_token(self, token_id: int) -> None:
         if self.first_token_time is None:

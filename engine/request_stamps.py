@@ -37,8 +37,9 @@ class RequestStamps:
             if pull is not None:
                 self.handshake_s, self.transfer_s = pull.handshake_s, pull.duration_s
 
-    def timing(self, entered_at: float, yielded_at: float,
-               checksum_s: float = 0.0) -> FirstChunkTiming:
+    def timing(
+        self, entered_at: float, yielded_at: float, checksum_s: float = 0.0
+    ) -> FirstChunkTiming:
         """The intervals from the host's ``generate()`` entry (``entered_at``) to the first
         chunk's yield (``yielded_at``); a request refused or ended before a token counts its
         missing points as reached when the next one was."""
@@ -46,7 +47,12 @@ class RequestStamps:
         admitted_at = self.admitted_at or first_token_at
         loaded_at = self.loaded_at or admitted_at
         return FirstChunkTiming(
-            op_wait_s=self.added_at - entered_at, queued_s=admitted_at - self.added_at,
-            load_s=loaded_at - admitted_at, compute_s=first_token_at - loaded_at,
-            emit_s=yielded_at - first_token_at, handshake_s=self.handshake_s,
-            transfer_s=self.transfer_s, checksum_s=checksum_s)
+            op_wait_s=self.added_at - entered_at,
+            queued_s=admitted_at - self.added_at,
+            load_s=loaded_at - admitted_at,
+            compute_s=first_token_at - loaded_at,
+            emit_s=yielded_at - first_token_at,
+            handshake_s=self.handshake_s,
+            transfer_s=self.transfer_s,
+            checksum_s=checksum_s,
+        )

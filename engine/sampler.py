@@ -81,18 +81,20 @@ def _sample_row(logits: torch.Tensor, params: SamplingParams, draw: int) -> int:
     return int(torch.argmax(probs / noise))
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: list[int],
-                   num_top: list[int]) -> list[TokenLogprobs]:
+def token_logprobs(
+    logits: torch.Tensor, token_ids: list[int], num_top: list[int]
+) -> list[TokenLogprobs]:
     """Each row's sampled token's logprob and its ``num_top[r]`` best alternatives, from the
     raw logits (one ``log_softmax`` over the rows that asked, one ``topk`` for the widest)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(token_ids, dtype=torch.long,
-                                             device=logits.device).unsqueeze(1)).squeeze(1)
+    chosen = logprobs.gather(
+        1, torch.tensor(token_ids, dtype=torch.long, device=logits.device).unsqueeze(1)
+    ).squeeze(1)
     widest = max(num_top, default=0)
-    top_values, top_ids = (logprobs.topk(widest, dim=-1) if widest else (None, None))
+    top_values, top_ids = logprobs.topk(widest, dim=-1) if widest else (None, None)
     results = []
     for row, token_id in enumerate(token_ids):
         k = num_top[row]
-        top = (list(zip(top_ids[row, :k].tolist(), top_values[row, :k].tolist())) if k else [])
+        top = list(zip(top_ids[row, :k].tolist(), top_values[row, :k].tolist())) if k else []
         results.append(TokenLogprobs(token_id, float(chosen[row]), top))
     return results

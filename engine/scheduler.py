@@ -122,9 +122,11 @@ class Scheduler:
         notice would otherwise leave their blocks allocated for good."""
         for request in list(self.requests.values()):
             request_id = request.request_id
-            if (request.status == RequestStatus.FINISHED_ABORTED
-                    and request_id not in self.held_for_transfer
-                    and not (self.connector and self.connector.is_loading(request_id))):
+            if (
+                request.status == RequestStatus.FINISHED_ABORTED
+                and request_id not in self.held_for_transfer
+                and not (self.connector and self.connector.is_loading(request_id))
+            ):
                 self.waiting_for_remote_kvs.pop(request_id, None)
                 self.kv_cache_manager.free(request)
                 self.requests.pop(request_id, None)
@@ -141,8 +143,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new_tokens = self._chunk_size(request.num_tokens - request.num_computed_tokens,
-                                              budget)
+            num_new_tokens = self._chunk_size(
+                request.num_tokens - request.num_computed_tokens, budget
+            )
             while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -181,9 +184,7 @@ class Scheduler:
 
         if self.connector is not None and request.num_computed_tokens == 0:
             # Past the pool's hit: what a KV tier or a prefill worker holds (ext_comp).
-            num_external, load_async = self.connector.get_num_new_matched_tokens(
-                request, num_local
-            )
+            num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
             if load_async:
                 blocks = manager.allocate_slots(
                     request,
@@ -212,7 +213,8 @@ class Scheduler:
             request.kv_transfer_params = None  # nothing to pull; the connector released it
 
         num_new_tokens = self._chunk_size(
-            request.num_tokens - request.num_computed_tokens - num_local, budget)
+            request.num_tokens - request.num_computed_tokens - num_local, budget
+        )
         blocks = manager.allocate_slots(
             request,
             num_new_tokens,
@@ -263,7 +265,9 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     # ---- applying results -----------------------------------------------------------
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: list[int]
+    ) -> list[Request]:
         """Appends each sampled token, checks stop conditions; returns requests that changed."""
         changed: list[Request] = []
         tokens = iter(sampled_token_ids)
@@ -290,7 +294,10 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         if last in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if (
+            request.num_output_tokens >= params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
@@ -335,7 +342,9 @@ class Scheduler:
                 self.requests.pop(request_id, None)
                 continue
             request.kv_pull = finished.pulls.get(request_id)
-            self._finish_load(request, finished.failed_block_ids, finished.load_errors.get(request_id))
+            self._finish_load(
+                request, finished.failed_block_ids, finished.load_errors.get(request_id)
+            )
             if request.is_finished:
                 changed.append(request)
         return changed
@@ -367,7 +376,9 @@ class Scheduler:
             self.counters.num_recompute_fallbacks += 1
             logger.warning(
                 "request %s: %d of %d prompt tokens arrived intact; recomputing the rest",
-                request.request_id, num_loaded, num_target,
+                request.request_id,
+                num_loaded,
+                num_target,
             )
         if num_loaded < num_target and NULL_BLOCK_ID in block_ids[first_block:]:
             # Blocks a sliding window will have left were dropped for the load; recomputing

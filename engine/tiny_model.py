@@ -41,7 +41,9 @@ def tiny_model_config() -> ModelConfig:
     )
 
 
-def build_tiny_model(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> nn.Module:
+def build_tiny_model(
+    dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> nn.Module:
     """The ``tiny`` model, weights generated in float32 on the CPU, then cast and moved."""
     config = tiny_model_config()
     with torch.device("cpu"):
@@ -52,6 +54,10 @@ def build_tiny_model(dtype: torch.dtype = torch.float32, device: torch.device | 
             if name.endswith("norm.weight"):
                 parameter.fill_(1.0)
                 continue
-            std = _EMBEDDING_STD if name in ("model.embed_tokens.weight", "lm_head.weight") else _INIT_STD
+            std = (
+                _EMBEDDING_STD
+                if name in ("model.embed_tokens.weight", "lm_head.weight")
+                else _INIT_STD
+            )
             parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
     return model.to(device=device, dtype=dtype).eval()

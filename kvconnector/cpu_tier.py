@@ -24,12 +24,19 @@ from pdserve.kvconnector.tier_lru import TierLRU, capacity_for_budget
 class CpuTier(TierLevel):
     medium = "cpu"
 
-    def __init__(self, budget_bytes: int, page_bytes: int, block_size: int,
-                 pinned: bool = False, below: TierLevel | None = None) -> None:
+    def __init__(
+        self,
+        budget_bytes: int,
+        page_bytes: int,
+        block_size: int,
+        pinned: bool = False,
+        below: TierLevel | None = None,
+    ) -> None:
         super().__init__(page_bytes, block_size)
         capacity = capacity_for_budget(self.medium, budget_bytes, page_bytes)
-        self._slab = torch.empty((capacity, page_bytes), dtype=torch.uint8,
-                                 pin_memory=pinned).numpy()
+        self._slab = torch.empty(
+            (capacity, page_bytes), dtype=torch.uint8, pin_memory=pinned
+        ).numpy()
         self._free_slots = list(range(capacity - 1, -1, -1))
         self._index: TierLRU[tuple[int, int]] = TierLRU(capacity)
         self.below = below

@@ -48,26 +48,31 @@ def prepare_directory(directory: Path) -> None:
         probe.write_bytes(b"pdserve")
         probe.unlink()
     except OSError as error:
-        raise ValueError(f"the disk KV tier cannot use {str(directory)!r}: {error}. Point "
-                         "kv_tier_disk_path at a writable directory, or leave it unset "
-                         "(no disk tier)") from error
+        raise ValueError(
+            f"the disk KV tier cannot use {str(directory)!r}: {error}. Point "
+            "kv_tier_disk_path at a writable directory, or leave it unset "
+            "(no disk tier)"
+        ) from error
 
 
 class DiskTier(TierLevel):
     medium = "disk"
 
-    def __init__(self, directory: str | Path, budget_bytes: int, page_bytes: int,
-                 block_size: int) -> None:
+    def __init__(
+        self, directory: str | Path, budget_bytes: int, page_bytes: int, block_size: int
+    ) -> None:
         super().__init__(page_bytes, block_size)
         self.directory = Path(directory)
-        self._index: TierLRU[int] = TierLRU(capacity_for_budget(self.medium, budget_bytes,
-                                                               page_bytes))
+        self._index: TierLRU[int] = TierLRU(
+            capacity_for_budget(self.medium, budget_bytes, page_bytes)
+        )
         prepare_directory(self.directory)
         self._queued: OrderedDict[BlockHash, tuple[np.ndarray, int]] = OrderedDict()
         self._wake = threading.Condition(self._lock)
         self._closed = False
-        self._writer = threading.Thread(target=self._write_loop, name="kv-tier-disk-writer",
-                                        daemon=True)
+        self._writer = threading.Thread(
+            target=self._write_loop, name="kv-tier-disk-writer", daemon=True
+        )
         self._writer.start()
 
     def path_of(self, block_hash: BlockHash) -> Path:
@@ -131,8 +136,9 @@ class DiskTier(TierLevel):
             os.replace(temporary, path)
             return True
         except OSError as error:
-            logger.warning("disk KV tier: could not write %s (%s); the page is not kept",
-                           path, error)
+            logger.warning(
+                "disk KV tier: could not write %s (%s); the page is not kept", path, error
+            )
             temporary.unlink(missing_ok=True)
             return False
 
@@ -155,7 +161,9 @@ class DiskTier(TierLevel):
                 checksum = self._index.get(block_hash)
                 if checksum is None:
                     return False
-        ok = (queued is not None or self._read_file(block_hash, dst)) and page_checksum(dst) == checksum
+        ok = (queued is not None or self._read_file(block_hash, dst)) and page_checksum(
+            dst
+        ) == checksum
         with self._lock:
             self.counters.record_load(ok, self.page_bytes, time.perf_counter() - started)
         return ok

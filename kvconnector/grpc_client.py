@@ -19,14 +19,25 @@ import torch
 
 from pdserve.kvconnector.block_chunk import decode_block_chunk
 from pdserve.kvconnector.checksum import page_view
-from pdserve.kvconnector.grpc_transport import (CHANNEL_OPTIONS, DEFAULT_MESSAGE_BYTES,
-                                                READ_BLOCKS_METHOD, consecutive_runs, identity)
+from pdserve.kvconnector.grpc_transport import (
+    CHANNEL_OPTIONS,
+    DEFAULT_MESSAGE_BYTES,
+    READ_BLOCKS_METHOD,
+    consecutive_runs,
+    identity,
+)
 from pdserve.kvconnector.layout import KVLayout, check_compatible
 from pdserve.kvconnector.pinned_staging import PinnedStaging
 from pdserve.kvconnector.transfer_stats import TransferStats
-from pdserve.kvconnector.transport import (SECRET_METADATA_KEY, KVTransferClient, PeerInfo,
-                                           ReadResult, TransferError, check_read_arguments,
-                                           verify_pages)
+from pdserve.kvconnector.transport import (
+    SECRET_METADATA_KEY,
+    KVTransferClient,
+    PeerInfo,
+    ReadResult,
+    TransferError,
+    check_read_arguments,
+    verify_pages,
+)
 from pdserve.proto import kv_transfer_pb2 as pb
 from pdserve.proto import kv_transfer_pb2_grpc as pb_grpc
 
@@ -41,10 +52,16 @@ class GrpcTransferClient(KVTransferClient):
     ``timeout_s`` bounds every control call; a pull gets ``transfer_deadline_s`` of its bytes.
     """
 
-    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, engine_id: str = "",
-                 secret: str | None = None, timeout_s: float = 30.0,
-                 stats: TransferStats | None = None,
-                 min_rate_bytes_per_s: float = DEFAULT_MIN_TRANSFER_RATE) -> None:
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        layout: KVLayout,
+        engine_id: str = "",
+        secret: str | None = None,
+        timeout_s: float = 30.0,
+        stats: TransferStats | None = None,
+        min_rate_bytes_per_s: float = DEFAULT_MIN_TRANSFER_RATE,
+    ) -> None:
         if min_rate_bytes_per_s <= 0:
             raise ValueError(f"min_rate_bytes_per_s must be positive, got {min_rate_bytes_per_s}")
         self.stats = stats if stats is not None else TransferStats()
@@ -53,8 +70,9 @@ class GrpcTransferClient(KVTransferClient):
         # A CPU tensor is written in place; a CUDA one through a pinned buffer.
         on_host = kv_cache.device.type == "cpu"
         self._pages = page_view(kv_cache) if on_host else None
-        self._staging = None if on_host else PinnedStaging(
-            kv_cache, DEFAULT_MESSAGE_BYTES // layout.page_bytes)
+        self._staging = (
+            None if on_host else PinnedStaging(kv_cache, DEFAULT_MESSAGE_BYTES // layout.page_bytes)
+        )
         self._num_blocks = kv_cache.shape[0]
         self._layout = layout
         self._engine_id = engine_id
@@ -62,19 +80,26 @@ class GrpcTransferClient(KVTransferClient):
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, pb_grpc.KvTransferStub] = {}
         self._lock = threading.Lock()
-        self._hold_opener = futures.ThreadPoolExecutor(max_workers=4,
-                                                       thread_name_prefix="kv-hold")
+        self._hold_opener = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-hold")
 
     def handshake(self, address: str, nixl_info: pb.NixlAgentInfo | None = None) -> PeerInfo:
-        request = pb.HandshakeRequest(engine_id=self._engine_id, layout=self._layout.to_proto(),
-                                      nixl=nixl_info)
-        reply = self._call(address, "Handshake", lambda stub: stub.Handshake(
-            request, timeout=self.timeout_s, metadata=self._metadata))
+        request = pb.HandshakeRequest(
+            engine_id=self._engine_id, layout=self._layout.to_proto(), nixl=nixl_info
+        )
+        reply = self._call(
+            address,
+            "Handshake",
+            lambda stub: stub.Handshake(request, timeout=self.timeout_s, metadata=self._metadata),
+        )
         remote_layout = KVLayout.from_proto(reply.layout)
         check_compatible(self._layout, remote_layout)
-        return PeerInfo(address=address, engine_id=reply.engine_id, layout=remote_layout,
-                        num_blocks=reply.num_blocks,
-                        nixl=reply.nixl if reply.HasField("nixl") else None)
+        return PeerInfo(
+            address=address,
+            engine_id=reply.engine_id,
+            layout=remote_layout,
+            num_blocks=reply.num_blocks,
+            nixl=reply.nixl if reply.HasField("nixl") else None,
+        )
 
     def transfer_deadline_s(self, num_blocks: int) -> float:
         """How long a pull of ``num_blocks`` pages may take: ``timeout_s`` plus its bytes at
@@ -82,11 +107,17 @@ class GrpcTransferClient(KVTransferClient):
         ``timeout_s`` × the link's rate (a long prompt on a large model) fail every time."""
         return self.timeout_s + num_blocks * self._layout.page_bytes / self.min_rate_bytes_per_s
 
-    def read_blocks(self, peer: PeerInfo, lease_id: str, remote_block_ids: Sequence[int],
-                    local_block_ids: Sequence[int],
-                    expected_checksums: Sequence[int]) -> ReadResult:
-        check_read_arguments(remote_block_ids, local_block_ids, expected_checksums,
-                             self._num_blocks)
+    def read_blocks(
+        self,
+        peer: PeerInfo,
+        lease_id: str,
+        remote_block_ids: Sequence[int],
+        local_block_ids: Sequence[int],
+        expected_checksums: Sequence[int],
+    ) -> ReadResult:
+        check_read_arguments(
+            remote_block_ids, local_block_ids, expected_checksums, self._num_blocks
+        )
         started = time.perf_counter()
         local_of_remote = dict(zip(remote_block_ids, local_block_ids))
         landed: set[int] = set()
@@ -106,29 +137,44 @@ class GrpcTransferClient(KVTransferClient):
         try:
             self._call(peer.address, "ReadBlocks", pull)
         except TransferError:
-            self.stats.record_transfer(0, len(local_block_ids), len(landed) * self._layout.page_bytes,
-                                       time.perf_counter() - started, peer.address)
+            self.stats.record_transfer(
+                0,
+                len(local_block_ids),
+                len(landed) * self._layout.page_bytes,
+                time.perf_counter() - started,
+                peer.address,
+            )
             raise
         failed += [b for b in local_block_ids if b not in landed]
         duration_s = time.perf_counter() - started
         num_bytes = len(landed) * self._layout.page_bytes
         self.stats.record_transfer(len(ok), len(failed), num_bytes, duration_s, peer.address)
-        return ReadResult(ok_block_ids=ok, failed_block_ids=failed, num_bytes=num_bytes,
-                          duration_s=duration_s)
+        return ReadResult(
+            ok_block_ids=ok, failed_block_ids=failed, num_bytes=num_bytes, duration_s=duration_s
+        )
 
     def renew(self, peer: PeerInfo, lease_id: str) -> float:
-        return self._call(peer.address, "RenewLease", lambda stub: stub.RenewLease(
-            pb.LeaseRequest(lease_id=lease_id), timeout=self.timeout_s,
-            metadata=self._metadata)).expires_at
+        return self._call(
+            peer.address,
+            "RenewLease",
+            lambda stub: stub.RenewLease(
+                pb.LeaseRequest(lease_id=lease_id), timeout=self.timeout_s, metadata=self._metadata
+            ),
+        ).expires_at
 
     def release(self, peer: PeerInfo, lease_id: str) -> None:
-        self._call(peer.address, "Release", lambda stub: stub.Release(
-            pb.LeaseRequest(lease_id=lease_id), timeout=self.timeout_s,
-            metadata=self._metadata))
+        self._call(
+            peer.address,
+            "Release",
+            lambda stub: stub.Release(
+                pb.LeaseRequest(lease_id=lease_id), timeout=self.timeout_s, metadata=self._metadata
+            ),
+        )
 
     @contextlib.contextmanager
-    def hold_blocks(self, peer: PeerInfo, lease_id: str,
-                    block_ids: Sequence[int]) -> Iterator[Callable[[], None]]:
+    def hold_blocks(
+        self, peer: PeerInfo, lease_id: str, block_ids: Sequence[int]
+    ) -> Iterator[Callable[[], None]]:
         """Keep the peer from freeing ``block_ids`` until the ``with`` body exits.
 
         The call is opened and its answer awaited on a helper thread, so neither costs the
@@ -153,8 +199,10 @@ class GrpcTransferClient(KVTransferClient):
                 if done.is_set():
                     raise TransferError(f"HoldBlocks to {peer.address} abandoned")
                 call = self._stub(peer.address).HoldBlocks(
-                    requests(), timeout=self.transfer_deadline_s(len(block_ids)),
-                    metadata=self._metadata)
+                    requests(),
+                    timeout=self.transfer_deadline_s(len(block_ids)),
+                    metadata=self._metadata,
+                )
                 opened.append(call)
             try:
                 next(call)
@@ -182,8 +230,14 @@ class GrpcTransferClient(KVTransferClient):
             self._stubs.clear()
         self._hold_opener.shutdown(wait=False)
 
-    def _land(self, raw: bytes, local_of_remote: dict[int, int],
-              expected_of_local: dict[int, int], ok: list[int], failed: list[int]) -> list[int]:
+    def _land(
+        self,
+        raw: bytes,
+        local_of_remote: dict[int, int],
+        expected_of_local: dict[int, int],
+        ok: list[int],
+        failed: list[int],
+    ) -> list[int]:
         """Copy each page of a message into its local page and verify it there at once,
         while it is still in cache; returns the local ids written."""
         page_bytes = self._layout.page_bytes
@@ -192,31 +246,31 @@ class GrpcTransferClient(KVTransferClient):
         except ValueError as error:
             raise TransferError(f"peer sent a malformed BlockChunk: {error}") from error
         if len(data) != len(remote_ids) * page_bytes:
-            raise TransferError(f"peer sent {len(data)} bytes for {len(remote_ids)} "
-                                f"pages of {page_bytes}")
+            raise TransferError(
+                f"peer sent {len(data)} bytes for {len(remote_ids)} pages of {page_bytes}"
+            )
         unasked = [b for b in remote_ids if b not in local_of_remote]
         if unasked:
             raise TransferError(f"peer sent blocks {unasked[:8]} that were not asked for")
         local_ids = [local_of_remote[b] for b in remote_ids]
         pages = np.frombuffer(data, dtype=np.uint8).reshape(len(remote_ids), page_bytes)
         if self._staging is not None:  # CUDA: verify the host bytes, then land them on the device
-            verified, corrupt = verify_pages(pages, range(len(local_ids)),
-                                             [expected_of_local[b] for b in local_ids])
+            verified, corrupt = verify_pages(
+                pages, range(len(local_ids)), [expected_of_local[b] for b in local_ids]
+            )
             ok += [local_ids[position] for position in verified]
             failed += [local_ids[position] for position in corrupt]
             self._staging.write(local_ids, pages)
             return local_ids
         for position, first, length in consecutive_runs(local_ids):
-            np.copyto(self._pages[first:first + length], pages[position:position + length])
-            run = local_ids[position:position + length]
-            verified, corrupt = verify_pages(self._pages, run,
-                                             [expected_of_local[b] for b in run])
+            np.copyto(self._pages[first : first + length], pages[position : position + length])
+            run = local_ids[position : position + length]
+            verified, corrupt = verify_pages(self._pages, run, [expected_of_local[b] for b in run])
             ok += verified
             failed += corrupt
         return local_ids
 
-    def _call(self, address: str, method: str,
-                 invoke: Callable[[pb_grpc.KvTransferStub], T]) -> T:
+    def _call(self, address: str, method: str, invoke: Callable[[pb_grpc.KvTransferStub], T]) -> T:
         try:
             return invoke(self._stub(address))
         except grpc.RpcError as error:
@@ -245,14 +299,17 @@ class GrpcTransferClient(KVTransferClient):
         """``ReadBlocks`` yielding raw encoded messages, for ``decode_block_chunk``."""
         with self._lock:
             return self._channel(address).unary_stream(
-                READ_BLOCKS_METHOD, request_serializer=pb.ReadBlocksRequest.SerializeToString,
-                response_deserializer=identity)
+                READ_BLOCKS_METHOD,
+                request_serializer=pb.ReadBlocksRequest.SerializeToString,
+                response_deserializer=identity,
+            )
 
     def _channel(self, address: str) -> grpc.Channel:
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = grpc.insecure_channel(
-                address, options=CHANNEL_OPTIONS)
+                address, options=CHANNEL_OPTIONS
+            )
         return channel
 
 

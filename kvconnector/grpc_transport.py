@@ -105,11 +105,20 @@ def identity(payload: bytes) -> bytes:
 
 
 class _KvTransferServicer(pb_grpc.KvTransferServicer):
-    def __init__(self, kv_cache: torch.Tensor, leases: LeaseTable, layout: KVLayout,
-                 engine_id: str, secret: str | None, stats: TransferStats,
-                 nixl_info: pb.NixlAgentInfo | None, max_message_bytes: int,
-                 fault_injector: FaultInjector | None, max_data_calls: int,
-                 activity: threading.Event) -> None:
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        leases: LeaseTable,
+        layout: KVLayout,
+        engine_id: str,
+        secret: str | None,
+        stats: TransferStats,
+        nixl_info: pb.NixlAgentInfo | None,
+        max_message_bytes: int,
+        fault_injector: FaultInjector | None,
+        max_data_calls: int,
+        activity: threading.Event,
+    ) -> None:
         self._blocks_per_message = max(1, max_message_bytes // layout.page_bytes)
         # A CPU tensor is read in place; a CUDA one through a pinned buffer (pinned_staging).
         on_host = kv_cache.device.type == "cpu"
@@ -127,41 +136,50 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
         self._max_data_calls = max_data_calls
         self._activity = activity
 
-    def Handshake(self, request: pb.HandshakeRequest,
-                  context: grpc.ServicerContext) -> pb.HandshakeReply:
+    def Handshake(
+        self, request: pb.HandshakeRequest, context: grpc.ServicerContext
+    ) -> pb.HandshakeReply:
         self._authorize(context)
         self._activity.set()
-        return pb.HandshakeReply(engine_id=self._engine_id, layout=self._layout.to_proto(),
-                                 nixl=self._nixl_info, num_blocks=self._num_blocks)
+        return pb.HandshakeReply(
+            engine_id=self._engine_id,
+            layout=self._layout.to_proto(),
+            nixl=self._nixl_info,
+            num_blocks=self._num_blocks,
+        )
 
-    def ReadBlocks(self, request: pb.ReadBlocksRequest,
-                   context: grpc.ServicerContext) -> Iterator[bytes]:
+    def ReadBlocks(
+        self, request: pb.ReadBlocksRequest, context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
         """Yields encoded ``BlockChunk`` messages (see ``block_chunk``)."""
         self._authorize(context)
         block_ids = list(request.block_ids)
         with self._data_call(context):
             yield from self._stream_pages(request.lease_id, block_ids, context)
 
-    def _stream_pages(self, lease_id: str, block_ids: list[int],
-                      context: grpc.ServicerContext) -> Iterator[bytes]:
+    def _stream_pages(
+        self, lease_id: str, block_ids: list[int], context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
         self._begin_read(lease_id, block_ids, context)
         try:
             for start in range(0, len(block_ids), self._blocks_per_message):
-                chunk_ids = block_ids[start:start + self._blocks_per_message]
+                chunk_ids = block_ids[start : start + self._blocks_per_message]
                 yield self._pack(chunk_ids)
                 self._stats.record_sent(len(chunk_ids), len(chunk_ids) * self._layout.page_bytes)
         finally:
             self._leases.end_read(lease_id)
 
-    def HoldBlocks(self, request_iterator: Iterator[pb.HoldRequest],
-                   context: grpc.ServicerContext) -> Iterator[pb.HoldReply]:
+    def HoldBlocks(
+        self, request_iterator: Iterator[pb.HoldRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.HoldReply]:
         self._authorize(context)
         self._activity.set()
         with self._data_call(context):
             yield from self._hold(request_iterator, context)
 
-    def _hold(self, request_iterator: Iterator[pb.HoldRequest],
-              context: grpc.ServicerContext) -> Iterator[pb.HoldReply]:
+    def _hold(
+        self, request_iterator: Iterator[pb.HoldRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.HoldReply]:
         first = next(request_iterator, None)
         if first is None:
             return
@@ -175,18 +193,20 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
         try:
             yield pb.HoldReply(held=True)
             for _ in request_iterator:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              "HoldBlocks takes one request; half-close the call to end the hold")
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "HoldBlocks takes one request; half-close the call to end the hold",
+                )
         finally:
             cap.cancel()
             self._leases.end_read(first.lease_id)
             # Here, not after: a client that cancels its half-closed call (as it may once the
             # READ is done) ends this generator with GeneratorExit, and the pages went anyway.
-            self._stats.record_sent(len(first.block_ids),
-                                    len(first.block_ids) * self._layout.page_bytes)
+            self._stats.record_sent(
+                len(first.block_ids), len(first.block_ids) * self._layout.page_bytes
+            )
 
-    def RenewLease(self, request: pb.LeaseRequest,
-                   context: grpc.ServicerContext) -> pb.LeaseReply:
+    def RenewLease(self, request: pb.LeaseRequest, context: grpc.ServicerContext) -> pb.LeaseReply:
         self._authorize(context)
         with self._lease_errors_to_status(context, request.lease_id):
             return pb.LeaseReply(expires_at=self._leases.renew(request.lease_id))
@@ -201,9 +221,11 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
     def _data_call(self, context: grpc.ServicerContext) -> Iterator[None]:
         """A server thread for a data call, never one of the last ``CONTROL_THREADS``."""
         if not self._data_calls.acquire(blocking=False):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{self._max_data_calls} reads are in flight on this prefill worker; "
-                          f"recompute, or retry later")
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self._max_data_calls} reads are in flight on this prefill worker; "
+                f"recompute, or retry later",
+            )
         try:
             yield
         finally:
@@ -215,16 +237,19 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
         if self._staging is not None:
             pages = [memoryview(self._staging.read(block_ids))]
         else:
-            pages = [self._pages[first:first + length].data
-                     for _, first, length in consecutive_runs(block_ids)]
+            pages = [
+                self._pages[first : first + length].data
+                for _, first, length in consecutive_runs(block_ids)
+            ]
         if self._fault_injector is not None:
             packed = bytearray(b"".join(pages))
             self._fault_injector(block_ids, packed)
             pages = [memoryview(packed)]
         return encode_block_chunk(block_ids, pages)
 
-    def _begin_read(self, lease_id: str, block_ids: list[int],
-                    context: grpc.ServicerContext) -> None:
+    def _begin_read(
+        self, lease_id: str, block_ids: list[int], context: grpc.ServicerContext
+    ) -> None:
         with self._lease_errors_to_status(context, lease_id):
             self._leases.begin_read(lease_id, block_ids)
 
@@ -232,9 +257,10 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
     @contextlib.contextmanager
     def _lease_errors_to_status(context: grpc.ServicerContext, lease_id: str) -> Iterator[None]:
         if len(lease_id) > MAX_LEASE_ID_CHARS:  # the error would quote it
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"a lease id has at most {MAX_LEASE_ID_CHARS} characters, got "
-                          f"{len(lease_id)}")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a lease id has at most {MAX_LEASE_ID_CHARS} characters, got {len(lease_id)}",
+            )
         try:
             yield
         except LeaseError as error:
@@ -245,16 +271,19 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
             return
         provided = dict(context.invocation_metadata()).get(SECRET_METADATA_KEY, "")
         if not hmac.compare_digest(provided.encode(), self._secret):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "wrong or missing deployment secret for the KV transfer service")
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "wrong or missing deployment secret for the KV transfer service",
+            )
 
 
 def _parse(message_type: type[T], raw: bytes, context: grpc.ServicerContext) -> T:
     try:
         return message_type.FromString(raw)
     except DecodeError as error:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                      f"not a valid {message_type.DESCRIPTOR.name}: {error}")
+        context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"not a valid {message_type.DESCRIPTOR.name}: {error}"
+        )
 
 
 def _parsing(message_type: type, behaviour: Callable) -> Callable:
@@ -265,54 +294,86 @@ def _parsing(message_type: type, behaviour: Callable) -> Callable:
 
 def _parsing_stream(message_type: type, behaviour: Callable) -> Callable:
     return lambda raws, context: behaviour(
-        (_parse(message_type, raw, context) for raw in raws), context)
+        (_parse(message_type, raw, context) for raw in raws), context
+    )
 
 
 def _method_handlers(servicer: _KvTransferServicer) -> grpc.GenericRpcHandler:
     """The generated handlers, except that requests are parsed by ``_parsing`` and
     ``ReadBlocks`` replies are already encoded."""
-    return grpc.method_handlers_generic_handler(_SERVICE, {
-        "Handshake": grpc.unary_unary_rpc_method_handler(
-            _parsing(pb.HandshakeRequest, servicer.Handshake),
-            response_serializer=pb.HandshakeReply.SerializeToString),
-        "ReadBlocks": grpc.unary_stream_rpc_method_handler(
-            _parsing(pb.ReadBlocksRequest, servicer.ReadBlocks), response_serializer=identity),
-        "HoldBlocks": grpc.stream_stream_rpc_method_handler(
-            _parsing_stream(pb.HoldRequest, servicer.HoldBlocks),
-            response_serializer=pb.HoldReply.SerializeToString),
-        "RenewLease": grpc.unary_unary_rpc_method_handler(
-            _parsing(pb.LeaseRequest, servicer.RenewLease),
-            response_serializer=pb.LeaseReply.SerializeToString),
-        "Release": grpc.unary_unary_rpc_method_handler(
-            _parsing(pb.LeaseRequest, servicer.Release),
-            response_serializer=pb.LeaseReply.SerializeToString),
-    })
+    return grpc.method_handlers_generic_handler(
+        _SERVICE,
+        {
+            "Handshake": grpc.unary_unary_rpc_method_handler(
+                _parsing(pb.HandshakeRequest, servicer.Handshake),
+                response_serializer=pb.HandshakeReply.SerializeToString,
+            ),
+            "ReadBlocks": grpc.unary_stream_rpc_method_handler(
+                _parsing(pb.ReadBlocksRequest, servicer.ReadBlocks), response_serializer=identity
+            ),
+            "HoldBlocks": grpc.stream_stream_rpc_method_handler(
+                _parsing_stream(pb.HoldRequest, servicer.HoldBlocks),
+                response_serializer=pb.HoldReply.SerializeToString,
+            ),
+            "RenewLease": grpc.unary_unary_rpc_method_handler(
+                _parsing(pb.LeaseRequest, servicer.RenewLease),
+                response_serializer=pb.LeaseReply.SerializeToString,
+            ),
+            "Release": grpc.unary_unary_rpc_method_handler(
+                _parsing(pb.LeaseRequest, servicer.Release),
+                response_serializer=pb.LeaseReply.SerializeToString,
+            ),
+        },
+    )
 
 
 class GrpcTransferServer(KVTransferServer):
     """The prefill side's KvTransfer service over its KV tensor; serves from construction."""
 
-    def __init__(self, kv_cache: torch.Tensor, leases: LeaseTable, layout: KVLayout,
-                 engine_id: str = "", host: str = "127.0.0.1", port: int = 0,
-                 secret: str | None = None, stats: TransferStats | None = None,
-                 nixl_info: pb.NixlAgentInfo | None = None,
-                 max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
-                 max_workers: int = DEFAULT_SERVER_THREADS,
-                 fault_injector: FaultInjector | None = None) -> None:
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        leases: LeaseTable,
+        layout: KVLayout,
+        engine_id: str = "",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        secret: str | None = None,
+        stats: TransferStats | None = None,
+        nixl_info: pb.NixlAgentInfo | None = None,
+        max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
+        max_workers: int = DEFAULT_SERVER_THREADS,
+        fault_injector: FaultInjector | None = None,
+    ) -> None:
         if max_workers <= CONTROL_THREADS:
-            raise ValueError(f"max_workers must exceed the {CONTROL_THREADS} threads kept for "
-                             f"control calls, got {max_workers}")
+            raise ValueError(
+                f"max_workers must exceed the {CONTROL_THREADS} threads kept for "
+                f"control calls, got {max_workers}"
+            )
         self.stats = stats if stats is not None else TransferStats()
         # Set on each handshake and hold: the NIXL server polls its agent fast after one.
         self.activity = threading.Event()
         max_request_bytes = _REQUEST_BYTES_BASE + _REQUEST_BYTES_PER_BLOCK * kv_cache.shape[0]
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers),
-            options=[("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
-                     ("grpc.max_receive_message_length", max_request_bytes)])
-        servicer = _KvTransferServicer(kv_cache, leases, layout, engine_id, secret, self.stats,
-                                       nixl_info, max_message_bytes, fault_injector,
-                                       max_workers - CONTROL_THREADS, self.activity)
+            options=[
+                ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", max_request_bytes),
+            ],
+        )
+        servicer = _KvTransferServicer(
+            kv_cache,
+            leases,
+            layout,
+            engine_id,
+            secret,
+            self.stats,
+            nixl_info,
+            max_message_bytes,
+            fault_injector,
+            max_workers - CONTROL_THREADS,
+            self.activity,
+        )
         self._server.add_generic_rpc_handlers([_method_handlers(servicer)])
         bound_port = self._server.add_insecure_port(f"{host}:{port}")
         if bound_port == 0:

@@ -39,22 +39,34 @@ class KVLayout:
     @property
     def page_bytes(self) -> int:
         """Bytes of one block: all layers, K and V, every token slot of the block."""
-        return (self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_size
-                * self.itemsize)
+        return (
+            self.num_layers
+            * 2
+            * self.block_size
+            * self.num_kv_heads
+            * self.head_size
+            * self.itemsize
+        )
 
     @classmethod
-    def from_kv_cache(cls, kv_cache: torch.Tensor, hash_algorithm: str,
-                      hash_seed: int) -> KVLayout:
+    def from_kv_cache(cls, kv_cache: torch.Tensor, hash_algorithm: str, hash_seed: int) -> KVLayout:
         if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
             raise ValueError(
                 "kv_cache must be [num_blocks, num_layers, 2, block_size, num_kv_heads, "
-                f"head_size]; got shape {tuple(kv_cache.shape)}")
+                f"head_size]; got shape {tuple(kv_cache.shape)}"
+            )
         if not kv_cache.is_contiguous():
             raise ValueError("kv_cache must be contiguous: a block is moved as one page")
         _, num_layers, _, block_size, num_kv_heads, head_size = kv_cache.shape
-        return cls(num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads,
-                   head_size=head_size, dtype=str(kv_cache.dtype).removeprefix("torch."),
-                   hash_algorithm=hash_algorithm, hash_seed=hash_seed)
+        return cls(
+            num_layers=num_layers,
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            dtype=str(kv_cache.dtype).removeprefix("torch."),
+            hash_algorithm=hash_algorithm,
+            hash_seed=hash_seed,
+        )
 
     def to_proto(self) -> kv_transfer_pb2.KvLayout:
         return kv_transfer_pb2.KvLayout(**{f.name: getattr(self, f.name) for f in fields(self)})
@@ -73,5 +85,7 @@ def check_compatible(local: KVLayout, remote: KVLayout) -> None:
     ]
     if differences:
         raise LayoutMismatchError(
-            "KV layouts differ, blocks cannot be exchanged (" + "; ".join(differences)
-            + "); run both workers with the same model, dtype, block size and hash config")
+            "KV layouts differ, blocks cannot be exchanged ("
+            + "; ".join(differences)
+            + "); run both workers with the same model, dtype, block size and hash config"
+        )

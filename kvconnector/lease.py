@@ -91,8 +91,12 @@ class LeaseTable:
     """Thread-safe table of leases; times are ``clock()`` seconds (wall clock by default,
     because ``expires_at`` travels to another process)."""
 
-    def __init__(self, default_ttl_s: float = 30.0, stats: TransferStats | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        default_ttl_s: float = 30.0,
+        stats: TransferStats | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.default_ttl_s = default_ttl_s
         self.num_expired = 0
         self._stats = stats
@@ -100,23 +104,37 @@ class LeaseTable:
         self._lock = threading.Lock()
         self._entries: dict[str, _LeaseEntry] = {}
         self._expiry_heap: list[tuple[float, str]] = []  # (expires_at, lease_id); stale ok
-        self._ended: set[str] = set()                    # released/expired, not yet freed
+        self._ended: set[str] = set()  # released/expired, not yet freed
 
-    def grant(self, request_id: str, block_ids: Sequence[int],
-              block_hashes: Sequence[bytes], checksums: Sequence[int] | None,
-              ttl_s: float | None = None) -> Lease:
+    def grant(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        block_hashes: Sequence[bytes],
+        checksums: Sequence[int] | None,
+        ttl_s: float | None = None,
+    ) -> Lease:
         """``checksums=None``: they come later (``attach_checksums``); no read until then."""
         if checksums is not None:
             _check_one_checksum_per_block(block_ids, checksums)
         ttl = self.default_ttl_s if ttl_s is None else ttl_s
         with self._lock:
             expires_at = self._clock() + ttl
-            lease = Lease(lease_id=uuid.uuid4().hex, request_id=request_id,
-                          block_ids=tuple(block_ids), block_hashes=tuple(block_hashes),
-                          checksums=tuple(checksums or ()), expires_at=expires_at)
+            lease = Lease(
+                lease_id=uuid.uuid4().hex,
+                request_id=request_id,
+                block_ids=tuple(block_ids),
+                block_hashes=tuple(block_hashes),
+                checksums=tuple(checksums or ()),
+                expires_at=expires_at,
+            )
             self._entries[lease.lease_id] = _LeaseEntry(
-                lease=lease, block_id_set=frozenset(lease.block_ids), ttl_s=ttl,
-                expires_at=expires_at, checksummed=checksums is not None)
+                lease=lease,
+                block_id_set=frozenset(lease.block_ids),
+                ttl_s=ttl,
+                expires_at=expires_at,
+                checksummed=checksums is not None,
+            )
             heapq.heappush(self._expiry_heap, (expires_at, lease.lease_id))
             return lease
 
@@ -157,16 +175,19 @@ class LeaseTable:
             if not entry.checksummed:
                 raise LeaseNotReadyError(
                     f"lease {lease_id!r} has no checksums yet; its hand-off has not left the "
-                    f"prefill worker, so no one should hold its id")
+                    f"prefill worker, so no one should hold its id"
+                )
             outside = [b for b in block_ids if b not in entry.block_id_set]
             if outside:
                 raise BlockNotLeasedError(
                     f"block ids {outside[:8]} are not under lease {lease_id!r} "
-                    f"(it holds {len(entry.block_id_set)} blocks)")
+                    f"(it holds {len(entry.block_id_set)} blocks)"
+                )
             if len(set(block_ids)) != len(block_ids):
                 raise RepeatedBlockError(
                     f"the read names {len(block_ids)} block ids but only "
-                    f"{len(set(block_ids))} distinct ones; name each block once")
+                    f"{len(set(block_ids))} distinct ones; name each block once"
+                )
             entry.reads_in_flight += 1
             return entry.lease
 
@@ -184,11 +205,15 @@ class LeaseTable:
             while self._expiry_heap and self._expiry_heap[0][0] <= now:
                 expires_at, lease_id = heapq.heappop(self._expiry_heap)
                 entry = self._entries.get(lease_id)
-                if (entry is not None and entry.state is LeaseState.ACTIVE
-                        and entry.expires_at == expires_at):
+                if (
+                    entry is not None
+                    and entry.state is LeaseState.ACTIVE
+                    and entry.expires_at == expires_at
+                ):
                     self._expire(lease_id, entry)
-            freeable = [lease_id for lease_id in self._ended
-                        if self._entries[lease_id].reads_in_flight == 0]
+            freeable = [
+                lease_id for lease_id in self._ended if self._entries[lease_id].reads_in_flight == 0
+            ]
             request_ids = []
             for lease_id in freeable:
                 self._ended.discard(lease_id)
@@ -206,8 +231,10 @@ class LeaseTable:
         if entry.state is LeaseState.ACTIVE and entry.expires_at <= now:
             self._expire(lease_id, entry)
         if entry.state is not LeaseState.ACTIVE:
-            raise LeaseEndedError(f"lease {lease_id!r} was {entry.state.value}; "
-                                  "its blocks may already be freed, recompute them")
+            raise LeaseEndedError(
+                f"lease {lease_id!r} was {entry.state.value}; "
+                "its blocks may already be freed, recompute them"
+            )
         return entry
 
     def _expire(self, lease_id: str, entry: _LeaseEntry) -> None:

@@ -33,8 +33,13 @@ class LoadTracker:
         with self._lock:
             self._in_flight.update(request_ids)
 
-    def finish(self, request_id: str, failed_block_ids: Iterable[int] = (),
-               error: str | None = None, pull: PullSummary | None = None) -> None:
+    def finish(
+        self,
+        request_id: str,
+        failed_block_ids: Iterable[int] = (),
+        error: str | None = None,
+        pull: PullSummary | None = None,
+    ) -> None:
         """A load is over (or, aborted before it started, will never run): ``failed_block_ids``
         are the local blocks that did not arrive intact."""
         with self._lock:

@@ -87,8 +87,12 @@ else:
     # The bindings raise one class per status (nixlRemoteDisconnectError, ...), all direct
     # subclasses of Exception; these are them.
     from nixl._api import nixlBind
-    NIXL_ERRORS = tuple(getattr(nixlBind, name) for name in dir(nixlBind)
-                        if name.startswith("nixl") and name.endswith("Error"))
+
+    NIXL_ERRORS = tuple(
+        getattr(nixlBind, name)
+        for name in dir(nixlBind)
+        if name.startswith("nixl") and name.endswith("Error")
+    )
 
 # The prefill side polls its agent this often while peers are active, so that UCX can answer
 # connection setup; idle, the interval doubles up to the maximum.
@@ -107,8 +111,9 @@ def nixl_available() -> bool:
     return _NIXL_IMPORT_ERROR is None
 
 
-def page_descriptors(base_address: int, page_bytes: int, num_blocks: int,
-                     device_id: int = 0) -> np.ndarray:
+def page_descriptors(
+    base_address: int, page_bytes: int, num_blocks: int, device_id: int = 0
+) -> np.ndarray:
     """``[num_blocks, 3]`` NIXL descriptors (address, length, device id): one per page."""
     descriptors = np.zeros((num_blocks, 3), dtype=np.uint64)
     descriptors[:, 0] = base_address + np.arange(num_blocks, dtype=np.uint64) * page_bytes
@@ -125,8 +130,9 @@ def memory_of(kv_cache: torch.Tensor) -> tuple[str, int]:
         return "DRAM", 0
     if kv_cache.device.type == "cuda":
         return "VRAM", kv_cache.device.index or 0
-    raise ValueError(f"the NIXL transport registers a CPU or CUDA kv_cache, not "
-                     f"{kv_cache.device.type}")
+    raise ValueError(
+        f"the NIXL transport registers a CPU or CUDA kv_cache, not {kv_cache.device.type}"
+    )
 
 
 class NixlEndpoint:
@@ -136,7 +142,8 @@ class NixlEndpoint:
         if _NIXL_IMPORT_ERROR is not None:
             raise RuntimeError(
                 "the NIXL transport needs the nixl package (pip install 'pdserve[nixl]'); "
-                f"importing it failed: {_NIXL_IMPORT_ERROR}") from _NIXL_IMPORT_ERROR
+                f"importing it failed: {_NIXL_IMPORT_ERROR}"
+            ) from _NIXL_IMPORT_ERROR
         if not kv_cache.is_contiguous():
             raise ValueError("the NIXL transport registers a contiguous kv_cache")
         self.memory_type, self.device_id = memory_of(kv_cache)
@@ -150,19 +157,27 @@ class NixlEndpoint:
             raise RuntimeError(
                 f"NIXL could not register the {self.memory_type} KV cache on {kv_cache.device}"
                 f" ({error!r}); a CUDA cache needs a NIXL and UCX built with CUDA support, "
-                "else use the gRPC transport") from error
+                "else use the gRPC transport"
+            ) from error
         self.num_blocks = kv_cache.shape[0]
         self.local_pages = self.agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT",
-            page_descriptors(kv_cache.data_ptr(), layout.page_bytes, self.num_blocks,
-                             self.device_id), self.memory_type)
+            page_descriptors(
+                kv_cache.data_ptr(), layout.page_bytes, self.num_blocks, self.device_id
+            ),
+            self.memory_type,
+        )
 
     def info(self) -> pb.NixlAgentInfo:
-        return pb.NixlAgentInfo(agent_name=self.name,
-                                agent_metadata=self.agent.get_agent_metadata(),
-                                base_address=self.kv_cache.data_ptr(),
-                                page_bytes=self.layout.page_bytes, num_blocks=self.num_blocks,
-                                memory_type=self.memory_type, device_id=self.device_id)
+        return pb.NixlAgentInfo(
+            agent_name=self.name,
+            agent_metadata=self.agent.get_agent_metadata(),
+            base_address=self.kv_cache.data_ptr(),
+            page_bytes=self.layout.page_bytes,
+            num_blocks=self.num_blocks,
+            memory_type=self.memory_type,
+            device_id=self.device_id,
+        )
 
     def close(self) -> None:
         self.local_pages.release()
@@ -184,38 +199,59 @@ def check_peer_region(peer: PeerInfo, page_bytes: int) -> None:
     if not 0 < nixl.num_blocks <= MAX_PEER_BLOCKS:
         problems.append(f"{nixl.num_blocks} pages, not 1 to {MAX_PEER_BLOCKS}")
     if nixl.base_address == 0 or nixl.base_address + nixl.num_blocks * nixl.page_bytes > 2**64:
-        problems.append(f"a region at {nixl.base_address:#x} that is null or wraps the "
-                        f"address space")
+        problems.append(
+            f"a region at {nixl.base_address:#x} that is null or wraps the address space"
+        )
     if problems:
-        raise TransferError(f"peer {peer.address} announced an impossible KV region: "
-                            + "; ".join(problems))
+        raise TransferError(
+            f"peer {peer.address} announced an impossible KV region: " + "; ".join(problems)
+        )
 
 
 class NixlTransferServer(KVTransferServer):
     """The prefill side: its KV tensor registered with NIXL, behind the gRPC control plane."""
 
-    def __init__(self, kv_cache: torch.Tensor, leases: LeaseTable, layout: KVLayout,
-                 engine_id: str = "", host: str = "127.0.0.1", port: int = 0,
-                 secret: str | None = None, stats: TransferStats | None = None,
-                 max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
-                 fault_injector: FaultInjector | None = None) -> None:
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        leases: LeaseTable,
+        layout: KVLayout,
+        engine_id: str = "",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        secret: str | None = None,
+        stats: TransferStats | None = None,
+        max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
+        fault_injector: FaultInjector | None = None,
+    ) -> None:
         self.endpoint = NixlEndpoint(kv_cache, layout, engine_id)
         self.control = GrpcTransferServer(
-            kv_cache, leases, layout, engine_id=engine_id, host=host, port=port, secret=secret,
-            stats=stats, nixl_info=self.endpoint.info(), max_message_bytes=max_message_bytes,
-            fault_injector=fault_injector)
+            kv_cache,
+            leases,
+            layout,
+            engine_id=engine_id,
+            host=host,
+            port=port,
+            secret=secret,
+            stats=stats,
+            nixl_info=self.endpoint.info(),
+            max_message_bytes=max_message_bytes,
+            fault_injector=fault_injector,
+        )
         self.stats = self.control.stats
         self._stop_progress = threading.Event()
-        self._progress = threading.Thread(target=self._progress_loop, name="nixl-progress",
-                                          daemon=True)
+        self._progress = threading.Thread(
+            target=self._progress_loop, name="nixl-progress", daemon=True
+        )
         self._progress.start()
 
     def _progress_loop(self) -> None:
         """Polls the agent: every ``PROGRESS_INTERVAL_S`` after a control call (a handshake
         or a hold, when UCX sets up or uses a connection), backing off to
         ``IDLE_PROGRESS_INTERVAL_S`` while nothing happens."""
-        backoff = IdleBackoff(PROGRESS_INTERVAL_S, IDLE_PROGRESS_INTERVAL_S,
-                              wake=self.control.activity)
+        backoff = IdleBackoff(
+            PROGRESS_INTERVAL_S, IDLE_PROGRESS_INTERVAL_S, wake=self.control.activity
+        )
         while not self._stop_progress.is_set():
             self.endpoint.agent.get_new_notifs()
             backoff.wait_idle()
@@ -242,14 +278,26 @@ class NixlTransferClient(KVTransferClient):
     progress backs off (``IdleBackoff``) instead of spinning on a core the engine needs.
     """
 
-    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, engine_id: str = "",
-                 secret: str | None = None, timeout_s: float = 30.0,
-                 stats: TransferStats | None = None,
-                 min_rate_bytes_per_s: float = DEFAULT_MIN_TRANSFER_RATE) -> None:
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        layout: KVLayout,
+        engine_id: str = "",
+        secret: str | None = None,
+        timeout_s: float = 30.0,
+        stats: TransferStats | None = None,
+        min_rate_bytes_per_s: float = DEFAULT_MIN_TRANSFER_RATE,
+    ) -> None:
         self.endpoint = NixlEndpoint(kv_cache, layout, engine_id)
-        self.control = GrpcTransferClient(kv_cache, layout, engine_id=engine_id, secret=secret,
-                                          timeout_s=timeout_s, stats=stats,
-                                          min_rate_bytes_per_s=min_rate_bytes_per_s)
+        self.control = GrpcTransferClient(
+            kv_cache,
+            layout,
+            engine_id=engine_id,
+            secret=secret,
+            timeout_s=timeout_s,
+            stats=stats,
+            min_rate_bytes_per_s=min_rate_bytes_per_s,
+        )
         self.stats = self.control.stats
         self.timeout_s = timeout_s
         self._pages = page_view(kv_cache) if kv_cache.device.type == "cpu" else None
@@ -277,12 +325,20 @@ class NixlTransferClient(KVTransferClient):
             if isinstance(name, bytes):
                 name = name.decode()
             if name != peer.nixl.agent_name:
-                raise TransferError(f"peer {peer.address} announced agent "
-                                    f"{peer.nixl.agent_name!r} but its metadata names {name!r}")
+                raise TransferError(
+                    f"peer {peer.address} announced agent "
+                    f"{peer.nixl.agent_name!r} but its metadata names {name!r}"
+                )
             self._remote_pages[name] = agent.prep_xfer_dlist(
-                name, page_descriptors(peer.nixl.base_address, peer.nixl.page_bytes,
-                                       peer.nixl.num_blocks, peer.nixl.device_id),
-                peer.nixl.memory_type or "DRAM")
+                name,
+                page_descriptors(
+                    peer.nixl.base_address,
+                    peer.nixl.page_bytes,
+                    peer.nixl.num_blocks,
+                    peer.nixl.device_id,
+                ),
+                peer.nixl.memory_type or "DRAM",
+            )
         except NIXL_ERRORS as error:
             raise TransferError(f"NIXL refused peer {peer.address}'s agent: {error!r}") from error
         previous = self._agent_at.get(peer.address)
@@ -292,11 +348,17 @@ class NixlTransferClient(KVTransferClient):
             with contextlib.suppress(*NIXL_ERRORS):
                 agent.remove_remote_agent(previous)
 
-    def read_blocks(self, peer: PeerInfo, lease_id: str, remote_block_ids: Sequence[int],
-                     local_block_ids: Sequence[int],
-                     expected_checksums: Sequence[int]) -> ReadResult:
-        check_read_arguments(remote_block_ids, local_block_ids, expected_checksums,
-                             self.endpoint.num_blocks)
+    def read_blocks(
+        self,
+        peer: PeerInfo,
+        lease_id: str,
+        remote_block_ids: Sequence[int],
+        local_block_ids: Sequence[int],
+        expected_checksums: Sequence[int],
+    ) -> ReadResult:
+        check_read_arguments(
+            remote_block_ids, local_block_ids, expected_checksums, self.endpoint.num_blocks
+        )
         with self._agent_lock:
             remote_pages = self._remote_pages_of(peer)
         bad = [b for b in remote_block_ids if not 0 <= b < peer.num_blocks]
@@ -312,25 +374,34 @@ class NixlTransferClient(KVTransferClient):
             with self.control.hold_blocks(peer, lease_id, remote_block_ids) as confirm_held:
                 for start in range(0, len(local_block_ids), self._blocks_per_segment):
                     end = start + self._blocks_per_segment
-                    self._read(peer, remote_pages, remote_index[start:end],
-                               local_index[start:end], deadline)
-                    verified, corrupt = self._verify(local_block_ids[start:end],
-                                                     expected_checksums[start:end])
+                    self._read(
+                        peer,
+                        remote_pages,
+                        remote_index[start:end],
+                        local_index[start:end],
+                        deadline,
+                    )
+                    verified, corrupt = self._verify(
+                        local_block_ids[start:end], expected_checksums[start:end]
+                    )
                     ok += verified
                     failed += corrupt
                 confirm_held()
         except TransferError:
-            self.stats.record_transfer(0, len(local_block_ids), 0,
-                                       time.perf_counter() - started, peer.address)
+            self.stats.record_transfer(
+                0, len(local_block_ids), 0, time.perf_counter() - started, peer.address
+            )
             raise
         duration_s = time.perf_counter() - started
         num_bytes = len(local_block_ids) * self.endpoint.layout.page_bytes
         self.stats.record_transfer(len(ok), len(failed), num_bytes, duration_s, peer.address)
-        return ReadResult(ok_block_ids=ok, failed_block_ids=failed, num_bytes=num_bytes,
-                          duration_s=duration_s)
+        return ReadResult(
+            ok_block_ids=ok, failed_block_ids=failed, num_bytes=num_bytes, duration_s=duration_s
+        )
 
-    def _verify(self, local_block_ids: Sequence[int],
-                expected_checksums: Sequence[int]) -> tuple[list[int], list[int]]:
+    def _verify(
+        self, local_block_ids: Sequence[int], expected_checksums: Sequence[int]
+    ) -> tuple[list[int], list[int]]:
         """Checks landed pages where they are: in place on the CPU, via the host on a GPU."""
         if self._pages is not None:
             return verify_pages(self._pages, local_block_ids, expected_checksums)
@@ -355,15 +426,22 @@ class NixlTransferClient(KVTransferClient):
             raise ValueError(f"no NIXL handshake with {peer.address}; call handshake first")
         return self._remote_pages[peer.nixl.agent_name]
 
-    def _read(self, peer: PeerInfo, remote_pages: Any, remote_index: np.ndarray,
-              local_index: np.ndarray, deadline: float) -> None:
+    def _read(
+        self,
+        peer: PeerInfo,
+        remote_pages: Any,
+        remote_index: np.ndarray,
+        local_index: np.ndarray,
+        deadline: float,
+    ) -> None:
         """Post one READ of the pages (int32 indices into the prepped dlists) and poll it to
         completion before ``deadline``."""
         agent = self.endpoint.agent
         try:
             with self._agent_lock:
-                handle = agent.make_prepped_xfer("READ", self.endpoint.local_pages, local_index,
-                                                 remote_pages, remote_index)
+                handle = agent.make_prepped_xfer(
+                    "READ", self.endpoint.local_pages, local_index, remote_pages, remote_index
+                )
         except NIXL_ERRORS as error:
             raise TransferError(f"NIXL READ from {peer.address} refused: {error!r}") from error
         backoff = IdleBackoff(READ_POLL_MIN_S, READ_POLL_MAX_S)
@@ -380,10 +458,10 @@ class NixlTransferClient(KVTransferClient):
             with self._agent_lock:
                 handle.release()  # cancels a READ still in progress
         except NIXL_ERRORS as error:
-            raise TransferError(f"could not cancel a stalled NIXL READ from {peer.address}: "
-                                f"{error!r}") from error
+            raise TransferError(
+                f"could not cancel a stalled NIXL READ from {peer.address}: {error!r}"
+            ) from error
         if state == "PROC":
-            raise TransferError(f"NIXL READ from {peer.address} did not finish by its "
-                                f"deadline")
+            raise TransferError(f"NIXL READ from {peer.address} did not finish by its deadline")
         if state != "DONE":
             raise TransferError(f"NIXL READ from {peer.address} failed ({state})")

@@ -50,7 +50,8 @@ def interface_of(address: str) -> str | None:
             except OSError:  # no IPv4 address on this interface
                 continue
             network = ipaddress.IPv4Network(
-                f"{socket.inet_ntoa(own)}/{socket.inet_ntoa(mask)}", strict=False)
+                f"{socket.inet_ntoa(own)}/{socket.inet_ntoa(mask)}", strict=False
+            )
             if wanted in network:
                 return name
     return None

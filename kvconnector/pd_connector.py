@@ -101,8 +101,9 @@ class PDConnector(KVConnectorBase):
     @classmethod
     def for_engine(cls, config: KVConnectorConfig, engine_config: EngineConfig) -> PDConnector:
         """The connector of the engine ``engine_config`` describes (its id and hash scheme)."""
-        return cls(config, engine_config.engine_id, engine_config.hash_algorithm,
-                   engine_config.hash_seed)
+        return cls(
+            config, engine_config.engine_id, engine_config.hash_algorithm, engine_config.hash_seed
+        )
 
     @property
     def failure_policy(self) -> str:
@@ -121,8 +122,15 @@ class PDConnector(KVConnectorBase):
         layout = KVLayout.from_kv_cache(kv_cache, self._hash_algorithm, self._hash_seed)
         self._block_size = layout.block_size
         if self.config.role == "producer":
-            self._server = make_server(self.config, kv_cache, self.leases, layout,
-                                       self.engine_id, self.stats, self._fault_injector)
+            self._server = make_server(
+                self.config,
+                kv_cache,
+                self.leases,
+                layout,
+                self.engine_id,
+                self.stats,
+                self._fault_injector,
+            )
         else:
             self._client = make_client(self.config, kv_cache, layout, self.engine_id, self.stats)
             self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-pull")
@@ -154,7 +162,7 @@ class PDConnector(KVConnectorBase):
         pulled = [i for i in range(first, last) if block_ids[i] != NULL_BLOCK_ID]
         # Counted here, once per admitted request: admission may be retried while the pool is full.
         self.stats.record_dedup_skipped(first)
-        if list(request.block_hashes[:len(params.block_hashes)]) != list(params.block_hashes):
+        if list(request.block_hashes[: len(params.block_hashes)]) != list(params.block_hashes):
             # Another cache_salt or prompt than the prefill's: the pulled blocks would be cached
             # under this request's hashes, handing one tenant's KV to another. The pull fails
             # them (after the handshake, so a layout mismatch is still reported as such).
@@ -268,20 +276,30 @@ class PDConnector(KVConnectorBase):
             with self._foreign_lock:
                 foreign = load.request_id in self._foreign_hashes
             if foreign:
-                raise TransferError("the prefill's block hashes differ from this request's "
-                                    "(cache_salt or prompt mismatch); not using its blocks")
+                raise TransferError(
+                    "the prefill's block hashes differ from this request's "
+                    "(cache_salt or prompt mismatch); not using its blocks"
+                )
             self._renew_if_expiring(peer, load.params)
             result = self._client.read_blocks(  # type: ignore[union-attr]
-                peer, load.params.lease_id, load.remote_block_ids, load.local_block_ids,
+                peer,
+                load.params.lease_id,
+                load.remote_block_ids,
+                load.local_block_ids,
                 load.expected_checksums,
             )
             failed = result.failed_block_ids
-            summary = PullSummary(len(result.ok_block_ids), result.num_bytes, result.duration_s,
-                                  handshake_s)
+            summary = PullSummary(
+                len(result.ok_block_ids), result.num_bytes, result.duration_s, handshake_s
+            )
         except (TransferError, ValueError) as error:
             error_message = f"{type(error).__name__}: {error}"
-            logger.warning("pull of %s from %s failed: %s", load.request_id,
-                           load.params.transfer_address, error)
+            logger.warning(
+                "pull of %s from %s failed: %s",
+                load.request_id,
+                load.params.transfer_address,
+                error,
+            )
             if isinstance(error, TransferError):
                 self._forget_peer(load.params.transfer_address)
         except Exception as error:  # a transfer thread must always report back
@@ -290,8 +308,12 @@ class PDConnector(KVConnectorBase):
         finally:
             with self._foreign_lock:
                 self._foreign_hashes.discard(load.request_id)
-            self._loads.finish(load.request_id, failed, error_message,
-                               summary or PullSummary(0, 0, time.perf_counter() - started))
+            self._loads.finish(
+                load.request_id,
+                failed,
+                error_message,
+                summary or PullSummary(0, 0, time.perf_counter() - started),
+            )
             self._release_remote(load.params)
 
     def _renew_if_expiring(self, peer: PeerInfo, params: KVTransferParams) -> None:
@@ -310,8 +332,12 @@ class PDConnector(KVConnectorBase):
         try:
             self._client.release(self._peer(params), params.lease_id)  # type: ignore[union-attr]
         except (TransferError, ValueError) as error:
-            logger.info("release of lease %s at %s failed (it will expire): %s",
-                        params.lease_id, params.transfer_address, error)
+            logger.info(
+                "release of lease %s at %s failed (it will expire): %s",
+                params.lease_id,
+                params.transfer_address,
+                error,
+            )
 
     def connect(self, address: str) -> str:
         """Handshakes with the prefill worker at ``address`` now (decode side), replacing any
@@ -357,8 +383,9 @@ class PDConnector(KVConnectorBase):
         return self._loads.has_in_flight()
 
     def is_loading(self, request_id: str) -> bool:
-        return (self._loads.is_loading(request_id)
-                or any(load.request_id == request_id for load in self._pending.loads))
+        return self._loads.is_loading(request_id) or any(
+            load.request_id == request_id for load in self._pending.loads
+        )
 
     def wait_for_progress(self, timeout_s: float) -> None:
         self._loads.wait(timeout_s)

@@ -38,8 +38,9 @@ class PinnedStaging:
             raise ValueError(f"PinnedStaging is for a CUDA kv_cache, got {kv_cache.device}")
         self.pages = device_page_view(kv_cache)
         self.max_pages = max(1, max_pages)
-        self._buffer = torch.empty((self.max_pages, self.pages.shape[1]), dtype=torch.uint8,
-                                   pin_memory=True)
+        self._buffer = torch.empty(
+            (self.max_pages, self.pages.shape[1]), dtype=torch.uint8, pin_memory=True
+        )
         self._lock = threading.Lock()
 
     def read(self, block_ids: Sequence[int]) -> bytes:
@@ -55,15 +56,14 @@ class PinnedStaging:
         """Lands ``pages`` (``[len(block_ids), page_bytes]`` uint8 on the host) in the listed
         pages of the device tensor, ``max_pages`` at a time."""
         for start in range(0, len(block_ids), self.max_pages):
-            ids = list(block_ids[start:start + self.max_pages])
+            ids = list(block_ids[start : start + self.max_pages])
             index = torch.as_tensor(ids, dtype=torch.long, device=self.pages.device)
             with self._lock:
-                staged = self._buffer[:len(ids)]
-                np.copyto(staged.numpy(), pages[start:start + len(ids)])
+                staged = self._buffer[: len(ids)]
+                np.copyto(staged.numpy(), pages[start : start + len(ids)])
                 self.pages.index_copy_(0, index, staged.to(self.pages.device))
 
     def _check_count(self, block_ids: Sequence[int]) -> int:
         if not 0 < len(block_ids) <= self.max_pages:
-            raise ValueError(f"{len(block_ids)} pages; a staging move takes 1 to "
-                             f"{self.max_pages}")
+            raise ValueError(f"{len(block_ids)} pages; a staging move takes 1 to {self.max_pages}")
         return len(block_ids)

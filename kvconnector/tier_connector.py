@@ -87,15 +87,18 @@ class TierConnector(KVConnectorBase):
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
         pages = KVPages(kv_cache)
         self._block_size = kv_cache.shape[3]
-        self.store = TierStore.from_config(self.config, pages, self._block_size,
-                                           self._worker_dir_name)
+        self.store = TierStore.from_config(
+            self.config, pages, self._block_size, self._worker_dir_name
+        )
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-load")
 
     def attach_kv_cache_manager(self, manager: KVCacheManager) -> None:
         kinds = [kind for kind, _ in manager.kv_cache_event_metadata]
         if kinds != ["full_attention"]:
-            raise ValueError(f"a KV tier keeps one full-attention KV cache group; this model's "
-                             f"groups are {kinds}. Run it without kv_tier settings")
+            raise ValueError(
+                f"a KV tier keeps one full-attention KV cache group; this model's "
+                f"groups are {kinds}. Run it without kv_tier settings"
+            )
         manager.block_pool.listener = self
 
     # ---- the pool's listener: the write side ----------------------------------------
@@ -179,8 +182,9 @@ class TierConnector(KVConnectorBase):
         return self._loads.has_in_flight()
 
     def is_loading(self, request_id: str) -> bool:
-        return (self._loads.is_loading(request_id)
-                or any(load.request_id == request_id for load in self._pending))
+        return self._loads.is_loading(request_id) or any(
+            load.request_id == request_id for load in self._pending
+        )
 
     def wait_for_progress(self, timeout_s: float) -> None:
         self._loads.wait(timeout_s)

@@ -105,10 +105,19 @@ class TierLevel(ABC):
         with self._lock:
             counters = self.counters
             return TierStatsSnapshot(
-                self.medium, self.num_pages() * self.page_bytes, counters.blocks_stored,
-                counters.blocks_loaded, counters.hit_tokens, counters.store_bytes,
-                counters.load_bytes, counters.store_seconds, counters.load_seconds,
-                counters.evictions, counters.store_failures, counters.load_failures)
+                self.medium,
+                self.num_pages() * self.page_bytes,
+                counters.blocks_stored,
+                counters.blocks_loaded,
+                counters.hit_tokens,
+                counters.store_bytes,
+                counters.load_bytes,
+                counters.store_seconds,
+                counters.load_seconds,
+                counters.evictions,
+                counters.store_failures,
+                counters.load_failures,
+            )
 
     def take_events(self) -> list[KVCacheEvent]:
         with self._lock:
@@ -117,8 +126,11 @@ class TierLevel(ABC):
 
     def _stored_event(self, block_hash: BlockHash) -> None:
         """Under the lock: the router learns this level holds ``block_hash``."""
-        self._events.append(BlockStored([block_hash], None, [], self.block_size, None,
-                                        group_idx=0, medium=self.medium))
+        self._events.append(
+            BlockStored(
+                [block_hash], None, [], self.block_size, None, group_idx=0, medium=self.medium
+            )
+        )
 
     def _removed_event(self, block_hash: BlockHash) -> None:
         self._events.append(BlockRemoved([block_hash], 0, medium=self.medium))

@@ -22,8 +22,10 @@ def capacity_for_budget(medium: str, budget_bytes: int, page_bytes: int) -> int:
     """Pages that fit ``budget_bytes``; refuses a budget smaller than one page."""
     capacity = budget_bytes // page_bytes
     if capacity < 1:
-        raise ValueError(f"the {medium} KV tier's budget ({budget_bytes} bytes) holds no page "
-                         f"of {page_bytes} bytes; give it at least one page")
+        raise ValueError(
+            f"the {medium} KV tier's budget ({budget_bytes} bytes) holds no page "
+            f"of {page_bytes} bytes; give it at least one page"
+        )
     return capacity
 
 

@@ -32,16 +32,28 @@ class TierStore:
         self.pages = pages
 
     @classmethod
-    def from_config(cls, config: KVTierConfig, pages: KVPages, block_size: int,
-                    worker_dir_name: str) -> TierStore:
+    def from_config(
+        cls, config: KVTierConfig, pages: KVPages, block_size: int, worker_dir_name: str
+    ) -> TierStore:
         disk = None
         if config.disk_path is not None:
-            disk = DiskTier(Path(config.disk_path) / worker_dir_name, config.disk_bytes,
-                            pages.page_bytes, block_size)
+            disk = DiskTier(
+                Path(config.disk_path) / worker_dir_name,
+                config.disk_bytes,
+                pages.page_bytes,
+                block_size,
+            )
         levels: list[TierLevel] = []
         if config.cpu_bytes:
-            levels.append(CpuTier(config.cpu_bytes, pages.page_bytes, block_size,
-                                  pinned=pages.on_device, below=disk))
+            levels.append(
+                CpuTier(
+                    config.cpu_bytes,
+                    pages.page_bytes,
+                    block_size,
+                    pinned=pages.on_device,
+                    below=disk,
+                )
+            )
         if disk is not None:
             levels.append(disk)
         return cls(levels, pages)
@@ -53,8 +65,7 @@ class TierStore:
     def offload(self, block_hash: BlockHash, block_id: int) -> None:
         """Keeps the page of pool block ``block_id`` under ``block_hash``, unless held."""
         if self.level_holding(block_hash) is None:
-            self.levels[0].store(block_hash,
-                                 lambda dst: self.pages.copy_out(block_id, dst))
+            self.levels[0].store(block_hash, lambda dst: self.pages.copy_out(block_id, dst))
 
     def load(self, block_hash: BlockHash, block_id: int) -> bool:
         """Lands the page of ``block_hash`` in pool block ``block_id``; False (and the page

@@ -84,7 +84,8 @@ class TieredConnector(KVConnectorBase):
         num_tier, _ = self.tier.get_num_new_matched_tokens(request, num_computed_tokens)
         had_params = request.kv_transfer_params is not None
         num_pull, pull_async = self.pd.get_num_new_matched_tokens(
-            request, num_computed_tokens + num_tier)
+            request, num_computed_tokens + num_tier
+        )
         if had_params and not pull_async:
             # The P/D part released the lease (nothing left to pull): never ask it again.
             request.kv_transfer_params = None
@@ -106,8 +107,9 @@ class TieredConnector(KVConnectorBase):
         self._loads[request.request_id] = _SplitLoad(parts, set(block_ids))
 
     def build_connector_meta(self) -> TieredMetadata:
-        return TieredMetadata(tier=self.tier.build_connector_meta(),
-                              pull=self.pd.build_connector_meta())
+        return TieredMetadata(
+            tier=self.tier.build_connector_meta(), pull=self.pd.build_connector_meta()
+        )
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -159,8 +161,11 @@ class TieredConnector(KVConnectorBase):
         return self.tier.has_pending_loads() or self.pd.has_pending_loads()
 
     def is_loading(self, request_id: str) -> bool:
-        return (request_id in self._loads or self.tier.is_loading(request_id)
-                or self.pd.is_loading(request_id))
+        return (
+            request_id in self._loads
+            or self.tier.is_loading(request_id)
+            or self.pd.is_loading(request_id)
+        )
 
     def wait_for_progress(self, timeout_s: float) -> None:
         if self.tier.has_pending_loads():

@@ -34,7 +34,8 @@ class TransferStats:
     # multi-node deployment shows which node's KV reached which.
     num_bytes_received_by_peer: dict[str, int] = field(default_factory=dict)
     transfer_latency: LatencyHistogram = field(
-        default_factory=lambda: LatencyHistogram(TRANSFER_BUCKETS_S))
+        default_factory=lambda: LatencyHistogram(TRANSFER_BUCKETS_S)
+    )
     recent_latency: LatencyWindow = field(default_factory=LatencyWindow)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -43,8 +44,14 @@ class TransferStats:
             self.num_blocks_sent += num_blocks
             self.num_bytes_sent += num_bytes
 
-    def record_transfer(self, num_ok_blocks: int, num_failed_blocks: int, num_bytes: int,
-                        duration_s: float, peer_address: str = "") -> None:
+    def record_transfer(
+        self,
+        num_ok_blocks: int,
+        num_failed_blocks: int,
+        num_bytes: int,
+        duration_s: float,
+        peer_address: str = "",
+    ) -> None:
         """One pull from ``peer_address`` (``host:port``) finished: a transfer fails when any
         of its blocks failed."""
         peer_host = peer_address.rpartition(":")[0] or peer_address
@@ -53,7 +60,8 @@ class TransferStats:
             self.num_bytes_received += num_bytes
             if num_bytes:
                 self.num_bytes_received_by_peer[peer_host] = (
-                    self.num_bytes_received_by_peer.get(peer_host, 0) + num_bytes)
+                    self.num_bytes_received_by_peer.get(peer_host, 0) + num_bytes
+                )
             self.num_failed_blocks += num_failed_blocks
             if num_failed_blocks:
                 self.num_failed_transfers += 1

@@ -75,9 +75,14 @@ class KVTransferClient(ABC):
         """Learn the peer; raises ``LayoutMismatchError`` when its layout differs."""
 
     @abstractmethod
-    def read_blocks(self, peer: PeerInfo, lease_id: str, remote_block_ids: Sequence[int],
-                    local_block_ids: Sequence[int],
-                    expected_checksums: Sequence[int]) -> ReadResult:
+    def read_blocks(
+        self,
+        peer: PeerInfo,
+        lease_id: str,
+        remote_block_ids: Sequence[int],
+        local_block_ids: Sequence[int],
+        expected_checksums: Sequence[int],
+    ) -> ReadResult:
         """Copy remote page ``remote_block_ids[i]`` into local ``local_block_ids[i]``."""
 
     @abstractmethod
@@ -93,13 +98,18 @@ class KVTransferClient(ABC):
         """Drop connections and transport resources."""
 
 
-def check_read_arguments(remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
-                         expected_checksums: Sequence[int], num_local_blocks: int) -> None:
+def check_read_arguments(
+    remote_block_ids: Sequence[int],
+    local_block_ids: Sequence[int],
+    expected_checksums: Sequence[int],
+    num_local_blocks: int,
+) -> None:
     """Reject a malformed pull before any byte moves (the caller's bug, not the peer's)."""
     if not len(remote_block_ids) == len(local_block_ids) == len(expected_checksums):
         raise ValueError(
             f"{len(remote_block_ids)} remote ids, {len(local_block_ids)} local ids and "
-            f"{len(expected_checksums)} checksums: one of each per block")
+            f"{len(expected_checksums)} checksums: one of each per block"
+        )
     if len(set(local_block_ids)) != len(local_block_ids):
         raise ValueError("local_block_ids repeat a block: two pages cannot land in one block")
     bad = [b for b in local_block_ids if not 0 <= b < num_local_blocks]
@@ -107,22 +117,24 @@ def check_read_arguments(remote_block_ids: Sequence[int], local_block_ids: Seque
         raise ValueError(f"local block ids {bad[:8]} outside 0..{num_local_blocks - 1}")
 
 
-def verify_pages(pages: np.ndarray, local_block_ids: Sequence[int],
-                 expected_checksums: Sequence[int]) -> tuple[list[int], list[int]]:
+def verify_pages(
+    pages: np.ndarray, local_block_ids: Sequence[int], expected_checksums: Sequence[int]
+) -> tuple[list[int], list[int]]:
     """Split landed blocks into (verified, failed) by recomputing each page's checksum."""
     return _split(local_block_ids, page_checksums(pages, local_block_ids), expected_checksums)
 
 
-def verify_blocks(kv_cache: torch.Tensor, local_block_ids: Sequence[int],
-                  expected_checksums: Sequence[int]) -> tuple[list[int], list[int]]:
+def verify_blocks(
+    kv_cache: torch.Tensor, local_block_ids: Sequence[int], expected_checksums: Sequence[int]
+) -> tuple[list[int], list[int]]:
     """``verify_pages`` for a KV tensor on any device (a CUDA one's pages are hashed on the
     host, ``block_checksums``)."""
-    return _split(local_block_ids, block_checksums(kv_cache, local_block_ids),
-                  expected_checksums)
+    return _split(local_block_ids, block_checksums(kv_cache, local_block_ids), expected_checksums)
 
 
-def _split(block_ids: Sequence[int], actual_checksums: Sequence[int],
-           expected_checksums: Sequence[int]) -> tuple[list[int], list[int]]:
+def _split(
+    block_ids: Sequence[int], actual_checksums: Sequence[int], expected_checksums: Sequence[int]
+) -> tuple[list[int], list[int]]:
     ok: list[int] = []
     failed: list[int] = []
     for block_id, actual, expected in zip(block_ids, actual_checksums, expected_checksums):

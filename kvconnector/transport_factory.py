@@ -20,9 +20,15 @@ if TYPE_CHECKING:
     from pdserve.kvconnector.grpc_transport import FaultInjector
 
 
-def make_server(config: KVConnectorConfig, kv_cache: torch.Tensor, leases: LeaseTable,
-                layout: KVLayout, engine_id: str, stats: TransferStats,
-                fault_injector: FaultInjector | None = None) -> KVTransferServer:
+def make_server(
+    config: KVConnectorConfig,
+    kv_cache: torch.Tensor,
+    leases: LeaseTable,
+    layout: KVLayout,
+    engine_id: str,
+    stats: TransferStats,
+    fault_injector: FaultInjector | None = None,
+) -> KVTransferServer:
     """``fault_injector`` is for tests only: it sees each outgoing message's bytes."""
     if config.transport == "nixl":
         from pdserve.kvconnector.nixl_transport import NixlTransferServer
@@ -34,13 +40,26 @@ def make_server(config: KVConnectorConfig, kv_cache: torch.Tensor, leases: Lease
         from pdserve.kvconnector.grpc_transport import GrpcTransferServer
 
         server_type = GrpcTransferServer
-    return server_type(kv_cache, leases, layout, engine_id=engine_id,  # type: ignore[call-arg]
-                       host=config.host, port=config.port, secret=config.secret, stats=stats,
-                       fault_injector=fault_injector)
+    return server_type(
+        kv_cache,
+        leases,
+        layout,
+        engine_id=engine_id,  # type: ignore[call-arg]
+        host=config.host,
+        port=config.port,
+        secret=config.secret,
+        stats=stats,
+        fault_injector=fault_injector,
+    )
 
 
-def make_client(config: KVConnectorConfig, kv_cache: torch.Tensor, layout: KVLayout,
-                engine_id: str, stats: TransferStats) -> KVTransferClient:
+def make_client(
+    config: KVConnectorConfig,
+    kv_cache: torch.Tensor,
+    layout: KVLayout,
+    engine_id: str,
+    stats: TransferStats,
+) -> KVTransferClient:
     if config.transport == "nixl":
         from pdserve.kvconnector.nixl_transport import NixlTransferClient
 
@@ -51,6 +70,12 @@ def make_client(config: KVConnectorConfig, kv_cache: torch.Tensor, layout: KVLay
         from pdserve.kvconnector.grpc_client import GrpcTransferClient
 
         client_type = GrpcTransferClient
-    return client_type(kv_cache, layout, engine_id=engine_id,  # type: ignore[call-arg]
-                       secret=config.secret, timeout_s=config.transfer_timeout_s, stats=stats,
-                       min_rate_bytes_per_s=config.min_transfer_rate_bytes_per_s)
+    return client_type(
+        kv_cache,
+        layout,
+        engine_id=engine_id,  # type: ignore[call-arg]
+        secret=config.secret,
+        timeout_s=config.transfer_timeout_s,
+        stats=stats,
+        min_rate_bytes_per_s=config.min_transfer_rate_bytes_per_s,
+    )

@@ -61,4 +61,5 @@ class KVConnectorConfig:
                 "reaches the transfer port could read tenants' prompts. Set "
                 "KVConnectorConfig.secret (a deployment gets one from build_app: "
                 "kv_transfer_secret, PDSERVE_KV_TRANSFER_SECRET, or generated), or pass "
-                "allow_insecure=True in unit tests and benchmarks only")
+                "allow_insecure=True in unit tests and benchmarks only"
+            )

@@ -43,8 +43,10 @@ class EngineConfig:
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.long_prefill_token_threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold must be 0 (no cap) or positive, "
-                             f"got {self.long_prefill_token_threshold}")
+            raise ValueError(
+                f"long_prefill_token_threshold must be 0 (no cap) or positive, "
+                f"got {self.long_prefill_token_threshold}"
+            )
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "

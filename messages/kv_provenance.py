@@ -40,5 +40,9 @@ class KVProvenance:
     @property
     def num_accounted_tokens(self) -> int:
         """The four sources together: equals ``num_prompt_tokens`` in every account."""
-        return (self.num_cache_hit_tokens + self.num_pulled_tokens + self.num_recomputed_tokens
-                + self.num_computed_tokens)
+        return (
+            self.num_cache_hit_tokens
+            + self.num_pulled_tokens
+            + self.num_recomputed_tokens
+            + self.num_computed_tokens
+        )

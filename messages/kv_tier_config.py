@@ -30,8 +30,9 @@ class KVTierConfig:
 
     def __post_init__(self) -> None:
         if self.cpu_bytes < 0 or self.disk_bytes < 0:
-            raise ValueError(f"cpu_bytes and disk_bytes must be >= 0, got {self.cpu_bytes} "
-                             f"and {self.disk_bytes}")
+            raise ValueError(
+                f"cpu_bytes and disk_bytes must be >= 0, got {self.cpu_bytes} and {self.disk_bytes}"
+            )
         if self.disk_path is not None and self.disk_bytes == 0:
             raise ValueError(f"a disk tier at {self.disk_path!r} needs disk_bytes > 0")
         if self.disk_path is None and self.disk_bytes:

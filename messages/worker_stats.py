@@ -49,7 +49,8 @@ class WorkerStats:
     num_dedup_skipped_blocks: int = 0
     num_bytes_received_by_peer: dict[str, int] = field(default_factory=dict)
     transfer_latency: HistogramSnapshot = field(
-        default_factory=lambda: HistogramSnapshot.empty(TRANSFER_BUCKETS_S))
+        default_factory=lambda: HistogramSnapshot.empty(TRANSFER_BUCKETS_S)
+    )
     transfer_latency_p50_s: float = 0.0
     transfer_latency_p99_s: float = 0.0
     num_failed_transfers: int = 0
@@ -70,4 +71,3 @@ class WorkerStats:
     def __post_init__(self) -> None:
         if self.prefix_cache_queries:
             self.prefix_cache_hit_rate = self.prefix_cache_hits / self.prefix_cache_queries
-

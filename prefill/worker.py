@@ -27,8 +27,10 @@ class PrefillWorker(EngineHost):
 
     def __init__(self, spec: WorkerSpec) -> None:
         if spec.role not in ("producer", "both"):
-            raise ValueError(f"a PrefillWorker runs the producer side (or both), "
-                             f"but {spec.worker_id!r} has role {spec.role!r}")
+            raise ValueError(
+                f"a PrefillWorker runs the producer side (or both), "
+                f"but {spec.worker_id!r} has role {spec.role!r}"
+            )
         super().__init__(spec)
 
     def make_connector(self, engine_config: EngineConfig) -> KVConnectorBase | None:

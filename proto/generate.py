@@ -37,13 +37,15 @@ def generate(out_dir: Path = PROTO_DIR) -> list[Path]:
     written: list[Path] = []
     with tempfile.TemporaryDirectory() as scratch:
         for proto in PROTO_FILES:
-            status = protoc.main([
-                "grpc_tools.protoc",
-                f"--proto_path={PROTO_DIR}",
-                f"--python_out={scratch}",
-                f"--grpc_python_out={scratch}",
-                str(PROTO_DIR / proto),
-            ])
+            status = protoc.main(
+                [
+                    "grpc_tools.protoc",
+                    f"--proto_path={PROTO_DIR}",
+                    f"--python_out={scratch}",
+                    f"--grpc_python_out={scratch}",
+                    str(PROTO_DIR / proto),
+                ]
+            )
             if status != 0:
                 raise RuntimeError(f"protoc failed on {proto} with status {status}")
         for generated in sorted(Path(scratch).glob("*_pb2*.py")):

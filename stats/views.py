@@ -27,16 +27,19 @@ def totals(stats: Sequence[Stat], rows: Sequence[Row]) -> dict[str, Any]:
     for stat in stats:
         values = [row[stat.name] for row in rows]
         if stat.label:  # per label value: each value's total
-            result[stat.name] = {key: sum(v.get(key, 0) for v in values)
-                                 for key in sorted({k for v in values for k in v})}
+            result[stat.name] = {
+                key: sum(v.get(key, 0) for v in values)
+                for key in sorted({k for v in values for k in v})
+            }
         elif stat.total is Total.SUM:
             result[stat.name] = sum(values)
         elif stat.total is Total.MAX:
             result[stat.name] = max(values, default=0.0)
         elif stat.total is Total.POOL_WEIGHTED:
             pool = sum(row["num_blocks"] for row in rows)
-            result[stat.name] = (sum(row[stat.name] * row["num_blocks"] for row in rows) / pool
-                                 if pool else 0.0)
+            result[stat.name] = (
+                sum(row[stat.name] * row["num_blocks"] for row in rows) / pool if pool else 0.0
+            )
         elif stat.total is Total.MERGE and stat.label:
             result[stat.name] = merge_counts(values)
         elif stat.total is Total.MERGE:
@@ -44,8 +47,9 @@ def totals(stats: Sequence[Stat], rows: Sequence[Row]) -> dict[str, Any]:
     for stat in stats:  # ratios of the totals, once those exist
         if stat.total is Total.RATIO:
             numerator, denominator = stat.ratio_of
-            result[stat.name] = (result[numerator] / result[denominator]
-                                 if result[denominator] else 0.0)
+            result[stat.name] = (
+                result[numerator] / result[denominator] if result[denominator] else 0.0
+            )
     return result
 
 
@@ -73,8 +77,9 @@ def merge_histograms(histograms: Sequence[HistogramSnapshot]) -> HistogramSnapsh
     return HistogramSnapshot(bounds, tuple(counts), sum(h.sum for h in histograms))
 
 
-def prometheus_families(stats: Sequence[Stat], label_names: Sequence[str],
-                        rows: Sequence[tuple[Sequence[str], Row]]) -> Iterator[Metric]:
+def prometheus_families(
+    stats: Sequence[Stat], label_names: Sequence[str], rows: Sequence[tuple[Sequence[str], Row]]
+) -> Iterator[Metric]:
     """One metric family per exported stat, one sample per ``(label values, row)``."""
     for stat in stats:
         if stat.metric is None:
@@ -84,8 +89,7 @@ def prometheus_families(stats: Sequence[Stat], label_names: Sequence[str],
             family = HistogramMetricFamily(stat.metric, stat.help, labels=labels)
             for label_values, row in rows:
                 histogram = as_histogram(row[stat.name])
-                family.add_metric(list(label_values), histogram.cumulative_buckets(),
-                                  histogram.sum)
+                family.add_metric(list(label_values), histogram.cumulative_buckets(), histogram.sum)
         else:
             family_class = CounterMetricFamily if stat.kind is Kind.COUNTER else GaugeMetricFamily
             family = family_class(stat.metric, stat.help, labels=labels)
@@ -107,8 +111,9 @@ def format_cell(stat: Stat, value: Any) -> str:
     return str(value)
 
 
-def format_table(stats: Sequence[Stat], rows: Sequence[Row], total_row: Row,
-                 leading: Sequence[tuple[str, str]]) -> str:
+def format_table(
+    stats: Sequence[Stat], rows: Sequence[Row], total_row: Row, leading: Sequence[tuple[str, str]]
+) -> str:
     """A right-aligned text table: the ``leading`` (header, key) columns, then one column per
     stat with a ``column``; the last line is ``total_row``, where a stat whose total is NONE
     (and a leading key the row lacks or leaves empty) shows ``-``."""
@@ -124,5 +129,6 @@ def format_table(stats: Sequence[Stat], rows: Sequence[Row], total_row: Row,
 
     body = [line(row, False) for row in rows] + [line(total_row, True)]
     widths = [max(len(header[i]), *(len(r[i]) for r in body)) for i in range(len(header))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(cells, widths))
-                     for cells in [header, *body])
+    return "\n".join(
+        "  ".join(c.rjust(w) for c, w in zip(cells, widths)) for cells in [header, *body]
+    )

@@ -41,7 +41,9 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
         """The prompt for ``messages`` (OpenAI chat format), ending with the assistant's turn
         opened when ``add_generation_prompt``.
 
@@ -72,7 +74,9 @@ def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, s
             raise ValueError(f"messages[{index}] must be an object with 'role' and 'content'")
         role = message.get("role")
         if role not in CHAT_ROLES:
-            raise ValueError(f"messages[{index}].role is {role!r}; expected one of {', '.join(CHAT_ROLES)}")
+            raise ValueError(
+                f"messages[{index}].role is {role!r}; expected one of {', '.join(CHAT_ROLES)}"
+            )
         plain.append({"role": role, "content": _content_text(message.get("content"), index)})
     return plain
 
@@ -81,7 +85,11 @@ def _content_text(content: Any, index: int) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list) and content:
-        parts = [part.get("text") for part in content if isinstance(part, Mapping) and part.get("type") == "text"]
+        parts = [
+            part.get("text")
+            for part in content
+            if isinstance(part, Mapping) and part.get("type") == "text"
+        ]
         if len(parts) == len(content) and all(isinstance(text, str) for text in parts):
             return "\n".join(parts)
     raise ValueError(
@@ -94,9 +102,16 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(format: str) -> str:

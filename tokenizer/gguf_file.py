@@ -37,5 +37,7 @@ def gguf_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
 def require(metadata: dict[str, Any], key: str) -> Any:
     """``metadata[key]``, or a ``ValueError`` saying which key the file lacks."""
     if key not in metadata:
-        raise ValueError(f"the GGUF file has no metadata key {key!r}; it does not describe a complete model")
+        raise ValueError(
+            f"the GGUF file has no metadata key {key!r}; it does not describe a complete model"
+        )
     return metadata[key]

@@ -30,7 +30,11 @@ from pdserve.tokenizer.tokenizer import HFTokenizer, bytes_to_unicode
 # llama.cpp's token types (llama_token_type).
 _CONTROL = 3
 _USER_DEFINED = 4
-_END_TOKEN_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+_END_TOKEN_KEYS = (
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.eot_token_id",
+    "tokenizer.ggml.eom_token_id",
+)
 
 # Llama 3's split (llama.cpp's LLAMA_VOCAB_PRE_TYPE_LLAMA3).
 _LLAMA3_SPLIT = (
@@ -49,10 +53,12 @@ def _smollm_split() -> pre_tokenizers.PreTokenizer:
 
 
 def _llama3_split() -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
 
 
 PRE_TOKENIZERS = {
@@ -68,17 +74,23 @@ def tokenizer_from_gguf(metadata: dict[str, Any]) -> HFTokenizer:
     """The tokenizer (with its chat template, if any) that ``metadata`` describes."""
     kind = require(metadata, "tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2') is")
+        raise ValueError(
+            f"GGUF tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2') is"
+        )
     pre = metadata.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
-        raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(PRE_TOKENIZERS)}")
+        raise ValueError(
+            f"GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(PRE_TOKENIZERS)}"
+        )
     tokens: list[str] = require(metadata, "tokenizer.ggml.tokens")
     token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     vocab = _byte_level_vocab(tokens)
     try:
         backend = Tokenizer(models.BPE(vocab=vocab, merges=_merges(metadata)))
     except Exception as error:  # the Rust binding raises a bare Exception
-        raise ValueError(f"the GGUF tokenizer's merges do not fit its vocabulary: {error}") from None
+        raise ValueError(
+            f"the GGUF tokenizer's merges do not fit its vocabulary: {error}"
+        ) from None
     backend.pre_tokenizer = PRE_TOKENIZERS[pre]()
     backend.decoder = decoders.ByteLevel()
     _add_special_tokens(backend, vocab, tokens, token_types)
@@ -90,12 +102,16 @@ def tokenizer_from_gguf(metadata: dict[str, Any]) -> HFTokenizer:
         )
     eos_ids = list(dict.fromkeys(metadata[key] for key in _END_TOKEN_KEYS if key in metadata))
     if not eos_ids:
-        raise ValueError("the GGUF file declares no end-of-sequence token (tokenizer.ggml.eos_token_id)")
+        raise ValueError(
+            "the GGUF file declares no end-of-sequence token (tokenizer.ggml.eos_token_id)"
+        )
     template_source = metadata.get("tokenizer.chat_template")
     chat_template = None
     if template_source is not None:
         bos_token = tokens[bos_id] if bos_id is not None else ""
-        chat_template = ChatTemplate(template_source, bos_token=bos_token, eos_token=tokens[eos_ids[0]])
+        chat_template = ChatTemplate(
+            template_source, bos_token=bos_token, eos_token=tokens[eos_ids[0]]
+        )
     return HFTokenizer(backend, eos_ids, chat_template, vocab_size=len(tokens))
 
 
@@ -104,7 +120,9 @@ def _byte_level_vocab(tokens: list[str]) -> dict[str, int]:
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
     return {
-        token if set(token) <= alphabet else "".join(spelling[byte] for byte in token.encode("utf-8")): index
+        token
+        if set(token) <= alphabet
+        else "".join(spelling[byte] for byte in token.encode("utf-8")): index
         for index, token in enumerate(tokens)
     }
 
@@ -126,11 +144,17 @@ def _add_special_tokens(
 
     Only tokens the vocabulary spells as written are added: adding any other would give it
     a new id past the model's vocabulary (transformers skips them the same way)."""
-    backend.add_special_tokens([
-        AddedToken(token, normalized=False, special=True)
-        for token, kind in zip(tokens, token_types) if kind == _CONTROL and token in vocab
-    ])
-    backend.add_tokens([
-        AddedToken(token, normalized=False, special=False)
-        for token, kind in zip(tokens, token_types) if kind == _USER_DEFINED and token in vocab
-    ])
+    backend.add_special_tokens(
+        [
+            AddedToken(token, normalized=False, special=True)
+            for token, kind in zip(tokens, token_types)
+            if kind == _CONTROL and token in vocab
+        ]
+    )
+    backend.add_tokens(
+        [
+            AddedToken(token, normalized=False, special=False)
+            for token, kind in zip(tokens, token_types)
+            if kind == _USER_DEFINED and token in vocab
+        ]
+    )

@@ -32,11 +32,14 @@ def load_tokenizer(model: str | ModelSource) -> Tokenizer:
 def _hf_dir_tokenizer(directory: Path) -> HFTokenizer:
     path = directory / "tokenizer.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{directory} has no tokenizer.json (a fast-tokenizer file is required)")
+        raise FileNotFoundError(
+            f"{directory} has no tokenizer.json (a fast-tokenizer file is required)"
+        )
     eos_token_ids = hf_eos_token_ids(directory)
     if not eos_token_ids:
-        raise ValueError(f"{directory}: neither config.json nor generation_config.json names "
-                         f"an eos_token_id")
+        raise ValueError(
+            f"{directory}: neither config.json nor generation_config.json names an eos_token_id"
+        )
     return HFTokenizer.from_file(str(path), eos_token_ids, _hf_chat_template(directory))
 
 
@@ -48,8 +51,11 @@ def _hf_chat_template(directory: Path) -> ChatTemplate | None:
     source = jinja_path.read_text() if jinja_path.is_file() else config.get("chat_template")
     if not isinstance(source, str):
         return None
-    return ChatTemplate(source, bos_token=_token_text(config.get("bos_token")),
-                        eos_token=_token_text(config.get("eos_token")))
+    return ChatTemplate(
+        source,
+        bos_token=_token_text(config.get("bos_token")),
+        eos_token=_token_text(config.get("eos_token")),
+    )
 
 
 def _token_text(token: Any) -> str:

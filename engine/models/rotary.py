@@ -17,7 +17,10 @@ from torch import nn
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     """``[head_dim // 2]`` float32 inverse frequencies, scaled per ``config.rope_scaling``."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    inv_freq = 1.0 / (
+        config.rope_theta
+        ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+    )
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
@@ -26,7 +29,9 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     return _llama3_scaled(inv_freq, scaling, config.max_position_embeddings)
 
 
-def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict, max_position_embeddings: int) -> torch.Tensor:
+def _llama3_scaled(
+    inv_freq: torch.Tensor, scaling: dict, max_position_embeddings: int
+) -> torch.Tensor:
     """Llama 3.1: keep high frequencies, divide low ones by ``factor``, blend in between."""
     factor = scaling["factor"]
     low_freq_factor = scaling["low_freq_factor"]
@@ -77,7 +82,9 @@ class RotaryEmbedding(nn.Module):
         return torch.stack((angles.cos(), sin), dim=1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
     """Rotate ``x`` ``[num_tokens, heads, head_dim]`` (HF's rotate-half layout) into ``out``.
 
     HF's ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)`` equals

@@ -26,8 +26,9 @@ class AdmissionSlot:
     """One place in the bounded in-flight queue, and the request's token stream: ``end``
     closes the stream (cancelling its worker streams) and frees the place, once."""
 
-    def __init__(self, release: Callable[[], None],
-                 stream: AsyncGenerator[Any, None] | None = None) -> None:
+    def __init__(
+        self, release: Callable[[], None], stream: AsyncGenerator[Any, None] | None = None
+    ) -> None:
         self._release = release
         self.stream = stream
         self.released = False
@@ -69,6 +70,8 @@ def hold_until_request_ends(scope: Scope, slot: AdmissionSlot) -> None:
     slots = scope.get(_SLOTS_KEY)
     if slots is None:
         slot.release()
-        raise RuntimeError("the app does not run ReleaseSlotsAtRequestEnd: add it with "
-                           "app.add_middleware(ReleaseSlotsAtRequestEnd)")
+        raise RuntimeError(
+            "the app does not run ReleaseSlotsAtRequestEnd: add it with "
+            "app.add_middleware(ReleaseSlotsAtRequestEnd)"
+        )
     slots.append(slot)

@@ -20,15 +20,26 @@ from pydantic import Field
 
 from pdserve.messages.logprobs import MAX_LOGPROBS
 from pdserve.prefill.gateway.logprobs_format import LogprobsRenderer, TokensWithLogprobs
-from pdserve.prefill.gateway.openai_schema import (APIError, ParsedCompletion, SamplingRequest,
-                                                   validate_request)
+from pdserve.prefill.gateway.openai_schema import (
+    APIError,
+    ParsedCompletion,
+    SamplingRequest,
+    validate_request,
+)
 from pdserve.tokenizer.tokenizer import Tokenizer
 
 # Chat fields pdserve does not implement; each is accepted only at its default value.
 _UNSUPPORTED_CHAT_FIELDS: dict[str, Any] = {
-    "tools": None, "tool_choice": None, "functions": None, "function_call": None,
-    "response_format": None, "logit_bias": {},
-    "presence_penalty": 0, "frequency_penalty": 0, "audio": None, "modalities": None,
+    "tools": None,
+    "tool_choice": None,
+    "functions": None,
+    "function_call": None,
+    "response_format": None,
+    "logit_bias": {},
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "audio": None,
+    "modalities": None,
     "prediction": None,
 }
 
@@ -51,19 +62,28 @@ def parse_chat(body: Any, tokenizer: Tokenizer) -> ParsedCompletion:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     return ParsedCompletion(
-        model=request.model, prompt_text=None,
+        model=request.model,
+        prompt_text=None,
         prompt_token_ids=render_chat(request.messages, tokenizer),
-        params=request.sampling_params(request.max_completion_tokens or request.max_tokens,
-                                       logprobs),
-        stream=request.stream, cache_salt=request.cache_salt,
-        include_usage=request.include_usage, n=request.n)
+        params=request.sampling_params(
+            request.max_completion_tokens or request.max_tokens, logprobs
+        ),
+        stream=request.stream,
+        cache_salt=request.cache_salt,
+        include_usage=request.include_usage,
+        n=request.n,
+    )
 
 
 def render_chat(messages: list[Any], tokenizer: Tokenizer) -> list[int]:
     """The prompt's token ids: the template writes every special token (BOS included)."""
     if tokenizer.chat_template is None:
-        raise APIError(400, "this model has no chat template; use /v1/completions",
-                       param="messages", code="no_chat_template")
+        raise APIError(
+            400,
+            "this model has no chat template; use /v1/completions",
+            param="messages",
+            code="no_chat_template",
+        )
     try:
         prompt = tokenizer.chat_template.render(messages, add_generation_prompt=True)
     except ValueError as error:
@@ -82,20 +102,47 @@ class ChatFormat:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.request_id, "object": "chat.completion.chunk",
-                "created": self.created, "model": self.model, "choices": choices}
+        return {
+            "id": self.request_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
 
     def opening_chunks(self, n: int) -> list[dict[str, Any]]:
-        return [self._envelope([{"index": index, "delta": {"role": "assistant", "content": ""},
-                                 "logprobs": None, "finish_reason": None}])
-                for index in range(n)]
+        return [
+            self._envelope(
+                [
+                    {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+            for index in range(n)
+        ]
 
-    def chunk(self, text: str, finish_reason: str | None, index: int = 0,
-              tokens: TokensWithLogprobs = ((), ())) -> dict[str, Any]:
+    def chunk(
+        self,
+        text: str,
+        finish_reason: str | None,
+        index: int = 0,
+        tokens: TokensWithLogprobs = ((), ()),
+    ) -> dict[str, Any]:
         delta = {"content": text} if text else {}
-        return self._envelope([{"index": index, "delta": delta,
-                                "logprobs": self._render(tokens),
-                                "finish_reason": finish_reason}])
+        return self._envelope(
+            [
+                {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": self._render(tokens),
+                    "finish_reason": finish_reason,
+                }
+            ]
+        )
 
     def _render(self, tokens: TokensWithLogprobs) -> dict[str, Any] | None:
         return self.logprobs.chat(*tokens) if self.logprobs else None
@@ -103,10 +150,22 @@ class ChatFormat:
     def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
         return {**self._envelope([]), "usage": usage_body}
 
-    def response(self, choices: list[tuple[str, str | None, TokensWithLogprobs]],
-                 usage_body: dict[str, Any]) -> dict[str, Any]:
-        return {"id": self.request_id, "object": "chat.completion", "created": self.created,
-                "model": self.model, "usage": usage_body,
-                "choices": [{"index": i, "message": {"role": "assistant", "content": text},
-                             "logprobs": self._render(tokens), "finish_reason": reason}
-                            for i, (text, reason, tokens) in enumerate(choices)]}
+    def response(
+        self, choices: list[tuple[str, str | None, TokensWithLogprobs]], usage_body: dict[str, Any]
+    ) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "usage": usage_body,
+            "choices": [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": self._render(tokens),
+                    "finish_reason": reason,
+                }
+                for i, (text, reason, tokens) in enumerate(choices)
+            ],
+        }

@@ -44,13 +44,17 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         if self.max_inflight_requests < 1:
-            raise ValueError(f"max_inflight_requests must be at least 1, "
-                             f"got {self.max_inflight_requests}")
+            raise ValueError(
+                f"max_inflight_requests must be at least 1, got {self.max_inflight_requests}"
+            )
         if self.retry_after_s < 0 or self.worker_timeout_s <= 0:
             raise ValueError("retry_after_s must be >= 0 and worker_timeout_s positive")
         if self.disagg_min_uncached_tokens < 0:
-            raise ValueError(f"disagg_min_uncached_tokens must be >= 0, got "
-                             f"{self.disagg_min_uncached_tokens}")
+            raise ValueError(
+                f"disagg_min_uncached_tokens must be >= 0, got {self.disagg_min_uncached_tokens}"
+            )
         if self.max_attempts < 1 or self.retry_backoff_s < 0:
-            raise ValueError(f"max_attempts must be at least 1 and retry_backoff_s >= 0, got "
-                             f"{self.max_attempts} and {self.retry_backoff_s}")
+            raise ValueError(
+                f"max_attempts must be at least 1 and retry_backoff_s >= 0, got "
+                f"{self.max_attempts} and {self.retry_backoff_s}"
+            )

@@ -45,24 +45,30 @@ async def dashboard_file(name: str) -> Response:
     return FileResponse(path, media_type=_MEDIA_TYPES.get(path.suffix, "text/plain"))
 
 
-def recent_requests_body(recent: RecentRequests, limit: int,
-                         shared: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def recent_requests_body(
+    recent: RecentRequests, limit: int, shared: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """``GET /v1/requests``: up to ``limit`` records, newest first, as an OpenAI-style list
     (``shared``: every gateway replica's, from their board, instead of this one's)."""
     data = shared if shared is not None else [record.to_json() for record in recent.latest(limit)]
     return {"object": "list", "capacity": recent.capacity, "data": data}
 
 
-def request_provenance_response(recent: RecentRequests, request_id: str,
-                                shared: dict[str, Any] | None = None) -> JSONResponse:
+def request_provenance_response(
+    recent: RecentRequests, request_id: str, shared: dict[str, Any] | None = None
+) -> JSONResponse:
     """``GET /v1/requests/{id}``: the record (``shared``: another gateway replica's, from
     their board), or 404 naming how many requests are kept."""
     if shared is not None:
         return JSONResponse(shared)
     record = recent.get(request_id)
     if record is None:
-        error = APIError(404, f"no finished request {request_id!r} among the last "
-                              f"{recent.capacity} this gateway keeps", param="request_id",
-                         code="not_found")
+        error = APIError(
+            404,
+            f"no finished request {request_id!r} among the last "
+            f"{recent.capacity} this gateway keeps",
+            param="request_id",
+            code="not_found",
+        )
         return JSONResponse(error.body(), status_code=404)
     return JSONResponse(record.to_json())

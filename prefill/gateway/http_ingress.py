@@ -18,7 +18,6 @@ worker of a needed role is available. The gRPC ``Generate`` service (``grpc_ingr
 starts beside it when ``grpc_port`` is set; both share one ``RequestOrchestrator``.
 """
 
-
 import asyncio
 import json
 import logging
@@ -35,16 +34,30 @@ from ray import serve
 from sse_starlette import EventSourceResponse
 
 from pdserve.messages.logprobs import TokenLogprobs
-from pdserve.prefill.gateway.admission import (AdmissionSlot, ReleaseSlotsAtRequestEnd,
-                                               hold_until_request_ends)
+from pdserve.prefill.gateway.admission import (
+    AdmissionSlot,
+    ReleaseSlotsAtRequestEnd,
+    hold_until_request_ends,
+)
 from pdserve.prefill.gateway.config import GatewayConfig
-from pdserve.prefill.gateway.dashboard import (DEFAULT_LIMIT, dashboard_router,
-                                               recent_requests_body, request_provenance_response)
+from pdserve.prefill.gateway.dashboard import (
+    DEFAULT_LIMIT,
+    dashboard_router,
+    recent_requests_body,
+    request_provenance_response,
+)
 from pdserve.prefill.gateway.grpc_ingress import start_grpc_server
 from pdserve.prefill.gateway.chat import ChatFormat, parse_chat
-from pdserve.prefill.gateway.openai_schema import (MAX_REQUEST_BYTES, APIError, CompletionFormat,
-                                                   ParsedCompletion, models_response,
-                                                   parse_completion, request_too_large, usage)
+from pdserve.prefill.gateway.openai_schema import (
+    MAX_REQUEST_BYTES,
+    APIError,
+    CompletionFormat,
+    ParsedCompletion,
+    models_response,
+    parse_completion,
+    request_too_large,
+    usage,
+)
 from pdserve.prefill.gateway.logprobs_format import LogprobsRenderer, TokensWithLogprobs
 from pdserve.prefill.gateway.orchestrator import RequestOrchestrator
 from pdserve.prefill.gateway.parallel_sampling import choice_params, generate_choices
@@ -63,8 +76,9 @@ app.add_middleware(ReleaseSlotsAtRequestEnd)  # an admitted request's slot lives
 @app.exception_handler(APIError)
 async def _api_error(request: Request, error: APIError) -> Response:
     """An ``APIError`` no route caught (no prefill worker described the model yet: 503)."""
-    return Response(json.dumps(error.body()), status_code=error.status,
-                    media_type="application/json")
+    return Response(
+        json.dumps(error.body()), status_code=error.status, media_type="application/json"
+    )
 
 
 def _error_response(orchestrator: RequestOrchestrator, error: APIError) -> Response:
@@ -76,8 +90,12 @@ def _error_response(orchestrator: RequestOrchestrator, error: APIError) -> Respo
     headers = None
     if error.status in (429, 503):
         headers = {"Retry-After": str(orchestrator.config.retry_after_s)}
-    return Response(json.dumps(error.body()), status_code=error.status, headers=headers,
-                    media_type="application/json")
+    return Response(
+        json.dumps(error.body()),
+        status_code=error.status,
+        headers=headers,
+        media_type="application/json",
+    )
 
 
 async def read_json_body(request: Request) -> object:
@@ -85,9 +103,12 @@ async def read_json_body(request: Request) -> object:
     ``MAX_REQUEST_BYTES``, counted as it arrives) or 400 (not JSON; NaN and Infinity are not)."""
     media_type = request.headers.get("content-type", "application/json").split(";")[0].strip()
     if media_type.lower() != "application/json":
-        raise APIError(415, f"Content-Type {media_type!r} is not supported; send the body as "
-                            f"JSON with Content-Type: application/json",
-                       code="unsupported_media_type")
+        raise APIError(
+            415,
+            f"Content-Type {media_type!r} is not supported; send the body as "
+            f"JSON with Content-Type: application/json",
+            code="unsupported_media_type",
+        )
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
         raise request_too_large(int(declared))
@@ -114,9 +135,13 @@ ResponseFormat = CompletionFormat | ChatFormat
 Choices = AsyncIterator[tuple[int, StreamDelta]]
 
 
-async def _sse_events(orchestrator: RequestOrchestrator, response_format: ResponseFormat,
-                      parsed: ParsedCompletion, first: tuple[int, StreamDelta],
-                      choices: Choices) -> AsyncIterator[dict[str, str]]:
+async def _sse_events(
+    orchestrator: RequestOrchestrator,
+    response_format: ResponseFormat,
+    parsed: ParsedCompletion,
+    first: tuple[int, StreamDelta],
+    choices: Choices,
+) -> AsyncIterator[dict[str, str]]:
     """The SSE events of a streamed reply (``sse-starlette`` frames them), ``[DONE]`` last;
     with ``n > 1`` the choices' chunks interleave, each naming its index.
 
@@ -180,7 +205,9 @@ class _Tally:
         if delta.prompt_logprobs:  # choice 0's prefill computed them; every choice echoes them
             self._prompt_logprobs = delta.prompt_logprobs
         if self._echo is not None and not self.texts[index] and not self.token_ids[index]:
-            prompt_ids = self._echo.prompt_token_ids or self._tokenizer.encode(self._echo.prompt_text)
+            prompt_ids = self._echo.prompt_token_ids or self._tokenizer.encode(
+                self._echo.prompt_text
+            )
             prompt_text = self._echo.prompt_text or self._tokenizer.decode(prompt_ids)
             text, token_ids = prompt_text + text, [*prompt_ids, *token_ids]
             logprobs = [*(self._prompt_logprobs or [None] * len(prompt_ids)), *logprobs]
@@ -207,11 +234,17 @@ class _Tally:
     def provenance(self) -> dict[str, Any]:
         """``{"kv_provenance": ...}``: where the prompt's KV came from (choice 0 carries it)."""
         last = self.first_choice_last
-        return {"kv_provenance": last.kv_provenance.to_json()} if last and last.kv_provenance else {}
+        return (
+            {"kv_provenance": last.kv_provenance.to_json()} if last and last.kv_provenance else {}
+        )
 
 
-async def _serve(orchestrator: RequestOrchestrator, request: Request, parsed: ParsedCompletion,
-                 response_format: ResponseFormat) -> Response:
+async def _serve(
+    orchestrator: RequestOrchestrator,
+    request: Request,
+    parsed: ParsedCompletion,
+    response_format: ResponseFormat,
+) -> Response:
     """Admits and runs a parsed request; answers it whole or as SSE, in ``response_format``.
 
     The admitted request's place and its choices' stream belong to an ``AdmissionSlot`` that
@@ -224,9 +257,12 @@ async def _serve(orchestrator: RequestOrchestrator, request: Request, parsed: Pa
     except APIError as error:
         return _error_response(orchestrator, error)
     choices = generate_choices(
-        orchestrator, response_format.request_id, token_ids,
+        orchestrator,
+        response_format.request_id,
+        token_ids,
         choice_params(params, parsed.n, parsed.params.seed, orchestrator.seed_rng),
-        parsed.cache_salt)
+        parsed.cache_salt,
+    )
     hold_until_request_ends(request.scope, AdmissionSlot(orchestrator.release, choices))
     try:
         first = await anext(choices)
@@ -234,7 +270,8 @@ async def _serve(orchestrator: RequestOrchestrator, request: Request, parsed: Pa
         return _error_response(orchestrator, error)
     if parsed.stream:
         return EventSourceResponse(
-            _sse_events(orchestrator, response_format, parsed, first, choices), ping=None)
+            _sse_events(orchestrator, response_format, parsed, first, choices), ping=None
+        )
     tally = _Tally(parsed, orchestrator.tokenizer)
     try:
         tally.add(*first)
@@ -244,7 +281,8 @@ async def _serve(orchestrator: RequestOrchestrator, request: Request, parsed: Pa
         return _error_response(orchestrator, error)
     body = response_format.response(
         list(zip(tally.texts, tally.finish_reasons, zip(tally.token_ids, tally.logprobs))),
-        tally.usage())
+        tally.usage(),
+    )
     return JSONResponse({**body, **tally.provenance()})
 
 
@@ -254,8 +292,14 @@ async def complete(orchestrator: RequestOrchestrator, request: Request) -> Respo
         parsed = parse_completion(await read_json_body(request))
     except APIError as error:
         return _error_response(orchestrator, error)
-    return await _serve(orchestrator, request, parsed, CompletionFormat(
-        f"cmpl-{uuid.uuid4().hex}", orchestrator.model_name, _renderer(orchestrator, parsed)))
+    return await _serve(
+        orchestrator,
+        request,
+        parsed,
+        CompletionFormat(
+            f"cmpl-{uuid.uuid4().hex}", orchestrator.model_name, _renderer(orchestrator, parsed)
+        ),
+    )
 
 
 async def chat_complete(orchestrator: RequestOrchestrator, request: Request) -> Response:
@@ -266,11 +310,19 @@ async def chat_complete(orchestrator: RequestOrchestrator, request: Request) -> 
         parsed = await asyncio.to_thread(parse_chat, body, orchestrator.tokenizer)
     except APIError as error:
         return _error_response(orchestrator, error)
-    return await _serve(orchestrator, request, parsed, ChatFormat(
-        f"chatcmpl-{uuid.uuid4().hex}", orchestrator.model_name, _renderer(orchestrator, parsed)))
+    return await _serve(
+        orchestrator,
+        request,
+        parsed,
+        ChatFormat(
+            f"chatcmpl-{uuid.uuid4().hex}", orchestrator.model_name, _renderer(orchestrator, parsed)
+        ),
+    )
 
 
-def _renderer(orchestrator: RequestOrchestrator, parsed: ParsedCompletion) -> LogprobsRenderer | None:
+def _renderer(
+    orchestrator: RequestOrchestrator, parsed: ParsedCompletion
+) -> LogprobsRenderer | None:
     """Renders the request's logprobs, when it asked for them."""
     wanted = parsed.params.logprobs is not None or parsed.params.prompt_logprobs is not None
     return LogprobsRenderer(orchestrator.tokenizer) if wanted else None
@@ -279,8 +331,10 @@ def _renderer(orchestrator: RequestOrchestrator, parsed: ParsedCompletion) -> Lo
 # ---------------------------------------------------------------------- the ingress
 # Defined last: Serve pickles the class, and its methods must find the helpers above.
 
-@serve.deployment(name="gateway", num_replicas=1, ray_actor_options={"num_cpus": 0},
-                  max_ongoing_requests=1024)
+
+@serve.deployment(
+    name="gateway", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024
+)
 @serve.ingress(app)
 class Gateway:
     """Ingress replica: owns the orchestrator (router included) and every worker's handle.
@@ -289,8 +343,9 @@ class Gateway:
     so that Serve keeps them running while the replaced gateway drains requests that still
     use them; this gateway never routes to them (``deploy.cluster.scale``)."""
 
-    def __init__(self, config: GatewayConfig, prefill: dict, decode: dict,
-                 retiring: dict | None = None) -> None:
+    def __init__(
+        self, config: GatewayConfig, prefill: dict, decode: dict, retiring: dict | None = None
+    ) -> None:
         self.config = config
         self.workers = WorkerPool(prefill, decode)
         self.orchestrator: "RequestOrchestrator | None" = None
@@ -305,11 +360,11 @@ class Gateway:
                     try:
                         info = await self.workers.first_model_info(self.config.worker_timeout_s)
                     except NoModelInfo as error:
-                        raise APIError(503, str(error), type="server_error",
-                                       code="no_worker_available") from None
+                        raise APIError(
+                            503, str(error), type="server_error", code="no_worker_available"
+                        ) from None
                     tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model)
-                    orchestrator = RequestOrchestrator(self.config, self.workers, info,
-                                                       tokenizer)
+                    orchestrator = RequestOrchestrator(self.config, self.workers, info, tokenizer)
                     orchestrator.start()
                     self.orchestrator = orchestrator
                     if self.config.grpc_port:
@@ -357,9 +412,14 @@ class Gateway:
     async def health(self) -> JSONResponse:
         """200 while the gateway runs (liveness); the body names workers that do not answer."""
         orchestrator = await self._get_orchestrator()
-        return JSONResponse({"status": "ok", "model": orchestrator.model_name,
-                             "workers": len(self.workers.all),
-                             "unavailable": orchestrator.readiness.report()["unavailable"]})
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": orchestrator.model_name,
+                "workers": len(self.workers.all),
+                "unavailable": orchestrator.readiness.report()["unavailable"],
+            }
+        )
 
     @app.get("/ready")
     async def ready(self) -> JSONResponse:
@@ -377,5 +437,6 @@ class Gateway:
     async def metrics(self) -> Response:
         orchestrator = await self._get_orchestrator()
         await orchestrator.stats()  # refreshes the worker figures the collector exposes
-        return Response(generate_latest(orchestrator.metrics.registry),
-                        media_type=CONTENT_TYPE_LATEST)
+        return Response(
+            generate_latest(orchestrator.metrics.registry), media_type=CONTENT_TYPE_LATEST
+        )

@@ -23,8 +23,13 @@ EVENT_POLL_S = 0.25
 
 
 class KVEventPoller:
-    def __init__(self, workers: WorkerPool, router: Router, worker_timeout_s: float,
-                 after_each_round: Callable[[], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        workers: WorkerPool,
+        router: Router,
+        worker_timeout_s: float,
+        after_each_round: Callable[[], Awaitable[None]],
+    ) -> None:
         self.workers = workers
         self.router = router
         self.worker_timeout_s = worker_timeout_s
@@ -37,13 +42,15 @@ class KVEventPoller:
         if self._task is None:
             # A fresh context: started while serving a request, the poll's worker calls would
             # otherwise be that request's children, cancelled by Serve when it is.
-            self._task = asyncio.get_running_loop().create_task(self._poll_forever(),
-                                                                context=contextvars.Context())
+            self._task = asyncio.get_running_loop().create_task(
+                self._poll_forever(), context=contextvars.Context()
+            )
 
     async def _poll_forever(self) -> None:
         while True:
-            await asyncio.gather(*(self._poll_one(w) for w in self.workers.all),
-                                 return_exceptions=True)
+            await asyncio.gather(
+                *(self._poll_one(w) for w in self.workers.all), return_exceptions=True
+            )
             await self._after_each_round()
             await asyncio.sleep(EVENT_POLL_S)
 
@@ -62,8 +69,9 @@ class KVEventPoller:
         """``refresh`` without waiting for it: a prefill worker's hand-off chunk starts it,
         so neither the first token nor the decode call waits a Ray round trip for the
         prefill's events. ``settled(request_id)`` waits for it before the reply ends."""
-        task = asyncio.get_running_loop().create_task(self.refresh(worker_id),
-                                                      context=contextvars.Context())
+        task = asyncio.get_running_loop().create_task(
+            self.refresh(worker_id), context=contextvars.Context()
+        )
         self._refreshing[request_id] = task
         task.add_done_callback(lambda _: self._refreshing.pop(request_id, None))
 
@@ -77,12 +85,15 @@ class KVEventPoller:
         try:
             batch = await asyncio.wait_for(
                 self.workers.call(worker_id, "kv_events", self.router.next_seq(worker_id)),
-                self.worker_timeout_s)
+                self.worker_timeout_s,
+            )
             self.router.apply(batch)
             if not self.router.is_available(worker_id):
                 logger.info("worker %s answers again", worker_id)
             self.router.set_available(worker_id, True)
-        except Exception as error:  # a dead worker: Serve restarts it, its new instance resets the index
+        except (
+            Exception
+        ) as error:  # a dead worker: Serve restarts it, its new instance resets the index
             if self.router.is_available(worker_id):
                 logger.warning("worker %s is unavailable: %r", worker_id, error)
             self.router.set_available(worker_id, False)

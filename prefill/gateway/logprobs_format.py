@@ -29,8 +29,9 @@ class LogprobsRenderer:
     def token_text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id])
 
-    def completion(self, index: int, token_ids: Sequence[int],
-                   entries: Sequence[TokenLogprobs | None]) -> dict[str, Any]:
+    def completion(
+        self, index: int, token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None]
+    ) -> dict[str, Any]:
         tokens, offsets = [], []
         offset = self._text_offsets.get(index, 0)
         for token_id in token_ids:
@@ -39,17 +40,28 @@ class LogprobsRenderer:
             offsets.append(offset)
             offset += len(text)
         self._text_offsets[index] = offset
-        return {"tokens": tokens,
-                "token_logprobs": [e.logprob if e else None for e in entries],
-                "top_logprobs": [{self.token_text(t): lp for t, lp in e.top} if e else None
-                                 for e in entries],
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob if e else None for e in entries],
+            "top_logprobs": [
+                {self.token_text(t): lp for t, lp in e.top} if e else None for e in entries
+            ],
+            "text_offset": offsets,
+        }
 
-    def chat(self, token_ids: Sequence[int],
-             entries: Sequence[TokenLogprobs | None]) -> dict[str, Any]:
-        return {"content": [{**self._chat_token(e.token_id, e.logprob),
-                             "top_logprobs": [self._chat_token(t, lp) for t, lp in e.top]}
-                            for e in entries if e is not None]}
+    def chat(
+        self, token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None]
+    ) -> dict[str, Any]:
+        return {
+            "content": [
+                {
+                    **self._chat_token(e.token_id, e.logprob),
+                    "top_logprobs": [self._chat_token(t, lp) for t, lp in e.top],
+                }
+                for e in entries
+                if e is not None
+            ]
+        }
 
     def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token_text(token_id)

@@ -16,8 +16,14 @@ from prometheus_client import CollectorRegistry
 from pdserve.messages.worker_stats import WorkerStats
 from pdserve.prefill.gateway.request_provenance import KV_SOURCES, VLLM_SOURCES, RequestProvenance
 from pdserve.prefill.gateway.request_timeline import RequestTimeline
-from pdserve.stats.latency import (E2E_BUCKETS_S, ITL_BUCKETS_S, TRANSFER_BUCKETS_S,
-                                   TTFT_BUCKETS_S, LatencyHistogram, LatencyWindow)
+from pdserve.stats.latency import (
+    E2E_BUCKETS_S,
+    ITL_BUCKETS_S,
+    TRANSFER_BUCKETS_S,
+    TTFT_BUCKETS_S,
+    LatencyHistogram,
+    LatencyWindow,
+)
 from pdserve.stats.registry import GATEWAY_STATS, WORKER_STATS
 from pdserve.stats.views import prometheus_families, totals
 
@@ -94,10 +100,12 @@ class GatewayMetrics:
 
     def row(self) -> dict[str, Any]:
         """Every ``GATEWAY_STATS`` figure by name (histograms as snapshots)."""
-        recent = {"ttft_p50_s": self._recent_ttft.percentile(50),
-                  "ttft_p99_s": self._recent_ttft.percentile(99),
-                  "itl_p50_s": self._recent_itl.percentile(50),
-                  "itl_p99_s": self._recent_itl.percentile(99)}
+        recent = {
+            "ttft_p50_s": self._recent_ttft.percentile(50),
+            "ttft_p99_s": self._recent_ttft.percentile(99),
+            "itl_p50_s": self._recent_itl.percentile(50),
+            "itl_p99_s": self._recent_itl.percentile(99),
+        }
         row: dict[str, Any] = {}
         for stat in GATEWAY_STATS:
             value = recent[stat.name] if stat.name in recent else getattr(self, stat.name)
@@ -108,22 +116,37 @@ class GatewayMetrics:
 
     def collect(self):
         """Prometheus: the gateway's families, then every worker's (latest ``stats()``)."""
-        yield from prometheus_families(GATEWAY_STATS, ["model_name"],
-                                       [([self.model_name], self.service_row or self.row())])
         yield from prometheus_families(
-            WORKER_STATS, ["model_name", "worker", "role"],
-            [([self.model_name, w.worker_id, w.role], dataclasses.asdict(w) | {
-                "transfer_latency": w.transfer_latency}) for w in self.latest_workers])
+            GATEWAY_STATS, ["model_name"], [([self.model_name], self.service_row or self.row())]
+        )
+        yield from prometheus_families(
+            WORKER_STATS,
+            ["model_name", "worker", "role"],
+            [
+                (
+                    [self.model_name, w.worker_id, w.role],
+                    dataclasses.asdict(w) | {"transfer_latency": w.transfer_latency},
+                )
+                for w in self.latest_workers
+            ],
+        )
 
 
-def stats_report(model_name: str, gateway: dict[str, Any],
-                 workers: list[WorkerStats]) -> dict[str, Any]:
+def stats_report(
+    model_name: str, gateway: dict[str, Any], workers: list[WorkerStats]
+) -> dict[str, Any]:
     """The ``/stats`` body: the gateway's figures, each worker's, and the service's totals."""
     rows = [dataclasses.asdict(stats) for stats in workers]
-    return {"model": model_name, "gateway": _json_ready(gateway),
-            "workers": rows, "totals": _json_ready(totals(WORKER_STATS, rows))}
+    return {
+        "model": model_name,
+        "gateway": _json_ready(gateway),
+        "workers": rows,
+        "totals": _json_ready(totals(WORKER_STATS, rows)),
+    }
 
 
 def _json_ready(row: dict[str, Any]) -> dict[str, Any]:
-    return {key: dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
-            for key, value in row.items()}
+    return {
+        key: dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+        for key, value in row.items()
+    }

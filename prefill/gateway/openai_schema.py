@@ -44,23 +44,33 @@ MAX_STOP_CHARS = 256
 # Choices per request (``n``): each decodes on its own, so a large n is a large request.
 MAX_CHOICES = 16
 # pdserve implements none of these; each is accepted only at its default value.
-_UNSUPPORTED_FIELDS: dict[str, Any] = {"best_of": 1,
-                                       "suffix": None, "logit_bias": {}, "presence_penalty": 0,
-                                       "frequency_penalty": 0}
+_UNSUPPORTED_FIELDS: dict[str, Any] = {
+    "best_of": 1,
+    "suffix": None,
+    "logit_bias": {},
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+}
 # What a field of a union type must be, for a message clearer than pydantic's per-member list.
 _UNION_FIELDS = {
     "prompt": "a non-empty string, a non-empty list of token ids (each >= 0), or a one-element "
-              "list of either",
+    "list of either",
     "stop": f"a string or a list of at most {MAX_STOP_STRINGS} strings, each of 1 to "
-            f"{MAX_STOP_CHARS} characters",
+    f"{MAX_STOP_CHARS} characters",
 }
 
 
 class APIError(Exception):
     """A request the gateway refuses, with the HTTP status and OpenAI error body to send."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -69,29 +79,46 @@ class APIError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def too_many_requests(limit: int) -> APIError:
     """429: the gateway's in-flight queue is full; the client should retry after a pause."""
-    return APIError(429, f"the server is at its limit of {limit} requests in flight; "
-                         f"retry after the Retry-After interval", type="requests",
-                    code="rate_limit_exceeded")
+    return APIError(
+        429,
+        f"the server is at its limit of {limit} requests in flight; "
+        f"retry after the Retry-After interval",
+        type="requests",
+        code="rate_limit_exceeded",
+    )
 
 
 def request_too_large(num_bytes: int | None) -> APIError:
     """413: the body is over ``MAX_REQUEST_BYTES`` (``num_bytes`` when it was declared)."""
     size = "" if num_bytes is None else f" ({num_bytes} bytes)"
-    return APIError(413, f"the request body{size} is over the limit of {MAX_REQUEST_BYTES} "
-                         f"bytes", code="request_too_large")
+    return APIError(
+        413,
+        f"the request body{size} is over the limit of {MAX_REQUEST_BYTES} bytes",
+        code="request_too_large",
+    )
 
 
 def no_worker_available(role: str) -> APIError:
     """503: no worker of a needed role answers (dead, restarting); not the client's load."""
-    return APIError(503, f"no {role} worker is available right now (restarting or down); "
-                         f"retry after the Retry-After interval", type="server_error",
-                    code="no_worker_available")
+    return APIError(
+        503,
+        f"no {role} worker is available right now (restarting or down); "
+        f"retry after the Retry-After interval",
+        type="server_error",
+        code="no_worker_available",
+    )
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
@@ -141,8 +168,12 @@ class SamplingRequest(BaseModel):
             max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
-            logprobs=logprobs)
+            top_k=self.top_k or 0,
+            seed=self.seed,
+            stop=stop,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+        )
 
     @property
     def include_usage(self) -> bool:
@@ -160,7 +191,7 @@ class CompletionRequest(SamplingRequest):
     @field_validator("prompt")
     @classmethod
     def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
-        for text in (value if isinstance(value, list) else [value]):
+        for text in value if isinstance(value, list) else [value]:
             if isinstance(text, str):
                 check_unicode(text, info.field_name)
         return value
@@ -181,16 +212,18 @@ class ParsedCompletion:
     echo: bool = False  # completions: the reply repeats the prompt first
 
 
-def validate_request(model: type[RequestModel], body: Any,
-                     unsupported: dict[str, Any]) -> RequestModel:
+def validate_request(
+    model: type[RequestModel], body: Any, unsupported: dict[str, Any]
+) -> RequestModel:
     """``body`` as ``model``, or ``APIError(400)`` naming the first field that is wrong;
     a field pdserve does not implement is refused unless it holds its default."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     for name, default in unsupported.items():
         if body.get(name) not in (None, default):
-            raise APIError(400, f"{name} is not supported; omit it or send {json.dumps(default)}",
-                           param=name)
+            raise APIError(
+                400, f"{name} is not supported; omit it or send {json.dumps(default)}", param=name
+            )
     try:
         return model.model_validate(body)
     except ValidationError as error:
@@ -203,17 +236,27 @@ def parse_completion(body: Any) -> ParsedCompletion:
     prompt = request.prompt
     if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
-            raise APIError(400, "a batch of prompts is not supported; send one prompt per request",
-                           param="prompt")
+            raise APIError(
+                400,
+                "a batch of prompts is not supported; send one prompt per request",
+                param="prompt",
+            )
         prompt = prompt[0]
     text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
     params = request.sampling_params(request.max_tokens, request.logprobs)
     if request.echo and request.logprobs is not None:
         params = dataclasses.replace(params, prompt_logprobs=request.logprobs)
-    return ParsedCompletion(model=request.model, prompt_text=text, prompt_token_ids=token_ids,
-                            params=params, echo=request.echo,
-                            stream=request.stream, cache_salt=request.cache_salt,
-                            include_usage=request.include_usage, n=request.n)
+    return ParsedCompletion(
+        model=request.model,
+        prompt_text=text,
+        prompt_token_ids=token_ids,
+        params=params,
+        echo=request.echo,
+        stream=request.stream,
+        cache_salt=request.cache_salt,
+        include_usage=request.include_usage,
+        n=request.n,
+    )
 
 
 def _field_error(error: ValidationError) -> APIError:
@@ -232,8 +275,12 @@ def check_unicode(text: str, param: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
-        raise APIError(400, f"{param} holds an unpaired UTF-16 surrogate at character "
-                            f"{error.start}; send valid Unicode", param=param) from None
+        raise APIError(
+            400,
+            f"{param} holds an unpaired UTF-16 surrogate at character "
+            f"{error.start}; send valid Unicode",
+            param=param,
+        ) from None
 
 
 @dataclass(slots=True)
@@ -252,38 +299,66 @@ class CompletionFormat:
     def opening_chunks(self, n: int) -> list[dict[str, Any]]:
         return []
 
-    def chunk(self, text: str, finish_reason: str | None, index: int = 0,
-              tokens: TokensWithLogprobs = ((), ())) -> dict[str, Any]:
-        return {"id": self.request_id, "object": "text_completion", "created": self.created,
-                "model": self.model,
-                "choices": [self._choice(index, text, finish_reason, tokens)]}
+    def chunk(
+        self,
+        text: str,
+        finish_reason: str | None,
+        index: int = 0,
+        tokens: TokensWithLogprobs = ((), ()),
+    ) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [self._choice(index, text, finish_reason, tokens)],
+        }
 
-    def _choice(self, index: int, text: str, finish_reason: str | None,
-                tokens: TokensWithLogprobs) -> dict[str, Any]:
+    def _choice(
+        self, index: int, text: str, finish_reason: str | None, tokens: TokensWithLogprobs
+    ) -> dict[str, Any]:
         rendered = self.logprobs.completion(index, *tokens) if self.logprobs else None
         return {"index": index, "text": text, "logprobs": rendered, "finish_reason": finish_reason}
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
-        return {"id": self.request_id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": [], "usage": usage_body}
+        return {
+            "id": self.request_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage_body,
+        }
 
-    def response(self, choices: list[tuple[str, str | None, TokensWithLogprobs]],
-                 usage_body: dict[str, Any]) -> dict[str, Any]:
+    def response(
+        self, choices: list[tuple[str, str | None, TokensWithLogprobs]], usage_body: dict[str, Any]
+    ) -> dict[str, Any]:
         """The whole reply: ``choices`` are ``(text, finish_reason, tokens)`` by index."""
-        return {"id": self.request_id, "object": "text_completion", "created": self.created,
-                "model": self.model, "usage": usage_body,
-                "choices": [self._choice(i, text, reason, tokens)
-                            for i, (text, reason, tokens) in enumerate(choices)]}
+        return {
+            "id": self.request_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "usage": usage_body,
+            "choices": [
+                self._choice(i, text, reason, tokens)
+                for i, (text, reason, tokens) in enumerate(choices)
+            ],
+        }
 
 
 def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict[str, Any]:
     """OpenAI's ``usage`` object (a whole response's, or a stream's last chunk's)."""
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
-            "total_tokens": num_prompt_tokens + num_output_tokens,
-            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_output_tokens,
+        "total_tokens": num_prompt_tokens + num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }
 
 
 def models_response(model: str, created: int) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
-                                        "owned_by": "pdserve"}]}
-
+    return {
+        "object": "list",
+        "data": [{"id": model, "object": "model", "created": created, "owned_by": "pdserve"}],
+    }

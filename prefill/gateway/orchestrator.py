@@ -45,8 +45,12 @@ from pdserve.messages.worker_stats import WorkerStats
 from pdserve.prefill.gateway.config import GatewayConfig
 from pdserve.prefill.gateway.kv_event_poller import KVEventPoller
 from pdserve.prefill.gateway.metrics import GatewayMetrics, stats_report
-from pdserve.prefill.gateway.openai_schema import (APIError, ParsedCompletion,
-                                                   no_worker_available, too_many_requests)
+from pdserve.prefill.gateway.openai_schema import (
+    APIError,
+    ParsedCompletion,
+    no_worker_available,
+    too_many_requests,
+)
 from pdserve.prefill.gateway.readiness import Readiness
 from pdserve.prefill.gateway.replica_board import ReplicaShare
 from pdserve.prefill.gateway.request_provenance import RecentRequests, RequestProvenance
@@ -79,8 +83,10 @@ class WorkerLost(Exception):
     """A worker's stream broke (its process died or became unreachable)."""
 
     def __init__(self, worker_id: str, answered: bool, cause: BaseException) -> None:
-        super().__init__(f"worker {worker_id} was lost ({'mid-stream' if answered else 'before answering'}): "
-                         f"{cause!r}")
+        super().__init__(
+            f"worker {worker_id} was lost ({'mid-stream' if answered else 'before answering'}): "
+            f"{cause!r}"
+        )
         self.worker_id = worker_id
         self.answered = answered
 
@@ -127,8 +133,13 @@ class RequestRun:
 class RequestOrchestrator:
     """Admission, routing, the prefill → decode hand-off and retries for one gateway."""
 
-    def __init__(self, config: GatewayConfig, workers: WorkerPool, model_info: ModelInfo,
-                 tokenizer: Tokenizer) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        workers: WorkerPool,
+        model_info: ModelInfo,
+        tokenizer: Tokenizer,
+    ) -> None:
         self.config = config
         self.workers = workers
         self.model_info = model_info
@@ -137,13 +148,17 @@ class RequestOrchestrator:
         self.hasher = BlockHasher(model_info.hash_algorithm, model_info.hash_seed)
         self.router = Router(list(workers.prefill), list(workers.decode), config.max_load_imbalance)
         self.readiness = Readiness(workers, self.router, config.worker_timeout_s)
-        self.poller = KVEventPoller(workers, self.router, config.worker_timeout_s,
-                                    after_each_round=self.readiness.prewarm)
+        self.poller = KVEventPoller(
+            workers, self.router, config.worker_timeout_s, after_each_round=self.readiness.prewarm
+        )
         self.metrics = GatewayMetrics(self.model_name)
         self.recent = RecentRequests(config.num_recent_requests)
         # With several gateway replicas: the board they answer the service's figures from.
-        self.share = (ReplicaShare(config.app_name, uuid.uuid4().hex[:12], config.num_recent_requests)
-                      if config.num_replicas > 1 else None)
+        self.share = (
+            ReplicaShare(config.app_name, uuid.uuid4().hex[:12], config.num_recent_requests)
+            if config.num_replicas > 1
+            else None
+        )
         self.seed_rng = random.SystemRandom()
         self._lease_releases: set[asyncio.Task] = set()
 
@@ -157,25 +172,39 @@ class RequestOrchestrator:
     def prepare(self, parsed: ParsedCompletion) -> tuple[list[int], SamplingParams]:
         """Validates the model and prompt; returns token ids and params with a seed."""
         if parsed.model != self.model_name:
-            raise APIError(404, f"model {parsed.model!r} does not exist; this server serves "
-                                f"{self.model_name!r}", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"model {parsed.model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
         if parsed.prompt_token_ids is not None:
             token_ids = parsed.prompt_token_ids
             vocab_size = self.tokenizer.vocab_size
             bad = next((t for t in token_ids if t >= vocab_size), None)
             if bad is not None:
-                raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab_size})",
-                               param="prompt")
+                raise APIError(
+                    400,
+                    f"token id {bad} is outside the vocabulary [0, {vocab_size})",
+                    param="prompt",
+                )
         else:
             token_ids = self.tokenizer.encode(parsed.prompt_text)
         max_len = self.model_info.max_model_len
         if len(token_ids) > max_len:
-            raise APIError(400, f"the prompt has {len(token_ids)} tokens, more than this model's "
-                                f"max_model_len of {max_len}; shorten it", param="prompt")
+            raise APIError(
+                400,
+                f"the prompt has {len(token_ids)} tokens, more than this model's "
+                f"max_model_len of {max_len}; shorten it",
+                param="prompt",
+            )
         if len(token_ids) + parsed.params.max_tokens > max_len:
-            raise APIError(400, f"prompt ({len(token_ids)} tokens) plus max_tokens "
-                                f"({parsed.params.max_tokens}) exceeds max_model_len ({max_len})",
-                           param="max_tokens")
+            raise APIError(
+                400,
+                f"prompt ({len(token_ids)} tokens) plus max_tokens "
+                f"({parsed.params.max_tokens}) exceeds max_model_len ({max_len})",
+                param="max_tokens",
+            )
         params = parsed.params
         if params.seed is None:  # both sides must sample with the same seed
             params = dataclasses.replace(params, seed=self.seed_rng.getrandbits(63))
@@ -194,8 +223,9 @@ class RequestOrchestrator:
         block_size = self.model_info.block_size
         if len(token_ids) <= _INLINE_PROMPT_SIZE:
             return self.hasher.hash_request_blocks(token_ids, block_size, cache_salt=cache_salt)
-        return await asyncio.to_thread(self.hasher.hash_request_blocks, token_ids, block_size,
-                                       cache_salt=cache_salt)
+        return await asyncio.to_thread(
+            self.hasher.hash_request_blocks, token_ids, block_size, cache_salt=cache_salt
+        )
 
     def admit(self) -> None:
         """Takes a place in the bounded in-flight queue, or refuses with 429."""
@@ -209,8 +239,13 @@ class RequestOrchestrator:
 
     # ------------------------------------------------------------------ the phases
 
-    async def generate(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                       cache_salt: str | None = None) -> AsyncIterator[StreamDelta]:
+    async def generate(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[StreamDelta]:
         """Runs one admitted request; the caller must ``release()`` after the stream ends.
 
         Raises ``APIError`` before the first delta if a worker refuses the request (400) or
@@ -221,16 +256,21 @@ class RequestOrchestrator:
         async for delta in self.run_phases(run):
             yield delta
 
-    async def new_run(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                      cache_salt: str | None) -> RequestRun:
+    async def new_run(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, cache_salt: str | None
+    ) -> RequestRun:
         start = time.perf_counter()
         return RequestRun(
-            request_id, token_ids, params, cache_salt,
+            request_id,
+            token_ids,
+            params,
+            cache_salt,
             # Salted like the workers' hashes: a tenant's prefix never routes by another's blocks.
             block_hashes=await self.hash_blocks(token_ids, cache_salt),
             emitter=StreamEmitter(params.stop, len(token_ids), self.metrics, start),
             timeline=RequestTimeline(start),
-            remote_decode=params.max_tokens > 1 and self.router.has_decode_workers())
+            remote_decode=params.max_tokens > 1 and self.router.has_decode_workers(),
+        )
 
     async def run_phases(self, run: RequestRun) -> AsyncIterator[StreamDelta]:
         """``generate``'s body: the phases, in order, for an already built ``RequestRun``."""
@@ -272,12 +312,18 @@ class RequestOrchestrator:
         """The prefill worker's stream: the first token (or, colocated or run whole on a
         decode worker, every token)."""
         params = dataclasses.replace(run.params, max_tokens=1) if run.remote_decode else run.params
-        request = WorkerRequest(run.request_id, run.token_ids, params,
-                                remote_decode=run.remote_decode, cache_salt=run.cache_salt)
+        request = WorkerRequest(
+            run.request_id,
+            run.token_ids,
+            params,
+            remote_decode=run.remote_decode,
+            cache_salt=run.cache_salt,
+        )
         for attempt in range(self.config.max_attempts):
             if run.local_decode_id is not None:
-                run.prefill_id = self.route("decode", run.block_hashes,
-                                            fallback=run.local_decode_id if attempt else None)
+                run.prefill_id = self.route(
+                    "decode", run.block_hashes, fallback=run.local_decode_id if attempt else None
+                )
             else:
                 run.prefill_id = self.route("prefill", run.block_hashes)
             if run.remote_decode:  # 503 now, before any token, when none is up
@@ -295,8 +341,9 @@ class RequestOrchestrator:
                         yield delta
                 return
             except WorkerLost as lost:
-                self.retry_or_fail(lost, "prefill", run, attempt,
-                                   retryable=not run.emitter.sent_tokens)
+                self.retry_or_fail(
+                    lost, "prefill", run, attempt, retryable=not run.emitter.sent_tokens
+                )
 
     def hand_off(self, run: RequestRun) -> None:
         """The prefill's ``KVTransferParams`` (None: the decode side recomputes) go to decode."""
@@ -314,10 +361,13 @@ class RequestOrchestrator:
             # because the router's view flickered (polls slowed while workers start).
             run.decode_id = self.route("decode", run.block_hashes, fallback=run.decode_id)
             # The prompt's logprobs (if asked) came from the prefill worker.
-            request = WorkerRequest(run.request_id, run.token_ids,
-                                    dataclasses.replace(run.params, prompt_logprobs=None),
-                                    kv_transfer_params=run.kv_transfer_params,
-                                    cache_salt=run.cache_salt)
+            request = WorkerRequest(
+                run.request_id,
+                run.token_ids,
+                dataclasses.replace(run.params, prompt_logprobs=None),
+                kv_transfer_params=run.kv_transfer_params,
+                cache_salt=run.cache_salt,
+            )
             run.emitter.restart_stream()
             run.timeline.called("decode", run.decode_id)
             try:
@@ -330,10 +380,14 @@ class RequestOrchestrator:
                         yield delta
                 return
             except ReplayDiverged as error:
-                raise APIError(500, f"request {run.request_id} was lost with its decode worker "
-                                    f"and its replay diverged ({error}); the reply is cut short "
-                                    f"after {run.emitter.sent_tokens} tokens", type="server_error",
-                               code="replay_diverged") from None
+                raise APIError(
+                    500,
+                    f"request {run.request_id} was lost with its decode worker "
+                    f"and its replay diverged ({error}); the reply is cut short "
+                    f"after {run.emitter.sent_tokens} tokens",
+                    type="server_error",
+                    code="replay_diverged",
+                ) from None
             except WorkerLost as lost:
                 self.retry_or_fail(lost, "decode", run, attempt, retryable=True)
                 # The replay recomputes the prompt: the lease may be gone with the pull.
@@ -348,12 +402,20 @@ class RequestOrchestrator:
         emitter = run.emitter
         decode = run.last_decode_chunk
         record = RequestProvenance(
-            run.request_id, run.created, delta.finish_reason, len(run.token_ids),
-            emitter.sent_tokens, self.model_info.block_size,
+            run.request_id,
+            run.created,
+            delta.finish_reason,
+            len(run.token_ids),
+            emitter.sent_tokens,
+            self.model_info.block_size,
             prefill=run.last_prefill_chunk.kv_provenance if run.last_prefill_chunk else None,
             decode=decode.kv_provenance if decode is not None else None,
-            lease_id=run.lease_id, ttft_s=emitter.ttft_s(), itl_s=emitter.mean_itl_s(),
-            e2e_s=time.perf_counter() - emitter.start, timeline=run.timeline.to_json())
+            lease_id=run.lease_id,
+            ttft_s=emitter.ttft_s(),
+            itl_s=emitter.mean_itl_s(),
+            e2e_s=time.perf_counter() - emitter.start,
+            timeline=run.timeline.to_json(),
+        )
         self.recent.add(record)
         if self.share is not None:
             self.share.finished(record.to_json())
@@ -376,21 +438,30 @@ class RequestOrchestrator:
                 return fallback
             raise no_worker_available(error.role) from None
 
-    def retry_or_fail(self, lost: WorkerLost, role: str, run: RequestRun, attempt: int,
-                      retryable: bool) -> None:
+    def retry_or_fail(
+        self, lost: WorkerLost, role: str, run: RequestRun, attempt: int, retryable: bool
+    ) -> None:
         """The retry policy: returns to try again, or raises the error the client gets."""
         self.router.set_available(lost.worker_id, False)
         if retryable and attempt + 1 < self.config.max_attempts:
-            logger.warning("%s; running request %s again after %d sent tokens", lost,
-                           run.request_id, run.emitter.sent_tokens)
+            logger.warning(
+                "%s; running request %s again after %d sent tokens",
+                lost,
+                run.request_id,
+                run.emitter.sent_tokens,
+            )
             self.metrics.num_retries += 1
             return
         if not run.emitter.sent_tokens:
             raise no_worker_available(role)
-        raise APIError(503, f"the {role} worker serving this request was lost and "
-                            f"{self.config.max_attempts} attempts did not finish it; the reply is "
-                            f"cut short after {run.emitter.sent_tokens} tokens: retry the request",
-                       type="server_error", code="worker_lost")
+        raise APIError(
+            503,
+            f"the {role} worker serving this request was lost and "
+            f"{self.config.max_attempts} attempts did not finish it; the reply is "
+            f"cut short after {run.emitter.sent_tokens} tokens: retry the request",
+            type="server_error",
+            code="worker_lost",
+        )
 
     def release_lease(self, run: RequestRun) -> None:
         """Tells the prefill worker to free the blocks it leased for this request.
@@ -402,7 +473,8 @@ class RequestOrchestrator:
             return
         task = asyncio.get_running_loop().create_task(
             self.workers.call(run.prefill_id, "abort", run.request_id),
-            context=contextvars.Context())
+            context=contextvars.Context(),
+        )
         self._lease_releases.add(task)
         task.add_done_callback(self._lease_released)
 
@@ -411,8 +483,9 @@ class RequestOrchestrator:
         if not task.cancelled():
             task.exception()  # a dead prefill worker took the lease with it
 
-    async def worker_stream(self, worker_id: str, request: WorkerRequest,
-                             first: bool) -> AsyncIterator[GenerationChunk]:
+    async def worker_stream(
+        self, worker_id: str, request: WorkerRequest, first: bool
+    ) -> AsyncIterator[GenerationChunk]:
         """One worker's chunks, counted as its load. A worker whose stream breaks (dead,
         unreachable) leaves routing until its event poll answers again: ``WorkerLost``."""
         stream = self.workers.stream(worker_id, request)
@@ -425,11 +498,19 @@ class RequestOrchestrator:
                 except StopAsyncIteration:
                     return
                 except Exception as error:
-                    logger.warning("worker %s failed %s: %r", worker_id,
-                                   "mid-stream" if answered else "before answering", error)
+                    logger.warning(
+                        "worker %s failed %s: %r",
+                        worker_id,
+                        "mid-stream" if answered else "before answering",
+                        error,
+                    )
                     if raised_by_worker_code(error):  # alive: neither retried nor unrouted
-                        raise APIError(500, f"{worker_id} failed the request: {error.cause!r}",
-                                       type="server_error", code="worker_error") from None
+                        raise APIError(
+                            500,
+                            f"{worker_id} failed the request: {error.cause!r}",
+                            type="server_error",
+                            code="worker_error",
+                        ) from None
                     raise WorkerLost(worker_id, answered, error) from None
                 answered = True
                 if chunk.finished:  # the next request routes by what this one cached
@@ -442,8 +523,12 @@ class RequestOrchestrator:
                     if first and chunk.refused:
                         raise APIError(400, chunk.error)
                     # Never a silently short reply: the client gets an error event.
-                    raise APIError(500, f"{worker_id} failed the request: {chunk.error}",
-                                   type="server_error", code="worker_error")
+                    raise APIError(
+                        500,
+                        f"{worker_id} failed the request: {chunk.error}",
+                        type="server_error",
+                        code="worker_error",
+                    )
                 finished = chunk.finished
                 yield chunk
         finally:
@@ -456,9 +541,12 @@ class RequestOrchestrator:
 
     async def worker_stats(self) -> list[WorkerStats]:
         results = await asyncio.gather(
-            *(asyncio.wait_for(self.workers.call(w, "stats"), _STATS_TIMEOUT_S)
-              for w in self.workers.all),
-            return_exceptions=True)
+            *(
+                asyncio.wait_for(self.workers.call(w, "stats"), _STATS_TIMEOUT_S)
+                for w in self.workers.all
+            ),
+            return_exceptions=True,
+        )
         return [r for r in results if isinstance(r, WorkerStats)]
 
     async def stats(self) -> dict:

@@ -29,19 +29,28 @@ MAX_SEED = 2**63
 _FINISHED = object()
 
 
-def choice_params(params: SamplingParams, n: int, client_seed: int | None,
-                  rng: random.Random) -> list[SamplingParams]:
+def choice_params(
+    params: SamplingParams, n: int, client_seed: int | None, rng: random.Random
+) -> list[SamplingParams]:
     """Each choice's params: ``params`` (already seeded) first, then the siblings'."""
-    siblings = [dataclasses.replace(params, seed=(client_seed + i) % MAX_SEED
-                                    if client_seed is not None else rng.getrandbits(63),
-                                    prompt_logprobs=None)  # choice 0 brings the prompt's
-                for i in range(1, n)]
+    siblings = [
+        dataclasses.replace(
+            params,
+            seed=(client_seed + i) % MAX_SEED if client_seed is not None else rng.getrandbits(63),
+            prompt_logprobs=None,
+        )  # choice 0 brings the prompt's
+        for i in range(1, n)
+    ]
     return [params, *siblings]
 
 
-async def generate_choices(orchestrator: RequestOrchestrator, request_id: str,
-                           token_ids: list[int], params: list[SamplingParams],
-                           cache_salt: str | None) -> AsyncIterator[tuple[int, StreamDelta]]:
+async def generate_choices(
+    orchestrator: RequestOrchestrator,
+    request_id: str,
+    token_ids: list[int],
+    params: list[SamplingParams],
+    cache_salt: str | None,
+) -> AsyncIterator[tuple[int, StreamDelta]]:
     """``(choice index, delta)`` of every choice, interleaved as they arrive."""
     first = await orchestrator.new_run(request_id, token_ids, params[0], cache_salt)
     if len(params) == 1:
@@ -69,9 +78,13 @@ async def generate_choices(orchestrator: RequestOrchestrator, request_id: str,
                 await task
 
 
-async def _start_siblings(orchestrator: RequestOrchestrator, first: RequestRun,
-                          params: list[SamplingParams], tasks: list[asyncio.Task],
-                          queue: asyncio.Queue) -> None:
+async def _start_siblings(
+    orchestrator: RequestOrchestrator,
+    first: RequestRun,
+    params: list[SamplingParams],
+    tasks: list[asyncio.Task],
+    queue: asyncio.Queue,
+) -> None:
     """Waits until choice 0's KV sits in its final worker's cache, then starts the rest."""
     await first.final_stream_started.wait()
     for index in range(1, len(params)):
@@ -79,21 +92,28 @@ async def _start_siblings(orchestrator: RequestOrchestrator, first: RequestRun,
         tasks.append(asyncio.create_task(_pump(index, stream, queue)))
 
 
-async def _sibling(orchestrator: RequestOrchestrator, first: RequestRun, index: int,
-                   params: SamplingParams) -> AsyncIterator[StreamDelta]:
-    emitter = StreamEmitter(params.stop, len(first.token_ids), orchestrator.metrics,
-                            first.emitter.start)
-    request = WorkerRequest(f"{first.request_id}-{index}", first.token_ids, params,
-                            cache_salt=first.cache_salt)
+async def _sibling(
+    orchestrator: RequestOrchestrator, first: RequestRun, index: int, params: SamplingParams
+) -> AsyncIterator[StreamDelta]:
+    emitter = StreamEmitter(
+        params.stop, len(first.token_ids), orchestrator.metrics, first.emitter.start
+    )
+    request = WorkerRequest(
+        f"{first.request_id}-{index}", first.token_ids, params, cache_salt=first.cache_salt
+    )
     try:
         async for chunk in orchestrator.worker_stream(first.serving_worker, request, first=True):
             delta = emitter.update(chunk, final=True)
             if delta is not None:
                 yield delta
     except WorkerLost as lost:
-        raise APIError(503, f"choice {index} of request {first.request_id} lost its worker "
-                            f"({lost}); retry the request", type="server_error",
-                       code="worker_lost") from None
+        raise APIError(
+            503,
+            f"choice {index} of request {first.request_id} lost its worker "
+            f"({lost}); retry the request",
+            type="server_error",
+            code="worker_lost",
+        ) from None
 
 
 async def _pump(index: int, stream: AsyncIterator[StreamDelta], queue: asyncio.Queue) -> None:

@@ -57,9 +57,11 @@ class Readiness:
         if decode_instance is None:
             return
         done = self._connected.setdefault(decode_id, set())
-        wanted = {address: (decode_instance, prefill_id, prefill_instance)
-                  for prefill_id, (prefill_instance, address) in self._addresses.items()
-                  if (decode_instance, prefill_id, prefill_instance) not in done}
+        wanted = {
+            address: (decode_instance, prefill_id, prefill_instance)
+            for prefill_id, (prefill_instance, address) in self._addresses.items()
+            if (decode_instance, prefill_id, prefill_instance) not in done
+        }
         if not wanted:
             return
         connected = await self._call(decode_id, "connect_prefill_workers", list(wanted))
@@ -68,19 +70,25 @@ class Readiness:
 
     async def _call(self, worker_id: str, method: str, *args: Any) -> Any:
         try:
-            return await asyncio.wait_for(self.workers.call(worker_id, method, *args),
-                                          self.timeout_s)
+            return await asyncio.wait_for(
+                self.workers.call(worker_id, method, *args), self.timeout_s
+            )
         except Exception as error:  # noqa: BLE001 — not ready yet; the next round tries again
             logger.info("prewarm: %s.%s did not answer: %r", worker_id, method, error)
             return None
 
     def report(self) -> dict[str, Any]:
         """``ready`` and, when it is not, what is missing."""
-        answered = {w for w in self.workers.all if self.router.instance_id(w) is not None
-                    and self.router.is_available(w)}
-        roles_missing = [role for role, ids in (("prefill", self.workers.prefill),
-                                                ("decode", self.workers.decode))
-                         if ids and not answered & set(ids)]
+        answered = {
+            w
+            for w in self.workers.all
+            if self.router.instance_id(w) is not None and self.router.is_available(w)
+        }
+        roles_missing = [
+            role
+            for role, ids in (("prefill", self.workers.prefill), ("decode", self.workers.decode))
+            if ids and not answered & set(ids)
+        ]
         missing_handshakes = []
         for decode_id in self.workers.decode:
             decode_instance = self.router.instance_id(decode_id)
@@ -89,7 +97,9 @@ class Readiness:
                 prefill_instance = self.router.instance_id(prefill_id)
                 if (decode_instance, prefill_id, prefill_instance) not in done:
                     missing_handshakes.append(f"{decode_id}->{prefill_id}")
-        return {"ready": not roles_missing and not missing_handshakes,
-                "roles_without_an_answering_worker": roles_missing,
-                "missing_handshakes": missing_handshakes,
-                "unavailable": sorted(set(self.workers.all) - answered)}
+        return {
+            "ready": not roles_missing and not missing_handshakes,
+            "roles_without_an_answering_worker": roles_missing,
+            "missing_handshakes": missing_handshakes,
+            "unavailable": sorted(set(self.workers.all) - answered),
+        }

@@ -63,15 +63,16 @@ class ReplicaBoard:
 
     def latest(self, limit: int) -> list[dict[str, Any]]:
         """Up to ``limit`` records of every replica, newest first."""
-        return list(reversed(self._records.values()))[:max(limit, 0)]
+        return list(reversed(self._records.values()))[: max(limit, 0)]
 
 
 def board_for(app_name: str, num_recent_requests: int):
     """The app's board: created by the first replica that asks, found by the others.
 
     Detached, so that it outlives any one replica; ``deploy.cluster.delete_app`` ends it."""
-    return ReplicaBoard.options(name=board_name(app_name), namespace="pdserve",
-                                get_if_exists=True, lifetime="detached").remote(num_recent_requests)
+    return ReplicaBoard.options(
+        name=board_name(app_name), namespace="pdserve", get_if_exists=True, lifetime="detached"
+    ).remote(num_recent_requests)
 
 
 def board_name(app_name: str) -> str:
@@ -104,7 +105,8 @@ class ReplicaShare:
         """Pushes ``read_row()`` and the new records every ``PUSH_INTERVAL_S``."""
         self._read_row = read_row
         self._task = asyncio.get_running_loop().create_task(  # not any request's child
-            self._push_forever(), context=contextvars.Context())
+            self._push_forever(), context=contextvars.Context()
+        )
 
     async def push(self) -> None:
         records, self._unpushed = self._unpushed, []
@@ -115,18 +117,24 @@ class ReplicaShare:
             try:
                 await self.push()
             except Exception as error:  # the board restarting: the next push tries again
-                logger.warning("gateway replica %s could not push its figures: %r",
-                               self.replica_id, error)
+                logger.warning(
+                    "gateway replica %s could not push its figures: %r", self.replica_id, error
+                )
             await asyncio.sleep(PUSH_INTERVAL_S)
 
     async def service_row(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """The merged gateway row, and each replica's own (``replica_id``, requests, in flight)."""
         await self.push()  # this replica's figures as of now
         rows = await self._board.rows.remote()
-        replicas = [{"replica_id": replica, "num_requests": row["num_requests"],
-                     "num_requests_in_flight": row["num_requests_in_flight"],
-                     "seconds_since_push": round(age, 3)}
-                    for replica, (age, row) in sorted(rows.items())]
+        replicas = [
+            {
+                "replica_id": replica,
+                "num_requests": row["num_requests"],
+                "num_requests_in_flight": row["num_requests_in_flight"],
+                "seconds_since_push": round(age, 3),
+            }
+            for replica, (age, row) in sorted(rows.items())
+        ]
         return merged_gateway_row(rows), replicas
 
     async def record(self, request_id: str) -> dict[str, Any] | None:

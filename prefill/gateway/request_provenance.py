@@ -26,8 +26,14 @@ from typing import Any
 
 from pdserve.messages.kv_provenance import KVProvenance
 
-KV_SOURCES = ("prefill_cache_hit", "prefill_computed", "decode_cache_hit", "pulled",
-              "decode_recomputed", "decode_prefilled")
+KV_SOURCES = (
+    "prefill_cache_hit",
+    "prefill_computed",
+    "decode_cache_hit",
+    "pulled",
+    "decode_recomputed",
+    "decode_prefilled",
+)
 VLLM_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
@@ -72,24 +78,34 @@ class RequestProvenance:
         replying = self.decode or self.prefill
         if replying is None:
             return dict.fromkeys(VLLM_SOURCES, 0)
-        return {"local_compute": replying.num_computed_tokens + replying.num_recomputed_tokens,
-                "local_cache_hit": replying.num_cache_hit_tokens,
-                "external_kv_transfer": replying.num_pulled_tokens}
+        return {
+            "local_compute": replying.num_computed_tokens + replying.num_recomputed_tokens,
+            "local_cache_hit": replying.num_cache_hit_tokens,
+            "external_kv_transfer": replying.num_pulled_tokens,
+        }
 
     def to_json(self) -> dict[str, Any]:
         """The response's ``kv_provenance`` object and a ``/v1/requests`` entry."""
         decode = self.decode
         return {
-            "request_id": self.request_id, "created": self.created,
-            "finish_reason": self.finish_reason, "num_prompt_tokens": self.num_prompt_tokens,
-            "num_output_tokens": self.num_output_tokens, "block_size": self.block_size,
+            "request_id": self.request_id,
+            "created": self.created,
+            "finish_reason": self.finish_reason,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_output_tokens": self.num_output_tokens,
+            "block_size": self.block_size,
             "prompt_tokens_by_source": self.tokens_by_kv_source(),
-            "prefill": _worker_json(self.prefill), "decode": _worker_json(decode),
-            "transfer": {"lease_id": self.lease_id,
-                         "num_blocks": decode.num_blocks_pulled if decode else 0,
-                         "num_bytes": decode.num_bytes_pulled if decode else 0,
-                         "seconds": decode.transfer_s if decode else 0.0},
-            "ttft_s": self.ttft_s, "itl_s": self.itl_s, "e2e_s": self.e2e_s,
+            "prefill": _worker_json(self.prefill),
+            "decode": _worker_json(decode),
+            "transfer": {
+                "lease_id": self.lease_id,
+                "num_blocks": decode.num_blocks_pulled if decode else 0,
+                "num_bytes": decode.num_bytes_pulled if decode else 0,
+                "seconds": decode.transfer_s if decode else 0.0,
+            },
+            "ttft_s": self.ttft_s,
+            "itl_s": self.itl_s,
+            "e2e_s": self.e2e_s,
             "timeline": self.timeline,
         }
 
@@ -103,8 +119,9 @@ class RecentRequests:
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
-            raise ValueError(f"the recent-requests store needs a capacity of at least 1, "
-                             f"got {capacity}")
+            raise ValueError(
+                f"the recent-requests store needs a capacity of at least 1, got {capacity}"
+            )
         self.capacity = capacity
         self._records: OrderedDict[str, RequestProvenance] = OrderedDict()
 

@@ -50,8 +50,12 @@ class StreamTiming:
         if self.answered_at is None:
             return None
         inside = self.worker
-        figures = {"worker_id": self.worker_id, "round_trip_s": self.round_trip_s,
-                   "ray_s": self.ray_s, "in_worker_s": inside.in_worker_s if inside else None}
+        figures = {
+            "worker_id": self.worker_id,
+            "round_trip_s": self.round_trip_s,
+            "ray_s": self.ray_s,
+            "in_worker_s": inside.in_worker_s if inside else None,
+        }
         return figures | (dataclasses.asdict(inside) if inside else {})
 
 
@@ -75,9 +79,14 @@ class RequestTimeline:
 
     def to_json(self) -> dict[str, Any]:
         prefill, decode = self.streams.get("prefill"), self.streams.get("decode")
-        hand_off_s = (decode.called_at - prefill.answered_at
-                      if prefill and decode and prefill.answered_at is not None else None)
-        return {"gateway_s": prefill.called_at - self.started_at if prefill else None,
-                "prefill": prefill.to_json() if prefill else None,
-                "hand_off_s": hand_off_s,
-                "decode": decode.to_json() if decode else None}
+        hand_off_s = (
+            decode.called_at - prefill.answered_at
+            if prefill and decode and prefill.answered_at is not None
+            else None
+        )
+        return {
+            "gateway_s": prefill.called_at - self.started_at if prefill else None,
+            "prefill": prefill.to_json() if prefill else None,
+            "hand_off_s": hand_off_s,
+            "decode": decode.to_json() if decode else None,
+        }

@@ -187,8 +187,13 @@ class Router:
         disaggregation). Raises ``NoWorkerAvailable`` when none is available."""
         return self._pick("decode", self._decode_ids, block_hashes, prefix_rank)
 
-    def _pick(self, role: str, all_ids: list[str], block_hashes: list[BlockHash],
-              score: Callable[[HeldBlocks, list[BlockHash]], tuple[int, int]]) -> RouteChoice:
+    def _pick(
+        self,
+        role: str,
+        all_ids: list[str],
+        block_hashes: list[BlockHash],
+        score: Callable[[HeldBlocks, list[BlockHash]], tuple[int, int]],
+    ) -> RouteChoice:
         worker_ids = [w for w in all_ids if self._workers[w].available]
         if not worker_ids:
             raise NoWorkerAvailable(role)

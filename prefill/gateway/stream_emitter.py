@@ -57,8 +57,9 @@ class StreamEmitter:
     already sent is compared, not sent again.
     """
 
-    def __init__(self, stops: list[str], num_prompt_tokens: int, metrics: GatewayMetrics,
-                 start: float) -> None:
+    def __init__(
+        self, stops: list[str], num_prompt_tokens: int, metrics: GatewayMetrics, start: float
+    ) -> None:
         self.stops = stops
         self.num_prompt_tokens = num_prompt_tokens
         self.metrics = metrics
@@ -87,15 +88,17 @@ class StreamEmitter:
             self.prompt_logprobs = chunk.prompt_logprobs
         self.stream_text += chunk.text_delta
         if self.stream_tokens[:overlap] != self.sent_token_ids[:overlap]:
-            raise ReplayDiverged(f"tokens {self.stream_tokens[:overlap]} where "
-                                 f"{self.sent_token_ids[:overlap]} were sent")
+            raise ReplayDiverged(
+                f"tokens {self.stream_tokens[:overlap]} where "
+                f"{self.sent_token_ids[:overlap]} were sent"
+            )
         if chunk.num_cached_tokens:
             self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
         finished = chunk.finished and final
-        new_tokens = self.stream_tokens[self.sent_tokens:]
-        new_logprobs = self.stream_logprobs[self.sent_tokens:]
+        new_tokens = self.stream_tokens[self.sent_tokens :]
+        new_logprobs = self.stream_logprobs[self.sent_tokens :]
         end = len(self.stream_text) if finished else stop_safe_length(self.stream_text, self.stops)
-        new_text = self.stream_text[self.sent_chars:end] if end > self.sent_chars else ""
+        new_text = self.stream_text[self.sent_chars : end] if end > self.sent_chars else ""
         if not new_tokens and not new_text and not finished:
             return None
         now = time.perf_counter()
@@ -106,12 +109,19 @@ class StreamEmitter:
         self.sent_chars += len(new_text)
         reason = chunk.finish_reason if finished else None
         if finished:
-            self.metrics.record_finished(reason or "unknown", now - self.start,
-                                         self.num_prompt_tokens)
+            self.metrics.record_finished(
+                reason or "unknown", now - self.start, self.num_prompt_tokens
+            )
         prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, []
-        return StreamDelta(new_tokens, new_text, reason, self.num_prompt_tokens,
-                           self.num_cached_tokens, logprobs=new_logprobs,
-                           prompt_logprobs=prompt_logprobs)
+        return StreamDelta(
+            new_tokens,
+            new_text,
+            reason,
+            self.num_prompt_tokens,
+            self.num_cached_tokens,
+            logprobs=new_logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
 
     def ttft_s(self) -> float:
         return 0.0 if self.first_token_time is None else self.first_token_time - self.start

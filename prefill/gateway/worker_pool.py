@@ -45,5 +45,6 @@ class WorkerPool:
         finally:
             for ask in asks:
                 ask.cancel()
-        raise NoModelInfo(f"no prefill worker of {sorted(self.prefill)} described the model: "
-                          + "; ".join(errors))
+        raise NoModelInfo(
+            f"no prefill worker of {sorted(self.prefill)} described the model: " + "; ".join(errors)
+        )

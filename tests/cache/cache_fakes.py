@@ -44,4 +44,6 @@ def make_manager(
     max_model_len: int = 1024,
     **kwargs: bool,
 ) -> KVCacheManager:
-    return KVCacheManager(make_config(num_blocks, block_size, sliding_window), max_model_len, **kwargs)
+    return KVCacheManager(
+        make_config(num_blocks, block_size, sliding_window), max_model_len, **kwargs
+    )

@@ -1,6 +1,12 @@
 import pytest
 
-from pdserve.cache import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored, make_block_hash_with_group_id
+from pdserve.cache import (
+    AllBlocksCleared,
+    BlockPool,
+    BlockRemoved,
+    BlockStored,
+    make_block_hash_with_group_id,
+)
 from cache_fakes import FakeRequest, make_hasher
 
 
@@ -75,7 +81,10 @@ def test_duplicate_blocks_under_one_hash_are_all_indexed():
     second, second_blocks = make_cached_request(pool, list(range(4)), "b")
     key = make_block_hash_with_group_id(first.block_hashes[0], 0)
     index = pool.cached_block_hash_to_block
-    assert {b.block_id for b in index.blocks_of(key)} == {first_blocks[0].block_id, second_blocks[0].block_id}
+    assert {b.block_id for b in index.blocks_of(key)} == {
+        first_blocks[0].block_id,
+        second_blocks[0].block_id,
+    }
     pool.free_blocks(first_blocks)
     pool.evict_blocks(first.block_hashes)
     assert index.blocks_of(key) == second_blocks
@@ -86,7 +95,15 @@ def test_freed_blocks_without_hash_go_to_the_head_in_order_cached_ones_to_the_ta
     request, cached = make_cached_request(pool, list(range(8)))  # blocks 1, 2 cached
     unhashed = pool.get_new_blocks(2)  # blocks 3, 4
     pool.free_blocks([unhashed[1], cached[1], unhashed[0], cached[0]])
-    assert [b.block_id for b in pool.free_block_queue.get_all_free_blocks()] == [4, 3, 5, 6, 7, 2, 1]
+    assert [b.block_id for b in pool.free_block_queue.get_all_free_blocks()] == [
+        4,
+        3,
+        5,
+        6,
+        7,
+        2,
+        1,
+    ]
 
 
 def test_with_caching_off_every_freed_block_is_reused_first():

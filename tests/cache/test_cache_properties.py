@@ -23,7 +23,9 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.manager = make_manager(num_blocks=12, sliding_window=self.sliding_window, max_model_len=MAX_MODEL_LEN)
+        self.manager = make_manager(
+            num_blocks=12, sliding_window=self.sliding_window, max_model_len=MAX_MODEL_LEN
+        )
         self.pool = self.manager.block_pool
         self.waiting: dict[str, FakeRequest] = {}
         self.running: dict[str, FakeRequest] = {}
@@ -55,7 +57,9 @@ class LedgerMachine(RuleBasedStateMachine):
             for pos in range(start, end):
                 block_id = table[pos // BLOCK_SIZE]
                 if block_id != 0:
-                    self.shadow.setdefault(block_id, [None] * BLOCK_SIZE)[pos % BLOCK_SIZE] = req.all_token_ids[pos]
+                    self.shadow.setdefault(block_id, [None] * BLOCK_SIZE)[pos % BLOCK_SIZE] = (
+                        req.all_token_ids[pos]
+                    )
 
     def _allocate(self, req: FakeRequest, **kwargs) -> bool:
         others = self._held_by_others(req.request_id)
@@ -73,7 +77,9 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def _drop_hashes(self, drop) -> None:
         """Run an explicit evict / reset, remembering free blocks it left unhashed in place."""
-        cached_free = {b.block_id for b in self.pool.blocks if b.ref_cnt == 0 and b.block_hash is not None}
+        cached_free = {
+            b.block_id for b in self.pool.blocks if b.ref_cnt == 0 and b.block_hash is not None
+        }
         drop()
         self.unhashed_in_place |= {b for b in cached_free if self.pool.blocks[b].block_hash is None}
 
@@ -86,10 +92,15 @@ class LedgerMachine(RuleBasedStateMachine):
 
     # rules
 
-    @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(0, 3), min_size=1, max_size=12),
-          salt=st.sampled_from([None, None, "t1"]))
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        suffix=st.lists(st.integers(0, 3), min_size=1, max_size=12),
+        salt=st.sampled_from([None, None, "t1"]),
+    )
     def add_request(self, prefix, suffix, salt):
-        req = FakeRequest(f"r{self.next_id}", (prefix + suffix)[: MAX_MODEL_LEN - 8], HASHER, cache_salt=salt)
+        req = FakeRequest(
+            f"r{self.next_id}", (prefix + suffix)[: MAX_MODEL_LEN - 8], HASHER, cache_salt=salt
+        )
         self.next_id += 1
         self._record_hashes(req)
         self.waiting[req.request_id] = req
@@ -104,22 +115,33 @@ class LedgerMachine(RuleBasedStateMachine):
             for index, block in enumerate(group):
                 if not block.is_null:
                     expected = req.all_token_ids[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE]
-                    assert self.shadow[block.block_id] == expected, "a prefix hit holds other tokens"
+                    assert self.shadow[block.block_id] == expected, (
+                        "a prefix hit holds other tokens"
+                    )
         remaining = req.num_tokens - num_hit_tokens
         if external and remaining > 1:
             # A decode worker: the connector loads all but the last token, caching waits for it.
             num_external = remaining - 1
-            if not self._allocate(req, num_new_tokens=0, num_new_computed_tokens=num_hit_tokens,
-                                  new_computed_blocks=hit, num_external_computed_tokens=num_external,
-                                  delay_cache_blocks=True):
+            if not self._allocate(
+                req,
+                num_new_tokens=0,
+                num_new_computed_tokens=num_hit_tokens,
+                new_computed_blocks=hit,
+                num_external_computed_tokens=num_external,
+                delay_cache_blocks=True,
+            ):
                 return
             self._write(req, num_hit_tokens, num_hit_tokens + num_external)
             self.manager.cache_blocks(req, num_hit_tokens + num_external)
             req.num_computed_tokens = num_hit_tokens + num_external
         else:
             num_new = min(chunk, remaining)
-            if not self._allocate(req, num_new_tokens=num_new, num_new_computed_tokens=num_hit_tokens,
-                                  new_computed_blocks=hit):
+            if not self._allocate(
+                req,
+                num_new_tokens=num_new,
+                num_new_computed_tokens=num_hit_tokens,
+                new_computed_blocks=hit,
+            ):
                 return
             self._write(req, num_hit_tokens, num_hit_tokens + num_new)
             req.num_computed_tokens = num_hit_tokens + num_new
@@ -127,7 +149,12 @@ class LedgerMachine(RuleBasedStateMachine):
         self.running[req.request_id] = req
 
     @precondition(lambda self: self.running)
-    @rule(data=st.data(), chunk=st.integers(1, 12), lookahead=st.sampled_from([0, 0, 2]), token=st.integers(0, 3))
+    @rule(
+        data=st.data(),
+        chunk=st.integers(1, 12),
+        lookahead=st.sampled_from([0, 0, 2]),
+        token=st.integers(0, 3),
+    )
     def step(self, data, chunk, lookahead, token):
         req = self.running[data.draw(st.sampled_from(sorted(self.running)))]
         if req.num_computed_tokens == req.num_tokens:  # prefill done: sample a token
@@ -157,7 +184,9 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @rule()
     def reset(self):
-        anything_held = any(any(t) for r in self.running.values() for t in self.manager.get_block_ids(r))
+        anything_held = any(
+            any(t) for r in self.running.values() for t in self.manager.get_block_ids(r)
+        )
         reset: list[bool] = []
         self._drop_hashes(lambda: reset.append(self.manager.reset_prefix_cache()))
         assert reset == [not anything_held]
@@ -168,13 +197,20 @@ class LedgerMachine(RuleBasedStateMachine):
     def free_xor_referenced_and_counts_match(self):
         free = self.pool.free_block_queue.get_all_free_blocks()
         assert len(free) == self.pool.get_num_free_blocks()
-        assert {b.block_id for b in free} == {b.block_id for b in self.pool.blocks if b.ref_cnt == 0 and not b.is_null}
+        assert {b.block_id for b in free} == {
+            b.block_id for b in self.pool.blocks if b.ref_cnt == 0 and not b.is_null
+        }
         held = Counter(
-            block_id for r in self.running.values() for t in self.manager.get_block_ids(r) for block_id in t
+            block_id
+            for r in self.running.values()
+            for t in self.manager.get_block_ids(r)
+            for block_id in t
         )
         held.pop(0, None)
         for block in self.pool.blocks[1:]:
-            assert block.ref_cnt == held.get(block.block_id, 0), f"block {block.block_id} ref_cnt is off"
+            assert block.ref_cnt == held.get(block.block_id, 0), (
+                f"block {block.block_id} ref_cnt is off"
+            )
         null = self.pool.null_block
         assert null.ref_cnt == 0 and null.block_hash is None and null.prev_free_block is None
 
@@ -182,13 +218,17 @@ class LedgerMachine(RuleBasedStateMachine):
     def unhashed_free_blocks_are_reused_before_any_cached_one(self):
         """vLLM's free-queue policy: a freed block without a hash never waits behind a
         cached free block (except one whose hash an explicit evict / reset dropped)."""
-        self.unhashed_in_place = {b for b in self.unhashed_in_place if self.pool.blocks[b].ref_cnt == 0}
+        self.unhashed_in_place = {
+            b for b in self.unhashed_in_place if self.pool.blocks[b].ref_cnt == 0
+        }
         seen_cached = False
         for block in self.pool.free_block_queue.get_all_free_blocks():
             if block.block_hash is not None:
                 seen_cached = True
             elif seen_cached:
-                assert block.block_id in self.unhashed_in_place, f"unhashed block {block.block_id} waits behind a cached one"
+                assert block.block_id in self.unhashed_in_place, (
+                    f"unhashed block {block.block_id} waits behind a cached one"
+                )
 
     @invariant()
     def hash_index_points_at_blocks_holding_those_tokens(self):
@@ -219,8 +259,12 @@ class HybridLedgerMachine(LedgerMachine):
     sliding_window = 8
 
 
-SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 TestFullAttentionLedger = LedgerMachine.TestCase
 TestFullAttentionLedger.settings = SETTINGS
 TestHybridLedger = HybridLedgerMachine.TestCase

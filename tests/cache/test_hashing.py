@@ -63,9 +63,9 @@ def test_extra_keys_are_unambiguous():
     assert hash_block_tokens(parent, [1, 2], ExtraKeys(cache_salt="1")) != hash_block_tokens(
         parent, [1, 2], ExtraKeys(lora_id=1)
     )
-    assert hash_block_tokens(parent, [1, 2], ExtraKeys(mm_identifiers=("ab", "c"))) != hash_block_tokens(
-        parent, [1, 2], ExtraKeys(mm_identifiers=("a", "bc"))
-    )
+    assert hash_block_tokens(
+        parent, [1, 2], ExtraKeys(mm_identifiers=("ab", "c"))
+    ) != hash_block_tokens(parent, [1, 2], ExtraKeys(mm_identifiers=("a", "bc")))
     assert hash_block_tokens(parent, [1, 2]) != hash_block_tokens(parent, [1, 2, 0])
 
 

@@ -13,7 +13,9 @@ def request(request_id, tokens, **kwargs):
 def admit(manager, req, **kwargs):
     """What a scheduler does on admission: look up, allocate the rest, count the lookup."""
     hit, num_hit_tokens = manager.get_computed_blocks(req)
-    blocks = manager.allocate_slots(req, req.num_tokens - num_hit_tokens, num_hit_tokens, hit, **kwargs)
+    blocks = manager.allocate_slots(
+        req, req.num_tokens - num_hit_tokens, num_hit_tokens, hit, **kwargs
+    )
     if blocks is not None:
         req.num_computed_tokens = req.num_tokens
         manager.record_prefix_cache_stats(req, num_hit_tokens)
@@ -80,7 +82,12 @@ def test_preempted_request_hits_its_own_blocks_and_is_counted_apart():
     hit, num_hit_tokens, _ = admit(manager, r)
     assert num_hit_tokens == 8 and manager.get_block_ids(r)[0][:2] == table[:2]
     stats = manager.make_prefix_cache_stats()
-    assert (stats.requests, stats.preempted_requests, stats.preempted_queries, stats.preempted_hits) == (0, 1, 10, 8)
+    assert (
+        stats.requests,
+        stats.preempted_requests,
+        stats.preempted_queries,
+        stats.preempted_hits,
+    ) == (0, 1, 10, 8)
 
 
 def test_unhashed_blocks_are_reused_first_then_cached_ones_least_recently_freed_tail_first():
@@ -104,7 +111,10 @@ def test_unhashed_blocks_are_reused_first_then_cached_ones_least_recently_freed_
     admit(manager, d)  # now a's chain, least recently freed, tail first
     assert manager.get_block_ids(d)[0] == [a_ids[1], a_ids[0]]
     removed = [e for e in manager.take_events() if isinstance(e, BlockRemoved)]
-    assert removed == [BlockRemoved([a.block_hashes[1]], group_idx=0), BlockRemoved([a.block_hashes[0]], group_idx=0)]
+    assert removed == [
+        BlockRemoved([a.block_hashes[1]], group_idx=0),
+        BlockRemoved([a.block_hashes[0]], group_idx=0),
+    ]
     assert manager.get_computed_blocks(request("b2", list(range(100, 109))))[1] == 8
 
 
@@ -138,15 +148,25 @@ def test_events_report_stores_evictions_and_clears():
     a = request("a", list(range(8)), lora_id=5)
     manager.allocate_slots(a, 8)
     assert manager.take_events() == [
-        BlockStored(a.block_hashes[:2], None, list(range(8)), 4, 5, group_idx=0,
-                    kv_cache_spec_kind="full_attention")
+        BlockStored(
+            a.block_hashes[:2],
+            None,
+            list(range(8)),
+            4,
+            5,
+            group_idx=0,
+            kv_cache_spec_kind="full_attention",
+        )
     ]
     manager.free(a)
     assert not manager.take_events()
     b = request("b", list(range(50, 55)))
     manager.allocate_slots(b, 5)
     events = manager.take_events()
-    assert events[:2] == [BlockRemoved([a.block_hashes[1]], 0), BlockRemoved([a.block_hashes[0]], 0)]
+    assert events[:2] == [
+        BlockRemoved([a.block_hashes[1]], 0),
+        BlockRemoved([a.block_hashes[0]], 0),
+    ]
     assert not manager.reset_prefix_cache()
     manager.free(b)
     assert manager.reset_prefix_cache() and manager.make_prefix_cache_stats().reset

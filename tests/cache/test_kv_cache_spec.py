@@ -48,7 +48,9 @@ def test_groups_must_share_one_block_size():
         lambda: FullAttentionSpec(0, 2, 8, "float16"),
         lambda: SlidingWindowSpec(16, 2, 8, "float16", sliding_window=0),
         lambda: KVCacheGroupSpec([], FullAttentionSpec(16, 2, 8, "float16")),
-        lambda: KVCacheConfig(1, [KVCacheGroupSpec(["l0"], FullAttentionSpec(16, 2, 8, "float16"))]),
+        lambda: KVCacheConfig(
+            1, [KVCacheGroupSpec(["l0"], FullAttentionSpec(16, 2, 8, "float16"))]
+        ),
     ],
 )
 def test_bad_specs_are_value_errors(make):

@@ -76,13 +76,23 @@ def test_hybrid_events_name_their_group_and_the_window_groups_evictions_stay_its
     a = FakeRequest("a", list(range(16)), HASHER)
     manager.allocate_slots(a, 16)
     full, window = manager.take_events()
-    assert (full.group_idx, full.kv_cache_spec_kind, full.kv_cache_spec_sliding_window) == (0, "full_attention", None)
-    assert (window.group_idx, window.kv_cache_spec_kind, window.kv_cache_spec_sliding_window) == (1, "sliding_window", 8)
+    assert (full.group_idx, full.kv_cache_spec_kind, full.kv_cache_spec_sliding_window) == (
+        0,
+        "full_attention",
+        None,
+    )
+    assert (window.group_idx, window.kv_cache_spec_kind, window.kv_cache_spec_sliding_window) == (
+        1,
+        "sliding_window",
+        8,
+    )
     assert full.block_hashes == window.block_hashes == a.block_hashes
     manager.free(a)
     assert manager.evict_blocks(a.block_hashes[:1]) == 2  # both groups' copies
     assert manager.block_pool.evict_blocks(a.block_hashes[1:2], kv_cache_group_ids=(1,)) == 1
     removed = manager.take_events()
     assert [(e.block_hashes, e.group_idx) for e in removed] == [
-        ([a.block_hashes[0]], 0), ([a.block_hashes[0]], 1), ([a.block_hashes[1]], 1),
+        ([a.block_hashes[0]], 0),
+        ([a.block_hashes[0]], 1),
+        ([a.block_hashes[1]], 1),
     ]

@@ -6,8 +6,14 @@ import asyncio
 import contextlib
 from collections.abc import Iterator
 
-from load_driver import (get_json, load_figures, plan_requests, reference_outputs, run_load,
-                         wait_until_drained)
+from load_driver import (
+    get_json,
+    load_figures,
+    plan_requests,
+    reference_outputs,
+    run_load,
+    wait_until_drained,
+)
 from raylets import free_port
 
 from pdserve.deploy.cluster import base_url, deploy
@@ -18,8 +24,9 @@ HEAD_IP, NODE_B_IP, NODE_C_IP = "127.0.0.5", "127.0.0.2", "127.0.0.3"
 NUM_KV_BLOCKS = 128
 # One Serve HTTP port per process: Serve keeps the first app's http_options for the next.
 SERVE_PORT = free_port(HEAD_IP)
-PLACED_ACROSS_NODES = dict(gateway_resources={"head": 1}, prefill_resources={"node_b": 1},
-                           decode_resources={"node_c": 1})
+PLACED_ACROSS_NODES = dict(
+    gateway_resources={"head": 1}, prefill_resources={"node_b": 1}, decode_resources={"node_c": 1}
+)
 
 
 @contextlib.contextmanager
@@ -29,9 +36,18 @@ def placed_app(**fields) -> Iterator[PDServeConfig]:
     machine, so proxies on all of them would bind one port)."""
     from ray import serve
 
-    config = PDServeConfig(**{"model": "tiny", "host": HEAD_IP, "port": SERVE_PORT,
-                              "num_kv_blocks": NUM_KV_BLOCKS, "disagg_min_uncached_tokens": 0,
-                              "proxy_location": "HeadOnly", **PLACED_ACROSS_NODES, **fields})
+    config = PDServeConfig(
+        **{
+            "model": "tiny",
+            "host": HEAD_IP,
+            "port": SERVE_PORT,
+            "num_kv_blocks": NUM_KV_BLOCKS,
+            "disagg_min_uncached_tokens": 0,
+            "proxy_location": "HeadOnly",
+            **PLACED_ACROSS_NODES,
+            **fields,
+        }
+    )
     deploy(config)
     try:
         yield config
@@ -39,18 +55,25 @@ def placed_app(**fields) -> Iterator[PDServeConfig]:
         serve.delete(config.app_name)
 
 
-def checked_load(config: PDServeConfig, colocated: LLMEngine, num_requests: int,
-                 concurrency: int = 4, seed: int = 0) -> dict:
+def checked_load(
+    config: PDServeConfig,
+    colocated: LLMEngine,
+    num_requests: int,
+    concurrency: int = 4,
+    seed: int = 0,
+) -> dict:
     """Runs a planned load (greedy and seeded, streamed and whole) and returns its figures,
     every reply compared with the colocated engine's, after the workers drained."""
     planned = plan_requests(num_requests, seed=seed)
     expected = reference_outputs(colocated, planned)
     before = get_json(config, "/stats")["workers"]
-    outcomes, wall_s = asyncio.run(run_load(base_url(config) + "/v1/completions", planned,
-                                            concurrency))
+    outcomes, wall_s = asyncio.run(
+        run_load(base_url(config) + "/v1/completions", planned, concurrency)
+    )
     after = wait_until_drained(config)
-    return load_figures(planned, outcomes, expected, wall_s, before, after,
-                        get_json(config, "/stats")["gateway"])
+    return load_figures(
+        planned, outcomes, expected, wall_s, before, after, get_json(config, "/stats")["gateway"]
+    )
 
 
 def workers_by_id(config: PDServeConfig) -> dict[str, dict]:

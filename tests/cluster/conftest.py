@@ -30,11 +30,11 @@ from raylets import RayNode, ray_cluster  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 
 
-
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[dict[str, RayNode]]:
-    with ray_cluster(HEAD_IP, {"head": 1}, {NODE_B_IP: {"node_b": 1},
-                                            NODE_C_IP: {"node_c": 1}}) as nodes:
+    with ray_cluster(
+        HEAD_IP, {"head": 1}, {NODE_B_IP: {"node_b": 1}, NODE_C_IP: {"node_c": 1}}
+    ) as nodes:
         yield nodes
 
 

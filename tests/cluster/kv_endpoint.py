@@ -26,15 +26,21 @@ class KVEndpoint:
         """Starts the transfer service on this node's address; returns what it advertises."""
         import ray
 
-        self.server = GrpcTransferServer(self.kv_cache, LeaseTable(), self.layout,
-                                         engine_id="prefill-b",
-                                         host=ray.util.get_node_ip_address(), secret=SECRET)
+        self.server = GrpcTransferServer(
+            self.kv_cache,
+            LeaseTable(),
+            self.layout,
+            engine_id="prefill-b",
+            host=ray.util.get_node_ip_address(),
+            secret=SECRET,
+        )
         return self.server.address
 
     def handshake_refusal(self, address: str) -> str | None:
         """The refusal of a handshake with ``address`` (None: the layouts agree)."""
-        client = GrpcTransferClient(self.kv_cache, self.layout, engine_id="decode-c",
-                                    secret=SECRET, timeout_s=10.0)
+        client = GrpcTransferClient(
+            self.kv_cache, self.layout, engine_id="decode-c", secret=SECRET, timeout_s=10.0
+        )
         try:
             client.handshake(address)
         except LayoutMismatchError as error:

@@ -31,10 +31,12 @@ from pathlib import Path
 
 RAY = str(Path(sys.executable).with_name("ray"))
 # Node loss is noticed after period x threshold: ~1.5 s instead of Ray's default ~15 s.
-HEAD_SYSTEM_ENV = {"RAY_health_check_initial_delay_ms": "1000",
-                   "RAY_health_check_period_ms": "500",
-                   "RAY_health_check_timeout_ms": "500",
-                   "RAY_health_check_failure_threshold": "3"}
+HEAD_SYSTEM_ENV = {
+    "RAY_health_check_initial_delay_ms": "1000",
+    "RAY_health_check_period_ms": "500",
+    "RAY_health_check_timeout_ms": "500",
+    "RAY_health_check_failure_threshold": "3",
+}
 NODE_START_TIMEOUT_S = 90.0
 
 
@@ -49,10 +51,15 @@ def cluster_env() -> dict[str, str]:
     mode, this worktree's code on the path of every Ray worker."""
     env = dict(os.environ)
     # Ray workers import this suite's helpers (kv_endpoint) by name, as the driver does.
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent),
-                                                       env.get("PYTHONPATH")]))
-    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1", RAY_AUTH_MODE="disabled",
-               OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0")
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")])
+    )
+    env.update(
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1",
+        RAY_AUTH_MODE="disabled",
+        OMP_NUM_THREADS="1",
+        RAY_USAGE_STATS_ENABLED="0",
+    )
     return env
 
 
@@ -73,26 +80,49 @@ class RayNode:
         return f"{self.ip}:{self.port}"
 
     def start(self) -> RayNode:
-        command = [RAY, "start", "--block", "--node-ip-address", self.ip,
-                   "--num-cpus", str(self.num_cpus), "--resources", json.dumps(self.resources),
-                   "--dashboard-agent-listen-port", str(free_port()),
-                   "--metrics-export-port", str(free_port()),
-                   "--min-worker-port", "0", "--max-worker-port", "0"]
+        command = [
+            RAY,
+            "start",
+            "--block",
+            "--node-ip-address",
+            self.ip,
+            "--num-cpus",
+            str(self.num_cpus),
+            "--resources",
+            json.dumps(self.resources),
+            "--dashboard-agent-listen-port",
+            str(free_port()),
+            "--metrics-export-port",
+            str(free_port()),
+            "--min-worker-port",
+            "0",
+            "--max-worker-port",
+            "0",
+        ]
         env = cluster_env()
         if self.head_address is None:
             # A temp dir of its own: `ray start --head` records its address in the temp dir's
             # ray_current_cluster, and a later `ray.init()` anywhere on the machine that finds
             # it in the shared /tmp/ray joins this cluster instead of starting its own.
             self.temp_dir = tempfile.mkdtemp(prefix="pdr-", dir="/tmp")
-            command += ["--head", "--port", str(self.port), "--include-dashboard", "false",
-                        "--ray-client-server-port", str(free_port()),
-                        "--temp-dir", self.temp_dir]
+            command += [
+                "--head",
+                "--port",
+                str(self.port),
+                "--include-dashboard",
+                "false",
+                "--ray-client-server-port",
+                str(free_port()),
+                "--temp-dir",
+                self.temp_dir,
+            ]
             env.update(HEAD_SYSTEM_ENV)
         else:
             command += ["--address", self.head_address]
         log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"pdserve-raylet-{self.ip}.log", "w")
-        self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+        self.process = subprocess.Popen(
+            command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         return self
 
     def pids(self) -> list[int]:
@@ -141,8 +171,9 @@ def wait_for_head(head: RayNode, timeout_s: float = NODE_START_TIMEOUT_S) -> Non
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if head.process.poll() is not None:
-            raise RuntimeError(f"ray start --head at {head.address} exited "
-                               f"with {head.process.returncode}")
+            raise RuntimeError(
+                f"ray start --head at {head.address} exited with {head.process.returncode}"
+            )
         with contextlib.suppress(OSError), socket.create_connection((head.ip, head.port), 0.5):
             return
         time.sleep(0.2)
@@ -150,8 +181,9 @@ def wait_for_head(head: RayNode, timeout_s: float = NODE_START_TIMEOUT_S) -> Non
 
 
 @contextlib.contextmanager
-def ray_cluster(head_ip: str, head_resources: dict[str, float],
-                nodes: dict[str, dict[str, float]]) -> Iterator[dict[str, RayNode]]:
+def ray_cluster(
+    head_ip: str, head_resources: dict[str, float], nodes: dict[str, dict[str, float]]
+) -> Iterator[dict[str, RayNode]]:
     """A head at ``head_ip`` and one node per ``{ip: resources}``, this process connected as
     the driver; every node is killed on the way out, whatever happened."""
     import ray  # this driver joins with the head's address given: no cluster flag needed here
@@ -161,8 +193,9 @@ def ray_cluster(head_ip: str, head_resources: dict[str, float],
     try:
         head.start()
         wait_for_head(head)
-        ray.init(address=head.address, _node_ip_address=head_ip, namespace="pdserve",
-                 log_to_driver=False)
+        ray.init(
+            address=head.address, _node_ip_address=head_ip, namespace="pdserve", log_to_driver=False
+        )
         for ip, resources in nodes.items():  # one at a time: a raylet starting beside another
             started[ip] = RayNode(ip, resources, head_address=head.address).start()
             wait_for_nodes(set(started))  # timed out in startup on 2 cores

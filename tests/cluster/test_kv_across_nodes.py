@@ -13,21 +13,29 @@ from cluster_apps import NODE_B_IP, NODE_C_IP, checked_load, placed_app, workers
 
 from pdserve.kvconnector.nixl_transport import nixl_available
 
-TRANSPORTS = [dict(transport="grpc"), pytest.param(
-    dict(transport="nixl", ucx_tls="tcp"), id="nixl-ucx-tcp",
-    marks=pytest.mark.skipif(not nixl_available(), reason="nixl is not installed"))]
+TRANSPORTS = [
+    dict(transport="grpc"),
+    pytest.param(
+        dict(transport="nixl", ucx_tls="tcp"),
+        id="nixl-ucx-tcp",
+        marks=pytest.mark.skipif(not nixl_available(), reason="nixl is not installed"),
+    ),
+]
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("transport", TRANSPORTS, ids=lambda t: t.get("transport"))
 def test_prefill_on_b_decode_on_c_equal_colocated_and_bytes_move_b_to_c(
-        cluster, colocated, transport) -> None:
+    cluster, colocated, transport
+) -> None:
     import ray
 
-    node_ids = {node["NodeManagerAddress"]: node["NodeID"] for node in ray.nodes()
-                if node["Alive"]}
-    with placed_app(app_name=f"across-{transport['transport']}",
-                    route_prefix=f"/{transport['transport']}", **transport) as config:
+    node_ids = {node["NodeManagerAddress"]: node["NodeID"] for node in ray.nodes() if node["Alive"]}
+    with placed_app(
+        app_name=f"across-{transport['transport']}",
+        route_prefix=f"/{transport['transport']}",
+        **transport,
+    ) as config:
         figures = checked_load(config, colocated, num_requests=12)
         workers = workers_by_id(config)
 
@@ -44,8 +52,7 @@ def test_prefill_on_b_decode_on_c_equal_colocated_and_bytes_move_b_to_c(
 
 
 @pytest.mark.timeout(120)
-def test_hash_seed_and_layout_mismatch_between_nodes_is_refused_naming_both_sides(
-        cluster) -> None:
+def test_hash_seed_and_layout_mismatch_between_nodes_is_refused_naming_both_sides(cluster) -> None:
     import ray
     from kv_endpoint import KVEndpoint
 
@@ -71,9 +78,25 @@ def test_pdserve_up_refuses_a_placement_no_node_can_satisfy(cluster, capsys) -> 
     from pdserve.deploy.cli import main
 
     head = cluster[HEAD_IP]
-    code = main(["up", "--address", head.address, "--model", "tiny", "--host", HEAD_IP,
-                 "--port", str(SERVE_PORT), "--app-name", "unplaceable",
-                 "--proxy-location", "HeadOnly", "--decode-resources", '{"gpu_node": 1}'])
+    code = main(
+        [
+            "up",
+            "--address",
+            head.address,
+            "--model",
+            "tiny",
+            "--host",
+            HEAD_IP,
+            "--port",
+            str(SERVE_PORT),
+            "--app-name",
+            "unplaceable",
+            "--proxy-location",
+            "HeadOnly",
+            "--decode-resources",
+            '{"gpu_node": 1}',
+        ]
+    )
 
     error = capsys.readouterr().err
     assert code == 2

@@ -19,8 +19,15 @@ import urllib.request
 import load_driver
 import pytest
 from cluster_apps import HEAD_IP, NODE_B_IP, NODE_C_IP, placed_app, workers_by_id
-from load_driver import (get_json, is_drained, load_figures, plan_requests, reference_outputs,
-                         run_load, wait_until_drained)
+from load_driver import (
+    get_json,
+    is_drained,
+    load_figures,
+    plan_requests,
+    reference_outputs,
+    run_load,
+    wait_until_drained,
+)
 from raylets import RayNode
 
 from pdserve.deploy.cluster import base_url
@@ -40,9 +47,11 @@ def wait_for(condition, what: str, timeout_s: float = 60.0) -> None:
 
 def post(config, body: dict) -> tuple[int, dict[str, str]]:
     """(status, headers with lower-case names) of one ``/v1/completions`` call."""
-    request = urllib.request.Request(base_url(config) + "/v1/completions",
-                                     data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        base_url(config) + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, {name.lower(): v for name, v in response.headers.items()}
@@ -52,7 +61,8 @@ def post(config, body: dict) -> tuple[int, dict[str, str]]:
 
 @pytest.mark.timeout(420)
 def test_node_b_killed_mid_load_none_lost_503_until_a_node_b_returns_nothing_leaked(
-        cluster, colocated, monkeypatch) -> None:
+    cluster, colocated, monkeypatch
+) -> None:
     # The client resends refused requests for as long as no prefill node exists.
     monkeypatch.setattr(load_driver, "RETRY_REFUSALS_FOR_S", 240.0)
     planned = plan_requests(NUM_REQUESTS, seed=3)
@@ -62,27 +72,40 @@ def test_node_b_killed_mid_load_none_lost_503_until_a_node_b_returns_nothing_lea
         result: dict = {}
 
         def send_load() -> None:
-            result["outcomes"], result["wall_s"] = asyncio.run(run_load(
-                base_url(config) + "/v1/completions", planned, concurrency=4))
+            result["outcomes"], result["wall_s"] = asyncio.run(
+                run_load(base_url(config) + "/v1/completions", planned, concurrency=4)
+            )
 
         load = threading.Thread(target=send_load)
         load.start()
-        wait_for(lambda: sum(get_json(config, "/stats")["gateway"]["finished_by_reason"]
-                             .values()) >= 8, "8 requests finished")
+        wait_for(
+            lambda: sum(get_json(config, "/stats")["gateway"]["finished_by_reason"].values()) >= 8,
+            "8 requests finished",
+        )
 
         cluster[NODE_B_IP].kill()
-        wait_for(lambda: "prefill-0" in get_json(config, "/health")["unavailable"],
-                 "the gateway noticed that prefill-0 is gone")
+        wait_for(
+            lambda: "prefill-0" in get_json(config, "/health")["unavailable"],
+            "the gateway noticed that prefill-0 is gone",
+        )
         status, headers = post(config, {"model": "tiny", "prompt": "probe", "max_tokens": 4})
         assert status == 503 and headers["retry-after"] == "1"
 
-        cluster[NEW_NODE_B_IP] = RayNode(NEW_NODE_B_IP, {"node_b": 1},
-                                         head_address=cluster[HEAD_IP].address).start()
+        cluster[NEW_NODE_B_IP] = RayNode(
+            NEW_NODE_B_IP, {"node_b": 1}, head_address=cluster[HEAD_IP].address
+        ).start()
         load.join(timeout=330)  # a replica restarted on a new raylet: slow on 2 busy cores
         assert not load.is_alive(), "the load did not finish"
         after = wait_until_drained(config)
-        figures = load_figures(planned, result["outcomes"], expected, result["wall_s"], before,
-                               after, get_json(config, "/stats")["gateway"])
+        figures = load_figures(
+            planned,
+            result["outcomes"],
+            expected,
+            result["wall_s"],
+            before,
+            after,
+            get_json(config, "/stats")["gateway"],
+        )
         workers = workers_by_id(config)
 
     assert figures["completed"] == NUM_REQUESTS and figures["lost"] == 0, figures["errors"]

@@ -35,9 +35,14 @@ def test_a_pinned_worker_runs_on_its_cpus_and_an_absent_cpu_is_refused_by_name()
 
 
 def test_each_role_gets_its_own_cpus_in_its_spec():
-    config = PDServeConfig(model="tiny", prefill_cpus=[0, 1], decode_cpus=[2]).resolve_deployment_secrets()
+    config = PDServeConfig(
+        model="tiny", prefill_cpus=[0, 1], decode_cpus=[2]
+    ).resolve_deployment_secrets()
     assert config.worker_spec("producer", 0).cpus == (0, 1)
     assert config.worker_spec("consumer", 0).cpus == (2,)
-    assert PDServeConfig(model="tiny").resolve_deployment_secrets().worker_spec("consumer", 0).cpus is None
+    assert (
+        PDServeConfig(model="tiny").resolve_deployment_secrets().worker_spec("consumer", 0).cpus
+        is None
+    )
     with pytest.raises(ValueError, match="cpus must name at least one CPU"):
         WorkerSpec("decode-0", config.engine_config("decode-0", "cpu"), cpus=())

@@ -21,9 +21,16 @@ EOS_TOKEN = "<|end|>"
 
 def random_llama() -> transformers.LlamaForCausalLM:
     config = transformers.LlamaConfig(
-        vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=NUM_HEADS, num_key_value_heads=NUM_KV_HEADS, max_position_embeddings=256,
-        rms_norm_eps=1e-5, rope_theta=10000.0, initializer_range=0.2,
+        vocab_size=258,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=NUM_HEADS,
+        num_key_value_heads=NUM_KV_HEADS,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        initializer_range=0.2,
     )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).float().eval()
@@ -31,8 +38,11 @@ def random_llama() -> transformers.LlamaForCausalLM:
 
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """convert_hf_to_gguf.py's ``LlamaModel.permute``: each head's halves interleaved."""
-    return (weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
-            .swapaxes(1, 2).reshape(weight.shape))
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def gguf_tensors(model: transformers.LlamaForCausalLM) -> dict[str, np.ndarray]:
@@ -43,21 +53,35 @@ def gguf_tensors(model: transformers.LlamaForCausalLM) -> dict[str, np.ndarray]:
         "output_norm.weight": state["model.norm.weight"],
         "output.weight": state["lm_head.weight"],
     }
-    ours = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-            "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-            "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-            "ffn_down": "mlp.down_proj"}
+    ours = {
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
     for layer in range(model.config.num_hidden_layers):
         for gguf_name, hf_name in ours.items():
-            tensors[f"blk.{layer}.{gguf_name}.weight"] = state[f"model.layers.{layer}.{hf_name}.weight"]
+            tensors[f"blk.{layer}.{gguf_name}.weight"] = state[
+                f"model.layers.{layer}.{hf_name}.weight"
+            ]
         q, k = f"blk.{layer}.attn_q.weight", f"blk.{layer}.attn_k.weight"
         tensors[q] = llama_cpp_permute(tensors[q], NUM_HEADS)
         tensors[k] = llama_cpp_permute(tensors[k], NUM_KV_HEADS)
     return tensors
 
 
-def write_gguf(path, tensors: dict[str, np.ndarray], quant: Quant = Quant.F32, architecture: str = "llama",
-               tokenizer_model: str = "gpt2") -> None:
+def write_gguf(
+    path,
+    tensors: dict[str, np.ndarray],
+    quant: Quant = Quant.F32,
+    architecture: str = "llama",
+    tokenizer_model: str = "gpt2",
+) -> None:
     """A complete small GGUF: llama metadata, a byte-level vocabulary with one merge (" t") and a control EOS,
     2-D weights stored as ``quant`` (norms stay F32, as llama.cpp keeps them)."""
     writer = gguf.GGUFWriter(str(path), arch=architecture)
@@ -95,9 +119,19 @@ def test_float32_gguf_logits_equal_transformers(tmp_path, reference):
     path = tmp_path / "llama.gguf"
     write_gguf(path, gguf_tensors(reference))
     model, config, tokenizer = load_model(str(path))
-    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (2, 4, 2, 16)
-    assert not config.tie_word_embeddings and config.eos_token_ids == [257] == list(tokenizer.eos_token_ids)
-    assert tokenizer.encode(" tea" + EOS_TOKEN) == [256, 101, 97, 257] and tokenizer.decode([256, 101, 257]) == " te"
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (
+        2,
+        4,
+        2,
+        16,
+    )
+    assert not config.tie_word_embeddings and config.eos_token_ids == [257] == list(
+        tokenizer.eos_token_ids
+    )
+    assert (
+        tokenizer.encode(" tea" + EOS_TOKEN) == [256, 101, 97, 257]
+        and tokenizer.decode([256, 101, 257]) == " te"
+    )
     runner = ModelRunner(model, config, num_blocks=8, block_size=4)
     prompt = list(range(40, 61))
     logits = runner.execute([ScheduledChunk("a", prompt, 0, [6, 1, 4, 0, 7, 2], sample=True)])
@@ -108,18 +142,29 @@ def test_float32_gguf_logits_equal_transformers(tmp_path, reference):
 
 # Worst error of one weight for each type on these weights (|w| <= 1): about one quantization step
 # of a 32-weight block (a wrong layout, scale or un-permutation errs by the weights' own size).
-QUANT_TOLERANCE = {Quant.F16: 5e-4, Quant.BF16: 4e-3, Quant.Q8_0: 8e-3, Quant.Q5_0: 6e-2, Quant.Q5_1: 3e-2,
-                   Quant.Q4_0: 0.12, Quant.Q4_1: 6e-2}
+QUANT_TOLERANCE = {
+    Quant.F16: 5e-4,
+    Quant.BF16: 4e-3,
+    Quant.Q8_0: 8e-3,
+    Quant.Q5_0: 6e-2,
+    Quant.Q5_1: 3e-2,
+    Quant.Q4_0: 0.12,
+    Quant.Q4_1: 6e-2,
+}
 
 
 @pytest.mark.parametrize("quant", list(QUANT_TOLERANCE), ids=lambda quant: quant.name)
-def test_quantized_weights_dequantize_to_the_original_within_the_types_step(tmp_path, reference, quant):
+def test_quantized_weights_dequantize_to_the_original_within_the_types_step(
+    tmp_path, reference, quant
+):
     path = tmp_path / f"llama-{quant.name}.gguf"
     write_gguf(path, gguf_tensors(reference), quant)
     model, _, _ = load_model(str(path))
     ours = model.state_dict()
     for name, expected in reference.state_dict().items():
-        torch.testing.assert_close(ours[name], expected, atol=QUANT_TOLERANCE[quant], rtol=0, msg=name)
+        torch.testing.assert_close(
+            ours[name], expected, atol=QUANT_TOLERANCE[quant], rtol=0, msg=name
+        )
 
 
 def test_truncated_gguf_is_a_clear_error(tmp_path, reference):
@@ -141,14 +186,18 @@ def test_corrupt_gguf_is_a_clear_error(tmp_path):
 def test_unsupported_quantization_is_a_clear_error(tmp_path, reference):
     path = tmp_path / "mxfp4.gguf"
     write_gguf(path, gguf_tensors(reference), Quant.MXFP4)
-    with pytest.raises(ValueError, match="quantized as MXFP4, which is not supported; supported: BF16, F16, F32"):
+    with pytest.raises(
+        ValueError, match="quantized as MXFP4, which is not supported; supported: BF16, F16, F32"
+    ):
         load_model(str(path))
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path, reference):
     path = tmp_path / "gpt2.gguf"
     write_gguf(path, gguf_tensors(reference), architecture="gpt2")
-    with pytest.raises(ValueError, match="GGUF architecture 'gpt2' is not supported; supported: llama"):
+    with pytest.raises(
+        ValueError, match="GGUF architecture 'gpt2' is not supported; supported: llama"
+    ):
         load_model(str(path))
 
 

@@ -26,7 +26,9 @@ def engine() -> LLMEngine:
 def random_prompts(seed: int, count: int, shared_prefix_len: int = 40) -> list[list[int]]:
     rng = random.Random(seed)
     prefix = [rng.randrange(256) for _ in range(shared_prefix_len)]
-    return [prefix + [rng.randrange(256) for _ in range(rng.randrange(1, 60))] for _ in range(count)]
+    return [
+        prefix + [rng.randrange(256) for _ in range(rng.randrange(1, 60))] for _ in range(count)
+    ]
 
 
 def token_ids(outputs) -> list[list[int]]:
@@ -108,7 +110,9 @@ def test_stop_string_cuts_text(engine: LLMEngine) -> None:
     free_run = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0))[0]
     assert len(free_run.text) >= 4, free_run.text
     stop = free_run.text[2:4]
-    stopped = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, stop=[stop]))[0]
+    stopped = engine.generate(
+        [prompt], SamplingParams(max_tokens=20, temperature=0.0, stop=[stop])
+    )[0]
     assert stopped.finish_reason == "stop"
     assert stopped.text == free_run.text[: free_run.text.index(stop)]
 
@@ -181,24 +185,31 @@ def test_unknown_model_path_raises(model: str) -> None:
 
 
 @pytest.mark.parametrize("architecture", ["LlamaConfig", "Qwen2Config", "MistralConfig"])
-def test_engine_greedy_generate_equals_transformers_on_a_local_checkpoint(tmp_path, architecture) -> None:
+def test_engine_greedy_generate_equals_transformers_on_a_local_checkpoint(
+    tmp_path, architecture
+) -> None:
     import torch
     import transformers
     from test_model_runner import save_hf_model
 
     reference = save_hf_model(tmp_path, getattr(transformers, architecture))
-    engine = LLMEngine.from_pretrained(str(tmp_path), block_size=4, num_kv_blocks=128,
-                                       max_num_batched_tokens=16)
+    engine = LLMEngine.from_pretrained(
+        str(tmp_path), block_size=4, num_kv_blocks=128, max_num_batched_tokens=16
+    )
     rng = random.Random(9)
     prompts = [[rng.randrange(2, 96) for _ in range(n)] for n in (5, 13, 30)]
     outputs = engine.generate(prompts, SamplingParams(max_tokens=15, temperature=0.0))
     for prompt, output in zip(prompts, outputs):
         with torch.no_grad():
             generated = reference.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=15, do_sample=False, eos_token_id=1, pad_token_id=1,
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=15,
+                do_sample=False,
+                eos_token_id=1,
+                pad_token_id=1,
             )
-        assert output.output_token_ids == generated[0, len(prompt):].tolist()
+        assert output.output_token_ids == generated[0, len(prompt) :].tolist()
     assert_all_blocks_free(engine)
 
 

@@ -14,19 +14,29 @@ from pdserve.engine.loader import load_model
 
 def save_llama(directory, **overrides) -> transformers.LlamaForCausalLM:
     config = transformers.LlamaConfig(
-        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, eos_token_id=3, **overrides,
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        eos_token_id=3,
+        **overrides,
     )
     model = transformers.LlamaForCausalLM(config)
     model.save_pretrained(directory)
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(32)}, unk_token="w0"))
+    tokenizer = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({f"w{i}": i for i in range(32)}, unk_token="w0")
+    )
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tokenizer.save(str(directory / "tokenizer.json"))
     return model
 
 
 def test_missing_directory_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="neither a built-in model .* nor a local directory or .gguf file"):
+    with pytest.raises(
+        FileNotFoundError, match="neither a built-in model .* nor a local directory or .gguf file"
+    ):
         load_model(str(tmp_path / "nope"))
 
 
@@ -58,7 +68,9 @@ def test_sharded_checkpoint_loads_in_bfloat16_with_eos_from_generation_config(tm
     assert config.eos_token_ids == [5, 6] and tokenizer.eos_token_id == 5
     assert config.dtype == "bfloat16"
     assert model.lm_head.weight.dtype == torch.bfloat16
-    torch.testing.assert_close(model.lm_head.weight.float(), reference.lm_head.weight.bfloat16().float())
+    torch.testing.assert_close(
+        model.lm_head.weight.float(), reference.lm_head.weight.bfloat16().float()
+    )
     assert tokenizer.encode("w7 w9") == [7, 9] and tokenizer.decode([7, 9]) == "w7 w9"
 
 

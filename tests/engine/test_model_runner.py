@@ -59,7 +59,9 @@ class PagedRequests:
         random.Random(seed).shuffle(self.free)
         self.tables: dict[str, list[int]] = {}
 
-    def chunk(self, request_id: str, token_ids: list[int], start: int, sample: bool = True) -> ScheduledChunk:
+    def chunk(
+        self, request_id: str, token_ids: list[int], start: int, sample: bool = True
+    ) -> ScheduledChunk:
         table = self.tables.setdefault(request_id, [])
         while len(table) * BLOCK_SIZE < start + len(token_ids):
             table.append(self.free.pop())
@@ -96,7 +98,9 @@ def test_prefill_logits_equal_transformers(tmp_path, config_class, overrides):
     prompt = random_tokens(23, seed=1)
     paged = PagedRequests(runner)
     logits = runner.execute([paged.chunk("a", prompt, 0)])
-    torch.testing.assert_close(logits[0], reference_logits(reference, prompt)[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        logits[0], reference_logits(reference, prompt)[-1], atol=ATOL, rtol=0
+    )
 
 
 def test_prefill_after_cached_prefix_equals_transformers(tmp_path):
@@ -107,7 +111,9 @@ def test_prefill_after_cached_prefix_equals_transformers(tmp_path):
     runner.execute([paged.chunk("a", prompt[:13], 0, sample=False)])
     # Clobber nothing, reuse the same blocks: the second part reads the prefix from the cache.
     logits = runner.execute([paged.chunk("a", prompt[13:], 13)])
-    torch.testing.assert_close(logits[0], reference_logits(reference, prompt)[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        logits[0], reference_logits(reference, prompt)[-1], atol=ATOL, rtol=0
+    )
 
 
 def test_chunked_prefill_in_three_chunks_equals_transformers(tmp_path):
@@ -126,7 +132,9 @@ def test_chunked_prefill_in_three_chunks_equals_transformers(tmp_path):
     "config_class, overrides",
     [
         pytest.param(transformers.LlamaConfig, {}, id="llama"),
-        pytest.param(transformers.MistralConfig, {"sliding_window": 6}, id="mistral-sliding-window"),
+        pytest.param(
+            transformers.MistralConfig, {"sliding_window": 6}, id="mistral-sliding-window"
+        ),
     ],
 )
 def test_mixed_batch_of_prefills_and_decodes_equals_transformers(tmp_path, config_class, overrides):
@@ -139,12 +147,14 @@ def test_mixed_batch_of_prefills_and_decodes_equals_transformers(tmp_path, confi
     expected = {name: reference_logits(reference, prompt) for name, prompt in prompts.items()}
     paged = PagedRequests(runner, seed=5)
     # Step 1: prefill a, b, c but their last prompt token, and the first 12 tokens of d.
-    first = runner.execute([
-        paged.chunk("a", prompts["a"][:-1], 0),
-        paged.chunk("b", prompts["b"][:-1], 0),
-        paged.chunk("d", prompts["d"][:12], 0, sample=False),
-        paged.chunk("c", prompts["c"][:-1], 0),
-    ])
+    first = runner.execute(
+        [
+            paged.chunk("a", prompts["a"][:-1], 0),
+            paged.chunk("b", prompts["b"][:-1], 0),
+            paged.chunk("d", prompts["d"][:12], 0, sample=False),
+            paged.chunk("c", prompts["c"][:-1], 0),
+        ]
+    )
     for row, name in enumerate("abc"):
         torch.testing.assert_close(first[row], expected[name][-2], atol=ATOL, rtol=0, msg=name)
     # Step 2: a, b, c decode one token (their last prompt token), d finishes its prefill,
@@ -163,8 +173,14 @@ def test_mixed_batch_of_prefills_and_decodes_equals_transformers(tmp_path, confi
 
 
 def test_llama3_rope_scaling_equals_transformers(tmp_path):
-    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
     reference = save_hf_model(tmp_path, transformers.LlamaConfig, rope_parameters=rope)
     runner = make_runner(tmp_path)
     assert runner.model_config.rope_scaling["rope_type"] == "llama3"
@@ -172,10 +188,14 @@ def test_llama3_rope_scaling_equals_transformers(tmp_path):
     paged = PagedRequests(runner)
     runner.execute([paged.chunk("a", prompt[:40], 0, sample=False)])
     logits = runner.execute([paged.chunk("a", prompt[40:], 40)])
-    torch.testing.assert_close(logits[0], reference_logits(reference, prompt)[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        logits[0], reference_logits(reference, prompt)[-1], atol=ATOL, rtol=0
+    )
 
 
-def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int, eos: int) -> list[list[int]]:
+def greedy_generate(
+    runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int, eos: int
+) -> list[list[int]]:
     """Batched greedy decoding over the runner: all prompts in step 1, then one token each per step."""
     paged = PagedRequests(runner, seed=7)
     outputs: list[list[int]] = [[] for _ in prompts]
@@ -195,7 +215,10 @@ def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new_token
 
 @pytest.mark.parametrize(
     "config_class",
-    [pytest.param(transformers.LlamaConfig, id="llama"), pytest.param(transformers.Qwen2Config, id="qwen2")],
+    [
+        pytest.param(transformers.LlamaConfig, id="llama"),
+        pytest.param(transformers.Qwen2Config, id="qwen2"),
+    ],
 )
 def test_greedy_generation_equals_transformers_generate(tmp_path, config_class):
     reference = save_hf_model(tmp_path, config_class)
@@ -206,7 +229,11 @@ def test_greedy_generation_equals_transformers_generate(tmp_path, config_class):
     for prompt, output in zip(prompts, ours):
         with torch.no_grad():
             generated = reference.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=20, do_sample=False, eos_token_id=1, pad_token_id=1,
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=20,
+                do_sample=False,
+                eos_token_id=1,
+                pad_token_id=1,
             )
-        assert output == generated[0, len(prompt):].tolist()
+        assert output == generated[0, len(prompt) :].tolist()

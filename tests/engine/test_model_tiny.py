@@ -32,7 +32,12 @@ def test_tiny_weights_are_identical_in_a_fresh_process():
 def test_tiny_is_a_gqa_llama_with_byte_tokenizer():
     model, config, tokenizer = load_model("tiny")
     assert config.architecture == "LlamaForCausalLM"
-    assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (4, 256, 4, 2)
+    assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (
+        4,
+        256,
+        4,
+        2,
+    )
     assert config.vocab_size == tokenizer.vocab_size == 512
     assert config.eos_token_ids == [tokenizer.eos_token_id]
     assert model.model.embed_tokens.weight.shape == (512, 256)
@@ -45,7 +50,9 @@ def test_byte_tokenizer_round_trips_text_and_drops_specials():
     assert all(0 <= i < 256 for i in ids)
     assert tokenizer.decode(ids) == text
     assert tokenizer.decode(ids + [tokenizer.eos_token_id]) == text
-    assert tokenizer.decode(ids[:-1]).endswith("\ufffd")  # a cut character is replaced, not an error
+    assert tokenizer.decode(ids[:-1]).endswith(
+        "\ufffd"
+    )  # a cut character is replaced, not an error
 
 
 def test_tiny_greedy_generation_is_not_one_repeated_token():

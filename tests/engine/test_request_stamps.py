@@ -13,14 +13,22 @@ from pdserve.engine.request_stamps import RequestStamps
 INTERVALS = ("op_wait_s", "queued_s", "load_s", "compute_s", "emit_s")
 
 
-@given(st.lists(st.floats(0, 1e3, allow_nan=False), min_size=6, max_size=6),
-       st.booleans(), st.booleans(), st.booleans())
+@given(
+    st.lists(st.floats(0, 1e3, allow_nan=False), min_size=6, max_size=6),
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
+)
 def test_the_intervals_are_consecutive_and_add_up_to_the_time_in_the_worker(
-        points, admitted, loaded, sampled):
+    points, admitted, loaded, sampled
+):
     entered, added, admitted_at, loaded_at, first_token, yielded = sorted(points)
-    stamps = RequestStamps(added_at=added, admitted_at=admitted_at if admitted else None,
-                           loaded_at=loaded_at if admitted and loaded else None,
-                           first_token_at=first_token if sampled else None)
+    stamps = RequestStamps(
+        added_at=added,
+        admitted_at=admitted_at if admitted else None,
+        loaded_at=loaded_at if admitted and loaded else None,
+        first_token_at=first_token if sampled else None,
+    )
     timing = stamps.timing(entered, yielded)
     assert all(getattr(timing, name) >= 0 for name in INTERVALS)
     assert timing.in_worker_s == pytest.approx(yielded - entered)

@@ -23,7 +23,9 @@ def test_token_depends_only_on_seed_position_and_logits_not_on_batch():
     reversed_batch = sample(logits.flip(0), params, seeds[::-1], positions[::-1])[::-1]
     mixed = sample(
         torch.cat([random_logits(1, seed=9), logits[2:3]]),
-        [SamplingParams(temperature=0.0), params[2]], [0, seeds[2]], [0, positions[2]],
+        [SamplingParams(temperature=0.0), params[2]],
+        [0, seeds[2]],
+        [0, positions[2]],
     )
     assert batched == alone == reversed_batch
     assert mixed[1] == batched[2]
@@ -47,7 +49,9 @@ def test_top_p_restricts_to_the_nucleus():
     logits = torch.full((1, VOCAB), -10.0)
     logits[0, [4, 9, 20]] = torch.tensor([2.0, 1.5, 1.0])
     params = [SamplingParams(temperature=1.0, top_p=0.6)]
-    drawn = {sample(logits, params, [seed], [position])[0] for seed in range(50) for position in range(4)}
+    drawn = {
+        sample(logits, params, [seed], [position])[0] for seed in range(50) for position in range(4)
+    }
     assert drawn == {4, 9}  # p(4) ≈ 0.51 < 0.6, so 9 joins; 4 and 9 together pass 0.6
 
 

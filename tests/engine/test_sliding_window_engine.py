@@ -35,16 +35,19 @@ def reference_greedy(reference, prompt: list[int], num_tokens: int) -> list[int]
     with torch.no_grad():
         for _ in range(num_tokens):
             tokens.append(int(reference(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 @pytest.mark.parametrize("config_class, overrides", WINDOWED_CONFIGS)
 def test_greedy_generation_past_the_window_equals_transformers(tmp_path, config_class, overrides):
     reference = save_hf_model(tmp_path, config_class, **overrides)
-    engine = LLMEngine.from_pretrained(str(tmp_path), block_size=BLOCK_SIZE, num_kv_blocks=64,
-                                       max_num_batched_tokens=64)
+    engine = LLMEngine.from_pretrained(
+        str(tmp_path), block_size=BLOCK_SIZE, num_kv_blocks=64, max_num_batched_tokens=64
+    )
     [group] = engine.kv_cache_manager.coordinator.kv_cache_config.kv_cache_groups
-    assert group.kv_cache_spec == SlidingWindowSpec(BLOCK_SIZE, 2, 16, "float32", sliding_window=WINDOW)
+    assert group.kv_cache_spec == SlidingWindowSpec(
+        BLOCK_SIZE, 2, 16, "float32", sliding_window=WINDOW
+    )
     rng = random.Random(3)
     prompts = [[rng.randrange(2, 96) for _ in range(length)] for length in (5, 13)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -63,14 +66,22 @@ def test_greedy_generation_past_the_window_equals_transformers(tmp_path, config_
 
 
 def test_qwen2_mixing_full_and_windowed_layers_is_refused_clearly():
-    config = transformers.Qwen2Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=WINDOW,
-                                      max_window_layers=2,
-                                      architectures=["Qwen2ForCausalLM"]).to_dict()
+    config = transformers.Qwen2Config(
+        num_hidden_layers=4,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        max_window_layers=2,
+        architectures=["Qwen2ForCausalLM"],
+    ).to_dict()
     with pytest.raises(ValueError, match="mixes full-attention and sliding-window layers"):
         ModelConfig.from_hf_config(config)
 
 
 def test_qwen2_without_use_sliding_window_is_full_attention():
-    config = transformers.Qwen2Config(num_hidden_layers=2, use_sliding_window=False, sliding_window=WINDOW,
-                                      architectures=["Qwen2ForCausalLM"])
+    config = transformers.Qwen2Config(
+        num_hidden_layers=2,
+        use_sliding_window=False,
+        sliding_window=WINDOW,
+        architectures=["Qwen2ForCausalLM"],
+    )
     assert ModelConfig.from_hf_config(config.to_dict()).sliding_window is None

@@ -41,28 +41,43 @@ def test_a_windowed_prompt_pulls_only_the_blocks_its_window_still_reads(tmp_path
     window were dropped for it, so the prompt is computed again from the start."""
     save_hf_model(tmp_path, transformers.MistralConfig, sliding_window=WINDOW)
     # 8-token chunks: the window leaves the prompt's first blocks while it is prefilled.
-    engine = dict(model=str(tmp_path), block_size=BLOCK_SIZE, num_kv_blocks=64,
-                  max_num_batched_tokens=8, hash_seed=0)
+    engine = dict(
+        model=str(tmp_path),
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=64,
+        max_num_batched_tokens=8,
+        hash_seed=0,
+    )
 
     def spec(worker_id: str, role: str) -> WorkerSpec:
-        return WorkerSpec(worker_id, EngineConfig(engine_id=worker_id, **engine),
-                          KVConnectorConfig(role=role, secret=SECRET))
+        return WorkerSpec(
+            worker_id,
+            EngineConfig(engine_id=worker_id, **engine),
+            KVConnectorConfig(role=role, secret=SECRET),
+        )
 
     prompt = [random.Random(3).randrange(2, 96) for _ in range(30)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     first_read = (len(prompt) - WINDOW + 1) // BLOCK_SIZE  # the first block the window reads
     expected = LLMEngine.from_pretrained(**engine).generate([prompt], [params])[0].output_token_ids
-    prefill, decode = PrefillWorker(spec("prefill-0", "producer")), DecodeWorker(
-        spec("decode-0", "consumer"))
+    prefill, decode = (
+        PrefillWorker(spec("prefill-0", "producer")),
+        DecodeWorker(spec("decode-0", "consumer")),
+    )
 
     async def disaggregated() -> tuple[list[GenerationChunk], list[GenerationChunk]]:
-        first = await _stream(prefill, WorkerRequest(
-            "w0", prompt, dataclasses.replace(params, max_tokens=1), remote_decode=True))
+        first = await _stream(
+            prefill,
+            WorkerRequest(
+                "w0", prompt, dataclasses.replace(params, max_tokens=1), remote_decode=True
+            ),
+        )
         hand_off = first[-1].kv_transfer_params
         if corrupt:  # the first page pulled changes after its checksum was promised
             prefill.engine.runner.kv_cache[hand_off.block_ids[first_read]].view(-1)[5] += 1.0
-        rest = await _stream(decode, WorkerRequest("w0", prompt, params,
-                                                   kv_transfer_params=hand_off))
+        rest = await _stream(
+            decode, WorkerRequest("w0", prompt, params, kv_transfer_params=hand_off)
+        )
         return first, rest
 
     try:
@@ -87,8 +102,10 @@ def test_a_windowed_prompt_pulls_only_the_blocks_its_window_still_reads(tmp_path
         group_ids = manager.coordinator.kv_cache_group_ids
 
         def cached(index: int) -> bool:
-            return manager.block_pool.get_cached_block(hand_off.block_hashes[index],
-                                                       group_ids) is not None
+            return (
+                manager.block_pool.get_cached_block(hand_off.block_hashes[index], group_ids)
+                is not None
+            )
 
         assert not any(cached(i) for i in range(first_read))
         assert all(cached(i) for i in range(first_read, len(hand_off.block_hashes)))

@@ -20,12 +20,16 @@ ATOL = 1e-3  # float32 over 30 layers; logits reach ~25
 BLOCK_SIZE = 16
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You answer in one short sentence."},
-     {"role": "user", "content": "Why is the sky blue?"}],
+    [
+        {"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": "Why is the sky blue?"},
+    ],
     [{"role": "user", "content": "Write a Python function that adds two numbers."}],
-    [{"role": "user", "content": "Count from 1 to 5."},
-     {"role": "assistant", "content": "1, 2, 3, 4, 5"},
-     {"role": "user", "content": "Now backwards."}],
+    [
+        {"role": "user", "content": "Count from 1 to 5."},
+        {"role": "assistant", "content": "1, 2, 3, 4, 5"},
+        {"role": "user", "content": "Now backwards."},
+    ],
 ]
 
 
@@ -55,7 +59,12 @@ def reference_last_logits(reference, token_ids: list[int]) -> torch.Tensor:
 def test_config_and_tokenizer_come_from_the_gguf_metadata(engine):
     config = engine.model_config
     assert (config.num_layers, config.hidden_size, config.intermediate_size) == (30, 576, 1536)
-    assert (config.num_heads, config.num_kv_heads, config.head_dim, config.vocab_size) == (9, 3, 64, 49152)
+    assert (config.num_heads, config.num_kv_heads, config.head_dim, config.vocab_size) == (
+        9,
+        3,
+        64,
+        49152,
+    )
     assert config.tie_word_embeddings and config.rope_theta == 100000.0
     assert config.eos_token_ids == [2] and engine.tokenizer.eos_token_ids == (2,)
 
@@ -67,18 +76,26 @@ def test_prefill_cached_prefix_and_decode_logits_equal_transformers(engine, refe
     assert 32 < len(prompt) <= 4 * BLOCK_SIZE - 4
     blocks = [7, 2, 9, 4]
     logits = runner.execute([ScheduledChunk("plain", prompt, 0, blocks, sample=True)])
-    torch.testing.assert_close(logits[0], reference_last_logits(reference, prompt), atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        logits[0], reference_last_logits(reference, prompt), atol=ATOL, rtol=0
+    )
 
     cached = [5, 11, 0, 3]
     runner.execute([ScheduledChunk("cached", prompt[:16], 0, cached, sample=False)])
     logits = runner.execute([ScheduledChunk("cached", prompt[16:], 16, cached, sample=True)])
-    torch.testing.assert_close(logits[0], reference_last_logits(reference, prompt), atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        logits[0], reference_last_logits(reference, prompt), atol=ATOL, rtol=0
+    )
 
     sequence = list(prompt)
     for _ in range(4):
         sequence.append(int(logits[0].argmax()))
-        logits = runner.execute([ScheduledChunk("plain", sequence[-1:], len(sequence) - 1, blocks, sample=True)])
-        torch.testing.assert_close(logits[0], reference_last_logits(reference, sequence), atol=ATOL, rtol=0)
+        logits = runner.execute(
+            [ScheduledChunk("plain", sequence[-1:], len(sequence) - 1, blocks, sample=True)]
+        )
+        torch.testing.assert_close(
+            logits[0], reference_last_logits(reference, sequence), atol=ATOL, rtol=0
+        )
 
 
 def test_greedy_chat_replies_equal_transformers_generate_token_for_token(engine, reference):
@@ -87,10 +104,14 @@ def test_greedy_chat_replies_equal_transformers_generate_token_for_token(engine,
     for prompt, output in zip(prompts, outputs):
         with torch.no_grad():
             generated = reference.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=32, do_sample=False, eos_token_id=2, pad_token_id=2,
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=32,
+                do_sample=False,
+                eos_token_id=2,
+                pad_token_id=2,
             )
-        assert output.output_token_ids == generated[0, len(prompt):].tolist()
+        assert output.output_token_ids == generated[0, len(prompt) :].tolist()
     assert outputs[0].text == "The capital of France is Paris."
     assert outputs[0].output_token_ids[-1] == 2 and outputs[0].finish_reason == "stop"
     assert not any("<|im_end|>" in output.text for output in outputs)

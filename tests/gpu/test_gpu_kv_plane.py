@@ -18,18 +18,28 @@ from pdserve.kvconnector.grpc_client import GrpcTransferClient
 from pdserve.kvconnector.grpc_transport import GrpcTransferServer
 from pdserve.kvconnector.layout import KVLayout
 from pdserve.kvconnector.lease import LeaseTable
-from pdserve.kvconnector.nixl_transport import (NixlTransferClient, NixlTransferServer,
-                                                nixl_available)
+from pdserve.kvconnector.nixl_transport import (
+    NixlTransferClient,
+    NixlTransferServer,
+    nixl_available,
+)
 from pdserve.kvconnector.pd_connector import PDConnector
 from pdserve.messages.connector_config import KVConnectorConfig
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs CUDA (torch.cuda.is_available() is False)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is False)"
+)
 SHAPE = (32, 2, 2, 16, 2, 64)  # blocks, layers, K/V, block size, kv heads, head size
-CLIENTS = {"grpc": (GrpcTransferServer, GrpcTransferClient),
-           "nixl": (NixlTransferServer, NixlTransferClient)}
-TRANSPORTS = ["grpc", pytest.param("nixl", marks=pytest.mark.skipif(
-    not nixl_available(), reason="nixl is not installed"))]
+CLIENTS = {
+    "grpc": (GrpcTransferServer, GrpcTransferClient),
+    "nixl": (NixlTransferServer, NixlTransferClient),
+}
+TRANSPORTS = [
+    "grpc",
+    pytest.param(
+        "nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")
+    ),
+]
 
 
 def random_kv(device: str, seed: int = 0) -> torch.Tensor:
@@ -45,10 +55,13 @@ def test_checksums_of_the_same_bytes_agree_on_cuda_and_cpu() -> None:
 
 # gRPC stages through host memory, so every pairing is its own code path; NIXL is checked
 # where it is deployed, VRAM to VRAM (a DRAM/VRAM mix is UCX's path, not one of ours).
-DEVICE_CASES = [pytest.param("grpc", pair, id=f"grpc-{pair[0]}-to-{pair[1]}")
-                for pair in [("cuda", "cuda"), ("cuda", "cpu"), ("cpu", "cuda")]]
-DEVICE_CASES.append(pytest.param("nixl", ("cuda", "cuda"), id="nixl-cuda-to-cuda",
-                                 marks=TRANSPORTS[1].marks))
+DEVICE_CASES = [
+    pytest.param("grpc", pair, id=f"grpc-{pair[0]}-to-{pair[1]}")
+    for pair in [("cuda", "cuda"), ("cuda", "cpu"), ("cpu", "cuda")]
+]
+DEVICE_CASES.append(
+    pytest.param("nixl", ("cuda", "cuda"), id="nixl-cuda-to-cuda", marks=TRANSPORTS[1].marks)
+)
 
 
 @pytest.mark.parametrize("transport, devices", DEVICE_CASES)
@@ -64,8 +77,9 @@ def test_shuffled_pages_land_byte_exact_between_devices(transport, devices) -> N
     lease = leases.grant("r0", remote_ids, [b"h"] * 12, block_checksums(source, remote_ids))
     try:
         peer = client.handshake(server.address)
-        result = client.read_blocks(peer, lease.lease_id, remote_ids, local_ids,
-                                    block_checksums(source, remote_ids))
+        result = client.read_blocks(
+            peer, lease.lease_id, remote_ids, local_ids, block_checksums(source, remote_ids)
+        )
     finally:
         client.close()
         server.stop(0)
@@ -77,12 +91,16 @@ def test_shuffled_pages_land_byte_exact_between_devices(transport, devices) -> N
 def test_disaggregated_engines_on_cuda_equal_colocated(transport) -> None:
     kwargs = dict(num_kv_blocks=64, device="cuda", hash_seed=0)
     colocated = LLMEngine.from_pretrained("tiny", **kwargs)
-    producer = PDConnector(KVConnectorConfig(role="producer", transport=transport,
-                                             allow_insecure=True), "prefill", "xxh3_128", 0)
-    consumer = PDConnector(KVConnectorConfig(role="consumer", transport=transport),
-                           "decode", "xxh3_128", 0)
-    prefill = LLMEngine.from_pretrained("tiny", connector=producer, engine_id="prefill",
-                                        **kwargs)
+    producer = PDConnector(
+        KVConnectorConfig(role="producer", transport=transport, allow_insecure=True),
+        "prefill",
+        "xxh3_128",
+        0,
+    )
+    consumer = PDConnector(
+        KVConnectorConfig(role="consumer", transport=transport), "decode", "xxh3_128", 0
+    )
+    prefill = LLMEngine.from_pretrained("tiny", connector=producer, engine_id="prefill", **kwargs)
     decode = LLMEngine.from_pretrained("tiny", connector=consumer, engine_id="decode", **kwargs)
     prompt = list(range(1, 70))
     params = SamplingParams(max_tokens=12, temperature=0.0)

@@ -12,10 +12,10 @@ import sys
 
 
 def _modules_loaded_by(module: str) -> list[str]:
-    code = (f"import sys, json, {module}; "
-            "print(json.dumps(sorted(m for m in sys.modules)))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, check=True)
+    code = f"import sys, json, {module}; print(json.dumps(sorted(m for m in sys.modules)))"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     return json.loads(done.stdout.splitlines()[-1])
 
 
@@ -23,8 +23,13 @@ def test_importing_the_gateway_app_loads_no_torch_and_no_engine_or_connector():
     loaded = _modules_loaded_by("pdserve.prefill.gateway.http_ingress")
     assert "pdserve.prefill.gateway.http_ingress" in loaded  # the import did happen
     assert "torch" not in loaded
-    leaked = [m for m in loaded if m.startswith(("pdserve.engine", "pdserve.kvconnector",
-                                                 "pdserve.decode", "pdserve.prefill.worker"))]
+    leaked = [
+        m
+        for m in loaded
+        if m.startswith(
+            ("pdserve.engine", "pdserve.kvconnector", "pdserve.decode", "pdserve.prefill.worker")
+        )
+    ]
     assert leaked == []
 
 

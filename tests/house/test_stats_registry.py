@@ -17,8 +17,8 @@ IDENTITY = ("worker_id", "role", "instance_id", "node_id", "node_ip")
 
 def test_worker_stats_fields_are_the_registry_in_order():
     names = [f.name for f in dataclasses.fields(WorkerStats)]
-    assert names[:len(IDENTITY)] == list(IDENTITY)
-    assert names[len(IDENTITY):] == [stat.name for stat in WORKER_STATS]
+    assert names[: len(IDENTITY)] == list(IDENTITY)
+    assert names[len(IDENTITY) :] == [stat.name for stat in WORKER_STATS]
 
 
 def test_every_gateway_stat_is_a_gateway_figure():
@@ -45,33 +45,63 @@ def test_metrics_exposes_every_registered_metric_with_worker_labels():
     metrics.record_first_token(0.02)
     metrics.record_rejected(429)
     metrics.record_finished("stop", 0.5, num_prompt_tokens=10)
-    metrics.latest_workers = [WorkerStats("decode-0", "consumer", "x", num_blocks_received=5,
-                                          num_bytes_received_by_peer={"127.0.0.2": 64})]
+    metrics.latest_workers = [
+        WorkerStats(
+            "decode-0",
+            "consumer",
+            "x",
+            num_blocks_received=5,
+            num_bytes_received_by_peer={"127.0.0.2": 64},
+        )
+    ]
     text = generate_latest(metrics.registry).decode()
     for stat in (*WORKER_STATS, *GATEWAY_STATS):
         if stat.metric is None:
             continue
         suffix = {Kind.COUNTER: "_total", Kind.HISTOGRAM: "_bucket", Kind.GAUGE: ""}[stat.kind]
         assert f"{stat.metric}{suffix}{{" in text, stat.metric
-    assert ('pdserve:kv_transfer_blocks_received_total{model_name="tiny",role="consumer",'
-            'worker="decode-0"} 5.0') in text
-    assert ('pdserve:kv_transfer_bytes_received_by_peer_total{model_name="tiny",peer="127.0.0.2",'
-            'role="consumer",worker="decode-0"} 64.0') in text
+    assert (
+        'pdserve:kv_transfer_blocks_received_total{model_name="tiny",role="consumer",'
+        'worker="decode-0"} 5.0'
+    ) in text
+    assert (
+        'pdserve:kv_transfer_bytes_received_by_peer_total{model_name="tiny",peer="127.0.0.2",'
+        'role="consumer",worker="decode-0"} 64.0'
+    ) in text
     assert 'pdserve:requests_rejected_total{model_name="tiny",status="429"} 1.0' in text
     # Histograms, not per-worker p99 gauges: Prometheus can add buckets across workers.
     assert 'vllm:time_to_first_token_seconds_bucket{le="0.04",model_name="tiny"} 1.0' in text
 
 
 def test_totals_follow_each_stats_rule():
-    rows = [dataclasses.asdict(WorkerStats("a", "producer", "1", prefix_cache_queries=10,
-                                           prefix_cache_hits=5, num_blocks=10,
-                                           kv_cache_usage=1.0, transfer_latency_p99_s=0.2,
-                                           num_bytes_received_by_peer={"127.0.0.2": 8})),
-            dataclasses.asdict(WorkerStats("b", "consumer", "2", prefix_cache_queries=30,
-                                           prefix_cache_hits=5, num_blocks=30,
-                                           kv_cache_usage=0.0, transfer_latency_p99_s=0.1,
-                                           num_bytes_received_by_peer={"127.0.0.2": 2,
-                                                                       "127.0.0.4": 1}))]
+    rows = [
+        dataclasses.asdict(
+            WorkerStats(
+                "a",
+                "producer",
+                "1",
+                prefix_cache_queries=10,
+                prefix_cache_hits=5,
+                num_blocks=10,
+                kv_cache_usage=1.0,
+                transfer_latency_p99_s=0.2,
+                num_bytes_received_by_peer={"127.0.0.2": 8},
+            )
+        ),
+        dataclasses.asdict(
+            WorkerStats(
+                "b",
+                "consumer",
+                "2",
+                prefix_cache_queries=30,
+                prefix_cache_hits=5,
+                num_blocks=30,
+                kv_cache_usage=0.0,
+                transfer_latency_p99_s=0.1,
+                num_bytes_received_by_peer={"127.0.0.2": 2, "127.0.0.4": 1},
+            )
+        ),
+    ]
     total = totals(WORKER_STATS, rows)
     assert total["prefix_cache_queries"] == 40
     assert total["prefix_cache_hit_rate"] == 10 / 40
@@ -86,7 +116,9 @@ def test_stats_report_is_json_ready_and_merges_histograms():
 
     workers = [WorkerStats("a", "consumer", "1"), WorkerStats("b", "consumer", "2")]
     report = json.loads(json.dumps(stats_report("m", GatewayMetrics("m").row(), workers)))
-    assert report["totals"]["transfer_latency"]["counts"] == list(workers[0].transfer_latency.counts)
+    assert report["totals"]["transfer_latency"]["counts"] == list(
+        workers[0].transfer_latency.counts
+    )
 
 
 def test_percentile_is_nearest_rank():

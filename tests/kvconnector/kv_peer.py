@@ -21,15 +21,22 @@ from pdserve.kvconnector.layout import KVLayout
 from pdserve.kvconnector.nixl_transport import NixlTransferClient, nixl_available
 from pdserve.kvconnector.transport import KVTransferClient
 
-TRANSPORTS = ["grpc", pytest.param("nixl", marks=pytest.mark.skipif(
-    not nixl_available(), reason="nixl is not installed (pip install 'pdserve[nixl]')"))]
+TRANSPORTS = [
+    "grpc",
+    pytest.param(
+        "nixl",
+        marks=pytest.mark.skipif(
+            not nixl_available(), reason="nixl is not installed (pip install 'pdserve[nixl]')"
+        ),
+    ),
+]
 
 TINY_SHAPE = dict(num_layers=4, block_size=16, num_kv_heads=2, head_size=64)
 
 
 @dataclass(frozen=True)
 class PeerSpec:
-    transport: str = "grpc"                 # "grpc" or "nixl"
+    transport: str = "grpc"  # "grpc" or "nixl"
     num_blocks: int = 64
     dtype: str = "float32"
     seed: int = 1234
@@ -38,20 +45,32 @@ class PeerSpec:
     hash_seed: int = 0
     secret: str | None = None
     lease_ttl_s: float = 30.0
-    corrupt_block: int | None = None        # flip a byte of this block after its checksum
+    corrupt_block: int | None = None  # flip a byte of this block after its checksum
     stall_after_first_message: bool = False
-    delay_per_message_s: float = 0.0       # a slow link: every message waits this long
+    delay_per_message_s: float = 0.0  # a slow link: every message waits this long
 
 
-def seeded_kv_cache(spec: PeerSpec, num_blocks: int | None = None,
-                    seed: int | None = None) -> torch.Tensor:
+def seeded_kv_cache(
+    spec: PeerSpec, num_blocks: int | None = None, seed: int | None = None
+) -> torch.Tensor:
     shape = spec.shape
-    dims = (num_blocks or spec.num_blocks, shape["num_layers"], 2, shape["block_size"],
-            shape["num_kv_heads"], shape["head_size"])
+    dims = (
+        num_blocks or spec.num_blocks,
+        shape["num_layers"],
+        2,
+        shape["block_size"],
+        shape["num_kv_heads"],
+        shape["head_size"],
+    )
     itemsize = torch.empty((), dtype=getattr(torch, spec.dtype)).element_size()
     generator = torch.Generator().manual_seed(spec.seed if seed is None else seed)
-    raw = torch.randint(0, 256, (dims[0], int(torch.tensor(dims[1:]).prod()) * itemsize),
-                        dtype=torch.uint8, generator=generator)
+    raw = torch.randint(
+        0,
+        256,
+        (dims[0], int(torch.tensor(dims[1:]).prod()) * itemsize),
+        dtype=torch.uint8,
+        generator=generator,
+    )
     return raw.view(getattr(torch, spec.dtype)).reshape(dims).contiguous()
 
 
@@ -78,15 +97,24 @@ def _serve(spec: PeerSpec, conn: Any) -> None:
             time.sleep(3600)
         time.sleep(spec.delay_per_message_s)
 
-    injecting = (spec.corrupt_block is not None or spec.stall_after_first_message
-                 or spec.delay_per_message_s > 0)
-    kwargs = dict(engine_id="prefill-0", secret=spec.secret, max_message_bytes=256 << 10,
-                  fault_injector=fault_injector if injecting else None)
+    injecting = (
+        spec.corrupt_block is not None
+        or spec.stall_after_first_message
+        or spec.delay_per_message_s > 0
+    )
+    kwargs = dict(
+        engine_id="prefill-0",
+        secret=spec.secret,
+        max_message_bytes=256 << 10,
+        fault_injector=fault_injector if injecting else None,
+    )
     if spec.transport == "nixl":
         from pdserve.kvconnector.nixl_transport import NixlTransferServer
+
         server = NixlTransferServer(kv_cache, leases, layout, **kwargs)
     else:
         from pdserve.kvconnector.grpc_transport import GrpcTransferServer
+
         server = GrpcTransferServer(kv_cache, leases, layout, **kwargs)
     conn.send(server.address)
     while True:
@@ -96,7 +124,8 @@ def _serve(spec: PeerSpec, conn: Any) -> None:
             checksums = block_checksums(kv_cache, block_ids)
             if spec.corrupt_block in block_ids and spec.transport == "nixl":
                 kv_cache.view(-1, layout.page_bytes // kv_cache.element_size())[
-                    spec.corrupt_block, 0] += 1  # the page changes after its checksum
+                    spec.corrupt_block, 0
+                ] += 1  # the page changes after its checksum
             lease = leases.grant(request_id, block_ids, [], checksums, ttl_s)
             conn.send((lease.lease_id, checksums))
         elif command == "take_freeable":
@@ -131,8 +160,9 @@ class PeerProcess:
             raise TimeoutError(f"KV peer did not answer {command[0]}")
         return self._conn.recv()
 
-    def grant(self, block_ids: list[int], request_id: str = "req-0",
-              ttl_s: float | None = None) -> tuple[str, list[int]]:
+    def grant(
+        self, block_ids: list[int], request_id: str = "req-0", ttl_s: float | None = None
+    ) -> tuple[str, list[int]]:
         return self._ask("grant", request_id, block_ids, ttl_s)
 
     def take_freeable(self) -> list[str]:
@@ -159,11 +189,16 @@ class PeerProcess:
         self.kill()
 
 
-def make_client(spec: PeerSpec, local: torch.Tensor, secret: str | None = None,
-                timeout_s: float = 10.0, hash_seed: int | None = None) -> KVTransferClient:
+def make_client(
+    spec: PeerSpec,
+    local: torch.Tensor,
+    secret: str | None = None,
+    timeout_s: float = 10.0,
+    hash_seed: int | None = None,
+) -> KVTransferClient:
     """A transfer client of ``spec``'s transport over the local KV tensor ``local``."""
-    layout = KVLayout.from_kv_cache(local, spec.hash_algorithm,
-                                    spec.hash_seed if hash_seed is None else hash_seed)
+    layout = KVLayout.from_kv_cache(
+        local, spec.hash_algorithm, spec.hash_seed if hash_seed is None else hash_seed
+    )
     client_type = NixlTransferClient if spec.transport == "nixl" else GrpcTransferClient
-    return client_type(local, layout, engine_id="decode-0", secret=secret,
-                       timeout_s=timeout_s)
+    return client_type(local, layout, engine_id="decode-0", secret=secret, timeout_s=timeout_s)

@@ -24,8 +24,8 @@ class PrefillSpec:
     lease_ttl_s: float = 30.0
     hash_seed: int = 0
     secret: str | None = None
-    port: int = 0                  # fixed: a restart comes back on the same address
-    engine_id: str = "prefill-0"   # a restarted worker is a new engine: a new id
+    port: int = 0  # fixed: a restart comes back on the same address
+    engine_id: str = "prefill-0"  # a restarted worker is a new engine: a new id
 
 
 @dataclass(frozen=True)
@@ -51,14 +51,26 @@ def _run(spec: PrefillSpec, conn: Any) -> None:
             time.sleep(faults["stall_s"])
 
     connector = PDConnector(
-        KVConnectorConfig(role="producer", transport=spec.transport, port=spec.port,
-                          lease_ttl_s=spec.lease_ttl_s, secret=spec.secret,
-                          allow_insecure=spec.secret is None),  # loopback unit tests only
-        engine_id=spec.engine_id, hash_algorithm="xxh3_128", hash_seed=spec.hash_seed,
+        KVConnectorConfig(
+            role="producer",
+            transport=spec.transport,
+            port=spec.port,
+            lease_ttl_s=spec.lease_ttl_s,
+            secret=spec.secret,
+            allow_insecure=spec.secret is None,
+        ),  # loopback unit tests only
+        engine_id=spec.engine_id,
+        hash_algorithm="xxh3_128",
+        hash_seed=spec.hash_seed,
         fault_injector=fault_injector,
     )
-    engine = LLMEngine.from_pretrained("tiny", connector=connector, hash_seed=spec.hash_seed,
-                                       engine_id=spec.engine_id, **ENGINE_KWARGS)
+    engine = LLMEngine.from_pretrained(
+        "tiny",
+        connector=connector,
+        hash_seed=spec.hash_seed,
+        engine_id=spec.engine_id,
+        **ENGINE_KWARGS,
+    )
     conn.send(connector.address)
     while True:
         if not conn.poll(0.002):
@@ -84,13 +96,15 @@ def _run(spec: PrefillSpec, conn: Any) -> None:
             conn.send(None)
         elif command == "state":
             stats = engine.stats()
-            conn.send(PrefillState(
-                kv_cache_usage=stats.kv_cache_usage,
-                num_held_requests=len(engine.scheduler.held_for_transfer),
-                num_leases=len(connector.leases),
-                num_lease_expiries=stats.transfer.num_lease_expiries,
-                num_blocks_sent=stats.transfer.num_blocks_sent,
-            ))
+            conn.send(
+                PrefillState(
+                    kv_cache_usage=stats.kv_cache_usage,
+                    num_held_requests=len(engine.scheduler.held_for_transfer),
+                    num_leases=len(connector.leases),
+                    num_lease_expiries=stats.transfer.num_lease_expiries,
+                    num_blocks_sent=stats.transfer.num_blocks_sent,
+                )
+            )
         elif command == "stop":
             engine.shutdown()
             conn.send(None)

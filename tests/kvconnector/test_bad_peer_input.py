@@ -30,9 +30,13 @@ from pdserve.proto import kv_transfer_pb2 as pb
 SPEC = PeerSpec(transport="grpc")
 LEASED = [3, 4, 5, 10, 11, 40]
 SERVICE = "/pdserve.kv.KvTransfer/"
-CLEAR_REFUSALS = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED,
-                  grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-                  grpc.StatusCode.RESOURCE_EXHAUSTED}
+CLEAR_REFUSALS = {
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +65,11 @@ def remote_pages() -> torch.Tensor:
 
 def read_raw(channel: grpc.Channel, lease_id: str, block_ids: list[int]) -> tuple[list[int], bytes]:
     """Every block id and page byte the server streams back for one ``ReadBlocks``."""
-    call = channel.unary_stream(SERVICE + "ReadBlocks",
-                                request_serializer=pb.ReadBlocksRequest.SerializeToString,
-                                response_deserializer=None)
+    call = channel.unary_stream(
+        SERVICE + "ReadBlocks",
+        request_serializer=pb.ReadBlocksRequest.SerializeToString,
+        response_deserializer=None,
+    )
     ids: list[int] = []
     data = bytearray()
     for raw in call(pb.ReadBlocksRequest(lease_id=lease_id, block_ids=block_ids), timeout=30):
@@ -115,12 +121,16 @@ block_id = st.sampled_from(LEASED) | st.integers(0, SPEC.num_blocks + 2) | st.in
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_fuzzed_reads_get_the_leased_pages_exactly_or_a_clear_status(
-        channel, lease_id, remote_pages, data) -> None:
-    asked_lease = data.draw(st.sampled_from([lease_id, lease_id[:-1], ""])
-                            | st.text(max_size=80), label="lease_id")
-    block_ids = data.draw(st.lists(block_id, max_size=12)
-                          | st.lists(st.sampled_from(LEASED), max_size=6, unique=True),
-                          label="block_ids")
+    channel, lease_id, remote_pages, data
+) -> None:
+    asked_lease = data.draw(
+        st.sampled_from([lease_id, lease_id[:-1], ""]) | st.text(max_size=80), label="lease_id"
+    )
+    block_ids = data.draw(
+        st.lists(block_id, max_size=12)
+        | st.lists(st.sampled_from(LEASED), max_size=6, unique=True),
+        label="block_ids",
+    )
     refusal = expected_refusal(asked_lease, lease_id, block_ids)
     try:
         ids, pages = read_raw(channel, asked_lease, block_ids)
@@ -132,15 +142,27 @@ def test_fuzzed_reads_get_the_leased_pages_exactly_or_a_clear_status(
     assert pages == remote_pages[block_ids].numpy().tobytes()
 
 
-@pytest.mark.parametrize("method, kind", [
-    ("Handshake", "unary_unary"), ("ReadBlocks", "unary_stream"), ("HoldBlocks", "stream_stream"),
-    ("RenewLease", "unary_unary"), ("Release", "unary_unary")])
-@pytest.mark.parametrize("garbage", [b"\xff" * 12, b"\x0a\x03\xff\xfe\xfd", b"\x12\x80"],
-                         ids=["junk", "bad-utf8-lease-id", "truncated"])
+@pytest.mark.parametrize(
+    "method, kind",
+    [
+        ("Handshake", "unary_unary"),
+        ("ReadBlocks", "unary_stream"),
+        ("HoldBlocks", "stream_stream"),
+        ("RenewLease", "unary_unary"),
+        ("Release", "unary_unary"),
+    ],
+)
+@pytest.mark.parametrize(
+    "garbage",
+    [b"\xff" * 12, b"\x0a\x03\xff\xfe\xfd", b"\x12\x80"],
+    ids=["junk", "bad-utf8-lease-id", "truncated"],
+)
 def test_bytes_that_are_no_request_are_invalid_argument(
-        peer, channel, remote_pages, method, kind, garbage) -> None:
-    call = getattr(channel, kind)(SERVICE + method, request_serializer=None,
-                                  response_deserializer=None)
+    peer, channel, remote_pages, method, kind, garbage
+) -> None:
+    call = getattr(channel, kind)(
+        SERVICE + method, request_serializer=None, response_deserializer=None
+    )
     with pytest.raises(grpc.RpcError) as caught:
         reply = call(iter([garbage]) if kind == "stream_stream" else garbage, timeout=10)
         if kind != "unary_unary":
@@ -186,37 +208,51 @@ def test_a_read_after_expiry_is_failed_precondition(peer) -> None:
 
 def test_a_hold_flooded_with_requests_is_refused_and_ends_its_read(peer, channel) -> None:
     lease_id, _ = peer.grant([20, 21], request_id="flooded")
-    call = channel.stream_stream(SERVICE + "HoldBlocks",
-                                 request_serializer=pb.HoldRequest.SerializeToString,
-                                 response_deserializer=pb.HoldReply.FromString)
+    call = channel.stream_stream(
+        SERVICE + "HoldBlocks",
+        request_serializer=pb.HoldRequest.SerializeToString,
+        response_deserializer=pb.HoldReply.FromString,
+    )
     flood = (pb.HoldRequest(lease_id=lease_id, block_ids=[20, 21]) for _ in range(100_000))
     with pytest.raises(grpc.RpcError) as caught:
         list(call(flood, timeout=30))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "HoldBlocks takes one request" in caught.value.details()
-    channel.unary_unary(SERVICE + "Release", request_serializer=pb.LeaseRequest.SerializeToString,
-                        response_deserializer=pb.LeaseReply.FromString)(
-        pb.LeaseRequest(lease_id=lease_id), timeout=10)
+    channel.unary_unary(
+        SERVICE + "Release",
+        request_serializer=pb.LeaseRequest.SerializeToString,
+        response_deserializer=pb.LeaseReply.FromString,
+    )(pb.LeaseRequest(lease_id=lease_id), timeout=10)
     assert "flooded" in peer.take_freeable()  # no read left in flight
 
 
 @pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")
-@pytest.mark.parametrize("region, says", [
-    (dict(page_bytes=4096), "page_bytes 4096"),
-    (dict(num_blocks=SPEC.num_blocks + 1), "NIXL pages but"),
-    (dict(num_blocks=MAX_PEER_BLOCKS + 1), "not 1 to"),
-    (dict(base_address=2**64 - 4096), "wraps the address space"),
-    (dict(base_address=0), "null"),
-], ids=["page-size", "num-blocks", "too-many-blocks", "wraps", "null"])
+@pytest.mark.parametrize(
+    "region, says",
+    [
+        (dict(page_bytes=4096), "page_bytes 4096"),
+        (dict(num_blocks=SPEC.num_blocks + 1), "NIXL pages but"),
+        (dict(num_blocks=MAX_PEER_BLOCKS + 1), "not 1 to"),
+        (dict(base_address=2**64 - 4096), "wraps the address space"),
+        (dict(base_address=0), "null"),
+    ],
+    ids=["page-size", "num-blocks", "too-many-blocks", "wraps", "null"],
+)
 def test_a_nixl_peer_announcing_an_impossible_region_is_refused(region, says) -> None:
     from pdserve.kvconnector.nixl_transport import NixlTransferClient
 
     kv_cache = seeded_kv_cache(SPEC)
     layout = KVLayout.from_kv_cache(kv_cache, SPEC.hash_algorithm, SPEC.hash_seed)
-    honest = dict(agent_name="liar", agent_metadata=b"unused", base_address=kv_cache.data_ptr(),
-                  page_bytes=layout.page_bytes, num_blocks=SPEC.num_blocks)
-    server = GrpcTransferServer(kv_cache, LeaseTable(), layout,
-                                nixl_info=pb.NixlAgentInfo(**{**honest, **region}))
+    honest = dict(
+        agent_name="liar",
+        agent_metadata=b"unused",
+        base_address=kv_cache.data_ptr(),
+        page_bytes=layout.page_bytes,
+        num_blocks=SPEC.num_blocks,
+    )
+    server = GrpcTransferServer(
+        kv_cache, LeaseTable(), layout, nixl_info=pb.NixlAgentInfo(**{**honest, **region})
+    )
     client = NixlTransferClient(torch.zeros_like(kv_cache), layout)
     try:
         with pytest.raises(TransferError, match=says):
@@ -227,9 +263,14 @@ def test_a_nixl_peer_announcing_an_impossible_region_is_refused(region, says) ->
 
 
 @settings(max_examples=300, deadline=None)
-@given(raw=st.binary(max_size=64) | st.builds(
-    lambda ids, tail: pb.BlockChunk(block_ids=ids).SerializeToString() + tail,
-    st.lists(st.integers(0, 2**32 - 1), max_size=5), st.binary(max_size=8)))
+@given(
+    raw=st.binary(max_size=64)
+    | st.builds(
+        lambda ids, tail: pb.BlockChunk(block_ids=ids).SerializeToString() + tail,
+        st.lists(st.integers(0, 2**32 - 1), max_size=5),
+        st.binary(max_size=8),
+    )
+)
 def test_a_chunk_from_a_peer_decodes_or_is_malformed_nothing_else(raw) -> None:
     try:
         block_ids, data = decode_block_chunk(raw)
@@ -255,9 +296,11 @@ def test_a_hold_that_is_never_closed_ends_at_the_lease_ttl_and_frees_its_blocks(
 
     try:
         with grpc.insecure_channel(server.address) as hold_channel:
-            call = hold_channel.stream_stream(SERVICE + "HoldBlocks",
-                                              request_serializer=pb.HoldRequest.SerializeToString,
-                                              response_deserializer=pb.HoldReply.FromString)
+            call = hold_channel.stream_stream(
+                SERVICE + "HoldBlocks",
+                request_serializer=pb.HoldRequest.SerializeToString,
+                response_deserializer=pb.HoldReply.FromString,
+            )
             started = time.monotonic()
             with pytest.raises(grpc.RpcError) as caught:
                 list(call(one_request_then_silence()))  # no deadline

@@ -2,8 +2,11 @@ import os
 
 import pytest
 
-from pdserve.kvconnector.block_chunk import (MalformedChunkError, decode_block_chunk,
-                                             encode_block_chunk)
+from pdserve.kvconnector.block_chunk import (
+    MalformedChunkError,
+    decode_block_chunk,
+    encode_block_chunk,
+)
 from pdserve.proto import kv_transfer_pb2 as pb
 
 

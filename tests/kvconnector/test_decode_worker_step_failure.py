@@ -22,11 +22,16 @@ from pdserve.messages.worker_spec import WorkerSpec
 
 
 def test_a_step_failure_frees_a_request_whose_loaded_notice_it_took(
-        prefill_factory, monkeypatch) -> None:  # noqa: F811
+    prefill_factory, monkeypatch
+) -> None:  # noqa: F811
     prefill = prefill_factory(transport="grpc")
-    worker = DecodeWorker(WorkerSpec(
-        "decode-0", EngineConfig(engine_id="decode-0", **ENGINE_KWARGS),
-        KVConnectorConfig(role="consumer")))
+    worker = DecodeWorker(
+        WorkerSpec(
+            "decode-0",
+            EngineConfig(engine_id="decode-0", **ENGINE_KWARGS),
+            KVConnectorConfig(role="consumer"),
+        )
+    )
     prompt = random_prompts(25, 1)[0]
     params = SamplingParams(max_tokens=5, temperature=0.0, seed=1)
     prefilled = prefill.prefill("s0", prompt, params)
@@ -35,8 +40,9 @@ def test_a_step_failure_frees_a_request_whose_loaded_notice_it_took(
         raise RuntimeError("an engine bug, injected by the test")
 
     monkeypatch.setattr(worker.engine.scheduler, "_finish_load", engine_bug)
-    request = WorkerRequest("s0", prompt, dataclasses.replace(params),
-                            kv_transfer_params=prefilled.kv_transfer_params)
+    request = WorkerRequest(
+        "s0", prompt, dataclasses.replace(params), kv_transfer_params=prefilled.kv_transfer_params
+    )
 
     async def run() -> list:
         chunks = [chunk async for chunk in worker.generate(request)]

@@ -25,8 +25,15 @@ from pdserve.kvconnector.nixl_transport import nixl_available  # noqa: E402
 from pdserve.kvconnector.pd_connector import PDConnector  # noqa: E402
 
 BLOCK_SIZE = ENGINE_KWARGS["block_size"]
-TRANSPORTS = ["grpc", pytest.param("nixl", marks=pytest.mark.skipif(
-    not nixl_available(), reason="nixl is not installed (pip install 'pdserve[nixl]')"))]
+TRANSPORTS = [
+    "grpc",
+    pytest.param(
+        "nixl",
+        marks=pytest.mark.skipif(
+            not nixl_available(), reason="nixl is not installed (pip install 'pdserve[nixl]')"
+        ),
+    ),
+]
 
 
 def make_decode_engine(transport: str = "grpc", **overrides: object) -> LLMEngine:
@@ -34,12 +41,23 @@ def make_decode_engine(transport: str = "grpc", **overrides: object) -> LLMEngin
     timeout_s = overrides.pop("transfer_timeout_s", 10.0)
     hash_seed = overrides.pop("hash_seed", 0)
     connector = PDConnector(
-        KVConnectorConfig(role="consumer", transport=transport, failure_policy=policy,
-                          transfer_timeout_s=timeout_s),
-        engine_id="decode-0", hash_algorithm="xxh3_128", hash_seed=hash_seed,
+        KVConnectorConfig(
+            role="consumer",
+            transport=transport,
+            failure_policy=policy,
+            transfer_timeout_s=timeout_s,
+        ),
+        engine_id="decode-0",
+        hash_algorithm="xxh3_128",
+        hash_seed=hash_seed,
     )
-    return LLMEngine.from_pretrained("tiny", connector=connector, hash_seed=hash_seed,
-                                     engine_id="decode-0", **{**ENGINE_KWARGS, **overrides})
+    return LLMEngine.from_pretrained(
+        "tiny",
+        connector=connector,
+        hash_seed=hash_seed,
+        engine_id="decode-0",
+        **{**ENGINE_KWARGS, **overrides},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -64,23 +82,33 @@ def random_prompts(seed: int, count: int) -> list[list[int]]:
     """Prompts sharing system prefixes, lengths not multiples of the block size."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(256) for _ in range(rng.choice([32, 45, 70]))] for _ in range(2)]
-    return [rng.choice(prefixes) + [rng.randrange(256) for _ in range(rng.randrange(1, 50))]
-            for _ in range(count)]
+    return [
+        rng.choice(prefixes) + [rng.randrange(256) for _ in range(rng.randrange(1, 50))]
+        for _ in range(count)
+    ]
 
 
-def disaggregate(prefill: PrefillProcess, decode: LLMEngine, prompts: list[list[int]],
-                 params: list[SamplingParams], prefix: str = "r") -> list[RequestOutput]:
+def disaggregate(
+    prefill: PrefillProcess,
+    decode: LLMEngine,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    prefix: str = "r",
+) -> list[RequestOutput]:
     """Runs each prompt's prefill remotely, then decodes all of them in one batch."""
     ids = [f"{prefix}{i}" for i in range(len(prompts))]
     for request_id, prompt, request_params in zip(ids, prompts, params):
         prefilled = prefill.prefill(request_id, prompt, request_params)
         assert prefilled.kv_transfer_params is not None, prefilled
-        decode.add_request(request_id, prompt, request_params,
-                           kv_transfer_params=prefilled.kv_transfer_params)
+        decode.add_request(
+            request_id, prompt, request_params, kv_transfer_params=prefilled.kv_transfer_params
+        )
     return run_to_completion(decode, ids)
 
 
-def run_to_completion(engine: LLMEngine, ids: list[str], timeout_s: float = 60.0) -> list[RequestOutput]:
+def run_to_completion(
+    engine: LLMEngine, ids: list[str], timeout_s: float = 60.0
+) -> list[RequestOutput]:
     finished: dict[str, RequestOutput] = {}
     deadline = time.monotonic() + timeout_s
     while len(finished) < len(ids):
@@ -98,14 +126,18 @@ def assert_decode_idle(engine: LLMEngine) -> None:
 
 
 def sampling_mix(count: int) -> list[SamplingParams]:
-    return [SamplingParams(max_tokens=12, temperature=0.0) if i % 2 == 0 else
-            SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=1000 + i)
-            for i in range(count)]
+    return [
+        SamplingParams(max_tokens=12, temperature=0.0)
+        if i % 2 == 0
+        else SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=1000 + i)
+        for i in range(count)
+    ]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_decode_equals_colocated_and_computes_no_prompt_token(
-        transport: str, colocated: LLMEngine, prefill_factory) -> None:
+    transport: str, colocated: LLMEngine, prefill_factory
+) -> None:
     prefill = prefill_factory(transport=transport)
     decode = make_decode_engine(transport)
     prompts = random_prompts(7, 8)
@@ -130,7 +162,7 @@ def test_shared_prefix_is_not_sent_again(transport: str, prefill_factory) -> Non
     decode = make_decode_engine(transport)
     rng = random.Random(3)
     prefix = [rng.randrange(256) for _ in range(4 * BLOCK_SIZE)]
-    first = prefix + [rng.randrange(256) for _ in range(20)]   # 84 tokens: 6 blocks
+    first = prefix + [rng.randrange(256) for _ in range(20)]  # 84 tokens: 6 blocks
     second = prefix + [rng.randrange(256) for _ in range(37)]  # 101 tokens: 7 blocks
     params = [SamplingParams(max_tokens=4, temperature=0.0)]
     disaggregate(prefill, decode, [first], params, prefix="a")
@@ -144,7 +176,9 @@ def test_shared_prefix_is_not_sent_again(transport: str, prefill_factory) -> Non
     decode.shutdown()
 
 
-def test_prefill_killed_mid_transfer_decode_recomputes(colocated: LLMEngine, prefill_factory) -> None:
+def test_prefill_killed_mid_transfer_decode_recomputes(
+    colocated: LLMEngine, prefill_factory
+) -> None:
     prefill = prefill_factory(transport="grpc")
     decode = make_decode_engine("grpc", transfer_timeout_s=5.0)
     prompt = random_prompts(11, 1)[0]
@@ -174,7 +208,8 @@ def test_lease_never_released_expires_and_frees(prefill_factory) -> None:
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_corrupted_block_is_dropped_and_recomputed(
-        transport: str, colocated: LLMEngine, prefill_factory) -> None:
+    transport: str, colocated: LLMEngine, prefill_factory
+) -> None:
     prefill = prefill_factory(transport=transport)
     decode = make_decode_engine(transport)
     prompt = random_prompts(13, 1)[0]
@@ -193,9 +228,12 @@ def test_corrupted_block_is_dropped_and_recomputed(
     assert stats.num_scheduled_tokens == recomputed + len(output.output_token_ids) - 1
     # The request's provenance says the same, and its bytes are the transfer counters'.
     provenance = output.kv_provenance
-    assert (provenance.num_cache_hit_tokens, provenance.num_pulled_tokens,
-            provenance.num_recomputed_tokens, provenance.num_computed_tokens) == (
-        0, corrupt_index * BLOCK_SIZE, recomputed, 0)
+    assert (
+        provenance.num_cache_hit_tokens,
+        provenance.num_pulled_tokens,
+        provenance.num_recomputed_tokens,
+        provenance.num_computed_tokens,
+    ) == (0, corrupt_index * BLOCK_SIZE, recomputed, 0)
     assert provenance.num_blocks_pulled == stats.transfer.num_blocks_received
     assert provenance.num_bytes_pulled == stats.transfer.num_bytes_received > 0
     assert_decode_idle(decode)
@@ -244,7 +282,9 @@ def test_decode_abort_while_waiting_for_kv_frees_after_the_transfer(prefill_fact
     decode.shutdown()
 
 
-def test_a_lease_near_expiry_is_renewed_before_the_pull(colocated: LLMEngine, prefill_factory) -> None:
+def test_a_lease_near_expiry_is_renewed_before_the_pull(
+    colocated: LLMEngine, prefill_factory
+) -> None:
     prefill = prefill_factory(transport="grpc", lease_ttl_s=2.0)
     decode = make_decode_engine("grpc")
     prompt = random_prompts(16, 1)[0]
@@ -269,7 +309,7 @@ def test_dedup_is_counted_once_when_admission_waits_for_a_full_pool(prefill_fact
     decode = make_decode_engine("grpc", num_kv_blocks=11)  # 10 usable blocks of 16 tokens
     rng = random.Random(17)
     prefix = [rng.randrange(256) for _ in range(4 * BLOCK_SIZE)]
-    first = prefix + [rng.randrange(256) for _ in range(40)]   # grows to 9 blocks
+    first = prefix + [rng.randrange(256) for _ in range(40)]  # grows to 9 blocks
     second = prefix + [rng.randrange(256) for _ in range(20)]  # needs 2 blocks beyond the prefix
     long_params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     short_params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
@@ -289,7 +329,8 @@ def test_dedup_is_counted_once_when_admission_waits_for_a_full_pool(prefill_fact
 
 
 def test_a_pull_that_loses_the_first_block_recomputes_the_whole_prompt(
-        colocated: LLMEngine, prefill_factory) -> None:
+    colocated: LLMEngine, prefill_factory
+) -> None:
     prefill = prefill_factory(transport="grpc")
     decode = make_decode_engine("grpc")
     prompt = random_prompts(18, 1)[0]
@@ -308,7 +349,8 @@ def test_a_pull_that_loses_the_first_block_recomputes_the_whole_prompt(
 
 
 def test_running_decodes_keep_stepping_while_a_long_prompt_is_recomputed(
-        colocated: LLMEngine, prefill_factory) -> None:
+    colocated: LLMEngine, prefill_factory
+) -> None:
     """A recompute fallback is computed in chunks of ``long_prefill_token_threshold``: the
     running decode gets a token every step meanwhile (uncapped, the whole prompt took one
     step of the full budget)."""
@@ -319,14 +361,16 @@ def test_running_decodes_keep_stepping_while_a_long_prompt_is_recomputed(
     running_params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     long_params = SamplingParams(max_tokens=4, temperature=0.0)
     prefilled = prefill.prefill("d0", running_prompt, running_params)
-    decode.add_request("d0", running_prompt, running_params,
-                       kv_transfer_params=prefilled.kv_transfer_params)
+    decode.add_request(
+        "d0", running_prompt, running_params, kv_transfer_params=prefilled.kv_transfer_params
+    )
     while "d0" not in [r.request_id for r in decode.scheduler.running]:
         decode.step()
     prefilled = prefill.prefill("l0", long_prompt, long_params)
     prefill.corrupt(prefilled.kv_transfer_params.block_ids[0])  # the whole prompt recomputes
-    decode.add_request("l0", long_prompt, long_params,
-                       kv_transfer_params=prefilled.kv_transfer_params)
+    decode.add_request(
+        "l0", long_prompt, long_params, kv_transfer_params=prefilled.kv_transfer_params
+    )
     running, recomputing = decode.scheduler.requests["d0"], decode.scheduler.requests["l0"]
     prompt_steps = 0
     outputs: dict[str, RequestOutput] = {}
@@ -336,15 +380,18 @@ def test_running_decodes_keep_stepping_while_a_long_prompt_is_recomputed(
         for out in decode.step():
             if out.finished:
                 outputs[out.request_id] = out
-        if recomputing.num_computed_tokens > computed_before and \
-                computed_before < len(long_prompt) - 1:
+        if (
+            recomputing.num_computed_tokens > computed_before
+            and computed_before < len(long_prompt) - 1
+        ):
             prompt_steps += 1
             assert recomputing.num_computed_tokens - computed_before <= threshold
             assert running.num_output_tokens == tokens_before + 1 or running.is_finished
     assert prompt_steps >= len(long_prompt) // threshold
     expected = colocated.generate([running_prompt, long_prompt], [running_params, long_params])
-    assert [outputs["d0"].output_token_ids, outputs["l0"].output_token_ids] == \
-        [o.output_token_ids for o in expected]
+    assert [outputs["d0"].output_token_ids, outputs["l0"].output_token_ids] == [
+        o.output_token_ids for o in expected
+    ]
     assert decode.stats().num_recompute_fallbacks == 1
     assert_decode_idle(decode)
     prefill.wait_until_idle()

@@ -32,8 +32,11 @@ SECRET = "a-test-secret-of-enough-length"
 
 
 def _worker_spec(worker_id: str, role: str) -> WorkerSpec:
-    return WorkerSpec(worker_id, EngineConfig(engine_id=worker_id, hash_seed=0, **ENGINE_KWARGS),
-                      KVConnectorConfig(role=role, secret=SECRET))
+    return WorkerSpec(
+        worker_id,
+        EngineConfig(engine_id=worker_id, hash_seed=0, **ENGINE_KWARGS),
+        KVConnectorConfig(role=role, secret=SECRET),
+    )
 
 
 def _prompt(seed: int, length: int) -> list[int]:
@@ -45,11 +48,16 @@ async def _stream(worker, request: WorkerRequest) -> list[GenerationChunk]:
     return [chunk async for chunk in worker.generate(request)]
 
 
-@pytest.mark.parametrize("num_tokens, num_blocks, on_event_loop", [
-    (200, 13, True),    # 13 pages of 64 KiB: checksummed inline, no thread hop
-    (400, 25, False)])  # 1.6 MiB, over the inline limit: on a worker thread
+@pytest.mark.parametrize(
+    "num_tokens, num_blocks, on_event_loop",
+    [
+        (200, 13, True),  # 13 pages of 64 KiB: checksummed inline, no thread hop
+        (400, 25, False),
+    ],
+)  # 1.6 MiB, over the inline limit: on a worker thread
 def test_the_prefill_engine_thread_never_checksums_and_the_hand_off_carries_the_checksums(
-        monkeypatch, num_tokens, num_blocks, on_event_loop) -> None:
+    monkeypatch, num_tokens, num_blocks, on_event_loop
+) -> None:
     threads_that_checksummed: list[str] = []
 
     def spying_block_checksums(kv_cache, block_ids):
@@ -60,16 +68,24 @@ def test_the_prefill_engine_thread_never_checksums_and_the_hand_off_carries_the_
     prefill = PrefillWorker(_worker_spec("prefill-0", "producer"))
     prompt = _prompt(7, num_tokens)
     try:
-        chunks = asyncio.run(_stream(prefill, WorkerRequest(
-            "h0", prompt, SamplingParams(max_tokens=1, temperature=0.0), remote_decode=True)))
+        chunks = asyncio.run(
+            _stream(
+                prefill,
+                WorkerRequest(
+                    "h0", prompt, SamplingParams(max_tokens=1, temperature=0.0), remote_decode=True
+                ),
+            )
+        )
         params = chunks[-1].kv_transfer_params
         assert params is not None and len(params.block_ids) == num_blocks
-        assert params.block_checksums == block_checksums(prefill.engine.runner.kv_cache,
-                                                         params.block_ids)
+        assert params.block_checksums == block_checksums(
+            prefill.engine.runner.kv_cache, params.block_ids
+        )
         assert chunks[0].timing.checksum_s > 0
         assert len(threads_that_checksummed) == 1, "nobody checksummed the hand-off"
-        assert not threads_that_checksummed[0].startswith("prefill-0-engine"), \
+        assert not threads_that_checksummed[0].startswith("prefill-0-engine"), (
             "the engine's step path hashed the prompt"
+        )
         assert (threads_that_checksummed[0] == "MainThread") == on_event_loop
     finally:
         prefill.engine.shutdown()
@@ -90,17 +106,25 @@ def test_a_page_changed_after_the_hand_off_is_still_caught_and_recomputed() -> N
     decode = DecodeWorker(_worker_spec("decode-0", "consumer"))
     prompt = _prompt(8, 120)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    expected = LLMEngine.from_pretrained("tiny", hash_seed=0, **ENGINE_KWARGS).generate(
-        [prompt], [params])[0].output_token_ids
+    expected = (
+        LLMEngine.from_pretrained("tiny", hash_seed=0, **ENGINE_KWARGS)
+        .generate([prompt], [params])[0]
+        .output_token_ids
+    )
 
     async def disaggregated() -> list[GenerationChunk]:
-        prefilled = await _stream(prefill, WorkerRequest(
-            "c0", prompt, dataclasses.replace(params, max_tokens=1), remote_decode=True))
+        prefilled = await _stream(
+            prefill,
+            WorkerRequest(
+                "c0", prompt, dataclasses.replace(params, max_tokens=1), remote_decode=True
+            ),
+        )
         hand_off = prefilled[-1].kv_transfer_params
         # The page changes after its checksum was promised (a bad write, a bad link).
         prefill.engine.runner.kv_cache[hand_off.block_ids[2]].view(-1)[5] += 1.0
-        return await _stream(decode, WorkerRequest("c0", prompt, params,
-                                                   kv_transfer_params=hand_off))
+        return await _stream(
+            decode, WorkerRequest("c0", prompt, params, kv_transfer_params=hand_off)
+        )
 
     try:
         chunks = asyncio.run(disaggregated())

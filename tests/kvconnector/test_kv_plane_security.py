@@ -39,21 +39,32 @@ PROMPT_B = list(range(100, 100 + 40))
 
 
 def producer_engine(secret: str | None = SECRET) -> LLMEngine:
-    connector = PDConnector(KVConnectorConfig(role="producer", secret=secret),
-                            engine_id="prefill-0", hash_algorithm="xxh3_128", hash_seed=0)
-    return LLMEngine.from_pretrained("tiny", connector=connector, engine_id="prefill-0",
-                                     **ENGINE_KWARGS)
+    connector = PDConnector(
+        KVConnectorConfig(role="producer", secret=secret),
+        engine_id="prefill-0",
+        hash_algorithm="xxh3_128",
+        hash_seed=0,
+    )
+    return LLMEngine.from_pretrained(
+        "tiny", connector=connector, engine_id="prefill-0", **ENGINE_KWARGS
+    )
 
 
 def consumer_engine(secret: str | None = SECRET) -> LLMEngine:
-    connector = PDConnector(KVConnectorConfig(role="consumer", secret=secret),
-                            engine_id="decode-0", hash_algorithm="xxh3_128", hash_seed=0)
-    return LLMEngine.from_pretrained("tiny", connector=connector, engine_id="decode-0",
-                                     **ENGINE_KWARGS)
+    connector = PDConnector(
+        KVConnectorConfig(role="consumer", secret=secret),
+        engine_id="decode-0",
+        hash_algorithm="xxh3_128",
+        hash_seed=0,
+    )
+    return LLMEngine.from_pretrained(
+        "tiny", connector=connector, engine_id="decode-0", **ENGINE_KWARGS
+    )
 
 
-def run(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams,
-        **kwargs: object):
+def run(
+    engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams, **kwargs: object
+):
     engine.add_request(request_id, prompt, params, **kwargs)
     for _ in range(10_000):
         done = [o for o in engine.step() if o.request_id == request_id and o.finished]
@@ -66,8 +77,13 @@ def run(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingP
 
 def client_for(engine: LLMEngine, secret: str | None) -> tuple[GrpcTransferClient, torch.Tensor]:
     local = torch.zeros_like(engine.runner.kv_cache)
-    client = GrpcTransferClient(local, KVLayout.from_kv_cache(local, "xxh3_128", 0),
-                                engine_id="decode-x", secret=secret, timeout_s=5.0)
+    client = GrpcTransferClient(
+        local,
+        KVLayout.from_kv_cache(local, "xxh3_128", 0),
+        engine_id="decode-x",
+        secret=secret,
+        timeout_s=5.0,
+    )
     return client, local
 
 
@@ -84,8 +100,7 @@ def prefill() -> LLMEngine:
 def test_a_producer_without_a_secret_refuses_to_start_unless_explicitly_insecure():
     with pytest.raises(ValueError, match="without a deployment secret"):
         PDConnector(KVConnectorConfig(role="producer"), "prefill-0", "xxh3_128", 0)
-    PDConnector(KVConnectorConfig(role="producer", allow_insecure=True), "prefill-0",
-                "xxh3_128", 0)
+    PDConnector(KVConnectorConfig(role="producer", allow_insecure=True), "prefill-0", "xxh3_128", 0)
     PDConnector(KVConnectorConfig(role="consumer"), "decode-0", "xxh3_128", 0)
 
 
@@ -109,10 +124,14 @@ def test_a_deployment_always_resolves_one_secret_for_all_its_workers(monkeypatch
     assert PDServeConfig(num_decode=0).resolve_kv_transfer_secret().kv_transfer_secret is None
 
     monkeypatch.setenv(KV_TRANSFER_SECRET_ENV, "from-the-environment-0123")
-    assert (PDServeConfig().resolve_kv_transfer_secret().kv_transfer_secret
-            == "from-the-environment-0123")
-    assert (PDServeConfig(kv_transfer_secret=SECRET).resolve_kv_transfer_secret()
-            .kv_transfer_secret == SECRET)  # the configured one wins
+    assert (
+        PDServeConfig().resolve_kv_transfer_secret().kv_transfer_secret
+        == "from-the-environment-0123"
+    )
+    assert (
+        PDServeConfig(kv_transfer_secret=SECRET).resolve_kv_transfer_secret().kv_transfer_secret
+        == SECRET
+    )  # the configured one wins
 
 
 def test_the_hash_seed_is_random_per_app_unless_configured_and_shared_by_every_worker():
@@ -155,10 +174,15 @@ def _call(channel: grpc.Channel, method, metadata) -> grpc.StatusCode:
     """Calls one KvTransfer method with an empty request; returns the status it ended with."""
     path = f"/{method.containing_service.full_name}/{method.name}"
     request = b""  # an empty message of any type
-    kinds = {(False, False): channel.unary_unary, (False, True): channel.unary_stream,
-             (True, False): channel.stream_unary, (True, True): channel.stream_stream}
+    kinds = {
+        (False, False): channel.unary_unary,
+        (False, True): channel.unary_stream,
+        (True, False): channel.stream_unary,
+        (True, True): channel.stream_stream,
+    }
     call = kinds[(method.client_streaming, method.server_streaming)](
-        path, request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw)
+        path, request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw
+    )
     argument = iter([request]) if method.client_streaming else request
     try:
         reply = call(argument, timeout=5.0, metadata=metadata)
@@ -176,18 +200,29 @@ def test_every_kv_transfer_method_refuses_a_missing_or_wrong_secret():
     layout = KVLayout.from_kv_cache(kv_cache, "xxh3_128", 0)
     server = GrpcTransferServer(kv_cache, leases, layout, engine_id="p", secret=SECRET)
     methods = _kv_transfer_methods()
-    assert {m.name for m in methods} >= {"Handshake", "ReadBlocks", "HoldBlocks",
-                                          "RenewLease", "Release"}
+    assert {m.name for m in methods} >= {
+        "Handshake",
+        "ReadBlocks",
+        "HoldBlocks",
+        "RenewLease",
+        "Release",
+    }
     try:
         with grpc.insecure_channel(server.address) as channel:
             for method in methods:
-                for metadata in [(), ((SECRET_METADATA_KEY, "wrong-" + SECRET),),
-                                 ((SECRET_METADATA_KEY, SECRET[:-1]),)]:
+                for metadata in [
+                    (),
+                    ((SECRET_METADATA_KEY, "wrong-" + SECRET),),
+                    ((SECRET_METADATA_KEY, SECRET[:-1]),),
+                ]:
                     assert _call(channel, method, metadata) == grpc.StatusCode.UNAUTHENTICATED, (
-                        method.name, metadata)
+                        method.name,
+                        metadata,
+                    )
                 # With the secret the call gets past authorization (an empty lease id is unknown).
                 assert _call(channel, method, ((SECRET_METADATA_KEY, SECRET),)) != (
-                    grpc.StatusCode.UNAUTHENTICATED), method.name
+                    grpc.StatusCode.UNAUTHENTICATED
+                ), method.name
         assert leases.renew(lease.lease_id) > 0  # nothing the refused calls did touched it
     finally:
         server.stop(0)
@@ -205,10 +240,12 @@ def test_lease_ids_are_random_128_bit_tokens():
 
 
 def test_a_peer_with_the_secret_reads_only_the_blocks_under_the_lease_it_was_given(prefill):
-    first = run(prefill, "tenant-a-req", PROMPT_A, GREEDY_ONE, remote_decode=True,
-                cache_salt="tenant-a").kv_transfer_params
-    second = run(prefill, "tenant-b-req", PROMPT_B, GREEDY_ONE, remote_decode=True,
-                 cache_salt="tenant-b").kv_transfer_params
+    first = run(
+        prefill, "tenant-a-req", PROMPT_A, GREEDY_ONE, remote_decode=True, cache_salt="tenant-a"
+    ).kv_transfer_params
+    second = run(
+        prefill, "tenant-b-req", PROMPT_B, GREEDY_ONE, remote_decode=True, cache_salt="tenant-b"
+    ).kv_transfer_params
     assert not set(first.block_ids) & set(second.block_ids)
     n = len(first.block_ids)
     local_ids = list(range(1, n + 1))
@@ -216,26 +253,35 @@ def test_a_peer_with_the_secret_reads_only_the_blocks_under_the_lease_it_was_giv
     try:
         peer = other.handshake(first.transfer_address)
         with pytest.raises(TransferError, match="PERMISSION_DENIED"):
-            other.read_blocks(peer, second.lease_id, first.block_ids, local_ids,
-                              first.block_checksums)
+            other.read_blocks(
+                peer, second.lease_id, first.block_ids, local_ids, first.block_checksums
+            )
         with pytest.raises(TransferError, match="PERMISSION_DENIED"):  # one foreign id is enough
-            other.read_blocks(peer, second.lease_id, second.block_ids[:1] + first.block_ids[:1],
-                              [1, 2], second.block_checksums[:1] + first.block_checksums[:1])
+            other.read_blocks(
+                peer,
+                second.lease_id,
+                second.block_ids[:1] + first.block_ids[:1],
+                [1, 2],
+                second.block_checksums[:1] + first.block_checksums[:1],
+            )
         with pytest.raises(TransferError, match="NOT_FOUND"):  # a guessed lease id
-            other.read_blocks(peer, uuid.uuid4().hex, first.block_ids, local_ids,
-                              first.block_checksums)
+            other.read_blocks(
+                peer, uuid.uuid4().hex, first.block_ids, local_ids, first.block_checksums
+            )
         with pytest.raises(TransferError, match="NOT_FOUND"):
             other.renew(peer, uuid.uuid4().hex)
         # The holder of A's lease reads A's blocks, byte for byte.
-        result = other.read_blocks(peer, first.lease_id, first.block_ids, local_ids,
-                                   first.block_checksums)
+        result = other.read_blocks(
+            peer, first.lease_id, first.block_ids, local_ids, first.block_checksums
+        )
         assert result.failed_block_ids == [] and len(result.ok_block_ids) == n
         assert torch.equal(local[local_ids], prefill.runner.kv_cache[first.block_ids])
         # Once released, the capability is gone.
         other.release(peer, first.lease_id)
         with pytest.raises(TransferError, match="FAILED_PRECONDITION|NOT_FOUND"):
-            other.read_blocks(peer, first.lease_id, first.block_ids, local_ids,
-                              first.block_checksums)
+            other.read_blocks(
+                peer, first.lease_id, first.block_ids, local_ids, first.block_checksums
+            )
         other.release(peer, second.lease_id)
     finally:
         other.close()
@@ -276,15 +322,25 @@ def test_salted_transfer_params_carry_salted_hashes_and_decode_dedup_respects_th
         outputs, dedup = {}, {}
         for index, salt in enumerate(["tenant-a", "tenant-b", "tenant-a"]):
             request_id = f"pd-{index}"
-            prefilled = run(prefill, request_id, PROMPT_B,
-                            SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, seed=1),
-                            remote_decode=True, cache_salt=salt)
+            prefilled = run(
+                prefill,
+                request_id,
+                PROMPT_B,
+                SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, seed=1),
+                remote_decode=True,
+                cache_salt=salt,
+            )
             transfer = prefilled.kv_transfer_params
-            assert transfer.block_hashes == hasher.hash_request_blocks(
-                PROMPT_B, BLOCK_SIZE, cache_salt=salt)[:len(PROMPT_B) // BLOCK_SIZE]
+            assert (
+                transfer.block_hashes
+                == hasher.hash_request_blocks(PROMPT_B, BLOCK_SIZE, cache_salt=salt)[
+                    : len(PROMPT_B) // BLOCK_SIZE
+                ]
+            )
             before = decode.connector.stats.snapshot().num_dedup_skipped_blocks
-            outputs[index] = run(decode, request_id, PROMPT_B, params, cache_salt=salt,
-                                 kv_transfer_params=transfer)
+            outputs[index] = run(
+                decode, request_id, PROMPT_B, params, cache_salt=salt, kv_transfer_params=transfer
+            )
             dedup[index] = decode.connector.stats.snapshot().num_dedup_skipped_blocks - before
             for _ in range(5):
                 prefill.step()
@@ -295,9 +351,14 @@ def test_salted_transfer_params_carry_salted_hashes_and_decode_dedup_respects_th
         # A decode request that lost its salt on the way gets no peer blocks cached under
         # the wrong (unsalted) hashes: it recomputes its prompt, and still answers right.
         received = decode.connector.stats.snapshot().num_blocks_received
-        transfer = run(prefill, "pd-unsalted", PROMPT_B,
-                       SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, seed=1),
-                       remote_decode=True, cache_salt="tenant-c").kv_transfer_params
+        transfer = run(
+            prefill,
+            "pd-unsalted",
+            PROMPT_B,
+            SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, seed=1),
+            remote_decode=True,
+            cache_salt="tenant-c",
+        ).kv_transfer_params
         unsalted = run(decode, "pd-unsalted", PROMPT_B, params, kv_transfer_params=transfer)
         assert unsalted.output_token_ids == expected
         assert decode.connector.stats.snapshot().num_blocks_received == received

@@ -27,8 +27,10 @@ PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 def workload() -> list[list[int]]:
     rng = random.Random(0)
     systems = [[rng.randrange(1, 500) for _ in range(SYSTEM_TOKENS)] for _ in range(NUM_SYSTEMS)]
-    return [systems[i % NUM_SYSTEMS] + [rng.randrange(1, 500) for _ in range(QUESTION_TOKENS)]
-            for i in range(NUM_REQUESTS)]
+    return [
+        systems[i % NUM_SYSTEMS] + [rng.randrange(1, 500) for _ in range(QUESTION_TOKENS)]
+        for i in range(NUM_REQUESTS)
+    ]
 
 
 def run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
@@ -36,8 +38,9 @@ def run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def tier_engine(config: KVTierConfig) -> LLMEngine:
-    return LLMEngine.from_pretrained("tiny", connector=TierConnector(config, "worker-0"),
-                                     **ENGINE_KWARGS)
+    return LLMEngine.from_pretrained(
+        "tiny", connector=TierConnector(config, "worker-0"), **ENGINE_KWARGS
+    )
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +61,11 @@ def tier_configs(tmp_path: Path) -> dict[str, KVTierConfig]:
         "cpu": KVTierConfig(cpu_bytes=64 * PAGE_BYTES),
         "disk": KVTierConfig(disk_path=str(tmp_path), disk_bytes=64 * PAGE_BYTES),
         "cpu_over_disk_write_through": KVTierConfig(
-            cpu_bytes=8 * PAGE_BYTES, disk_path=str(tmp_path), disk_bytes=64 * PAGE_BYTES,
-            write_through=True),
+            cpu_bytes=8 * PAGE_BYTES,
+            disk_path=str(tmp_path),
+            disk_bytes=64 * PAGE_BYTES,
+            write_through=True,
+        ),
     }
 
 
@@ -103,13 +109,15 @@ def test_a_corrupted_or_truncated_disk_page_is_recomputed_not_used(baseline, tmp
     # Each damaged prefix fails at its first page, is recomputed, and is not tried again.
     assert tier.load_failures == stats.num_recompute_fallbacks > 0
     assert len(list(disk.directory.glob("*.kv"))) <= len(pages) - tier.load_failures + (
-        tier.blocks_stored - len(pages))  # each page that failed was deleted
+        tier.blocks_stored - len(pages)
+    )  # each page that failed was deleted
     engine.shutdown()
 
 
 def test_after_drain_no_block_is_held_and_the_disk_holds_exactly_the_indexed_pages(tmp_path):
-    engine = tier_engine(KVTierConfig(cpu_bytes=4 * PAGE_BYTES, disk_path=str(tmp_path),
-                                      disk_bytes=10 * PAGE_BYTES))
+    engine = tier_engine(
+        KVTierConfig(cpu_bytes=4 * PAGE_BYTES, disk_path=str(tmp_path), disk_bytes=10 * PAGE_BYTES)
+    )
     run(engine, workload())
     wait_for_writes(engine.connector)
     assert engine.kv_cache_manager.get_num_free_blocks() == ENGINE_KWARGS["num_kv_blocks"] - 1
@@ -175,5 +183,6 @@ def test_a_sliding_window_model_is_refused():
 
     with pytest.raises(ValueError, match="one full-attention"):
         TierConnector(KVTierConfig(cpu_bytes=PAGE_BYTES), "w").attach_kv_cache_manager(
-            SlidingManager())  # type: ignore[arg-type]
+            SlidingManager()
+        )  # type: ignore[arg-type]
     assert KVCacheManager  # the real manager's metadata has this shape

@@ -26,21 +26,26 @@ DECODE_KWARGS = dict(num_kv_blocks=16, block_size=BLOCK_SIZE, max_num_batched_to
 
 
 def decode_engine(tier: KVTierConfig | None) -> LLMEngine:
-    pd = PDConnector(KVConnectorConfig(role="consumer"), engine_id="decode-0",
-                     hash_algorithm="xxh3_128", hash_seed=0)
+    pd = PDConnector(
+        KVConnectorConfig(role="consumer"),
+        engine_id="decode-0",
+        hash_algorithm="xxh3_128",
+        hash_seed=0,
+    )
     connector = with_tier(pd, TierConnector(tier, "decode-0") if tier else None)
-    return LLMEngine.from_pretrained("tiny", connector=connector, engine_id="decode-0",
-                                     **DECODE_KWARGS)
+    return LLMEngine.from_pretrained(
+        "tiny", connector=connector, engine_id="decode-0", **DECODE_KWARGS
+    )
 
 
 def run_disaggregated(prefill: PrefillProcess, engine: LLMEngine, tag: str) -> list[list[int]]:
     outputs = []
     for index, prompt in enumerate(workload()):
         request_id = f"{tag}-{index}"
-        first = prefill.prefill(request_id, prompt, SamplingParams(
-            max_tokens=1, temperature=0.0, ignore_eos=True))
-        engine.add_request(request_id, prompt, PARAMS,
-                           kv_transfer_params=first.kv_transfer_params)
+        first = prefill.prefill(
+            request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        )
+        engine.add_request(request_id, prompt, PARAMS, kv_transfer_params=first.kv_transfer_params)
         while engine.has_unfinished_requests():
             done = [o for o in engine.step() if o.finished]
             if done:
@@ -60,11 +65,15 @@ def test_decode_loads_from_its_tier_first_and_pulls_only_the_rest():
         plain, tiered = without.stats(), with_cpu.stats()
         (tier,) = tiered.tiers
         assert tier.blocks_loaded > 0 and tier.load_failures == 0
-        assert (tiered.transfer.num_blocks_received + tier.blocks_loaded
-                == plain.transfer.num_blocks_received)
+        assert (
+            tiered.transfer.num_blocks_received + tier.blocks_loaded
+            == plain.transfer.num_blocks_received
+        )
         assert tiered.num_scheduled_tokens == plain.num_scheduled_tokens  # nothing recomputed
         for engine in (without, with_cpu):
-            assert engine.kv_cache_manager.get_num_free_blocks() == DECODE_KWARGS["num_kv_blocks"] - 1
+            assert (
+                engine.kv_cache_manager.get_num_free_blocks() == DECODE_KWARGS["num_kv_blocks"] - 1
+            )
             engine.shutdown()
         assert prefill.wait_until_idle().num_leases == 0  # every lease released
     finally:

@@ -2,8 +2,12 @@ import threading
 
 import pytest
 
-from pdserve.kvconnector.lease import (BlockNotLeasedError, LeaseEndedError, LeaseTable,
-                                       UnknownLeaseError)
+from pdserve.kvconnector.lease import (
+    BlockNotLeasedError,
+    LeaseEndedError,
+    LeaseTable,
+    UnknownLeaseError,
+)
 from pdserve.kvconnector.transfer_stats import TransferStats
 
 

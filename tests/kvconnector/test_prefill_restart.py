@@ -12,9 +12,15 @@ import socket
 import time
 
 import pytest
-from test_disaggregated_engines import (TRANSPORTS, assert_decode_idle, colocated,  # noqa: F401
-                                        disaggregate, make_decode_engine, prefill_factory,
-                                        random_prompts)
+from test_disaggregated_engines import (
+    TRANSPORTS,
+    assert_decode_idle,
+    colocated,  # noqa: F401
+    disaggregate,
+    make_decode_engine,
+    prefill_factory,
+    random_prompts,
+)
 
 from pdserve.engine import LLMEngine, SamplingParams
 
@@ -28,8 +34,9 @@ def free_port() -> int:
 PARAMS = [SamplingParams(max_tokens=4, temperature=0.0)]
 
 
-def _pulled_from_a_first_prefill(transport: str, colocated: LLMEngine, prefill_factory,
-                                 seed: int) -> tuple:
+def _pulled_from_a_first_prefill(
+    transport: str, colocated: LLMEngine, prefill_factory, seed: int
+) -> tuple:
     """A decode engine that pulled one of two prompts from a prefill on a fixed port:
     (port, decode, prompts, expected tokens of both, the prefill, the first outputs)."""
     port = free_port()
@@ -43,9 +50,11 @@ def _pulled_from_a_first_prefill(transport: str, colocated: LLMEngine, prefill_f
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_prefill_restarted_on_the_same_port_is_pulled_from_not_recomputed(
-        transport: str, colocated: LLMEngine, prefill_factory) -> None:
+    transport: str, colocated: LLMEngine, prefill_factory
+) -> None:
     port, decode, prompts, expected, first, before = _pulled_from_a_first_prefill(
-        transport, colocated, prefill_factory, seed=21)
+        transport, colocated, prefill_factory, seed=21
+    )
     first.close()  # the worker dies; Serve starts a new one on the same port
     second = prefill_factory(transport=transport, port=port, engine_id="prefill-0-second")
     assert second.address == first.address
@@ -63,14 +72,16 @@ def test_a_prefill_restarted_on_the_same_port_is_pulled_from_not_recomputed(
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_prefill_down_for_a_while_is_pulled_from_at_once_when_it_comes_back(
-        transport: str, colocated: LLMEngine, prefill_factory) -> None:
+    transport: str, colocated: LLMEngine, prefill_factory
+) -> None:
     """While the prefill is down, the decode side keeps trying it (prewarm handshakes, pulls)
     and gRPC's channel to the address backs off further with each refused connect: the
     first pull after the restart must not fail fast on that backed-off channel."""
     from pdserve.kvconnector.transport import TransferError
 
     port, decode, prompts, expected, first, _ = _pulled_from_a_first_prefill(
-        transport, colocated, prefill_factory, seed=22)
+        transport, colocated, prefill_factory, seed=22
+    )
     first.close()
     refusals = 0
     while refusals < 4:  # each refused connect lengthens the channel's reconnect backoff

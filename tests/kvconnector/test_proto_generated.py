@@ -9,8 +9,12 @@ PROTO_DIR = Path(pdserve.proto.__file__).parent
 
 def test_regenerating_the_grpc_modules_gives_the_checked_in_files(tmp_path: Path) -> None:
     # protoc runs in its own process: loading grpc_tools after torch crashes the process.
-    subprocess.run([sys.executable, "-m", "pdserve.proto.generate", "--out", str(tmp_path)],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [sys.executable, "-m", "pdserve.proto.generate", "--out", str(tmp_path)],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     written = sorted(path.name for path in tmp_path.iterdir())
     assert {"kv_transfer_pb2.py", "kv_transfer_pb2_grpc.py"} <= set(written)
     for name in written:

@@ -66,8 +66,7 @@ def test_the_router_ranks_a_pool_hit_above_an_equally_long_tier_hit():
     router = Router(["pool", "tier"], [])
     hashes = [b"h0", b"h1", b"h2"]
     router.apply(KVEventBatch("pool", "i1", 0, 1, [stored(hashes)]))
-    router.apply(KVEventBatch("tier", "i2", 0, 2, [stored(hashes[:1]),
-                                                    stored(hashes[1:], "cpu")]))
+    router.apply(KVEventBatch("tier", "i2", 0, 2, [stored(hashes[:1]), stored(hashes[1:], "cpu")]))
     for _ in range(2):  # whoever's turn it is
         choice = router.pick_prefill(hashes)
         assert (choice.worker_id, choice.num_matched_blocks) == ("pool", 3)

@@ -31,8 +31,9 @@ def test_a_pull_longer_than_the_fixed_timeout_finishes_when_its_bytes_allow(star
     peer = start_peer(spec)
     local = torch.zeros_like(seeded_kv_cache(spec, num_blocks=32))
     layout = KVLayout.from_kv_cache(local, spec.hash_algorithm, spec.hash_seed)
-    client = GrpcTransferClient(local, layout, timeout_s=1.0,
-                                min_rate_bytes_per_s=32 * layout.page_bytes / 60)
+    client = GrpcTransferClient(
+        local, layout, timeout_s=1.0, min_rate_bytes_per_s=32 * layout.page_bytes / 60
+    )
     assert client.transfer_deadline_s(32) == pytest.approx(61.0)
     info = client.handshake(peer.address)
     lease_id, checksums = peer.grant(list(range(32)))
@@ -46,8 +47,9 @@ def test_a_pull_deadline_grows_with_its_pages() -> None:
     spec = PeerSpec()
     local = seeded_kv_cache(spec, num_blocks=4)
     layout = KVLayout.from_kv_cache(local, spec.hash_algorithm, spec.hash_seed)
-    client = GrpcTransferClient(local, layout, timeout_s=10.0,
-                                min_rate_bytes_per_s=layout.page_bytes)
+    client = GrpcTransferClient(
+        local, layout, timeout_s=10.0, min_rate_bytes_per_s=layout.page_bytes
+    )
     assert [client.transfer_deadline_s(n) for n in (0, 1, 1000)] == [10.0, 11.0, 1010.0]
     client.close()
 

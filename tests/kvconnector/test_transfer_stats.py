@@ -4,12 +4,11 @@ from pdserve.kvconnector.transfer_stats import TransferStats
 def test_snapshot_counts_transfers_and_reports_latency_quantiles() -> None:
     stats = TransferStats()
     for _ in range(98):
-        stats.record_transfer(num_ok_blocks=4, num_failed_blocks=0, num_bytes=4096,
-                              duration_s=0.003)
-    stats.record_transfer(num_ok_blocks=3, num_failed_blocks=1, num_bytes=4096,
-                          duration_s=0.3)
-    stats.record_transfer(num_ok_blocks=4, num_failed_blocks=0, num_bytes=4096,
-                          duration_s=0.3)
+        stats.record_transfer(
+            num_ok_blocks=4, num_failed_blocks=0, num_bytes=4096, duration_s=0.003
+        )
+    stats.record_transfer(num_ok_blocks=3, num_failed_blocks=1, num_bytes=4096, duration_s=0.3)
+    stats.record_transfer(num_ok_blocks=4, num_failed_blocks=0, num_bytes=4096, duration_s=0.3)
     stats.record_sent(2, 2048)
     stats.record_dedup_skipped(5)
     stats.record_lease_renewal()

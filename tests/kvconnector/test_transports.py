@@ -58,7 +58,8 @@ def test_shuffled_blocks_land_byte_exact_in_other_local_blocks(start_peer, trans
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_block_corrupted_after_its_checksum_is_reported_failed_others_ok(
-        start_peer, transport) -> None:
+    start_peer, transport
+) -> None:
     spec = PeerSpec(transport=transport, corrupt_block=5)
     peer = start_peer(spec)
     client = make_client(spec, torch.zeros_like(seeded_kv_cache(spec, NUM_LOCAL_BLOCKS)))
@@ -77,11 +78,11 @@ def test_block_corrupted_after_its_checksum_is_reported_failed_others_ok(
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_incompatible_layout_is_refused_at_handshake_naming_both_values(
-        start_peer, transport) -> None:
+    start_peer, transport
+) -> None:
     spec = PeerSpec(transport=transport)
     peer = start_peer(spec)
-    client = make_client(spec, torch.zeros(4, 4, 2, 16, 2, 64, dtype=torch.float16),
-                         hash_seed=99)
+    client = make_client(spec, torch.zeros(4, 4, 2, 16, 2, 64, dtype=torch.float16), hash_seed=99)
     with pytest.raises(LayoutMismatchError) as error:
         client.handshake(peer.address)
     assert "dtype: local='float16' remote='float32'" in str(error.value)
@@ -102,8 +103,7 @@ def test_wrong_secret_is_refused_and_right_one_accepted(start_peer, transport) -
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_block_outside_the_lease_and_read_after_release_are_refused(
-        start_peer, transport) -> None:
+def test_block_outside_the_lease_and_read_after_release_are_refused(start_peer, transport) -> None:
     spec = PeerSpec(transport=transport)
     peer = start_peer(spec)
     client = make_client(spec, torch.zeros_like(seeded_kv_cache(spec, NUM_LOCAL_BLOCKS)))
@@ -138,8 +138,9 @@ def test_lease_never_released_expires_and_becomes_freeable(start_peer, transport
 def test_peer_killed_mid_transfer_fails_the_read_not_hangs(start_peer, transport) -> None:
     spec = PeerSpec(transport=transport, stall_after_first_message=True)
     peer = start_peer(spec)
-    client = make_client(spec, torch.zeros_like(seeded_kv_cache(spec, NUM_LOCAL_BLOCKS)),
-                         timeout_s=5.0)
+    client = make_client(
+        spec, torch.zeros_like(seeded_kv_cache(spec, NUM_LOCAL_BLOCKS)), timeout_s=5.0
+    )
     info = client.handshake(peer.address)
     remote_ids, local_ids = shuffled_pull(spec, 40)
     lease_id, checksums = peer.grant(remote_ids)
@@ -158,8 +159,9 @@ def test_peer_killed_mid_transfer_fails_the_read_not_hangs(start_peer, transport
 def test_stalled_peer_fails_the_read_at_its_deadline(start_peer) -> None:
     spec = PeerSpec(transport="grpc", stall_after_first_message=True)
     peer = start_peer(spec)
-    client = make_client(spec, torch.zeros_like(seeded_kv_cache(spec, NUM_LOCAL_BLOCKS)),
-                         timeout_s=1.0)
+    client = make_client(
+        spec, torch.zeros_like(seeded_kv_cache(spec, NUM_LOCAL_BLOCKS)), timeout_s=1.0
+    )
     info = client.handshake(peer.address)
     remote_ids, local_ids = shuffled_pull(spec, 40)
     lease_id, checksums = peer.grant(remote_ids)

@@ -36,7 +36,8 @@ def silent_listener(host: str = "127.0.0.7") -> Iterator[str]:
 
 
 def test_unreachable_advertised_address_fails_the_pull_in_its_deadline_and_recomputes(
-        colocated: LLMEngine, prefill_factory) -> None:
+    colocated: LLMEngine, prefill_factory
+) -> None:
     prefill = prefill_factory(transport="grpc")
     decode = make_decode_engine("grpc", transfer_timeout_s=PULL_DEADLINE_S)
     prompt = random_prompts(3, 1)[0]

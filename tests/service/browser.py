@@ -24,12 +24,19 @@ def headless_chromium(width: int = 1600, height: int = 1500) -> Iterator[object]
     webdriver = pytest.importorskip("selenium.webdriver")
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
-    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                     f"--window-size={width},{height}", "--hide-scrollbars"):
+    for argument in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        f"--window-size={width},{height}",
+        "--hide-scrollbars",
+    ):
         options.add_argument(argument)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=chromedriver),
-                              options=options)
+    driver = webdriver.Chrome(
+        service=webdriver.ChromeService(executable_path=chromedriver), options=options
+    )
     try:
         yield driver
     finally:

@@ -40,8 +40,15 @@ def running_app(num_kv_blocks: int = NUM_KV_BLOCKS, **fields) -> Iterator[PDServ
     ``num_kv_blocks`` below the default makes a pool that fills up on purpose; every
     request is disaggregated unless ``disagg_min_uncached_tokens`` is given."""
     # Always disaggregate unless a test says otherwise: most tests specify the hand-off.
-    config = PDServeConfig(**{"model": "tiny", "port": SERVE_PORT, "num_kv_blocks": num_kv_blocks,
-                              "disagg_min_uncached_tokens": 0, **fields})
+    config = PDServeConfig(
+        **{
+            "model": "tiny",
+            "port": SERVE_PORT,
+            "num_kv_blocks": num_kv_blocks,
+            "disagg_min_uncached_tokens": 0,
+            **fields,
+        }
+    )
     deploy(config)
     try:
         yield config
@@ -53,16 +60,21 @@ def expected_text(engine: LLMEngine, prompt: str | list[int], params: SamplingPa
     return engine.generate([prompt], params)[0].text
 
 
-def assert_completions_equal_colocated(client, colocated: LLMEngine, prompts: list[str],
-                                       max_tokens: int, sampling: dict) -> None:
+def assert_completions_equal_colocated(
+    client, colocated: LLMEngine, prompts: list[str], max_tokens: int, sampling: dict
+) -> None:
     """Whole and streamed completions through the gateway equal the colocated engine's text."""
     for prompt in prompts:
-        expected = expected_text(colocated, prompt, SamplingParams(max_tokens=max_tokens, **sampling))
-        whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
-                                          **sampling)
+        expected = expected_text(
+            colocated, prompt, SamplingParams(max_tokens=max_tokens, **sampling)
+        )
+        whole = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=max_tokens, **sampling
+        )
         assert whole.choices[0].text == expected
-        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
-                                           stream=True, **sampling)
+        stream = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=max_tokens, stream=True, **sampling
+        )
         assert "".join(chunk.choices[0].text for chunk in stream) == expected
 
 
@@ -75,9 +87,11 @@ def openai_client(config: PDServeConfig):
 
 def post_completion(config: PDServeConfig, body: dict) -> tuple[int, dict[str, str], dict]:
     """(status, headers with lower-case names, JSON body) of one ``/v1/completions`` call."""
-    request = urllib.request.Request(base_url(config) + "/v1/completions",
-                                     data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        base_url(config) + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, _lower(response.headers), json.loads(response.read())
@@ -140,8 +154,9 @@ def on_worker(config: PDServeConfig, worker_id: str, action: Callable[[Any], T])
     return ray.get(_replica_actor(config, worker_id).__ray_call__.remote(run), timeout=60)
 
 
-def wait_until_restarted(config: PDServeConfig, worker_id: str, old_instance_id: str,
-                         timeout_s: float = 60.0) -> dict:
+def wait_until_restarted(
+    config: PDServeConfig, worker_id: str, old_instance_id: str, timeout_s: float = 60.0
+) -> dict:
     """Polls ``/stats`` and ``/health`` until ``worker_id`` answers with a new instance and
     the gateway routes to every worker again; returns its row."""
     deadline = time.time() + timeout_s
@@ -156,8 +171,10 @@ def wait_until_restarted(config: PDServeConfig, worker_id: str, old_instance_id:
             if health["unavailable"] == []:
                 return row
         if time.time() > deadline:
-            raise TimeoutError(f"{worker_id} did not come back within {timeout_s} s "
-                               f"(its row: {row and row['instance_id']}, /health: {health})")
+            raise TimeoutError(
+                f"{worker_id} did not come back within {timeout_s} s "
+                f"(its row: {row and row['instance_id']}, /health: {health})"
+            )
         time.sleep(0.25)
 
 
@@ -181,9 +198,12 @@ def open_stream(config: PDServeConfig, body: dict, timeout_s: float = 60.0):
     import http.client
 
     connection = http.client.HTTPConnection(config.host, config.port, timeout=timeout_s)
-    connection.request("POST", config.route_prefix.rstrip("/") + "/v1/completions",
-                       body=json.dumps({**body, "stream": True}),
-                       headers={"Content-Type": "application/json"})
+    connection.request(
+        "POST",
+        config.route_prefix.rstrip("/") + "/v1/completions",
+        body=json.dumps({**body, "stream": True}),
+        headers={"Content-Type": "application/json"},
+    )
     return connection, connection.getresponse()
 
 
@@ -196,7 +216,7 @@ def read_event(response) -> dict | None:
         line = line.strip()
         if not line.startswith(b"data:"):
             continue
-        data = line[len(b"data:"):].strip()
+        data = line[len(b"data:") :].strip()
         return None if data == b"[DONE]" else json.loads(data)
 
 
@@ -205,10 +225,22 @@ class StreamClient(threading.Thread):
     drop the connection after ``drop_after_events`` events or ``drop_after_s`` seconds, or
     when ``drop_now`` is set (None everywhere: read to the end)."""
 
-    def __init__(self, config: PDServeConfig, prompt: str, max_tokens: int, sampling: dict,
-                 drop_after_events: int | None = None, drop_after_s: float | None = None) -> None:
+    def __init__(
+        self,
+        config: PDServeConfig,
+        prompt: str,
+        max_tokens: int,
+        sampling: dict,
+        drop_after_events: int | None = None,
+        drop_after_s: float | None = None,
+    ) -> None:
         super().__init__(daemon=True)
-        self.config, self.prompt, self.max_tokens, self.sampling = config, prompt, max_tokens, sampling
+        self.config, self.prompt, self.max_tokens, self.sampling = (
+            config,
+            prompt,
+            max_tokens,
+            sampling,
+        )
         self.drop_after_events, self.drop_after_s = drop_after_events, drop_after_s
         self.drop_now = threading.Event()
         self.events = 0
@@ -237,9 +269,13 @@ class StreamClient(threading.Thread):
                 self.error = response.read().decode()
                 return
             while True:
-                if (self.drop_now.is_set()
-                        or (self.drop_after_events is not None and self.events >= self.drop_after_events)
-                        or (self.drop_after_s is not None and time.time() - started > self.drop_after_s)):
+                if (
+                    self.drop_now.is_set()
+                    or (
+                        self.drop_after_events is not None and self.events >= self.drop_after_events
+                    )
+                    or (self.drop_after_s is not None and time.time() - started > self.drop_after_s)
+                ):
                     self.dropped = True
                     return
                 event = read_event(response)
@@ -272,11 +308,21 @@ def run_all(clients: list[StreamClient], timeout_s: float = 60.0) -> None:
 
 def leftovers(workers: list[dict]) -> dict[str, tuple]:
     """Per worker that is not drained: (blocks in use, leases, running, waiting)."""
-    return {w["worker_id"]: (w["num_blocks"] - 1 - w["num_free_blocks"], w["num_leases_held"],
-                             w["num_requests_running"], w["num_requests_waiting"])
-            for w in workers
-            if (w["num_free_blocks"] != w["num_blocks"] - 1 or w["num_leases_held"]
-                or w["num_requests_running"] or w["num_requests_waiting"])}
+    return {
+        w["worker_id"]: (
+            w["num_blocks"] - 1 - w["num_free_blocks"],
+            w["num_leases_held"],
+            w["num_requests_running"],
+            w["num_requests_waiting"],
+        )
+        for w in workers
+        if (
+            w["num_free_blocks"] != w["num_blocks"] - 1
+            or w["num_leases_held"]
+            or w["num_requests_running"]
+            or w["num_requests_waiting"]
+        )
+    }
 
 
 def assert_drained(config: PDServeConfig) -> None:
@@ -285,7 +331,8 @@ def assert_drained(config: PDServeConfig) -> None:
     leaked = leftovers(wait_until_drained(config))
     assert leaked == {}, f"blocks, leases or requests left behind: {leaked}"
     deadline = time.time() + 20  # a dropped stream's slot is freed when its call unwinds
-    while (in_flight := get_json(config, "/stats")["gateway"]["num_requests_in_flight"]) \
-            and time.time() < deadline:
+    while (
+        in_flight := get_json(config, "/stats")["gateway"]["num_requests_in_flight"]
+    ) and time.time() < deadline:
         time.sleep(0.2)
     assert in_flight == 0, f"{in_flight} requests still in flight at the gateway"

@@ -47,8 +47,14 @@ class FakeWorker:
         if self.down:
             raise ConnectionError(f"{self.worker_id} is dead")
         num_tokens = request.params.max_tokens
-        yield GenerationChunk(request.request_id, [65] * num_tokens, "A" * num_tokens,
-                              num_tokens, True, "length" if request.remote_decode else "stop")
+        yield GenerationChunk(
+            request.request_id,
+            [65] * num_tokens,
+            "A" * num_tokens,
+            num_tokens,
+            True,
+            "length" if request.remote_decode else "stop",
+        )
 
 
 class FakePool:
@@ -81,7 +87,10 @@ def test_requests_over_the_inflight_limit_get_429_until_one_is_released():
     service.admit()
     with pytest.raises(APIError) as caught:
         service.admit()
-    assert (caught.value.status, caught.value.body()["error"]["code"]) == (429, "rate_limit_exceeded")
+    assert (caught.value.status, caught.value.body()["error"]["code"]) == (
+        429,
+        "rate_limit_exceeded",
+    )
     service.release()
     service.admit()
 
@@ -96,7 +105,10 @@ def test_with_every_decode_worker_failing_the_poll_requests_get_503_until_one_an
         await service.poller.refresh("decode-0")
         with pytest.raises(APIError) as caught:
             await run(service)
-        assert (caught.value.status, caught.value.body()["error"]["code"]) == (503, "no_worker_available")
+        assert (caught.value.status, caught.value.body()["error"]["code"]) == (
+            503,
+            "no_worker_available",
+        )
         assert "decode" in caught.value.message
         setattr(pool.decode["decode-0"], failure, False)
         await service.poller.refresh("decode-0")
@@ -149,8 +161,16 @@ def test_refusals_to_retry_carry_retry_after_and_an_openai_error_body(status):
 def test_a_worker_refusal_is_the_clients_fault_and_a_worker_failure_is_the_servers(refused, status):
     class FailingWorker(FakeWorker):
         async def generate(self, request: WorkerRequest) -> AsyncIterator[GenerationChunk]:
-            yield GenerationChunk(request.request_id, [], "", 0, True, "error",
-                                  error="the worker said no", refused=refused)
+            yield GenerationChunk(
+                request.request_id,
+                [],
+                "",
+                0,
+                True,
+                "error",
+                error="the worker said no",
+                refused=refused,
+            )
 
     async def scenario() -> None:
         pool = FakePool(["prefill-0"], [])
@@ -179,11 +199,20 @@ def completion_app(service: RequestOrchestrator):
 
 
 async def call_asgi(app, body: dict, send) -> None:
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/v1/completions",
-             "raw_path": b"/v1/completions", "root_path": "", "query_string": b"",
-             "headers": [(b"content-type", b"application/json")],
-             "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+    }
     messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
     disconnected = asyncio.Event()
 
@@ -206,6 +235,7 @@ BODY = {"model": "tiny", "prompt": "hello world", "max_tokens": 4, "temperature"
 def test_a_client_gone_before_the_body_starts_frees_its_slot(stream):
     """The connection resets as the status line goes out: the body never starts, and the
     slot must be freed anyway (it was freed only in the SSE body's ``finally`` before)."""
+
     async def scenario() -> None:
         service = make_service(FakePool(["prefill-0"], []), max_inflight_requests=1)
 
@@ -213,8 +243,7 @@ def test_a_client_gone_before_the_body_starts_frees_its_slot(stream):
             raise ConnectionResetError("the client reset the connection")
 
         with pytest.raises(ConnectionResetError):
-            await call_asgi(completion_app(service), {**BODY, "stream": stream},
-                            reset_connection)
+            await call_asgi(completion_app(service), {**BODY, "stream": stream}, reset_connection)
         assert service.metrics.num_requests_in_flight == 0
         assert service.metrics.num_requests == 1  # it was admitted, then freed
         sent: list[dict] = []
@@ -237,8 +266,9 @@ def test_a_request_cancelled_before_its_response_starts_frees_its_slot():
             response_started.set()
             await asyncio.Event().wait()  # a proxy that never drives the body
 
-        call = asyncio.ensure_future(call_asgi(completion_app(service),
-                                               {**BODY, "stream": True}, stall))
+        call = asyncio.ensure_future(
+            call_asgi(completion_app(service), {**BODY, "stream": True}, stall)
+        )
         await response_started.wait()
         assert service.metrics.num_requests_in_flight == 1
         call.cancel()
@@ -269,15 +299,17 @@ class ModelInfoHandle:
 
 @pytest.mark.parametrize("prefill_0", ["hang", "fail"])
 def test_start_up_takes_the_model_from_any_prefill_worker_not_only_prefill_0(prefill_0):
-    pool = WorkerPool({"prefill-0": ModelInfoHandle(prefill_0),
-                       "prefill-1": ModelInfoHandle("answer")}, {})
+    pool = WorkerPool(
+        {"prefill-0": ModelInfoHandle(prefill_0), "prefill-1": ModelInfoHandle("answer")}, {}
+    )
     info = asyncio.run(pool.first_model_info(timeout_s=60))
     assert info.model == "tiny"
 
 
 def test_start_up_with_no_prefill_worker_answering_fails_within_its_timeout_naming_them():
-    pool = WorkerPool({"prefill-0": ModelInfoHandle("hang"),
-                       "prefill-1": ModelInfoHandle("fail")}, {})
+    pool = WorkerPool(
+        {"prefill-0": ModelInfoHandle("hang"), "prefill-1": ModelInfoHandle("fail")}, {}
+    )
     with pytest.raises(NoModelInfo, match=r"prefill-0.*prefill-1.*the actor died"):
         asyncio.run(pool.first_model_info(timeout_s=0.2))
 
@@ -285,12 +317,16 @@ def test_start_up_with_no_prefill_worker_answering_fails_within_its_timeout_nami
 # ---------------------------------------------------------------------- worker errors
 
 
-@pytest.mark.parametrize("raised, lost", [
-    (ValueError("a bug in the worker"), False),
-    (ConnectionError("the actor died"), True),
-])
+@pytest.mark.parametrize(
+    "raised, lost",
+    [
+        (ValueError("a bug in the worker"), False),
+        (ConnectionError("the actor died"), True),
+    ],
+)
 def test_a_worker_bug_fails_the_request_but_keeps_the_worker_a_lost_worker_leaves_routing(
-        raised, lost):
+    raised, lost
+):
     """A worker's deterministic error reaches the gateway as Ray's ``RayTaskError`` (built
     here as Ray builds it); a dead actor's as anything else."""
     from ray.exceptions import RayTaskError

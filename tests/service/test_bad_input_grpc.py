@@ -28,8 +28,13 @@ CLEAR_REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
 
 @pytest.fixture(scope="module")
 def service(ray_cluster):
-    with running_app(num_prefill=1, num_decode=0, app_name="badgrpc", route_prefix="/badgrpc",
-                     grpc_port=GRPC_PORT) as config:
+    with running_app(
+        num_prefill=1,
+        num_decode=0,
+        app_name="badgrpc",
+        route_prefix="/badgrpc",
+        grpc_port=GRPC_PORT,
+    ) as config:
         yield config
 
 
@@ -54,8 +59,9 @@ def generate(channel: grpc.Channel, request: generate_pb2.GenerateRequest):
 
 
 def assert_still_serves(channel: grpc.Channel) -> None:
-    replies = generate(channel, generate_pb2.GenerateRequest(text="Hello", max_tokens=4,
-                                                             temperature=0.0))
+    replies = generate(
+        channel, generate_pb2.GenerateRequest(text="Hello", max_tokens=4, temperature=0.0)
+    )
     assert sum(len(r.token_ids) for r in replies) == 4 and replies[-1].finish_reason == "length"
 
 
@@ -68,19 +74,28 @@ def refusal(channel: grpc.Channel, request: generate_pb2.GenerateRequest) -> grp
 
 requests_ = st.builds(
     lambda prompt, fields: generate_pb2.GenerateRequest(**prompt, **fields),
-    st.one_of(st.just({}), st.builds(lambda t: {"text": t}, st.text(max_size=30)),
-              st.builds(lambda ids: {"token_ids": generate_pb2.TokenIds(ids=ids)},
-                        st.lists(st.integers(0, VOCAB_SIZE + 2) | UINT32, max_size=8))),
-    st.fixed_dictionaries({}, optional={
-        "model": st.sampled_from(["", "tiny", "nope"]),
-        "max_tokens": st.integers(0, 6) | UINT32,
-        "temperature": st.floats(0, 2, width=32) | st.floats(width=32),
-        "top_p": st.floats(0, 1, width=32) | st.floats(width=32),
-        "seed": st.integers(0, 2**64 - 1),
-        "stop": st.lists(st.text(max_size=300), max_size=20),
-        "request_id": st.text(max_size=20) | st.just("r" * (MAX_REQUEST_ID_CHARS + 1)),
-        "cache_salt": st.text(max_size=300),
-    }))
+    st.one_of(
+        st.just({}),
+        st.builds(lambda t: {"text": t}, st.text(max_size=30)),
+        st.builds(
+            lambda ids: {"token_ids": generate_pb2.TokenIds(ids=ids)},
+            st.lists(st.integers(0, VOCAB_SIZE + 2) | UINT32, max_size=8),
+        ),
+    ),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "model": st.sampled_from(["", "tiny", "nope"]),
+            "max_tokens": st.integers(0, 6) | UINT32,
+            "temperature": st.floats(0, 2, width=32) | st.floats(width=32),
+            "top_p": st.floats(0, 1, width=32) | st.floats(width=32),
+            "seed": st.integers(0, 2**64 - 1),
+            "stop": st.lists(st.text(max_size=300), max_size=20),
+            "request_id": st.text(max_size=20) | st.just("r" * (MAX_REQUEST_ID_CHARS + 1)),
+            "cache_salt": st.text(max_size=300),
+        },
+    ),
+)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
@@ -95,32 +110,56 @@ def test_any_field_values_stream_tokens_or_get_a_clear_status(channel, request) 
     assert all(r.request_id == (request.request_id or replies[0].request_id) for r in replies)
 
 
-@pytest.mark.parametrize("request_, says", [
-    (generate_pb2.GenerateRequest(), "prompt is required"),
-    (generate_pb2.GenerateRequest(text=""), "prompt must be a non-empty string"),
-    (generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[VOCAB_SIZE])),
-     "outside the vocabulary"),
-    (generate_pb2.GenerateRequest(text="a", max_tokens=2**32 - 1), "max_model_len"),
-    (generate_pb2.GenerateRequest(text="a", temperature=float("nan")), "finite"),
-    (generate_pb2.GenerateRequest(text="a", temperature=-1.0), "temperature"),
-    (generate_pb2.GenerateRequest(text="a", top_p=0.0), "top_p"),
-    (generate_pb2.GenerateRequest(text="a", seed=2**64 - 1), "seed"),
-    (generate_pb2.GenerateRequest(text="a", stop=["s"] * 1000), "at most 16 strings"),
-    (generate_pb2.GenerateRequest(text="a", stop=[""]), "each of 1 to 256 characters"),
-    (generate_pb2.GenerateRequest(text="a", request_id="r" * 10_000), "request_id"),
-], ids=["no-prompt", "empty", "out-of-vocab", "max-tokens", "nan", "negative-temperature",
-        "top-p", "seed", "stop-list", "empty-stop", "request-id"])
+@pytest.mark.parametrize(
+    "request_, says",
+    [
+        (generate_pb2.GenerateRequest(), "prompt is required"),
+        (generate_pb2.GenerateRequest(text=""), "prompt must be a non-empty string"),
+        (
+            generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[VOCAB_SIZE])),
+            "outside the vocabulary",
+        ),
+        (generate_pb2.GenerateRequest(text="a", max_tokens=2**32 - 1), "max_model_len"),
+        (generate_pb2.GenerateRequest(text="a", temperature=float("nan")), "finite"),
+        (generate_pb2.GenerateRequest(text="a", temperature=-1.0), "temperature"),
+        (generate_pb2.GenerateRequest(text="a", top_p=0.0), "top_p"),
+        (generate_pb2.GenerateRequest(text="a", seed=2**64 - 1), "seed"),
+        (generate_pb2.GenerateRequest(text="a", stop=["s"] * 1000), "at most 16 strings"),
+        (generate_pb2.GenerateRequest(text="a", stop=[""]), "each of 1 to 256 characters"),
+        (generate_pb2.GenerateRequest(text="a", request_id="r" * 10_000), "request_id"),
+    ],
+    ids=[
+        "no-prompt",
+        "empty",
+        "out-of-vocab",
+        "max-tokens",
+        "nan",
+        "negative-temperature",
+        "top-p",
+        "seed",
+        "stop-list",
+        "empty-stop",
+        "request-id",
+    ],
+)
 def test_each_bad_field_is_invalid_argument_with_a_message(channel, request_, says) -> None:
     error = refusal(channel, request_)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and says in error.details(), error
 
 
-@pytest.mark.parametrize("raw", [b"\xff" * 16, b"\x12\x03\xff\xfe\xfd",
-                                 generate_pb2.GenerateRequest(text="abc").SerializeToString()[:-1]],
-                         ids=["garbage", "bad-utf8-text", "truncated"])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\xff" * 16,
+        b"\x12\x03\xff\xfe\xfd",
+        generate_pb2.GenerateRequest(text="abc").SerializeToString()[:-1],
+    ],
+    ids=["garbage", "bad-utf8-text", "truncated"],
+)
 def test_bytes_that_are_no_request_are_invalid_argument(channel, raw) -> None:
-    call = channel.unary_stream("/pdserve.generate.Generate/Generate",
-                                request_serializer=None, response_deserializer=None)
+    call = channel.unary_stream(
+        "/pdserve.generate.Generate/Generate", request_serializer=None, response_deserializer=None
+    )
     with pytest.raises(grpc.RpcError) as caught:
         list(call(raw, timeout=30))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
@@ -134,8 +173,9 @@ def test_oversized_message_is_resource_exhausted_and_the_server_keeps_serving(ch
 
 
 def test_two_clients_with_the_same_request_id_each_get_their_own_stream(channel) -> None:
-    request = generate_pb2.GenerateRequest(text="Same id, same prompt", max_tokens=24,
-                                           temperature=0.0, request_id="mine")
+    request = generate_pb2.GenerateRequest(
+        text="Same id, same prompt", max_tokens=24, temperature=0.0, request_id="mine"
+    )
     results: list[list[int]] = []
 
     def run() -> None:
@@ -149,4 +189,3 @@ def test_two_clients_with_the_same_request_id_each_get_their_own_stream(channel)
     for thread in threads:
         thread.join()
     assert len(results) == 2 and results[0] == results[1] and len(results[0]) == 24
-

@@ -27,8 +27,9 @@ VALID = {"model": "tiny", "prompt": "Hello there", "max_tokens": 4, "temperature
 
 @pytest.fixture(scope="module")
 def service(ray_cluster):
-    with running_app(num_prefill=1, num_decode=1, app_name="badhttp",
-                     route_prefix="/badhttp") as config:
+    with running_app(
+        num_prefill=1, num_decode=1, app_name="badhttp", route_prefix="/badhttp"
+    ) as config:
         yield config
 
 
@@ -90,86 +91,121 @@ def assert_still_serves(http: Http) -> None:
 
 junk = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
-                                                                max_size=3),
-    max_leaves=6)
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
 token_id = st.integers(-3, VOCAB_SIZE + 3) | st.sampled_from([2**31, 2**64, True, 1.0, "7"])
 text = st.text(max_size=40) | st.sampled_from(["", "lone \ud800 surrogate", "\x00\n\t", "é" * 30])
-prompt = (text | st.lists(token_id, max_size=8) | st.lists(text, min_size=1, max_size=2)
-          | st.lists(st.lists(token_id, max_size=6), min_size=1, max_size=2) | junk)
-fields = st.fixed_dictionaries({}, optional={
-    "model": st.sampled_from(["tiny", "tiny", "", "other", "tiny\ud800"]) | junk,
-    "max_tokens": st.integers(1, 8) | st.integers(-2**70, 2**70) | junk,
-    "temperature": st.floats(0, 2) | st.floats() | junk,
-    "top_p": st.floats(0, 1) | st.floats() | junk,
-    "top_k": st.integers(-2, 2**70) | junk,
-    "seed": st.integers(-1, 2**64) | junk,
-    "stop": text | st.lists(text, max_size=20) | junk,
-    "stream": st.booleans() | junk,
-    "ignore_eos": st.booleans() | junk,
-    "n": st.integers(0, 3) | junk,
-    "echo": st.booleans() | junk,
-    "logprobs": st.integers(0, 5) | junk,
-    "best_of": st.integers(0, 3) | junk,
-    "cache_salt": text | junk,
-    "unknown_field": junk,
-})
+prompt = (
+    text
+    | st.lists(token_id, max_size=8)
+    | st.lists(text, min_size=1, max_size=2)
+    | st.lists(st.lists(token_id, max_size=6), min_size=1, max_size=2)
+    | junk
+)
+fields = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": st.sampled_from(["tiny", "tiny", "", "other", "tiny\ud800"]) | junk,
+        "max_tokens": st.integers(1, 8) | st.integers(-(2**70), 2**70) | junk,
+        "temperature": st.floats(0, 2) | st.floats() | junk,
+        "top_p": st.floats(0, 1) | st.floats() | junk,
+        "top_k": st.integers(-2, 2**70) | junk,
+        "seed": st.integers(-1, 2**64) | junk,
+        "stop": text | st.lists(text, max_size=20) | junk,
+        "stream": st.booleans() | junk,
+        "ignore_eos": st.booleans() | junk,
+        "n": st.integers(0, 3) | junk,
+        "echo": st.booleans() | junk,
+        "logprobs": st.integers(0, 5) | junk,
+        "best_of": st.integers(0, 3) | junk,
+        "cache_salt": text | junk,
+        "unknown_field": junk,
+    },
+)
 bodies = st.builds(lambda p, rest: {"prompt": p, **rest}, prompt, fields) | fields | junk
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=bodies)
 def test_any_json_body_gets_a_completion_or_a_clear_4xx(http, body) -> None:
-    response = http.post(data=json.dumps(body),
-                         headers={"Content-Type": "application/json"})
+    response = http.post(data=json.dumps(body), headers={"Content-Type": "application/json"})
     streamed = isinstance(body, dict) and body.get("stream") is True
     assert_completion_or_clear_refusal(response, streamed)
 
 
-@pytest.mark.parametrize("field, value, param", [
-    ("temperature", float("nan"), None),  # NaN is not JSON: the body is refused whole
-    ("temperature", "0.5", "temperature"),
-    ("max_tokens", "5", "max_tokens"),
-    ("max_tokens", 0, "max_tokens"),
-    ("max_tokens", 10**40, "max_tokens"),
-    ("stream", "yes", "stream"),
-    ("prompt", [1, True], "prompt"),
-    ("prompt", [1, 2.0], "prompt"),
-    ("prompt", [-1], "prompt"),
-    ("prompt", [VOCAB_SIZE], "prompt"),
-    ("prompt", "\ud800", "prompt"),
-    ("prompt", [], "prompt"),
-    ("stop", [""], "stop"),
-    ("stop", ["x"] * 17, "stop"),
-    ("n", 0, "n"),
-    ("best_of", 2, "best_of"),
-    ("echo", "yes", "echo"),
-    ("logprobs", 21, "logprobs"),
-    ("cache_salt", "\udfff", "cache_salt"),
-])
+@pytest.mark.parametrize(
+    "field, value, param",
+    [
+        ("temperature", float("nan"), None),  # NaN is not JSON: the body is refused whole
+        ("temperature", "0.5", "temperature"),
+        ("max_tokens", "5", "max_tokens"),
+        ("max_tokens", 0, "max_tokens"),
+        ("max_tokens", 10**40, "max_tokens"),
+        ("stream", "yes", "stream"),
+        ("prompt", [1, True], "prompt"),
+        ("prompt", [1, 2.0], "prompt"),
+        ("prompt", [-1], "prompt"),
+        ("prompt", [VOCAB_SIZE], "prompt"),
+        ("prompt", "\ud800", "prompt"),
+        ("prompt", [], "prompt"),
+        ("stop", [""], "stop"),
+        ("stop", ["x"] * 17, "stop"),
+        ("n", 0, "n"),
+        ("best_of", 2, "best_of"),
+        ("echo", "yes", "echo"),
+        ("logprobs", 21, "logprobs"),
+        ("cache_salt", "\udfff", "cache_salt"),
+    ],
+)
 def test_each_bad_field_is_a_400_naming_it(http, field, value, param) -> None:
-    response = http.post(data=json.dumps({**VALID, field: value}),
-                         headers={"Content-Type": "application/json"})
+    response = http.post(
+        data=json.dumps({**VALID, field: value}), headers={"Content-Type": "application/json"}
+    )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", error
 
 
-@pytest.mark.parametrize("body, content_type, status, says", [
-    (b"\xff\xfe{not utf-8", "application/json", 400, "not valid JSON"),
-    (b'{"model": "tiny", "prompt": "abc', "application/json", 400, "not valid JSON"),
-    (b"[1, 2, 3]", "application/json", 400, "must be a JSON object"),
-    (b'"just a string"', "application/json", 400, "must be a JSON object"),
-    (b"", "application/json", 400, "not valid JSON"),
-    (b"[" * 100_000, "application/json", 400, "nests JSON too deeply"),
-    (b'{"model": "tiny", "prompt": "a", "seed": ' + b"9" * 5000 + b"}", "application/json",
-     400, "not valid JSON"),
-    (b'{"model": "tiny", "prompt": "a", "temperature": Infinity}', "application/json", 400,
-     "Infinity is not a JSON value"),
-    (json.dumps(VALID).encode(), "text/plain", 415, "Content-Type"),
-    (json.dumps(VALID).encode(), "application/x-www-form-urlencoded", 415, "Content-Type"),
-], ids=["bad-utf8", "truncated", "array", "string", "empty", "deep", "huge-int", "infinity",
-        "text-plain", "form"])
+@pytest.mark.parametrize(
+    "body, content_type, status, says",
+    [
+        (b"\xff\xfe{not utf-8", "application/json", 400, "not valid JSON"),
+        (b'{"model": "tiny", "prompt": "abc', "application/json", 400, "not valid JSON"),
+        (b"[1, 2, 3]", "application/json", 400, "must be a JSON object"),
+        (b'"just a string"', "application/json", 400, "must be a JSON object"),
+        (b"", "application/json", 400, "not valid JSON"),
+        (b"[" * 100_000, "application/json", 400, "nests JSON too deeply"),
+        (
+            b'{"model": "tiny", "prompt": "a", "seed": ' + b"9" * 5000 + b"}",
+            "application/json",
+            400,
+            "not valid JSON",
+        ),
+        (
+            b'{"model": "tiny", "prompt": "a", "temperature": Infinity}',
+            "application/json",
+            400,
+            "Infinity is not a JSON value",
+        ),
+        (json.dumps(VALID).encode(), "text/plain", 415, "Content-Type"),
+        (json.dumps(VALID).encode(), "application/x-www-form-urlencoded", 415, "Content-Type"),
+    ],
+    ids=[
+        "bad-utf8",
+        "truncated",
+        "array",
+        "string",
+        "empty",
+        "deep",
+        "huge-int",
+        "infinity",
+        "text-plain",
+        "form",
+    ],
+)
 def test_malformed_body_is_a_clear_4xx(http, body, content_type, status, says) -> None:
     response = http.post(data=body, headers={"Content-Type": content_type})
     assert response.status_code == status, response.text
@@ -193,8 +229,7 @@ def test_oversized_chunked_body_is_cut_off_with_413(service, http) -> None:
             yield b"y" * (1 << 16)
         yield b'"}'
 
-    response = http.post(data=chunks(),
-                         headers={"Content-Type": "application/json"})
+    response = http.post(data=chunks(), headers={"Content-Type": "application/json"})
     assert response.status_code == 413, response.text
     assert_still_serves(http)
 
@@ -202,8 +237,9 @@ def test_oversized_chunked_body_is_cut_off_with_413(service, http) -> None:
 def test_a_client_that_stops_mid_body_does_not_wedge_the_gateway(service, http) -> None:
     url = urllib.parse.urlparse(base_url(service))
     with socket.create_connection((url.hostname, url.port), timeout=10) as raw:
-        raw.sendall(f"POST {url.path}/v1/completions HTTP/1.1\r\nHost: x\r\n"
-                    f"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
-                    '{"model": "tiny"'.encode())
+        raw.sendall(
+            f"POST {url.path}/v1/completions HTTP/1.1\r\nHost: x\r\n"
+            f"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+            '{"model": "tiny"'.encode()
+        )
     assert_still_serves(http)
-

@@ -16,20 +16,31 @@ LONG = "A long shared preamble about caches, blocks and leases, " * 4  # ≈ 220
 
 @pytest.fixture(scope="module")
 def service(ray_cluster):
-    with running_app(num_prefill=1, num_decode=1, app_name="cond11", route_prefix="/cond11",
-                     disagg_min_uncached_tokens=THRESHOLD) as config:
+    with running_app(
+        num_prefill=1,
+        num_decode=1,
+        app_name="cond11",
+        route_prefix="/cond11",
+        disagg_min_uncached_tokens=THRESHOLD,
+    ) as config:
         yield config
 
 
 def moved_and_local(config) -> tuple[int, int]:
     stats = get_json(config, "/stats")
-    return (stats["totals"]["num_blocks_received"],
-            stats["gateway"]["num_requests_prefilled_on_decode"])
+    return (
+        stats["totals"]["num_blocks_received"],
+        stats["gateway"]["num_requests_prefilled_on_decode"],
+    )
 
 
 def ask(config, prompt: str) -> str:
-    return openai_client(config).completions.create(model="tiny", prompt=prompt, max_tokens=8,
-                                                    temperature=0).choices[0].text
+    return (
+        openai_client(config)
+        .completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+        .choices[0]
+        .text
+    )
 
 
 def timeline_of_last_request(config) -> dict:

@@ -40,13 +40,19 @@ def test_the_kuberay_rayservice_runs_the_same_import_path_and_args():
     assert application["import_path"] == reference["import_path"]
     assert application["args"] == reference["args"]
     assert isinstance(_build(application), Application)
-    ports = {p["containerPort"] for group in manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]
-             for c in group["template"]["spec"]["containers"] for p in c["ports"]}
+    ports = {
+        p["containerPort"]
+        for group in manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+        for c in group["template"]["spec"]["containers"]
+        for p in c["ports"]
+    }
     assert {8000, 9000, 7100, 7101} <= ports
 
 
 def test_the_kuberay_head_probes_liveness_on_health_and_readiness_on_ready():
     manifest = yaml.safe_load((DEPLOY / "kuberay_rayservice.yaml").read_text())
-    (head,) = manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"]
+    (head,) = manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"][
+        "containers"
+    ]
     assert head["livenessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
     assert head["readinessProbe"]["httpGet"] == {"path": "/ready", "port": 8000}

@@ -50,8 +50,15 @@ from pdserve.kvconnector.nixl_transport import nixl_available
 from pdserve.messages.sampling_params import SamplingParams
 from ray.exceptions import RayError
 
-TRANSPORTS = ["grpc", pytest.param("nixl", marks=pytest.mark.skipif(
-    not nixl_available(), reason="nixl is not installed (pip install 'pdserve[nixl]')"))]
+TRANSPORTS = [
+    "grpc",
+    pytest.param(
+        "nixl",
+        marks=pytest.mark.skipif(
+            not nixl_available(), reason="nixl is not installed (pip install 'pdserve[nixl]')"
+        ),
+    ),
+]
 PREFILLS, DECODES = ("prefill-0", "prefill-1"), ("decode-0", "decode-1")
 PREAMBLE = "A shared preamble long enough to span several KV blocks, so a pull has work. " * 3
 CLIENT_DEADLINE_S = 90.0  # a request still running after this is a hang
@@ -73,9 +80,15 @@ MATRIX: list[MatrixRow] = []
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def app(request, ray_cluster):
     transport = request.param
-    with running_app(num_prefill=2, num_decode=2, transport=transport,
-                     app_name=f"matrix-{transport}", route_prefix=f"/matrix-{transport}",
-                     kv_transfer_port=free_port(), worker_timeout_s=3.0) as config:
+    with running_app(
+        num_prefill=2,
+        num_decode=2,
+        transport=transport,
+        app_name=f"matrix-{transport}",
+        route_prefix=f"/matrix-{transport}",
+        kv_transfer_port=free_port(),
+        worker_timeout_s=3.0,
+    ) as config:
         wait_until_ready(config, timeout_s=120)
         yield config
 
@@ -83,9 +96,14 @@ def app(request, ray_cluster):
 @pytest.fixture(scope="module", autouse=True)
 def matrix_report(request) -> Iterator[None]:
     yield
-    lines = ["| fault | transport | requests | lost | wrong | leaked |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r.fault} | {r.transport} | {r.requests} | {r.lost} | {r.wrong} | {r.leaked} |"
-              for r in MATRIX]
+    lines = [
+        "| fault | transport | requests | lost | wrong | leaked |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r.fault} | {r.transport} | {r.requests} | {r.lost} | {r.wrong} | {r.leaked} |"
+        for r in MATRIX
+    ]
     table = "\n".join(lines)
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
@@ -101,6 +119,7 @@ def matrix_report(request) -> Iterator[None]:
 def delay_reads(seconds: float) -> Callable:
     """Prefill side: every read (gRPC stream or NIXL hold) waits ``seconds`` before it
     starts, as a stalled transfer thread would; 0 removes the delay."""
+
     def install(worker) -> None:
         import time as worker_time
 
@@ -109,32 +128,40 @@ def delay_reads(seconds: float) -> Callable:
         table = worker.engine.connector.leases
         table.__dict__.pop("begin_read", None)
         if seconds:
+
             def delayed(lease_id, block_ids):
                 worker_time.sleep(seconds)
                 return LeaseTable.begin_read(table, lease_id, block_ids)
+
             table.begin_read = delayed
+
     return install
 
 
 def transfer_deadline(seconds: float) -> Callable:
     """Decode side: the deadline of a pull's calls (``transfer_timeout_s``)."""
+
     def install(worker) -> None:
         client = worker.engine.connector._client
         getattr(client, "control", client).timeout_s = seconds
         client.timeout_s = seconds
+
     return install
 
 
 def lease_ttl(seconds: float) -> Callable:
     """Prefill side: the TTL of leases granted from now on."""
+
     def install(worker) -> None:
         worker.engine.connector.leases.default_ttl_s = seconds
+
     return install
 
 
 def corrupt_landed_pages(every_nth: int) -> Callable:
     """Decode side: every ``every_nth`` verification finds its first landed page changed
     (a byte flipped after the bytes arrived, as a bad link or NIC would); 0 removes it."""
+
     def install(worker) -> None:
         import sys
 
@@ -151,33 +178,40 @@ def corrupt_landed_pages(every_nth: int) -> Callable:
             if calls[0] % every_nth == 0 and len(local_block_ids):
                 pages[local_block_ids[0]][7] ^= 0xFF
             return transport.verify_pages(pages, local_block_ids, expected_checksums)
+
         client_module.verify_pages = corrupting
+
     return install
 
 
 def slow_steps(seconds: float, chunk_tokens: int = 0) -> Callable:
     """Every engine step sleeps ``seconds`` first, and a prompt computes ``chunk_tokens`` a
     step (0: the configured cap): a prefill that takes a while; 0 s restores both."""
+
     def install(worker) -> None:
         import time as worker_time
 
         engine = worker.engine
         engine.__dict__.pop("step", None)
         engine.scheduler.long_prefill_token_threshold = (
-            chunk_tokens if seconds else worker.spec.engine.long_prefill_token_threshold)
+            chunk_tokens if seconds else worker.spec.engine.long_prefill_token_threshold
+        )
         if seconds:
             step = type(engine).step
 
             def slow_step():
                 worker_time.sleep(seconds)
                 return step(engine)
+
             engine.step = slow_step
+
     return install
 
 
 def slow_stream_start(seconds: float) -> Callable:
     """A worker's ``generate`` waits ``seconds`` before it adds the request to its engine:
     the gateway holds the prefill's hand-off, the decode worker has not started; 0 removes it."""
+
     def install(worker) -> None:
         import asyncio
 
@@ -191,13 +225,20 @@ def slow_stream_start(seconds: float) -> Callable:
                 await asyncio.sleep(seconds)
                 async for chunk in generate(worker, request):
                     yield chunk
+
             worker.generate = late_generate
+
     return install
 
 
 @contextlib.contextmanager
-def injected(config, worker_ids: tuple[str, ...], fault: Callable[[float], Callable],
-             value: float, healthy: float) -> Iterator[None]:
+def injected(
+    config,
+    worker_ids: tuple[str, ...],
+    fault: Callable[[float], Callable],
+    value: float,
+    healthy: float,
+) -> Iterator[None]:
     for worker_id in worker_ids:
         on_worker(config, worker_id, fault(value))
     try:
@@ -220,8 +261,9 @@ def _prompts(tag: str, count: int) -> list[str]:
 
 
 def _expected(colocated, client: StreamClient) -> str:
-    return expected_text(colocated, client.prompt,
-                         SamplingParams(max_tokens=client.max_tokens, **client.sampling))
+    return expected_text(
+        colocated, client.prompt, SamplingParams(max_tokens=client.max_tokens, **client.sampling)
+    )
 
 
 def _sum(rows: dict[str, dict], workers: tuple[str, ...], name: str) -> int:
@@ -233,8 +275,9 @@ def _pulls(rows: dict[str, dict]) -> int:
     return sum(sum(rows[w]["transfer_latency"]["counts"]) for w in DECODES)
 
 
-def _record(config, fault: str, clients: list[StreamClient], colocated,
-            must_complete: bool) -> MatrixRow:
+def _record(
+    config, fault: str, clients: list[StreamClient], colocated, must_complete: bool
+) -> MatrixRow:
     """Counts a test's clients into the matrix once the workers drained (or the drain
     timed out): lost, wrong and leaked as defined in the module's docstring."""
     hung = [c for c in clients if c.is_alive()]
@@ -266,23 +309,36 @@ def _wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 60.0)
 
 def test_a_read_delayed_past_its_deadline_recomputes_within_the_deadline(app, colocated):
     before = worker_rows(app)
-    with injected(app, PREFILLS, delay_reads, 4.0, 0.0), \
-            injected(app, DECODES, transfer_deadline, 1.5, 10.0):
-        clients = [StreamClient(app, p, 12, _sampling(i))
-                   for i, p in enumerate(_prompts("delayed read", 4))]
+    with (
+        injected(app, PREFILLS, delay_reads, 4.0, 0.0),
+        injected(app, DECODES, transfer_deadline, 1.5, 10.0),
+    ):
+        clients = [
+            StreamClient(app, p, 12, _sampling(i))
+            for i, p in enumerate(_prompts("delayed read", 4))
+        ]
         run_all(clients, CLIENT_DEADLINE_S)
     row = _record(app, "read delayed past its deadline", clients, colocated, must_complete=True)
     after = worker_rows(app)
-    assert _sum(after, DECODES, "num_failed_transfers") - _sum(before, DECODES, "num_failed_transfers") >= 4
-    assert _sum(after, DECODES, "num_recompute_fallbacks") - _sum(before, DECODES, "num_recompute_fallbacks") >= 4
+    assert (
+        _sum(after, DECODES, "num_failed_transfers") - _sum(before, DECODES, "num_failed_transfers")
+        >= 4
+    )
+    assert (
+        _sum(after, DECODES, "num_recompute_fallbacks")
+        - _sum(before, DECODES, "num_recompute_fallbacks")
+        >= 4
+    )
     _assert_clean(row, app)
 
 
 def test_a_prefill_killed_right_after_its_hand_off_leaves_no_request_hanging(app, colocated):
     before = worker_rows(app)
     with injected(app, PREFILLS, delay_reads, 6.0, 0.0):
-        clients = [StreamClient(app, p, 12, _sampling(i))
-                   for i, p in enumerate(_prompts("killed after hand-off", 4))]
+        clients = [
+            StreamClient(app, p, 12, _sampling(i))
+            for i, p in enumerate(_prompts("killed after hand-off", 4))
+        ]
         for client in clients:
             client.start()
         clients[0].first_event.wait(CLIENT_DEADLINE_S)  # its hand-off is out, its pull waits
@@ -293,7 +349,9 @@ def test_a_prefill_killed_right_after_its_hand_off_leaves_no_request_hanging(app
         run_all(clients, CLIENT_DEADLINE_S)
     row = _record(app, "prefill killed after its hand-off", clients, colocated, must_complete=True)
     after = worker_rows(app)
-    assert _sum(after, DECODES, "num_recompute_fallbacks") > _sum(before, DECODES, "num_recompute_fallbacks")
+    assert _sum(after, DECODES, "num_recompute_fallbacks") > _sum(
+        before, DECODES, "num_recompute_fallbacks"
+    )
     wait_until_restarted(app, victim, before[victim]["instance_id"], timeout_s=120)
     _assert_clean(row, app)
 
@@ -301,8 +359,9 @@ def test_a_prefill_killed_right_after_its_hand_off_leaves_no_request_hanging(app
 # ---------------------------------------------------------------- leaks on cancel
 
 
-def _cancel(app, colocated, fault: str, clients: list[StreamClient],
-            cancel_when: Callable[[], bool]) -> None:
+def _cancel(
+    app, colocated, fault: str, clients: list[StreamClient], cancel_when: Callable[[], bool]
+) -> None:
     """Starts ``clients``, drops every one once ``cancel_when()`` holds, and checks that the
     workers return to baseline and that no request ran to its ``max_tokens``."""
     finished_before = get_json(app, "/stats")["gateway"]["finished_by_reason"].get("length", 0)
@@ -314,36 +373,57 @@ def _cancel(app, colocated, fault: str, clients: list[StreamClient],
     run_all(clients, CLIENT_DEADLINE_S)
     row = _record(app, f"client cancels {fault}", clients, colocated, must_complete=False)
     assert all(c.dropped for c in clients), [(c.events, c.finish_reason, c.error) for c in clients]
-    assert get_json(app, "/stats")["gateway"]["finished_by_reason"].get("length", 0) == finished_before
+    assert (
+        get_json(app, "/stats")["gateway"]["finished_by_reason"].get("length", 0) == finished_before
+    )
     _assert_clean(row, app)
 
 
 def test_a_cancel_before_prefill_finishes_leaks_nothing(app, colocated):
     clients = [StreamClient(app, p, 64, _sampling(i)) for i, p in enumerate(_prompts("c1", 2))]
     with injected(app, PREFILLS, lambda s: slow_steps(s, chunk_tokens=16), 0.3, 0.0):
-        _cancel(app, colocated, "before prefill finishes", clients, lambda: _sum(
-            worker_rows(app), PREFILLS, "num_requests_running") >= 1 and clients[0].events == 0)
+        _cancel(
+            app,
+            colocated,
+            "before prefill finishes",
+            clients,
+            lambda: (
+                _sum(worker_rows(app), PREFILLS, "num_requests_running") >= 1
+                and clients[0].events == 0
+            ),
+        )
 
 
 def test_a_cancel_between_prefill_and_decode_leaks_nothing(app, colocated):
     clients = [StreamClient(app, p, 64, _sampling(i)) for i, p in enumerate(_prompts("c2", 2))]
     with injected(app, DECODES, slow_stream_start, 10.0, 0.0):
-        _cancel(app, colocated, "between prefill and decode", clients, lambda: sum(
-            on_worker(app, w, lambda worker: worker.num_held_streams) for w in DECODES) == 2)
+        _cancel(
+            app,
+            colocated,
+            "between prefill and decode",
+            clients,
+            lambda: (
+                sum(on_worker(app, w, lambda worker: worker.num_held_streams) for w in DECODES) == 2
+            ),
+        )
 
 
 def test_a_cancel_mid_pull_leaks_nothing(app, colocated):
     clients = [StreamClient(app, p, 64, _sampling(i)) for i, p in enumerate(_prompts("c3", 2))]
     with injected(app, PREFILLS, delay_reads, 3.0, 0.0):
-        _cancel(app, colocated, "mid-pull", clients,
-                lambda: _sum(worker_rows(app), DECODES, "num_requests_waiting") >= 1)
+        _cancel(
+            app,
+            colocated,
+            "mid-pull",
+            clients,
+            lambda: _sum(worker_rows(app), DECODES, "num_requests_waiting") >= 1,
+        )
 
 
 def test_a_cancel_mid_decode_leaks_nothing(app, colocated):
     clients = [StreamClient(app, p, 200, _sampling(i)) for i, p in enumerate(_prompts("c4", 2))]
     with injected(app, DECODES, slow_steps, 0.05, 0.0):  # 200 tokens take 10 s: still running
-        _cancel(app, colocated, "mid-decode", clients,
-                lambda: all(c.events >= 4 for c in clients))
+        _cancel(app, colocated, "mid-decode", clients, lambda: all(c.events >= 4 for c in clients))
 
 
 # ---------------------------------------------------------------- wrong tokens
@@ -357,19 +437,34 @@ def _under_load(app, colocated, tag: str, fault: str) -> tuple[MatrixRow, dict, 
 
 
 def test_leases_expiring_under_load_recompute_the_same_tokens(app, colocated):
-    with injected(app, PREFILLS, lease_ttl, 0.3, 30.0), \
-            injected(app, PREFILLS, delay_reads, 1.0, 0.0):
-        row, before, after = _under_load(app, colocated, "expiring lease", "lease expiry under load")
-    assert _sum(after, PREFILLS, "num_lease_expiries") - _sum(before, PREFILLS, "num_lease_expiries") >= 1
-    assert _sum(after, DECODES, "num_recompute_fallbacks") > _sum(before, DECODES, "num_recompute_fallbacks")
+    with (
+        injected(app, PREFILLS, lease_ttl, 0.3, 30.0),
+        injected(app, PREFILLS, delay_reads, 1.0, 0.0),
+    ):
+        row, before, after = _under_load(
+            app, colocated, "expiring lease", "lease expiry under load"
+        )
+    assert (
+        _sum(after, PREFILLS, "num_lease_expiries") - _sum(before, PREFILLS, "num_lease_expiries")
+        >= 1
+    )
+    assert _sum(after, DECODES, "num_recompute_fallbacks") > _sum(
+        before, DECODES, "num_recompute_fallbacks"
+    )
     _assert_clean(row, app)
 
 
 def test_pages_landing_corrupted_under_load_recompute_the_same_tokens(app, colocated):
     with injected(app, DECODES, corrupt_landed_pages, 2, 0):
-        row, before, after = _under_load(app, colocated, "corrupted page", "checksum mismatch under load")
-    assert _sum(after, DECODES, "num_failed_transfers") > _sum(before, DECODES, "num_failed_transfers")
-    assert _sum(after, DECODES, "num_recompute_fallbacks") > _sum(before, DECODES, "num_recompute_fallbacks")
+        row, before, after = _under_load(
+            app, colocated, "corrupted page", "checksum mismatch under load"
+        )
+    assert _sum(after, DECODES, "num_failed_transfers") > _sum(
+        before, DECODES, "num_failed_transfers"
+    )
+    assert _sum(after, DECODES, "num_recompute_fallbacks") > _sum(
+        before, DECODES, "num_recompute_fallbacks"
+    )
     _assert_clean(row, app)
 
 
@@ -377,21 +472,26 @@ def test_pages_landing_corrupted_under_load_recompute_the_same_tokens(app, coloc
 
 
 def test_cached_tokens_and_transfer_counters_match_what_was_sent(app, colocated):
-    prompts = [f"{word} never seen before: {PREAMBLE}"
-               for word in ("Quartz", "Juniper", "Obsidian")]
+    prompts = [
+        f"{word} never seen before: {PREAMBLE}" for word in ("Quartz", "Juniper", "Obsidian")
+    ]
     block_size = app.block_size
     before = worker_rows(app)
     replies = []
     for prompt in prompts + prompts:  # each fresh, then each again
-        status, _, body = post_completion(app, dict(model="tiny", prompt=prompt, max_tokens=4,
-                                                    temperature=0.0))
+        status, _, body = post_completion(
+            app, dict(model="tiny", prompt=prompt, max_tokens=4, temperature=0.0)
+        )
         assert status == 200, body
         replies.append(body)
     leaked = sum(sum(v) for v in leftovers(wait_until_drained(app)).values())
     after = worker_rows(app)  # drained: every read has ended and counted its blocks
-    wrong = sum(1 for body, prompt in zip(replies, prompts + prompts)
-                if body["choices"][0]["text"] != expected_text(
-                    colocated, prompt, SamplingParams(max_tokens=4, temperature=0.0)))
+    wrong = sum(
+        1
+        for body, prompt in zip(replies, prompts + prompts)
+        if body["choices"][0]["text"]
+        != expected_text(colocated, prompt, SamplingParams(max_tokens=4, temperature=0.0))
+    )
     row = MatrixRow("cached_tokens and counters", app.transport, len(replies), 0, wrong, leaked)
     MATRIX.append(row)
 
@@ -402,13 +502,21 @@ def test_cached_tokens_and_transfer_counters_match_what_was_sent(app, colocated)
         assert 0 < usage["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"]
     # Each fresh prompt is pulled once, whole; the blocks sent are the blocks received.
     fresh_blocks = sum(-(-u["prompt_tokens"] // block_size) for u in fresh)
-    received = _sum(after, DECODES, "num_blocks_received") - _sum(before, DECODES, "num_blocks_received")
+    received = _sum(after, DECODES, "num_blocks_received") - _sum(
+        before, DECODES, "num_blocks_received"
+    )
     sent = _sum(after, PREFILLS, "num_blocks_sent") - _sum(before, PREFILLS, "num_blocks_sent")
     assert sent == received
     assert fresh_blocks <= received < 2 * fresh_blocks  # repeats pull only what the decode lacks
-    assert _pulls(after) - _pulls(before) == len(replies)  # each pulled once: fresh ones whole, repeats their tail
-    assert _sum(after, DECODES, "num_failed_transfers") == _sum(before, DECODES, "num_failed_transfers")
-    assert _sum(after, DECODES, "num_dedup_skipped_blocks") > _sum(before, DECODES, "num_dedup_skipped_blocks")
+    assert _pulls(after) - _pulls(before) == len(
+        replies
+    )  # each pulled once: fresh ones whole, repeats their tail
+    assert _sum(after, DECODES, "num_failed_transfers") == _sum(
+        before, DECODES, "num_failed_transfers"
+    )
+    assert _sum(after, DECODES, "num_dedup_skipped_blocks") > _sum(
+        before, DECODES, "num_dedup_skipped_blocks"
+    )
     _assert_clean(row, app)
 
 
@@ -437,8 +545,9 @@ def test_a_prefill_restarted_under_load_on_its_port_is_pulled_from_again(app, co
     wait_until_restarted(app, victim, before[victim]["instance_id"], timeout_s=120)
     # After the restart the restarted prefill is pulled from (prefill-0 is slowed, so the
     # router's load balance sends it requests) and no decode worker restarted.
-    after_load = [StreamClient(app, p, 8, _sampling(i))
-                  for i, p in enumerate(_prompts("after restart", 8))]
+    after_load = [
+        StreamClient(app, p, 8, _sampling(i)) for i, p in enumerate(_prompts("after restart", 8))
+    ]
     restarted = worker_rows(app)
     with injected(app, ("prefill-0",), slow_steps, 0.3, 0.0):
         run_all(after_load, CLIENT_DEADLINE_S)
@@ -446,12 +555,14 @@ def test_a_prefill_restarted_under_load_on_its_port_is_pulled_from_again(app, co
     row = _record(app, "prefill restart under load", clients, colocated, must_complete=True)
     after = worker_rows(app)
     assert [after[w]["instance_id"] for w in DECODES] == [before[w]["instance_id"] for w in DECODES]
-    assert after[victim]["num_blocks_sent"] > restarted[victim]["num_blocks_sent"], \
+    assert after[victim]["num_blocks_sent"] > restarted[victim]["num_blocks_sent"], (
         "no pull reached the restarted prefill"
+    )
     # Before the fix every pull after such a restart fell back to recompute (6 of 6); now
     # the pulls resume. One or two may still race the restart under CI load (recomputed,
     # never wrong: the row above counts wrong replies).
-    recomputed = (_sum(after, DECODES, "num_recompute_fallbacks")
-                  - _sum(restarted, DECODES, "num_recompute_fallbacks"))
+    recomputed = _sum(after, DECODES, "num_recompute_fallbacks") - _sum(
+        restarted, DECODES, "num_recompute_fallbacks"
+    )
     assert recomputed < len(after_load) // 2, f"{recomputed} of {len(after_load)} recomputed"
     _assert_clean(row, app)

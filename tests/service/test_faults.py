@@ -34,8 +34,9 @@ LONG_PROMPT = "A long shared preamble that spans several KV blocks, so a pull ha
 
 @pytest.fixture(scope="module")
 def faults(ray_cluster):
-    with running_app(num_prefill=2, num_decode=2, app_name="faults", route_prefix="/faults",
-                     worker_timeout_s=2.0) as config:
+    with running_app(
+        num_prefill=2, num_decode=2, app_name="faults", route_prefix="/faults", worker_timeout_s=2.0
+    ) as config:
         yield config
 
 
@@ -48,7 +49,8 @@ def _expected(colocated, prompt: str, max_tokens: int, sampling: dict) -> str:
 
 
 def test_a_decode_worker_killed_mid_generation_replays_its_requests_into_one_clean_stream(
-        faults, colocated):
+    faults, colocated
+):
     prompts = [f"Request {i}: tell a long story about the number {i}." for i in range(4)]
     max_tokens = 96
     clients = [StreamClient(faults, p, max_tokens, _sampling(i)) for i, p in enumerate(prompts)]
@@ -59,26 +61,32 @@ def test_a_decode_worker_killed_mid_generation_replays_its_requests_into_one_cle
         time.sleep(0.01)
     rows = worker_rows(faults)
     victim = max(("decode-0", "decode-1"), key=lambda w: rows[w]["num_requests_running"])
-    assert rows[victim]["num_requests_running"] > 0, "no request was mid-generation when the kill came"
+    assert rows[victim]["num_requests_running"] > 0, (
+        "no request was mid-generation when the kill came"
+    )
     kill_worker(faults, victim)
     run_all(clients)
 
     for i, client in enumerate(clients):
         assert client.error is None, client.error
-        assert client.text == _expected(colocated, prompts[i], max_tokens, _sampling(i)), client.finish_reason
+        assert client.text == _expected(colocated, prompts[i], max_tokens, _sampling(i)), (
+            client.finish_reason
+        )
     assert get_json(faults, "/stats")["gateway"]["num_retries"] >= 1
     wait_until_restarted(faults, victim, rows[victim]["instance_id"])  # a new instance, routed to
     assert_drained(faults)
     # The restarted worker is routed to again and answers correctly.
     again = [StreamClient(faults, p, 8, _sampling(i)) for i, p in enumerate(prompts)]
     run_all(again)
-    assert [c.text for c in again] == [_expected(colocated, p, 8, _sampling(i))
-                                       for i, p in enumerate(prompts)]
+    assert [c.text for c in again] == [
+        _expected(colocated, p, 8, _sampling(i)) for i, p in enumerate(prompts)
+    ]
     assert_drained(faults)
 
 
 def test_a_prefill_worker_killed_mid_transfer_leaves_the_decode_side_to_recompute(
-        faults, colocated):
+    faults, colocated
+):
     prompts = [f"{LONG_PROMPT} Variant {i}." for i in range(6)]
     max_tokens = 24
     before = worker_rows(faults)
@@ -91,10 +99,14 @@ def test_a_prefill_worker_killed_mid_transfer_leaves_the_decode_side_to_recomput
 
     for i, client in enumerate(clients):
         assert client.error is None, client.error
-        assert client.text == _expected(colocated, prompts[i], max_tokens, _sampling(i)), client.finish_reason
+        assert client.text == _expected(colocated, prompts[i], max_tokens, _sampling(i)), (
+            client.finish_reason
+        )
     after = worker_rows(faults)
-    recomputed = sum(after[w]["num_recompute_fallbacks"] - before[w]["num_recompute_fallbacks"]
-                     for w in ("decode-0", "decode-1"))
+    recomputed = sum(
+        after[w]["num_recompute_fallbacks"] - before[w]["num_recompute_fallbacks"]
+        for w in ("decode-0", "decode-1")
+    )
     assert recomputed >= 1, "no pull met the dead prefill worker"
     wait_until_restarted(faults, "prefill-0", before["prefill-0"]["instance_id"])
     assert_drained(faults)
@@ -111,7 +123,9 @@ def _decode_tokens(config) -> int:
 def test_a_client_that_drops_its_stream_stops_its_generation_and_frees_both_sides(faults):
     max_tokens = 200
     before = _decode_tokens(faults)
-    client = StreamClient(faults, LONG_PROMPT, max_tokens, dict(temperature=0.0), drop_after_events=3)
+    client = StreamClient(
+        faults, LONG_PROMPT, max_tokens, dict(temperature=0.0), drop_after_events=3
+    )
     run_all([client])
     assert client.dropped and client.error is None
     assert_drained(faults)
@@ -126,8 +140,15 @@ def test_random_disconnects_racing_transfers_never_leak_or_corrupt(faults, coloc
     before = _decode_tokens(faults)
     for i, prompt in enumerate(prompts):
         drop = rng.random() < 0.5
-        clients.append(StreamClient(faults, prompt, 16, _sampling(i),
-                                    drop_after_s=rng.uniform(0.0, 0.4) if drop else None))
+        clients.append(
+            StreamClient(
+                faults,
+                prompt,
+                16,
+                _sampling(i),
+                drop_after_s=rng.uniform(0.0, 0.4) if drop else None,
+            )
+        )
     run_all(clients)
 
     completed = [c for c in clients if not c.dropped]
@@ -142,18 +163,27 @@ def test_random_disconnects_racing_transfers_never_leak_or_corrupt(faults, coloc
 
 
 def test_a_burst_over_a_tiny_pool_and_queue_is_served_or_refused_then_recovers(
-        ray_cluster, colocated):
-    with running_app(num_kv_blocks=24, num_prefill=1, num_decode=1,
-                               app_name="overload", route_prefix="/overload",
-                               max_inflight_requests=4) as config:
+    ray_cluster, colocated
+):
+    with running_app(
+        num_kv_blocks=24,
+        num_prefill=1,
+        num_decode=1,
+        app_name="overload",
+        route_prefix="/overload",
+        max_inflight_requests=4,
+    ) as config:
         prompts = [f"{LONG_PROMPT[:120]} burst {i}" for i in range(20)]
         results: list[tuple[int, dict, dict] | None] = [None] * len(prompts)
 
         def send(i: int) -> None:
-            results[i] = post_completion(config, dict(model="tiny", prompt=prompts[i],
-                                                      max_tokens=32, temperature=0.0))
+            results[i] = post_completion(
+                config, dict(model="tiny", prompt=prompts[i], max_tokens=32, temperature=0.0)
+            )
 
-        threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(len(prompts))]
+        threads = [
+            threading.Thread(target=send, args=(i,), daemon=True) for i in range(len(prompts))
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -165,14 +195,17 @@ def test_a_burst_over_a_tiny_pool_and_queue_is_served_or_refused_then_recovers(
         assert 429 in statuses and 200 in statuses
         for (status, _, body), prompt in zip(results, prompts):
             if status == 200:
-                assert body["choices"][0]["text"] == _expected(colocated, prompt, 32,
-                                                               dict(temperature=0.0))
+                assert body["choices"][0]["text"] == _expected(
+                    colocated, prompt, 32, dict(temperature=0.0)
+                )
         assert_drained(config)
         # The burst is over: plain requests succeed and equal the colocated engine.
         for prompt in prompts[:3]:
-            status, _, body = post_completion(config, dict(model="tiny", prompt=prompt,
-                                                           max_tokens=32, temperature=0.0))
+            status, _, body = post_completion(
+                config, dict(model="tiny", prompt=prompt, max_tokens=32, temperature=0.0)
+            )
             assert status == 200
-            assert body["choices"][0]["text"] == _expected(colocated, prompt, 32,
-                                                           dict(temperature=0.0))
+            assert body["choices"][0]["text"] == _expected(
+                colocated, prompt, 32, dict(temperature=0.0)
+            )
         assert_drained(config)

@@ -11,17 +11,20 @@ from pdserve.prefill.gateway.router import Router
 from pdserve.prefill.gateway.stream_emitter import stop_safe_length
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"model": "tiny"}, "prompt"),
-    ({"model": "tiny", "prompt": "hi", "max_tokens": -1}, "max_tokens"),
-    ({"model": "tiny", "prompt": "hi", "temperature": -0.5}, "temperature"),
-    ({"model": "tiny", "prompt": "hi", "temperature": 9}, "temperature"),
-    ({"model": "tiny", "prompt": "hi", "top_p": 0}, "top_p"),
-    ({"model": "tiny", "prompt": ""}, "prompt"),
-    ({"model": "tiny", "prompt": [1, -2]}, "prompt"),
-    ({"prompt": "hi"}, "model"),
-    ([1, 2], None),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": "tiny"}, "prompt"),
+        ({"model": "tiny", "prompt": "hi", "max_tokens": -1}, "max_tokens"),
+        ({"model": "tiny", "prompt": "hi", "temperature": -0.5}, "temperature"),
+        ({"model": "tiny", "prompt": "hi", "temperature": 9}, "temperature"),
+        ({"model": "tiny", "prompt": "hi", "top_p": 0}, "top_p"),
+        ({"model": "tiny", "prompt": ""}, "prompt"),
+        ({"model": "tiny", "prompt": [1, -2]}, "prompt"),
+        ({"prompt": "hi"}, "model"),
+        ([1, 2], None),
+    ],
+)
 def test_bad_completion_requests_are_400s_naming_the_field(body, param):
     with pytest.raises(APIError) as caught:
         parse_completion(body)
@@ -33,8 +36,9 @@ def test_bad_completion_requests_are_400s_naming_the_field(body, param):
 def test_a_completion_request_accepts_text_token_ids_and_a_single_prompt_list():
     assert parse_completion({"model": "m", "prompt": "abc"}).prompt_text == "abc"
     assert parse_completion({"model": "m", "prompt": [5, 6]}).prompt_token_ids == [5, 6]
-    parsed = parse_completion({"model": "m", "prompt": ["abc"], "stop": "x", "seed": 3,
-                               "max_tokens": 4, "temperature": 0})
+    parsed = parse_completion(
+        {"model": "m", "prompt": ["abc"], "stop": "x", "seed": 3, "max_tokens": 4, "temperature": 0}
+    )
     assert (parsed.prompt_text, parsed.params.stop, parsed.params.seed) == ("abc", ["x"], 3)
     assert parsed.params.greedy and parsed.params.max_tokens == 4
 

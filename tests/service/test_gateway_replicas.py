@@ -25,23 +25,41 @@ CONCURRENCY = 6
 
 
 def test_two_gateway_replicas_share_the_load_and_answer_stats_and_records_as_one(
-        ray_cluster, colocated):
-    with running_app(num_prefill=1, num_decode=1, num_gateway_replicas=2,
-                     max_inflight_requests=64, app_name="gw2", route_prefix="/gw2") as config:
+    ray_cluster, colocated
+):
+    with running_app(
+        num_prefill=1,
+        num_decode=1,
+        num_gateway_replicas=2,
+        max_inflight_requests=64,
+        app_name="gw2",
+        route_prefix="/gw2",
+    ) as config:
         wait_until_ready(config)
         url = base_url(config) + "/v1/completions"
-        prompts = [f"request {i} through one of two gateways: " + "shared words " * 12
-                   for i in range(NUM_REQUESTS)]
+        prompts = [
+            f"request {i} through one of two gateways: " + "shared words " * 12
+            for i in range(NUM_REQUESTS)
+        ]
         replies: dict[int, httpx.Response] = {}
 
         def send(indices: list[int]) -> None:
             with httpx.Client(timeout=60) as client:
                 for i in indices:
-                    replies[i] = client.post(url, json={"model": "tiny", "prompt": prompts[i],
-                                                        "max_tokens": 6, "temperature": 0})
+                    replies[i] = client.post(
+                        url,
+                        json={
+                            "model": "tiny",
+                            "prompt": prompts[i],
+                            "max_tokens": 6,
+                            "temperature": 0,
+                        },
+                    )
 
-        threads = [threading.Thread(target=send, args=(list(range(k, NUM_REQUESTS, CONCURRENCY)),))
-                   for k in range(CONCURRENCY)]
+        threads = [
+            threading.Thread(target=send, args=(list(range(k, NUM_REQUESTS, CONCURRENCY)),))
+            for k in range(CONCURRENCY)
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -50,7 +68,9 @@ def test_two_gateway_replicas_share_the_load_and_answer_stats_and_records_as_one
         assert [r.status_code for r in replies.values()] == [200] * NUM_REQUESTS
         params = SamplingParams(max_tokens=6, temperature=0.0)
         for i, reply in replies.items():
-            assert reply.json()["choices"][0]["text"] == expected_text(colocated, prompts[i], params)
+            assert reply.json()["choices"][0]["text"] == expected_text(
+                colocated, prompts[i], params
+            )
 
         stats = get_json(config, "/stats")
         replicas = stats["gateway_replicas"]
@@ -63,10 +83,14 @@ def test_two_gateway_replicas_share_the_load_and_answer_stats_and_records_as_one
             time.sleep(0.5)
             stats = get_json(config, "/stats")
         assert stats["gateway"]["num_requests"] == NUM_REQUESTS
-        assert stats["gateway"]["time_to_first_token"]["counts"] and \
-            sum(stats["gateway"]["time_to_first_token"]["counts"]) == NUM_REQUESTS
+        assert (
+            stats["gateway"]["time_to_first_token"]["counts"]
+            and sum(stats["gateway"]["time_to_first_token"]["counts"]) == NUM_REQUESTS
+        )
         metrics = httpx.get(base_url(config) + "/metrics", timeout=30).text
-        assert f'pdserve:gateway_requests_total{{model_name="tiny"}} {float(NUM_REQUESTS)}' in metrics
+        assert (
+            f'pdserve:gateway_requests_total{{model_name="tiny"}} {float(NUM_REQUESTS)}' in metrics
+        )
         # Any request's record, from either replica.
         for reply in replies.values():
             request_id = reply.json()["id"]

@@ -20,8 +20,16 @@ import asyncio
 import time
 
 import pytest
-from load_driver import (CONCURRENCY, get_json, load_figures, plan_requests, reference_outputs,
-                         run_load, wait_until_drained, write_report)
+from load_driver import (
+    CONCURRENCY,
+    get_json,
+    load_figures,
+    plan_requests,
+    reference_outputs,
+    run_load,
+    wait_until_drained,
+    write_report,
+)
 from service_apps import running_app
 
 from pdserve.deploy.cluster import base_url
@@ -32,7 +40,8 @@ NUM_REQUESTS = 600  # load_driver's default is 1,000; 600 keeps the suite's time
 
 @pytest.mark.timeout(400)
 def test_six_hundred_requests_64_in_flight_are_each_answered_once_as_colocated_and_free_every_block(
-        ray_cluster, colocated, tmp_path):
+    ray_cluster, colocated, tmp_path
+):
     planned = plan_requests(NUM_REQUESTS)
     assert len({r.prompt for r in planned}) == NUM_REQUESTS  # a response maps to one request
     start = time.perf_counter()
@@ -40,14 +49,20 @@ def test_six_hundred_requests_64_in_flight_are_each_answered_once_as_colocated_a
     reference_s = time.perf_counter() - start
     # Half the client's concurrency admitted: the 429 path runs, and refused requests retried
     # after Retry-After must still be answered exactly once.
-    with running_app(num_prefill=2, num_decode=2, max_inflight_requests=CONCURRENCY // 2,
-                     app_name="load22", route_prefix="/load22") as config:
+    with running_app(
+        num_prefill=2,
+        num_decode=2,
+        max_inflight_requests=CONCURRENCY // 2,
+        app_name="load22",
+        route_prefix="/load22",
+    ) as config:
         workers_before = get_json(config, "/stats")["workers"]
         outcomes, wall_s = asyncio.run(run_load(base_url(config) + "/v1/completions", planned))
         workers_after = wait_until_drained(config, timeout_s=30.0)
         gateway_after = get_json(config, "/stats")["gateway"]
-    figures = load_figures(planned, outcomes, expected, wall_s, workers_before, workers_after,
-                           gateway_after)
+    figures = load_figures(
+        planned, outcomes, expected, wall_s, workers_before, workers_after, gateway_after
+    )
     figures["reference_s"] = round(reference_s, 2)
     write_report(figures, tmp_path / "load_figures.json")
 
@@ -64,4 +79,8 @@ def test_six_hundred_requests_64_in_flight_are_each_answered_once_as_colocated_a
     assert figures["rejected_and_retried"] > 0, "the 429 path was never reached"
     assert gateway_after["rejected_by_status"] == {"429": figures["rejected_and_retried"]}
     assert gateway_after["num_requests_in_flight"] == 0
-    assert sum(gateway_after["finished_by_reason"].values()) == gateway_after["num_requests"] == NUM_REQUESTS
+    assert (
+        sum(gateway_after["finished_by_reason"].values())
+        == gateway_after["num_requests"]
+        == NUM_REQUESTS
+    )

@@ -38,8 +38,9 @@ def service(ray_cluster):
 
 
 def complete(service, prompt: str, max_tokens: int = 6) -> dict:
-    status, _, body = post_completion(service, {"model": "tiny", "prompt": prompt,
-                                                "max_tokens": max_tokens, "temperature": 0})
+    status, _, body = post_completion(
+        service, {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    )
     assert status == 200, body
     return body
 
@@ -71,10 +72,18 @@ def test_a_reply_says_where_its_prompt_kv_came_from_and_the_bytes_match_the_coun
     assert provenance["prefill"]["node_ip"] == provenance["decode"]["node_ip"] == "127.0.0.1"
     transfer = provenance["transfer"]
     num_blocks = -(-num_prompt_tokens // BLOCK_SIZE)
-    assert transfer["num_blocks"] == growth(before, after, "decode-0", "num_blocks_received") \
-        == growth(before, after, "prefill-0", "num_blocks_sent") == num_blocks
-    assert transfer["num_bytes"] == growth(before, after, "decode-0", "num_bytes_received") \
-        == growth(before, after, "prefill-0", "num_bytes_sent") > 0
+    assert (
+        transfer["num_blocks"]
+        == growth(before, after, "decode-0", "num_blocks_received")
+        == growth(before, after, "prefill-0", "num_blocks_sent")
+        == num_blocks
+    )
+    assert (
+        transfer["num_bytes"]
+        == growth(before, after, "decode-0", "num_bytes_received")
+        == growth(before, after, "prefill-0", "num_bytes_sent")
+        > 0
+    )
     assert transfer["lease_id"] and transfer["seconds"] > 0
     assert 0 < provenance["ttft_s"] <= provenance["e2e_s"] and provenance["itl_s"] > 0
     assert get_json(service, f"/v1/requests/{body['id']}") == provenance
@@ -108,18 +117,25 @@ def test_a_replys_timeline_says_where_the_time_to_its_first_two_tokens_went(serv
     # The gateway's part comes before the first stream, the hand-off between the two.
     assert timeline["gateway_s"] >= 0 and timeline["hand_off_s"] >= 0
     assert provenance["ttft_s"] >= timeline["gateway_s"] + prefill["round_trip_s"]
-    assert provenance["e2e_s"] >= (timeline["gateway_s"] + prefill["round_trip_s"]
-                                   + timeline["hand_off_s"] + decode["round_trip_s"])
+    assert provenance["e2e_s"] >= (
+        timeline["gateway_s"]
+        + prefill["round_trip_s"]
+        + timeline["hand_off_s"]
+        + decode["round_trip_s"]
+    )
 
 
 def test_the_timelines_pieces_are_histograms_in_metrics_one_observation_per_piece(service):
-    families = {"request_queue_time": "vllm:request_queue_time_seconds",
-                "request_prefill_time": "vllm:request_prefill_time_seconds",
-                "kv_load_time": "pdserve:kv_load_seconds",
-                "worker_call_overhead": "pdserve:worker_call_overhead_seconds"}
+    families = {
+        "request_queue_time": "vllm:request_queue_time_seconds",
+        "request_prefill_time": "vllm:request_prefill_time_seconds",
+        "kv_load_time": "pdserve:kv_load_seconds",
+        "worker_call_overhead": "pdserve:worker_call_overhead_seconds",
+    }
     before = _metrics(service)
     timeline = complete(service, "Histograms of the hand-off, one request's worth.")[
-        "kv_provenance"]["timeline"]
+        "kv_provenance"
+    ]["timeline"]
     after = _metrics(service)
 
     def growth(family: str, series: str) -> float:
@@ -127,10 +143,12 @@ def test_the_timelines_pieces_are_histograms_in_metrics_one_observation_per_piec
         return sum(_samples(after, name).values()) - sum(_samples(before, name).values())
 
     prefill, decode = timeline["prefill"], timeline["decode"]
-    expected = {"request_queue_time": [prefill["op_wait_s"] + prefill["queued_s"]],
-                "request_prefill_time": [prefill["compute_s"]],
-                "kv_load_time": [decode["load_s"]],
-                "worker_call_overhead": [prefill["ray_s"], decode["ray_s"]]}
+    expected = {
+        "request_queue_time": [prefill["op_wait_s"] + prefill["queued_s"]],
+        "request_prefill_time": [prefill["compute_s"]],
+        "kv_load_time": [decode["load_s"]],
+        "worker_call_overhead": [prefill["ray_s"], decode["ray_s"]],
+    }
     for family, values in expected.items():
         assert growth(family, "count") == len(values), family
         assert growth(family, "sum") == pytest.approx(sum(values), rel=1e-6, abs=1e-9), family
@@ -151,15 +169,23 @@ def test_a_repeated_prompt_hits_the_prefill_cache_and_the_decode_worker_holds_it
     assert sources["prefill_cache_hit"] == (num_prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
     assert sources["decode_cache_hit"] == num_prompt_tokens // BLOCK_SIZE * BLOCK_SIZE
     assert sources["pulled"] == num_prompt_tokens % BLOCK_SIZE
-    assert growth(before, after, "decode-0", "num_dedup_skipped_blocks") \
+    assert (
+        growth(before, after, "decode-0", "num_dedup_skipped_blocks")
         == sources["decode_cache_hit"] // BLOCK_SIZE
+    )
     assert again["transfer"]["num_bytes"] == growth(before, after, "decode-0", "num_bytes_received")
 
 
 def test_a_streamed_reply_carries_usage_and_provenance_in_its_final_chunk(service):
-    connection, response = open_stream(service, {"model": "tiny", "max_tokens": 5,
-                                                 "temperature": 0, "prompt": "Stream me: "
-                                                 "where did the KV of this prompt come from?"})
+    connection, response = open_stream(
+        service,
+        {
+            "model": "tiny",
+            "max_tokens": 5,
+            "temperature": 0,
+            "prompt": "Stream me: where did the KV of this prompt come from?",
+        },
+    )
     try:
         events = []
         while (event := read_event(response)) is not None:
@@ -176,8 +202,10 @@ def test_a_streamed_reply_carries_usage_and_provenance_in_its_final_chunk(servic
 
 
 def test_v1_requests_lists_the_newest_first_and_refuses_an_unknown_id(service):
-    ids = [complete(service, f"Listing order check number {i}, a short prompt.")["id"]
-           for i in range(3)]
+    ids = [
+        complete(service, f"Listing order check number {i}, a short prompt.")["id"]
+        for i in range(3)
+    ]
     listed = get_json(service, "/v1/requests?limit=3")
     assert [r["request_id"] for r in listed["data"]] == ids[::-1]
     status, body = _get_json_status(service, "/v1/requests/cmpl-nope")
@@ -198,40 +226,75 @@ def test_metrics_count_prompt_tokens_by_source_and_each_total_is_the_prompt_tota
 
 def test_the_grafana_dashboard_queries_only_metrics_the_gateway_exports(service):
     dashboard = json.loads((ROOT / "deploy" / "grafana" / "pdserve.json").read_text())
-    queried = {name for expr in _exprs(dashboard)
-               for name in re.findall(r"\b((?:vllm|pdserve):[a-zA-Z0-9_:]+)", expr)}
-    exported_names = {series for family, kind in
-                      re.findall(r"^# TYPE (\S+) (\S+)", _metrics(service), re.M)
-                      for series in _series_names(family, kind)}
+    queried = {
+        name
+        for expr in _exprs(dashboard)
+        for name in re.findall(r"\b((?:vllm|pdserve):[a-zA-Z0-9_:]+)", expr)
+    }
+    exported_names = {
+        series
+        for family, kind in re.findall(r"^# TYPE (\S+) (\S+)", _metrics(service), re.M)
+        for series in _series_names(family, kind)
+    }
     assert len(queried) >= 12 and queried <= exported_names, queried - exported_names
     titles = " ".join(panel["title"] for panel in dashboard["panels"]).lower()
-    for topic in ("ttft", "inter-token", "throughput", "hit rate", "kv cache usage", "bytes",
-                  "transfer latency", "dedup", "failures", "leases"):
+    for topic in (
+        "ttft",
+        "inter-token",
+        "throughput",
+        "hit rate",
+        "kv cache usage",
+        "bytes",
+        "transfer latency",
+        "dedup",
+        "failures",
+        "leases",
+    ):
         assert topic in titles, topic
     scrape = yaml.safe_load((ROOT / "deploy" / "grafana" / "prometheus.yml").read_text())
     assert scrape["scrape_configs"][0]["metrics_path"] == "/metrics"
 
 
 def test_stats_watch_redraws_in_place_with_rates_over_the_last_interval(service, capsys):
-    assert main(["stats", "--url", base_url(service), "--watch", "--interval", "0.2",
-                 "--count", "2"]) == 0
+    assert (
+        main(["stats", "--url", base_url(service), "--watch", "--interval", "0.2", "--count", "2"])
+        == 0
+    )
     frames = capsys.readouterr().out.split(CLEAR_SCREEN)[1:]
     assert len(frames) == 2 and "rates: after the next reading" in frames[0]
     assert "blk/s sent" in frames[1] and "prefill-0" in frames[1].split("rates over")[1]
 
 
 def test_interval_rates_are_the_counters_growth_per_second():
-    worker = {"worker_id": "decode-0", "role": "consumer", "instance_id": "a",
-              "num_blocks_sent": 0, "num_blocks_received": 10, "num_bytes_sent": 0,
-              "num_bytes_received": 4096, "num_dedup_skipped_blocks": 2,
-              "prefix_cache_queries": 100, "prefix_cache_hits": 20}
-    later = {**worker, "num_blocks_received": 30, "num_bytes_received": 12288,
-             "num_dedup_skipped_blocks": 6, "prefix_cache_queries": 140, "prefix_cache_hits": 50}
+    worker = {
+        "worker_id": "decode-0",
+        "role": "consumer",
+        "instance_id": "a",
+        "num_blocks_sent": 0,
+        "num_blocks_received": 10,
+        "num_bytes_sent": 0,
+        "num_bytes_received": 4096,
+        "num_dedup_skipped_blocks": 2,
+        "prefix_cache_queries": 100,
+        "prefix_cache_hits": 20,
+    }
+    later = {
+        **worker,
+        "num_blocks_received": 30,
+        "num_bytes_received": 12288,
+        "num_dedup_skipped_blocks": 6,
+        "prefix_cache_queries": 140,
+        "prefix_cache_hits": 50,
+    }
     restarted = {**later, "worker_id": "prefill-0", "instance_id": "b"}
     rates = interval_rates({"workers": [worker]}, {"workers": [later, restarted]}, 2.0)
     assert len(rates) == 1  # a worker new since the last reading has no rates yet
-    assert (rates[0].blocks_received_per_s, rates[0].bytes_received_per_s,
-            rates[0].dedup_blocks_per_s, rates[0].hit_rate) == (10.0, 4096.0, 2.0, 0.75)
+    assert (
+        rates[0].blocks_received_per_s,
+        rates[0].bytes_received_per_s,
+        rates[0].dedup_blocks_per_s,
+        rates[0].hit_rate,
+    ) == (10.0, 4096.0, 2.0, 0.75)
     table = format_rates(rates, 2.0)
     assert "rates over the last 2.0 s" in table and "4.0 KiB/s" in table and "75.0" in table
     out = io.StringIO()
@@ -251,7 +314,8 @@ def test_the_dashboard_page_shows_live_figures_and_recent_requests_in_a_real_bro
         _wait(driver, f"return window.pdserveDashboard.updates >= {updates + 2}")
         listed = driver.execute_script(
             "return [...document.querySelectorAll('#requests tbody tr')]"
-            ".map(row => row.dataset.requestId)")
+            ".map(row => row.dataset.requestId)"
+        )
         assert set(ids) <= set(listed)
         charts = "window.pdserveDashboard.charts"
         hit_rates = driver.execute_script(f"return {charts}.hit.data.slice(1).flat()")
@@ -261,12 +325,16 @@ def test_the_dashboard_page_shows_live_figures_and_recent_requests_in_a_real_bro
         assert max(v for v in bytes_moved if v is not None) > 0
         assert sum(transfer_counts) >= 4
         row = driver.find_element("css selector", f"tr[data-request-id='{ids[1]}']")
-        segments = {span.get_attribute("data-source")
-                    for span in row.find_elements("css selector", ".bar span")}
+        segments = {
+            span.get_attribute("data-source")
+            for span in row.find_elements("css selector", ".bar span")
+        }
         assert {"prefill_cache_hit", "decode_cache_hit"} <= segments
         workers = driver.find_elements("css selector", "#workers tbody tr")
-        assert [w.find_elements("css selector", "td")[0].text for w in workers] == \
-            ["prefill-0", "decode-0"]
+        assert [w.find_elements("css selector", "td")[0].text for w in workers] == [
+            "prefill-0",
+            "decode-0",
+        ]
         errors = [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
         assert errors == []
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
@@ -282,6 +350,7 @@ def test_the_dashboard_serves_only_its_own_files(service):
 
 
 # ---------------------------------------------------------------------- helpers
+
 
 def _get_text(service, path: str) -> tuple[int, str]:
     import urllib.error

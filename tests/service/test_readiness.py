@@ -59,8 +59,11 @@ def test_not_ready_until_every_decode_worker_has_handshaken_with_every_prefill_w
         pool.decode["d0"].reachable.add("127.0.0.1:7101")
         await readiness.prewarm()
         assert readiness.report()["ready"] is True
-        assert pool.decode["d0"].handshakes == ["127.0.0.1:7100", "127.0.0.1:7101",
-                                                "127.0.0.1:7101"]
+        assert pool.decode["d0"].handshakes == [
+            "127.0.0.1:7100",
+            "127.0.0.1:7101",
+            "127.0.0.1:7101",
+        ]
         # A prefill worker restarts on the same address: a new engine, so a new handshake.
         pool.prefill["p0"].instance = "i1"
         poll(router, pool)

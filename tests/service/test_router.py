@@ -12,12 +12,18 @@ H = [bytes([i]) * 16 for i in range(8)]
 
 
 def stored(*hashes: bytes) -> BlockStored:
-    return BlockStored(block_hashes=list(hashes), parent_block_hash=None, token_ids=[],
-                       block_size=16, lora_id=None)
+    return BlockStored(
+        block_hashes=list(hashes), parent_block_hash=None, token_ids=[], block_size=16, lora_id=None
+    )
 
 
-def batch(worker: str, events: list, first_seq: int = 0, instance: str = "a",
-          snapshot: HeldBlocks | None = None) -> KVEventBatch:
+def batch(
+    worker: str,
+    events: list,
+    first_seq: int = 0,
+    instance: str = "a",
+    snapshot: HeldBlocks | None = None,
+) -> KVEventBatch:
     return KVEventBatch(worker, instance, first_seq, first_seq + len(events), events, snapshot)
 
 
@@ -130,20 +136,42 @@ def test_an_unavailable_worker_is_skipped_and_none_left_raises_no_worker_availab
 
 
 def _group_stored(group_idx: int, *hashes, window: int | None = None) -> BlockStored:
-    return BlockStored(block_hashes=list(hashes), parent_block_hash=None, token_ids=[],
-                       block_size=16, lora_id=None, group_idx=group_idx,
-                       kv_cache_spec_kind="sliding_window" if window else "full_attention",
-                       kv_cache_spec_sliding_window=window)
+    return BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=16,
+        lora_id=None,
+        group_idx=group_idx,
+        kv_cache_spec_kind="sliding_window" if window else "full_attention",
+        kv_cache_spec_sliding_window=window,
+    )
 
 
 def test_a_sliding_window_groups_eviction_does_not_read_as_the_prefix_gone():
     """Hybrid model: group 0 full attention, group 1 a 32-token window (2 blocks of 16)."""
     router = Router(["p0", "p1"], [])
-    router.apply(batch("p0", [_group_stored(0, *H[:5]), _group_stored(1, *H[:5], window=32),
-                              BlockRemoved(block_hashes=H[:3], group_idx=1)]))
+    router.apply(
+        batch(
+            "p0",
+            [
+                _group_stored(0, *H[:5]),
+                _group_stored(1, *H[:5], window=32),
+                BlockRemoved(block_hashes=H[:3], group_idx=1),
+            ],
+        )
+    )
     # p1 lost the same blocks from the full-attention group: its prefix is gone.
-    router.apply(batch("p1", [_group_stored(0, *H[:5]), _group_stored(1, *H[:5], window=32),
-                              BlockRemoved(block_hashes=H[:3], group_idx=0)]))
+    router.apply(
+        batch(
+            "p1",
+            [
+                _group_stored(0, *H[:5]),
+                _group_stored(1, *H[:5], window=32),
+                BlockRemoved(block_hashes=H[:3], group_idx=0),
+            ],
+        )
+    )
     choice = router.pick_prefill(H[:5])
     assert (choice.worker_id, choice.num_matched_blocks) == ("p0", 5)
 

@@ -14,8 +14,15 @@ import threading
 import time
 
 import pytest
-from service_apps import (StreamClient, assert_drained, expected_text, run_all, running_app,
-                          wait_until_ready, worker_rows)
+from service_apps import (
+    StreamClient,
+    assert_drained,
+    expected_text,
+    run_all,
+    running_app,
+    wait_until_ready,
+    worker_rows,
+)
 
 from pdserve.deploy.cluster import scale
 from pdserve.deploy.cli import main as pdserve_cli
@@ -39,8 +46,12 @@ class SteadyLoad(threading.Thread):
         while not self._stopping.is_set():
             running = [c for c in self.clients if c.is_alive()]
             for _ in range(IN_FLIGHT - len(running)):
-                client = StreamClient(self.config, f"{len(self.clients)}: {PREAMBLE}", MAX_TOKENS,
-                                      dict(temperature=0.0))
+                client = StreamClient(
+                    self.config,
+                    f"{len(self.clients)}: {PREAMBLE}",
+                    MAX_TOKENS,
+                    dict(temperature=0.0),
+                )
                 self.clients.append(client)
                 client.start()
             time.sleep(0.05)
@@ -70,15 +81,20 @@ def _wait_for_requests_on(config, worker_ids: list[str], timeout_s: float = 120.
 
 @pytest.mark.timeout(420)
 def test_scaling_up_and_down_under_load_loses_no_request_and_routes_to_the_new_set(
-        ray_cluster, colocated):
-    with running_app(num_prefill=1, num_decode=1, app_name="scale", route_prefix="/scale") as config:
+    ray_cluster, colocated
+):
+    with running_app(
+        num_prefill=1, num_decode=1, app_name="scale", route_prefix="/scale"
+    ) as config:
         wait_until_ready(config)
         load = SteadyLoad(config)
         load.start()
         try:
             load.wait_for(IN_FLIGHT)
-            assert pdserve_cli(["scale", "--app-name", "scale", "--prefill", "2",
-                                "--decode", "2"]) == 0
+            assert (
+                pdserve_cli(["scale", "--app-name", "scale", "--prefill", "2", "--decode", "2"])
+                == 0
+            )
             wait_until_ready(config, timeout_s=120)
             rows = _wait_for_requests_on(config, ["prefill-1", "decode-1"])
             assert sorted(rows) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
@@ -89,11 +105,16 @@ def test_scaling_up_and_down_under_load_loses_no_request_and_routes_to_the_new_s
             assert sorted(worker_rows(config)) == ["decode-0", "prefill-0"]
         finally:
             clients = load.stop()
-        lost = [(c.prompt[:4], c.status, c.error) for c in clients
-                if c.error is not None or c.finish_reason is None]
+        lost = [
+            (c.prompt[:4], c.status, c.error)
+            for c in clients
+            if c.error is not None or c.finish_reason is None
+        ]
         assert lost == []
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-        wrong = [c.prompt[:4] for c in clients if c.text != expected_text(colocated, c.prompt, params)]
+        wrong = [
+            c.prompt[:4] for c in clients if c.text != expected_text(colocated, c.prompt, params)
+        ]
         assert wrong == []
         assert_drained(config)
 

@@ -28,8 +28,15 @@ from pdserve.kvconnector.grpc_client import GrpcTransferClient
 from pdserve.kvconnector.layout import KVLayout
 from pdserve.kvconnector.transport import TransferError
 from pdserve.proto import generate_pb2, generate_pb2_grpc
-from service_apps import (SERVE_PORT, assert_drained, expected_text, free_port, get_json,
-                          post_completion, running_app)
+from service_apps import (
+    SERVE_PORT,
+    assert_drained,
+    expected_text,
+    free_port,
+    get_json,
+    post_completion,
+    running_app,
+)
 
 SECRET = "service-suite-secret-" + os.urandom(8).hex()
 GRPC_PORT = free_port()
@@ -42,8 +49,14 @@ def service(ray_cluster):
     previous = os.environ.get(KV_TRANSFER_SECRET_ENV)
     os.environ[KV_TRANSFER_SECRET_ENV] = SECRET  # read by build() in this (driver) process
     try:
-        with running_app(num_prefill=1, num_decode=1, app_name="sec11", route_prefix="/sec11",
-                         grpc_port=GRPC_PORT, kv_transfer_port=KV_PORT) as config:
+        with running_app(
+            num_prefill=1,
+            num_decode=1,
+            app_name="sec11",
+            route_prefix="/sec11",
+            grpc_port=GRPC_PORT,
+            kv_transfer_port=KV_PORT,
+        ) as config:
             yield config
     finally:
         if previous is None:
@@ -77,7 +90,7 @@ def _listening_addresses(port: int) -> set[str]:
                 continue
             raw = bytes.fromhex(address)
             # The kernel prints each 32-bit word in host (little-endian) order.
-            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
             text = socket.inet_ntop(family, raw)
             found.add(text.removeprefix("::ffff:"))  # gRPC: 127.0.0.1 as an IPv4-mapped socket
     return found
@@ -85,15 +98,23 @@ def _listening_addresses(port: int) -> set[str]:
 
 def _kv_client(secret: str | None) -> GrpcTransferClient:
     local = torch.zeros(1, 1, 2, 16, 1, 8)
-    return GrpcTransferClient(local, KVLayout.from_kv_cache(local, "xxh3_128", 0),
-                              engine_id="outsider", secret=secret, timeout_s=5.0)
+    return GrpcTransferClient(
+        local,
+        KVLayout.from_kv_cache(local, "xxh3_128", 0),
+        engine_id="outsider",
+        secret=secret,
+        timeout_s=5.0,
+    )
 
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc/net/tcp")
 def test_every_listener_binds_loopback_by_default(service):
     assert post_completion(service, {"model": "tiny", "prompt": "hi", "max_tokens": 2})[0] == 200
-    for what, port in [("gateway HTTP", SERVE_PORT), ("gateway gRPC", GRPC_PORT),
-                       ("KV transfer of prefill-0", KV_PORT)]:
+    for what, port in [
+        ("gateway HTTP", SERVE_PORT),
+        ("gateway gRPC", GRPC_PORT),
+        ("KV transfer of prefill-0", KV_PORT),
+    ]:
         assert _listening_addresses(port) == {"127.0.0.1"}, what
 
 
@@ -121,10 +142,16 @@ def test_the_secret_is_not_served_in_stats_or_metrics(service):
 
 
 def test_no_prefix_hit_or_dedup_crosses_salts_and_outputs_equal_colocated(service, colocated):
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
-            "ignore_eos": True}
-    expected = expected_text(colocated, PROMPT, SamplingParams(max_tokens=8, temperature=0,
-                                                               ignore_eos=True))
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    expected = expected_text(
+        colocated, PROMPT, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    )
     replies = []
     counters = []
     for salt in ["tenant-a", "tenant-b", "tenant-a"]:
@@ -145,22 +172,39 @@ def test_grpc_generate_takes_a_cache_salt_and_refuses_a_bad_one(service, colocat
         stub = generate_pb2_grpc.GenerateStub(channel)
         replies, hits = [], []
         for salt in ("grpc-tenant-x", "grpc-tenant-y", "grpc-tenant-x"):
-            replies.append(list(stub.Generate(generate_pb2.GenerateRequest(
-                text=PROMPT, max_tokens=4, temperature=0, cache_salt=salt), timeout=60)))
+            replies.append(
+                list(
+                    stub.Generate(
+                        generate_pb2.GenerateRequest(
+                            text=PROMPT, max_tokens=4, temperature=0, cache_salt=salt
+                        ),
+                        timeout=60,
+                    )
+                )
+            )
             hits.append(_worker(service, "producer")["prefix_cache_hits"])
         assert ["".join(r.text for r in reply) for reply in replies] == [expected] * 3
         assert hits[1] == hits[0] < hits[2]
         for bad in ("", "x" * 257):
             with pytest.raises(grpc.RpcError) as caught:
-                list(stub.Generate(generate_pb2.GenerateRequest(text=PROMPT, cache_salt=bad),
-                                   timeout=60))
+                list(
+                    stub.Generate(
+                        generate_pb2.GenerateRequest(text=PROMPT, cache_salt=bad), timeout=60
+                    )
+                )
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "cache_salt" in caught.value.details()
 
 
 def test_http_refuses_a_bad_cache_salt_with_400(service):
     for bad in ("", "x" * 257, 7):
-        status, _, reply = post_completion(service, {"model": "tiny", "prompt": "hi", "cache_salt": bad})
+        status, _, reply = post_completion(
+            service, {"model": "tiny", "prompt": "hi", "cache_salt": bad}
+        )
         assert status == 400 and "cache_salt" in json.dumps(reply), reply
-    assert post_completion(service, {"model": "tiny", "prompt": "hi", "max_tokens": 2,
-                               "cache_salt": "x" * 256})[0] == 200
+    assert (
+        post_completion(
+            service, {"model": "tiny", "prompt": "hi", "max_tokens": 2, "cache_salt": "x" * 256}
+        )[0]
+        == 200
+    )

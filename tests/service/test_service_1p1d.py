@@ -15,20 +15,35 @@ import pytest
 
 from pdserve.messages.sampling_params import SamplingParams
 from pdserve.proto import generate_pb2, generate_pb2_grpc
-from service_apps import openai_client, post_completion, assert_completions_equal_colocated, free_port, running_app, wait_until_ready
+from service_apps import (
+    openai_client,
+    post_completion,
+    assert_completions_equal_colocated,
+    free_port,
+    running_app,
+    wait_until_ready,
+)
 from load_driver import get_json, is_drained, wait_until_drained
 
 GRPC_PORT = free_port()
 MAX_INFLIGHT = 3
-PROMPTS = ["Shared system prompt: answer tersely, like a terminal. Query: list files",
-           "Shared system prompt: answer tersely, like a terminal. Query: show the date",
-           "A prompt that shares nothing with the others, of moderate length."]
+PROMPTS = [
+    "Shared system prompt: answer tersely, like a terminal. Query: list files",
+    "Shared system prompt: answer tersely, like a terminal. Query: show the date",
+    "A prompt that shares nothing with the others, of moderate length.",
+]
 
 
 @pytest.fixture(scope="module")
 def service(ray_cluster):
-    with running_app(num_prefill=1, num_decode=1, app_name="pd11", route_prefix="/pd11",
-                     grpc_port=GRPC_PORT, max_inflight_requests=MAX_INFLIGHT) as config:
+    with running_app(
+        num_prefill=1,
+        num_decode=1,
+        app_name="pd11",
+        route_prefix="/pd11",
+        grpc_port=GRPC_PORT,
+        max_inflight_requests=MAX_INFLIGHT,
+    ) as config:
         yield config
 
 
@@ -42,8 +57,9 @@ def test_ready_once_the_decode_worker_has_handshaken_with_the_prefill_worker(ser
     assert report["ready"] and report["missing_handshakes"] == [] and report["unavailable"] == []
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.7, seed=7)],
-                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "sampling", [dict(temperature=0.0), dict(temperature=0.7, seed=7)], ids=["greedy", "seeded"]
+)
 def test_openai_completions_streamed_and_whole_equal_colocated(client, colocated, sampling):
     assert_completions_equal_colocated(client, colocated, PROMPTS, 10, sampling)
 
@@ -53,8 +69,12 @@ def test_grpc_generate_streams_the_colocated_tokens(service, colocated):
         stub = generate_pb2_grpc.GenerateStub(channel)
         for prompt in PROMPTS:
             expected = colocated.generate([prompt], SamplingParams(max_tokens=10, temperature=0))[0]
-            replies = list(stub.Generate(generate_pb2.GenerateRequest(
-                text=prompt, max_tokens=10, temperature=0.0), timeout=60))
+            replies = list(
+                stub.Generate(
+                    generate_pb2.GenerateRequest(text=prompt, max_tokens=10, temperature=0.0),
+                    timeout=60,
+                )
+            )
             assert [t for r in replies for t in r.token_ids] == expected.output_token_ids
             assert "".join(r.text for r in replies) == expected.text
             assert replies[-1].finish_reason == expected.finish_reason
@@ -71,8 +91,18 @@ def test_a_burst_over_the_inflight_limit_gets_429_with_retry_after_and_drains_cl
 
     def fire(index: int) -> None:
         barrier.wait()
-        results.append(post_completion(service, {"model": "tiny", "prompt": PROMPTS[index % 3],
-                                       "max_tokens": 48, "temperature": 0, "ignore_eos": True}))
+        results.append(
+            post_completion(
+                service,
+                {
+                    "model": "tiny",
+                    "prompt": PROMPTS[index % 3],
+                    "max_tokens": 48,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
+        )
 
     threads = [threading.Thread(target=fire, args=(i,)) for i in range(num_requests)]
     for thread in threads:
@@ -88,10 +118,11 @@ def test_a_burst_over_the_inflight_limit_gets_429_with_retry_after_and_drains_cl
             assert body["error"]["code"] == "rate_limit_exceeded" and body["error"]["message"]
         else:
             assert body["usage"]["completion_tokens"] == 48
-    assert get_json(service, "/stats")["gateway"]["rejected_by_status"].get("429", 0) >= statuses.count(429)
+    assert get_json(service, "/stats")["gateway"]["rejected_by_status"].get(
+        "429", 0
+    ) >= statuses.count(429)
     # Once the burst drains, every block is free and no lease is held.
     workers = wait_until_drained(service)
     assert [w["role"] for w in workers] == ["producer", "consumer"]
     assert all(is_drained(w) for w in workers), workers
     assert workers[1]["num_blocks_received"] > 0
-

@@ -13,13 +13,27 @@ import pytest
 
 from pdserve.deploy.cluster import base_url
 from pdserve.messages.sampling_params import SamplingParams
-from service_apps import (assert_completions_equal_colocated, assert_drained, expected_text, openai_client,
-                          post_completion, running_app, wait_until_ready)
+from service_apps import (
+    assert_completions_equal_colocated,
+    assert_drained,
+    expected_text,
+    openai_client,
+    post_completion,
+    running_app,
+    wait_until_ready,
+)
 from load_driver import get_json
 
 PREFIX = "System: you are a careful assistant who answers in one short line. User asks: "
-PROMPTS = [PREFIX + q for q in ("what is paged attention?", "why disaggregate?",
-                                "what is a lease?", "how is a block hashed?")]
+PROMPTS = [
+    PREFIX + q
+    for q in (
+        "what is paged attention?",
+        "why disaggregate?",
+        "what is a lease?",
+        "how is a block hashed?",
+    )
+]
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +55,9 @@ def client(service):
     return openai_client(service)
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, seed=1234)],
-                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "sampling", [dict(temperature=0.0), dict(temperature=0.8, seed=1234)], ids=["greedy", "seeded"]
+)
 def test_streamed_and_whole_completions_equal_the_colocated_engine(client, colocated, sampling):
     assert_completions_equal_colocated(client, colocated, PROMPTS, 12, sampling)
 
@@ -50,18 +65,32 @@ def test_streamed_and_whole_completions_equal_the_colocated_engine(client, coloc
 def test_token_id_prompts_stop_strings_and_one_token_requests_equal_colocated(client, colocated):
     ids = colocated.tokenizer.encode(PROMPTS[0])
     expected = expected_text(colocated, ids, SamplingParams(max_tokens=8, temperature=0))
-    assert client.completions.create(model="tiny", prompt=ids, max_tokens=8,
-                                     temperature=0).choices[0].text == expected
+    assert (
+        client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0)
+        .choices[0]
+        .text
+        == expected
+    )
     one = expected_text(colocated, PROMPTS[1], SamplingParams(max_tokens=1, temperature=0))
-    assert client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=1,
-                                     temperature=0).choices[0].text == one
+    assert (
+        client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=1, temperature=0)
+        .choices[0]
+        .text
+        == one
+    )
     # A stop string made of a printable character the colocated output reaches after its start.
-    prompt, stop = next((p, ch) for p in PROMPTS
-                        for ch in expected_text(colocated, p, SamplingParams(max_tokens=16, temperature=0))[1:]
-                        if ch.isascii() and ch.isprintable())
-    expected = expected_text(colocated, prompt, SamplingParams(max_tokens=16, temperature=0, stop=[stop]))
-    streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=16,
-                                         temperature=0, stop=[stop], stream=True)
+    prompt, stop = next(
+        (p, ch)
+        for p in PROMPTS
+        for ch in expected_text(colocated, p, SamplingParams(max_tokens=16, temperature=0))[1:]
+        if ch.isascii() and ch.isprintable()
+    )
+    expected = expected_text(
+        colocated, prompt, SamplingParams(max_tokens=16, temperature=0, stop=[stop])
+    )
+    streamed = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=16, temperature=0, stop=[stop], stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == expected
 
 
@@ -89,7 +118,9 @@ def test_bad_input_gets_4xx_with_a_message_and_the_service_keeps_serving(client,
         (json.dumps({"model": "nope", "prompt": "hi"}).encode(), 404),
     ]
     for body, status in cases:
-        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            url, data=body, headers={"Content-Type": "application/json"}
+        )
         with pytest.raises(urllib.error.HTTPError) as caught:
             urllib.request.urlopen(request)
         assert caught.value.code == status
@@ -108,8 +139,12 @@ def test_models_health_and_metrics_answer(service):
     health = get_json(service, "/health")
     assert (health["status"], health["unavailable"]) == ("ok", [])
     metrics = urllib.request.urlopen(base + "/metrics").read().decode()
-    for name in ("vllm:prefix_cache_queries_total", "vllm:time_to_first_token_seconds_bucket",
-                 "vllm:kv_cache_usage_perc", "pdserve:kv_transfer_blocks_received_total"):
+    for name in (
+        "vllm:prefix_cache_queries_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:kv_cache_usage_perc",
+        "pdserve:kv_transfer_blocks_received_total",
+    ):
         assert name in metrics
 
 
@@ -117,5 +152,7 @@ def test_kv_moves_from_prefill_to_decode(service):
     before = {w["worker_id"]: w for w in get_json(service, "/stats")["workers"]}
     post_completion(service, dict(model="tiny", prompt=PREFIX + "a fresh question?", max_tokens=4))
     after = get_json(service, "/stats")["workers"]
-    assert sum(w["num_blocks_received"] - before[w["worker_id"]]["num_blocks_received"]
-               for w in after) > 0
+    assert (
+        sum(w["num_blocks_received"] - before[w["worker_id"]]["num_blocks_received"] for w in after)
+        > 0
+    )

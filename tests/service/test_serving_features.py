@@ -30,25 +30,35 @@ def app(request, ray_cluster):
     if transport == "nixl" and not nixl_available():
         pytest.skip("NIXL does not load here (pip install 'pdserve[nixl]')")
     name = f"feat{num_prefill}{num_decode}{transport}"
-    with running_app(num_prefill=num_prefill, num_decode=num_decode, transport=transport,
-                     app_name=name, route_prefix=f"/{name}", grpc_port=GRPC_PORT) as config:
+    with running_app(
+        num_prefill=num_prefill,
+        num_decode=num_decode,
+        transport=transport,
+        app_name=name,
+        route_prefix=f"/{name}",
+        grpc_port=GRPC_PORT,
+    ) as config:
         assert wait_until_ready(config)["ready"]
         yield config
 
 
 def colocated_texts(colocated, prompt: str, seeds: list[int | None], **sampling) -> list[str]:
-    return [colocated.generate([prompt], SamplingParams(seed=seed, **sampling))[0].text
-            for seed in seeds]
+    return [
+        colocated.generate([prompt], SamplingParams(seed=seed, **sampling))[0].text
+        for seed in seeds
+    ]
 
 
 def test_n_choices_with_a_seed_equal_the_colocated_engine_with_seeds_s_s1_s2(app, colocated):
     sampling = dict(max_tokens=10, temperature=0.9)
     before = get_json(app, "/stats")["totals"]
-    reply = openai_client(app).completions.create(model="tiny", prompt=PROMPT, n=3, seed=41,
-                                                  **sampling)
+    reply = openai_client(app).completions.create(
+        model="tiny", prompt=PROMPT, n=3, seed=41, **sampling
+    )
     assert [c.index for c in reply.choices] == [0, 1, 2]
-    assert [c.text for c in reply.choices] == colocated_texts(colocated, PROMPT, [41, 42, 43],
-                                                             **sampling)
+    assert [c.text for c in reply.choices] == colocated_texts(
+        colocated, PROMPT, [41, 42, 43], **sampling
+    )
     assert reply.usage.completion_tokens == 30
     assert reply.usage.prompt_tokens == len(colocated.tokenizer.encode(PROMPT))
     after = get_json(app, "/stats")["totals"]
@@ -61,9 +71,16 @@ def test_n_choices_with_a_seed_equal_the_colocated_engine_with_seeds_s_s1_s2(app
 def test_streamed_choices_interleave_by_index_and_greedy_choices_are_equal(app, colocated):
     sampling = dict(max_tokens=8, temperature=0.0)
     (expected,) = colocated_texts(colocated, PROMPT, [None], **sampling)
-    chunks = list(openai_client(app).chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": PROMPT}], n=2, stream=True,
-        stream_options={"include_usage": True}, **sampling))
+    chunks = list(
+        openai_client(app).chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": PROMPT}],
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+            **sampling,
+        )
+    )
     texts = {0: "", 1: ""}
     for chunk in chunks:
         for choice in chunk.choices:
@@ -77,29 +94,47 @@ def test_streamed_choices_interleave_by_index_and_greedy_choices_are_equal(app, 
 def test_grpc_generate_streams_each_choice_with_its_index(app, colocated):
     sampling = dict(max_tokens=6, temperature=0.8)
     with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
-        replies = list(generate_pb2_grpc.GenerateStub(channel).Generate(
-            generate_pb2.GenerateRequest(text=PROMPT, n=2, seed=7, **sampling), timeout=60))
+        replies = list(
+            generate_pb2_grpc.GenerateStub(channel).Generate(
+                generate_pb2.GenerateRequest(text=PROMPT, n=2, seed=7, **sampling), timeout=60
+            )
+        )
     texts = ["".join(r.text for r in replies if r.index == i) for i in (0, 1)]
     assert texts == colocated_texts(colocated, PROMPT, [7, 8], **sampling)
 
 
 def test_grpc_generate_returns_each_tokens_logprobs_equal_to_the_colocated_engines(app, colocated):
-    output = colocated.generate([PROMPT], SamplingParams(max_tokens=5, temperature=0.0,
-                                                         logprobs=2))[0]
+    output = colocated.generate(
+        [PROMPT], SamplingParams(max_tokens=5, temperature=0.0, logprobs=2)
+    )[0]
     with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
         stub = generate_pb2_grpc.GenerateStub(channel)
-        replies = list(stub.Generate(generate_pb2.GenerateRequest(
-            text=PROMPT, max_tokens=5, temperature=0.0, logprobs=2), timeout=60))
+        replies = list(
+            stub.Generate(
+                generate_pb2.GenerateRequest(
+                    text=PROMPT, max_tokens=5, temperature=0.0, logprobs=2
+                ),
+                timeout=60,
+            )
+        )
         with pytest.raises(grpc.RpcError) as caught:
             next(stub.Generate(generate_pb2.GenerateRequest(text=PROMPT, logprobs=21)))
-    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs" in caught.value.details()
+    assert (
+        caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and "logprobs" in caught.value.details()
+    )
     got = [entry for reply in replies for entry in reply.logprobs]
-    assert [e.token_id for e in got] == [t for r in replies for t in r.token_ids] \
+    assert (
+        [e.token_id for e in got]
+        == [t for r in replies for t in r.token_ids]
         == output.output_token_ids
+    )
     assert [e.logprob for e in got] == pytest.approx(
-        [e.logprob for e in output.output_logprobs], abs=1e-4)
+        [e.logprob for e in output.output_logprobs], abs=1e-4
+    )
     assert [[(t.token_id, t.logprob) for t in e.top] for e in got] == [
-        [(t, pytest.approx(lp, abs=1e-4)) for t, lp in e.top] for e in output.output_logprobs]
+        [(t, pytest.approx(lp, abs=1e-4)) for t, lp in e.top] for e in output.output_logprobs
+    ]
 
 
 @pytest.mark.parametrize("field, value", [("n", 0), ("n", 17), ("best_of", 2)])
@@ -114,24 +149,33 @@ def colocated_logprobs(colocated, prompt, **sampling):
     return output, output.output_logprobs
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, seed=3)],
-                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "sampling", [dict(temperature=0.0), dict(temperature=0.9, seed=3)], ids=["greedy", "seeded"]
+)
 def test_completion_logprobs_equal_the_colocated_engines_streamed_and_not(app, colocated, sampling):
     output, expected = colocated_logprobs(colocated, PROMPT, max_tokens=6, logprobs=3, **sampling)
     decode = colocated.tokenizer.decode
     client = openai_client(app)
-    whole = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, logprobs=3,
-                                      **sampling).choices[0].logprobs
-    streamed = [c.choices[0].logprobs for c in client.completions.create(
-        model="tiny", prompt=PROMPT, max_tokens=6, logprobs=3, stream=True, **sampling)
-        if c.choices and c.choices[0].logprobs]
+    whole = (
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, logprobs=3, **sampling)
+        .choices[0]
+        .logprobs
+    )
+    streamed = [
+        c.choices[0].logprobs
+        for c in client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=6, logprobs=3, stream=True, **sampling
+        )
+        if c.choices and c.choices[0].logprobs
+    ]
     for got in (whole, _concat(streamed)):
         assert got.tokens == [decode([e.token_id]) for e in expected]
         assert got.token_logprobs == pytest.approx([e.logprob for e in expected], abs=1e-4)
         for top, entry in zip(got.top_logprobs, expected):
             # OpenAI keys alternatives by text: ids that decode alike share a key.
             assert len(entry.top) == 3 and top == pytest.approx(
-                {decode([t]): lp for t, lp in entry.top}, abs=1e-4)
+                {decode([t]): lp for t, lp in entry.top}, abs=1e-4
+            )
     # The first token's logprob is the prefill worker's, the rest the decode worker's.
     assert len(whole.tokens) == len(output.output_token_ids) == 6
 
@@ -141,49 +185,72 @@ def _concat(pieces):
         tokens = [t for p in pieces for t in p.tokens]
         token_logprobs = [lp for p in pieces for lp in p.token_logprobs]
         top_logprobs = [top for p in pieces for top in p.top_logprobs]
+
     return Joined
 
 
 def test_chat_logprobs_and_top_logprobs_equal_the_colocated_engines(app, colocated):
     messages = [{"role": "user", "content": PROMPT}]
     tokenizer = colocated.tokenizer
-    prompt_ids = tokenizer.encode(tokenizer.chat_template.render(messages), add_special_tokens=False)
-    _, expected = colocated_logprobs(colocated, prompt_ids, max_tokens=5, logprobs=2,
-                                     temperature=0.0)
+    prompt_ids = tokenizer.encode(
+        tokenizer.chat_template.render(messages), add_special_tokens=False
+    )
+    _, expected = colocated_logprobs(
+        colocated, prompt_ids, max_tokens=5, logprobs=2, temperature=0.0
+    )
     reply = openai_client(app).chat.completions.create(
-        model="tiny", messages=messages, max_tokens=5, temperature=0.0, logprobs=True,
-        top_logprobs=2)
+        model="tiny",
+        messages=messages,
+        max_tokens=5,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = reply.choices[0].logprobs.content
     assert [c.token for c in content] == [tokenizer.decode([e.token_id]) for e in expected]
     assert [c.logprob for c in content] == pytest.approx([e.logprob for e in expected], abs=1e-4)
     assert [t.logprob for c in content for t in c.top_logprobs] == pytest.approx(
-        [lp for e in expected for _, lp in e.top], abs=1e-4)
+        [lp for e in expected for _, lp in e.top], abs=1e-4
+    )
     assert [len(c.top_logprobs) for c in content] == [2] * len(expected)
     assert content[0].bytes == list(content[0].token.encode())
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
-     "top_logprobs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
-                              "top_logprobs": 21}, "top_logprobs"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
+    ],
+)
 def test_bad_logprobs_are_a_400_naming_the_field(app, path, body, param):
-    response = httpx.post(base_url(app) + path, json={"model": "tiny", "max_tokens": 2, **body},
-                          timeout=60)
+    response = httpx.post(
+        base_url(app) + path, json={"model": "tiny", "max_tokens": 2, **body}, timeout=60
+    )
     assert response.status_code == 400 and response.json()["error"]["param"] == param
 
 
 def test_echo_with_logprobs_returns_the_prompts_logprobs_computed_on_the_prefill_worker(
-        app, colocated):
-    output = colocated.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0,
-                                                         logprobs=1, prompt_logprobs=1))[0]
+    app, colocated
+):
+    output = colocated.generate(
+        [PROMPT], SamplingParams(max_tokens=4, temperature=0, logprobs=1, prompt_logprobs=1)
+    )[0]
     decode = colocated.tokenizer.decode
     client = openai_client(app)
     for _ in range(2):  # the repeat would be a prefix hit: prompt logprobs skip the cache
-        reply = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4,
-                                          temperature=0, logprobs=1, echo=True)
+        reply = client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=1, echo=True
+        )
         choice = reply.choices[0]
         assert choice.text == PROMPT + output.text
         prompt_ids, output_ids = output.prompt_token_ids, output.output_token_ids
@@ -192,7 +259,10 @@ def test_echo_with_logprobs_returns_the_prompts_logprobs_computed_on_the_prefill
         expected = [e.logprob for e in output.prompt_logprobs[1:] + output.output_logprobs]
         assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
         prefill = reply.model_extra["kv_provenance"]["prefill"]
-        assert prefill["num_cache_hit_tokens"] == 0 and prefill["num_computed_tokens"] == len(prompt_ids)
-    streamed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4,
-                                         temperature=0, echo=True, stream=True)
+        assert prefill["num_cache_hit_tokens"] == 0 and prefill["num_computed_tokens"] == len(
+            prompt_ids
+        )
+    streamed = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, echo=True, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == PROMPT + output.text

@@ -26,9 +26,12 @@ CONVERSATIONS = [
     [SYSTEM, {"role": "user", "content": "What is the capital of France?"}],
     [SYSTEM, {"role": "user", "content": "Write a haiku about the sea."}],
     [{"role": "user", "content": "List three primary colours."}],
-    [SYSTEM, {"role": "user", "content": "Count to five."},
-     {"role": "assistant", "content": "1, 2, 3, 4, 5"},
-     {"role": "user", "content": "Now count backwards from five."}],
+    [
+        SYSTEM,
+        {"role": "user", "content": "Count to five."},
+        {"role": "assistant", "content": "1, 2, 3, 4, 5"},
+        {"role": "user", "content": "Now count backwards from five."},
+    ],
 ]
 SHAPES = [(1, 1, "grpc"), (1, 1, "nixl"), (2, 2, "grpc")]  # 2+2 over NIXL: tiny's suites
 
@@ -38,30 +41,41 @@ def expected_replies(smollm2_gguf) -> list[tuple[str, int]]:
     """(text, completion tokens) of each conversation from the colocated engine, greedy."""
     engine = LLMEngine.from_pretrained("smollm2", num_kv_blocks=NUM_KV_BLOCKS)
     tokenizer = engine.tokenizer
-    prompts = [tokenizer.encode(tokenizer.chat_template.render(m), add_special_tokens=False)
-               for m in CONVERSATIONS]
+    prompts = [
+        tokenizer.encode(tokenizer.chat_template.render(m), add_special_tokens=False)
+        for m in CONVERSATIONS
+    ]
     outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     engine.shutdown()
     return [(output.text, len(output.output_token_ids)) for output in outputs]
 
 
-@pytest.mark.parametrize("num_prefill, num_decode, transport", SHAPES,
-                         ids=[f"{p}p{d}d-{t}" for p, d, t in SHAPES])
-def test_greedy_chat_replies_equal_the_colocated_engine(ray_cluster, expected_replies,
-                                                        num_prefill, num_decode, transport):
+@pytest.mark.parametrize(
+    "num_prefill, num_decode, transport", SHAPES, ids=[f"{p}p{d}d-{t}" for p, d, t in SHAPES]
+)
+def test_greedy_chat_replies_equal_the_colocated_engine(
+    ray_cluster, expected_replies, num_prefill, num_decode, transport
+):
     if transport == "nixl" and not nixl_available():
         pytest.skip("NIXL does not load here (pip install 'pdserve[nixl]')")
     name = f"smol{num_prefill}{num_decode}{transport}"
-    with running_app(model="smollm2", num_prefill=num_prefill, num_decode=num_decode,
-                     transport=transport, num_kv_blocks=NUM_KV_BLOCKS, app_name=name,
-                     route_prefix=f"/{name}") as config:
+    with running_app(
+        model="smollm2",
+        num_prefill=num_prefill,
+        num_decode=num_decode,
+        transport=transport,
+        num_kv_blocks=NUM_KV_BLOCKS,
+        app_name=name,
+        route_prefix=f"/{name}",
+    ) as config:
         report = wait_until_ready(config)
         assert report["ready"] and report["missing_handshakes"] == []
         client = openai_client(config)
 
         def ask(messages):
-            reply = client.chat.completions.create(model="smollm2", messages=messages,
-                                                   max_tokens=MAX_TOKENS, temperature=0)
+            reply = client.chat.completions.create(
+                model="smollm2", messages=messages, max_tokens=MAX_TOKENS, temperature=0
+            )
             return reply.choices[0].message.content, reply.usage.completion_tokens
 
         with concurrent.futures.ThreadPoolExecutor(len(CONVERSATIONS)) as pool:
@@ -72,23 +86,36 @@ def test_greedy_chat_replies_equal_the_colocated_engine(ray_cluster, expected_re
 
 
 def test_openai_chat_answers_paris_and_reports_cached_tokens(ray_cluster, smollm2_gguf):
-    with running_app(model="smollm2", num_prefill=1, num_decode=1, num_kv_blocks=NUM_KV_BLOCKS,
-                     app_name="smolchat", route_prefix="/smolchat") as config:
+    with running_app(
+        model="smollm2",
+        num_prefill=1,
+        num_decode=1,
+        num_kv_blocks=NUM_KV_BLOCKS,
+        app_name="smolchat",
+        route_prefix="/smolchat",
+    ) as config:
         client = openai_client(config)
         question = [{"role": "user", "content": "What is the capital of France?"}]
-        whole = client.chat.completions.create(model="smollm2", messages=question, temperature=0,
-                                               max_tokens=MAX_TOKENS)
+        whole = client.chat.completions.create(
+            model="smollm2", messages=question, temperature=0, max_tokens=MAX_TOKENS
+        )
         assert "Paris" in whole.choices[0].message.content
-        streamed = client.chat.completions.create(model="smollm2", messages=question,
-                                                  temperature=0, max_tokens=MAX_TOKENS,
-                                                  stream=True)
+        streamed = client.chat.completions.create(
+            model="smollm2", messages=question, temperature=0, max_tokens=MAX_TOKENS, stream=True
+        )
         assert "Paris" in "".join(c.choices[0].delta.content or "" for c in streamed)
-        long_system = {"role": "system", "content": "You answer questions about geography. "
-                       "Be precise and brief, and name places directly. " * 6}
+        long_system = {
+            "role": "system",
+            "content": "You answer questions about geography. "
+            "Be precise and brief, and name places directly. " * 6,
+        }
         for question in ("What is the capital of Italy?", "What is the capital of Spain?"):
             reply = client.chat.completions.create(
-                model="smollm2", temperature=0, max_tokens=8,
-                messages=[long_system, {"role": "user", "content": question}])
+                model="smollm2",
+                temperature=0,
+                max_tokens=8,
+                messages=[long_system, {"role": "user", "content": question}],
+            )
         # The second question reuses the system prompt's blocks.
         cached = reply.usage.prompt_tokens_details.cached_tokens
         assert 16 * 4 <= cached < reply.usage.prompt_tokens

