@@ -22,11 +22,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from serve_load import Planned, poisson_delays, print_failures, run_load, summarize  # noqa: E402
+from serve_load import Planned, poisson_delays, print_failures, run_load, summarize
 
-from pdserve.deploy.cluster import base_url, configure_ray_env, deploy, init_ray  # noqa: E402
-from pdserve.deploy.config import PDServeConfig  # noqa: E402
-from pdserve.deploy.http_client import ServiceClient  # noqa: E402
+from pdserve.deploy.cluster import base_url, configure_ray_env, deploy, init_ray
+from pdserve.deploy.config import PDServeConfig
+from pdserve.deploy.http_client import ServiceClient
 
 
 def make_plan(args: argparse.Namespace) -> list[Planned]:

@@ -124,8 +124,8 @@ def bench_throughput(
         best = best_of(
             rounds,
             {
-                "engine": lambda: engine_generate(engine, prompts, output_tokens),
-                "hf": lambda: hf_generate(model, prompts, output_tokens),
+                "engine": lambda prompts=prompts: engine_generate(engine, prompts, output_tokens),
+                "hf": lambda prompts=prompts: hf_generate(model, prompts, output_tokens),
             },
         )
         tokens = batch * output_tokens

@@ -31,14 +31,14 @@ from bench_serve import (
     SHAPES,
     TITLES,
     add_interference_args,
-    deployed,  # noqa: E402
+    deployed,
     interference_load,
     run_interleaved,
     text,
 )
-from serve_load import Planned, print_failures, run_load, summarize  # noqa: E402
+from serve_load import Planned, print_failures, run_load, summarize
 
-from pdserve.deploy.http_client import ServiceClient  # noqa: E402
+from pdserve.deploy.http_client import ServiceClient
 
 SHORT_PROMPT_TOKENS = 256  # a prompt under this is "short" in the timelines
 

@@ -30,11 +30,11 @@ from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from serve_load import Planned, poisson_delays, print_failures, run_load, summarize  # noqa: E402
+from serve_load import Planned, poisson_delays, print_failures, run_load, summarize
 
-from pdserve.deploy.cluster import base_url, configure_ray_env, deploy, init_ray  # noqa: E402
-from pdserve.deploy.config import PDServeConfig  # noqa: E402
-from pdserve.deploy.http_client import ServiceClient  # noqa: E402
+from pdserve.deploy.cluster import base_url, configure_ray_env, deploy, init_ray
+from pdserve.deploy.config import PDServeConfig
+from pdserve.deploy.http_client import ServiceClient
 
 # P/D always disaggregating, P/D with the default conditional disaggregation (a prompt whose
 # uncached part is under 256 tokens runs whole on the decode worker), the same with the

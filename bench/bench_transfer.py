@@ -53,7 +53,12 @@ LAYOUTS = {
 }
 BLOCK_SIZE = 16
 _RAW_METHOD = "/bench.Raw/Stream"
-_IDENTITY = lambda payload: payload
+
+
+def _identity(payload: bytes) -> bytes:
+    return payload
+
+
 _OPTIONS = [
     ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
@@ -96,7 +101,7 @@ def _serve(shape: dict[str, Any], num_blocks: int, conn: Any) -> None:
         [
             grpc.method_handlers_generic_handler(
                 "bench.Raw",
-                {"Stream": grpc.unary_stream_rpc_method_handler(stream, _IDENTITY, _IDENTITY)},
+                {"Stream": grpc.unary_stream_rpc_method_handler(stream, _identity, _identity)},
             )
         ]
     )
@@ -191,7 +196,7 @@ def bench_layout(name: str, shape: dict[str, Any], mib: int, repeats: int) -> li
     rows = []
     grpc_client = GrpcTransferClient(local, layout, timeout_s=60)
     channel = grpc.insecure_channel(raw_grpc_address, options=_OPTIONS)
-    raw_stream = channel.unary_stream(_RAW_METHOD, _IDENTITY, _IDENTITY)
+    raw_stream = channel.unary_stream(_RAW_METHOD, _identity, _identity)
     grpc_mib_s, raw_grpc_mib_s = paired_mib_s(
         total, repeats, pull(grpc_client), grant, lambda: [None for _ in raw_stream(b"")]
     )

@@ -214,7 +214,7 @@ async def _send(
         while time.monotonic() < give_up_at:
             try:
                 retry_after = await _send_once(session, url, request, outcome)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as error:
+            except (TimeoutError, aiohttp.ClientError, ValueError, KeyError) as error:
                 outcome.error = f"{type(error).__name__}: {error}"  # not retried: may have run
                 return outcome
             if retry_after is None:

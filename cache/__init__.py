@@ -22,6 +22,7 @@ from pdserve.cache.hashing import (
     hash_block_tokens,
     none_hash,
 )
+from pdserve.cache.held_blocks import HeldBlocks, HeldGroup
 from pdserve.cache.kv_cache_block import (
     BlockHashWithGroupId,
     KVCacheBlock,
@@ -39,7 +40,6 @@ from pdserve.cache.kv_cache_spec import (
     SlidingWindowSpec,
     num_blocks_for_memory,
 )
-from pdserve.cache.held_blocks import HeldBlocks, HeldGroup
 from pdserve.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from pdserve.cache.request import CacheRequest, LedgerRequest
 from pdserve.cache.single_type_kv_cache_manager import (

@@ -39,7 +39,6 @@ from pdserve.cache.kv_cache_block import (
 from pdserve.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from pdserve.cache.request import CacheRequest
 
-
 # The block that stands in a request's table where a sliding window no longer reads: the
 # pool's first block, never handed out, never cached, never moved between workers.
 NULL_BLOCK_ID = 0

@@ -29,13 +29,12 @@ from typing import Any, TextIO
 
 from pdserve.deploy.config import PDServeConfig
 from pdserve.deploy.http_client import ServiceClient, ServiceError
-from pdserve.deploy.stats_table import format_stats
 from pdserve.deploy.preflight import preflight_problems
+from pdserve.deploy.stats_table import format_stats
 
 
 def cmd_up(args) -> int:
     from pdserve.deploy.cluster import base_url, deploy, init_ray, remember_local_cluster, shut_down
-
     from pdserve.deploy.placement import PlacementError
 
     config = PDServeConfig.from_cli(args)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
     from pdserve.cache import KVCacheEvent, KVCacheManager
     from pdserve.engine.request import Request
     from pdserve.messages.kv_transfer_params import KVTransferParams
@@ -210,10 +211,10 @@ class KVConnectorBase(ABC):
         """Stops servers and threads; fails whatever is still in flight."""
 
     # ---- optional: a KV tier below the pool (vLLM's names where it has one) ------------
-    def attach_kv_cache_manager(self, manager: KVCacheManager) -> None:
+    def attach_kv_cache_manager(self, manager: KVCacheManager) -> None:  # noqa: B027 — optional hook
         """Sees the ledger once at start (a tier listens to its block pool's evictions)."""
 
-    def wait_for_save(self) -> None:
+    def wait_for_save(self) -> None:  # noqa: B027 — optional hook, a no-op by default
         """Called after each step's forward pass: this step's K/V is written, saving may read it."""
 
     def take_events(self) -> list[KVCacheEvent]:

@@ -13,10 +13,11 @@ from __future__ import annotations
 from itertools import chain
 
 import torch
+from torch import nn
+
 from pdserve.engine.attention import build_attention_metadata
 from pdserve.engine.model_config import ModelConfig, resolve_dtype
 from pdserve.engine.model_input import ScheduledChunk
-from torch import nn
 
 
 def configure_torch_threads(num_threads: int = 1) -> None:

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.request_stamps import RequestStamps
 from pdserve.messages.kv_provenance import KVProvenance
-from pdserve.messages.logprobs import TokenLogprobs
 from pdserve.messages.kv_transfer_params import KVTransferParams
+from pdserve.messages.logprobs import TokenLogprobs
 
 
 @dataclass(slots=True)

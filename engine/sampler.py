@@ -14,6 +14,7 @@ and needs one vector of noise per row, no cumulative sums. Greedy rows (temperat
 from __future__ import annotations
 
 import torch
+
 from pdserve.messages.logprobs import TokenLogprobs
 from pdserve.messages.sampling_params import SamplingParams
 

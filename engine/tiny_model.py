@@ -10,10 +10,11 @@ that: a prefill worker and a decode worker built separately hold the same model.
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import build_model
 from pdserve.tokenizer.tokenizer import ByteTokenizer
-from torch import nn
 
 TINY_SEED = 20240611
 # Projections drawn wide enough that attention and MLP shape the residual stream

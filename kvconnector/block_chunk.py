@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from google.protobuf.message import DecodeError
+
 from pdserve.proto import kv_transfer_pb2 as pb
 
 _DATA_TAG = b"\x12"  # field 2, wire type 2 (length-delimited)

@@ -37,6 +37,7 @@ from typing import TypeVar
 import grpc
 import torch
 from google.protobuf.message import DecodeError
+
 from pdserve.kvconnector.block_chunk import encode_block_chunk
 from pdserve.kvconnector.checksum import page_view
 from pdserve.kvconnector.layout import KVLayout

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
+
 from pdserve.proto import kv_transfer_pb2
 
 

@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from pdserve.kvconnector.backoff import IdleBackoff
 from pdserve.kvconnector.checksum import page_view
 from pdserve.kvconnector.grpc_client import DEFAULT_MIN_TRANSFER_RATE, GrpcTransferClient

@@ -28,6 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from pdserve.cache import NULL_BLOCK_ID, cdiv
 from pdserve.engine.kv_connector_base import (
     FinishedTransfers,
     KVConnectorBase,
@@ -36,7 +37,6 @@ from pdserve.engine.kv_connector_base import (
     PullSummary,
     TransferStatsSnapshot,
 )
-from pdserve.cache import NULL_BLOCK_ID, cdiv
 from pdserve.engine.request import RequestStatus
 from pdserve.kvconnector.checksum import block_checksums
 from pdserve.kvconnector.layout import KVLayout
@@ -51,6 +51,7 @@ from pdserve.messages.kv_transfer_params import KVTransferParams
 
 if TYPE_CHECKING:
     import torch
+
     from pdserve.engine.request import Request
     from pdserve.kvconnector.grpc_transport import FaultInjector
 

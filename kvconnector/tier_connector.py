@@ -43,6 +43,7 @@ from pdserve.messages.kv_tier_config import KVTierConfig
 
 if TYPE_CHECKING:
     import torch
+
     from pdserve.cache import KVCacheEvent, KVCacheManager
     from pdserve.engine.request import Request
 

@@ -31,6 +31,7 @@ from pdserve.kvconnector.tier_connector import TierConnector
 
 if TYPE_CHECKING:
     import torch
+
     from pdserve.cache import KVCacheEvent, KVCacheManager
     from pdserve.engine.request import Request
     from pdserve.messages.kv_transfer_params import KVTransferParams

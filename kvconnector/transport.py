@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from pdserve.kvconnector.checksum import block_checksums, page_checksums
 from pdserve.kvconnector.layout import KVLayout
 from pdserve.proto import kv_transfer_pb2

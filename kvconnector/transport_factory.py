@@ -17,6 +17,7 @@ from pdserve.messages.connector_config import KVConnectorConfig
 
 if TYPE_CHECKING:
     import torch
+
     from pdserve.kvconnector.grpc_transport import FaultInjector
 
 

@@ -9,14 +9,15 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from pdserve.stats.latency import HistogramSnapshot
-from pdserve.stats.registry import Kind, Stat, Total
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
+
+from pdserve.stats.latency import HistogramSnapshot
+from pdserve.stats.registry import Kind, Stat, Total
 
 Row = Mapping[str, Any]
 

@@ -87,7 +87,7 @@ def tokenizer_from_gguf(metadata: dict[str, Any]) -> HFTokenizer:
     vocab = _byte_level_vocab(tokens)
     try:
         backend = Tokenizer(models.BPE(vocab=vocab, merges=_merges(metadata)))
-    except Exception as error:  # the Rust binding raises a bare Exception
+    except Exception as error:  # noqa: BLE001 — the Rust binding raises a bare Exception
         raise ValueError(
             f"the GGUF tokenizer's merges do not fit its vocabulary: {error}"
         ) from None

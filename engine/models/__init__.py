@@ -7,11 +7,12 @@ Every architecture takes a :class:`ModelConfig`, has HF parameter names, and exp
 
 from __future__ import annotations
 
+from torch import nn
+
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.models.mistral import MistralForCausalLM
 from pdserve.engine.models.qwen2 import Qwen2ForCausalLM
-from torch import nn
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from pdserve.engine.attention import AttentionMetadata, paged_attention
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models.rotary import RotaryEmbedding, apply_rotary
-from torch import nn
 
 
 class RMSNorm(nn.Module):

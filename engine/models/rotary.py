@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 
 import torch
-from pdserve.engine.model_config import ModelConfig
 from torch import nn
+
+from pdserve.engine.model_config import ModelConfig
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:

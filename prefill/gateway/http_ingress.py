@@ -39,6 +39,7 @@ from pdserve.prefill.gateway.admission import (
     ReleaseSlotsAtRequestEnd,
     hold_until_request_ends,
 )
+from pdserve.prefill.gateway.chat import ChatFormat, parse_chat
 from pdserve.prefill.gateway.config import GatewayConfig
 from pdserve.prefill.gateway.dashboard import (
     DEFAULT_LIMIT,
@@ -47,7 +48,7 @@ from pdserve.prefill.gateway.dashboard import (
     request_provenance_response,
 )
 from pdserve.prefill.gateway.grpc_ingress import start_grpc_server
-from pdserve.prefill.gateway.chat import ChatFormat, parse_chat
+from pdserve.prefill.gateway.logprobs_format import LogprobsRenderer, TokensWithLogprobs
 from pdserve.prefill.gateway.openai_schema import (
     MAX_REQUEST_BYTES,
     APIError,
@@ -58,7 +59,6 @@ from pdserve.prefill.gateway.openai_schema import (
     request_too_large,
     usage,
 )
-from pdserve.prefill.gateway.logprobs_format import LogprobsRenderer, TokensWithLogprobs
 from pdserve.prefill.gateway.orchestrator import RequestOrchestrator
 from pdserve.prefill.gateway.parallel_sampling import choice_params, generate_choices
 from pdserve.prefill.gateway.stream_emitter import StreamDelta
@@ -348,7 +348,7 @@ class Gateway:
     ) -> None:
         self.config = config
         self.workers = WorkerPool(prefill, decode)
-        self.orchestrator: "RequestOrchestrator | None" = None
+        self.orchestrator: RequestOrchestrator | None = None
         self._ready = asyncio.Lock()
         self._created = int(time.time())
         self._grpc_server: grpc.aio.Server | None = None

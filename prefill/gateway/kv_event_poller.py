@@ -91,9 +91,8 @@ class KVEventPoller:
             if not self.router.is_available(worker_id):
                 logger.info("worker %s answers again", worker_id)
             self.router.set_available(worker_id, True)
-        except (
-            Exception
-        ) as error:  # a dead worker: Serve restarts it, its new instance resets the index
+        # A dead worker: Serve restarts it, its new instance resets the index.
+        except Exception as error:  # noqa: BLE001 — any failure of the poll means unavailable
             if self.router.is_available(worker_id):
                 logger.warning("worker %s is unavailable: %r", worker_id, error)
             self.router.set_available(worker_id, False)

@@ -15,7 +15,6 @@ from typing import Any
 from pdserve.messages.logprobs import TokenLogprobs
 from pdserve.tokenizer.tokenizer import Tokenizer
 
-
 # A reply's tokens and their logprobs, aligned: (token ids, entries); an entry is None for a
 # token with no logprob (a prompt's first token, echoed).
 TokensWithLogprobs = tuple[Sequence[int], Sequence["TokenLogprobs | None"]]

@@ -21,9 +21,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
 
-from pdserve.messages.logprobs import MAX_LOGPROBS
-from pdserve.messages.sampling_params import SamplingParams
-from pdserve.prefill.gateway.logprobs_format import LogprobsRenderer, TokensWithLogprobs
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -33,6 +30,10 @@ from pydantic import (
     ValidationInfo,
     field_validator,
 )
+
+from pdserve.messages.logprobs import MAX_LOGPROBS
+from pdserve.messages.sampling_params import SamplingParams
+from pdserve.prefill.gateway.logprobs_format import LogprobsRenderer, TokensWithLogprobs
 
 DEFAULT_MAX_TOKENS = 16
 MAX_CACHE_SALT_CHARS = 256

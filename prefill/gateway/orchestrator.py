@@ -497,7 +497,7 @@ class RequestOrchestrator:
                     chunk = await anext(stream)
                 except StopAsyncIteration:
                     return
-                except Exception as error:
+                except Exception as error:  # noqa: BLE001 — sorted below: worker bug or lost
                     logger.warning(
                         "worker %s failed %s: %r",
                         worker_id,

@@ -116,7 +116,7 @@ class ReplicaShare:
         while True:
             try:
                 await self.push()
-            except Exception as error:  # the board restarting: the next push tries again
+            except Exception as error:  # noqa: BLE001 — the board restarting: the next push retries
                 logger.warning(
                     "gateway replica %s could not push its figures: %r", self.replica_id, error
                 )

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from pdserve.cache import (
-    LedgerRequest,
     BlockHasher,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheManager,
+    LedgerRequest,
     RequestBlockHasher,
     SlidingWindowSpec,
 )

@@ -1,5 +1,6 @@
-from pdserve.cache import BlockPool, SlidingWindowManager, SlidingWindowSpec
 from cache_fakes import FakeRequest, make_hasher, make_manager
+
+from pdserve.cache import BlockPool, SlidingWindowManager, SlidingWindowSpec
 
 HASHER = make_hasher()
 

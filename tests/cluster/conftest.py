@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 # The load driver lives with the benchmarks (the service suite uses it too).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from cluster_apps import HEAD_IP, NODE_B_IP, NODE_C_IP, NUM_KV_BLOCKS  # noqa: E402
-from raylets import RayNode, ray_cluster  # noqa: E402
+from cluster_apps import HEAD_IP, NODE_B_IP, NODE_C_IP, NUM_KV_BLOCKS
+from raylets import RayNode, ray_cluster
 
-from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
+from pdserve.engine.llm_engine import LLMEngine
 
 
 @pytest.fixture(scope="module")

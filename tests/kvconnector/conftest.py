@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from kv_peer import PeerProcess, PeerSpec  # noqa: E402
+from kv_peer import PeerProcess, PeerSpec
 
 
 @pytest.fixture

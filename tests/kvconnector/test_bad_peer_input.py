@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from kv_peer import PeerProcess, PeerSpec, make_client, seeded_kv_cache
 
 from pdserve.kvconnector.block_chunk import MalformedChunkError, decode_block_chunk
-from pdserve.kvconnector.grpc_transport import GrpcTransferServer, MAX_LEASE_ID_CHARS
+from pdserve.kvconnector.grpc_transport import MAX_LEASE_ID_CHARS, GrpcTransferServer
 from pdserve.kvconnector.layout import KVLayout
 from pdserve.kvconnector.lease import LeaseTable
 from pdserve.kvconnector.nixl_transport import MAX_PEER_BLOCKS, nixl_available

@@ -23,7 +23,7 @@ from pdserve.messages.worker_spec import WorkerSpec
 
 def test_a_step_failure_frees_a_request_whose_loaded_notice_it_took(
     prefill_factory, monkeypatch
-) -> None:  # noqa: F811
+) -> None:
     prefill = prefill_factory(transport="grpc")
     worker = DecodeWorker(
         WorkerSpec(

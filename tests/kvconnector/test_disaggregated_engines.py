@@ -16,13 +16,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from prefill_engine_process import ENGINE_KWARGS, PrefillProcess, PrefillSpec  # noqa: E402
+from prefill_engine_process import ENGINE_KWARGS, PrefillProcess, PrefillSpec
 
-from pdserve.engine import LLMEngine, RequestOutput, SamplingParams  # noqa: E402
-from pdserve.engine.request import RequestStatus  # noqa: E402
-from pdserve.messages.connector_config import KVConnectorConfig  # noqa: E402
-from pdserve.kvconnector.nixl_transport import nixl_available  # noqa: E402
-from pdserve.kvconnector.pd_connector import PDConnector  # noqa: E402
+from pdserve.engine import LLMEngine, RequestOutput, SamplingParams
+from pdserve.engine.request import RequestStatus
+from pdserve.kvconnector.nixl_transport import nixl_available
+from pdserve.kvconnector.pd_connector import PDConnector
+from pdserve.messages.connector_config import KVConnectorConfig
 
 BLOCK_SIZE = ENGINE_KWARGS["block_size"]
 TRANSPORTS = [

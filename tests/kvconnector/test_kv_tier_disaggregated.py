@@ -12,15 +12,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from prefill_engine_process import PrefillProcess, PrefillSpec  # noqa: E402
-from test_kv_tier import BLOCK_SIZE, PAGE_BYTES, PARAMS, workload  # noqa: E402
+from prefill_engine_process import PrefillProcess, PrefillSpec
+from test_kv_tier import BLOCK_SIZE, PAGE_BYTES, PARAMS, workload
 
-from pdserve.engine import LLMEngine, SamplingParams  # noqa: E402
-from pdserve.kvconnector.pd_connector import PDConnector  # noqa: E402
-from pdserve.kvconnector.tier_connector import TierConnector  # noqa: E402
-from pdserve.kvconnector.tiered_connector import with_tier  # noqa: E402
-from pdserve.messages.connector_config import KVConnectorConfig  # noqa: E402
-from pdserve.messages.kv_tier_config import KVTierConfig  # noqa: E402
+from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.kvconnector.pd_connector import PDConnector
+from pdserve.kvconnector.tier_connector import TierConnector
+from pdserve.kvconnector.tiered_connector import with_tier
+from pdserve.messages.connector_config import KVConnectorConfig
+from pdserve.messages.kv_tier_config import KVTierConfig
 
 DECODE_KWARGS = dict(num_kv_blocks=16, block_size=BLOCK_SIZE, max_num_batched_tokens=512)
 

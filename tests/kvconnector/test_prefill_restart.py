@@ -18,7 +18,6 @@ from test_disaggregated_engines import (
     colocated,  # noqa: F401
     disaggregate,
     make_decode_engine,
-    prefill_factory,
     random_prompts,
 )
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 

@@ -17,13 +17,13 @@ from fastapi import FastAPI, Request
 from pdserve.messages.generation import GenerationChunk, ModelInfo, WorkerRequest
 from pdserve.messages.kv_event_batch import KVEventBatch
 from pdserve.messages.sampling_params import SamplingParams
-from pdserve.tokenizer.tokenizer import ByteTokenizer
 from pdserve.prefill.gateway.admission import ReleaseSlotsAtRequestEnd
-from pdserve.prefill.gateway.http_ingress import _error_response, complete
 from pdserve.prefill.gateway.config import GatewayConfig
+from pdserve.prefill.gateway.http_ingress import _error_response, complete
 from pdserve.prefill.gateway.openai_schema import APIError
 from pdserve.prefill.gateway.orchestrator import RequestOrchestrator
 from pdserve.prefill.gateway.worker_pool import NoModelInfo, WorkerPool
+from pdserve.tokenizer.tokenizer import ByteTokenizer
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0, seed=1)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import socket
+import subprocess
 import sys
 
 from service_apps import free_port

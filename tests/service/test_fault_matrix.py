@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import pytest
 from load_driver import get_json, wait_until_drained
+from ray.exceptions import RayError
 from service_apps import (
     StreamClient,
     assert_drained,
@@ -48,7 +49,6 @@ from service_apps import (
 
 from pdserve.kvconnector.nixl_transport import nixl_available
 from pdserve.messages.sampling_params import SamplingParams
-from ray.exceptions import RayError
 
 TRANSPORTS = [
     "grpc",

@@ -13,7 +13,6 @@ import threading
 import time
 
 import pytest
-
 from service_apps import (
     StreamClient,
     assert_drained,

@@ -12,9 +12,9 @@ from __future__ import annotations
 import urllib.request
 
 import pytest
-
 from load_driver import is_drained, wait_until_drained
 from service_apps import assert_completions_equal_colocated, openai_client, running_app
+
 from pdserve.deploy.cluster import base_url
 
 SYSTEMS = [

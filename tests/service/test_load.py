@@ -34,7 +34,6 @@ from service_apps import running_app
 
 from pdserve.deploy.cluster import base_url
 
-
 NUM_REQUESTS = 600  # load_driver's default is 1,000; 600 keeps the suite's time
 
 

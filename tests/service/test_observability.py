@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from browser import headless_chromium
 from load_driver import get_json
 from service_apps import open_stream, post_completion, read_event, running_app, worker_rows

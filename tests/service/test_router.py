@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cache import HeldBlocks, AllBlocksCleared, BlockRemoved, BlockStored
+from pdserve.cache import AllBlocksCleared, BlockRemoved, BlockStored, HeldBlocks
 from pdserve.messages.kv_event_batch import KVEventBatch
 from pdserve.prefill.gateway.router import NoWorkerAvailable, Router
 

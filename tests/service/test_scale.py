@@ -24,8 +24,8 @@ from service_apps import (
     worker_rows,
 )
 
-from pdserve.deploy.cluster import scale
 from pdserve.deploy.cli import main as pdserve_cli
+from pdserve.deploy.cluster import scale
 from pdserve.messages.sampling_params import SamplingParams
 
 PREAMBLE = "Scaling under load: the prompt spans a few KV blocks so each hand-off pulls some. "

@@ -20,14 +20,6 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-
-from pdserve.deploy.cluster import base_url
-from pdserve.deploy.config import KV_TRANSFER_SECRET_ENV
-from pdserve.messages.sampling_params import SamplingParams
-from pdserve.kvconnector.grpc_client import GrpcTransferClient
-from pdserve.kvconnector.layout import KVLayout
-from pdserve.kvconnector.transport import TransferError
-from pdserve.proto import generate_pb2, generate_pb2_grpc
 from service_apps import (
     SERVE_PORT,
     assert_drained,
@@ -37,6 +29,14 @@ from service_apps import (
     post_completion,
     running_app,
 )
+
+from pdserve.deploy.cluster import base_url
+from pdserve.deploy.config import KV_TRANSFER_SECRET_ENV
+from pdserve.kvconnector.grpc_client import GrpcTransferClient
+from pdserve.kvconnector.layout import KVLayout
+from pdserve.kvconnector.transport import TransferError
+from pdserve.messages.sampling_params import SamplingParams
+from pdserve.proto import generate_pb2, generate_pb2_grpc
 
 SECRET = "service-suite-secret-" + os.urandom(8).hex()
 GRPC_PORT = free_port()

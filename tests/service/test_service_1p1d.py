@@ -12,18 +12,18 @@ import threading
 
 import grpc
 import pytest
-
-from pdserve.messages.sampling_params import SamplingParams
-from pdserve.proto import generate_pb2, generate_pb2_grpc
+from load_driver import get_json, is_drained, wait_until_drained
 from service_apps import (
-    openai_client,
-    post_completion,
     assert_completions_equal_colocated,
     free_port,
+    openai_client,
+    post_completion,
     running_app,
     wait_until_ready,
 )
-from load_driver import get_json, is_drained, wait_until_drained
+
+from pdserve.messages.sampling_params import SamplingParams
+from pdserve.proto import generate_pb2, generate_pb2_grpc
 
 GRPC_PORT = free_port()
 MAX_INFLIGHT = 3

@@ -10,9 +10,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-
-from pdserve.deploy.cluster import base_url
-from pdserve.messages.sampling_params import SamplingParams
+from load_driver import get_json
 from service_apps import (
     assert_completions_equal_colocated,
     assert_drained,
@@ -22,7 +20,9 @@ from service_apps import (
     running_app,
     wait_until_ready,
 )
-from load_driver import get_json
+
+from pdserve.deploy.cluster import base_url
+from pdserve.messages.sampling_params import SamplingParams
 
 PREFIX = "System: you are a careful assistant who answers in one short line. User asks: "
 PROMPTS = [
