@@ -28,9 +28,9 @@ import torch
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
+from pdserve.checkpoint.model_source import builtin_gguf_path
 from pdserve.engine import LLMEngine, SamplingParams
-from pdserve.engine.model_config import ModelConfig
-from pdserve.tokenizer.model_source import builtin_gguf_path
+from pdserve.model.model_config import ModelConfig
 
 OUTPUT_TOKENS = 64
 PROMPT_LENGTHS = (24, 40)  # each prompt's length is drawn from this range

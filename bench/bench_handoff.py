@@ -5,7 +5,7 @@ colocated serving (the baseline, side by side in the same run).
 Each request's ``timeline`` (``GET /v1/requests``) splits its time into the gateway's part,
 each worker stream's round trip (Ray's share and the worker's own: waiting for the step in
 progress, queued, loading KV, computing, emitting) and the hand-off between the streams
-(see ``prefill/gateway/request_timeline.py``). Two loads:
+(see ``gateway/request_timeline.py``). Two loads:
 
 - ``idle``: short prompts one at a time: the hop's fixed cost, nothing else running.
 - ``interference``: ``bench_serve.py``'s load (4 streams of short prompts while a long

@@ -19,7 +19,7 @@ import tempfile
 import time
 
 from pdserve.engine import LLMEngine, SamplingParams
-from pdserve.kvconnector.tier_connector import TierConnector
+from pdserve.kvconnector.tier.tier_connector import TierConnector
 from pdserve.messages.kv_tier_config import KVTierConfig
 from pdserve.stats.latency import percentile
 

@@ -33,11 +33,14 @@ import numpy as np
 import torch
 
 from pdserve.kvconnector.checksum import block_checksums, page_view
-from pdserve.kvconnector.grpc_client import GrpcTransferClient
-from pdserve.kvconnector.grpc_transport import DEFAULT_MESSAGE_BYTES, MAX_GRPC_MESSAGE_BYTES
-from pdserve.kvconnector.layout import KVLayout
-from pdserve.kvconnector.lease import LeaseTable
-from pdserve.kvconnector.nixl_transport import (
+from pdserve.kvconnector.pd.lease import LeaseTable
+from pdserve.kvconnector.transport.grpc_client import GrpcTransferClient
+from pdserve.kvconnector.transport.grpc_server import (
+    DEFAULT_MESSAGE_BYTES,
+    MAX_GRPC_MESSAGE_BYTES,
+)
+from pdserve.kvconnector.transport.layout import KVLayout
+from pdserve.kvconnector.transport.nixl_transport import (
     NixlTransferClient,
     NixlTransferServer,
     nixl_available,

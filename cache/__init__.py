@@ -11,6 +11,7 @@ same cluster-wide seed. Pure Python + numpy + xxhash: no torch.
 
 from pdserve.cache.block_hash_map import BlockHashToBlockMap
 from pdserve.cache.block_pool import NULL_BLOCK_ID, BlockPool, BlockPoolListener
+from pdserve.cache.cache_request import CacheRequest, LedgerRequest
 from pdserve.cache.free_block_queue import FreeKVCacheBlockQueue
 from pdserve.cache.hashing import (
     BlockHash,
@@ -41,7 +42,6 @@ from pdserve.cache.kv_cache_spec import (
     num_blocks_for_memory,
 )
 from pdserve.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from pdserve.cache.request import CacheRequest, LedgerRequest
 from pdserve.cache.single_type_kv_cache_manager import (
     FullAttentionManager,
     SingleTypeKVCacheManager,

@@ -15,7 +15,7 @@ head (least recently freed) and only then drops that block's hash (a `BlockRemov
 event). Block 0 is the null block: never free, never cached, never counted; it stands
 for positions a sliding window no longer needs.
 
-A `BlockPoolListener` (a KV tier, `kvconnector/tier_connector.py`) hears of each block
+A `BlockPoolListener` (a KV tier, `kvconnector/tier/tier_connector.py`) hears of each block
 cached and each block evicted, by id, while its page still holds the evicted bytes: the
 eviction happens in `allocate_slots`, and the step that reuses the block writes its page
 only later (the model runner, or a connector's load), so the listener copies it out in time.
@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from pdserve.cache.block_hash_map import BlockHashToBlockMap
+from pdserve.cache.cache_request import CacheRequest
 from pdserve.cache.free_block_queue import FreeKVCacheBlockQueue
 from pdserve.cache.hashing import BlockHash
 from pdserve.cache.kv_cache_block import (
@@ -37,7 +38,6 @@ from pdserve.cache.kv_cache_block import (
     make_block_hash_with_group_id,
 )
 from pdserve.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from pdserve.cache.request import CacheRequest
 
 # The block that stands in a request's table where a sliding window no longer reads: the
 # pool's first block, never handed out, never cached, never moved between workers.

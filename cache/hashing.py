@@ -37,7 +37,7 @@ import numpy as np
 import xxhash
 
 if TYPE_CHECKING:
-    from pdserve.cache.request import CacheRequest
+    from pdserve.cache.cache_request import CacheRequest
 
 BlockHash = bytes
 """A block's content address: 16 bytes (xxh3_128) or 32 bytes (sha256)."""

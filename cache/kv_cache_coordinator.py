@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdserve.cache.block_pool import BlockPool
+from pdserve.cache.cache_request import CacheRequest
 from pdserve.cache.hashing import BlockHash
 from pdserve.cache.kv_cache_block import KVCacheBlock
 from pdserve.cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig
-from pdserve.cache.request import CacheRequest
 from pdserve.cache.single_type_kv_cache_manager import (
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from pdserve.cache.cache_request import CacheRequest
 from pdserve.cache.hashing import BlockHash
 from pdserve.cache.kv_cache_blocks import KVCacheBlocks
 from pdserve.cache.kv_cache_coordinator import KVCacheCoordinator
 from pdserve.cache.kv_cache_spec import KVCacheConfig
 from pdserve.cache.kv_events import BlockStored, KVCacheEvent
-from pdserve.cache.request import CacheRequest
 from pdserve.cache.stats import PrefixCacheStats
 
 

@@ -20,7 +20,7 @@ to read a group from the first event it sees. The new fields default to None, so
 consumers that know only hashes keep working.
 
 `medium` says which tier an event is about (vLLM's field): None for the device block pool,
-`"cpu"` or `"disk"` for a KV tier below it (`kvconnector/tier_store.py`). A block can sit in
+`"cpu"` or `"disk"` for a KV tier below it (`kvconnector/tier/tier_store.py`). A block can sit in
 the pool and a tier at once; the router ranks a pool hit above a tier hit:
 
 ```

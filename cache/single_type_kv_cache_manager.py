@@ -11,10 +11,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from pdserve.cache.block_pool import BlockPool
+from pdserve.cache.cache_request import CacheRequest
 from pdserve.cache.hashing import BlockHash
 from pdserve.cache.kv_cache_block import KVCacheBlock, make_block_hash_with_group_id
 from pdserve.cache.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
-from pdserve.cache.request import CacheRequest
 
 
 def cdiv(a: int, b: int) -> int:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from pdserve.engine.engine_host import EngineHost
 from pdserve.engine.kv_connector_base import KVConnectorBase
-from pdserve.kvconnector.node_network import on_node_address
-from pdserve.kvconnector.pd_connector import PDConnector
-from pdserve.kvconnector.tier_connector import TierConnector
-from pdserve.kvconnector.tiered_connector import TieredConnector, with_tier
+from pdserve.kvconnector.pd.pd_connector import PDConnector
+from pdserve.kvconnector.pd_with_tier import TieredConnector, with_tier
+from pdserve.kvconnector.tier.tier_connector import TierConnector
+from pdserve.kvconnector.transport.node_network import on_node_address
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.worker_spec import WorkerSpec
+from pdserve.worker.engine_host import EngineHost
 
 logger = logging.getLogger(__name__)
 

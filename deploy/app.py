@@ -22,7 +22,7 @@ from ray.serve import Application
 from pdserve.decode.worker import DecodeWorker
 from pdserve.deploy.config import PDServeConfig
 from pdserve.deploy.placement import resource_demand
-from pdserve.prefill.gateway.http_ingress import Gateway
+from pdserve.gateway.http_ingress import Gateway
 from pdserve.prefill.worker import PrefillWorker
 
 # A worker serves many streams at once; Serve's default (5) would queue them in the handle.

@@ -165,7 +165,7 @@ def delete_app(app_name: str) -> None:
     from ray import serve
     from ray.experimental import internal_kv
 
-    from pdserve.prefill.gateway.replica_board import board_name
+    from pdserve.gateway.replica_board import board_name
 
     serve.delete(app_name)
     internal_kv._internal_kv_del(_config_key(app_name))

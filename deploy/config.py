@@ -28,12 +28,12 @@ import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import CliSettingsSource
 
+from pdserve.checkpoint.model_source import default_model_name
+from pdserve.gateway.config import GatewayConfig
 from pdserve.messages.connector_config import KVConnectorConfig
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.kv_tier_config import KVTierConfig
 from pdserve.messages.worker_spec import WorkerSpec
-from pdserve.prefill.gateway.config import GatewayConfig
-from pdserve.tokenizer.model_source import default_model_name
 
 # Where a deployment's KV-transfer secret may come from when the config does not set it:
 # read only by the app builder (the `pdserve` driver, or the Serve build task on the cluster).

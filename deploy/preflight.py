@@ -13,8 +13,8 @@ from __future__ import annotations
 import importlib
 import socket
 
+from pdserve.checkpoint.model_source import resolve_model
 from pdserve.deploy.config import PDServeConfig
-from pdserve.tokenizer.model_source import resolve_model
 
 
 def preflight_problems(config: PDServeConfig) -> list[str]:

@@ -23,8 +23,6 @@ from pdserve.cache import (
 )
 from pdserve.engine.engine_stats import EngineStats
 from pdserve.engine.kv_connector_base import KVConnectorBase
-from pdserve.engine.loader import load_model
-from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner, configure_torch_threads
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.request_output import RequestOutput
@@ -33,6 +31,8 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.kv_transfer_params import KVTransferParams
 from pdserve.messages.sampling_params import SamplingParams
+from pdserve.model.loader import load_model
+from pdserve.model.model_config import ModelConfig
 from pdserve.tokenizer.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:

@@ -15,9 +15,9 @@ from itertools import chain
 import torch
 from torch import nn
 
-from pdserve.engine.attention import build_attention_metadata
-from pdserve.engine.model_config import ModelConfig, resolve_dtype
 from pdserve.engine.model_input import ScheduledChunk
+from pdserve.model.attention import build_attention_metadata
+from pdserve.model.model_config import ModelConfig, resolve_dtype
 
 
 def configure_torch_threads(num_threads: int = 1) -> None:

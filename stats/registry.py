@@ -423,7 +423,7 @@ GATEWAY_STATS: tuple[Stat, ...] = (
         "vllm:e2e_request_latency_seconds",
         total=Total.MERGE,
     ),
-    # From each request's timeline (prefill/gateway/request_timeline.py); the first stream
+    # From each request's timeline (gateway/request_timeline.py); the first stream
     # is the prefill phase wherever it ran.
     Stat(
         "request_queue_time",

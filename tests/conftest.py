@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.tokenizer.model_source import builtin_gguf_path
+from pdserve.checkpoint.model_source import builtin_gguf_path
 
 
 @pytest.fixture(scope="session")

@@ -23,8 +23,8 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from pdserve.checkpoint.gguf_file import require
 from pdserve.tokenizer.chat_template import ChatTemplate
-from pdserve.tokenizer.gguf_file import require
 from pdserve.tokenizer.tokenizer import HFTokenizer, bytes_to_unicode
 
 # llama.cpp's token types (llama_token_type).

@@ -12,10 +12,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pdserve.checkpoint.gguf_file import gguf_metadata, open_gguf
+from pdserve.checkpoint.model_source import ModelSource, hf_eos_token_ids, resolve_model
 from pdserve.tokenizer.chat_template import ChatTemplate
-from pdserve.tokenizer.gguf_file import gguf_metadata, open_gguf
 from pdserve.tokenizer.gguf_tokenizer import tokenizer_from_gguf
-from pdserve.tokenizer.model_source import ModelSource, hf_eos_token_ids, resolve_model
 from pdserve.tokenizer.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.kvconnector.grpc_client import GrpcTransferClient
-from pdserve.kvconnector.grpc_transport import GrpcTransferServer
-from pdserve.kvconnector.layout import KVLayout, LayoutMismatchError
-from pdserve.kvconnector.lease import LeaseTable
+from pdserve.kvconnector.pd.lease import LeaseTable
+from pdserve.kvconnector.transport.grpc_client import GrpcTransferClient
+from pdserve.kvconnector.transport.grpc_server import GrpcTransferServer
+from pdserve.kvconnector.transport.layout import KVLayout, LayoutMismatchError
 
 SECRET = "a-test-secret-of-enough-characters"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from cluster_apps import NODE_B_IP, NODE_C_IP, checked_load, placed_app, workers_by_id
 
-from pdserve.kvconnector.nixl_transport import nixl_available
+from pdserve.kvconnector.transport.nixl_transport import nixl_available
 
 TRANSPORTS = [
     dict(transport="grpc"),

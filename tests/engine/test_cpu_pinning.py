@@ -10,8 +10,8 @@ import os
 import pytest
 
 from pdserve.deploy.config import PDServeConfig
-from pdserve.engine.engine_host import _pin_to
 from pdserve.messages.worker_spec import WorkerSpec
+from pdserve.worker.engine_host import _pin_to
 
 
 def _affinity_after_pinning(cpus: tuple[int, ...]) -> set[int] | str:

@@ -10,9 +10,9 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as Quant
 
-from pdserve.engine.loader import load_model
 from pdserve.engine.model_input import ScheduledChunk
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.model.loader import load_model
 from pdserve.tokenizer.tokenizer import bytes_to_unicode
 
 NUM_HEADS, NUM_KV_HEADS = 4, 2

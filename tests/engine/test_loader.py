@@ -9,7 +9,7 @@ import tokenizers
 import torch
 import transformers
 
-from pdserve.engine.loader import load_model
+from pdserve.model.loader import load_model
 
 
 def save_llama(directory, **overrides) -> transformers.LlamaForCausalLM:

@@ -15,9 +15,9 @@ import tokenizers
 import torch
 import transformers
 
-from pdserve.engine.loader import load_model
 from pdserve.engine.model_input import ScheduledChunk
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.model.loader import load_model
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 96

@@ -8,9 +8,9 @@ import multiprocessing
 import torch
 
 from pdserve.cache import FullAttentionSpec, KVCacheGroupSpec, num_blocks_for_memory
-from pdserve.engine.loader import load_model
 from pdserve.engine.model_input import ScheduledChunk
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.model.loader import load_model
 from pdserve.tokenizer.tokenizer import ByteTokenizer
 
 

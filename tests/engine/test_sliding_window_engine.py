@@ -15,7 +15,7 @@ from test_model_runner import save_hf_model
 
 from pdserve.cache import SlidingWindowSpec
 from pdserve.engine import LLMEngine, SamplingParams
-from pdserve.engine.model_config import ModelConfig
+from pdserve.model.model_config import ModelConfig
 
 WINDOW = 8
 BLOCK_SIZE = 4

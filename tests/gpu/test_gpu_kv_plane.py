@@ -14,16 +14,16 @@ import torch
 
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.kvconnector.checksum import block_checksums
-from pdserve.kvconnector.grpc_client import GrpcTransferClient
-from pdserve.kvconnector.grpc_transport import GrpcTransferServer
-from pdserve.kvconnector.layout import KVLayout
-from pdserve.kvconnector.lease import LeaseTable
-from pdserve.kvconnector.nixl_transport import (
+from pdserve.kvconnector.pd.lease import LeaseTable
+from pdserve.kvconnector.pd.pd_connector import PDConnector
+from pdserve.kvconnector.transport.grpc_client import GrpcTransferClient
+from pdserve.kvconnector.transport.grpc_server import GrpcTransferServer
+from pdserve.kvconnector.transport.layout import KVLayout
+from pdserve.kvconnector.transport.nixl_transport import (
     NixlTransferClient,
     NixlTransferServer,
     nixl_available,
 )
-from pdserve.kvconnector.pd_connector import PDConnector
 from pdserve.messages.connector_config import KVConnectorConfig
 
 pytestmark = pytest.mark.skipif(

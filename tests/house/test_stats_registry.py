@@ -6,8 +6,8 @@ import dataclasses
 
 from prometheus_client import generate_latest
 
+from pdserve.gateway.metrics import GatewayMetrics, stats_report
 from pdserve.messages.worker_stats import WorkerStats
-from pdserve.prefill.gateway.metrics import GatewayMetrics, stats_report
 from pdserve.stats.latency import percentile
 from pdserve.stats.registry import GATEWAY_STATS, WORKER_STATS, Kind, Total
 from pdserve.stats.views import totals

@@ -1,4 +1,5 @@
-"""Fixtures: a KV peer process per transport (``kv_peer``: the peer, ``TRANSPORTS``, ``make_client``)."""
+"""Fixtures: a KV peer process per transport (``start_peer``), a prefill engine in its own
+process (``prefill_factory``) and the colocated reference engine (``colocated``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from kv_peer import PeerProcess, PeerSpec
+from prefill_engine_process import ENGINE_KWARGS, PrefillProcess, PrefillSpec
+
+from pdserve.engine import LLMEngine
 
 
 @pytest.fixture
@@ -24,3 +28,21 @@ def start_peer() -> Iterator:
     yield start
     for peer in peers:
         peer.close()
+
+
+@pytest.fixture(scope="module")
+def colocated() -> LLMEngine:
+    return LLMEngine.from_pretrained("tiny", **ENGINE_KWARGS)
+
+
+@pytest.fixture
+def prefill_factory() -> Iterator:
+    started: list[PrefillProcess] = []
+
+    def start(**spec: object) -> PrefillProcess:
+        started.append(PrefillProcess(PrefillSpec(**spec)))
+        return started[-1]
+
+    yield start
+    for process in started:
+        process.close()

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.kvconnector.grpc_client import GrpcTransferClient
-from pdserve.kvconnector.layout import KVLayout
-from pdserve.kvconnector.nixl_transport import NixlTransferClient, nixl_available
-from pdserve.kvconnector.transport import KVTransferClient
+from pdserve.kvconnector.transport.base import KVTransferClient
+from pdserve.kvconnector.transport.grpc_client import GrpcTransferClient
+from pdserve.kvconnector.transport.layout import KVLayout
+from pdserve.kvconnector.transport.nixl_transport import NixlTransferClient, nixl_available
 
 TRANSPORTS = [
     "grpc",
@@ -79,8 +79,8 @@ def _serve(spec: PeerSpec, conn: Any) -> None:
     import time
 
     from pdserve.kvconnector.checksum import block_checksums
-    from pdserve.kvconnector.layout import KVLayout
-    from pdserve.kvconnector.lease import LeaseTable
+    from pdserve.kvconnector.pd.lease import LeaseTable
+    from pdserve.kvconnector.transport.layout import KVLayout
 
     torch.set_num_threads(1)
     kv_cache = seeded_kv_cache(spec)
@@ -109,11 +109,11 @@ def _serve(spec: PeerSpec, conn: Any) -> None:
         fault_injector=fault_injector if injecting else None,
     )
     if spec.transport == "nixl":
-        from pdserve.kvconnector.nixl_transport import NixlTransferServer
+        from pdserve.kvconnector.transport.nixl_transport import NixlTransferServer
 
         server = NixlTransferServer(kv_cache, leases, layout, **kwargs)
     else:
-        from pdserve.kvconnector.grpc_transport import GrpcTransferServer
+        from pdserve.kvconnector.transport.grpc_server import GrpcTransferServer
 
         server = GrpcTransferServer(kv_cache, leases, layout, **kwargs)
     conn.send(server.address)

@@ -39,7 +39,7 @@ class PrefillState:
 
 def _run(spec: PrefillSpec, conn: Any) -> None:
     from pdserve.engine import LLMEngine
-    from pdserve.kvconnector.pd_connector import PDConnector
+    from pdserve.kvconnector.pd.pd_connector import PDConnector
     from pdserve.messages.connector_config import KVConnectorConfig
 
     faults = {"die_on_read": False, "stall_s": 0.0}

@@ -19,12 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kv_peer import PeerProcess, PeerSpec, make_client, seeded_kv_cache
 
-from pdserve.kvconnector.block_chunk import MalformedChunkError, decode_block_chunk
-from pdserve.kvconnector.grpc_transport import MAX_LEASE_ID_CHARS, GrpcTransferServer
-from pdserve.kvconnector.layout import KVLayout
-from pdserve.kvconnector.lease import LeaseTable
-from pdserve.kvconnector.nixl_transport import MAX_PEER_BLOCKS, nixl_available
-from pdserve.kvconnector.transport import TransferError
+from pdserve.kvconnector.pd.lease import LeaseTable
+from pdserve.kvconnector.transport.base import TransferError
+from pdserve.kvconnector.transport.block_chunk import MalformedChunkError, decode_block_chunk
+from pdserve.kvconnector.transport.grpc_server import MAX_LEASE_ID_CHARS, GrpcTransferServer
+from pdserve.kvconnector.transport.layout import KVLayout
+from pdserve.kvconnector.transport.nixl_transport import MAX_PEER_BLOCKS, nixl_available
 from pdserve.proto import kv_transfer_pb2 as pb
 
 SPEC = PeerSpec(transport="grpc")
@@ -239,7 +239,7 @@ def test_a_hold_flooded_with_requests_is_refused_and_ends_its_read(peer, channel
     ids=["page-size", "num-blocks", "too-many-blocks", "wraps", "null"],
 )
 def test_a_nixl_peer_announcing_an_impossible_region_is_refused(region, says) -> None:
-    from pdserve.kvconnector.nixl_transport import NixlTransferClient
+    from pdserve.kvconnector.transport.nixl_transport import NixlTransferClient
 
     kv_cache = seeded_kv_cache(SPEC)
     layout = KVLayout.from_kv_cache(kv_cache, SPEC.hash_algorithm, SPEC.hash_seed)

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from pdserve.kvconnector.block_chunk import (
+from pdserve.kvconnector.transport.block_chunk import (
     MalformedChunkError,
     decode_block_chunk,
     encode_block_chunk,

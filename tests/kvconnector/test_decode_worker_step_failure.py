@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 
 from prefill_engine_process import ENGINE_KWARGS
-from test_disaggregated_engines import prefill_factory, random_prompts  # noqa: F401
+from test_disaggregated_engines import random_prompts
 
 from pdserve.decode.worker import DecodeWorker
 from pdserve.engine import SamplingParams

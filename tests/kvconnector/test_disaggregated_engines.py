@@ -9,19 +9,18 @@ from __future__ import annotations
 import random
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from prefill_engine_process import ENGINE_KWARGS, PrefillProcess, PrefillSpec
+from prefill_engine_process import ENGINE_KWARGS, PrefillProcess
 
 from pdserve.engine import LLMEngine, RequestOutput, SamplingParams
 from pdserve.engine.request import RequestStatus
-from pdserve.kvconnector.nixl_transport import nixl_available
-from pdserve.kvconnector.pd_connector import PDConnector
+from pdserve.kvconnector.pd.pd_connector import PDConnector
+from pdserve.kvconnector.transport.nixl_transport import nixl_available
 from pdserve.messages.connector_config import KVConnectorConfig
 
 BLOCK_SIZE = ENGINE_KWARGS["block_size"]
@@ -58,24 +57,6 @@ def make_decode_engine(transport: str = "grpc", **overrides: object) -> LLMEngin
         engine_id="decode-0",
         **{**ENGINE_KWARGS, **overrides},
     )
-
-
-@pytest.fixture(scope="module")
-def colocated() -> LLMEngine:
-    return LLMEngine.from_pretrained("tiny", **ENGINE_KWARGS)
-
-
-@pytest.fixture
-def prefill_factory() -> Iterator:
-    started: list[PrefillProcess] = []
-
-    def start(**spec: object) -> PrefillProcess:
-        started.append(PrefillProcess(PrefillSpec(**spec)))
-        return started[-1]
-
-    yield start
-    for process in started:
-        process.close()
 
 
 def random_prompts(seed: int, count: int) -> list[list[int]]:

@@ -17,11 +17,11 @@ import threading
 import pytest
 from prefill_engine_process import ENGINE_KWARGS
 
-import pdserve.kvconnector.pd_connector as pd_connector_module
+import pdserve.kvconnector.pd.pd_connector as pd_connector_module
 from pdserve.decode.worker import DecodeWorker
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.kvconnector.checksum import block_checksums
-from pdserve.kvconnector.lease import LeaseNotReadyError, LeaseTable
+from pdserve.kvconnector.pd.lease import LeaseNotReadyError, LeaseTable
 from pdserve.messages.connector_config import KVConnectorConfig
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.generation import GenerationChunk, WorkerRequest

@@ -21,12 +21,12 @@ import torch
 from pdserve.cache import BlockHasher
 from pdserve.deploy.config import KV_TRANSFER_SECRET_ENV, PDServeConfig
 from pdserve.engine import LLMEngine, SamplingParams
-from pdserve.kvconnector.grpc_client import GrpcTransferClient
-from pdserve.kvconnector.grpc_transport import GrpcTransferServer
-from pdserve.kvconnector.layout import KVLayout
-from pdserve.kvconnector.lease import LeaseTable
-from pdserve.kvconnector.pd_connector import PDConnector
-from pdserve.kvconnector.transport import SECRET_METADATA_KEY, TransferError
+from pdserve.kvconnector.pd.lease import LeaseTable
+from pdserve.kvconnector.pd.pd_connector import PDConnector
+from pdserve.kvconnector.transport.base import SECRET_METADATA_KEY, TransferError
+from pdserve.kvconnector.transport.grpc_client import GrpcTransferClient
+from pdserve.kvconnector.transport.grpc_server import GrpcTransferServer
+from pdserve.kvconnector.transport.layout import KVLayout
 from pdserve.messages.connector_config import KVConnectorConfig
 from pdserve.proto import kv_transfer_pb2 as pb
 

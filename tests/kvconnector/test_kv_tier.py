@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.engine import LLMEngine, SamplingParams
-from pdserve.kvconnector.tier_connector import TierConnector
+from pdserve.kvconnector.tier.tier_connector import TierConnector
 from pdserve.messages.kv_tier_config import KVTierConfig
 
 BLOCK_SIZE = 16

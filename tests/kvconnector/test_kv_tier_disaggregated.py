@@ -16,9 +16,9 @@ from prefill_engine_process import PrefillProcess, PrefillSpec
 from test_kv_tier import BLOCK_SIZE, PAGE_BYTES, PARAMS, workload
 
 from pdserve.engine import LLMEngine, SamplingParams
-from pdserve.kvconnector.pd_connector import PDConnector
-from pdserve.kvconnector.tier_connector import TierConnector
-from pdserve.kvconnector.tiered_connector import with_tier
+from pdserve.kvconnector.pd.pd_connector import PDConnector
+from pdserve.kvconnector.pd_with_tier import with_tier
+from pdserve.kvconnector.tier.tier_connector import TierConnector
 from pdserve.messages.connector_config import KVConnectorConfig
 from pdserve.messages.kv_tier_config import KVTierConfig
 

@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from pdserve.kvconnector.layout import KVLayout, LayoutMismatchError, check_compatible
+from pdserve.kvconnector.transport.layout import KVLayout, LayoutMismatchError, check_compatible
 
 
 def tiny_cache(dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -2,7 +2,7 @@ import threading
 
 import pytest
 
-from pdserve.kvconnector.lease import (
+from pdserve.kvconnector.pd.lease import (
     BlockNotLeasedError,
     LeaseEndedError,
     LeaseTable,

@@ -15,7 +15,6 @@ import pytest
 from test_disaggregated_engines import (
     TRANSPORTS,
     assert_decode_idle,
-    colocated,  # noqa: F401
     disaggregate,
     make_decode_engine,
     random_prompts,
@@ -76,7 +75,7 @@ def test_a_prefill_down_for_a_while_is_pulled_from_at_once_when_it_comes_back(
     """While the prefill is down, the decode side keeps trying it (prewarm handshakes, pulls)
     and gRPC's channel to the address backs off further with each refused connect: the
     first pull after the restart must not fail fast on that backed-off channel."""
-    from pdserve.kvconnector.transport import TransferError
+    from pdserve.kvconnector.transport.base import TransferError
 
     port, decode, prompts, expected, first, _ = _pulled_from_a_first_prefill(
         transport, colocated, prefill_factory, seed=22

@@ -9,9 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdserve.cache import BlockRemoved, BlockStored, HeldBlocks
-from pdserve.kvconnector.tier_lru import TierLRU, capacity_for_budget
+from pdserve.gateway.router import Router
+from pdserve.kvconnector.tier.tier_lru import TierLRU, capacity_for_budget
 from pdserve.messages.kv_event_batch import KVEventBatch
-from pdserve.prefill.gateway.router import Router
 
 KEYS = st.binary(min_size=1, max_size=1)
 OPS = st.lists(st.tuples(st.sampled_from(["put", "get", "pop"]), KEYS), max_size=60)

@@ -14,11 +14,11 @@ import pytest
 import torch
 from kv_peer import PeerSpec, seeded_kv_cache
 
-from pdserve.kvconnector.backoff import IdleBackoff
-from pdserve.kvconnector.grpc_client import GrpcTransferClient
-from pdserve.kvconnector.grpc_transport import CONTROL_THREADS, GrpcTransferServer
-from pdserve.kvconnector.layout import KVLayout
-from pdserve.kvconnector.lease import LeaseTable
+from pdserve.kvconnector.pd.lease import LeaseTable
+from pdserve.kvconnector.transport.backoff import IdleBackoff
+from pdserve.kvconnector.transport.grpc_client import GrpcTransferClient
+from pdserve.kvconnector.transport.grpc_server import CONTROL_THREADS, GrpcTransferServer
+from pdserve.kvconnector.transport.layout import KVLayout
 from pdserve.proto import kv_transfer_pb2 as pb
 from pdserve.proto import kv_transfer_pb2_grpc as pb_grpc
 

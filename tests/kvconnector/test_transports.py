@@ -10,8 +10,8 @@ import pytest
 import torch
 from kv_peer import TRANSPORTS, PeerSpec, make_client, seeded_kv_cache
 
-from pdserve.kvconnector.layout import LayoutMismatchError
-from pdserve.kvconnector.transport import TransferError
+from pdserve.kvconnector.transport.base import TransferError
+from pdserve.kvconnector.transport.layout import LayoutMismatchError
 
 NUM_LOCAL_BLOCKS = 48
 

@@ -13,10 +13,8 @@ import contextlib
 import socket
 from collections.abc import Iterator
 
-from test_disaggregated_engines import (  # noqa: F401 (fixtures)
-    colocated,
+from test_disaggregated_engines import (
     make_decode_engine,
-    prefill_factory,
     random_prompts,
     run_to_completion,
 )

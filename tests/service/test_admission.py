@@ -14,15 +14,15 @@ from collections.abc import AsyncIterator
 import pytest
 from fastapi import FastAPI, Request
 
+from pdserve.gateway.admission import ReleaseSlotsAtRequestEnd
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.http_ingress import _error_response, complete
+from pdserve.gateway.openai_schema import APIError
+from pdserve.gateway.orchestrator import RequestOrchestrator
+from pdserve.gateway.worker_pool import NoModelInfo, WorkerPool
 from pdserve.messages.generation import GenerationChunk, ModelInfo, WorkerRequest
 from pdserve.messages.kv_event_batch import KVEventBatch
 from pdserve.messages.sampling_params import SamplingParams
-from pdserve.prefill.gateway.admission import ReleaseSlotsAtRequestEnd
-from pdserve.prefill.gateway.config import GatewayConfig
-from pdserve.prefill.gateway.http_ingress import _error_response, complete
-from pdserve.prefill.gateway.openai_schema import APIError
-from pdserve.prefill.gateway.orchestrator import RequestOrchestrator
-from pdserve.prefill.gateway.worker_pool import NoModelInfo, WorkerPool
 from pdserve.tokenizer.tokenizer import ByteTokenizer
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0, seed=1)

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from service_apps import assert_drained, free_port, running_app
 
-from pdserve.prefill.gateway.grpc_ingress import MAX_REQUEST_ID_CHARS
-from pdserve.prefill.gateway.openai_schema import MAX_REQUEST_BYTES
+from pdserve.gateway.grpc_ingress import MAX_REQUEST_ID_CHARS
+from pdserve.gateway.openai_schema import MAX_REQUEST_BYTES
 from pdserve.proto import generate_pb2, generate_pb2_grpc
 
 GRPC_PORT = free_port()

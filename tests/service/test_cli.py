@@ -10,11 +10,11 @@ import sys
 
 from service_apps import free_port
 
+from pdserve.checkpoint.model_source import default_model_name
 from pdserve.deploy.demo import QUESTIONS
 from pdserve.deploy.stats_table import format_stats
+from pdserve.gateway.metrics import GatewayMetrics, stats_report
 from pdserve.messages.worker_stats import WorkerStats
-from pdserve.prefill.gateway.metrics import GatewayMetrics, stats_report
-from pdserve.tokenizer.model_source import default_model_name
 
 DEMO_PORT = free_port()
 

@@ -47,7 +47,7 @@ from service_apps import (
     worker_rows,
 )
 
-from pdserve.kvconnector.nixl_transport import nixl_available
+from pdserve.kvconnector.transport.nixl_transport import nixl_available
 from pdserve.messages.sampling_params import SamplingParams
 
 TRANSPORTS = [
@@ -123,7 +123,7 @@ def delay_reads(seconds: float) -> Callable:
     def install(worker) -> None:
         import time as worker_time
 
-        from pdserve.kvconnector.lease import LeaseTable
+        from pdserve.kvconnector.pd.lease import LeaseTable
 
         table = worker.engine.connector.leases
         table.__dict__.pop("begin_read", None)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from pdserve.cache import BlockRemoved, BlockStored
-from pdserve.engine.kv_event_log import KVEventLog
-from pdserve.prefill.gateway.openai_schema import APIError, parse_completion
-from pdserve.prefill.gateway.router import Router
-from pdserve.prefill.gateway.stream_emitter import stop_safe_length
+from pdserve.gateway.openai_schema import APIError, parse_completion
+from pdserve.gateway.router import Router
+from pdserve.gateway.stream_emitter import stop_safe_length
+from pdserve.worker.kv_event_log import KVEventLog
 
 
 @pytest.mark.parametrize(

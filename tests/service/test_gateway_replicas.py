@@ -109,8 +109,8 @@ def test_each_replica_admits_its_share_and_grpc_needs_one_replica():
 
 
 def test_a_silent_replicas_counts_stay_in_the_sum_but_its_in_flight_does_not():
-    from pdserve.prefill.gateway.metrics import GatewayMetrics
-    from pdserve.prefill.gateway.replica_board import STALE_AFTER_S, merged_gateway_row
+    from pdserve.gateway.metrics import GatewayMetrics
+    from pdserve.gateway.replica_board import STALE_AFTER_S, merged_gateway_row
 
     rows = []
     for num_requests, in_flight, ttft in ((5, 2, 0.02), (3, 1, 0.4)):

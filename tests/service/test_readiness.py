@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 
+from pdserve.gateway.readiness import Readiness
+from pdserve.gateway.router import Router
 from pdserve.messages.kv_event_batch import KVEventBatch
-from pdserve.prefill.gateway.readiness import Readiness
-from pdserve.prefill.gateway.router import Router
 
 
 class Worker:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.cache import AllBlocksCleared, BlockRemoved, BlockStored, HeldBlocks
+from pdserve.gateway.router import NoWorkerAvailable, Router
 from pdserve.messages.kv_event_batch import KVEventBatch
-from pdserve.prefill.gateway.router import NoWorkerAvailable, Router
 
 H = [bytes([i]) * 16 for i in range(8)]
 

@@ -32,9 +32,9 @@ from service_apps import (
 
 from pdserve.deploy.cluster import base_url
 from pdserve.deploy.config import KV_TRANSFER_SECRET_ENV
-from pdserve.kvconnector.grpc_client import GrpcTransferClient
-from pdserve.kvconnector.layout import KVLayout
-from pdserve.kvconnector.transport import TransferError
+from pdserve.kvconnector.transport.base import TransferError
+from pdserve.kvconnector.transport.grpc_client import GrpcTransferClient
+from pdserve.kvconnector.transport.layout import KVLayout
 from pdserve.messages.sampling_params import SamplingParams
 from pdserve.proto import generate_pb2, generate_pb2_grpc
 

@@ -15,7 +15,7 @@ from load_driver import get_json, is_drained, wait_until_drained
 from service_apps import free_port, openai_client, running_app, wait_until_ready
 
 from pdserve.deploy.cluster import base_url
-from pdserve.kvconnector.nixl_transport import nixl_available
+from pdserve.kvconnector.transport.nixl_transport import nixl_available
 from pdserve.messages.sampling_params import SamplingParams
 from pdserve.proto import generate_pb2, generate_pb2_grpc
 

@@ -16,7 +16,7 @@ from load_driver import is_drained, wait_until_drained
 from service_apps import openai_client, running_app, wait_until_ready
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.kvconnector.nixl_transport import nixl_available
+from pdserve.kvconnector.transport.nixl_transport import nixl_available
 from pdserve.messages.sampling_params import SamplingParams
 
 NUM_KV_BLOCKS = 160  # ≈ 0.7 MiB a block for this model

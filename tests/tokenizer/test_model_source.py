@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from pdserve.tokenizer import model_source
-from pdserve.tokenizer.model_source import (
+from pdserve.checkpoint import model_source
+from pdserve.checkpoint.model_source import (
     BuiltinGGUF,
     ModelSource,
     default_model_name,
@@ -54,7 +54,7 @@ def test_loading_a_tokenizer_and_rendering_a_chat_imports_no_torch():
     code = (
         "import sys\n"
         "from pdserve.tokenizer.loading import load_tokenizer\n"
-        "from pdserve.tokenizer.model_source import default_model_name\n"
+        "from pdserve.checkpoint.model_source import default_model_name\n"
         "tokenizer = load_tokenizer(default_model_name())\n"
         "prompt = tokenizer.chat_template.render([{'role': 'user', 'content': 'hi'}])\n"
         "assert tokenizer.encode(prompt, add_special_tokens=False)\n"

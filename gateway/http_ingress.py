@@ -1,0 +1,442 @@
+"""The gateway's HTTP ingress (FastAPI, OpenAI-compatible) and its Serve deployment.
+
+    POST /v1/completions        stream (SSE) or not; prompt as text or token ids
+    POST /v1/chat/completions   stream (SSE) or not; messages rendered with the chat template
+    GET  /v1/models        the one served model
+    GET  /health           200 while the gateway runs; names workers that do not answer
+    GET  /ready            200 once every role answers and every decode worker has handshaken
+                           with every prefill worker (prewarmed), else 503
+    GET  /stats            JSON: gateway latencies, each worker's counters, totals
+    GET  /metrics          Prometheus text (vLLM names where one exists)
+    GET  /v1/requests[/id] recent requests' KV provenance; GET /dashboard: the live page
+                           (both in ``dashboard.py``)
+
+Refusals are OpenAI-style error bodies: 400/404 for bad input (413 for a body over
+``MAX_REQUEST_BYTES``, 415 for one that is not declared JSON), 429 with ``Retry-After``
+when ``max_inflight_requests`` are already in flight, 503 with ``Retry-After`` when no
+worker of a needed role is available. The gRPC ``Generate`` service (``grpc_ingress``)
+starts beside it when ``grpc_port`` is set; both share one ``RequestOrchestrator``.
+"""
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from ray import serve
+from sse_starlette import EventSourceResponse
+
+from pdserve.gateway.admission import (
+    AdmissionSlot,
+    ReleaseSlotsAtRequestEnd,
+    hold_until_request_ends,
+)
+from pdserve.gateway.chat import ChatFormat, parse_chat
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.dashboard import (
+    DEFAULT_LIMIT,
+    dashboard_router,
+    recent_requests_body,
+    request_provenance_response,
+)
+from pdserve.gateway.grpc_ingress import start_grpc_server
+from pdserve.gateway.logprobs_format import LogprobsRenderer, TokensWithLogprobs
+from pdserve.gateway.openai_schema import (
+    MAX_REQUEST_BYTES,
+    APIError,
+    CompletionFormat,
+    ParsedCompletion,
+    models_response,
+    parse_completion,
+    request_too_large,
+    usage,
+)
+from pdserve.gateway.orchestrator import RequestOrchestrator
+from pdserve.gateway.parallel_sampling import choice_params, generate_choices
+from pdserve.gateway.stream_emitter import StreamDelta
+from pdserve.gateway.worker_pool import NoModelInfo, WorkerPool
+from pdserve.messages.logprobs import TokenLogprobs
+from pdserve.tokenizer.loading import load_tokenizer
+from pdserve.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+app.include_router(dashboard_router)
+app.add_middleware(ReleaseSlotsAtRequestEnd)  # an admitted request's slot lives as long as it
+
+
+@app.exception_handler(APIError)
+async def _api_error(request: Request, error: APIError) -> Response:
+    """An ``APIError`` no route caught (no prefill worker described the model yet: 503)."""
+    return Response(
+        json.dumps(error.body()), status_code=error.status, media_type="application/json"
+    )
+
+
+def _error_response(orchestrator: RequestOrchestrator, error: APIError) -> Response:
+    """The error body; a refusal the client should retry (429, 503) says when.
+
+    Rendered as ASCII JSON: a message may quote the client's input, lone surrogates included.
+    """
+    orchestrator.metrics.record_rejected(error.status)
+    headers = None
+    if error.status in (429, 503):
+        headers = {"Retry-After": str(orchestrator.config.retry_after_s)}
+    return Response(
+        json.dumps(error.body()),
+        status_code=error.status,
+        headers=headers,
+        media_type="application/json",
+    )
+
+
+async def read_json_body(request: Request) -> object:
+    """The decoded JSON body, refused with 415 (not declared JSON), 413 (over
+    ``MAX_REQUEST_BYTES``, counted as it arrives) or 400 (not JSON; NaN and Infinity are not)."""
+    media_type = request.headers.get("content-type", "application/json").split(";")[0].strip()
+    if media_type.lower() != "application/json":
+        raise APIError(
+            415,
+            f"Content-Type {media_type!r} is not supported; send the body as "
+            f"JSON with Content-Type: application/json",
+            code="unsupported_media_type",
+        )
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
+        raise request_too_large(int(declared))
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_REQUEST_BYTES:
+            raise request_too_large(None)
+    try:
+        return json.loads(body, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise APIError(400, "the request body nests JSON too deeply") from None
+    except ValueError as error:  # bad JSON, bad UTF-8, an integer of over 4,300 digits
+        raise APIError(400, f"the request body is not valid JSON: {error}") from None
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+ResponseFormat = CompletionFormat | ChatFormat
+
+
+Choices = AsyncIterator[tuple[int, StreamDelta]]
+
+
+async def _sse_events(
+    orchestrator: RequestOrchestrator,
+    response_format: ResponseFormat,
+    parsed: ParsedCompletion,
+    first: tuple[int, StreamDelta],
+    choices: Choices,
+) -> AsyncIterator[dict[str, str]]:
+    """The SSE events of a streamed reply (``sse-starlette`` frames them), ``[DONE]`` last;
+    with ``n > 1`` the choices' chunks interleave, each naming its index.
+
+    The request's usage and KV provenance (pdserve's extension) ride in its final chunk: the
+    chunk with no choices that ``stream_options.include_usage`` asks for, else the chunk
+    with the last finish reason. An error after the status line went out is sent as an
+    error event, as OpenAI does. The request's ``AdmissionSlot`` closes ``choices`` and
+    frees its place when the request ends.
+    """
+    tally = _Tally(parsed, orchestrator.tokenizer)
+    try:
+        for chunk in response_format.opening_chunks(parsed.n):
+            yield {"data": json.dumps(chunk)}
+        item = first
+        while True:
+            index, delta = item
+            text, tokens = tally.add(index, delta)
+            chunk = response_format.chunk(text, delta.finish_reason, index, tokens)
+            if not tally.done:
+                yield {"data": json.dumps(chunk)}
+            else:
+                totals = {"usage": tally.usage(), **tally.provenance()}
+                if parsed.include_usage:
+                    yield {"data": json.dumps(chunk)}
+                    chunk = response_format.usage_chunk(totals.pop("usage"))
+                yield {"data": json.dumps({**chunk, **totals})}
+                break
+            try:
+                item = await anext(choices)
+            except StopAsyncIteration:
+                break
+            except APIError as error:
+                orchestrator.metrics.record_rejected(error.status)
+                yield {"data": json.dumps(error.body())}
+                break
+        yield {"data": "[DONE]"}
+    finally:
+        await choices.aclose()  # on a client disconnect: cancels the worker streams
+
+
+class _Tally:
+    """A reply's choices as they arrive: their text, tokens and logprobs, finish reasons
+    and token counts; with ``echo`` each choice's first delta starts with the prompt."""
+
+    def __init__(self, parsed: ParsedCompletion, tokenizer: Tokenizer) -> None:
+        n = parsed.n
+        self.texts = [""] * n
+        self.token_ids: list[list[int]] = [[] for _ in range(n)]
+        self.logprobs: list[list[TokenLogprobs | None]] = [[] for _ in range(n)]
+        self.finish_reasons: list[str | None] = [None] * n
+        self.num_output_tokens = 0
+        self.num_prompt_tokens = self.num_cached_tokens = 0
+        self.first_choice_last: StreamDelta | None = None
+        self._echo = parsed if parsed.echo else None
+        self._tokenizer = tokenizer
+        self._prompt_logprobs: list[TokenLogprobs | None] = []
+
+    def add(self, index: int, delta: StreamDelta) -> tuple[str, TokensWithLogprobs]:
+        """Records ``delta``; returns what its chunk shows: text, and tokens with logprobs."""
+        text, token_ids, logprobs = delta.text, delta.token_ids, delta.logprobs
+        if delta.prompt_logprobs:  # choice 0's prefill computed them; every choice echoes them
+            self._prompt_logprobs = delta.prompt_logprobs
+        if self._echo is not None and not self.texts[index] and not self.token_ids[index]:
+            prompt_ids = self._echo.prompt_token_ids or self._tokenizer.encode(
+                self._echo.prompt_text
+            )
+            prompt_text = self._echo.prompt_text or self._tokenizer.decode(prompt_ids)
+            text, token_ids = prompt_text + text, [*prompt_ids, *token_ids]
+            logprobs = [*(self._prompt_logprobs or [None] * len(prompt_ids)), *logprobs]
+        self.texts[index] += text
+        self.token_ids[index] += token_ids
+        self.logprobs[index] += logprobs
+        self.num_output_tokens += len(delta.token_ids)
+        if delta.finish_reason is not None:
+            self.finish_reasons[index] = delta.finish_reason
+        if index == 0:
+            self.num_prompt_tokens = delta.num_prompt_tokens
+            self.num_cached_tokens = delta.num_cached_tokens
+            self.first_choice_last = delta
+        return text, (token_ids, logprobs)
+
+    @property
+    def done(self) -> bool:
+        return all(reason is not None for reason in self.finish_reasons)
+
+    def usage(self) -> dict[str, Any]:
+        """The prompt once (it was prefilled once), every choice's tokens."""
+        return usage(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
+
+    def provenance(self) -> dict[str, Any]:
+        """``{"kv_provenance": ...}``: where the prompt's KV came from (choice 0 carries it)."""
+        last = self.first_choice_last
+        return (
+            {"kv_provenance": last.kv_provenance.to_json()} if last and last.kv_provenance else {}
+        )
+
+
+async def _serve(
+    orchestrator: RequestOrchestrator,
+    request: Request,
+    parsed: ParsedCompletion,
+    response_format: ResponseFormat,
+) -> Response:
+    """Admits and runs a parsed request; answers it whole or as SSE, in ``response_format``.
+
+    The admitted request's place and its choices' stream belong to an ``AdmissionSlot`` that
+    the ASGI middleware ends when the request ends, whether its body was sent, failed, was
+    cancelled or never started.
+    """
+    try:
+        token_ids, params = await orchestrator.prepare_off_loop(parsed)
+        orchestrator.admit()
+    except APIError as error:
+        return _error_response(orchestrator, error)
+    choices = generate_choices(
+        orchestrator,
+        response_format.request_id,
+        token_ids,
+        choice_params(params, parsed.n, parsed.params.seed, orchestrator.seed_rng),
+        parsed.cache_salt,
+    )
+    hold_until_request_ends(request.scope, AdmissionSlot(orchestrator.release, choices))
+    try:
+        first = await anext(choices)
+    except APIError as error:
+        return _error_response(orchestrator, error)
+    if parsed.stream:
+        return EventSourceResponse(
+            _sse_events(orchestrator, response_format, parsed, first, choices), ping=None
+        )
+    tally = _Tally(parsed, orchestrator.tokenizer)
+    try:
+        tally.add(*first)
+        async for index, delta in choices:
+            tally.add(index, delta)
+    except APIError as error:
+        return _error_response(orchestrator, error)
+    body = response_format.response(
+        list(zip(tally.texts, tally.finish_reasons, zip(tally.token_ids, tally.logprobs))),
+        tally.usage(),
+    )
+    return JSONResponse({**body, **tally.provenance()})
+
+
+async def complete(orchestrator: RequestOrchestrator, request: Request) -> Response:
+    """``POST /v1/completions``: validate, then ``_serve``."""
+    try:
+        parsed = parse_completion(await read_json_body(request))
+    except APIError as error:
+        return _error_response(orchestrator, error)
+    return await _serve(
+        orchestrator,
+        request,
+        parsed,
+        CompletionFormat(
+            f"cmpl-{uuid.uuid4().hex}", orchestrator.model_name, _renderer(orchestrator, parsed)
+        ),
+    )
+
+
+async def chat_complete(orchestrator: RequestOrchestrator, request: Request) -> Response:
+    """``POST /v1/chat/completions``: validate, render the chat template, then ``_serve``."""
+    try:
+        body = await read_json_body(request)
+        # Rendering and tokenizing a long conversation is CPU work: off the event loop.
+        parsed = await asyncio.to_thread(parse_chat, body, orchestrator.tokenizer)
+    except APIError as error:
+        return _error_response(orchestrator, error)
+    return await _serve(
+        orchestrator,
+        request,
+        parsed,
+        ChatFormat(
+            f"chatcmpl-{uuid.uuid4().hex}", orchestrator.model_name, _renderer(orchestrator, parsed)
+        ),
+    )
+
+
+def _renderer(
+    orchestrator: RequestOrchestrator, parsed: ParsedCompletion
+) -> LogprobsRenderer | None:
+    """Renders the request's logprobs, when it asked for them."""
+    wanted = parsed.params.logprobs is not None or parsed.params.prompt_logprobs is not None
+    return LogprobsRenderer(orchestrator.tokenizer) if wanted else None
+
+
+# ---------------------------------------------------------------------- the ingress
+# Defined last: Serve pickles the class, and its methods must find the helpers above.
+
+
+@serve.deployment(
+    name="gateway", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024
+)
+@serve.ingress(app)
+class Gateway:
+    """Ingress replica: owns the orchestrator (router included) and every worker's handle.
+
+    ``retiring``: the handles of workers a scale-down is removing. They are bound here only
+    so that Serve keeps them running while the replaced gateway drains requests that still
+    use them; this gateway never routes to them (``deploy.cluster.scale``)."""
+
+    def __init__(
+        self, config: GatewayConfig, prefill: dict, decode: dict, retiring: dict | None = None
+    ) -> None:
+        self.config = config
+        self.workers = WorkerPool(prefill, decode)
+        self.orchestrator: RequestOrchestrator | None = None
+        self._ready = asyncio.Lock()
+        self._created = int(time.time())
+        self._grpc_server: grpc.aio.Server | None = None
+
+    async def _get_orchestrator(self) -> RequestOrchestrator:
+        if self.orchestrator is None:
+            async with self._ready:
+                if self.orchestrator is None:
+                    try:
+                        info = await self.workers.first_model_info(self.config.worker_timeout_s)
+                    except NoModelInfo as error:
+                        raise APIError(
+                            503, str(error), type="server_error", code="no_worker_available"
+                        ) from None
+                    tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model)
+                    orchestrator = RequestOrchestrator(self.config, self.workers, info, tokenizer)
+                    orchestrator.start()
+                    self.orchestrator = orchestrator
+                    if self.config.grpc_port:
+                        self._grpc_server = await start_grpc_server(orchestrator, self.config)
+        return self.orchestrator
+
+    async def check_health(self) -> None:
+        """Serve's health check: the replica answers. It tries to start the orchestrator
+        (so the first request finds it), but workers that are still loading their model do
+        not make the gateway unhealthy: readiness is ``/ready``'s to say."""
+        try:
+            await self._get_orchestrator()
+        except APIError as error:
+            logger.info("gateway up, workers not yet: %s", error.message)
+
+    # ------------------------------------------------------------------ HTTP
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await complete(await self._get_orchestrator(), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await chat_complete(await self._get_orchestrator(), request)
+
+    @app.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        return models_response(self.config.model_name, self._created)
+
+    @app.get("/v1/requests")
+    async def recent_requests(self, limit: int = DEFAULT_LIMIT) -> dict[str, Any]:
+        orchestrator = await self._get_orchestrator()
+        shared = await orchestrator.share.latest(limit) if orchestrator.share else None
+        return recent_requests_body(orchestrator.recent, limit, shared)
+
+    @app.get("/v1/requests/{request_id}")
+    async def request_provenance(self, request_id: str) -> JSONResponse:
+        orchestrator = await self._get_orchestrator()
+        shared = None  # another gateway replica may have finished it
+        if orchestrator.recent.get(request_id) is None and orchestrator.share is not None:
+            shared = await orchestrator.share.record(request_id)
+        return request_provenance_response(orchestrator.recent, request_id, shared)
+
+    @app.get("/health")
+    async def health(self) -> JSONResponse:
+        """200 while the gateway runs (liveness); the body names workers that do not answer."""
+        orchestrator = await self._get_orchestrator()
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": orchestrator.model_name,
+                "workers": len(self.workers.all),
+                "unavailable": orchestrator.readiness.report()["unavailable"],
+            }
+        )
+
+    @app.get("/ready")
+    async def ready(self) -> JSONResponse:
+        """200 when every role has an answering worker and every decode worker has
+        handshaken with every prefill worker (readiness); else 503 saying what is missing."""
+        orchestrator = await self._get_orchestrator()
+        report = orchestrator.readiness.report()
+        return JSONResponse(report, status_code=200 if report["ready"] else 503)
+
+    @app.get("/stats")
+    async def stats(self) -> dict[str, Any]:
+        return await (await self._get_orchestrator()).stats()
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        orchestrator = await self._get_orchestrator()
+        await orchestrator.stats()  # refreshes the worker figures the collector exposes
+        return Response(
+            generate_latest(orchestrator.metrics.registry), media_type=CONTENT_TYPE_LATEST
+        )

@@ -1,0 +1,365 @@
+"""The OpenAI completions API as the gateway speaks it: request models and errors.
+
+Validation lives here, in one place, for both ingresses (HTTP and gRPC): anything a user
+can send wrong becomes an ``APIError`` with an OpenAI-style body and a 4xx status, never a
+500.
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
+
+Fields are checked strictly: ``"max_tokens": "5"``, ``"stream": "yes"`` or a token id of
+``true`` or ``1.0`` are refused rather than coerced, and NaN or infinite numbers are refused.
+OpenAI fields that would change the output but that pdserve does not implement (``best_of``,
+``echo``, ``logprobs``, ...) are refused unless they hold their default; other unknown fields
+are ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Annotated, Any, TypeVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+
+from pdserve.gateway.logprobs_format import LogprobsRenderer, TokensWithLogprobs
+from pdserve.messages.logprobs import MAX_LOGPROBS
+from pdserve.messages.sampling_params import SamplingParams
+
+DEFAULT_MAX_TOKENS = 16
+MAX_CACHE_SALT_CHARS = 256
+# The request body, HTTP or gRPC: a max_model_len prompt of token ids is well under it.
+MAX_REQUEST_BYTES = 4 << 20
+# Stop strings are searched for after every token, by the worker and by the gateway.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+# Choices per request (``n``): each decodes on its own, so a large n is a large request.
+MAX_CHOICES = 16
+# pdserve implements none of these; each is accepted only at its default value.
+_UNSUPPORTED_FIELDS: dict[str, Any] = {
+    "best_of": 1,
+    "suffix": None,
+    "logit_bias": {},
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+}
+# What a field of a union type must be, for a message clearer than pydantic's per-member list.
+_UNION_FIELDS = {
+    "prompt": "a non-empty string, a non-empty list of token ids (each >= 0), or a one-element "
+    "list of either",
+    "stop": f"a string or a list of at most {MAX_STOP_STRINGS} strings, each of 1 to "
+    f"{MAX_STOP_CHARS} characters",
+}
+
+
+class APIError(Exception):
+    """A request the gateway refuses, with the HTTP status and OpenAI error body to send."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def too_many_requests(limit: int) -> APIError:
+    """429: the gateway's in-flight queue is full; the client should retry after a pause."""
+    return APIError(
+        429,
+        f"the server is at its limit of {limit} requests in flight; "
+        f"retry after the Retry-After interval",
+        type="requests",
+        code="rate_limit_exceeded",
+    )
+
+
+def request_too_large(num_bytes: int | None) -> APIError:
+    """413: the body is over ``MAX_REQUEST_BYTES`` (``num_bytes`` when it was declared)."""
+    size = "" if num_bytes is None else f" ({num_bytes} bytes)"
+    return APIError(
+        413,
+        f"the request body{size} is over the limit of {MAX_REQUEST_BYTES} bytes",
+        code="request_too_large",
+    )
+
+
+def no_worker_available(role: str) -> APIError:
+    """503: no worker of a needed role answers (dead, restarting); not the client's load."""
+    return APIError(
+        503,
+        f"no {role} worker is available right now (restarting or down); "
+        f"retry after the Retry-After interval",
+        type="server_error",
+        code="no_worker_available",
+    )
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+Prompt = Annotated[str, StringConstraints(min_length=1)] | TokenIds
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
+# Stop strings are searched for after every token, by the worker and by the gateway.
+StopStrings = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
+CacheSalt = Annotated[str, StringConstraints(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
+RequestModel = TypeVar("RequestModel", bound=BaseModel)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """The fields completions and chat completions share, with their ranges, checked
+    strictly: the one place a request's sampling fields are validated."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+    model: str
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = 1.0
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+    stop: StopString | StopStrings | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
+    user: str | None = None
+    cache_salt: CacheSalt | None = None  # vLLM's extension: a tenant's prefix-cache namespace
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _valid_salt(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None:
+            check_unicode(value, info.field_name)
+        return value
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            seed=self.seed,
+            stop=stop,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions`` (and gRPC ``Generate``)."""
+
+    prompt: Prompt | Annotated[list[Prompt], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = DEFAULT_MAX_TOKENS
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False  # the reply starts with the prompt (and its logprobs, with logprobs)
+
+    @field_validator("prompt")
+    @classmethod
+    def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
+        for text in value if isinstance(value, list) else [value]:
+            if isinstance(text, str):
+                check_unicode(text, info.field_name)
+        return value
+
+
+@dataclass(slots=True)
+class ParsedCompletion:
+    """A validated request: one prompt, as text and/or token ids (chat: rendered ids)."""
+
+    model: str
+    prompt_text: str | None
+    prompt_token_ids: list[int] | None
+    params: SamplingParams
+    stream: bool
+    cache_salt: str | None = None
+    include_usage: bool = False  # streamed: a last chunk with the usage
+    n: int = 1  # choices, each sampled with its own seed
+    echo: bool = False  # completions: the reply repeats the prompt first
+
+
+def validate_request(
+    model: type[RequestModel], body: Any, unsupported: dict[str, Any]
+) -> RequestModel:
+    """``body`` as ``model``, or ``APIError(400)`` naming the first field that is wrong;
+    a field pdserve does not implement is refused unless it holds its default."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    for name, default in unsupported.items():
+        if body.get(name) not in (None, default):
+            raise APIError(
+                400, f"{name} is not supported; omit it or send {json.dumps(default)}", param=name
+            )
+    try:
+        return model.model_validate(body)
+    except ValidationError as error:
+        raise _field_error(error) from None
+
+
+def parse_completion(body: Any) -> ParsedCompletion:
+    """Validates a decoded JSON body (or a gRPC request's fields)."""
+    request = validate_request(CompletionRequest, body, _UNSUPPORTED_FIELDS)
+    prompt = request.prompt
+    if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(
+                400,
+                "a batch of prompts is not supported; send one prompt per request",
+                param="prompt",
+            )
+        prompt = prompt[0]
+    text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+    params = request.sampling_params(request.max_tokens, request.logprobs)
+    if request.echo and request.logprobs is not None:
+        params = dataclasses.replace(params, prompt_logprobs=request.logprobs)
+    return ParsedCompletion(
+        model=request.model,
+        prompt_text=text,
+        prompt_token_ids=token_ids,
+        params=params,
+        echo=request.echo,
+        stream=request.stream,
+        cache_salt=request.cache_salt,
+        include_usage=request.include_usage,
+        n=request.n,
+    )
+
+
+def _field_error(error: ValidationError) -> APIError:
+    """The first thing wrong with a field, named by its path (``prompt.0``, ``stop``)."""
+    first = error.errors()[0]
+    field = str(first["loc"][0]) if first["loc"] else None
+    if field in _UNION_FIELDS:
+        return APIError(400, f"{field} must be {_UNION_FIELDS[field]}", param=field)
+    path = ".".join(str(p) for p in first["loc"])
+    return APIError(400, f"invalid field {path!r}: {first['msg']}", param=field)
+
+
+def check_unicode(text: str, param: str) -> None:
+    """Refuses text a tokenizer cannot encode: JSON's ``\\ud800`` escapes decode to lone
+    surrogates, which are not Unicode scalar values."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise APIError(
+            400,
+            f"{param} holds an unpaired UTF-16 surrogate at character "
+            f"{error.start}; send valid Unicode",
+            param=param,
+        ) from None
+
+
+@dataclass(slots=True)
+class CompletionFormat:
+    """``text_completion`` bodies: the streamed chunks and the whole response.
+
+    The chat format (``chat.ChatFormat``) has the same methods, so the ingress streams and
+    answers both through one path.
+    """
+
+    request_id: str
+    model: str
+    logprobs: LogprobsRenderer | None = None  # set when the request asked for logprobs
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def opening_chunks(self, n: int) -> list[dict[str, Any]]:
+        return []
+
+    def chunk(
+        self,
+        text: str,
+        finish_reason: str | None,
+        index: int = 0,
+        tokens: TokensWithLogprobs = ((), ()),
+    ) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [self._choice(index, text, finish_reason, tokens)],
+        }
+
+    def _choice(
+        self, index: int, text: str, finish_reason: str | None, tokens: TokensWithLogprobs
+    ) -> dict[str, Any]:
+        rendered = self.logprobs.completion(index, *tokens) if self.logprobs else None
+        return {"index": index, "text": text, "logprobs": rendered, "finish_reason": finish_reason}
+
+    def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage_body,
+        }
+
+    def response(
+        self, choices: list[tuple[str, str | None, TokensWithLogprobs]], usage_body: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The whole reply: ``choices`` are ``(text, finish_reason, tokens)`` by index."""
+        return {
+            "id": self.request_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "usage": usage_body,
+            "choices": [
+                self._choice(i, text, reason, tokens)
+                for i, (text, reason, tokens) in enumerate(choices)
+            ],
+        }
+
+
+def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's ``usage`` object (a whole response's, or a stream's last chunk's)."""
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_output_tokens,
+        "total_tokens": num_prompt_tokens + num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }
+
+
+def models_response(model: str, created: int) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [{"id": model, "object": "model", "created": created, "owned_by": "pdserve"}],
+    }

@@ -1,0 +1,560 @@
+"""A request's way through the service, in named phases, independent of the ingress.
+
+    admit ─▶ route ─▶ prefill ─────────────▶ hand_off ─▶ decode stream
+    (429)    (503)    PrefillWorker,           KVTransferParams   DecodeWorker, user's params:
+                      max_tokens=1:            to the decode      the rest of the tokens
+                      first token streamed     request
+                      at once
+
+    retry policy: a worker lost before it answered is routed around; a decode worker lost
+    mid-stream is replayed (same seed) and the replay's first tokens are checked, not resent.
+
+A colocated deployment (no decode workers), or a request that ends at its first token,
+runs whole on the prefill worker. ``generate`` reads top to bottom as those phases; each is
+a method named after it. Worker loss (the actor's process died; Serve restarts it under a
+new ``instance_id``):
+
+    prefill lost before its first token   → nothing was sent: the request is routed again
+    prefill lost after it (mid-transfer)  → the decode pull fails; the decode side recomputes
+    decode lost mid-generation            → run again on another (or the restarted) decode
+                                            worker; a replay that differs, or a worker lost
+                                            too often, ends the stream with an error event:
+                                            never a silent wrong answer
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import dataclasses
+import logging
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from ray.exceptions import RayActorError, RayTaskError
+
+from pdserve.cache import BlockHash, BlockHasher
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.kv_event_poller import KVEventPoller
+from pdserve.gateway.metrics import GatewayMetrics, stats_report
+from pdserve.gateway.openai_schema import (
+    APIError,
+    ParsedCompletion,
+    no_worker_available,
+    too_many_requests,
+)
+from pdserve.gateway.readiness import Readiness
+from pdserve.gateway.replica_board import ReplicaShare
+from pdserve.gateway.request_provenance import RecentRequests, RequestProvenance
+from pdserve.gateway.request_timeline import RequestTimeline
+from pdserve.gateway.router import NoWorkerAvailable, Router
+from pdserve.gateway.stream_emitter import (
+    ReplayDiverged,
+    StreamDelta,
+    StreamEmitter,
+)
+from pdserve.gateway.worker_pool import WorkerPool
+from pdserve.messages.generation import GenerationChunk, ModelInfo, WorkerRequest
+from pdserve.messages.kv_transfer_params import KVTransferParams
+from pdserve.messages.sampling_params import SamplingParams
+from pdserve.messages.worker_stats import WorkerStats
+from pdserve.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_STATS_TIMEOUT_S = 10.0
+# Prompts longer than this (characters or token ids) are tokenized and hashed on a worker
+# thread: up to 4 MiB of text would stall every stream the event loop serves.
+_INLINE_PROMPT_SIZE = 16_384
+
+
+def raised_by_worker_code(error: BaseException) -> bool:
+    """True when the worker's own code raised (a bug, a request it cannot serve): the worker
+    is alive and would fail the same way again, so it stays in routing and the request is
+    not retried. Anything else (its actor died, is unreachable) is a lost worker."""
+    return isinstance(error, RayTaskError) and not isinstance(error.cause, RayActorError)
+
+
+class WorkerLost(Exception):
+    """A worker's stream broke (its process died or became unreachable)."""
+
+    def __init__(self, worker_id: str, answered: bool, cause: BaseException) -> None:
+        super().__init__(
+            f"worker {worker_id} was lost ({'mid-stream' if answered else 'before answering'}): "
+            f"{cause!r}"
+        )
+        self.worker_id = worker_id
+        self.answered = answered
+
+
+@dataclass(slots=True)
+class RequestRun:
+    """One request's state as it moves through the phases."""
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    block_hashes: list[BlockHash]
+    emitter: StreamEmitter
+    timeline: RequestTimeline
+    remote_decode: bool  # the prefill worker hands off to a decode worker
+    # Conditional disaggregation: the decode worker that runs the whole request (no hand-off).
+    local_decode_id: str | None = None
+    prefill_id: str = ""
+    decode_id: str = ""
+    last_prefill_chunk: GenerationChunk | None = None
+    last_decode_chunk: GenerationChunk | None = None
+    kv_transfer_params: KVTransferParams | None = field(default=None, repr=False)
+    lease_id: str | None = None  # the lease handed to the decode worker, kept after a replay
+    created: float = field(default_factory=time.time)
+    # The worker whose stream ends the request (decode, or prefill when it runs whole),
+    # set with ``final_stream_started`` at that stream's first delta: its cache then holds
+    # every prompt block (what ``parallel_sampling`` waits for).
+    serving_worker: str = ""
+    final_stream_started: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def started_final_stream(self, worker_id: str) -> None:
+        if not self.final_stream_started.is_set():
+            self.serving_worker = worker_id
+            self.final_stream_started.set()
+
+    @property
+    def needs_decode(self) -> bool:
+        """True when the prefill stopped at its one token by length: decode goes on."""
+        chunk = self.last_prefill_chunk
+        return self.remote_decode and chunk is not None and chunk.finish_reason == "length"
+
+
+class RequestOrchestrator:
+    """Admission, routing, the prefill → decode hand-off and retries for one gateway."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        workers: WorkerPool,
+        model_info: ModelInfo,
+        tokenizer: Tokenizer,
+    ) -> None:
+        self.config = config
+        self.workers = workers
+        self.model_info = model_info
+        self.tokenizer = tokenizer
+        self.model_name = config.model_name
+        self.hasher = BlockHasher(model_info.hash_algorithm, model_info.hash_seed)
+        self.router = Router(list(workers.prefill), list(workers.decode), config.max_load_imbalance)
+        self.readiness = Readiness(workers, self.router, config.worker_timeout_s)
+        self.poller = KVEventPoller(
+            workers, self.router, config.worker_timeout_s, after_each_round=self.readiness.prewarm
+        )
+        self.metrics = GatewayMetrics(self.model_name)
+        self.recent = RecentRequests(config.num_recent_requests)
+        # With several gateway replicas: the board they answer the service's figures from.
+        self.share = (
+            ReplicaShare(config.app_name, uuid.uuid4().hex[:12], config.num_recent_requests)
+            if config.num_replicas > 1
+            else None
+        )
+        self.seed_rng = random.SystemRandom()
+        self._lease_releases: set[asyncio.Task] = set()
+
+    def start(self) -> None:
+        self.poller.start()
+        if self.share is not None:
+            self.share.start(self.metrics.row)
+
+    # ------------------------------------------------------------------ validate, admit
+
+    def prepare(self, parsed: ParsedCompletion) -> tuple[list[int], SamplingParams]:
+        """Validates the model and prompt; returns token ids and params with a seed."""
+        if parsed.model != self.model_name:
+            raise APIError(
+                404,
+                f"model {parsed.model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        if parsed.prompt_token_ids is not None:
+            token_ids = parsed.prompt_token_ids
+            vocab_size = self.tokenizer.vocab_size
+            bad = next((t for t in token_ids if t >= vocab_size), None)
+            if bad is not None:
+                raise APIError(
+                    400,
+                    f"token id {bad} is outside the vocabulary [0, {vocab_size})",
+                    param="prompt",
+                )
+        else:
+            token_ids = self.tokenizer.encode(parsed.prompt_text)
+        max_len = self.model_info.max_model_len
+        if len(token_ids) > max_len:
+            raise APIError(
+                400,
+                f"the prompt has {len(token_ids)} tokens, more than this model's "
+                f"max_model_len of {max_len}; shorten it",
+                param="prompt",
+            )
+        if len(token_ids) + parsed.params.max_tokens > max_len:
+            raise APIError(
+                400,
+                f"prompt ({len(token_ids)} tokens) plus max_tokens "
+                f"({parsed.params.max_tokens}) exceeds max_model_len ({max_len})",
+                param="max_tokens",
+            )
+        params = parsed.params
+        if params.seed is None:  # both sides must sample with the same seed
+            params = dataclasses.replace(params, seed=self.seed_rng.getrandbits(63))
+        return token_ids, params
+
+    async def prepare_off_loop(self, parsed: ParsedCompletion) -> tuple[list[int], SamplingParams]:
+        """``prepare``, on a worker thread when the prompt is long."""
+        size = len(parsed.prompt_text or "") + len(parsed.prompt_token_ids or ())
+        if size <= _INLINE_PROMPT_SIZE:
+            return self.prepare(parsed)
+        return await asyncio.to_thread(self.prepare, parsed)
+
+    async def hash_blocks(self, token_ids: list[int], cache_salt: str | None) -> list[BlockHash]:
+        """The prompt's block hashes, salted like the workers' (a tenant's prefix never
+        routes by another's blocks); on a worker thread when the prompt is long."""
+        block_size = self.model_info.block_size
+        if len(token_ids) <= _INLINE_PROMPT_SIZE:
+            return self.hasher.hash_request_blocks(token_ids, block_size, cache_salt=cache_salt)
+        return await asyncio.to_thread(
+            self.hasher.hash_request_blocks, token_ids, block_size, cache_salt=cache_salt
+        )
+
+    def admit(self) -> None:
+        """Takes a place in the bounded in-flight queue, or refuses with 429."""
+        if self.metrics.num_requests_in_flight >= self.config.max_inflight_requests:
+            raise too_many_requests(self.config.max_inflight_requests)
+        self.metrics.num_requests_in_flight += 1
+        self.metrics.num_requests += 1
+
+    def release(self) -> None:
+        self.metrics.num_requests_in_flight -= 1
+
+    # ------------------------------------------------------------------ the phases
+
+    async def generate(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[StreamDelta]:
+        """Runs one admitted request; the caller must ``release()`` after the stream ends.
+
+        Raises ``APIError`` before the first delta if a worker refuses the request (400) or
+        no worker of a needed role is available (503); after it, when the request cannot be
+        finished correctly (the stream then ends with an error event).
+        """
+        run = await self.new_run(request_id, token_ids, params, cache_salt)
+        async for delta in self.run_phases(run):
+            yield delta
+
+    async def new_run(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, cache_salt: str | None
+    ) -> RequestRun:
+        start = time.perf_counter()
+        return RequestRun(
+            request_id,
+            token_ids,
+            params,
+            cache_salt,
+            # Salted like the workers' hashes: a tenant's prefix never routes by another's blocks.
+            block_hashes=await self.hash_blocks(token_ids, cache_salt),
+            emitter=StreamEmitter(params.stop, len(token_ids), self.metrics, start),
+            timeline=RequestTimeline(start),
+            remote_decode=params.max_tokens > 1 and self.router.has_decode_workers(),
+        )
+
+    async def run_phases(self, run: RequestRun) -> AsyncIterator[StreamDelta]:
+        """``generate``'s body: the phases, in order, for an already built ``RequestRun``."""
+        self.decide_disaggregation(run)
+        async for delta in self.prefill(run):
+            yield self.account(run, delta)
+        if not run.needs_decode:
+            run.started_final_stream(run.prefill_id)  # it ended at its first token
+            return
+        self.hand_off(run)
+        completed = False
+        try:
+            async for delta in self.decode_stream(run):
+                yield self.account(run, delta)
+            completed = True
+        finally:
+            if not completed:
+                # The decode side may never pull: free the prefill's lease now, not at expiry.
+                self.release_lease(run)
+
+    def decide_disaggregation(self, run: RequestRun) -> None:
+        """Runs a request whole on a decode worker when what that worker would compute
+        (the prompt minus its cached prefix, per the router's index) is shorter than
+        ``disagg_min_uncached_tokens``: the hand-off would cost more than it saves."""
+        threshold = self.config.disagg_min_uncached_tokens
+        if not run.remote_decode or not threshold:
+            return
+        try:
+            choice = self.router.pick_decode_by_prefix(run.block_hashes)
+        except NoWorkerAvailable:
+            return  # the prefill phase answers 503 with the usual message
+        cached_tokens = choice.num_matched_blocks * self.model_info.block_size
+        if len(run.token_ids) - cached_tokens < threshold:
+            run.remote_decode = False
+            run.local_decode_id = choice.worker_id
+            self.metrics.num_requests_prefilled_on_decode += 1
+
+    async def prefill(self, run: RequestRun) -> AsyncIterator[StreamDelta]:
+        """The prefill worker's stream: the first token (or, colocated or run whole on a
+        decode worker, every token)."""
+        params = dataclasses.replace(run.params, max_tokens=1) if run.remote_decode else run.params
+        request = WorkerRequest(
+            run.request_id,
+            run.token_ids,
+            params,
+            remote_decode=run.remote_decode,
+            cache_salt=run.cache_salt,
+        )
+        for attempt in range(self.config.max_attempts):
+            if run.local_decode_id is not None:
+                run.prefill_id = self.route(
+                    "decode", run.block_hashes, fallback=run.local_decode_id if attempt else None
+                )
+            else:
+                run.prefill_id = self.route("prefill", run.block_hashes)
+            if run.remote_decode:  # 503 now, before any token, when none is up
+                run.decode_id = self.route("decode", run.block_hashes)
+            run.timeline.called("prefill", run.prefill_id)
+            try:
+                async for chunk in self.worker_stream(run.prefill_id, request, first=True):
+                    run.timeline.answered("prefill", chunk)
+                    run.last_prefill_chunk = chunk
+                    hands_off = run.remote_decode and chunk.finish_reason == "length"
+                    delta = run.emitter.update(chunk, final=not hands_off)
+                    if not run.remote_decode:
+                        run.started_final_stream(run.prefill_id)
+                    if delta is not None:
+                        yield delta
+                return
+            except WorkerLost as lost:
+                self.retry_or_fail(
+                    lost, "prefill", run, attempt, retryable=not run.emitter.sent_tokens
+                )
+
+    def hand_off(self, run: RequestRun) -> None:
+        """The prefill's ``KVTransferParams`` (None: the decode side recomputes) go to decode."""
+        run.kv_transfer_params = run.last_prefill_chunk.kv_transfer_params
+        if run.kv_transfer_params is not None:
+            run.lease_id = run.kv_transfer_params.lease_id
+
+    async def decode_stream(self, run: RequestRun) -> AsyncIterator[StreamDelta]:
+        """The decode worker's stream, replayed on another worker if this one is lost."""
+        for attempt in range(self.config.max_attempts):
+            if attempt:
+                await asyncio.sleep(self.config.retry_backoff_s)  # let Serve see the dead replica
+            # Once the first token is out, a decode worker that answered a moment ago (or the
+            # one just lost, which Serve restarts) is tried rather than failing the stream
+            # because the router's view flickered (polls slowed while workers start).
+            run.decode_id = self.route("decode", run.block_hashes, fallback=run.decode_id)
+            # The prompt's logprobs (if asked) came from the prefill worker.
+            request = WorkerRequest(
+                run.request_id,
+                run.token_ids,
+                dataclasses.replace(run.params, prompt_logprobs=None),
+                kv_transfer_params=run.kv_transfer_params,
+                cache_salt=run.cache_salt,
+            )
+            run.emitter.restart_stream()
+            run.timeline.called("decode", run.decode_id)
+            try:
+                async for chunk in self.worker_stream(run.decode_id, request, first=False):
+                    run.timeline.answered("decode", chunk)
+                    run.last_decode_chunk = chunk
+                    run.started_final_stream(run.decode_id)
+                    delta = run.emitter.update(chunk, final=True)
+                    if delta is not None:
+                        yield delta
+                return
+            except ReplayDiverged as error:
+                raise APIError(
+                    500,
+                    f"request {run.request_id} was lost with its decode worker "
+                    f"and its replay diverged ({error}); the reply is cut short "
+                    f"after {run.emitter.sent_tokens} tokens",
+                    type="server_error",
+                    code="replay_diverged",
+                ) from None
+            except WorkerLost as lost:
+                self.retry_or_fail(lost, "decode", run, attempt, retryable=True)
+                # The replay recomputes the prompt: the lease may be gone with the pull.
+                self.release_lease(run)
+                run.kv_transfer_params = None
+
+    def account(self, run: RequestRun, delta: StreamDelta) -> StreamDelta:
+        """On the request's last delta: where its KV came from (both workers' accounts and
+        the gateway's timing), kept in ``recent``, counted, and carried to the client."""
+        if delta.finish_reason is None:
+            return delta
+        emitter = run.emitter
+        decode = run.last_decode_chunk
+        record = RequestProvenance(
+            run.request_id,
+            run.created,
+            delta.finish_reason,
+            len(run.token_ids),
+            emitter.sent_tokens,
+            self.model_info.block_size,
+            prefill=run.last_prefill_chunk.kv_provenance if run.last_prefill_chunk else None,
+            decode=decode.kv_provenance if decode is not None else None,
+            lease_id=run.lease_id,
+            ttft_s=emitter.ttft_s(),
+            itl_s=emitter.mean_itl_s(),
+            e2e_s=time.perf_counter() - emitter.start,
+            timeline=run.timeline.to_json(),
+        )
+        self.recent.add(record)
+        if self.share is not None:
+            self.share.finished(record.to_json())
+        self.metrics.record_provenance(record)
+        self.metrics.record_timeline(run.timeline)
+        delta.kv_provenance = record
+        return delta
+
+    # ------------------------------------------------------------------ route, retry
+
+    def route(self, role: str, block_hashes: list[BlockHash], fallback: str | None = None) -> str:
+        """A worker of ``role`` by prefix and load; 503 when none is available, unless a
+        ``fallback`` is given: after a loss, the lost worker itself, which Serve restarts."""
+        try:
+            if role == "prefill":
+                return self.router.pick_prefill(block_hashes).worker_id
+            return self.router.pick_decode(block_hashes).worker_id
+        except NoWorkerAvailable as error:
+            if fallback is not None:
+                return fallback
+            raise no_worker_available(error.role) from None
+
+    def retry_or_fail(
+        self, lost: WorkerLost, role: str, run: RequestRun, attempt: int, retryable: bool
+    ) -> None:
+        """The retry policy: returns to try again, or raises the error the client gets."""
+        self.router.set_available(lost.worker_id, False)
+        if retryable and attempt + 1 < self.config.max_attempts:
+            logger.warning(
+                "%s; running request %s again after %d sent tokens",
+                lost,
+                run.request_id,
+                run.emitter.sent_tokens,
+            )
+            self.metrics.num_retries += 1
+            return
+        if not run.emitter.sent_tokens:
+            raise no_worker_available(role)
+        raise APIError(
+            503,
+            f"the {role} worker serving this request was lost and "
+            f"{self.config.max_attempts} attempts did not finish it; the reply is "
+            f"cut short after {run.emitter.sent_tokens} tokens: retry the request",
+            type="server_error",
+            code="worker_lost",
+        )
+
+    def release_lease(self, run: RequestRun) -> None:
+        """Tells the prefill worker to free the blocks it leased for this request.
+
+        The call runs in a fresh context: made in the request's own, Serve would count it
+        as the request's child and cancel it with the request (a client that hung up), and
+        the lease would stay held until its TTL."""
+        if run.kv_transfer_params is None:
+            return
+        task = asyncio.get_running_loop().create_task(
+            self.workers.call(run.prefill_id, "abort", run.request_id),
+            context=contextvars.Context(),
+        )
+        self._lease_releases.add(task)
+        task.add_done_callback(self._lease_released)
+
+    def _lease_released(self, task: asyncio.Task) -> None:
+        self._lease_releases.discard(task)
+        if not task.cancelled():
+            task.exception()  # a dead prefill worker took the lease with it
+
+    async def worker_stream(
+        self, worker_id: str, request: WorkerRequest, first: bool
+    ) -> AsyncIterator[GenerationChunk]:
+        """One worker's chunks, counted as its load. A worker whose stream breaks (dead,
+        unreachable) leaves routing until its event poll answers again: ``WorkerLost``."""
+        stream = self.workers.stream(worker_id, request)
+        answered = finished = False
+        self.router.begin(worker_id)
+        try:
+            while not finished:
+                try:
+                    chunk = await anext(stream)
+                except StopAsyncIteration:
+                    return
+                except Exception as error:  # noqa: BLE001 — sorted below: worker bug or lost
+                    logger.warning(
+                        "worker %s failed %s: %r",
+                        worker_id,
+                        "mid-stream" if answered else "before answering",
+                        error,
+                    )
+                    if raised_by_worker_code(error):  # alive: neither retried nor unrouted
+                        raise APIError(
+                            500,
+                            f"{worker_id} failed the request: {error.cause!r}",
+                            type="server_error",
+                            code="worker_error",
+                        ) from None
+                    raise WorkerLost(worker_id, answered, error) from None
+                answered = True
+                if chunk.finished:  # the next request routes by what this one cached
+                    if chunk.kv_transfer_params is not None:  # a hand-off: the reply goes on
+                        self.poller.refresh_soon(worker_id, request.request_id)
+                    else:
+                        await self.poller.refresh(worker_id)
+                        await self.poller.settled(request.request_id)
+                if chunk.error is not None:
+                    if first and chunk.refused:
+                        raise APIError(400, chunk.error)
+                    # Never a silently short reply: the client gets an error event.
+                    raise APIError(
+                        500,
+                        f"{worker_id} failed the request: {chunk.error}",
+                        type="server_error",
+                        code="worker_error",
+                    )
+                finished = chunk.finished
+                yield chunk
+        finally:
+            self.router.end(worker_id)
+            if not finished:
+                with contextlib.suppress(Exception):
+                    stream.cancel()  # the client went away: abort on the worker
+
+    # ------------------------------------------------------------------ stats
+
+    async def worker_stats(self) -> list[WorkerStats]:
+        results = await asyncio.gather(
+            *(
+                asyncio.wait_for(self.workers.call(w, "stats"), _STATS_TIMEOUT_S)
+                for w in self.workers.all
+            ),
+            return_exceptions=True,
+        )
+        return [r for r in results if isinstance(r, WorkerStats)]
+
+    async def stats(self) -> dict:
+        """The ``/stats`` body; also refreshes the worker figures ``/metrics`` exposes."""
+        workers = await self.worker_stats()
+        self.metrics.latest_workers = workers
+        if self.share is None:
+            return stats_report(self.model_name, self.metrics.row(), workers)
+        service_row, replicas = await self.share.service_row()
+        self.metrics.service_row = service_row
+        return stats_report(self.model_name, service_row, workers) | {"gateway_replicas": replicas}

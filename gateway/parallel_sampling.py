@@ -1,0 +1,128 @@
+"""``n`` samples of one prompt (OpenAI's ``n``): one prefill, one lease, ``n`` decodes.
+
+    choice 0:       the usual phases: prefill ─▶ hand-off (lease) ─▶ decode on worker D
+    choice i ≥ 1:   once choice 0 streams from D, the same prompt on D with its own seed;
+                    D's prefix cache holds every prompt block (choice 0 pulled them), so
+                    each choice recomputes only the prompt's last token (for its logits)
+
+Seeds: ``seed + i`` when the client gave ``seed`` (so ``n=3, seed=s`` equals three
+requests with seeds ``s, s+1, s+2``), else one random seed per choice. Choices stream
+interleaved, each delta tagged with its index, as OpenAI's do. A choice that fails fails
+the request: its siblings are cancelled (their worker streams abort on the workers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import random
+from collections.abc import AsyncIterator
+
+from pdserve.gateway.openai_schema import APIError
+from pdserve.gateway.orchestrator import RequestOrchestrator, RequestRun, WorkerLost
+from pdserve.gateway.stream_emitter import StreamDelta, StreamEmitter
+from pdserve.messages.generation import WorkerRequest
+from pdserve.messages.sampling_params import SamplingParams
+
+MAX_SEED = 2**63
+_FINISHED = object()
+
+
+def choice_params(
+    params: SamplingParams, n: int, client_seed: int | None, rng: random.Random
+) -> list[SamplingParams]:
+    """Each choice's params: ``params`` (already seeded) first, then the siblings'."""
+    siblings = [
+        dataclasses.replace(
+            params,
+            seed=(client_seed + i) % MAX_SEED if client_seed is not None else rng.getrandbits(63),
+            prompt_logprobs=None,
+        )  # choice 0 brings the prompt's
+        for i in range(1, n)
+    ]
+    return [params, *siblings]
+
+
+async def generate_choices(
+    orchestrator: RequestOrchestrator,
+    request_id: str,
+    token_ids: list[int],
+    params: list[SamplingParams],
+    cache_salt: str | None,
+) -> AsyncIterator[tuple[int, StreamDelta]]:
+    """``(choice index, delta)`` of every choice, interleaved as they arrive."""
+    first = await orchestrator.new_run(request_id, token_ids, params[0], cache_salt)
+    if len(params) == 1:
+        async for delta in orchestrator.run_phases(first):
+            yield 0, delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.create_task(_pump(0, orchestrator.run_phases(first), queue))]
+    tasks.append(asyncio.create_task(_start_siblings(orchestrator, first, params, tasks, queue)))
+    pending = len(params)
+    try:
+        while pending:
+            index, item = await queue.get()
+            if item is _FINISHED:
+                pending -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+async def _start_siblings(
+    orchestrator: RequestOrchestrator,
+    first: RequestRun,
+    params: list[SamplingParams],
+    tasks: list[asyncio.Task],
+    queue: asyncio.Queue,
+) -> None:
+    """Waits until choice 0's KV sits in its final worker's cache, then starts the rest."""
+    await first.final_stream_started.wait()
+    for index in range(1, len(params)):
+        stream = _sibling(orchestrator, first, index, params[index])
+        tasks.append(asyncio.create_task(_pump(index, stream, queue)))
+
+
+async def _sibling(
+    orchestrator: RequestOrchestrator, first: RequestRun, index: int, params: SamplingParams
+) -> AsyncIterator[StreamDelta]:
+    emitter = StreamEmitter(
+        params.stop, len(first.token_ids), orchestrator.metrics, first.emitter.start
+    )
+    request = WorkerRequest(
+        f"{first.request_id}-{index}", first.token_ids, params, cache_salt=first.cache_salt
+    )
+    try:
+        async for chunk in orchestrator.worker_stream(first.serving_worker, request, first=True):
+            delta = emitter.update(chunk, final=True)
+            if delta is not None:
+                yield delta
+    except WorkerLost as lost:
+        raise APIError(
+            503,
+            f"choice {index} of request {first.request_id} lost its worker "
+            f"({lost}); retry the request",
+            type="server_error",
+            code="worker_lost",
+        ) from None
+
+
+async def _pump(index: int, stream: AsyncIterator[StreamDelta], queue: asyncio.Queue) -> None:
+    try:
+        async for delta in stream:
+            await queue.put((index, delta))
+        await queue.put((index, _FINISHED))
+    except Exception as error:  # noqa: BLE001 — handed to the consumer, which re-raises it
+        await queue.put((index, error))
+    finally:
+        with contextlib.suppress(Exception):
+            await stream.aclose()

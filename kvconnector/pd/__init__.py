@@ -1,0 +1,1 @@
+"""The P/D hand-off: ``PDConnector`` (both sides) and the prefill side's leases."""

@@ -1,0 +1,409 @@
+"""The P/D connector: prefill leases its prompt blocks, decode pulls the ones it lacks.
+
+Prefill side (``producer``)::
+
+    request finishes by length ─▶ request_finished (engine thread): grant a lease, return
+    KVTransferParams (address, lease, block ids, hashes, first token), no checksums yet
+    the worker's stream ─▶ complete_transfer_params (off the step path): checksum each
+    prompt block, attach them to the lease (reads are refused until then) and the params
+    lease released by the decode side, or expired ─▶ get_finished().freeable ─▶ blocks freed
+
+Decode side (``consumer``)::
+
+    prompt blocks ─▶ | local prefix hit (same hashes: not sent again) | ext_comp (pulled) |
+    get_num_new_matched_tokens ─▶ ext = params.num_tokens - local hit
+    update_state_after_alloc   ─▶ LoadSpec(remote ids[ext], local ids[ext], checksums[ext])
+    start_load_kv              ─▶ a transfer thread: handshake (once per peer), read, release
+    get_finished().loaded      ─▶ the scheduler caches the good blocks, recomputes the rest
+
+Transfers run on a small thread pool, so the engine's step loop never blocks on the network;
+every transport call has a deadline, so a dead peer becomes failed blocks, not a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from pdserve.cache import NULL_BLOCK_ID, cdiv
+from pdserve.engine.kv_connector_base import (
+    FinishedTransfers,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    LoadSpec,
+    PullSummary,
+    TransferStatsSnapshot,
+)
+from pdserve.engine.request import RequestStatus
+from pdserve.kvconnector.checksum import block_checksums
+from pdserve.kvconnector.load_tracker import LoadTracker
+from pdserve.kvconnector.pd.lease import LeaseTable
+from pdserve.kvconnector.transfer_stats import TransferStats
+from pdserve.kvconnector.transport.base import KVTransferClient, PeerInfo, TransferError
+from pdserve.kvconnector.transport.factory import make_client, make_server
+from pdserve.kvconnector.transport.layout import KVLayout
+from pdserve.messages.connector_config import KVConnectorConfig
+from pdserve.messages.engine_config import EngineConfig
+from pdserve.messages.kv_transfer_params import KVTransferParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdserve.engine.request import Request
+    from pdserve.kvconnector.transport.grpc_server import FaultInjector
+
+logger = logging.getLogger(__name__)
+
+# Renew a lease before pulling when less than this fraction of its TTL is left.
+_RENEW_BELOW_FRACTION = 0.5
+
+
+class PDConnector(KVConnectorBase):
+    """One worker's connector, either side of a P/D pair (``config.role``)."""
+
+    def __init__(
+        self,
+        config: KVConnectorConfig,
+        engine_id: str,
+        hash_algorithm: str,
+        hash_seed: int | str,
+        fault_injector: FaultInjector | None = None,
+    ) -> None:
+        """``fault_injector`` (tests only) sees the bytes of every message the server sends.
+
+        A producer without a deployment secret refuses to start (``config.check_secure``).
+        """
+        config.check_secure()
+        self.config = config
+        self._fault_injector = fault_injector
+        self.engine_id = engine_id
+        self._hash_algorithm = hash_algorithm
+        self._hash_seed = hash_seed
+        self.stats = TransferStats()
+        self._kv_cache: torch.Tensor | None = None
+        self._block_size = 0
+        # producer
+        self.leases = LeaseTable(default_ttl_s=config.lease_ttl_s, stats=self.stats)
+        self._lease_of_request: dict[str, str] = {}
+        self._server = None
+        # consumer
+        self._client: KVTransferClient | None = None
+        self._peers: dict[str, PeerInfo] = {}  # by address; pull threads share it
+        self._peers_lock = threading.Lock()
+        self._pending = KVConnectorMetadata()  # engine thread only
+        self._loads = LoadTracker()
+        self._foreign_lock = threading.Lock()
+        self._foreign_hashes: set[str] = set()  # requests whose hashes differ from the prefill's
+        self._executor: ThreadPoolExecutor | None = None
+
+    @classmethod
+    def for_engine(cls, config: KVConnectorConfig, engine_config: EngineConfig) -> PDConnector:
+        """The connector of the engine ``engine_config`` describes (its id and hash scheme)."""
+        return cls(
+            config, engine_config.engine_id, engine_config.hash_algorithm, engine_config.hash_seed
+        )
+
+    @property
+    def failure_policy(self) -> str:
+        return self.config.failure_policy
+
+    @property
+    def address(self) -> str:
+        """Where decode workers reach this prefill worker's transfer service."""
+        if self._server is None:
+            raise RuntimeError("the transfer server starts in register_kv_caches (producer only)")
+        return self._server.address
+
+    # ---- worker side: set-up --------------------------------------------------------
+    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+        self._kv_cache = kv_cache
+        layout = KVLayout.from_kv_cache(kv_cache, self._hash_algorithm, self._hash_seed)
+        self._block_size = layout.block_size
+        if self.config.role == "producer":
+            self._server = make_server(
+                self.config,
+                kv_cache,
+                self.leases,
+                layout,
+                self.engine_id,
+                self.stats,
+                self._fault_injector,
+            )
+        else:
+            self._client = make_client(self.config, kv_cache, layout, self.engine_id, self.stats)
+            self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-pull")
+
+    # ---- scheduler side: decode -----------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if params is None:
+            return 0, False
+        num_external = params.num_tokens - num_computed_tokens
+        if num_external <= 0:  # every prompt block is already here: nothing to pull
+            self.stats.record_dedup_skipped(len(params.block_ids))
+            self._pending.releases.append(params)
+            return 0, False
+        return num_external, True
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        assert params is not None and num_external_tokens > 0
+        # The pull is the prompt's tail: what neither the pool nor a KV tier holds, less the
+        # blocks a sliding window has left (null here, so null at the prefill too, or held
+        # there still but read by no later token).
+        first = (params.num_tokens - num_external_tokens) // self._block_size
+        last = cdiv(params.num_tokens, self._block_size)
+        pulled = [i for i in range(first, last) if block_ids[i] != NULL_BLOCK_ID]
+        # Counted here, once per admitted request: admission may be retried while the pool is full.
+        self.stats.record_dedup_skipped(first)
+        if list(request.block_hashes[: len(params.block_hashes)]) != list(params.block_hashes):
+            # Another cache_salt or prompt than the prefill's: the pulled blocks would be cached
+            # under this request's hashes, handing one tenant's KV to another. The pull fails
+            # them (after the handshake, so a layout mismatch is still reported as such).
+            with self._foreign_lock:
+                self._foreign_hashes.add(request.request_id)
+        self._pending.loads.append(
+            LoadSpec(
+                request_id=request.request_id,
+                params=params,
+                remote_block_ids=[params.block_ids[i] for i in pulled],
+                local_block_ids=[block_ids[i] for i in pulled],
+                expected_checksums=[params.block_checksums[i] for i in pulled],
+            )
+        )
+
+    def build_connector_meta(self) -> KVConnectorMetadata:
+        metadata, self._pending = self._pending, KVConnectorMetadata()
+        return metadata
+
+    # ---- scheduler side: prefill ----------------------------------------------------
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, KVTransferParams | None]:
+        if (
+            self.config.role != "producer"
+            or not request.remote_decode
+            or request.status != RequestStatus.FINISHED_LENGTH_CAPPED
+        ):
+            return False, None
+        assert self._kv_cache is not None and self._server is not None
+        num_tokens = request.num_prompt_tokens
+        prompt_ids = block_ids[: cdiv(num_tokens, self._block_size)]  # by position, nulls too
+        hashes = request.block_hashes[: num_tokens // self._block_size]
+        lease = self.leases.grant(request.request_id, _held(prompt_ids), hashes, checksums=None)
+        self._lease_of_request[request.request_id] = lease.lease_id
+        return True, KVTransferParams(
+            engine_id=self.engine_id,
+            transfer_address=self._server.address,
+            lease_id=lease.lease_id,
+            block_ids=list(prompt_ids),
+            block_hashes=list(hashes),
+            block_checksums=[],  # complete_transfer_params, off the step path
+            num_tokens=num_tokens,
+            first_token_id=request.output_token_ids[0],
+            sampling_seed=request.sampling_seed,
+            lease_expires_at=lease.expires_at,
+        )
+
+    def complete_transfer_params(self, params: KVTransferParams) -> KVTransferParams:
+        """Checksums the leased pages (a whole prompt: milliseconds per thousand blocks, on
+        the worker's stream thread, not the engine's) and attaches them to the lease.
+
+        The leased blocks are pinned and no longer written (the prompt is computed), so
+        their pages are what the decode side will read."""
+        if self.config.role != "producer" or params.block_checksums or not params.block_ids:
+            return params
+        assert self._kv_cache is not None
+        held = _held(params.block_ids)
+        checksum_of = dict(zip(held, block_checksums(self._kv_cache, held)))
+        self.leases.attach_checksums(params.lease_id, [checksum_of[b] for b in held])
+        params.block_checksums = [checksum_of.get(b, 0) for b in params.block_ids]
+        return params
+
+    def completion_bytes(self, params: KVTransferParams) -> int:
+        if self.config.role != "producer" or params.block_checksums or self._kv_cache is None:
+            return 0
+        return len(_held(params.block_ids)) * self._kv_cache[0].nbytes
+
+    def request_aborted(self, request: Request) -> None:
+        lease_id = self._lease_of_request.get(request.request_id)
+        if lease_id is not None:  # prefill: the decode side will never read; free on release
+            self.leases.release(lease_id)
+            return
+        params = request.kv_transfer_params
+        if params is None:
+            return
+        if self._loads.is_in_flight(request.request_id):
+            return  # the pull reports done; the scheduler frees then
+        with self._foreign_lock:
+            self._foreign_hashes.discard(request.request_id)
+        queued = [load for load in self._pending.loads if load.request_id == request.request_id]
+        for load in queued:  # never started: reported loaded, so its blocks are freed
+            self._pending.loads.remove(load)
+            self._loads.finish(request.request_id)
+        self._pending.releases.append(params)
+
+    # ---- worker side: transfers -----------------------------------------------------
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        if not metadata.loads and not metadata.releases:
+            return
+        assert self._executor is not None
+        self._loads.start(load.request_id for load in metadata.loads)
+        for load in metadata.loads:
+            self._executor.submit(self._pull, load)
+        for params in metadata.releases:
+            self._executor.submit(self._release_remote, params)
+
+    def _pull(self, load: LoadSpec) -> None:
+        """One request's pull on a transfer thread; always reports the load done.
+
+        The load is reported before the lease is released: the release is a round trip the
+        engine need not wait for (a lost release only lets the lease expire).
+        """
+        failed: list[int] = list(load.local_block_ids)
+        error_message: str | None = None
+        started = time.perf_counter()
+        summary: PullSummary | None = None
+        try:
+            peer = self._peer(load.params)
+            handshake_s = time.perf_counter() - started
+            with self._foreign_lock:
+                foreign = load.request_id in self._foreign_hashes
+            if foreign:
+                raise TransferError(
+                    "the prefill's block hashes differ from this request's "
+                    "(cache_salt or prompt mismatch); not using its blocks"
+                )
+            self._renew_if_expiring(peer, load.params)
+            result = self._client.read_blocks(  # type: ignore[union-attr]
+                peer,
+                load.params.lease_id,
+                load.remote_block_ids,
+                load.local_block_ids,
+                load.expected_checksums,
+            )
+            failed = result.failed_block_ids
+            summary = PullSummary(
+                len(result.ok_block_ids), result.num_bytes, result.duration_s, handshake_s
+            )
+        except (TransferError, ValueError) as error:
+            error_message = f"{type(error).__name__}: {error}"
+            logger.warning(
+                "pull of %s from %s failed: %s",
+                load.request_id,
+                load.params.transfer_address,
+                error,
+            )
+            if isinstance(error, TransferError):
+                self._forget_peer(load.params.transfer_address)
+        except Exception as error:  # a transfer thread must always report back
+            error_message = f"{type(error).__name__}: {error}"
+            logger.exception("pull of %s crashed", load.request_id)
+        finally:
+            with self._foreign_lock:
+                self._foreign_hashes.discard(load.request_id)
+            self._loads.finish(
+                load.request_id,
+                failed,
+                error_message,
+                summary or PullSummary(0, 0, time.perf_counter() - started),
+            )
+            self._release_remote(load.params)
+
+    def _renew_if_expiring(self, peer: PeerInfo, params: KVTransferParams) -> None:
+        """Renews a lease that waited long for admission here, so the read finds it alive.
+
+        A lease is good for ``lease_ttl_s`` from the prefill's finish; a request that queued
+        behind a full pool may reach its pull with little of it left. (During the read itself
+        the prefill side counts the lease as read-in-flight and frees nothing.)
+        """
+        remaining = params.lease_expires_at - time.time()
+        if remaining < _RENEW_BELOW_FRACTION * self.config.lease_ttl_s:
+            params.lease_expires_at = self._client.renew(peer, params.lease_id)  # type: ignore[union-attr]
+            self.stats.record_lease_renewal()
+
+    def _release_remote(self, params: KVTransferParams) -> None:
+        try:
+            self._client.release(self._peer(params), params.lease_id)  # type: ignore[union-attr]
+        except (TransferError, ValueError) as error:
+            logger.info(
+                "release of lease %s at %s failed (it will expire): %s",
+                params.lease_id,
+                params.transfer_address,
+                error,
+            )
+
+    def connect(self, address: str) -> str:
+        """Handshakes with the prefill worker at ``address`` now (decode side), replacing any
+        cached peer there, so the first request's pull does not pay it; its engine id."""
+        if self._client is None:
+            raise RuntimeError("connect() is for the consumer side, after register_kv_caches")
+        peer = self._client.handshake(address)
+        with self._peers_lock:
+            self._peers[address] = peer
+        return peer.engine_id
+
+    def _peer(self, params: KVTransferParams) -> PeerInfo:
+        """The prefill worker that made ``params``, handshaken once per engine.
+
+        A prefill worker restarted on the same address (a fixed ``kv_transfer_port``) is a
+        new engine with a new id, a new KV pool and (NIXL) a new agent: a hand-off naming
+        another engine than the cached peer, like a transport error (``_forget_peer``),
+        makes the next pull handshake again instead of reading from the dead one.
+        """
+        address = params.transfer_address
+        with self._peers_lock:
+            peer = self._peers.get(address)
+        if peer is not None and peer.engine_id == params.engine_id:
+            return peer
+        peer = self._client.handshake(address)  # type: ignore[union-attr]
+        with self._peers_lock:
+            self._peers[address] = peer
+        return peer
+
+    def _forget_peer(self, address: str) -> None:
+        with self._peers_lock:
+            self._peers.pop(address, None)
+
+    def get_finished(self) -> FinishedTransfers:
+        finished = self._loads.take()
+        if self.config.role == "producer":
+            for request_id in self.leases.take_freeable():
+                self._lease_of_request.pop(request_id, None)
+                finished.freeable_request_ids.add(request_id)
+        return finished
+
+    def has_pending_loads(self) -> bool:
+        return self._loads.has_in_flight()
+
+    def is_loading(self, request_id: str) -> bool:
+        return self._loads.is_loading(request_id) or any(
+            load.request_id == request_id for load in self._pending.loads
+        )
+
+    def wait_for_progress(self, timeout_s: float) -> None:
+        self._loads.wait(timeout_s)
+
+    def transfer_stats(self) -> TransferStatsSnapshot:
+        return self.stats.snapshot()
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=False)
+        if self._client is not None:
+            self._client.close()
+        if self._server is not None:
+            self._server.stop(grace_s=1.0)
+
+
+def _held(block_ids: list[int]) -> list[int]:
+    """The blocks a prefill still holds for its prompt: all but the null block, which stands
+    where its sliding window had already freed them."""
+    return [block_id for block_id in block_ids if block_id != NULL_BLOCK_ID]

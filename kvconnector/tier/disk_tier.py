@@ -1,0 +1,193 @@
+"""The disk level of the KV tier: one file per page in the worker's own directory.
+
+    <disk_path>/<worker_id>/<block hash hex>.kv     page_bytes raw bytes, nothing else
+
+Writes leave the step path: ``store`` copies the page into a host buffer and queues it; a
+writer thread writes ``.tmp`` then renames, so a reader never sees half a file, and only
+then indexes it (an entry whose write is queued is served from its buffer). Loads read on
+the caller's thread (the tier connector's loader), straight into the destination buffer.
+
+The checksums live in this process's memory, not in the files, so a restarted worker cannot
+trust what it finds: **a disk tier starts empty** and deletes the page files of an earlier
+run in its directory. A missing directory is created; one that cannot be created or written
+is an error at start. A write that fails later (disk full, directory removed) is a counted
+store failure and the page is simply not kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+from pdserve.cache import BlockHash
+from pdserve.kvconnector.tier.tier_level import FillPage, TierLevel, page_checksum
+from pdserve.kvconnector.tier.tier_lru import TierLRU, capacity_for_budget
+
+logger = logging.getLogger(__name__)
+
+PAGE_SUFFIX = ".kv"
+# Pages queued for the writer at most; beyond, a store is dropped (counted as a failure)
+# rather than letting a slow disk grow host memory without bound.
+MAX_QUEUED_WRITES = 256
+
+
+def prepare_directory(directory: Path) -> None:
+    """Creates ``directory``, deletes an earlier run's pages, checks that it is writable."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in directory.iterdir():
+            if stale.suffix in (PAGE_SUFFIX, ".tmp"):
+                stale.unlink()
+        probe = directory / ".write-probe.tmp"
+        probe.write_bytes(b"pdserve")
+        probe.unlink()
+    except OSError as error:
+        raise ValueError(
+            f"the disk KV tier cannot use {str(directory)!r}: {error}. Point "
+            "kv_tier_disk_path at a writable directory, or leave it unset "
+            "(no disk tier)"
+        ) from error
+
+
+class DiskTier(TierLevel):
+    medium = "disk"
+
+    def __init__(
+        self, directory: str | Path, budget_bytes: int, page_bytes: int, block_size: int
+    ) -> None:
+        super().__init__(page_bytes, block_size)
+        self.directory = Path(directory)
+        self._index: TierLRU[int] = TierLRU(
+            capacity_for_budget(self.medium, budget_bytes, page_bytes)
+        )
+        prepare_directory(self.directory)
+        self._queued: OrderedDict[BlockHash, tuple[np.ndarray, int]] = OrderedDict()
+        self._wake = threading.Condition(self._lock)
+        self._closed = False
+        self._writer = threading.Thread(
+            target=self._write_loop, name="kv-tier-disk-writer", daemon=True
+        )
+        self._writer.start()
+
+    def path_of(self, block_hash: BlockHash) -> Path:
+        return self.directory / f"{block_hash.hex()}{PAGE_SUFFIX}"
+
+    def __contains__(self, block_hash: object) -> bool:
+        with self._lock:
+            return block_hash in self._queued or self._index.get(block_hash) is not None  # type: ignore[arg-type]
+
+    def num_pages(self) -> int:
+        return len(self._index)
+
+    def num_queued(self) -> int:
+        with self._lock:
+            return len(self._queued)
+
+    # ---- writing --------------------------------------------------------------------
+    def store(self, block_hash: BlockHash, fill: FillPage, checksum: int | None = None) -> None:
+        with self._lock:
+            if block_hash in self._queued or self._index.get(block_hash) is not None:
+                return
+            if len(self._queued) >= MAX_QUEUED_WRITES or self._closed:
+                self.counters.store_failures += 1
+                return
+        page = np.empty(self.page_bytes, dtype=np.uint8)
+        fill(page)
+        if checksum is None:
+            checksum = page_checksum(page)
+        with self._lock:
+            self._queued[block_hash] = (page, checksum)
+            self._wake.notify()
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queued and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                block_hash, (page, checksum) = next(iter(self._queued.items()))
+            started = time.perf_counter()
+            written = self._write_file(block_hash, page)
+            with self._lock:
+                self._queued.pop(block_hash, None)
+                counters = self.counters
+                if not written:
+                    counters.store_failures += 1
+                    continue
+                while self._index.is_full:
+                    self._evict_lru()
+                self._index.put(block_hash, checksum)
+                self._stored_event(block_hash)
+                counters.record_store(self.page_bytes, time.perf_counter() - started)
+
+    def _write_file(self, block_hash: BlockHash, page: np.ndarray) -> bool:
+        path = self.path_of(block_hash)
+        temporary = path.with_suffix(".tmp")
+        try:
+            with open(temporary, "wb") as file:
+                file.write(memoryview(page))
+            os.replace(temporary, path)
+            return True
+        except OSError as error:
+            logger.warning(
+                "disk KV tier: could not write %s (%s); the page is not kept", path, error
+            )
+            temporary.unlink(missing_ok=True)
+            return False
+
+    def _evict_lru(self) -> None:
+        """Under the lock: deletes the least recently used page."""
+        victim, _ = self._index.pop_lru()
+        self.path_of(victim).unlink(missing_ok=True)
+        self.counters.evictions += 1
+        self._removed_event(victim)
+
+    # ---- reading --------------------------------------------------------------------
+    def load(self, block_hash: BlockHash, dst: np.ndarray) -> bool:
+        started = time.perf_counter()
+        with self._lock:
+            queued = self._queued.get(block_hash)
+            if queued is not None:
+                np.copyto(dst, queued[0])
+                checksum = queued[1]
+            else:
+                checksum = self._index.get(block_hash)
+                if checksum is None:
+                    return False
+        ok = (queued is not None or self._read_file(block_hash, dst)) and page_checksum(
+            dst
+        ) == checksum
+        with self._lock:
+            self.counters.record_load(ok, self.page_bytes, time.perf_counter() - started)
+        return ok
+
+    def _read_file(self, block_hash: BlockHash, dst: np.ndarray) -> bool:
+        """Reads exactly one page; a short or missing file is a failed load."""
+        try:
+            with open(self.path_of(block_hash), "rb") as file:
+                return file.readinto(memoryview(dst)) == self.page_bytes and not file.read(1)
+        except OSError as error:
+            logger.warning("disk KV tier: could not read %s: %s", self.path_of(block_hash), error)
+            return False
+
+    def discard(self, block_hash: BlockHash) -> None:
+        with self._lock:
+            self._queued.pop(block_hash, None)
+            if self._index.pop(block_hash) is not None:
+                self.path_of(block_hash).unlink(missing_ok=True)
+                self._removed_event(block_hash)
+
+    def close(self) -> None:
+        """Stops the writer; queued pages are dropped (the tier is a cache)."""
+        with self._lock:
+            self._closed = True
+            self._queued.clear()
+            self._wake.notify()
+        self._writer.join(timeout=5.0)

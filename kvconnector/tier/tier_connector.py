@@ -1,0 +1,206 @@
+"""The tier connector: blocks evicted from the pool go to the KV tier, and come back.
+
+It implements the engine's connector seam for the tier alone (a colocated worker), and is
+the first part of ``TieredConnector`` on P/D workers. Both directions ride the ledger:
+
+    write   BlockPool.get_new_blocks evicts block b (hash h)  ─▶ block_evicted: the page of b
+            is copied to the tier now, inside allocate_slots, before this step's forward
+            pass (or a load) writes b's page for its new owner
+            (write_through) BlockPool.cache_full_blocks caches b ─▶ block_cached: noted; after
+            the forward pass wrote its K/V, wait_for_save copies it
+    read    | comp | new_comp (pool hit) | ext_comp (tier hit) | new |
+            get_num_new_matched_tokens: the hashes past the pool's hit the tier holds, in a row
+            update_state_after_alloc:   TierLoad(hashes, ext_comp block ids), delay_cache_blocks
+            start_load_kv:              a loader thread copies the pages in, checksum verified
+            get_finished:               the scheduler caches what landed, recomputes the rest
+
+The last prompt token is never loaded (its logits are needed), as for a pool hit. A tier
+keeps only a single full-attention KV cache group: a sliding window or several groups are
+refused at start.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pdserve.cache import BlockHash, get_block_hash
+from pdserve.cache.kv_cache_block import BlockHashWithGroupId, get_group_id
+from pdserve.engine.kv_connector_base import (
+    FinishedTransfers,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    TierStatsSnapshot,
+    TransferStatsSnapshot,
+)
+from pdserve.kvconnector.load_tracker import LoadTracker
+from pdserve.kvconnector.tier.kv_pages import KVPages
+from pdserve.kvconnector.tier.tier_store import TierStore
+from pdserve.kvconnector.transfer_stats import TransferStats
+from pdserve.messages.kv_tier_config import KVTierConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdserve.cache import KVCacheEvent, KVCacheManager
+    from pdserve.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class TierLoad:
+    """One request's tier hit: the pages of ``block_hashes`` into ``block_ids``, in order."""
+
+    request_id: str
+    block_hashes: list[BlockHash]
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class TierConnectorMetadata(KVConnectorMetadata):
+    tier_loads: list[TierLoad] = field(default_factory=list)
+
+
+class TierConnector(KVConnectorBase):
+    """The KV tier below one worker's block pool, behind the engine's connector seam."""
+
+    def __init__(self, config: KVTierConfig, worker_dir_name: str) -> None:
+        if not config.enabled:
+            raise ValueError("KVTierConfig has neither a cpu nor a disk tier")
+        self.config = config
+        self._worker_dir_name = worker_dir_name
+        self.store: TierStore | None = None
+        self._block_size = 0
+        self._write_through: dict[int, BlockHash] = {}  # block id → hash, cached this step
+        self._pending: list[TierLoad] = []  # engine thread only
+        self._loads = LoadTracker()
+        self._loader: ThreadPoolExecutor | None = None
+        self._no_transfers = TransferStats()
+
+    @property
+    def failure_policy(self) -> str:
+        return "recompute"  # a tier is a cache: whatever it cannot give back is computed
+
+    # ---- set-up ---------------------------------------------------------------------
+    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+        pages = KVPages(kv_cache)
+        self._block_size = kv_cache.shape[3]
+        self.store = TierStore.from_config(
+            self.config, pages, self._block_size, self._worker_dir_name
+        )
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-load")
+
+    def attach_kv_cache_manager(self, manager: KVCacheManager) -> None:
+        kinds = [kind for kind, _ in manager.kv_cache_event_metadata]
+        if kinds != ["full_attention"]:
+            raise ValueError(
+                f"a KV tier keeps one full-attention KV cache group; this model's "
+                f"groups are {kinds}. Run it without kv_tier settings"
+            )
+        manager.block_pool.listener = self
+
+    # ---- the pool's listener: the write side ----------------------------------------
+    def block_evicted(self, block_id: int, block_hash: BlockHashWithGroupId) -> None:
+        self._write_through.pop(block_id, None)
+        self.store.offload(get_block_hash(block_hash), block_id)  # type: ignore[union-attr]
+
+    def block_cached(self, block_id: int, block_hash: BlockHashWithGroupId) -> None:
+        if self.config.write_through and get_group_id(block_hash) == 0:
+            self._write_through[block_id] = get_block_hash(block_hash)
+
+    def wait_for_save(self) -> None:
+        if not self._write_through:
+            return
+        cached, self._write_through = self._write_through, {}
+        for block_id, block_hash in cached.items():
+            self.store.offload(block_hash, block_id)  # type: ignore[union-attr]
+
+    # ---- scheduler side: the read side ----------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        first = num_computed_tokens // self._block_size
+        last = (request.num_tokens - 1) // self._block_size
+        store = self.store
+        end = first
+        while end < last and store.level_holding(request.block_hashes[end]) is not None:  # type: ignore[union-attr]
+            end += 1
+        num_tokens = (end - first) * self._block_size
+        return num_tokens, num_tokens > 0
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        first = request.num_computed_tokens // self._block_size
+        last = first + num_external_tokens // self._block_size
+        hashes = list(request.block_hashes[first:last])
+        for block_hash in hashes:
+            level = self.store.level_holding(block_hash)  # type: ignore[union-attr]
+            if level is not None:
+                level.record_hit()
+        self._pending.append(TierLoad(request.request_id, hashes, block_ids[first:last]))
+
+    def build_connector_meta(self) -> TierConnectorMetadata:
+        loads, self._pending = self._pending, []
+        return TierConnectorMetadata(tier_loads=loads)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
+        return False, None
+
+    def request_aborted(self, request: Request) -> None:
+        queued = [load for load in self._pending if load.request_id == request.request_id]
+        for load in queued:  # never started: reported loaded, so its blocks are freed
+            self._pending.remove(load)
+            self._loads.finish(load.request_id)
+
+    # ---- worker side ----------------------------------------------------------------
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        loads = metadata.tier_loads if isinstance(metadata, TierConnectorMetadata) else []
+        self._loads.start(load.request_id for load in loads)
+        for load in loads:
+            self._loader.submit(self._load, load)  # type: ignore[union-attr]
+
+    def _load(self, load: TierLoad) -> None:
+        """Lands one request's pages in order; from the first that fails, none is used."""
+        num_loaded = 0
+        try:
+            for block_hash, block_id in zip(load.block_hashes, load.block_ids):
+                if not self.store.load(block_hash, block_id):  # type: ignore[union-attr]
+                    break
+                num_loaded += 1
+        except Exception:  # a loader thread must always report back
+            logger.exception("tier load of %s crashed", load.request_id)
+        finally:
+            self._loads.finish(load.request_id, load.block_ids[num_loaded:])
+
+    def get_finished(self) -> FinishedTransfers:
+        return self._loads.take()
+
+    def has_pending_loads(self) -> bool:
+        return self._loads.has_in_flight()
+
+    def is_loading(self, request_id: str) -> bool:
+        return self._loads.is_loading(request_id) or any(
+            load.request_id == request_id for load in self._pending
+        )
+
+    def wait_for_progress(self, timeout_s: float) -> None:
+        self._loads.wait(timeout_s)
+
+    def transfer_stats(self) -> TransferStatsSnapshot:
+        return self._no_transfers.snapshot()  # a tier moves no blocks between workers
+
+    def tier_stats(self) -> list[TierStatsSnapshot]:
+        return self.store.snapshots() if self.store is not None else []
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.store.take_events() if self.store is not None else []
+
+    def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
+        if self.store is not None:
+            self.store.close()

@@ -1,0 +1,1 @@
+"""Moving leased pages between workers: gRPC (server, client), NIXL, the handshake's layout."""

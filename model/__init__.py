@@ -1,0 +1,1 @@
+"""Model code apart from scheduling: architectures, attention, rotary, weight loading."""

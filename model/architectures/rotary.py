@@ -1,0 +1,96 @@
+"""Rotary position embedding (RoPE), with the ``linear`` and ``llama3`` frequency scalings.
+
+The frequencies are computed exactly as transformers does (float32, same formula), so
+logits match the reference to float tolerance. cos/sin come from a table built once;
+each step looks its positions up once and all layers share the rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from pdserve.model.model_config import ModelConfig
+
+
+def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """``[head_dim // 2]`` float32 inverse frequencies, scaled per ``config.rope_scaling``."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta
+        ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+    )
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    return _llama3_scaled(inv_freq, scaling, config.max_position_embeddings)
+
+
+def _llama3_scaled(
+    inv_freq: torch.Tensor, scaling: dict, max_position_embeddings: int
+) -> torch.Tensor:
+    """Llama 3.1: keep high frequencies, divide low ones by ``factor``, blend in between."""
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling.get("original_max_position_embeddings", max_position_embeddings)
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Looks up ``(cos, sin)`` for positions; :func:`apply_rotary` rotates q and k with them.
+
+    A float32 table ``[positions, 2, head_dim]`` (cos, then sin with its first half
+    negated, see :func:`apply_rotary`) is computed once, as transformers computes it, and
+    grown by doubling when a step reaches past it: a step costs one row lookup, not a
+    cos and a sin. ``inv_freq`` is created on the CPU even under a ``meta`` device
+    context (the loader builds the model on ``meta``), and is not saved: checkpoints do
+    not carry it; neither is the table.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
+        self._table = torch.empty(0)
+
+    def forward(
+        self, positions: torch.Tensor, max_position: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``, ``signed sin`` ``[num_tokens, 1, head_dim]``; ``max_position`` bounds ``positions``."""
+        if self._table.shape[0] < max_position or self._table.device != self.inv_freq.device:
+            self._table = self._build_table(max(max_position, 2 * self._table.shape[0], 256))
+        rows = self._table.index_select(0, positions).to(dtype)
+        return rows[:, 0:1], rows[:, 1:2]
+
+    def _build_table(self, num_positions: int) -> torch.Tensor:
+        positions = torch.arange(num_positions, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = positions[:, None] * self.inv_freq.float()[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)  # [positions, head_dim]
+        sin = angles.sin()
+        half = sin.shape[-1] // 2
+        sin[:, :half] = -sin[:, :half]
+        return torch.stack((angles.cos(), sin), dim=1)
+
+
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """Rotate ``x`` ``[num_tokens, heads, head_dim]`` (HF's rotate-half layout) into ``out``.
+
+    HF's ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)`` equals
+    ``x * cos + roll(x, half) * signed_sin`` where ``signed_sin = cat(-sin1, sin2)``:
+    three kernels instead of seven. ``out`` may be ``x`` itself (rotation in place).
+    """
+    rolled = torch.roll(x, x.shape[-1] // 2, dims=-1)
+    return torch.addcmul(x * cos, rolled, signed_sin, out=out)

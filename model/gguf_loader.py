@@ -1,0 +1,119 @@
+"""Loading a Llama model from a GGUF file (llama.cpp's format), e.g. the built-in ``smollm2``.
+
+Every tensor is dequantized to float32 by the ``gguf`` package's own dequantizer, cast to
+the engine dtype, renamed from llama.cpp's names to ours (transformers' names), and, for
+``attn_q`` / ``attn_k``, un-permuted: llama.cpp's converter reorders each head's rows so
+that its RoPE rotates adjacent pairs ``(x0, x1), (x2, x3) ...``, while our RoPE (like
+transformers') rotates halves ``(x0, x_{d/2}), (x1, x_{d/2+1}) ...``. Per head of
+``head_dim`` rows::
+
+    HF row order    [ 0  1  2 ... d/2-1 | d/2  d/2+1 ... d-1 ]      (first half, second half)
+    GGUF row order  [ 0  d/2  1  d/2+1  2  d/2+2 ...  d/2-1  d-1 ]  (the halves interleaved)
+
+so the inverse views each head as ``[2 (pair), d/2]`` rows and swaps the two axes.
+"""
+
+from __future__ import annotations
+
+import re
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Quant
+
+from pdserve.model.model_config import ModelConfig
+
+# Weight types loaded (the package dequantizes each); anything else is refused by name.
+SUPPORTED_QUANTIZATIONS = frozenset(
+    {
+        Quant.F32,
+        Quant.F16,
+        Quant.BF16,
+        Quant.Q4_0,
+        Quant.Q4_1,
+        Quant.Q5_0,
+        Quant.Q5_1,
+        Quant.Q8_0,
+        Quant.Q2_K,
+        Quant.Q3_K,
+        Quant.Q4_K,
+        Quant.Q5_K,
+        Quant.Q6_K,
+    }
+)
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def gguf_has_output_head(reader: gguf.GGUFReader) -> bool:
+    """Whether the file has its own LM head; without one the embedding is tied to it."""
+    return any(tensor.name == "output.weight" for tensor in reader.tensors)
+
+
+def gguf_state_dict(
+    config: ModelConfig, reader: gguf.GGUFReader, dtype: torch.dtype, device: str | torch.device
+) -> dict[str, torch.Tensor]:
+    """The GGUF's tensors under our names, dequantized and un-permuted, in ``dtype`` on ``device``."""
+    state = {}
+    for tensor in reader.tensors:
+        weight = torch.from_numpy(_dequantize(tensor))
+        if tensor.name.endswith("attn_q.weight"):
+            weight = unpermute_rotary_rows(weight, config.num_heads)
+        elif tensor.name.endswith("attn_k.weight"):
+            weight = unpermute_rotary_rows(weight, config.num_kv_heads)
+        state[_our_name(tensor.name)] = weight.to(device=device, dtype=dtype)
+    return state
+
+
+def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (module doc): ``[heads * d, in]`` back to HF order."""
+    rows, columns = weight.shape
+    head_dim = rows // num_heads
+    return (
+        weight.reshape(num_heads, head_dim // 2, 2, columns).transpose(1, 2).reshape(rows, columns)
+    )
+
+
+def _our_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is not None and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    if gguf_name == "rope_freqs.weight":
+        raise ValueError(
+            "GGUF tensor 'rope_freqs.weight' (per-frequency RoPE factors, Llama 3.1 style) "
+            "is not supported"
+        )
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in the Llama model")
+
+
+def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
+    """``[rows, columns]`` float array (GGUF lists dimensions innermost first, numpy outermost first)."""
+    if tensor.tensor_type not in SUPPORTED_QUANTIZATIONS:
+        supported = ", ".join(sorted(quant.name for quant in SUPPORTED_QUANTIZATIONS))
+        raise ValueError(
+            f"GGUF tensor {tensor.name!r} is quantized as {tensor.tensor_type.name}, which is not supported; "
+            f"supported: {supported}"
+        )
+    shape = tuple(int(dim) for dim in reversed(tensor.shape))
+    array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+    # An F32 tensor comes back as a read-only view of the memory-mapped file: copy it out.
+    return array if array.flags.writeable else array.copy()

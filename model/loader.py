@@ -1,0 +1,138 @@
+"""Loading a model: the built-in ``tiny``, a local Hugging Face directory, or a GGUF file
+(a ``.gguf`` path or a built-in name such as ``smollm2``; see ``gguf_loader.py``).
+
+A directory needs ``config.json``, its weights as ``*.safetensors`` (sharded with
+``model.safetensors.index.json``, or any number of files found by globbing) and
+``tokenizer.json``; ``generation_config.json`` is read for end-of-sequence ids when
+present. Nothing is ever downloaded: a name that is not built in and not a local
+directory or ``.gguf`` file is an error.
+
+The model is built on the ``meta`` device and the checkpoint tensors are assigned
+into it, so a large model is never initialised with random weights first.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from pdserve.checkpoint.gguf_file import gguf_metadata, open_gguf
+from pdserve.checkpoint.model_source import ModelSource, hf_eos_token_ids, resolve_model
+from pdserve.model.architectures import build_model
+from pdserve.model.gguf_loader import gguf_has_output_head, gguf_state_dict
+from pdserve.model.model_config import DTYPES, ModelConfig, resolve_dtype
+from pdserve.model.tiny_model import build_tiny_model, tiny_model_config
+from pdserve.tokenizer.gguf_tokenizer import tokenizer_from_gguf
+from pdserve.tokenizer.loading import load_tokenizer
+from pdserve.tokenizer.tokenizer import Tokenizer
+
+# Checkpoint entries that are derived state, not weights.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_model(
+    name_or_path: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
+) -> tuple[nn.Module, ModelConfig, Tokenizer]:
+    """``(model, model_config, tokenizer)`` for any ``--model`` value; model in eval mode."""
+    torch_dtype = resolve_dtype(dtype)
+    source = resolve_model(name_or_path)
+    if source.kind == "tiny":
+        config = tiny_model_config()
+        config.dtype = _dtype_name(torch_dtype)
+        return build_tiny_model(torch_dtype, device), config, load_tokenizer(source)
+    if source.kind == "gguf":
+        return load_gguf_model(source, torch_dtype, device)
+    config = load_model_config(source.path)
+    config.dtype = _dtype_name(torch_dtype)
+    model = load_weights(config, source.path, torch_dtype, device)
+    return model, config, load_tokenizer(source)
+
+
+def load_gguf_model(
+    source: ModelSource, dtype: torch.dtype, device: str | torch.device
+) -> tuple[nn.Module, ModelConfig, Tokenizer]:
+    """One pass over the file: its metadata gives the config and the tokenizer (whose every
+    declared end id stops generation), its tensors the weights."""
+    reader = open_gguf(source.path)
+    metadata = gguf_metadata(reader)
+    config = ModelConfig.from_gguf_metadata(
+        metadata, tie_word_embeddings=not gguf_has_output_head(reader)
+    )
+    config.dtype = _dtype_name(dtype)
+    tokenizer = tokenizer_from_gguf(metadata)
+    config.eos_token_ids = list(tokenizer.eos_token_ids)
+    state = gguf_state_dict(config, reader, dtype, device)
+    model = build_with_weights(config, state, device, f"the tensors of {source.path}")
+    return model, config, tokenizer
+
+
+def load_model_config(directory: str | Path) -> ModelConfig:
+    """Parse ``config.json``, taking end-of-sequence ids from ``generation_config.json`` when it has them."""
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(
+            f"{directory} has no config.json; expected a Hugging Face model directory"
+        )
+    config = ModelConfig.from_hf_config(json.loads(config_path.read_text()))
+    config.eos_token_ids = hf_eos_token_ids(directory)
+    return config
+
+
+def load_weights(
+    config: ModelConfig, directory: str | Path, dtype: torch.dtype, device: str | torch.device
+) -> nn.Module:
+    """Build ``config``'s architecture and fill it from the directory's safetensors."""
+    directory = Path(directory)
+    state: dict[str, torch.Tensor] = {}
+    for shard in _weight_files(directory):
+        with safe_open(str(shard), framework="pt", device="cpu") as reader:
+            for name in reader.keys():
+                if not name.endswith(_IGNORED_SUFFIXES):
+                    state[name] = reader.get_tensor(name).to(device=device, dtype=dtype)
+    return build_with_weights(config, state, device, f"the weights in {directory}")
+
+
+def build_with_weights(
+    config: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device, origin: str
+) -> nn.Module:
+    """``config``'s architecture, built on ``meta`` and given exactly the tensors of ``state``
+    (a tied LM head comes from the embedding); ``origin`` names them in the error."""
+    with torch.device("meta"):
+        model = build_model(config)
+    expected = set(model.state_dict())
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+        expected.discard("lm_head.weight")
+    missing, unexpected = expected - state.keys(), state.keys() - expected
+    if missing or unexpected:
+        raise ValueError(
+            f"{origin} do not match {config.architecture}: "
+            f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    return model.to(device).eval()
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    index_path = directory / "model.safetensors.index.json"
+    if index_path.is_file():
+        shard_names = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+        files = [directory / name for name in shard_names]
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"{index_path} names {file.name}, which is missing")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory} has no *.safetensors weights")
+    return files
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, value in DTYPES.items() if value == dtype)

@@ -1,0 +1,227 @@
+"""The model's shape, read once from a Hugging Face ``config.json`` or a GGUF file's metadata.
+
+Every part that needs a dimension (the model, the runner sizing the KV tensor, the
+ledger's block spec) reads it from this one typed record instead of a loose dict.
+transformers 5 writes RoPE settings as ``rope_parameters`` (with ``rope_theta``
+inside); older files use top-level ``rope_theta`` plus ``rope_scaling``. Both parse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pdserve.checkpoint.gguf_file import require
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+# llama.cpp's ``general.architecture`` -> the model class that runs it.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+
+# The architecture decides whether q/k/v carry a bias when config.json does not say.
+_DEFAULT_ATTENTION_BIAS = {"Qwen2ForCausalLM": True}
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """What the model code and the KV cache need to know about a checkpoint.
+
+    ``rope_scaling`` is ``None`` for plain RoPE, else the HF dict (``rope_type`` plus
+    its parameters). ``attention_bias`` means a bias on q/k/v; Llama checkpoints that
+    set it also put one on ``o_proj`` (``o_proj_bias``). ``sliding_window`` is the
+    Mistral window (a key is visible when ``query_pos - key_pos < sliding_window``),
+    ``None`` for full attention.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    o_proj_bias: bool = False
+    max_position_embeddings: int = 4096
+    eos_token_ids: list[int] = field(default_factory=list)
+    dtype: str = "float32"
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Parse a ``config.json`` dict (transformers 4.x or 5.x layout)."""
+        architectures = hf.get("architectures") or []
+        if not architectures:
+            raise ValueError(
+                "config.json has no 'architectures' entry; cannot tell which model to build"
+            )
+        architecture = architectures[0]
+        num_heads = hf["num_attention_heads"]
+        rope_theta, rope_scaling = _parse_rope(hf)
+        attention_bias = hf.get("attention_bias", _DEFAULT_ATTENTION_BIAS.get(architecture, False))
+        return cls(
+            architecture=architecture,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            attention_bias=attention_bias,
+            o_proj_bias=attention_bias and architecture != "Qwen2ForCausalLM",
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            eos_token_ids=_as_id_list(hf.get("eos_token_id")),
+            dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+            sliding_window=_parse_sliding_window(hf, architecture),
+        )
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: dict[str, Any], tie_word_embeddings: bool) -> ModelConfig:
+        """Parse a GGUF file's metadata (llama.cpp's ``{arch}.*`` keys, see ``model/gguf_loader.py``).
+
+        ``tie_word_embeddings`` is not metadata in GGUF: a file without an ``output.weight``
+        tensor reuses ``token_embd.weight`` as its LM head. End ids come from the tokenizer
+        metadata (``tokenizer_from_gguf``), not from here.
+        """
+        gguf_architecture = require(metadata, "general.architecture")
+        if gguf_architecture not in GGUF_ARCHITECTURES:
+            raise ValueError(
+                f"GGUF architecture {gguf_architecture!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
+            )
+
+        def key(name: str) -> str:
+            return f"{gguf_architecture}.{name}"
+
+        num_heads = require(metadata, key("attention.head_count"))
+        hidden_size = require(metadata, key("embedding_length"))
+        tokens = metadata.get("tokenizer.ggml.tokens") or []
+        return cls(
+            architecture=GGUF_ARCHITECTURES[gguf_architecture],
+            vocab_size=metadata.get(key("vocab_size")) or len(tokens),
+            hidden_size=hidden_size,
+            intermediate_size=require(metadata, key("feed_forward_length")),
+            num_layers=require(metadata, key("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=metadata.get(key("attention.head_count_kv")) or num_heads,
+            head_dim=metadata.get(key("attention.key_length")) or hidden_size // num_heads,
+            rope_theta=float(metadata.get(key("rope.freq_base"), 10000.0)),
+            rope_scaling=_gguf_rope_scaling(metadata, key),
+            rms_norm_eps=float(require(metadata, key("attention.layer_norm_rms_epsilon"))),
+            tie_word_embeddings=tie_word_embeddings,
+            max_position_embeddings=require(metadata, key("context_length")),
+        )
+
+
+def _parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from either config layout."""
+    params = hf.get("rope_parameters")
+    if params is None:
+        scaling = hf.get("rope_scaling")
+        theta = hf.get("rope_theta", 10000.0)
+    else:
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if scaling is not None:
+        scaling = dict(scaling)
+        # transformers 4.x wrote the type under "type" in older files.
+        scaling["rope_type"] = scaling.get("rope_type", scaling.pop("type", "default"))
+        if scaling["rope_type"] == "default":
+            scaling = None
+    return float(theta), scaling
+
+
+def _gguf_rope_scaling(
+    metadata: dict[str, Any], key: Callable[[str], str]
+) -> dict[str, Any] | None:
+    """llama.cpp's ``rope.scaling.type`` / ``.factor`` as the HF scaling dict (``None`` for plain RoPE).
+
+    Other types keep their name, so ``__post_init__`` refuses them clearly."""
+    rope_type = metadata.get(key("rope.scaling.type"), "none")
+    if rope_type == "none":
+        return None
+    scaling: dict[str, Any] = {
+        "rope_type": rope_type,
+        "factor": float(require(metadata, key("rope.scaling.factor"))),
+    }
+    if key("rope.scaling.original_context_length") in metadata:
+        scaling["original_max_position_embeddings"] = metadata[
+            key("rope.scaling.original_context_length")
+        ]
+    return scaling
+
+
+def _parse_sliding_window(hf: dict[str, Any], architecture: str) -> int | None:
+    """The window every layer attends within, or None for full attention.
+
+    Mistral windows every layer when `sliding_window` is set. Qwen2 windows only with
+    `use_sliding_window`, and then the layers from `max_window_layers` on; transformers 5
+    also writes the result as `layer_types`, which wins when present. A mix of full and
+    windowed layers would need one block table per layer group in the runner, which it
+    does not have: that is refused with a clear error rather than computed wrongly.
+    """
+    window = hf.get("sliding_window")
+    if architecture == "Qwen2ForCausalLM" and not hf.get("use_sliding_window"):
+        window = None
+    if architecture not in ("MistralForCausalLM", "Qwen2ForCausalLM") or window is None:
+        return None
+    num_layers = hf["num_hidden_layers"]
+    layer_types = hf.get("layer_types")
+    if layer_types is None and architecture == "Qwen2ForCausalLM":
+        first_windowed = hf.get("max_window_layers", num_layers)
+        layer_types = [
+            "full_attention" if i < first_windowed else "sliding_attention"
+            for i in range(num_layers)
+        ]
+    windowed = {kind == "sliding_attention" for kind in layer_types or ["sliding_attention"]}
+    if windowed == {True, False}:
+        raise ValueError(
+            f"{architecture} mixes full-attention and sliding-window layers ({layer_types}); "
+            "only models whose layers all share one window are supported (Qwen2: set "
+            "max_window_layers to 0, or use_sliding_window to false)"
+        )
+    return int(window) if windowed == {True} else None
+
+
+def _as_id_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"float32"`` / ``"bfloat16"`` / ``"float16"`` (or the torch dtype itself)."""
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")

@@ -1,0 +1,355 @@
+"""One ``LLMEngine`` inside a Ray actor: the step loop, streams, KV events and stats.
+
+The role workers (``prefill.worker.PrefillWorker``, ``decode.worker.DecodeWorker``) are this
+host plus what differs by role: which connector they run (``make_connector``). The host
+knows a ``WorkerSpec`` and the engine's connector interface, never a transport, so it sits in
+the engine layer and both roles import it from below.
+
+The engine is not thread-safe, so exactly one thread ever touches it: the host's *engine
+thread*. Calls from the actor's event loop (add, abort, stats) are queued as ops and applied
+by that thread before its next step; outputs travel back to each request's asyncio queue.
+
+    event loop (Ray calls)                  engine thread
+    generate(req) ─▶ ops.append(add) ───┐
+    (cancelled) ───▶ ops.append(abort) ─┼─▶ apply ops; engine.step(); take KV events
+    stats() ───────▶ ops.append(read) ──┘
+    queue.get() ◀── call_soon_threadsafe ◀─ RequestOutput (cumulative) per changed request
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from pdserve.engine.kv_connector_base import KVConnectorBase
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.request_output import RequestOutput
+from pdserve.messages.engine_config import EngineConfig
+from pdserve.messages.generation import GenerationChunk, ModelInfo, WorkerRequest
+from pdserve.messages.kv_event_batch import KVEventBatch
+from pdserve.messages.kv_provenance import KVProvenance
+from pdserve.messages.kv_transfer_params import KVTransferParams
+from pdserve.messages.worker_spec import WorkerSpec
+from pdserve.messages.worker_stats import WorkerStats, per_tier
+from pdserve.worker.kv_event_log import KVEventLog
+
+logger = logging.getLogger(__name__)
+
+# While only leased blocks remain, step this often so released leases free their blocks.
+_LEASE_POLL_S = 0.02
+_BUSY, _HOLDING, _IDLE = "busy", "holding", "idle"
+# A lease this small is checksummed on the event loop (xxh3 reads ~10 GB/s: ~0.1 ms).
+_INLINE_COMPLETION_BYTES = 1 << 20
+T = TypeVar("T")
+
+
+class EngineHost:
+    """Hosts one engine and serves ``generate`` streams, ``kv_events`` and ``stats``."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        if not isinstance(spec, WorkerSpec):
+            raise TypeError(f"a worker is built from a WorkerSpec, got {type(spec).__name__}")
+        self.spec = spec
+        if spec.cpus is not None:
+            _pin_to(spec.worker_id, spec.cpus)
+        self.worker_id = spec.worker_id
+        self.role = spec.role
+        self.instance_id = uuid.uuid4().hex
+        self.node_id, self.node_ip = _node_identity()
+        engine_config = dataclasses.replace(
+            spec.engine,
+            engine_id=f"{spec.engine.engine_id}-{self.instance_id[:8]}",
+            device=_pick_device(spec.engine.device),
+        )
+        self.engine = LLMEngine(engine_config, connector=self.make_connector(engine_config))
+        self.events = KVEventLog(self.worker_id, self.instance_id)
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"{self.worker_id}-engine"
+        )
+        self._ops: list[Callable[[], None]] = []
+        self._ops_lock = threading.Lock()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+
+    def make_connector(self, engine_config: EngineConfig) -> KVConnectorBase | None:
+        """The connector this role runs; a colocated worker (role ``both``) runs none."""
+        return None
+
+    # ------------------------------------------------------------------ Ray methods
+
+    def model_info(self) -> ModelInfo:
+        config = self.engine.config
+        return ModelInfo(
+            model=config.model,
+            max_model_len=self.engine.max_model_len,
+            block_size=config.block_size,
+            hash_algorithm=config.hash_algorithm,
+            hash_seed=config.hash_seed,
+            eos_token_ids=list(self.engine.tokenizer.eos_token_ids),
+        )
+
+    def kv_events(self, since_seq: int) -> KVEventBatch:
+        return self.events.since(since_seq)
+
+    async def stats(self) -> WorkerStats:
+        """A consistent reading, taken on the engine thread between two steps."""
+        return await self._on_engine_thread(self._read_stats)
+
+    async def generate(self, request: WorkerRequest) -> AsyncIterator[GenerationChunk]:
+        """Streams the request's chunks; cancelling the stream aborts the request."""
+        entered_at = time.perf_counter()
+        self._ensure_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        request_id = request.request_id
+        self._streams[request_id] = queue
+        self._submit(lambda: self._add(request))
+        finished = prompt_logprobs_sent = False
+        first_chunk = True
+        sent_tokens = sent_chars = 0
+        try:
+            while not finished:
+                output = await queue.get()
+                while not queue.empty() and not isinstance(output, GenerationChunk):
+                    output = queue.get_nowait()  # outputs are cumulative: keep the newest
+                if isinstance(output, GenerationChunk):  # add_request refused it
+                    finished = True
+                    yield output
+                    return
+                finished = output.finished
+                transfer_params = output.kv_transfer_params
+                checksum_s = 0.0
+                if transfer_params is not None:  # a prefill's hand-off: completed off the step path
+                    started = time.perf_counter()
+                    transfer_params = await self._complete(transfer_params)
+                    checksum_s = time.perf_counter() - started
+                timing = None
+                if first_chunk:  # where the time to it went
+                    timing = output.stamps.timing(entered_at, time.perf_counter(), checksum_s)
+                    first_chunk = False
+                yield GenerationChunk(
+                    request_id=request_id,
+                    new_token_ids=output.output_token_ids[sent_tokens:],
+                    text_delta=output.text[sent_chars:],
+                    num_output_tokens=len(output.output_token_ids),
+                    finished=output.finished,
+                    finish_reason=output.finish_reason,
+                    num_cached_tokens=output.num_cached_tokens,
+                    kv_transfer_params=transfer_params,
+                    error=output.error,
+                    kv_provenance=self._signed(output.kv_provenance),
+                    new_logprobs=output.output_logprobs[sent_tokens:],
+                    prompt_logprobs=[] if prompt_logprobs_sent else output.prompt_logprobs,
+                    timing=timing,
+                )
+                prompt_logprobs_sent = prompt_logprobs_sent or bool(output.prompt_logprobs)
+                sent_tokens, sent_chars = len(output.output_token_ids), len(output.text)
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._submit(lambda: self.engine.abort(request_id))
+
+    async def _complete(self, params: KVTransferParams) -> KVTransferParams:
+        """The connector's ``complete_transfer_params``: inline for a small lease (a short
+        prompt's checksums take microseconds, a thread hop up to milliseconds under load),
+        on a thread for a large one, so the event loop serving every stream never stalls."""
+        connector = self.engine.connector
+        if connector.completion_bytes(params) <= _INLINE_COMPLETION_BYTES:
+            return connector.complete_transfer_params(params)
+        return await asyncio.to_thread(connector.complete_transfer_params, params)
+
+    async def abort(self, request_id: str) -> None:
+        """Aborts a request, or releases the lease a finished prefill still holds for it."""
+        self._ensure_loop()
+        self._submit(lambda: self.engine.abort(request_id))
+
+    def _signed(self, provenance: KVProvenance | None) -> KVProvenance | None:
+        """The engine's account of a request's prompt KV, with who and where this worker is."""
+        if provenance is not None:
+            provenance.worker_id, provenance.role = self.worker_id, self.role
+            provenance.node_ip = self.node_ip
+        return provenance
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _add(self, request: WorkerRequest) -> None:
+        try:
+            self.engine.add_request(
+                request.request_id,
+                request.prompt_token_ids,
+                request.params,
+                cache_salt=request.cache_salt,
+                remote_decode=request.remote_decode,
+                kv_transfer_params=request.kv_transfer_params,
+            )
+        except (ValueError, TypeError) as error:
+            self._deliver(
+                GenerationChunk(
+                    request.request_id, [], "", 0, True, "error", error=str(error), refused=True
+                )
+            )
+
+    def _read_stats(self) -> WorkerStats:
+        engine = self.engine
+        stats = engine.stats()
+        values: dict[str, Any] = {}
+        if stats.transfer is not None:
+            transfer = dataclasses.asdict(stats.transfer)
+            values = {
+                f.name: transfer[f.name]
+                for f in dataclasses.fields(WorkerStats)
+                if f.name in transfer
+            }
+            values["transfer_latency"] = stats.transfer.transfer_latency
+        for tier in stats.tiers:
+            for name, value in dataclasses.asdict(tier).items():
+                if name != "medium":
+                    values.setdefault(f"kv_tier_{name}", per_tier())[tier.medium] = value
+        return WorkerStats(
+            worker_id=self.worker_id,
+            role=self.role,
+            instance_id=self.instance_id,
+            node_id=self.node_id,
+            node_ip=self.node_ip,
+            num_requests_running=engine.num_running,
+            num_requests_waiting=engine.num_waiting,
+            num_requests=stats.num_requests,
+            num_generation_tokens=stats.num_generation_tokens,
+            prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
+            num_blocks=stats.num_blocks,
+            num_free_blocks=stats.num_free_blocks,
+            kv_cache_usage=stats.kv_cache_usage,
+            num_evictions=stats.num_evictions,
+            num_preemptions=stats.num_preemptions,
+            num_leases_held=engine.num_leases_held,
+            # The scheduler's count is the authority; the connector's counts the same events.
+            num_recompute_fallbacks=stats.num_recompute_fallbacks,
+            **values,
+        )
+
+    async def _on_engine_thread(self, read: Callable[[], T]) -> T:
+        """Runs ``read`` as an op of the engine thread and returns its result."""
+        self._ensure_loop()
+        future: asyncio.Future = self._loop.create_future()
+
+        def op() -> None:
+            try:
+                result = read()
+            except Exception as error:  # noqa: BLE001 — handed to the awaiting caller
+                self._loop.call_soon_threadsafe(future.set_exception, error)
+            else:
+                self._loop.call_soon_threadsafe(future.set_result, result)
+
+        self._submit(op)
+        return await future
+
+    def _submit(self, op: Callable[[], None]) -> None:
+        with self._ops_lock:
+            self._ops.append(op)
+        if self._wakeup is not None:
+            self._loop.call_soon_threadsafe(self._wakeup.set)
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop = asyncio.get_running_loop()
+            self._wakeup = asyncio.Event()
+            self._loop_task = self._loop.create_task(self._run())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        state = _IDLE
+        while True:
+            if state != _BUSY:
+                with self._ops_lock:
+                    pending = bool(self._ops)
+                if not pending:
+                    self._wakeup.clear()
+                    if state == _IDLE:
+                        await self._wakeup.wait()
+                    else:  # blocks held under a lease: poll for the decode side's release
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._wakeup.wait(), _LEASE_POLL_S)
+            state = await loop.run_in_executor(self._executor, self._step)
+
+    def _step(self) -> str:
+        """One engine step in the engine thread: busy, holding (leases only) or idle."""
+        with self._ops_lock:
+            ops, self._ops = self._ops, []
+        for op in ops:
+            op()
+        if not self.engine.has_unfinished_requests():
+            holding = self.engine.num_leases_held > 0
+            if holding:
+                self.engine.step()  # lets the connector report released or expired leases
+            self._take_events()
+            return _HOLDING if holding else _IDLE
+        try:
+            outputs = self.engine.step()
+        except Exception:  # an engine bug must not take the actor down: fail the in-flight requests
+            logger.exception("engine step failed on %s", self.worker_id)
+            self.engine.abort_all()  # every request, streamed or not, loading included
+            for request_id in list(self._streams):
+                self._deliver(
+                    GenerationChunk(
+                        request_id, [], "", 0, True, "error", error="internal engine error"
+                    )
+                )
+            return _IDLE
+        self._take_events()
+        for output in outputs:
+            self._deliver(output)
+        if self.engine.has_unfinished_requests():
+            return _BUSY
+        # A request that just finished may hold its blocks under a lease: keep polling.
+        return _HOLDING if self.engine.num_leases_held > 0 else _IDLE
+
+    def _take_events(self) -> None:
+        events = self.engine.take_kv_events()
+        if events:
+            self.events.extend(events)
+
+    def _deliver(self, output: RequestOutput | GenerationChunk) -> None:
+        queue = self._streams.get(output.request_id)
+        if queue is not None:
+            self._loop.call_soon_threadsafe(queue.put_nowait, output)
+
+
+def _node_identity() -> tuple[str, str]:
+    """The id and address of the Ray node this worker runs on (both "" outside Ray, e.g. in
+    unit tests): ``/stats`` shows them, so a multi-node deployment says where each worker is."""
+    import ray
+
+    if not ray.is_initialized():
+        return "", ""
+    return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+
+def _pick_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _pin_to(worker_id: str, cpus: tuple[int, ...]) -> None:
+    """Pins this process (the engine's torch threads start after this) to ``cpus``."""
+    allowed = os.sched_getaffinity(0)
+    missing = sorted(set(cpus) - allowed)
+    if missing:
+        raise ValueError(
+            f"{worker_id} is to run on CPUs {sorted(cpus)}, but {missing} are not "
+            f"among this node's usable CPUs {sorted(allowed)}"
+        )
+    os.sched_setaffinity(0, cpus)
