@@ -28,13 +28,16 @@ from pdserve.engine.kv_connector_base import (
 )
 from pdserve.kvconnector.pd.pd_connector import PDConnector
 from pdserve.kvconnector.tier.tier_connector import TierConnector
+from pdserve.kvconnector.transport.node_network import on_node_address
 
 if TYPE_CHECKING:
     import torch
 
     from pdserve.cache import KVCacheEvent, KVCacheManager
     from pdserve.engine.request import Request
+    from pdserve.messages.engine_config import EngineConfig
     from pdserve.messages.kv_transfer_params import KVTransferParams
+    from pdserve.messages.worker_spec import WorkerSpec
 
 
 @dataclass(slots=True)
@@ -193,3 +196,30 @@ def with_tier(pd: PDConnector | None, tier: TierConnector | None) -> KVConnector
     if tier is None or pd is None:
         return tier or pd
     return TieredConnector(tier, pd)
+
+
+def worker_connector(spec: WorkerSpec, engine_config: EngineConfig) -> KVConnectorBase | None:
+    """The connector a worker's spec describes, for either role:
+
+        spec.connector  spec.kv_tier   connector
+        None            None           None (colocated, the pool only)
+        None            set            TierConnector
+        set             None           PDConnector (producer or consumer side)
+        set             set            TieredConnector(tier, pd)
+
+    With ``advertise_node_address`` the P/D part binds and advertises the Ray node's address
+    (a prefill's KV service; a NIXL worker's UCX data path uses that node's interface)."""
+    tier = TierConnector(spec.kv_tier, spec.worker_id) if spec.kv_tier else None
+    if spec.connector is None:
+        return tier
+    connector_config = spec.connector
+    if spec.advertise_node_address:
+        connector_config = on_node_address(connector_config)
+    return with_tier(PDConnector.for_engine(connector_config, engine_config), tier)
+
+
+def pd_part(connector: KVConnectorBase | None) -> PDConnector | None:
+    """The P/D connector inside a worker's connector (None: colocated or tier only)."""
+    if isinstance(connector, TieredConnector):
+        return connector.pd
+    return connector if isinstance(connector, PDConnector) else None

@@ -60,6 +60,12 @@ class GenerationChunk:
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     timing: FirstChunkTiming | None = None
 
+    @classmethod
+    def failed(cls, request_id: str, error: str, refused: bool = False) -> GenerationChunk:
+        """The last chunk of a request that ends in an error, with no tokens: ``refused``
+        when the engine turned it down as invalid (a 400), else it failed running (a 500)."""
+        return cls(request_id, [], "", 0, True, "error", error=error, refused=refused)
+
 
 @dataclass(slots=True)
 class ModelInfo:

@@ -1,9 +1,10 @@
 """One ``LLMEngine`` inside a Ray actor: the step loop, streams, KV events and stats.
 
 The role workers (``prefill.worker.PrefillWorker``, ``decode.worker.DecodeWorker``) are this
-host plus what differs by role: which connector they run (``make_connector``). The host
-knows a ``WorkerSpec`` and the engine's connector interface, never a transport, so it sits in
-the engine layer and both roles import it from below.
+host plus the calls only their role answers. The host builds the connector its
+``WorkerSpec`` describes (``kvconnector.pd_with_tier.worker_connector``: the P/D side, a KV
+tier, both, or none) and knows the engine only through the connector seam, so it sits above
+the connector and below both roles, which import it.
 
 The engine is not thread-safe, so exactly one thread ever touches it: the host's *engine
 thread*. Calls from the actor's event loop (add, abort, stats) are queued as ops and applied
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import enum
 import logging
 import os
 import threading
@@ -33,6 +35,8 @@ from typing import Any, TypeVar
 from pdserve.engine.kv_connector_base import KVConnectorBase
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request_output import RequestOutput
+from pdserve.kvconnector.pd.pd_connector import PDConnector
+from pdserve.kvconnector.pd_with_tier import pd_part, worker_connector
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.generation import GenerationChunk, ModelInfo, WorkerRequest
 from pdserve.messages.kv_event_batch import KVEventBatch
@@ -40,16 +44,29 @@ from pdserve.messages.kv_provenance import KVProvenance
 from pdserve.messages.kv_transfer_params import KVTransferParams
 from pdserve.messages.worker_spec import WorkerSpec
 from pdserve.messages.worker_stats import WorkerStats, per_tier
+from pdserve.offload.off_loop import call_by_size
 from pdserve.worker.kv_event_log import KVEventLog
 
 logger = logging.getLogger(__name__)
 
 # While only leased blocks remain, step this often so released leases free their blocks.
 _LEASE_POLL_S = 0.02
-_BUSY, _HOLDING, _IDLE = "busy", "holding", "idle"
 # A lease this small is checksummed on the event loop (xxh3 reads ~10 GB/s: ~0.1 ms).
 _INLINE_COMPLETION_BYTES = 1 << 20
 T = TypeVar("T")
+
+
+class HostState(enum.Enum):
+    """What the engine thread's last step left, and so how the loop waits for the next:
+
+    BUSY     requests to step          → step again at once
+    HOLDING  only leased blocks remain → wake every ``_LEASE_POLL_S`` (a release frees them)
+    IDLE     nothing                   → sleep until an op arrives
+    """
+
+    BUSY = "busy"
+    HOLDING = "holding"
+    IDLE = "idle"
 
 
 class EngineHost:
@@ -83,8 +100,13 @@ class EngineHost:
         self._loop_task: asyncio.Task | None = None
 
     def make_connector(self, engine_config: EngineConfig) -> KVConnectorBase | None:
-        """The connector this role runs; a colocated worker (role ``both``) runs none."""
-        return None
+        """The connector the spec describes (none for a colocated worker without a tier)."""
+        return worker_connector(self.spec, engine_config)
+
+    @property
+    def pd_connector(self) -> PDConnector | None:
+        """The P/D part of this worker's connector (None: colocated)."""
+        return pd_part(self.engine.connector)
 
     # ------------------------------------------------------------------ Ray methods
 
@@ -164,9 +186,12 @@ class EngineHost:
         prompt's checksums take microseconds, a thread hop up to milliseconds under load),
         on a thread for a large one, so the event loop serving every stream never stalls."""
         connector = self.engine.connector
-        if connector.completion_bytes(params) <= _INLINE_COMPLETION_BYTES:
-            return connector.complete_transfer_params(params)
-        return await asyncio.to_thread(connector.complete_transfer_params, params)
+        return await call_by_size(
+            connector.completion_bytes(params),
+            _INLINE_COMPLETION_BYTES,
+            connector.complete_transfer_params,
+            params,
+        )
 
     async def abort(self, request_id: str) -> None:
         """Aborts a request, or releases the lease a finished prefill still holds for it."""
@@ -193,11 +218,7 @@ class EngineHost:
                 kv_transfer_params=request.kv_transfer_params,
             )
         except (ValueError, TypeError) as error:
-            self._deliver(
-                GenerationChunk(
-                    request.request_id, [], "", 0, True, "error", error=str(error), refused=True
-                )
-            )
+            self._deliver(GenerationChunk.failed(request.request_id, str(error), refused=True))
 
     def _read_stats(self) -> WorkerStats:
         engine = self.engine
@@ -268,22 +289,22 @@ class EngineHost:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        state = _IDLE
+        state = HostState.IDLE
         while True:
-            if state != _BUSY:
+            if state is not HostState.BUSY:
                 with self._ops_lock:
                     pending = bool(self._ops)
                 if not pending:
                     self._wakeup.clear()
-                    if state == _IDLE:
+                    if state is HostState.IDLE:
                         await self._wakeup.wait()
                     else:  # blocks held under a lease: poll for the decode side's release
                         with contextlib.suppress(TimeoutError):
                             await asyncio.wait_for(self._wakeup.wait(), _LEASE_POLL_S)
             state = await loop.run_in_executor(self._executor, self._step)
 
-    def _step(self) -> str:
-        """One engine step in the engine thread: busy, holding (leases only) or idle."""
+    def _step(self) -> HostState:
+        """One engine step in the engine thread; the state it leaves."""
         with self._ops_lock:
             ops, self._ops = self._ops, []
         for op in ops:
@@ -293,26 +314,22 @@ class EngineHost:
             if holding:
                 self.engine.step()  # lets the connector report released or expired leases
             self._take_events()
-            return _HOLDING if holding else _IDLE
+            return HostState.HOLDING if holding else HostState.IDLE
         try:
             outputs = self.engine.step()
         except Exception:  # an engine bug must not take the actor down: fail the in-flight requests
             logger.exception("engine step failed on %s", self.worker_id)
             self.engine.abort_all()  # every request, streamed or not, loading included
             for request_id in list(self._streams):
-                self._deliver(
-                    GenerationChunk(
-                        request_id, [], "", 0, True, "error", error="internal engine error"
-                    )
-                )
-            return _IDLE
+                self._deliver(GenerationChunk.failed(request_id, "internal engine error"))
+            return HostState.IDLE
         self._take_events()
         for output in outputs:
             self._deliver(output)
         if self.engine.has_unfinished_requests():
-            return _BUSY
+            return HostState.BUSY
         # A request that just finished may hold its blocks under a lease: keep polling.
-        return _HOLDING if self.engine.num_leases_held > 0 else _IDLE
+        return HostState.HOLDING if self.engine.num_leases_held > 0 else HostState.IDLE
 
     def _take_events(self) -> None:
         events = self.engine.take_kv_events()
