@@ -93,8 +93,14 @@ class TieredConnector(KVConnectorBase):
         if had_params and not pull_async:
             # The P/D part released the lease (nothing left to pull): never ask it again.
             request.kv_transfer_params = None
-        self._split[request.request_id] = (num_tier, num_pull)
-        return num_tier + num_pull, num_tier > 0 or pull_async
+        load_async = num_tier > 0 or pull_async
+        # Kept only for the ``update_state_after_alloc`` that follows an async load: a request
+        # that loads nothing never gets that call, so its entry would stay for good.
+        if load_async:
+            self._split[request.request_id] = (num_tier, num_pull)
+        else:
+            self._split.pop(request.request_id, None)
+        return num_tier + num_pull, load_async
 
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int
