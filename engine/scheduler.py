@@ -176,13 +176,17 @@ class Scheduler:
         Returns the tokens it scheduled (0 while its KV loads from a peer), or None when
         the pool cannot hold it now."""
         manager = self.kv_cache_manager
-        if request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None:
+        # Every prompt position of a prompt-logprobs request needs its logits: no cached KV
+        # from any source serves it, neither a pool hit (as vLLM does) nor a tier or a peer.
+        may_reuse_kv = (
+            request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None
+        )
+        if may_reuse_kv:
             computed_blocks, num_local = manager.get_computed_blocks(request)
-        else:  # its KV arrived from a prefill worker while it waited, or every prompt
-            # position needs its logits (prompt logprobs: no prefix-cache hit, as vLLM does)
+        else:  # its KV arrived from a prefill worker while it waited, or prompt logprobs
             computed_blocks, num_local = None, 0
 
-        if self.connector is not None and request.num_computed_tokens == 0:
+        if self.connector is not None and may_reuse_kv:
             # Past the pool's hit: what a KV tier or a prefill worker holds (ext_comp).
             num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
             if load_async:
