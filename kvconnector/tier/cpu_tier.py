@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from pdserve.cache import BlockHash
-from pdserve.kvconnector.tier.tier_level import FillPage, TierLevel, page_checksum
+from pdserve.kvconnector.checksum import page_checksum
+from pdserve.kvconnector.tier.tier_level import FillPage, TierLevel
 from pdserve.kvconnector.tier.tier_lru import TierLRU, capacity_for_budget
 
 

@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.cache import BlockHash
-from pdserve.kvconnector.tier.tier_level import FillPage, TierLevel, page_checksum
+from pdserve.kvconnector.checksum import page_checksum
+from pdserve.kvconnector.tier.tier_level import FillPage, TierLevel
 from pdserve.kvconnector.tier.tier_lru import TierLRU, capacity_for_budget
 
 logger = logging.getLogger(__name__)

@@ -20,15 +20,9 @@ import numpy as np
 
 from pdserve.cache import BlockHash, BlockRemoved, BlockStored, KVCacheEvent
 from pdserve.engine.kv_connector_base import TierStatsSnapshot
-from pdserve.kvconnector.checksum import page_checksums
 
 FillPage = Callable[[np.ndarray], None]
 """Copies one page into the ``[page_bytes]`` uint8 buffer it is given."""
-
-
-def page_checksum(page: np.ndarray) -> int:
-    """xxh3_64 of one page held in a ``[page_bytes]`` buffer (the P/D plane's checksum)."""
-    return page_checksums(page.reshape(1, -1), (0,))[0]
 
 
 @dataclass(slots=True)

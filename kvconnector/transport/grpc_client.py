@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import torch
 
-from pdserve.kvconnector.checksum import page_view
+from pdserve.kvconnector.checksum import page_view, verify_pages
 from pdserve.kvconnector.pinned_staging import PinnedStaging
 from pdserve.kvconnector.transfer_stats import TransferStats
 from pdserve.kvconnector.transport.base import (
@@ -27,7 +27,6 @@ from pdserve.kvconnector.transport.base import (
     ReadResult,
     TransferError,
     check_read_arguments,
-    verify_pages,
 )
 from pdserve.kvconnector.transport.block_chunk import decode_block_chunk
 from pdserve.kvconnector.transport.grpc_server import (

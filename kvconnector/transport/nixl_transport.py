@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdserve.kvconnector.checksum import page_view
+from pdserve.kvconnector.checksum import page_view, verify_blocks, verify_pages
 from pdserve.kvconnector.pd.lease import LeaseTable
 from pdserve.kvconnector.transfer_stats import TransferStats
 from pdserve.kvconnector.transport.backoff import IdleBackoff
@@ -65,8 +65,6 @@ from pdserve.kvconnector.transport.base import (
     ReadResult,
     TransferError,
     check_read_arguments,
-    verify_blocks,
-    verify_pages,
 )
 from pdserve.kvconnector.transport.grpc_client import (
     DEFAULT_MIN_TRANSFER_RATE,

@@ -165,11 +165,11 @@ def corrupt_landed_pages(every_nth: int) -> Callable:
     def install(worker) -> None:
         import sys
 
-        from pdserve.kvconnector import transport
+        from pdserve.kvconnector import checksum
 
         client_module = sys.modules[type(worker.engine.connector._client).__module__]
         if not every_nth:
-            client_module.verify_pages = transport.verify_pages
+            client_module.verify_pages = checksum.verify_pages
             return
         calls = [0]
 
@@ -177,7 +177,7 @@ def corrupt_landed_pages(every_nth: int) -> Callable:
             calls[0] += 1
             if calls[0] % every_nth == 0 and len(local_block_ids):
                 pages[local_block_ids[0]][7] ^= 0xFF
-            return transport.verify_pages(pages, local_block_ids, expected_checksums)
+            return checksum.verify_pages(pages, local_block_ids, expected_checksums)
 
         client_module.verify_pages = corrupting
 
