@@ -62,6 +62,7 @@ from pdserve.messages.generation import GenerationChunk, ModelInfo, WorkerReques
 from pdserve.messages.kv_transfer_params import KVTransferParams
 from pdserve.messages.sampling_params import SamplingParams
 from pdserve.messages.worker_stats import WorkerStats
+from pdserve.offload.off_loop import call_by_size
 from pdserve.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -213,18 +214,18 @@ class RequestOrchestrator:
     async def prepare_off_loop(self, parsed: ParsedCompletion) -> tuple[list[int], SamplingParams]:
         """``prepare``, on a worker thread when the prompt is long."""
         size = len(parsed.prompt_text or "") + len(parsed.prompt_token_ids or ())
-        if size <= _INLINE_PROMPT_SIZE:
-            return self.prepare(parsed)
-        return await asyncio.to_thread(self.prepare, parsed)
+        return await call_by_size(size, _INLINE_PROMPT_SIZE, self.prepare, parsed)
 
     async def hash_blocks(self, token_ids: list[int], cache_salt: str | None) -> list[BlockHash]:
         """The prompt's block hashes, salted like the workers' (a tenant's prefix never
         routes by another's blocks); on a worker thread when the prompt is long."""
-        block_size = self.model_info.block_size
-        if len(token_ids) <= _INLINE_PROMPT_SIZE:
-            return self.hasher.hash_request_blocks(token_ids, block_size, cache_salt=cache_salt)
-        return await asyncio.to_thread(
-            self.hasher.hash_request_blocks, token_ids, block_size, cache_salt=cache_salt
+        return await call_by_size(
+            len(token_ids),
+            _INLINE_PROMPT_SIZE,
+            self.hasher.hash_request_blocks,
+            token_ids,
+            self.model_info.block_size,
+            cache_salt=cache_salt,
         )
 
     def admit(self) -> None:
