@@ -36,13 +36,3 @@ class KVProvenance:
     worker_id: str = ""
     role: str = ""
     node_ip: str = ""
-
-    @property
-    def num_accounted_tokens(self) -> int:
-        """The four sources together: equals ``num_prompt_tokens`` in every account."""
-        return (
-            self.num_cache_hit_tokens
-            + self.num_pulled_tokens
-            + self.num_recomputed_tokens
-            + self.num_computed_tokens
-        )

@@ -474,7 +474,3 @@ GATEWAY_STATS: tuple[Stat, ...] = (
         "itl_p99_s", G, "seconds", "p99 inter-token latency, recent tokens.", None, total=Total.MAX
     ),
 )
-
-
-def by_name(stats: tuple[Stat, ...]) -> dict[str, Stat]:
-    return {stat.name: stat for stat in stats}
