@@ -276,6 +276,15 @@ class KVCacheManager:
         window has left from being loaded, and then cached, at all."""
         self.coordinator.remove_skipped_blocks(request.request_id, num_computed_tokens)
 
+    def end_step(self) -> None:
+        """The engine step finished: the blocks it cached hold their K/V."""
+        self.block_pool.end_step()
+
+    def uncache_step_blocks(self) -> int:
+        """The engine step failed: forget the hashes of the blocks it cached (their K/V may
+        never have been written); the caller then aborts the step's requests."""
+        return self.block_pool.uncache_step_blocks()
+
     def free(self, request: CacheRequest) -> None:
         """Release the request's blocks, tail first, so its chain's tail is evicted first."""
         self.coordinator.free(request.request_id)

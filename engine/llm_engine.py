@@ -246,6 +246,20 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step: schedule, load, forward, sample, apply; the requests that changed.
+
+        A step that raises leaves no hash behind for a block it cached: the forward that
+        was to write those blocks may not have run (``KVCacheManager.uncache_step_blocks``).
+        The caller then aborts every request (``abort_all``, as ``EngineHost`` does)."""
+        try:
+            changed = self._step()
+        except BaseException:
+            self.kv_cache_manager.uncache_step_blocks()
+            raise
+        self.kv_cache_manager.end_step()
+        return changed
+
+    def _step(self) -> list[RequestOutput]:
         scheduler = self.scheduler
         output = scheduler.schedule()
         if self.connector is not None and output.connector_metadata is not None:

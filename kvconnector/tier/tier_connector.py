@@ -111,6 +111,9 @@ class TierConnector(KVConnectorBase):
         if self.config.write_through and get_group_id(block_hash) == 0:
             self._write_through[block_id] = get_block_hash(block_hash)
 
+    def block_uncached(self, block_id: int) -> None:
+        self._write_through.pop(block_id, None)  # its page was never written: never offload
+
     def wait_for_save(self) -> None:
         if not self._write_through:
             return
