@@ -31,7 +31,9 @@ def test_prompt_logprobs_cover_every_position_of_a_prompt_the_tier_holds() -> No
         engine.generate([[rng.randrange(1, 500) for _ in range(100)]], GREEDY)
     assert any(tier.blocks_stored for tier in engine.stats().tiers), "A never reached the tier"
 
-    with_logprobs = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    with_logprobs = SamplingParams(
+        max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=1
+    )
     output = engine.generate([prompt_a], with_logprobs)[0]
 
     # Position 0 has nothing before it (None, as in vLLM); every other one has its logprob.
