@@ -276,14 +276,15 @@ class RequestOrchestrator:
     async def run_phases(self, run: RequestRun) -> AsyncIterator[StreamDelta]:
         """``generate``'s body: the phases, in order, for an already built ``RequestRun``."""
         self.decide_disaggregation(run)
-        async for delta in self.prefill(run):
-            yield self.account(run, delta)
-        if not run.needs_decode:
-            run.started_final_stream(run.prefill_id)  # it ended at its first token
-            return
-        self.hand_off(run)
         completed = False
-        try:
+        try:  # from the first token on (a client may hang up at it), a lease may be held
+            async for delta in self.prefill(run):
+                yield self.account(run, delta)
+            if not run.needs_decode:
+                run.started_final_stream(run.prefill_id)  # it ended at its first token
+                completed = True
+                return
+            self.hand_off(run)
             async for delta in self.decode_stream(run):
                 yield self.account(run, delta)
             completed = True
@@ -334,6 +335,8 @@ class RequestOrchestrator:
                 async for chunk in self.worker_stream(run.prefill_id, request, first=True):
                     run.timeline.answered("prefill", chunk)
                     run.last_prefill_chunk = chunk
+                    # The lease the prefill granted: held from here, released if unused.
+                    run.kv_transfer_params = chunk.kv_transfer_params
                     hands_off = run.remote_decode and chunk.finish_reason == "length"
                     delta = run.emitter.update(chunk, final=not hands_off)
                     if not run.remote_decode:
@@ -348,7 +351,6 @@ class RequestOrchestrator:
 
     def hand_off(self, run: RequestRun) -> None:
         """The prefill's ``KVTransferParams`` (None: the decode side recomputes) go to decode."""
-        run.kv_transfer_params = run.last_prefill_chunk.kv_transfer_params
         if run.kv_transfer_params is not None:
             run.lease_id = run.kv_transfer_params.lease_id
 
