@@ -271,6 +271,7 @@ class PDConnector(KVConnectorBase):
         error_message: str | None = None
         started = time.perf_counter()
         summary: PullSummary | None = None
+        peer: PeerInfo | None = None
         try:
             peer = self._peer(load.params)
             handshake_s = time.perf_counter() - started
@@ -315,7 +316,8 @@ class PDConnector(KVConnectorBase):
                 error_message,
                 summary or PullSummary(0, 0, time.perf_counter() - started),
             )
-            self._release_remote(load.params)
+            if peer is not None:  # a peer that never answered the handshake holds no read
+                self._release_remote(peer, load.params)
 
     def _renew_if_expiring(self, peer: PeerInfo, params: KVTransferParams) -> None:
         """Renews a lease that waited long for admission here, so the read finds it alive.
@@ -329,9 +331,11 @@ class PDConnector(KVConnectorBase):
             params.lease_expires_at = self._client.renew(peer, params.lease_id)  # type: ignore[union-attr]
             self.stats.record_lease_renewal()
 
-    def _release_remote(self, params: KVTransferParams) -> None:
+    def _release_remote(self, peer: PeerInfo, params: KVTransferParams) -> None:
+        """Releases the lease through the peer the pull used: never a second handshake (a
+        dead peer would hold this transfer thread for another deadline)."""
         try:
-            self._client.release(self._peer(params), params.lease_id)  # type: ignore[union-attr]
+            self._client.release(peer, params.lease_id)  # type: ignore[union-attr]
         except (TransferError, ValueError) as error:
             logger.info(
                 "release of lease %s at %s failed (it will expire): %s",
