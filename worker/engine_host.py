@@ -361,7 +361,12 @@ def _pick_device(device: str) -> str:
 
 
 def _pin_to(worker_id: str, cpus: tuple[int, ...]) -> None:
-    """Pins this process (the engine's torch threads start after this) to ``cpus``."""
+    """Pins every thread of this process to ``cpus``; threads started later inherit it.
+
+    ``sched_setaffinity(0, …)`` sets the *calling thread's* mask only: the thread that runs
+    an actor's constructor is not the one that later starts the engine thread, so pinning
+    it alone left the engine (and its torch threads) unpinned. Linux lists a process's
+    threads in ``/proc/self/task``."""
     allowed = os.sched_getaffinity(0)
     missing = sorted(set(cpus) - allowed)
     if missing:
@@ -369,4 +374,6 @@ def _pin_to(worker_id: str, cpus: tuple[int, ...]) -> None:
             f"{worker_id} is to run on CPUs {sorted(cpus)}, but {missing} are not "
             f"among this node's usable CPUs {sorted(allowed)}"
         )
-    os.sched_setaffinity(0, cpus)
+    for thread_id in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(thread_id), cpus)
