@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from pdserve.engine.kv_connector_base import KVConnectorBase
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.llm_engine import LLMEngine, resolve_device
 from pdserve.engine.request_output import RequestOutput
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.generation import GenerationChunk, ModelInfo, WorkerRequest
@@ -68,7 +68,7 @@ class EngineHost:
         engine_config = dataclasses.replace(
             spec.engine,
             engine_id=f"{spec.engine.engine_id}-{self.instance_id[:8]}",
-            device=_pick_device(spec.engine.device),
+            device=resolve_device(spec.engine.device),
         )
         self.engine = LLMEngine(engine_config, connector=self.make_connector(engine_config))
         self.events = KVEventLog(self.worker_id, self.instance_id)
@@ -333,14 +333,6 @@ def _node_identity() -> tuple[str, str]:
     if not ray.is_initialized():
         return "", ""
     return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
-
-
-def _pick_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _pin_to(worker_id: str, cpus: tuple[int, ...]) -> None:
