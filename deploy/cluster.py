@@ -19,6 +19,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from pdserve.deploy.config import PDServeConfig
 
@@ -71,20 +72,25 @@ def deploy(
     config = config.resolve_deployment_secrets()
     check_placement(resource_demands(config), ray.nodes())  # a clear error, not a hang
     start = time.perf_counter()
-    serve.start(
-        http_options={"host": config.host, "port": config.port},
-        proxy_location=config.proxy_location,
-    )
+    serve.start(**serve_start_options(config))
     internal_kv._internal_kv_put(
         _config_key(config.app_name), config.model_dump_json(), overwrite=True
     )
-    serve.run(
-        build(config, retiring_from),
-        name=config.app_name,
-        route_prefix=config.route_prefix,
-        blocking=blocking,
-    )
+    serve.run(build(config, retiring_from), **serve_run_options(config), blocking=blocking)
     return time.perf_counter() - start
+
+
+def serve_start_options(config: PDServeConfig) -> dict[str, Any]:
+    """``serve.start``'s arguments: where Serve's HTTP proxies listen."""
+    return {
+        "http_options": {"host": config.host, "port": config.port},
+        "proxy_location": config.proxy_location,
+    }
+
+
+def serve_run_options(config: PDServeConfig) -> dict[str, Any]:
+    """``serve.run``'s arguments but the app: its name and route."""
+    return {"name": config.app_name, "route_prefix": config.route_prefix}
 
 
 def scale(

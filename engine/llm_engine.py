@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Sequence
@@ -77,6 +78,7 @@ class LLMEngine:
         connector: KVConnectorBase | None = None,
     ) -> None:
         configure_torch_threads(config.torch_threads)
+        config = dataclasses.replace(config, device=resolve_device(config.device))
         self.config = config
         self.model, self.model_config, self.tokenizer = load_model(
             config.model, dtype=config.dtype, device=config.device
@@ -410,3 +412,13 @@ def _record_prompt_logprobs(logits: torch.Tensor, chunk, request: Request) -> No
     request.prompt_logprobs.extend(
         token_logprobs(logits[: len(targets)], targets, [k] * len(targets))
     )
+
+
+def resolve_device(device: str) -> str:
+    """``auto``: cuda when this process sees a GPU (a Ray worker sees the ones it was given),
+    else cpu; any other device as it is."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from pdserve.engine.kv_connector_base import KVConnectorBase
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.llm_engine import LLMEngine, resolve_device
 from pdserve.engine.request_output import RequestOutput
 from pdserve.kvconnector.pd.pd_connector import PDConnector
 from pdserve.kvconnector.pd_with_tier import pd_part, worker_connector
@@ -85,7 +85,7 @@ class EngineHost:
         engine_config = dataclasses.replace(
             spec.engine,
             engine_id=f"{spec.engine.engine_id}-{self.instance_id[:8]}",
-            device=_pick_device(spec.engine.device),
+            device=resolve_device(spec.engine.device),
         )
         self.engine = LLMEngine(engine_config, connector=self.make_connector(engine_config))
         self.events = KVEventLog(self.worker_id, self.instance_id)
@@ -350,14 +350,6 @@ def _node_identity() -> tuple[str, str]:
     if not ray.is_initialized():
         return "", ""
     return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
-
-
-def _pick_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _pin_to(worker_id: str, cpus: tuple[int, ...]) -> None:

@@ -70,4 +70,4 @@ def test_each_role_gets_its_own_cpus_in_its_spec():
         is None
     )
     with pytest.raises(ValueError, match="cpus must name at least one CPU"):
-        WorkerSpec("decode-0", config.engine_config("decode-0", "cpu"), cpus=())
+        WorkerSpec("decode-0", config.worker_spec("consumer", 0).engine, cpus=())

@@ -103,7 +103,7 @@ def test_two_gateway_replicas_share_the_load_and_answer_stats_and_records_as_one
 
 def test_each_replica_admits_its_share_and_grpc_needs_one_replica():
     config = PDServeConfig(model="tiny", num_gateway_replicas=3, max_inflight_requests=10)
-    assert config.gateway_config().max_inflight_requests == 4  # ceil(10 / 3)
+    assert config.gateway_config().max_inflight_per_replica == 4  # ceil(10 / 3)
     with pytest.raises(ValueError, match="gRPC Generate service .* one gateway replica"):
         PDServeConfig(model="tiny", num_gateway_replicas=2, grpc_port=50051)
 
