@@ -111,7 +111,9 @@ class RequestRun:
     last_prefill_chunk: GenerationChunk | None = None
     last_decode_chunk: GenerationChunk | None = None
     kv_transfer_params: KVTransferParams | None = field(default=None, repr=False)
-    lease_id: str | None = None  # the lease handed to the decode worker, kept after a replay
+    # A lease went to the decode worker (kept after a replay). Its id is a capability: it
+    # stays inside the deployment, never in a reply or /v1/requests.
+    handed_off: bool = False
     created: float = field(default_factory=time.time)
     # The worker whose stream ends the request (decode, or prefill when it runs whole),
     # set with ``final_stream_started`` at that stream's first delta: its cache then holds
@@ -351,8 +353,7 @@ class RequestOrchestrator:
 
     def hand_off(self, run: RequestRun) -> None:
         """The prefill's ``KVTransferParams`` (None: the decode side recomputes) go to decode."""
-        if run.kv_transfer_params is not None:
-            run.lease_id = run.kv_transfer_params.lease_id
+        run.handed_off = run.kv_transfer_params is not None
 
     async def decode_stream(self, run: RequestRun) -> AsyncIterator[StreamDelta]:
         """The decode worker's stream, replayed on another worker if this one is lost."""
@@ -413,7 +414,7 @@ class RequestOrchestrator:
             self.model_info.block_size,
             prefill=run.last_prefill_chunk.kv_provenance if run.last_prefill_chunk else None,
             decode=decode.kv_provenance if decode is not None else None,
-            lease_id=run.lease_id,
+            handed_off=run.handed_off,
             ttft_s=emitter.ttft_s(),
             itl_s=emitter.mean_itl_s(),
             e2e_s=time.perf_counter() - emitter.start,

@@ -49,7 +49,7 @@ class RequestProvenance:
     block_size: int
     prefill: KVProvenance | None
     decode: KVProvenance | None
-    lease_id: str | None  # the prefill's lease the decode worker was handed, if any
+    handed_off: bool  # the decode worker was handed the prefill's lease (never its id)
     ttft_s: float
     itl_s: float  # mean time between output tokens after the first
     e2e_s: float
@@ -66,7 +66,7 @@ class RequestProvenance:
             counts["prefill_cache_hit"] = self.prefill.num_cache_hit_tokens
             counts["prefill_computed"] = self.prefill.num_computed_tokens
         if self.decode is not None:
-            skipped = self.decode.num_computed_tokens if self.lease_id is not None else 0
+            skipped = self.decode.num_computed_tokens if self.handed_off else 0
             counts["decode_cache_hit"] = self.decode.num_cache_hit_tokens
             counts["pulled"] = self.decode.num_pulled_tokens
             counts["decode_recomputed"] = self.decode.num_recomputed_tokens + skipped
@@ -98,7 +98,7 @@ class RequestProvenance:
             "prefill": _worker_json(self.prefill),
             "decode": _worker_json(decode),
             "transfer": {
-                "lease_id": self.lease_id,
+                "handed_off": self.handed_off,
                 "num_blocks": decode.num_blocks_pulled if decode else 0,
                 "num_bytes": decode.num_bytes_pulled if decode else 0,
                 "seconds": decode.transfer_s if decode else 0.0,

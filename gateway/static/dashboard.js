@@ -173,7 +173,7 @@ function requestRow(record, now) {
   const cells = [record.request_id.slice(0, 17), `${Math.max(0, now - record.created).toFixed(0)} s`,
     record.num_prompt_tokens, record.num_output_tokens, bars, workerCell(record.prefill),
     workerCell(record.decode), transfer.num_blocks, byteString(transfer.num_bytes),
-    ms(transfer.seconds), transfer.lease_id ? transfer.lease_id.slice(0, 8) : "–",
+    ms(transfer.seconds), transfer.handed_off ? "yes" : "–",
     ms(record.ttft_s), ms(record.itl_s), record.finish_reason || "–"];
   cells.forEach((cell) => row.appendChild(cell instanceof Node ? cell : element("td", String(cell))));
   row.firstChild.title = record.request_id;

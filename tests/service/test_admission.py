@@ -381,7 +381,7 @@ def test_a_client_hanging_up_at_any_token_releases_the_prefill_lease_at_once(han
         pool = FakePool([], ["decode-0"])
         pool.prefill = {"prefill-0": LeasingWorker("prefill-0")}
         pool.all = {**pool.prefill, **pool.decode}
-        service = make_service(pool)
+        service = make_service(pool, disagg_min_uncached_tokens=0)  # always hand off
         params = SamplingParams(max_tokens=4, temperature=0, seed=1)
         stream = service.generate("r", service.tokenizer.encode("hello"), params)
         for _ in range(hang_up_after):
@@ -390,5 +390,25 @@ def test_a_client_hanging_up_at_any_token_releases_the_prefill_lease_at_once(han
         for _ in range(20):  # the release runs as its own task
             await asyncio.sleep(0)
         assert pool.prefill["prefill-0"].released == ["r"]
+
+    asyncio.run(scenario())
+
+
+def test_no_reply_and_no_recent_request_carries_the_lease_id():
+    """A lease id is a bearer capability for the prefill's KV pages: it stays between the
+    workers and the gateway (before the fix every reply's kv_provenance and /v1/requests
+    carried it)."""
+
+    async def scenario() -> None:
+        pool = FakePool([], ["decode-0"])
+        pool.prefill = {"prefill-0": LeasingWorker("prefill-0")}
+        pool.all = {**pool.prefill, **pool.decode}
+        service = make_service(pool, disagg_min_uncached_tokens=0)  # always hand off
+        params = SamplingParams(max_tokens=4, temperature=0, seed=1)
+        deltas = [d async for d in service.generate("r", service.tokenizer.encode("hi"), params)]
+        provenance = deltas[-1].kv_provenance.to_json()
+        assert provenance["transfer"]["handed_off"] is True
+        assert "lease-1" not in json.dumps(provenance)
+        assert "lease-1" not in json.dumps([r.to_json() for r in service.recent.latest(10)])
 
     asyncio.run(scenario())

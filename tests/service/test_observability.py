@@ -83,7 +83,7 @@ def test_a_reply_says_where_its_prompt_kv_came_from_and_the_bytes_match_the_coun
         == growth(before, after, "prefill-0", "num_bytes_sent")
         > 0
     )
-    assert transfer["lease_id"] and transfer["seconds"] > 0
+    assert transfer["handed_off"] is True and transfer["seconds"] > 0
     assert 0 < provenance["ttft_s"] <= provenance["e2e_s"] and provenance["itl_s"] > 0
     assert get_json(service, f"/v1/requests/{body['id']}") == provenance
 
