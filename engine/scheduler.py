@@ -346,6 +346,7 @@ class Scheduler:
                 self.requests.pop(request_id, None)
                 continue
             request.kv_pull = finished.pulls.get(request_id)
+            request.num_tokens_from_tier = finished.tier_tokens.get(request_id, 0)
             self._finish_load(
                 request, finished.failed_block_ids, finished.load_errors.get(request_id)
             )
@@ -388,7 +389,14 @@ class Scheduler:
             # Blocks a sliding window will have left were dropped for the load; recomputing
             # from the bad block would read them: the prompt starts over instead.
             num_loaded = request.num_computed_tokens = 0
-        request.num_pulled_tokens = max(0, num_loaded - request.num_computed_tokens)
+        # | pool hit | tier | pull |: what landed intact, the tier's part first.
+        num_landed = max(0, num_loaded - request.num_computed_tokens)
+        request.num_tier_tokens = min(num_landed, request.num_tokens_from_tier)
+        request.num_pulled_tokens = num_landed - request.num_tier_tokens
+        # A tier hit is a cache hit (vLLM's cached_tokens counts it); a pull is not.
+        request.num_cached_tokens = max(
+            request.num_cached_tokens, request.num_computed_tokens + request.num_tier_tokens
+        )
         request.kv_transfer_params = None  # the lease is released; a preemption recomputes
         request.stamps.record_load(request.kv_pull)
         request.status = RequestStatus.WAITING

@@ -55,6 +55,7 @@ class _SplitLoad:
     failed_block_ids: set[int] = field(default_factory=set)
     load_error: str | None = None
     pull: PullSummary | None = None
+    tier_tokens: int = 0
 
 
 class TieredConnector(KVConnectorBase):
@@ -156,6 +157,7 @@ class TieredConnector(KVConnectorBase):
                 load.failed_block_ids |= part.failed_block_ids & load.block_ids
                 load.load_error = load.load_error or part.load_errors.get(request_id)
                 load.pull = load.pull or part.pulls.get(request_id)
+                load.tier_tokens = load.tier_tokens or part.tier_tokens.get(request_id, 0)
         for request_id, load in list(self._loads.items()):
             if load.parts_left <= 0:
                 del self._loads[request_id]
@@ -165,6 +167,8 @@ class TieredConnector(KVConnectorBase):
                     finished.load_errors[request_id] = load.load_error
                 if load.pull is not None:
                     finished.pulls[request_id] = load.pull
+                if load.tier_tokens:
+                    finished.tier_tokens[request_id] = load.tier_tokens
         return finished
 
     def has_pending_loads(self) -> bool:

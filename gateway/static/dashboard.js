@@ -11,8 +11,10 @@ const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf"
 // Prompt KV sources, in prompt order per worker (see gateway/request_provenance.py).
 const SOURCES = {
   prefill_cache_hit: ["P", "#2ca02c", "prefill cache hit"],
+  prefill_tier_hit: ["P", "#8c564b", "prefill KV tier hit"],
   prefill_computed: ["P", "#ff7f0e", "computed by prefill"],
   decode_cache_hit: ["D", "#17becf", "held by decode (dedup)"],
+  decode_tier_hit: ["D", "#bcbd22", "decode KV tier hit"],
   pulled: ["D", "#1f77b4", "pulled from prefill"],
   decode_recomputed: ["D", "#d62728", "recomputed on decode"],
   decode_prefilled: ["D", "#9467bd", "prefilled on decode"],

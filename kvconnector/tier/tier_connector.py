@@ -177,7 +177,11 @@ class TierConnector(KVConnectorBase):
         except Exception:  # a loader thread must always report back
             logger.exception("tier load of %s crashed", load.request_id)
         finally:
-            self._loads.finish(load.request_id, load.block_ids[num_loaded:])
+            self._loads.finish(
+                load.request_id,
+                load.block_ids[num_loaded:],
+                tier_tokens=len(load.block_ids) * self._block_size,
+            )
 
     def get_finished(self) -> FinishedTransfers:
         return self._loads.take()
