@@ -29,6 +29,7 @@ fresh random one per app) and the README's "Security and threat model".
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import secrets
 import warnings
@@ -318,6 +319,10 @@ class PDServeConfig(_PartsSettings):  # type: ignore[misc,valid-type]  # generat
             publish_kv_events=True,
         )
         kv_tier = KV_TIER.build(self)
+        if kv_tier.disk_path is not None:  # each app its own pages: <disk_path>/<app>/<worker>
+            kv_tier = dataclasses.replace(
+                kv_tier, disk_path=str(Path(kv_tier.disk_path) / self.app_name)
+            )
         kv_tier = kv_tier if kv_tier.enabled else None
         cpus = self.prefill_cpus if role == "producer" else self.decode_cpus
         cpus = tuple(cpus) if cpus else None

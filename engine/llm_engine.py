@@ -112,6 +112,7 @@ class LLMEngine:
             enable_kv_cache_events=True,
         )
         self.connector = connector
+        self._shut_down = False
         if connector is not None:
             connector.register_kv_caches(self.runner.kv_cache)
             connector.attach_kv_cache_manager(self.kv_cache_manager)
@@ -383,7 +384,9 @@ class LLMEngine:
         return [finished[request_id] for request_id in ids]
 
     def shutdown(self) -> None:
-        if self.connector is not None:
+        """Stops the connector's servers and threads (once: later calls do nothing)."""
+        if self.connector is not None and not self._shut_down:
+            self._shut_down = True
             self.connector.shutdown()
 
 

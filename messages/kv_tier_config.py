@@ -23,8 +23,9 @@ class KVTierConfig:
     """Host memory per worker for blocks evicted from the pool (0: no cpu tier); pinned when
     the pool is on a GPU."""
     disk_path: str | None = None
-    """A directory for a disk tier; each worker keeps its pages in its own subdirectory,
-    emptied at start (unset: no disk tier)."""
+    """A directory for a disk tier; each app and worker keeps its pages in its own
+    subdirectory (``<disk_path>/<app>/<worker>``, owner-only), emptied at start and deleted
+    when the worker stops (unset: no disk tier)."""
     disk_bytes: int = 0
     """The disk tier's budget per worker."""
     write_through: bool = False

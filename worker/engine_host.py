@@ -205,6 +205,14 @@ class EngineHost:
             provenance.node_ip = self.node_ip
         return provenance
 
+    def __del__(self) -> None:
+        """Serve calls this when it stops the replica (scale-down, ``pdserve down``, a
+        redeploy): the connector's servers and threads stop, and a disk tier deletes its
+        pages, so no tenant's KV outlives its worker."""
+        engine = getattr(self, "engine", None)  # None: the constructor failed
+        if engine is not None:
+            engine.shutdown()
+
     # ------------------------------------------------------------------ engine thread
 
     def _add(self, request: WorkerRequest) -> None:

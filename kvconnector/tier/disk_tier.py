@@ -12,6 +12,12 @@ trust what it finds: **a disk tier starts empty** and deletes the page files of 
 run in its directory. A missing directory is created; one that cannot be created or written
 is an error at start. A write that fails later (disk full, directory removed) is a counted
 store failure and the page is simply not kept.
+
+Pages are a tenant's data: the directory is the owner's alone (0700), each page file too
+(0600), and a closed tier (its worker stopped, scaled away or its app taken down) deletes
+its pages and its directory. The deployment gives each app its own directory under
+``kv_tier_disk_path`` (``<disk_path>/<app>/<worker>``), so two apps sharing a path never
+delete each other's pages.
 """
 
 from __future__ import annotations
@@ -38,10 +44,16 @@ PAGE_SUFFIX = ".kv"
 MAX_QUEUED_WRITES = 256
 
 
+DIRECTORY_MODE = 0o700
+PAGE_MODE = 0o600
+
+
 def prepare_directory(directory: Path) -> None:
-    """Creates ``directory``, deletes an earlier run's pages, checks that it is writable."""
+    """Creates ``directory`` (the owner's alone), deletes an earlier run's pages, checks that
+    it is writable."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(mode=DIRECTORY_MODE, parents=True, exist_ok=True)
+        directory.chmod(DIRECTORY_MODE)  # mkdir's mode is masked by the umask, and it existed
         for stale in directory.iterdir():
             if stale.suffix in (PAGE_SUFFIX, ".tmp"):
                 stale.unlink()
@@ -132,7 +144,8 @@ class DiskTier(TierLevel):
         path = self.path_of(block_hash)
         temporary = path.with_suffix(".tmp")
         try:
-            with open(temporary, "wb") as file:
+            descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PAGE_MODE)
+            with open(descriptor, "wb") as file:
                 file.write(memoryview(page))
             os.replace(temporary, path)
             return True
@@ -186,9 +199,21 @@ class DiskTier(TierLevel):
                 self._removed_event(block_hash)
 
     def close(self) -> None:
-        """Stops the writer; queued pages are dropped (the tier is a cache)."""
+        """Stops the writer and deletes every page and the directory: queued pages are
+        dropped (the tier is a cache), and no tenant's KV outlives the worker on disk."""
         with self._lock:
             self._closed = True
             self._queued.clear()
             self._wake.notify()
         self._writer.join(timeout=5.0)
+        with self._lock:
+            self._index = TierLRU(self._index.capacity)
+            try:
+                for page_file in self.directory.iterdir():
+                    if page_file.suffix in (PAGE_SUFFIX, ".tmp"):
+                        page_file.unlink(missing_ok=True)
+                self.directory.rmdir()
+            except FileNotFoundError:
+                pass  # removed already (by an operator, or a restarted worker's tier)
+            except OSError as error:  # a file of someone else's: leave it and the directory
+                logger.info("disk KV tier: %s left in place: %s", self.directory, error)

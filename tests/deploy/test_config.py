@@ -144,8 +144,16 @@ def other_value(key: str) -> tuple[Any, dict[str, Any]]:
 # ------------------------------------------------------------------ where each arrives
 
 
+# Part settings the builder derives from on the way, and what arrives instead.
+ARRIVES_AS = {
+    # each app its own disk pages: <kv_tier_disk_path>/<app_name>/<worker>
+    "kv_tier_disk_path": lambda value, built: str(Path(value) / built.app.gateway.app_name),
+}
+
+
 def _arrives_in_its_part(key: str, value: Any, built: Deployed) -> None:
     """A part's setting: its field in that part, on every worker (or the gateway)."""
+    value = ARRIVES_AS.get(key, lambda value, built: value)(value, built)
     part = next(part for part in PARTS if key in part.keys())
     name = part.keys()[key]
     if part is GATEWAY:

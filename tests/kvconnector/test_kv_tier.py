@@ -132,17 +132,19 @@ def test_after_drain_no_block_is_held_and_the_disk_holds_exactly_the_indexed_pag
 
 
 def test_a_restarted_disk_tier_starts_empty_and_deletes_the_old_pages(tmp_path):
+    """A worker that died without closing its tier (killed) left its pages: the restarted
+    one, on the same directory, deletes them (their checksums died with the old process)."""
     config = KVTierConfig(disk_path=str(tmp_path), disk_bytes=64 * PAGE_BYTES)
-    engine = tier_engine(config)
-    run(engine, workload()[:NUM_SYSTEMS])
-    wait_for_writes(engine.connector)
-    directory = engine.connector.store.levels[0].directory
+    died = tier_engine(config)
+    run(died, workload()[:NUM_SYSTEMS])
+    wait_for_writes(died.connector)
+    directory = died.connector.store.levels[0].directory
     assert list(directory.glob("*.kv"))
-    engine.shutdown()
-    restarted = tier_engine(config)
+    restarted = tier_engine(config)  # the first never closed: its files are still there
     assert not list(directory.glob("*.kv"))
     assert restarted.stats().tiers[0].bytes_used == 0
     restarted.shutdown()
+    died.shutdown()
 
 
 def test_an_unusable_disk_path_is_a_clear_error_at_start(tmp_path):
