@@ -168,7 +168,13 @@ class RequestOrchestrator:
     def start(self) -> None:
         self.poller.start()
         if self.share is not None:
-            self.share.start(self.metrics.row)
+            self.share.start(
+                self.metrics.row,
+                lambda: [
+                    r.to_json()
+                    for r in reversed(self.recent.latest(self.config.num_recent_requests))
+                ],
+            )
 
     # ------------------------------------------------------------------ validate, admit
 

@@ -13,11 +13,13 @@ import time
 
 import httpx
 import pytest
+import ray
 from load_driver import get_json
 from service_apps import assert_drained, expected_text, running_app, wait_until_ready
 
 from pdserve.deploy.cluster import base_url
 from pdserve.deploy.config import PDServeConfig
+from pdserve.gateway.replica_board import board_name
 from pdserve.messages.sampling_params import SamplingParams
 
 NUM_REQUESTS = 24
@@ -98,6 +100,25 @@ def test_two_gateway_replicas_share_the_load_and_answer_stats_and_records_as_one
             assert record.status_code == 200 and record.json()["request_id"] == request_id
         listed = get_json(config, f"/v1/requests?limit={NUM_REQUESTS}")["data"]
         assert {r["request_id"] for r in listed} == {r.json()["id"] for r in replies.values()}
+
+        # The board killed for good: the replicas make a new one and refill it; /stats
+        # answers again within seconds and no counter goes backwards.
+        ray.kill(ray.get_actor(board_name("gw2"), namespace="pdserve"), no_restart=True)
+        deadline = time.time() + 15
+        answers: list[tuple[int, int]] = []
+        while time.time() < deadline:
+            reply = httpx.get(base_url(config) + "/stats", timeout=30)
+            counted = reply.json()["gateway"]["num_requests"] if reply.status_code == 200 else -1
+            answers.append((reply.status_code, counted))
+            if reply.status_code == 200 and len(reply.json()["gateway_replicas"]) == 2:
+                break
+            time.sleep(0.5)
+        assert answers[-1][0] == 200 and len(reply.json()["gateway_replicas"]) == 2, answers
+        assert all(counted in (-1, NUM_REQUESTS) for _, counted in answers), answers
+        some_id = next(iter(replies.values())).json()["id"]
+        assert httpx.get(base_url(config) + f"/v1/requests/{some_id}", timeout=30).status_code in (
+            200,
+        )
         assert_drained(config)
 
 
