@@ -178,13 +178,23 @@ def test_failed_writes_are_counted_store_failures_and_tokens_stay_right(baseline
 
 
 def test_a_sliding_window_model_is_refused():
-    from pdserve.cache import KVCacheManager
+    from pdserve.cache import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheManager,
+        SlidingWindowSpec,
+    )
 
-    class SlidingManager:
-        kv_cache_event_metadata = (("sliding_window", 32),)
+    def manager(*specs) -> KVCacheManager:
+        groups = [KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate(specs)]
+        return KVCacheManager(KVCacheConfig(16, groups), max_model_len=256)
 
-    with pytest.raises(ValueError, match="one full-attention"):
-        TierConnector(KVTierConfig(cpu_bytes=PAGE_BYTES), "w").attach_kv_cache_manager(
-            SlidingManager()
-        )  # type: ignore[arg-type]
-    assert KVCacheManager  # the real manager's metadata has this shape
+    sliding = SlidingWindowSpec(BLOCK_SIZE, 4, 64, "float32", sliding_window=32)
+    full = FullAttentionSpec(BLOCK_SIZE, 4, 64, "float32")
+    for refused in (manager(sliding), manager(full, sliding)):
+        with pytest.raises(ValueError, match="one full-attention KV cache group"):
+            TierConnector(KVTierConfig(cpu_bytes=PAGE_BYTES), "w").attach_kv_cache_manager(refused)
+    accepted = manager(full)
+    TierConnector(KVTierConfig(cpu_bytes=PAGE_BYTES), "w").attach_kv_cache_manager(accepted)
+    assert accepted.block_pool.listener is not None
