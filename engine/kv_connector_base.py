@@ -170,10 +170,10 @@ class KVConnectorBase(ABC):
         step path. The default has nothing to add."""
         return params
 
-    def completion_bytes(self, params: KVTransferParams) -> int:
-        """How many KV bytes ``complete_transfer_params`` reads for ``params``: the host
-        completes a small hand-off inline rather than paying a thread hop for it."""
-        return 0
+    def completes_inline(self, params: KVTransferParams) -> bool:
+        """Whether ``complete_transfer_params`` is cheap enough for the worker's event loop
+        (a thread hop costs up to milliseconds under load); the default adds nothing."""
+        return True
 
     @abstractmethod
     def request_aborted(self, request: Request) -> None:

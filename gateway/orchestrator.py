@@ -41,6 +41,7 @@ from pdserve.cache import BlockHash, BlockHasher
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.kv_event_poller import KVEventPoller
 from pdserve.gateway.metrics import GatewayMetrics, stats_report
+from pdserve.gateway.off_loop import call_by_size
 from pdserve.gateway.openai_schema import (
     APIError,
     ParsedCompletion,
@@ -62,7 +63,6 @@ from pdserve.messages.generation import GenerationChunk, ModelInfo, WorkerReques
 from pdserve.messages.kv_transfer_params import KVTransferParams
 from pdserve.messages.sampling_params import SamplingParams
 from pdserve.messages.worker_stats import WorkerStats
-from pdserve.offload.off_loop import call_by_size
 from pdserve.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -130,8 +130,8 @@ class TieredConnector(KVConnectorBase):
     def complete_transfer_params(self, params: KVTransferParams) -> KVTransferParams:
         return self.pd.complete_transfer_params(params)
 
-    def completion_bytes(self, params: KVTransferParams) -> int:
-        return self.pd.completion_bytes(params)
+    def completes_inline(self, params: KVTransferParams) -> bool:
+        return self.pd.completes_inline(params)
 
     def request_aborted(self, request: Request) -> None:
         self._split.pop(request.request_id, None)

@@ -44,15 +44,12 @@ from pdserve.messages.kv_provenance import KVProvenance
 from pdserve.messages.kv_transfer_params import KVTransferParams
 from pdserve.messages.worker_spec import WorkerSpec
 from pdserve.messages.worker_stats import WorkerStats, per_tier
-from pdserve.offload.off_loop import call_by_size
 from pdserve.worker.kv_event_log import KVEventLog
 
 logger = logging.getLogger(__name__)
 
 # While only leased blocks remain, step this often so released leases free their blocks.
 _LEASE_POLL_S = 0.02
-# A lease this small is checksummed on the event loop (xxh3 reads ~10 GB/s: ~0.1 ms).
-_INLINE_COMPLETION_BYTES = 1 << 20
 T = TypeVar("T")
 
 
@@ -182,16 +179,13 @@ class EngineHost:
                 self._submit(lambda: self.engine.abort(request_id))
 
     async def _complete(self, params: KVTransferParams) -> KVTransferParams:
-        """The connector's ``complete_transfer_params``: inline for a small lease (a short
-        prompt's checksums take microseconds, a thread hop up to milliseconds under load),
-        on a thread for a large one, so the event loop serving every stream never stalls."""
+        """The connector's ``complete_transfer_params``: inline when the connector says it is
+        cheap (a small lease on a CPU cache: microseconds, where a thread hop costs up to
+        milliseconds under load), else on a thread, so the event loop never stalls."""
         connector = self.engine.connector
-        return await call_by_size(
-            connector.completion_bytes(params),
-            _INLINE_COMPLETION_BYTES,
-            connector.complete_transfer_params,
-            params,
-        )
+        if connector.completes_inline(params):
+            return connector.complete_transfer_params(params)
+        return await asyncio.to_thread(connector.complete_transfer_params, params)
 
     async def abort(self, request_id: str) -> None:
         """Aborts a request, or releases the lease a finished prefill still holds for it."""

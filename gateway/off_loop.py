@@ -1,7 +1,6 @@
 """Run a call inline when it is small, on a worker thread when it is large.
 
-An asyncio event loop that serves every stream of a process (the gateway, a worker actor)
-must not stall on one request's CPU work, but a thread hop costs up to milliseconds on a
+The gateway's event loop serves every stream of its process and must not stall on one request's CPU work, but a thread hop costs up to milliseconds on a
 busy 2-core machine, far more than a small call itself. So the caller states the work's
 size and the largest size worth doing inline:
 

@@ -1,1 +1,0 @@
-"""Keeping an event loop that serves many streams responsive: work by size, inline or on a thread."""
