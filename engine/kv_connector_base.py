@@ -127,6 +127,7 @@ class TierStatsSnapshot:
     evictions: int
     store_failures: int
     load_failures: int
+    pinned_bytes: int = 0  # page-locked host memory the tier holds (a GPU pool's cpu tier)
 
 
 class KVConnectorBase(ABC):

@@ -246,6 +246,14 @@ WORKER_STATS: tuple[Stat, ...] = (
         label="tier",
     ),
     Stat(
+        "kv_tier_pinned_bytes",
+        G,
+        "bytes",
+        "Page-locked host memory the KV tier holds (a GPU pool's cpu tier: its budget).",
+        "pdserve:kv_tier_pinned_bytes",
+        label="tier",
+    ),
+    Stat(
         "kv_tier_blocks_stored",
         C,
         "blocks",

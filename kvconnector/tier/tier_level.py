@@ -60,6 +60,8 @@ class TierLevel(ABC):
 
     medium: str
 
+    pinned_bytes = 0  # page-locked host memory this level holds (none by default)
+
     def __init__(self, page_bytes: int, block_size: int) -> None:
         self.page_bytes = page_bytes
         self.block_size = block_size
@@ -111,6 +113,7 @@ class TierLevel(ABC):
                 counters.evictions,
                 counters.store_failures,
                 counters.load_failures,
+                self.pinned_bytes,
             )
 
     def take_events(self) -> list[KVCacheEvent]:
