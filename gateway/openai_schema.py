@@ -9,8 +9,8 @@ can send wrong becomes an ``APIError`` with an OpenAI-style body and a 4xx statu
 Fields are checked strictly: ``"max_tokens": "5"``, ``"stream": "yes"`` or a token id of
 ``true`` or ``1.0`` are refused rather than coerced, and NaN or infinite numbers are refused.
 OpenAI fields that would change the output but that pdserve does not implement (``best_of``,
-``echo``, ``logprobs``, ...) are refused unless they hold their default; other unknown fields
-are ignored.
+``suffix``, ``logit_bias``, the penalties: ``_UNSUPPORTED_FIELDS``) are refused unless they
+hold their default; other unknown fields are ignored. ``echo`` and ``logprobs`` are served.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
     choice 0:       the usual phases: prefill ─▶ hand-off (lease) ─▶ decode on worker D
     choice i ≥ 1:   once choice 0 streams from D, the same prompt on D with its own seed;
-                    D's prefix cache holds every prompt block (choice 0 pulled them), so
-                    each choice recomputes only the prompt's last token (for its logits)
+                    D's prefix cache holds every full prompt block (choice 0 pulled them),
+                    so each choice recomputes only the prompt's partial last block (a whole
+                    block when the prompt is block-aligned: the last token needs its logits)
 
 Seeds: ``seed + i`` when the client gave ``seed`` (so ``n=3, seed=s`` equals three
 requests with seeds ``s, s+1, s+2``), else one random seed per choice. Choices stream
