@@ -72,6 +72,7 @@ def parse_chat(body: Any, tokenizer: Tokenizer) -> ParsedCompletion:
         cache_salt=request.cache_salt,
         include_usage=request.include_usage,
         n=request.n,
+        return_tokens_as_token_ids=request.return_tokens_as_token_ids,
     )
 
 

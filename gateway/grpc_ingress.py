@@ -7,6 +7,7 @@ and a message over ``MAX_REQUEST_BYTES``, refused by gRPC itself) and UNAVAILABL
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 
@@ -55,7 +56,8 @@ class GenerateServicer:
         orchestrator = self.orchestrator
         try:
             request = _parse_generate_request(raw)
-            parsed = self._parse(request)
+            # A chat is rendered with its template and tokenized: off the loop, as HTTP does.
+            parsed = await asyncio.to_thread(self._parse, request)
             token_ids, params = await orchestrator.prepare_off_loop(parsed)
             orchestrator.admit()
         except APIError as error:

@@ -155,6 +155,9 @@ class SamplingRequest(BaseModel):
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     user: str | None = None
     cache_salt: CacheSalt | None = None  # vLLM's extension: a tenant's prefix-cache namespace
+    # vLLM's extension: logprobs name tokens as "token_id:<id>", not by their text (two
+    # byte tokens that decode alike, e.g. to U+FFFD, would otherwise share one key).
+    return_tokens_as_token_ids: bool = False
 
     @field_validator("cache_salt")
     @classmethod
@@ -211,6 +214,7 @@ class ParsedCompletion:
     include_usage: bool = False  # streamed: a last chunk with the usage
     n: int = 1  # choices, each sampled with its own seed
     echo: bool = False  # completions: the reply repeats the prompt first
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
 
 
 def validate_request(
@@ -257,6 +261,7 @@ def parse_completion(body: Any) -> ParsedCompletion:
         cache_salt=request.cache_salt,
         include_usage=request.include_usage,
         n=request.n,
+        return_tokens_as_token_ids=request.return_tokens_as_token_ids,
     )
 
 
