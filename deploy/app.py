@@ -9,12 +9,25 @@ replicas by itself. A one-replica deployment is an addressable worker that Serve
 places, health-checks and restarts (a restarted worker reports a new ``instance_id`` and the
 router forgets its old blocks). Scaling means redeploying with other counts.
 
+A redeploy keeps the workers it keeps. Serve restarts a replica when its deployment's code
+version changes, and an app deployed from Python gets a random one per deployment each
+time, so every scale step used to restart every worker and throw its prefix cache and KV
+tier away. Each worker's deployment is versioned by what its actor is (``worker_version``:
+its spec, its Ray options, pdserve's code), so an unchanged worker keeps running; the
+gateway, whose worker lists change, is replaced as before.
+
 ``serve deploy deploy/serve_config.yaml`` calls ``build_app`` with the YAML's ``args``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from ray import serve
@@ -31,6 +44,7 @@ from pdserve.prefill.worker import PrefillWorker
 # A worker serves many streams at once; Serve's default (5) would queue them in the handle.
 _WORKER_MAX_ONGOING = 4096
 _WORKER_CLASSES = {"producer": PrefillWorker, "consumer": DecodeWorker}
+_NOT_CODE = {"tests", "bench", "docs", "build", "dist", "__pycache__"}
 
 
 def worker_actor_options(config: PDServeConfig, worker_id: str) -> dict[str, Any]:
@@ -137,6 +151,9 @@ def build(config: PDServeConfig, retiring_from: PDServeConfig | None = None) -> 
             max_ongoing_requests=_WORKER_MAX_ONGOING,
             health_check_period_s=5,
         )
+        # Serve's public API no longer takes a version; the Deployment keeps one, and the
+        # client uses it instead of a random one when it is set (ray.serve._private.client).
+        deployment._version = worker_version(worker)
         return deployment.bind(worker.spec)
 
     prefill = {w.spec.worker_id: bind(w) for w in app.workers if w.role == "producer"}
@@ -146,6 +163,38 @@ def build(config: PDServeConfig, retiring_from: PDServeConfig | None = None) -> 
         num_replicas=app.gateway.num_replicas, ray_actor_options=app.gateway_options
     )
     return gateway.bind(app.gateway, prefill, decode, retiring)
+
+
+def worker_version(worker: WorkerDeployment) -> str:
+    """What the worker's actor is, as a hash: its spec (secret included), its Ray options
+    and the code it runs. Equal versions: Serve keeps the running replica."""
+    identity = json.dumps(
+        {
+            "role": worker.role,
+            "spec": dataclasses.asdict(worker.spec),
+            "actor_options": worker.actor_options,
+            "code": _code_fingerprint(),
+        },
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(identity.encode()).hexdigest()[:32]
+
+
+@functools.cache
+def _code_fingerprint() -> str:
+    """A hash of pdserve's Python sources: new code is a new version of every worker."""
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parents[1]  # the package's root (the repository root)
+    sources = []
+    for folder, subfolders, files in os.walk(root):
+        # Not the package: hidden folders (a venv, caches), the tests and the benchmarks.
+        subfolders[:] = [d for d in subfolders if not d.startswith(".") and d not in _NOT_CODE]
+        sources += [Path(folder) / name for name in files if name.endswith(".py")]
+    for source in sorted(sources):
+        digest.update(str(source.relative_to(root)).encode())
+        digest.update(source.read_bytes())
+    return digest.hexdigest()
 
 
 def build_app(args: dict[str, Any]) -> Application:
