@@ -122,11 +122,64 @@ def test_two_gateway_replicas_share_the_load_and_answer_stats_and_records_as_one
         assert_drained(config)
 
 
-def test_each_replica_admits_its_share_and_grpc_needs_one_replica():
-    config = PDServeConfig(model="tiny", num_gateway_replicas=3, max_inflight_requests=10)
-    assert config.gateway_config().max_inflight_per_replica == 4  # ceil(10 / 3)
+def test_each_replica_admits_its_share_under_real_load_and_grpc_needs_one_replica(ray_cluster):
+    """max_inflight_requests=4 over two replicas: each admits 2 at once. Twelve slow streams at
+    once through Serve's proxy: no replica ever has more than 2 in flight, the service never
+    more than 4, the rest get 429, and what the replicas admitted is what was answered."""
     with pytest.raises(ValueError, match="gRPC Generate service .* one gateway replica"):
         PDServeConfig(model="tiny", num_gateway_replicas=2, grpc_port=50051)
+    with running_app(
+        num_prefill=1,
+        num_decode=1,
+        num_gateway_replicas=2,
+        max_inflight_requests=4,
+        app_name="gwadmit",
+        route_prefix="/gwadmit",
+    ) as config:
+        assert config.gateway_config().max_inflight_per_replica == 2
+        wait_until_ready(config)
+        url = base_url(config) + "/v1/completions"
+        statuses: list[int] = []
+        peaks: list[dict[str, int]] = []
+        done = threading.Event()
+
+        def one_slow_stream(i: int) -> None:
+            body = {
+                "model": "tiny",
+                "prompt": f"stream {i}",
+                "max_tokens": 160,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            statuses.append(httpx.post(url, json=body, timeout=120).status_code)
+
+        def watch() -> None:
+            while not done.is_set():
+                replicas = get_json(config, "/stats")["gateway_replicas"]
+                peaks.append({r["replica_id"]: r["num_requests_in_flight"] for r in replicas})
+                time.sleep(0.05)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        threads = [threading.Thread(target=one_slow_stream, args=(i,)) for i in range(12)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        done.set()
+        watcher.join(30)
+
+        assert len(statuses) == 12 and set(statuses) <= {200, 429}, statuses
+        assert statuses.count(429) > 0 and statuses.count(200) >= 4, statuses
+        assert all(in_flight <= 2 for sample in peaks for in_flight in sample.values()), peaks
+        assert max(v for sample in peaks for v in sample.values()) == 2, "no replica was full"
+        assert all(sum(sample.values()) <= 4 for sample in peaks), peaks
+        stats = get_json(config, "/stats")
+        admitted = {r["replica_id"]: r["num_requests"] for r in stats["gateway_replicas"]}
+        # /stats itself is no completion; every admitted completion was answered 200.
+        assert sum(admitted.values()) == statuses.count(200), (admitted, statuses)
+        assert stats["gateway"]["num_requests"] == statuses.count(200)
+        assert_drained(config)
 
 
 def test_a_silent_replicas_counts_stay_in_the_sum_but_its_in_flight_does_not():
