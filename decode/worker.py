@@ -38,6 +38,8 @@ class DecodeWorker(EngineHost):
     def make_connector(self, engine_config: EngineConfig) -> KVConnectorBase:
         tier = TierConnector(self.spec.kv_tier, self.worker_id) if self.spec.kv_tier else None
         connector_config = self.spec.connector
+        if connector_config is None:  # the role "consumer" that __init__ checked is its role
+            raise ValueError(f"decode worker {self.worker_id!r} has no KV connector config")
         if self.spec.advertise_node_address:  # NIXL's data path uses this node's interface
             connector_config = on_node_address(connector_config)
         return with_tier(PDConnector.for_engine(connector_config, engine_config), tier)
@@ -48,6 +50,8 @@ class DecodeWorker(EngineHost):
         connector = self.engine.connector
         if isinstance(connector, TieredConnector):
             connector = connector.pd
+        if not isinstance(connector, PDConnector):  # make_connector always builds one
+            raise RuntimeError(f"decode worker {self.worker_id!r} has no P/D connector")
         connected = []
         for address in addresses:
             try:

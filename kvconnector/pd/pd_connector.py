@@ -42,7 +42,12 @@ from pdserve.kvconnector.checksum import block_checksums
 from pdserve.kvconnector.load_tracker import LoadTracker
 from pdserve.kvconnector.pd.lease import LeaseTable
 from pdserve.kvconnector.transfer_stats import TransferStats
-from pdserve.kvconnector.transport.base import KVTransferClient, PeerInfo, TransferError
+from pdserve.kvconnector.transport.base import (
+    KVTransferClient,
+    KVTransferServer,
+    PeerInfo,
+    TransferError,
+)
 from pdserve.kvconnector.transport.factory import make_client, make_server
 from pdserve.kvconnector.transport.layout import KVLayout
 from pdserve.messages.connector_config import KVConnectorConfig
@@ -88,7 +93,7 @@ class PDConnector(KVConnectorBase):
         # producer
         self.leases = LeaseTable(default_ttl_s=config.lease_ttl_s, stats=self.stats)
         self._lease_of_request: dict[str, str] = {}
-        self._server = None
+        self._server: KVTransferServer | None = None
         # consumer
         self._client: KVTransferClient | None = None
         self._peers: dict[str, PeerInfo] = {}  # by address; pull threads share it
@@ -120,6 +125,11 @@ class PDConnector(KVConnectorBase):
     # ---- worker side: set-up --------------------------------------------------------
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
         self._kv_cache = kv_cache
+        if not isinstance(self._hash_seed, int):
+            # The handshake compares seeds as a uint64 field (kv_transfer.proto).
+            raise ValueError(
+                f"a KV connector needs an integer hash_seed, got {type(self._hash_seed).__name__}"
+            )
         layout = KVLayout.from_kv_cache(kv_cache, self._hash_algorithm, self._hash_seed)
         self._block_size = layout.block_size
         if self.config.role == "producer":

@@ -132,7 +132,7 @@ class DiskTier(TierLevel):
         temporary = path.with_suffix(".tmp")
         try:
             with open(temporary, "wb") as file:
-                file.write(memoryview(page))
+                file.write(page.data)  # the page's buffer, as memoryview(page)
             os.replace(temporary, path)
             return True
         except OSError as error:
@@ -158,9 +158,10 @@ class DiskTier(TierLevel):
                 np.copyto(dst, queued[0])
                 checksum = queued[1]
             else:
-                checksum = self._index.get(block_hash)
-                if checksum is None:
+                indexed = self._index.get(block_hash)
+                if indexed is None:
                     return False
+                checksum = indexed
         ok = (queued is not None or self._read_file(block_hash, dst)) and page_checksum(
             dst
         ) == checksum
@@ -172,7 +173,7 @@ class DiskTier(TierLevel):
         """Reads exactly one page; a short or missing file is a failed load."""
         try:
             with open(self.path_of(block_hash), "rb") as file:
-                return file.readinto(memoryview(dst)) == self.page_bytes and not file.read(1)
+                return file.readinto(dst.data) == self.page_bytes and not file.read(1)
         except OSError as error:
             logger.warning("disk KV tier: could not read %s: %s", self.path_of(block_hash), error)
             return False
