@@ -23,7 +23,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
@@ -132,7 +132,8 @@ def _refuse_constant(name: str) -> None:
 ResponseFormat = CompletionFormat | ChatFormat
 
 
-Choices = AsyncIterator[tuple[int, StreamDelta]]
+# An async generator, not just an iterator: closing it cancels the worker streams.
+Choices = AsyncGenerator[tuple[int, StreamDelta], None]
 
 
 async def _sse_events(
@@ -205,8 +206,9 @@ class _Tally:
         if delta.prompt_logprobs:  # choice 0's prefill computed them; every choice echoes them
             self._prompt_logprobs = delta.prompt_logprobs
         if self._echo is not None and not self.texts[index] and not self.token_ids[index]:
+            # validate_request sets the prompt's text or its ids, so one of the two is there.
             prompt_ids = self._echo.prompt_token_ids or self._tokenizer.encode(
-                self._echo.prompt_text
+                self._echo.prompt_text or ""
             )
             prompt_text = self._echo.prompt_text or self._tokenizer.decode(prompt_ids)
             text, token_ids = prompt_text + text, [*prompt_ids, *token_ids]

@@ -32,8 +32,9 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 from ray.exceptions import RayActorError, RayTaskError
 
@@ -72,7 +73,7 @@ _STATS_TIMEOUT_S = 10.0
 _INLINE_PROMPT_SIZE = 16_384
 
 
-def raised_by_worker_code(error: BaseException) -> bool:
+def raised_by_worker_code(error: BaseException) -> TypeGuard[RayTaskError]:
     """True when the worker's own code raised (a bug, a request it cannot serve): the worker
     is alive and would fail the same way again, so it stays in routing and the request is
     not retried. Anything else (its actor died, is unreachable) is a lost worker."""
@@ -188,8 +189,10 @@ class RequestOrchestrator:
                     f"token id {bad} is outside the vocabulary [0, {vocab_size})",
                     param="prompt",
                 )
-        else:
+        elif parsed.prompt_text is not None:
             token_ids = self.tokenizer.encode(parsed.prompt_text)
+        else:  # validate_request sets one of the two
+            raise ValueError("a parsed request carries neither prompt text nor token ids")
         max_len = self.model_info.max_model_len
         if len(token_ids) > max_len:
             raise APIError(
@@ -272,7 +275,7 @@ class RequestOrchestrator:
             remote_decode=params.max_tokens > 1 and self.router.has_decode_workers(),
         )
 
-    async def run_phases(self, run: RequestRun) -> AsyncIterator[StreamDelta]:
+    async def run_phases(self, run: RequestRun) -> AsyncGenerator[StreamDelta, None]:
         """``generate``'s body: the phases, in order, for an already built ``RequestRun``."""
         self.decide_disaggregation(run)
         async for delta in self.prefill(run):
@@ -347,7 +350,10 @@ class RequestOrchestrator:
 
     def hand_off(self, run: RequestRun) -> None:
         """The prefill's ``KVTransferParams`` (None: the decode side recomputes) go to decode."""
-        run.kv_transfer_params = run.last_prefill_chunk.kv_transfer_params
+        chunk = run.last_prefill_chunk
+        if chunk is None:  # run_phases hands off only after a prefill chunk (needs_decode)
+            raise RuntimeError(f"request {run.request_id}: no prefill chunk to hand off")
+        run.kv_transfer_params = chunk.kv_transfer_params
         if run.kv_transfer_params is not None:
             run.lease_id = run.kv_transfer_params.lease_id
 
@@ -432,7 +438,10 @@ class RequestOrchestrator:
         try:
             if role == "prefill":
                 return self.router.pick_prefill(block_hashes).worker_id
-            return self.router.pick_decode(block_hashes).worker_id
+            choice = self.router.pick_decode(block_hashes)
+            if choice is None:  # a colocated deployment has no decode worker to route to
+                raise NoWorkerAvailable("decode")
+            return choice.worker_id
         except NoWorkerAvailable as error:
             if fallback is not None:
                 return fallback

@@ -23,6 +23,7 @@ import contextvars
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -66,11 +67,14 @@ class ReplicaBoard:
         return list(reversed(self._records.values()))[: max(limit, 0)]
 
 
-def board_for(app_name: str, num_recent_requests: int):
+def board_for(app_name: str, num_recent_requests: int) -> Any:
     """The app's board: created by the first replica that asks, found by the others.
 
-    Detached, so that it outlives any one replica; ``deploy.cluster.delete_app`` ends it."""
-    return ReplicaBoard.options(
+    Detached, so that it outlives any one replica; ``deploy.cluster.delete_app`` ends it.
+    Its actor handle is returned as ``Any``: Ray's ``ActorHandle`` types every method
+    attribute as ``Never``, which would make the code after each call unreachable."""
+    # @ray.remote made ReplicaBoard an ActorClass; mypy keeps a decorated class's own type.
+    return ReplicaBoard.options(  # type: ignore[attr-defined]
         name=board_name(app_name), namespace="pdserve", get_if_exists=True, lifetime="detached"
     ).remote(num_recent_requests)
 
@@ -101,7 +105,7 @@ class ReplicaShare:
     def finished(self, record_json: dict[str, Any]) -> None:
         self._unpushed.append(record_json)
 
-    def start(self, read_row) -> None:
+    def start(self, read_row: Callable[[], dict[str, Any]]) -> None:
         """Pushes ``read_row()`` and the new records every ``PUSH_INTERVAL_S``."""
         self._read_row = read_row
         self._task = asyncio.get_running_loop().create_task(  # not any request's child
