@@ -14,7 +14,7 @@ router forgets its old blocks). Scaling means redeploying with other counts.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from ray import serve
 from ray.serve import Application
@@ -80,24 +80,29 @@ def build(config: PDServeConfig, retiring_from: PDServeConfig | None = None) -> 
     config = config.resolve_deployment_secrets()
 
     def bind_workers(
-        source: PDServeConfig, cls, role: str, indices: range
+        source: PDServeConfig,
+        cls: type[PrefillWorker] | type[DecodeWorker],
+        role: Literal["producer", "consumer"],
+        indices: range,
     ) -> dict[str, Application]:
-        bound = {}
+        bound: dict[str, Application] = {}
         for index in indices:
             spec = source.worker_spec(role, index)
-            deployment = serve.deployment(cls).options(
+            # The decorator form with the options, applied to the class: the same Deployment
+            # as serve.deployment(cls).options(...), in the form Ray's annotations describe.
+            deployment = serve.deployment(
                 name=spec.worker_id,
                 num_replicas=1,
                 ray_actor_options=worker_actor_options(source, spec.worker_id),
                 max_ongoing_requests=_WORKER_MAX_ONGOING,
                 health_check_period_s=5,
-            )
+            )(cls)
             bound[spec.worker_id] = deployment.bind(spec)
         return bound
 
     prefill = bind_workers(config, PrefillWorker, "producer", range(config.num_prefill))
     decode = bind_workers(config, DecodeWorker, "consumer", range(config.num_decode))
-    retiring = {}
+    retiring: dict[str, Application] = {}
     if retiring_from is not None:
         retiring |= bind_workers(
             retiring_from,
@@ -111,7 +116,8 @@ def build(config: PDServeConfig, retiring_from: PDServeConfig | None = None) -> 
             "consumer",
             range(config.num_decode, retiring_from.num_decode),
         )
-    gateway = Gateway.options(
+    # @serve.deployment made Gateway a Deployment; mypy keeps a decorated class's own type.
+    gateway = Gateway.options(  # type: ignore[attr-defined]
         num_replicas=config.num_gateway_replicas, ray_actor_options=gateway_actor_options(config)
     )
     return gateway.bind(config.gateway_config(), prefill, decode, retiring)

@@ -310,16 +310,10 @@ class PDServeConfig(BaseModel):
         when a port is set.
         """
         worker_id = f"{'prefill' if role == 'producer' else 'decode'}-{index}"
-        if self.hash_seed is None:
-            raise ValueError(
-                "a worker needs the deployment's hash seed; build the app with "
-                "deploy.app.build (it resolves one) or call "
-                "resolve_deployment_secrets() first"
-            )
         engine = self.engine_config(engine_id=worker_id, device=self.device)
         kv_tier = self.kv_tier_config()
-        cpus = self.prefill_cpus if role == "producer" else self.decode_cpus
-        cpus = tuple(cpus) if cpus else None
+        role_cpus = self.prefill_cpus if role == "producer" else self.decode_cpus
+        cpus = tuple(role_cpus) if role_cpus else None
         if self.colocated:
             return WorkerSpec(worker_id, engine, kv_tier=kv_tier, cpus=cpus)
         if self.kv_transfer_secret is None:
@@ -378,6 +372,12 @@ class PDServeConfig(BaseModel):
 
     def engine_config(self, engine_id: str, device: str) -> EngineConfig:
         """The ``EngineConfig`` of one worker; only ``engine_id`` and ``device`` differ."""
+        if self.hash_seed is None:
+            raise ValueError(
+                "a worker's engine needs the deployment's hash seed; build the app with "
+                "deploy.app.build (it resolves one) or call "
+                "resolve_deployment_secrets() first"
+            )
         return EngineConfig(
             model=self.model,
             dtype=self.dtype,
@@ -408,8 +408,13 @@ class PDServeConfig(BaseModel):
         """``--config FILE`` and one flag per field, generated from the model (aliases:
         ``--prefill``, ``--decode``, ``--address``); ``from_cli`` reads them back."""
         parser.add_argument("--config", type=Path, help="YAML file of config keys")
-        source = CliSettingsSource(
-            cls, root_parser=parser, cli_kebab_case=True, cli_implicit_flags=True
+        # pydantic-settings reads any pydantic model's fields, though its signature names
+        # BaseSettings; the config stays a BaseModel so that the environment is not read.
+        source: CliSettingsSource[argparse.Namespace] = CliSettingsSource(
+            cls,  # type: ignore[arg-type]  # a BaseModel works; see above
+            root_parser=parser,
+            cli_kebab_case=True,
+            cli_implicit_flags=True,
         )
         parser.set_defaults(config_source=source)
 
