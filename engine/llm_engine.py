@@ -6,7 +6,7 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve.cache import (
     BlockHasher,
@@ -138,9 +138,10 @@ class LLMEngine:
 
     @classmethod
     def from_pretrained(
-        cls, model: str = "tiny", *, connector: KVConnectorBase | None = None, **config: object
+        cls, model: str = "tiny", *, connector: KVConnectorBase | None = None, **config: Any
     ) -> LLMEngine:
-        return cls(EngineConfig(model=model, **config), connector=connector)  # type: ignore[arg-type]
+        """``config``: further ``EngineConfig`` fields, by name (EngineConfig checks them)."""
+        return cls(EngineConfig(model=model, **config), connector=connector)
 
     # ---- requests -------------------------------------------------------------------
     def add_request(
@@ -189,7 +190,9 @@ class LLMEngine:
                 status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 request.status = status
-                self.connector.request_aborted(request)  # type: ignore[union-attr]
+                if self.connector is None:  # checked on entry: kv_transfer_params need one
+                    raise RuntimeError("kv_transfer_params given, but this engine has no connector")
+                self.connector.request_aborted(request)
                 self._finished_on_arrival.append(request)
                 return
         self.scheduler.add_request(request)
