@@ -292,7 +292,7 @@ class PDConnector(KVConnectorBase):
                     "(cache_salt or prompt mismatch); not using its blocks"
                 )
             self._renew_if_expiring(peer, load.params)
-            result = self._client.read_blocks(  # type: ignore[union-attr]
+            result = self._transfer_client.read_blocks(
                 peer,
                 load.params.lease_id,
                 load.remote_block_ids,
@@ -336,12 +336,12 @@ class PDConnector(KVConnectorBase):
         """
         remaining = params.lease_expires_at - time.time()
         if remaining < _RENEW_BELOW_FRACTION * self.config.lease_ttl_s:
-            params.lease_expires_at = self._client.renew(peer, params.lease_id)  # type: ignore[union-attr]
+            params.lease_expires_at = self._transfer_client.renew(peer, params.lease_id)
             self.stats.record_lease_renewal()
 
     def _release_remote(self, params: KVTransferParams) -> None:
         try:
-            self._client.release(self._peer(params), params.lease_id)  # type: ignore[union-attr]
+            self._transfer_client.release(self._peer(params), params.lease_id)
         except (TransferError, ValueError) as error:
             logger.info(
                 "release of lease %s at %s failed (it will expire): %s",
@@ -349,6 +349,13 @@ class PDConnector(KVConnectorBase):
                 params.transfer_address,
                 error,
             )
+
+    @property
+    def _transfer_client(self) -> KVTransferClient:
+        """The consumer side's client, which ``register_kv_caches`` makes."""
+        if self._client is None:
+            raise RuntimeError("the KV transfer client is the consumer's, after register_kv_caches")
+        return self._client
 
     def connect(self, address: str) -> str:
         """Handshakes with the prefill worker at ``address`` now (decode side), replacing any
@@ -373,7 +380,7 @@ class PDConnector(KVConnectorBase):
             peer = self._peers.get(address)
         if peer is not None and peer.engine_id == params.engine_id:
             return peer
-        peer = self._client.handshake(address)  # type: ignore[union-attr]
+        peer = self._transfer_client.handshake(address)
         with self._peers_lock:
             self._peers[address] = peer
         return peer

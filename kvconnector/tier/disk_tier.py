@@ -80,7 +80,9 @@ class DiskTier(TierLevel):
 
     def __contains__(self, block_hash: object) -> bool:
         with self._lock:
-            return block_hash in self._queued or self._index.get(block_hash) is not None  # type: ignore[arg-type]
+            if not isinstance(block_hash, bytes):  # a BlockHash is bytes: nothing else is held
+                return False
+            return block_hash in self._queued or self._index.get(block_hash) is not None
 
     def num_pages(self) -> int:
         return len(self._index)
