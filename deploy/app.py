@@ -117,7 +117,7 @@ def build(config: PDServeConfig, retiring_from: PDServeConfig | None = None) -> 
             range(config.num_decode, retiring_from.num_decode),
         )
     # @serve.deployment made Gateway a Deployment; mypy keeps a decorated class's own type.
-    gateway = Gateway.options(  # type: ignore[attr-defined]
+    gateway = Gateway.options(  # type: ignore[attr-defined]  # a Deployment: see above
         num_replicas=config.num_gateway_replicas, ray_actor_options=gateway_actor_options(config)
     )
     return gateway.bind(config.gateway_config(), prefill, decode, retiring)

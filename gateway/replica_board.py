@@ -74,7 +74,7 @@ def board_for(app_name: str, num_recent_requests: int) -> Any:
     Its actor handle is returned as ``Any``: Ray's ``ActorHandle`` types every method
     attribute as ``Never``, which would make the code after each call unreachable."""
     # @ray.remote made ReplicaBoard an ActorClass; mypy keeps a decorated class's own type.
-    return ReplicaBoard.options(  # type: ignore[attr-defined]
+    return ReplicaBoard.options(  # type: ignore[attr-defined]  # an ActorClass: see above
         name=board_name(app_name), namespace="pdserve", get_if_exists=True, lifetime="detached"
     ).remote(num_recent_requests)
 
