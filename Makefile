@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test bench bench-vllm-env clean
+.PHONY: setup demo test typecheck bench bench-vllm-env clean
 
 setup: $(VENV)/.installed
 
@@ -27,6 +27,13 @@ demo: setup
 test: setup
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
+
+# mypy on the package (settings in pyproject's [tool.mypy]). The repository root is the
+# package, so mypy sees it as `pdserve` through a link build/mypy-path/pdserve -> the root.
+typecheck: setup
+	mkdir -p build/mypy-path
+	ln -sfn ../.. build/mypy-path/pdserve
+	$(VENV)/bin/mypy
 
 bench: setup
 	for b in bench/bench_*.py; do $(PY) $$b || exit 1; done

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from pdserve.cache.cache_request import CacheRequest
@@ -18,10 +18,12 @@ from pdserve.cache.stats import PrefixCacheStats
 class KVCacheBlocks:
     """`blocks[group_id]` lists that group's blocks in token order.
 
-    The scheduler sees block ids only; the blocks themselves stay the ledger's.
+    The scheduler sees block ids only; the blocks themselves stay the ledger's. A group's
+    blocks are a list, or an empty tuple in the manager's shared "no blocks" answer, which
+    must not be appended to: hence ``Sequence``.
     """
 
-    blocks: tuple[list[KVCacheBlock], ...]
+    blocks: tuple[Sequence[KVCacheBlock], ...]
 
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
         if len(self.blocks) != len(other.blocks):
@@ -29,7 +31,7 @@ class KVCacheBlocks:
                 f"cannot add KVCacheBlocks of {len(self.blocks)} and {len(other.blocks)} groups"
             )
         return KVCacheBlocks(
-            tuple(mine + theirs for mine, theirs in zip(self.blocks, other.blocks))
+            tuple([*mine, *theirs] for mine, theirs in zip(self.blocks, other.blocks))
         )
 
     def get_block_ids(self) -> tuple[list[int], ...]:

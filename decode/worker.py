@@ -42,7 +42,8 @@ class DecodeWorker(EngineHost):
         """Handshakes with each prefill worker's KV service now (prewarm), so no user
         request pays it; returns the addresses that answered (the others are logged)."""
         connector = self.pd_connector
-        assert connector is not None, "a consumer always runs the P/D connector"
+        if connector is None:  # a consumer's spec always has one (__init__ checked the role)
+            raise RuntimeError(f"decode worker {self.worker_id!r} has no P/D connector")
         connected = []
         for address in addresses:
             try:

@@ -144,13 +144,15 @@ def build(config: PDServeConfig, retiring_from: PDServeConfig | None = None) -> 
     app = plan(config.resolve_deployment_secrets(), retiring_from)
 
     def bind(worker: WorkerDeployment) -> Application:
-        deployment = serve.deployment(_WORKER_CLASSES[worker.role]).options(
+        # The decorator form with the options, applied to the class: the same Deployment as
+        # serve.deployment(cls).options(...), in the form Ray's annotations describe.
+        deployment = serve.deployment(
             name=worker.spec.worker_id,
             num_replicas=1,
             ray_actor_options=worker.actor_options,
             max_ongoing_requests=_WORKER_MAX_ONGOING,
             health_check_period_s=5,
-        )
+        )(_WORKER_CLASSES[worker.role])
         # Serve's public API no longer takes a version; the Deployment keeps one, and the
         # client uses it instead of a random one when it is set (ray.serve._private.client).
         deployment._version = worker_version(worker)
@@ -159,7 +161,8 @@ def build(config: PDServeConfig, retiring_from: PDServeConfig | None = None) -> 
     prefill = {w.spec.worker_id: bind(w) for w in app.workers if w.role == "producer"}
     decode = {w.spec.worker_id: bind(w) for w in app.workers if w.role == "consumer"}
     retiring = {w.spec.worker_id: bind(w) for w in app.retiring}
-    gateway = Gateway.options(
+    # @serve.deployment made Gateway a Deployment; mypy keeps a decorated class's own type.
+    gateway = Gateway.options(  # type: ignore[attr-defined]  # a Deployment: see above
         num_replicas=app.gateway.num_replicas, ray_actor_options=app.gateway_options
     )
     return gateway.bind(app.gateway, prefill, decode, retiring)

@@ -39,7 +39,10 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> None:
     if ray.is_initialized():
         return
     if address:
-        loopback = {"_node_ip_address": "127.0.0.1"} if address.startswith("127.0.0.1:") else {}
+        # A private ray.init keyword (it lands in **kwargs): Any, not str, for the typed ones.
+        loopback: dict[str, Any] = (
+            {"_node_ip_address": "127.0.0.1"} if address.startswith("127.0.0.1:") else {}
+        )
         ray.init(address=address, namespace="pdserve", log_to_driver=False, **loopback)
     else:
         # address="local": always a new embedded cluster, never one that `ray start` left

@@ -59,7 +59,8 @@ MIN_KV_TRANSFER_SECRET_CHARS = 16
 
 # Every part's settings (engine, KV tier, KV connector, gateway), generated from their
 # configs' fields: see part_settings.py.
-_PartsSettings = create_model(
+# mypy cannot match a **dict of field definitions to create_model's keyword-only options.
+_PartsSettings = create_model(  # type: ignore[call-overload]  # fields built at run time
     "_PartsSettings",
     __config__=ConfigDict(extra="forbid", validate_default=True),
     **settings_fields(),
@@ -324,8 +325,8 @@ class PDServeConfig(_PartsSettings):  # type: ignore[misc,valid-type]  # generat
                 kv_tier, disk_path=str(Path(kv_tier.disk_path) / self.app_name)
             )
         kv_tier = kv_tier if kv_tier.enabled else None
-        cpus = self.prefill_cpus if role == "producer" else self.decode_cpus
-        cpus = tuple(cpus) if cpus else None
+        role_cpus = self.prefill_cpus if role == "producer" else self.decode_cpus
+        cpus = tuple(role_cpus) if role_cpus else None
         if self.colocated:
             return WorkerSpec(worker_id, engine, kv_tier=kv_tier, cpus=cpus)
         if self.kv_transfer_secret is None:
@@ -361,8 +362,13 @@ class PDServeConfig(_PartsSettings):  # type: ignore[misc,valid-type]  # generat
         """``--config FILE`` and one flag per field, generated from the model (aliases:
         ``--prefill``, ``--decode``, ``--address``); ``from_cli`` reads them back."""
         parser.add_argument("--config", type=Path, help="YAML file of config keys")
-        source = CliSettingsSource(
-            cls, root_parser=parser, cli_kebab_case=True, cli_implicit_flags=True
+        # pydantic-settings reads any pydantic model's fields, though its signature names
+        # BaseSettings; the config stays a BaseModel so that the environment is not read.
+        source: CliSettingsSource[argparse.Namespace] = CliSettingsSource(
+            cls,
+            root_parser=parser,
+            cli_kebab_case=True,
+            cli_implicit_flags=True,
         )
         parser.set_defaults(config_source=source)
 

@@ -133,7 +133,9 @@ def attribute_docstrings(cls: type) -> dict[str, str]:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):  # no source (a frozen app): settings without help text
         return {}
-    (class_node,) = ast.parse(source).body
+    class_node = ast.parse(source).body[0]
+    if not isinstance(class_node, ast.ClassDef):
+        return {}
     docs = {}
     body = class_node.body
     for statement, after in zip(body, body[1:]):

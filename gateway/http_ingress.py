@@ -23,7 +23,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
@@ -132,7 +132,8 @@ def _refuse_constant(name: str) -> None:
 ResponseFormat = CompletionFormat | ChatFormat
 
 
-Choices = AsyncIterator[tuple[int, StreamDelta]]
+# An async generator, not just an iterator: closing it cancels the worker streams.
+Choices = AsyncGenerator[tuple[int, StreamDelta], None]
 
 
 async def _sse_events(

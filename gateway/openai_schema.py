@@ -27,7 +27,6 @@ from pydantic import (
     Field,
     StringConstraints,
     ValidationError,
-    ValidationInfo,
     field_validator,
 )
 
@@ -161,9 +160,9 @@ class SamplingRequest(BaseModel):
 
     @field_validator("cache_salt")
     @classmethod
-    def _valid_salt(cls, value: str | None, info: ValidationInfo) -> str | None:
+    def _valid_salt(cls, value: str | None) -> str | None:
         if value is not None:
-            check_unicode(value, info.field_name)
+            check_unicode(value, "cache_salt")
         return value
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -194,10 +193,10 @@ class CompletionRequest(SamplingRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
+    def _valid_unicode(cls, value: Any) -> Any:
         for text in value if isinstance(value, list) else [value]:
             if isinstance(text, str):
-                check_unicode(text, info.field_name)
+                check_unicode(text, "prompt")
         return value
 
 

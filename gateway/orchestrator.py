@@ -32,8 +32,9 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 from ray.exceptions import RayActorError, RayTaskError
 
@@ -73,7 +74,7 @@ _STATS_TIMEOUT_S = 10.0
 _INLINE_PROMPT_SIZE = 16_384
 
 
-def raised_by_worker_code(error: BaseException) -> bool:
+def raised_by_worker_code(error: BaseException) -> TypeGuard[RayTaskError]:
     """True when the worker's own code raised (a bug, a request it cannot serve): the worker
     is alive and would fail the same way again, so it stays in routing and the request is
     not retried. Anything else (its actor died, is unreachable) is a lost worker."""
@@ -197,8 +198,10 @@ class RequestOrchestrator:
                     f"token id {bad} is outside the vocabulary [0, {vocab_size})",
                     param="prompt",
                 )
-        else:
+        elif parsed.prompt_text is not None:
             token_ids = self.tokenizer.encode(parsed.prompt_text)
+        else:  # validate_request sets one of the two
+            raise ValueError("a parsed request carries neither prompt text nor token ids")
         max_len = self.model_info.max_model_len
         if len(token_ids) > max_len:
             raise APIError(
@@ -281,7 +284,7 @@ class RequestOrchestrator:
             remote_decode=params.max_tokens > 1 and self.router.has_decode_workers(),
         )
 
-    async def run_phases(self, run: RequestRun) -> AsyncIterator[StreamDelta]:
+    async def run_phases(self, run: RequestRun) -> AsyncGenerator[StreamDelta, None]:
         """``generate``'s body: the phases, in order, for an already built ``RequestRun``."""
         self.decide_disaggregation(run)
         completed = False
@@ -442,7 +445,10 @@ class RequestOrchestrator:
         try:
             if role == "prefill":
                 return self.router.pick_prefill(block_hashes).worker_id
-            return self.router.pick_decode(block_hashes).worker_id
+            choice = self.router.pick_decode(block_hashes)
+            if choice is None:  # a colocated deployment has no decode worker to route to
+                raise NoWorkerAvailable("decode")
+            return choice.worker_id
         except NoWorkerAvailable as error:
             if fallback is not None:
                 return fallback

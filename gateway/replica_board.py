@@ -79,11 +79,14 @@ class ReplicaBoard:
         return list(reversed(self._records.values()))[: max(limit, 0)]
 
 
-def board_for(app_name: str, num_recent_requests: int):
+def board_for(app_name: str, num_recent_requests: int) -> Any:
     """The app's board: created by the first replica that asks, found by the others.
 
-    Detached, so that it outlives any one replica; ``deploy.cluster.delete_app`` ends it."""
-    return ReplicaBoard.options(
+    Detached, so that it outlives any one replica; ``deploy.cluster.delete_app`` ends it.
+    Its actor handle is returned as ``Any``: Ray's ``ActorHandle`` types every method
+    attribute as ``Never``, which would make the code after each call unreachable."""
+    # @ray.remote made ReplicaBoard an ActorClass; mypy keeps a decorated class's own type.
+    return ReplicaBoard.options(  # type: ignore[attr-defined]  # an ActorClass: see above
         name=board_name(app_name), namespace="pdserve", get_if_exists=True, lifetime="detached"
     ).remote(num_recent_requests)
 

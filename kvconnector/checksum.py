@@ -45,7 +45,7 @@ def page_checksums(pages: np.ndarray, block_ids: Sequence[int]) -> list[int]:
 
 def page_checksum(page: np.ndarray) -> int:
     """xxh3_64 of one page held in a ``[page_bytes]`` buffer (a KV tier's copy of a page)."""
-    return xxhash.xxh3_64_intdigest(page)
+    return xxhash.xxh3_64_intdigest(page.data)
 
 
 def verify_pages(

@@ -16,7 +16,7 @@ landed, with the failed blocks of both:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 from pdserve.engine.kv_connector_base import (
     FinishedTransfers,
@@ -201,8 +201,13 @@ class TieredConnector(KVConnectorBase):
         self.tier.shutdown()
 
 
+@overload
+def with_tier(pd: PDConnector, tier: TierConnector | None) -> KVConnectorBase: ...
+@overload
+def with_tier(pd: None, tier: TierConnector | None) -> KVConnectorBase | None: ...
 def with_tier(pd: PDConnector | None, tier: TierConnector | None) -> KVConnectorBase | None:
-    """A worker's connector: the P/D part, the tier, both composed, or none."""
+    """A worker's connector: the P/D part, the tier, both composed, or none (the overloads
+    say that a P/D part always gives a connector)."""
     if tier is None or pd is None:
         return tier or pd
     return TieredConnector(tier, pd)

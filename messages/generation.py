@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.cache import HashAlgorithm
 from pdserve.messages.first_chunk_timing import FirstChunkTiming
 from pdserve.messages.kv_provenance import KVProvenance
 from pdserve.messages.kv_transfer_params import KVTransferParams
@@ -74,6 +75,6 @@ class ModelInfo:
     model: str
     max_model_len: int
     block_size: int
-    hash_algorithm: str
+    hash_algorithm: HashAlgorithm
     hash_seed: int | str
     eos_token_ids: list[int]  # every id that ends a reply

@@ -89,7 +89,7 @@ class EngineHost:
         self._executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"{self.worker_id}-engine"
         )
-        self._ops: list[Callable[[], None]] = []
+        self._ops: list[Callable[[], object]] = []
         self._ops_lock = threading.Lock()
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -183,6 +183,8 @@ class EngineHost:
         cheap (a small lease on a CPU cache: microseconds, where a thread hop costs up to
         milliseconds under load), else on a thread, so the event loop never stalls."""
         connector = self.engine.connector
+        if connector is None:  # only a connector's hand-off brings params to complete
+            raise RuntimeError(f"{self.worker_id} has no KV connector to complete a hand-off")
         if connector.completes_inline(params):
             return connector.complete_transfer_params(params)
         return await asyncio.to_thread(connector.complete_transfer_params, params)
@@ -263,46 +265,54 @@ class EngineHost:
 
     async def _on_engine_thread(self, read: Callable[[], T]) -> T:
         """Runs ``read`` as an op of the engine thread and returns its result."""
-        self._ensure_loop()
-        future: asyncio.Future = self._loop.create_future()
+        loop = self._ensure_loop()
+        future: asyncio.Future = loop.create_future()
 
         def op() -> None:
             try:
                 result = read()
             except Exception as error:  # noqa: BLE001 — handed to the awaiting caller
-                self._loop.call_soon_threadsafe(future.set_exception, error)
+                loop.call_soon_threadsafe(future.set_exception, error)
             else:
-                self._loop.call_soon_threadsafe(future.set_result, result)
+                loop.call_soon_threadsafe(future.set_result, result)
 
         self._submit(op)
         return await future
 
-    def _submit(self, op: Callable[[], None]) -> None:
+    def _submit(self, op: Callable[[], object]) -> None:
+        """Queues ``op`` for the engine thread; what it returns is dropped."""
         with self._ops_lock:
             self._ops.append(op)
-        if self._wakeup is not None:
+        if self._wakeup is not None and self._loop is not None:  # both set by _ensure_loop
             self._loop.call_soon_threadsafe(self._wakeup.set)
 
-    def _ensure_loop(self) -> None:
+    def _ensure_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the engine thread reports to, its step task (re)started if needed."""
         if self._loop_task is None or self._loop_task.done():
             self._loop = asyncio.get_running_loop()
             self._wakeup = asyncio.Event()
             self._loop_task = self._loop.create_task(self._run())
+        if self._loop is None:  # set above, with the task
+            raise RuntimeError("the engine host's event loop was not set")
+        return self._loop
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
+        wakeup = self._wakeup
+        if wakeup is None:  # _ensure_loop sets it before it starts this task
+            raise RuntimeError("the engine host's wakeup event was not set")
         state = HostState.IDLE
         while True:
             if state is not HostState.BUSY:
                 with self._ops_lock:
                     pending = bool(self._ops)
                 if not pending:
-                    self._wakeup.clear()
+                    wakeup.clear()
                     if state is HostState.IDLE:
-                        await self._wakeup.wait()
+                        await wakeup.wait()
                     else:  # blocks held under a lease: poll for the decode side's release
                         with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(self._wakeup.wait(), _LEASE_POLL_S)
+                            await asyncio.wait_for(wakeup.wait(), _LEASE_POLL_S)
             state = await loop.run_in_executor(self._executor, self._step)
 
     def _step(self) -> HostState:
@@ -340,7 +350,7 @@ class EngineHost:
 
     def _deliver(self, output: RequestOutput | GenerationChunk) -> None:
         queue = self._streams.get(output.request_id)
-        if queue is not None:
+        if queue is not None and self._loop is not None:  # a stream exists once the loop does
             self._loop.call_soon_threadsafe(queue.put_nowait, output)
 
 

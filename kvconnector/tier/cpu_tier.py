@@ -46,7 +46,9 @@ class CpuTier(TierLevel):
 
     def __contains__(self, block_hash: object) -> bool:
         with self._lock:
-            return self._index.get(block_hash) is not None  # type: ignore[arg-type]
+            if not isinstance(block_hash, bytes):  # a BlockHash is bytes: nothing else is held
+                return False
+            return self._index.get(block_hash) is not None
 
     def num_pages(self) -> int:
         return len(self._index)

@@ -93,7 +93,9 @@ class DiskTier(TierLevel):
 
     def __contains__(self, block_hash: object) -> bool:
         with self._lock:
-            return block_hash in self._queued or self._index.get(block_hash) is not None  # type: ignore[arg-type]
+            if not isinstance(block_hash, bytes):  # a BlockHash is bytes: nothing else is held
+                return False
+            return block_hash in self._queued or self._index.get(block_hash) is not None
 
     def num_pages(self) -> int:
         return len(self._index)
@@ -146,7 +148,7 @@ class DiskTier(TierLevel):
         try:
             descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PAGE_MODE)
             with open(descriptor, "wb") as file:
-                file.write(memoryview(page))
+                file.write(page.data)  # the page's buffer, as memoryview(page)
             os.replace(temporary, path)
             return True
         except OSError as error:
@@ -172,9 +174,10 @@ class DiskTier(TierLevel):
                 np.copyto(dst, queued[0])
                 checksum = queued[1]
             else:
-                checksum = self._index.get(block_hash)
-                if checksum is None:
+                indexed = self._index.get(block_hash)
+                if indexed is None:
                     return False
+                checksum = indexed
         ok = (queued is not None or self._read_file(block_hash, dst)) and page_checksum(
             dst
         ) == checksum
@@ -186,7 +189,7 @@ class DiskTier(TierLevel):
         """Reads exactly one page; a short or missing file is a failed load."""
         try:
             with open(self.path_of(block_hash), "rb") as file:
-                return file.readinto(memoryview(dst)) == self.page_bytes and not file.read(1)
+                return file.readinto(dst.data) == self.page_bytes and not file.read(1)
         except OSError as error:
             logger.warning("disk KV tier: could not read %s: %s", self.path_of(block_hash), error)
             return False
