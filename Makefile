@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test typecheck bench bench-vllm-env clean
+.PHONY: setup demo check test typecheck bench bench-vllm-env clean
 
 setup: $(VENV)/.installed
 
@@ -24,8 +24,15 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/pdserve demo
 
-test: setup
+# The checks every `make test` runs before any test (CONTRIBUTING.md): lint, format, the
+# import layers, types. Each fails the target on its own.
+check: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+	$(MAKE) --no-print-directory typecheck
+
+test: check
 	$(PY) -m pytest -q
 
 # mypy on the package (settings in pyproject's [tool.mypy]). The repository root is the
