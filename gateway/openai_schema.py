@@ -19,7 +19,7 @@ import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Protocol, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -311,13 +311,7 @@ class CompletionFormat:
         index: int = 0,
         tokens: TokensWithLogprobs = ((), ()),
     ) -> dict[str, Any]:
-        return {
-            "id": self.request_id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [self._choice(index, text, finish_reason, tokens)],
-        }
+        return envelope(self, "text_completion", [self._choice(index, text, finish_reason, tokens)])
 
     def _choice(
         self, index: int, text: str, finish_reason: str | None, tokens: TokensWithLogprobs
@@ -326,30 +320,40 @@ class CompletionFormat:
         return {"index": index, "text": text, "logprobs": rendered, "finish_reason": finish_reason}
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "id": self.request_id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [],
-            "usage": usage_body,
-        }
+        return envelope(self, "text_completion", [], usage=usage_body)
 
     def response(
         self, choices: list[tuple[str, str | None, TokensWithLogprobs]], usage_body: dict[str, Any]
     ) -> dict[str, Any]:
         """The whole reply: ``choices`` are ``(text, finish_reason, tokens)`` by index."""
-        return {
-            "id": self.request_id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "usage": usage_body,
-            "choices": [
-                self._choice(i, text, reason, tokens)
-                for i, (text, reason, tokens) in enumerate(choices)
-            ],
-        }
+        rendered = [
+            self._choice(i, text, reason, tokens)
+            for i, (text, reason, tokens) in enumerate(choices)
+        ]
+        return envelope(self, "text_completion", rendered, usage=usage_body)
+
+
+class ReplyIdentity(Protocol):
+    """What every body of one reply repeats: its id, creation time and model."""
+
+    request_id: str
+    created: int
+    model: str
+
+
+def envelope(
+    reply: ReplyIdentity, object_name: str, choices: list[dict[str, Any]], **extra: Any
+) -> dict[str, Any]:
+    """One OpenAI body (a chunk or the whole response) of ``reply``: its id, ``object``,
+    creation time, model, ``choices``, then anything ``extra`` (``usage``)."""
+    return {
+        "id": reply.request_id,
+        "object": object_name,
+        "created": reply.created,
+        "model": reply.model,
+        "choices": choices,
+        **extra,
+    }
 
 
 def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict[str, Any]:
