@@ -52,14 +52,16 @@ def test_pages_and_their_directory_are_the_owners_alone_and_deleted_on_close(tmp
         fill_the_disk_tier(engine)
     finally:
         os.umask(old_umask)
-    directory = tmp_path / "worker-0"
-    pages = list(directory.glob("*.kv"))
+    worker_directory = tmp_path / "worker-0"
+    run = engine.connector.store.levels[-1].directory
+    assert run.parent == worker_directory
+    pages = list(run.glob("*.kv"))
     assert pages, "nothing reached the disk tier: the test proves nothing"
-    assert mode(directory) == 0o700
+    assert mode(worker_directory) == mode(run) == 0o700
     assert {mode(page) for page in pages} == {0o600}
 
     engine.shutdown()
-    assert not directory.exists()
+    assert not worker_directory.exists()
 
 
 def test_two_apps_sharing_a_disk_path_get_a_directory_each():
@@ -87,6 +89,31 @@ def test_a_stopped_worker_deletes_its_pages(tmp_path):
     )
     host = EngineHost(spec)
     fill_the_disk_tier(host.engine)
-    assert list((tmp_path / "decode-1").glob("*.kv"))
+    assert list((tmp_path / "decode-1").rglob("*.kv"))
     host.__del__()
     assert not (tmp_path / "decode-1").exists()
+
+
+def test_a_new_instance_of_a_worker_never_writes_into_its_predecessors_run(tmp_path):
+    """Serve may start a worker's new instance while the old one is still stopping: each
+    run has its own directory, the new one deletes the old run's pages at start (they would
+    not be trusted), and the old one's close then leaves the new run alone."""
+    config = KVTierConfig(disk_path=str(tmp_path), disk_bytes=64 * PAGE_BYTES)
+
+    def engine() -> LLMEngine:
+        return LLMEngine.from_pretrained(
+            "tiny", connector=TierConnector(config, "worker-0"), **ENGINE
+        )
+
+    old = engine()
+    fill_the_disk_tier(old)
+    old_run = old.connector.store.levels[-1].directory
+    assert list(old_run.glob("*.kv"))
+    new = engine()
+    new_run = new.connector.store.levels[-1].directory
+    assert new_run != old_run and not old_run.exists()
+    fill_the_disk_tier(new)
+    old.shutdown()  # the old instance stops after the new one started
+    assert list(new_run.glob("*.kv")), "the old instance's close deleted the new run's pages"
+    new.shutdown()
+    assert not (tmp_path / "worker-0").exists()

@@ -141,7 +141,8 @@ def test_a_restarted_disk_tier_starts_empty_and_deletes_the_old_pages(tmp_path):
     directory = died.connector.store.levels[0].directory
     assert list(directory.glob("*.kv"))
     restarted = tier_engine(config)  # the first never closed: its files are still there
-    assert not list(directory.glob("*.kv"))
+    assert not directory.exists()  # its run, pages and all, is gone
+    assert not list(restarted.connector.store.levels[0].directory.glob("*.kv"))
     assert restarted.stats().tiers[0].bytes_used == 0
     restarted.shutdown()
     died.shutdown()

@@ -81,8 +81,8 @@ def test_a_disk_tiers_index_and_files_agree_through_stores_evictions_and_failed_
 ):
     root = Path(tempfile.mkdtemp())
     try:
-        directory = root / "worker-0"
-        disk = DiskTier(directory, capacity * PAGE_BYTES, PAGE_BYTES, block_size=16)
+        disk = DiskTier(root / "worker-0", capacity * PAGE_BYTES, PAGE_BYTES, block_size=16)
+        directory = disk.directory  # this run's pages
         for op, key in ops:
             if op == "store":
                 disk.store(key, fill_with(key))
@@ -112,7 +112,7 @@ def test_a_disk_tiers_index_and_files_agree_through_stores_evictions_and_failed_
                 if (directory / f"{block_hash.hex()}{PAGE_SUFFIX}").exists():
                     assert disk.load(block_hash, dst) and np.array_equal(dst, page_of(block_hash))
         disk.close()
-        assert not directory.exists()
+        assert not (root / "worker-0").exists()
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
