@@ -372,16 +372,22 @@ class LeasingWorker(FakeWorker):
         self.released.append(request_id)
 
 
+def leasing_service() -> tuple[RequestOrchestrator, LeasingWorker]:
+    """A gateway over one leasing prefill worker and a decode worker, always handing off."""
+    pool = FakePool([], ["decode-0"])
+    prefill = LeasingWorker("prefill-0")
+    pool.prefill = {"prefill-0": prefill}
+    pool.all = {**pool.prefill, **pool.decode}
+    return make_service(pool, disagg_min_uncached_tokens=0), prefill
+
+
 @pytest.mark.parametrize("hang_up_after", [1, 2])
 def test_a_client_hanging_up_at_any_token_releases_the_prefill_lease_at_once(hang_up_after):
     """1: right after the first token, before the hand-off (the lease stayed held until its
     TTL before the fix); 2: mid-decode."""
 
     async def scenario() -> None:
-        pool = FakePool([], ["decode-0"])
-        pool.prefill = {"prefill-0": LeasingWorker("prefill-0")}
-        pool.all = {**pool.prefill, **pool.decode}
-        service = make_service(pool, disagg_min_uncached_tokens=0)  # always hand off
+        service, prefill = leasing_service()
         params = SamplingParams(max_tokens=4, temperature=0, seed=1)
         stream = service.generate("r", service.tokenizer.encode("hello"), params)
         for _ in range(hang_up_after):
@@ -389,7 +395,7 @@ def test_a_client_hanging_up_at_any_token_releases_the_prefill_lease_at_once(han
         await stream.aclose()  # the client went away
         for _ in range(20):  # the release runs as its own task
             await asyncio.sleep(0)
-        assert pool.prefill["prefill-0"].released == ["r"]
+        assert prefill.released == ["r"]
 
     asyncio.run(scenario())
 
@@ -400,10 +406,7 @@ def test_no_reply_and_no_recent_request_carries_the_lease_id():
     carried it)."""
 
     async def scenario() -> None:
-        pool = FakePool([], ["decode-0"])
-        pool.prefill = {"prefill-0": LeasingWorker("prefill-0")}
-        pool.all = {**pool.prefill, **pool.decode}
-        service = make_service(pool, disagg_min_uncached_tokens=0)  # always hand off
+        service, prefill = leasing_service()
         params = SamplingParams(max_tokens=4, temperature=0, seed=1)
         deltas = [d async for d in service.generate("r", service.tokenizer.encode("hi"), params)]
         provenance = deltas[-1].kv_provenance.to_json()
