@@ -9,9 +9,7 @@ the decode worker (``node_c``).
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -20,14 +18,10 @@ import pytest
 # session (the service suite's embedded one) inherits it, and with it set Ray registers a
 # one-node cluster under the machine's network address instead of 127.0.0.1.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-sys.path.insert(0, str(Path(__file__).parent))
-# The load driver lives with the benchmarks (the service suite uses it too).
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from cluster_apps import HEAD_IP, NODE_B_IP, NODE_C_IP, NUM_KV_BLOCKS
-from raylets import RayNode, ray_cluster
 
 from pdserve.engine.llm_engine import LLMEngine
+from tests.cluster.cluster_apps import HEAD_IP, NODE_B_IP, NODE_C_IP, NUM_KV_BLOCKS
+from tests.cluster.raylets import RayNode, ray_cluster
 
 
 @pytest.fixture(scope="module")

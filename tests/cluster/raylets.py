@@ -50,9 +50,10 @@ def cluster_env() -> dict[str, str]:
     """The environment of every node and of the driver: several nodes on one host, one auth
     mode, this worktree's code on the path of every Ray worker."""
     env = dict(os.environ)
-    # Ray workers import this suite's helpers (kv_endpoint) by name, as the driver does.
+    # Ray workers import this suite's helpers (tests.cluster.kv_endpoint) by module path, as
+    # the driver does: the repository root on their path, as pytest's `pythonpath` puts it on ours.
     env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")])
+        filter(None, [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")])
     )
     env.update(
         RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1",

@@ -190,7 +190,8 @@ def test_engine_greedy_generate_equals_transformers_on_a_local_checkpoint(
 ) -> None:
     import torch
     import transformers
-    from test_model_runner import save_hf_model
+
+    from tests.engine.hf_models import save_hf_model
 
     reference = save_hf_model(tmp_path, getattr(transformers, architecture))
     engine = LLMEngine.from_pretrained(

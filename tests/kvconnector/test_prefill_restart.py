@@ -12,15 +12,15 @@ import socket
 import time
 
 import pytest
-from test_disaggregated_engines import (
-    TRANSPORTS,
+
+from pdserve.engine import LLMEngine, SamplingParams
+from tests.kvconnector.disaggregation import (
     assert_decode_idle,
     disaggregate,
     make_decode_engine,
     random_prompts,
 )
-
-from pdserve.engine import LLMEngine, SamplingParams
+from tests.kvconnector.kv_peer import TRANSPORTS
 
 
 def free_port() -> int:

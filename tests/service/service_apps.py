@@ -12,8 +12,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from load_driver import get_json, wait_until_drained
-
+from bench.load_driver import get_json, wait_until_drained
 from pdserve.deploy.cluster import base_url, delete_app, deploy
 from pdserve.deploy.config import PDServeConfig
 from pdserve.engine.llm_engine import LLMEngine

@@ -8,13 +8,12 @@ import socket
 import subprocess
 import sys
 
-from service_apps import free_port
-
 from pdserve.checkpoint.model_source import default_model_name
 from pdserve.deploy.demo import QUESTIONS
 from pdserve.deploy.stats_table import format_stats
 from pdserve.gateway.metrics import GatewayMetrics, stats_report
 from pdserve.messages.worker_stats import WorkerStats
+from tests.service.service_apps import free_port
 
 DEMO_PORT = free_port()
 
