@@ -17,7 +17,7 @@ from bench.load_driver import (
 from pdserve.deploy.cluster import base_url, deploy
 from pdserve.deploy.config import PDServeConfig
 from pdserve.engine.llm_engine import LLMEngine
-from tests.cluster.raylets import free_port
+from tests.ports import free_port
 
 HEAD_IP, NODE_B_IP, NODE_C_IP = "127.0.0.5", "127.0.0.2", "127.0.0.3"
 NUM_KV_BLOCKS = 128

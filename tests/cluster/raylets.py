@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.ports import free_port
+
 RAY = str(Path(sys.executable).with_name("ray"))
 # Node loss is noticed after period x threshold: ~1.5 s instead of Ray's default ~15 s.
 HEAD_SYSTEM_ENV = {
@@ -38,12 +40,6 @@ HEAD_SYSTEM_ENV = {
     "RAY_health_check_failure_threshold": "3",
 }
 NODE_START_TIMEOUT_S = 90.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with contextlib.closing(socket.socket()) as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
 
 
 def cluster_env() -> dict[str, str]:

@@ -13,7 +13,7 @@ from pdserve.deploy.demo import QUESTIONS
 from pdserve.deploy.stats_table import format_stats
 from pdserve.gateway.metrics import GatewayMetrics, stats_report
 from pdserve.messages.worker_stats import WorkerStats
-from tests.service.service_apps import free_port
+from tests.ports import free_port
 
 DEMO_PORT = free_port()
 

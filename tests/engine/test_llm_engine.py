@@ -1,5 +1,6 @@
 """LLMEngine on the built-in tiny model: scheduling under pressure, prefix caching, stops,
-aborts and bad input. Model numerics against transformers live in test_model_*.py."""
+aborts and bad input. Model numerics against transformers live in test_model_runner.py and
+tests/model/."""
 
 from __future__ import annotations
 

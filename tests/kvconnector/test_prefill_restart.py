@@ -8,7 +8,6 @@ connector kept the dead engine's handshake (its NIXL agent and pool) cached by a
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -21,13 +20,7 @@ from tests.kvconnector.disaggregation import (
     random_prompts,
 )
 from tests.kvconnector.kv_peer import TRANSPORTS
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
+from tests.ports import free_port
 
 PARAMS = [SamplingParams(max_tokens=4, temperature=0.0)]
 

@@ -1,9 +1,9 @@
 """The 1 prefill + 1 decode shape: OpenAI and gRPC clients, admission (429), and drain.
 
 The app admits at most ``MAX_INFLIGHT`` requests at once, so a burst is partly refused with
-429. (503, no worker available, is specified in ``test_admission.py``: Serve replaces a
-killed replica and queues calls meanwhile, so a real cluster shows it only when a restart
-outlasts the gateway's worker timeout.)
+429. (503, no worker available, is specified in ``tests/gateway/test_admission.py``: Serve
+replaces a killed replica and queues calls meanwhile, so a real cluster shows it only when a
+restart outlasts the gateway's worker timeout.)
 """
 
 from __future__ import annotations
