@@ -4,20 +4,19 @@ Each module starts its own small cluster (``cluster``: a head and two nodes, ≈
 cores) and kills every node by process id when it ends, also on failure (``raylets``). The
 head carries the gateway (resource ``head``), node B the prefill worker (``node_b``), node C
 the decode worker (``node_c``).
+
+The raylets get ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1`` in their own environment
+(``raylets.cluster_env``); this process keeps the loopback settings of tests/conftest.py: a
+Ray cluster started later in the same session (the service suite's embedded one) inherits
+them, and with the flag set Ray registers a one-node cluster under the machine's network
+address instead of 127.0.0.1.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
-
-# The raylets get RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 in their own environment
-# (raylets.cluster_env); this process's is left alone: a Ray cluster started later in the same
-# session (the service suite's embedded one) inherits it, and with it set Ray registers a
-# one-node cluster under the machine's network address instead of 127.0.0.1.
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from pdserve.engine.llm_engine import LLMEngine
 from tests.cluster.cluster_apps import HEAD_IP, NODE_B_IP, NODE_C_IP, NUM_KV_BLOCKS

@@ -11,12 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdserve.deploy.cluster import configure_ray_env, init_ray
-
-configure_ray_env()  # before any test module imports ray: every Ray port on loopback
-
-from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
-from tests.service.service_apps import NUM_KV_BLOCKS  # noqa: E402
+from pdserve.deploy.cluster import init_ray
+from pdserve.engine.llm_engine import LLMEngine
+from tests.service.service_apps import NUM_KV_BLOCKS
 
 
 @pytest.fixture(scope="session")
