@@ -4,7 +4,6 @@ process would pin the rest of the suite."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 
 import pytest
@@ -12,6 +11,7 @@ import pytest
 from pdserve.deploy.config import PDServeConfig
 from pdserve.messages.worker_spec import WorkerSpec
 from pdserve.worker.engine_host import _pin_to
+from tests.child_processes import child_context
 
 
 def _affinity_after_pinning(cpus: tuple[int, ...]) -> set[int] | str:
@@ -23,7 +23,7 @@ def _affinity_after_pinning(cpus: tuple[int, ...]) -> set[int] | str:
 
 
 def _in_child(cpus: tuple[int, ...]):
-    with mp.get_context("spawn").Pool(1) as pool:
+    with child_context().Pool(1) as pool:
         return pool.apply(_affinity_after_pinning, (cpus,))
 
 
