@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test bench bench-vllm-env clean
+.PHONY: setup demo test test-fast bench bench-vllm-env clean
 
 setup: $(VENV)/.installed
 
@@ -27,6 +27,12 @@ demo: setup
 test: setup
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
+
+# The lane to run while editing: every test that starts no Ray cluster (-m "not ray"; see
+# tests/conftest.py), about 1.5 minutes on 2 cores. Whole files go to 2 workers, so that a
+# module's engines and peer processes are built once.
+test-fast: setup
+	$(PY) -m pytest -q -m "not ray" -n 2 --dist loadfile
 
 bench: setup
 	for b in bench/bench_*.py; do $(PY) $$b || exit 1; done
