@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-fast bench bench-vllm-env clean
+.PHONY: setup demo check test test-fast typecheck bench bench-vllm-env clean
 
 setup: $(VENV)/.installed
 
@@ -24,8 +24,15 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/pdserve demo
 
-test: setup
+# The checks every `make test` runs before any test (CONTRIBUTING.md): lint, format, the
+# import layers, types. Each fails the target on its own.
+check: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+	$(MAKE) --no-print-directory typecheck
+
+test: check
 	$(PY) -m pytest -q
 
 # The lane to run while editing: every test that starts no Ray cluster (-m "not ray"; see
@@ -33,6 +40,13 @@ test: setup
 # module's engines and peer processes are built once.
 test-fast: setup
 	$(PY) -m pytest -q -m "not ray" -n 2 --dist loadfile
+
+# mypy on the package (settings in pyproject's [tool.mypy]). The repository root is the
+# package, so mypy sees it as `pdserve` through a link build/mypy-path/pdserve -> the root.
+typecheck: setup
+	mkdir -p build/mypy-path
+	ln -sfn ../.. build/mypy-path/pdserve
+	$(VENV)/bin/mypy
 
 bench: setup
 	for b in bench/bench_*.py; do $(PY) $$b || exit 1; done

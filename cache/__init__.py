@@ -30,9 +30,8 @@ from pdserve.cache.kv_cache_block import (
     get_block_hash,
     make_block_hash_with_group_id,
 )
-from pdserve.cache.kv_cache_blocks import KVCacheBlocks
 from pdserve.cache.kv_cache_coordinator import KVCacheCoordinator
-from pdserve.cache.kv_cache_manager import KVCacheManager
+from pdserve.cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from pdserve.cache.kv_cache_spec import (
     FullAttentionSpec,
     KVCacheConfig,

@@ -51,6 +51,10 @@ class BlockPoolListener(Protocol):
 
     def block_evicted(self, block_id: int, block_hash: BlockHashWithGroupId) -> None: ...
 
+    def block_uncached(self, block_id: int) -> None:
+        """A block cached by a step that then failed lost its hash: its page is garbage."""
+        ...
+
 
 class BlockPool:
     """All KV blocks of a worker, shared by every KV cache group."""
@@ -74,6 +78,8 @@ class BlockPool:
         self.num_evicted_blocks = 0
         self.kv_event_queue: list[KVCacheEvent] = []
         self.listener: BlockPoolListener | None = None
+        # Blocks cached since the last ``end_step``: the step in progress writes their K/V.
+        self.cached_this_step: list[KVCacheBlock] = []
 
     def get_cached_block(
         self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int]
@@ -126,6 +132,7 @@ class BlockPool:
             assert block.block_hash is None, f"block {block.block_id} is cached already"
             block.block_hash = key
             insert(key, block)
+            self.cached_this_step.append(block)
             run.append(block_hash)
             if self.listener is not None:
                 self.listener.block_cached(block.block_id, key)
@@ -245,11 +252,45 @@ class BlockPool:
             )
         return num_removed
 
+    def end_step(self) -> None:
+        """The step that cached ``cached_this_step`` finished: their K/V is written."""
+        self.cached_this_step.clear()
+
+    def uncache_step_blocks(self) -> int:
+        """Forget the hashes of every block the failed step in progress cached.
+
+        vLLM's order caches a chunk's full blocks when it allocates them, before the forward
+        writes their K/V; if that forward (or anything else in the step) fails, those hashes
+        would point at garbage and every later hit on them, here, on a router that heard
+        ``BlockStored`` or in a tier that offloads them, would serve wrong tokens. Their
+        events have not left the pool yet (they are taken when a step ends), so they are
+        dropped and nobody outside ever hears of those hashes. Returns how many were
+        forgotten."""
+        forgotten: set[BlockHashWithGroupId] = set()
+        for block in self.cached_this_step:
+            key = block.block_hash
+            if key is None:
+                continue
+            self.cached_block_hash_to_block.pop(key, block.block_id)
+            block.block_hash = None
+            forgotten.add(key)
+            if self.listener is not None:
+                self.listener.block_uncached(block.block_id)
+        self.cached_this_step.clear()
+        if forgotten:
+            self.kv_event_queue = [
+                event
+                for event in self.kv_event_queue
+                if not (isinstance(event, BlockStored) and _stores_any(event, forgotten))
+            ]
+        return len(forgotten)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is referenced."""
         if self.get_num_free_blocks() != self.num_blocks - 1:
             return False
         self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.cached_this_step.clear()
         for block in self.blocks:
             block.block_hash = None
         if self.enable_kv_cache_events:
@@ -267,3 +308,9 @@ class BlockPool:
         """The events since the last call, oldest first."""
         events, self.kv_event_queue = self.kv_event_queue, []
         return events
+
+
+def _stores_any(event: BlockStored, keys: set[BlockHashWithGroupId]) -> bool:
+    """Whether ``event`` stored any of ``keys`` (a failed step's events store only its own)."""
+    group_id = event.group_idx or 0
+    return any(make_block_hash_with_group_id(h, group_id) in keys for h in event.block_hashes)

@@ -16,16 +16,28 @@ class CacheRequest(Protocol):
     `block_hashes` holds the hashes of the request's full blocks, kept current by the
     owner as tokens arrive (see `RequestBlockHasher`). `num_preemptions > 0` marks a
     re-admitted request, whose prefix-cache lookups are counted apart.
+
+    Every member is a read-only property: the ledger only reads them (the owner keeps them
+    current), so an implementation may hold each as a plain attribute or compute it, as
+    ``num_tokens`` is computed by both ``Request`` and ``LedgerRequest``.
     """
 
-    request_id: str
-    all_token_ids: Sequence[int]
-    num_tokens: int
-    num_computed_tokens: int
-    block_hashes: list[BlockHash]
-    cache_salt: str | None
-    lora_id: int | None
-    num_preemptions: int
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
+    @property
+    def block_hashes(self) -> list[BlockHash]: ...
+    @property
+    def cache_salt(self) -> str | None: ...
+    @property
+    def lora_id(self) -> int | None: ...
+    @property
+    def num_preemptions(self) -> int: ...
 
 
 @dataclass(slots=True)

@@ -43,6 +43,8 @@ class HeldGroup:
 
     def blocks_needed_at_end(self) -> int:
         """Blocks a sliding group must hold just before a prefix's end for it to hit."""
+        if self.sliding_window is None:
+            raise ValueError(f"group of kind {self.kind!r} has no sliding window")
         return cdiv(self.sliding_window - 1, self.block_size)
 
 

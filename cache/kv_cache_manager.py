@@ -2,15 +2,47 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from pdserve.cache.cache_request import CacheRequest
 from pdserve.cache.hashing import BlockHash
-from pdserve.cache.kv_cache_blocks import KVCacheBlocks
+from pdserve.cache.kv_cache_block import KVCacheBlock
 from pdserve.cache.kv_cache_coordinator import KVCacheCoordinator
 from pdserve.cache.kv_cache_spec import KVCacheConfig
 from pdserve.cache.kv_events import BlockStored, KVCacheEvent
 from pdserve.cache.stats import PrefixCacheStats
+
+
+@dataclass(slots=True)
+class KVCacheBlocks:
+    """`blocks[group_id]` lists that group's blocks in token order.
+
+    The scheduler sees block ids only; the blocks themselves stay the ledger's. A group's
+    blocks are a list, or an empty tuple in the manager's shared "no blocks" answer, which
+    must not be appended to: hence ``Sequence``.
+    """
+
+    blocks: tuple[Sequence[KVCacheBlock], ...]
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        if len(self.blocks) != len(other.blocks):
+            raise ValueError(
+                f"cannot add KVCacheBlocks of {len(self.blocks)} and {len(other.blocks)} groups"
+            )
+        return KVCacheBlocks(
+            tuple([*mine, *theirs] for mine, theirs in zip(self.blocks, other.blocks))
+        )
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        """Block ids per group, the form block tables take."""
+        return tuple([block.block_id for block in group] for group in self.blocks)
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        """Ids of the (single group's) blocks not in the prefix cache."""
+        if len(self.blocks) != 1:
+            raise ValueError("get_unhashed_block_ids() supports one KV cache group only")
+        return [block.block_id for block in self.blocks[0] if block.block_hash is None]
 
 
 class KVCacheManager:
@@ -245,6 +277,15 @@ class KVCacheManager:
         window's; the null block takes their place). Before a load, it keeps the blocks the
         window has left from being loaded, and then cached, at all."""
         self.coordinator.remove_skipped_blocks(request.request_id, num_computed_tokens)
+
+    def end_step(self) -> None:
+        """The engine step finished: the blocks it cached hold their K/V."""
+        self.block_pool.end_step()
+
+    def uncache_step_blocks(self) -> int:
+        """The engine step failed: forget the hashes of the blocks it cached (their K/V may
+        never have been written); the caller then aborts the step's requests."""
+        return self.block_pool.uncache_step_blocks()
 
     def free(self, request: CacheRequest) -> None:
         """Release the request's blocks, tail first, so its chain's tail is evicted first."""

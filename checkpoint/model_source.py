@@ -53,6 +53,16 @@ class ModelSource:
     kind: Literal["tiny", "hf_dir", "gguf"]
     path: Path | None = None
 
+    def file_path(self) -> Path:
+        """``path`` for a source read from disk (every kind but ``tiny``).
+
+        ``resolve_model`` always sets it; a source built by hand without one gets this
+        error, naming the kind, instead of an ``open(None)`` deep inside a loader.
+        """
+        if self.path is None:
+            raise ValueError(f"a {self.kind!r} model source needs a path, and this one has none")
+        return self.path
+
 
 def resolve_model(name_or_path: str) -> ModelSource:
     """The source of ``name_or_path``; ``FileNotFoundError`` when it names nothing here."""

@@ -1,16 +1,19 @@
-"""``DecodeWorker``: pulls a prefilled prompt's KV and generates the rest of the tokens."""
+"""``DecodeWorker``: pulls a prefilled prompt's KV and generates the rest of the tokens.
+
+Where the decode side's steps live (a request's steps 10-13 in docs/architecture.md):
+
+    admission, pull, join the batch   engine/scheduler.py: Scheduler._admit,
+                                      update_from_kv_xfer_finished (WAITING_FOR_REMOTE_KVS)
+    how many tokens the peer holds    kvconnector/pd/pd_connector.py: get_num_new_matched_tokens
+    the pull itself                   PDConnector.start_load_kv → kvconnector/transport/
+    the stream back                   worker/engine_host.py: EngineHost.generate
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 
-from pdserve.engine.kv_connector_base import KVConnectorBase
-from pdserve.kvconnector.pd.pd_connector import PDConnector
-from pdserve.kvconnector.pd_with_tier import TieredConnector, with_tier
-from pdserve.kvconnector.tier.tier_connector import TierConnector
-from pdserve.kvconnector.transport.node_network import on_node_address
-from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.worker_spec import WorkerSpec
 from pdserve.worker.engine_host import EngineHost
 
@@ -35,19 +38,12 @@ class DecodeWorker(EngineHost):
             )
         super().__init__(spec)
 
-    def make_connector(self, engine_config: EngineConfig) -> KVConnectorBase:
-        tier = TierConnector(self.spec.kv_tier, self.worker_id) if self.spec.kv_tier else None
-        connector_config = self.spec.connector
-        if self.spec.advertise_node_address:  # NIXL's data path uses this node's interface
-            connector_config = on_node_address(connector_config)
-        return with_tier(PDConnector.for_engine(connector_config, engine_config), tier)
-
     async def connect_prefill_workers(self, addresses: list[str]) -> list[str]:
         """Handshakes with each prefill worker's KV service now (prewarm), so no user
         request pays it; returns the addresses that answered (the others are logged)."""
-        connector = self.engine.connector
-        if isinstance(connector, TieredConnector):
-            connector = connector.pd
+        connector = self.pd_connector
+        if connector is None:  # a consumer's spec always has one (__init__ checked the role)
+            raise RuntimeError(f"decode worker {self.worker_id!r} has no P/D connector")
         connected = []
         for address in addresses:
             try:

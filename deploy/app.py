@@ -9,12 +9,26 @@ replicas by itself. A one-replica deployment is an addressable worker that Serve
 places, health-checks and restarts (a restarted worker reports a new ``instance_id`` and the
 router forgets its old blocks). Scaling means redeploying with other counts.
 
+A redeploy keeps the workers it keeps. Serve restarts a replica when its deployment's code
+version changes, and an app deployed from Python gets a random one per deployment each
+time, so every scale step used to restart every worker and throw its prefix cache and KV
+tier away. Each worker's deployment is versioned by what its actor is (``worker_version``:
+its spec, its Ray options, pdserve's code), so an unchanged worker keeps running; the
+gateway, whose worker lists change, is replaced as before.
+
 ``serve deploy deploy/serve_config.yaml`` calls ``build_app`` with the YAML's ``args``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
 
 from ray import serve
 from ray.serve import Application
@@ -22,11 +36,15 @@ from ray.serve import Application
 from pdserve.decode.worker import DecodeWorker
 from pdserve.deploy.config import PDServeConfig
 from pdserve.deploy.placement import resource_demand
+from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.http_ingress import Gateway
+from pdserve.messages.worker_spec import WorkerSpec
 from pdserve.prefill.worker import PrefillWorker
 
 # A worker serves many streams at once; Serve's default (5) would queue them in the handle.
 _WORKER_MAX_ONGOING = 4096
+_WORKER_CLASSES = {"producer": PrefillWorker, "consumer": DecodeWorker}
+_NOT_CODE = {"tests", "bench", "docs", "build", "dist", "__pycache__"}
 
 
 def worker_actor_options(config: PDServeConfig, worker_id: str) -> dict[str, Any]:
@@ -66,6 +84,52 @@ def resource_demands(config: PDServeConfig) -> dict[str, dict[str, float]]:
     return demands
 
 
+@dataclass(slots=True)
+class WorkerDeployment:
+    """One worker's Serve deployment, short of binding it: its spec and its Ray options."""
+
+    role: Literal["producer", "consumer"]  # PrefillWorker (also colocated) or DecodeWorker
+    spec: WorkerSpec
+    actor_options: dict[str, Any]
+
+
+@dataclass(slots=True)
+class AppPlan:
+    """Everything ``build`` binds, computed without Ray (what a test can inspect)."""
+
+    gateway: GatewayConfig
+    gateway_options: dict[str, Any]
+    workers: list[WorkerDeployment]
+    retiring: list[WorkerDeployment]
+
+
+def plan(config: PDServeConfig, retiring_from: PDServeConfig | None = None) -> AppPlan:
+    """The app of ``config`` (its secrets resolved): the gateway, then every worker, prefill
+    first; ``retiring_from``'s workers beyond this config's counts are ``retiring``."""
+
+    def workers(
+        source: PDServeConfig, role: Literal["producer", "consumer"], indices: range
+    ) -> list[WorkerDeployment]:
+        specs = [source.worker_spec(role, index) for index in indices]
+        return [
+            WorkerDeployment(role, spec, worker_actor_options(source, spec.worker_id))
+            for spec in specs
+        ]
+
+    retiring = []
+    if retiring_from is not None:
+        retiring = workers(
+            retiring_from, "producer", range(config.num_prefill, retiring_from.num_prefill)
+        ) + workers(retiring_from, "consumer", range(config.num_decode, retiring_from.num_decode))
+    return AppPlan(
+        gateway=config.gateway_config(),
+        gateway_options=gateway_actor_options(config),
+        workers=workers(config, "producer", range(config.num_prefill))
+        + workers(config, "consumer", range(config.num_decode)),
+        retiring=retiring,
+    )
+
+
 def build(config: PDServeConfig, retiring_from: PDServeConfig | None = None) -> Application:
     """The gateway bound to every worker's deployment; each worker gets its own spec.
 
@@ -77,44 +141,63 @@ def build(config: PDServeConfig, retiring_from: PDServeConfig | None = None) -> 
     ``retiring_from``: the app's previous config, during a scale-down; its workers beyond
     this config's counts stay deployed, unrouted, until the old gateway drained.
     """
-    config = config.resolve_deployment_secrets()
+    app = plan(config.resolve_deployment_secrets(), retiring_from)
 
-    def bind_workers(
-        source: PDServeConfig, cls, role: str, indices: range
-    ) -> dict[str, Application]:
-        bound = {}
-        for index in indices:
-            spec = source.worker_spec(role, index)
-            deployment = serve.deployment(cls).options(
-                name=spec.worker_id,
-                num_replicas=1,
-                ray_actor_options=worker_actor_options(source, spec.worker_id),
-                max_ongoing_requests=_WORKER_MAX_ONGOING,
-                health_check_period_s=5,
-            )
-            bound[spec.worker_id] = deployment.bind(spec)
-        return bound
+    def bind(worker: WorkerDeployment) -> Application:
+        # The decorator form with the options, applied to the class: the same Deployment as
+        # serve.deployment(cls).options(...), in the form Ray's annotations describe.
+        deployment = serve.deployment(
+            name=worker.spec.worker_id,
+            num_replicas=1,
+            ray_actor_options=worker.actor_options,
+            max_ongoing_requests=_WORKER_MAX_ONGOING,
+            health_check_period_s=5,
+        )(_WORKER_CLASSES[worker.role])
+        # Serve's public API no longer takes a version; the Deployment keeps one, and the
+        # client uses it instead of a random one when it is set (ray.serve._private.client).
+        deployment._version = worker_version(worker)
+        return deployment.bind(worker.spec)
 
-    prefill = bind_workers(config, PrefillWorker, "producer", range(config.num_prefill))
-    decode = bind_workers(config, DecodeWorker, "consumer", range(config.num_decode))
-    retiring = {}
-    if retiring_from is not None:
-        retiring |= bind_workers(
-            retiring_from,
-            PrefillWorker,
-            "producer",
-            range(config.num_prefill, retiring_from.num_prefill),
-        )
-        retiring |= bind_workers(
-            retiring_from,
-            DecodeWorker,
-            "consumer",
-            range(config.num_decode, retiring_from.num_decode),
-        )
-    gateway = Gateway.options(
-        num_replicas=config.num_gateway_replicas, ray_actor_options=gateway_actor_options(config)
+    prefill = {w.spec.worker_id: bind(w) for w in app.workers if w.role == "producer"}
+    decode = {w.spec.worker_id: bind(w) for w in app.workers if w.role == "consumer"}
+    retiring = {w.spec.worker_id: bind(w) for w in app.retiring}
+    # @serve.deployment made Gateway a Deployment; mypy keeps a decorated class's own type.
+    gateway = Gateway.options(  # type: ignore[attr-defined]  # a Deployment: see above
+        num_replicas=app.gateway.num_replicas, ray_actor_options=app.gateway_options
     )
-    return gateway.bind(config.gateway_config(), prefill, decode, retiring)
+    return gateway.bind(app.gateway, prefill, decode, retiring)
+
+
+def worker_version(worker: WorkerDeployment) -> str:
+    """What the worker's actor is, as a hash: its spec (secret included), its Ray options
+    and the code it runs. Equal versions: Serve keeps the running replica."""
+    identity = json.dumps(
+        {
+            "role": worker.role,
+            "spec": dataclasses.asdict(worker.spec),
+            "actor_options": worker.actor_options,
+            "code": _code_fingerprint(),
+        },
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(identity.encode()).hexdigest()[:32]
+
+
+@functools.cache
+def _code_fingerprint() -> str:
+    """A hash of pdserve's Python sources: new code is a new version of every worker."""
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parents[1]  # the package's root (the repository root)
+    sources = []
+    for folder, subfolders, files in os.walk(root):
+        # Not the package: hidden folders (a venv, caches), the tests and the benchmarks.
+        subfolders[:] = [d for d in subfolders if not d.startswith(".") and d not in _NOT_CODE]
+        sources += [Path(folder) / name for name in files if name.endswith(".py")]
+    for source in sorted(sources):
+        digest.update(str(source.relative_to(root)).encode())
+        digest.update(source.read_bytes())
+    return digest.hexdigest()
 
 
 def build_app(args: dict[str, Any]) -> Application:

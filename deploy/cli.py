@@ -25,6 +25,8 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Iterable
+from types import FrameType
 from typing import Any, TextIO
 
 from pdserve.deploy.config import PDServeConfig
@@ -33,7 +35,7 @@ from pdserve.deploy.preflight import preflight_problems
 from pdserve.deploy.stats_table import format_stats
 
 
-def cmd_up(args) -> int:
+def cmd_up(args: argparse.Namespace) -> int:
     from pdserve.deploy.cluster import base_url, deploy, init_ray, remember_local_cluster, shut_down
     from pdserve.deploy.placement import PlacementError
 
@@ -72,18 +74,18 @@ def cmd_up(args) -> int:
     return 0
 
 
-def _raise_interrupt(signum, frame) -> None:
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def _join(args) -> None:
+def _join(args: argparse.Namespace) -> None:
     """Joins ``--address``, else the cluster a local ``pdserve up`` recorded, else ``auto``."""
     from pdserve.deploy.cluster import init_ray, local_cluster_address
 
     init_ray(args.address or local_cluster_address() or "auto")
 
 
-def cmd_down(args) -> int:
+def cmd_down(args: argparse.Namespace) -> int:
     from pdserve.deploy.cluster import delete_app
 
     _join(args)
@@ -92,7 +94,7 @@ def cmd_down(args) -> int:
     return 0
 
 
-def cmd_scale(args) -> int:
+def cmd_scale(args: argparse.Namespace) -> int:
     from pdserve.deploy.cluster import scale
 
     _join(args)
@@ -108,7 +110,7 @@ def cmd_scale(args) -> int:
     return 0
 
 
-def cmd_status(args) -> int:
+def cmd_status(args: argparse.Namespace) -> int:
     from ray import serve
 
     _join(args)
@@ -120,7 +122,7 @@ def cmd_status(args) -> int:
     return 0
 
 
-def _sampling_body(client: ServiceClient, args) -> dict[str, Any]:
+def _sampling_body(client: ServiceClient, args: argparse.Namespace) -> dict[str, Any]:
     body = {
         "model": args.model or client.served_model(),
         "max_tokens": args.max_tokens,
@@ -131,7 +133,7 @@ def _sampling_body(client: ServiceClient, args) -> dict[str, Any]:
     return body
 
 
-def _print_stream(pieces, out: TextIO) -> str:
+def _print_stream(pieces: Iterable[str], out: TextIO) -> str:
     text = []
     for piece in pieces:
         out.write(piece)
@@ -141,7 +143,7 @@ def _print_stream(pieces, out: TextIO) -> str:
     return "".join(text)
 
 
-def cmd_generate(args) -> int:
+def cmd_generate(args: argparse.Namespace) -> int:
     """Streams one completion (or, with ``--chat``, one chat reply) to the terminal."""
     client = ServiceClient(args.url)
     try:
@@ -161,7 +163,7 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def cmd_chat(args) -> int:
+def cmd_chat(args: argparse.Namespace) -> int:
     """A conversation on the terminal: each line you type is a user message, the reply streams
     back, and the history goes with every request. An empty line or end of input ends it."""
     client = ServiceClient(args.url)
@@ -187,11 +189,11 @@ def cmd_chat(args) -> int:
         client.close()
 
 
-def _system(args) -> list[dict[str, str]]:
+def _system(args: argparse.Namespace) -> list[dict[str, str]]:
     return [{"role": "system", "content": args.system}] if args.system else []
 
 
-def cmd_stats(args) -> int:
+def cmd_stats(args: argparse.Namespace) -> int:
     client = ServiceClient(args.url)
     try:
         if args.watch:
@@ -205,7 +207,7 @@ def cmd_stats(args) -> int:
     return 0
 
 
-def cmd_demo(args) -> int:
+def cmd_demo(args: argparse.Namespace) -> int:
     from pdserve.deploy.demo import run_demo
 
     return run_demo(PDServeConfig.from_cli(args))

@@ -19,6 +19,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from pdserve.deploy.config import PDServeConfig
 
@@ -38,7 +39,10 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> None:
     if ray.is_initialized():
         return
     if address:
-        loopback = {"_node_ip_address": "127.0.0.1"} if address.startswith("127.0.0.1:") else {}
+        # A private ray.init keyword (it lands in **kwargs): Any, not str, for the typed ones.
+        loopback: dict[str, Any] = (
+            {"_node_ip_address": "127.0.0.1"} if address.startswith("127.0.0.1:") else {}
+        )
         ray.init(address=address, namespace="pdserve", log_to_driver=False, **loopback)
     else:
         # address="local": always a new embedded cluster, never one that `ray start` left
@@ -71,20 +75,25 @@ def deploy(
     config = config.resolve_deployment_secrets()
     check_placement(resource_demands(config), ray.nodes())  # a clear error, not a hang
     start = time.perf_counter()
-    serve.start(
-        http_options={"host": config.host, "port": config.port},
-        proxy_location=config.proxy_location,
-    )
+    serve.start(**serve_start_options(config))
     internal_kv._internal_kv_put(
         _config_key(config.app_name), config.model_dump_json(), overwrite=True
     )
-    serve.run(
-        build(config, retiring_from),
-        name=config.app_name,
-        route_prefix=config.route_prefix,
-        blocking=blocking,
-    )
+    serve.run(build(config, retiring_from), **serve_run_options(config), blocking=blocking)
     return time.perf_counter() - start
+
+
+def serve_start_options(config: PDServeConfig) -> dict[str, Any]:
+    """``serve.start``'s arguments: where Serve's HTTP proxies listen."""
+    return {
+        "http_options": {"host": config.host, "port": config.port},
+        "proxy_location": config.proxy_location,
+    }
+
+
+def serve_run_options(config: PDServeConfig) -> dict[str, Any]:
+    """``serve.run``'s arguments but the app: its name and route."""
+    return {"name": config.app_name, "route_prefix": config.route_prefix}
 
 
 def scale(

@@ -11,6 +11,16 @@ YAML file (``--config``) < flags given on the command line.
     transport: grpc             # KV plane: grpc | nixl
     hash_seed: 7                # equal on every node; unset: random per app (xxh3)
 
+Two kinds of settings, each declared once:
+
+- a part's settings (``block_size``, ``transport``, ``kv_tier_cpu_bytes``,
+  ``max_inflight_requests``, ...) are fields of that part's config dataclass, which gives
+  their type, default, description and checks; ``part_settings.py`` generates this model's
+  fields from them (flat keys: the ones users have) and builds the parts back by name;
+- the deployment's own settings, declared below: how many workers and where they run, and
+  the values that several parts share or that are resolved once per app (``model``,
+  ``hash_seed``, the KV plane's address and secret).
+
 The KV-transfer secret is the one setting that must not travel in the open: see
 ``resolve_kv_transfer_secret`` (config key, else ``PDSERVE_KV_TRANSFER_SECRET``, else a
 fresh random one per app) and the README's "Security and threat model".
@@ -19,36 +29,47 @@ fresh random one per app) and the README's "Security and threat model".
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import secrets
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AliasChoices, ConfigDict, Field, create_model, field_validator, model_validator
 from pydantic_settings import CliSettingsSource
 
 from pdserve.checkpoint.model_source import default_model_name
+from pdserve.deploy.part_settings import (
+    ENGINE,
+    GATEWAY,
+    KV_CONNECTOR,
+    KV_TIER,
+    PARTS,
+    settings_fields,
+)
 from pdserve.gateway.config import GatewayConfig
-from pdserve.messages.connector_config import KVConnectorConfig
-from pdserve.messages.engine_config import EngineConfig
-from pdserve.messages.kv_tier_config import KVTierConfig
 from pdserve.messages.worker_spec import WorkerSpec
 
 # Where a deployment's KV-transfer secret may come from when the config does not set it:
 # read only by the app builder (the `pdserve` driver, or the Serve build task on the cluster).
 KV_TRANSFER_SECRET_ENV = "PDSERVE_KV_TRANSFER_SECRET"
 MIN_KV_TRANSFER_SECRET_CHARS = 16
-# Chosen by bench/bench_conditional_disagg.py (README, "Benchmarks"): on a mix of short
-# prompts and long ones with a shared preamble, 256 beat 64 and 0 on every figure (short
-# TTFT p99 0.35x, ITL p99 0.57x of always disaggregating, same throughput).
-DEFAULT_DISAGG_MIN_UNCACHED_TOKENS = 256
+
+# Every part's settings (engine, KV tier, KV connector, gateway), generated from their
+# configs' fields: see part_settings.py.
+# mypy cannot match a **dict of field definitions to create_model's keyword-only options.
+_PartsSettings = create_model(  # type: ignore[call-overload]  # fields built at run time
+    "_PartsSettings",
+    __config__=ConfigDict(extra="forbid", validate_default=True),
+    **settings_fields(),
+)
 
 
-class PDServeConfig(BaseModel):
-    """Settings of one pdserve application (gateway, router, workers, engines)."""
-
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+class PDServeConfig(_PartsSettings):  # type: ignore[misc,valid-type]  # generated base
+    """Settings of one pdserve application (gateway, router, workers, engines): the parts'
+    settings (inherited, generated) and the deployment's own (below)."""
 
     model: str = Field(
         default_factory=default_model_name,
@@ -70,9 +91,6 @@ class PDServeConfig(BaseModel):
         validation_alias=AliasChoices("num_decode", "decode"),
         description="decode workers; 0 = colocated",
     )
-    transport: Literal["grpc", "nixl"] = "grpc"
-    kv_failure_policy: Literal["recompute", "fail"] = "recompute"
-    lease_ttl_s: float = Field(30.0, gt=0)
     kv_transfer_host: str | None = Field(
         None,
         description="where KV services listen and what they advertise; unset: the Ray "
@@ -87,20 +105,6 @@ class PDServeConfig(BaseModel):
         description=f"shared secret of the KV plane; prefer the {KV_TRANSFER_SECRET_ENV} "
         "environment variable (flags show in ps); unset: a random one per app",
     )
-    # Engine settings shared by every worker.
-    block_size: int = Field(16, gt=0)
-    num_kv_blocks: int | None = Field(512, ge=2)
-    max_model_len: int | None = Field(None, gt=0)
-    max_num_seqs: int = Field(64, gt=0)
-    max_num_batched_tokens: int = Field(2048, gt=0)
-    long_prefill_token_threshold: int = Field(
-        512,
-        ge=0,
-        description="a prompt computes at most this many tokens a step, so decodes "
-        "keep stepping beside a long prompt (0: no cap)",
-    )
-    enable_prefix_caching: bool = True
-    hash_algorithm: Literal["xxh3_128", "sha256"] = "xxh3_128"
     hash_seed: int | None = Field(
         None,
         ge=0,
@@ -108,22 +112,6 @@ class PDServeConfig(BaseModel):
         description="block-hash seed, equal on every worker and the gateway; unset: random per "
         "app with xxh3_128 (nobody can precompute colliding blocks), 0 with sha256",
     )
-    # A KV tier below each worker's pool (docs/architecture.md, "The KV tier"); off by default.
-    kv_tier_cpu_bytes: int = Field(
-        0, ge=0, description="host memory per worker for blocks evicted from the pool (0: none)"
-    )
-    kv_tier_disk_path: str | None = Field(
-        None,
-        description="directory for a disk tier (one subdirectory per worker, emptied at "
-        "start); unset: none",
-    )
-    kv_tier_disk_bytes: int = Field(0, ge=0, description="disk budget per worker")
-    kv_tier_write_through: bool = Field(
-        False, description="copy blocks to the tier when they fill, not only when evicted"
-    )
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = Field("auto", description="auto: cuda when the worker got a GPU, else cpu")
-    torch_threads: int = Field(1, ge=1)
     prefill_cpus: list[int] | None = Field(
         None,
         description="CPU ids every prefill worker's process is pinned to "
@@ -158,42 +146,13 @@ class PDServeConfig(BaseModel):
     num_cpus_per_worker: float = Field(
         0.0, ge=0, description="0 lets several workers share a small box"
     )
-    # Ingress.
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, lt=65536)
+    # Ingress (the gateway's settings: host, grpc_port, max_inflight_requests, ...).
+    port: int = Field(8000, ge=0, lt=65536, description="the HTTP port")
     proxy_location: Literal["EveryNode", "HeadOnly"] = Field(
         "EveryNode",
         description="Serve's HTTP proxies: on every node with a replica, or only "
         "on the head (several Ray nodes on one machine would bind "
         "the same host:port)",
-    )
-    grpc_port: int = Field(0, ge=0, lt=65536, description="0: no gRPC Generate service")
-    max_inflight_requests: int = Field(
-        256,
-        ge=1,
-        description="beyond: 429 with Retry-After (with several "
-        "gateway replicas, each admits its share)",
-    )
-    num_gateway_replicas: int = Field(
-        1,
-        ge=1,
-        description="gateway replicas (Serve spreads HTTP over them); they answer "
-        "/stats, /metrics and /v1/requests as one service",
-    )
-    retry_after_s: int = Field(1, ge=0, description="the Retry-After of a 429 or 503")
-    worker_timeout_s: float = Field(
-        5.0, gt=0, description="a worker silent this long leaves routing"
-    )
-    max_attempts: int = Field(
-        3, ge=1, description="runs of a request per worker role when workers are lost (1: no retry)"
-    )
-    retry_backoff_s: float = Field(0.5, ge=0, description="between those runs")
-    max_load_imbalance: int = Field(4, ge=0)
-    disagg_min_uncached_tokens: int = Field(
-        DEFAULT_DISAGG_MIN_UNCACHED_TOKENS,
-        ge=0,
-        description="a prompt whose uncached part on the best decode worker is shorter runs "
-        "whole there, with no KV hand-off; 0: always disaggregate",
     )
     # Ray.
     ray_address: str | None = Field(
@@ -201,9 +160,46 @@ class PDServeConfig(BaseModel):
         validation_alias=AliasChoices("ray_address", "address"),
         description="unset: start an embedded local cluster",
     )
-    app_name: str = "pdserve"
-    route_prefix: str = "/"
-    extra_engine_args: dict[str, Any] = Field(default_factory=dict)
+    route_prefix: str = Field("/", description="the app's HTTP route prefix")
+    extra_engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="deprecated: every engine setting is a key and a flag of its own",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fold_extra_engine_args(cls, values: Any) -> Any:
+        """``extra_engine_args: {seed: 3}`` (deprecated) is ``seed: 3``."""
+        if not isinstance(values, dict) or not isinstance(values.get("extra_engine_args"), dict):
+            return values
+        extra = values["extra_engine_args"]
+        if not extra:
+            return values
+        engine_keys = ENGINE.keys()
+        unknown = sorted(set(extra) - set(engine_keys))
+        if unknown:
+            raise ValueError(
+                f"extra_engine_args names {unknown}, which are not engine settings "
+                f"(those are {sorted(engine_keys)})"
+            )
+        given_twice = sorted(set(extra) & set(values))
+        if given_twice:
+            raise ValueError(f"{given_twice} are set both as keys and in extra_engine_args")
+        warnings.warn(
+            "extra_engine_args is deprecated: every engine setting is a key (and a flag) of "
+            f"its own; write {', '.join(f'{key}: {value!r}' for key, value in extra.items())}",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return {key: value for key, value in values.items() if key != "extra_engine_args"} | extra
+
+    @model_validator(mode="after")
+    def _check_part_settings(self) -> PDServeConfig:
+        """Each part's own checks (its ``__post_init__``), run on the settings now rather than
+        when a worker starts."""
+        for part in PARTS:
+            part.check(self)
+        return self
 
     @model_validator(mode="after")
     def _check_one_grpc_listener(self) -> PDServeConfig:
@@ -316,10 +312,21 @@ class PDServeConfig(BaseModel):
                 "deploy.app.build (it resolves one) or call "
                 "resolve_deployment_secrets() first"
             )
-        engine = self.engine_config(engine_id=worker_id, device=self.device)
-        kv_tier = self.kv_tier_config()
-        cpus = self.prefill_cpus if role == "producer" else self.decode_cpus
-        cpus = tuple(cpus) if cpus else None
+        engine = ENGINE.build(
+            self,
+            model=self.model,
+            hash_seed=self.hash_seed,
+            engine_id=worker_id,
+            publish_kv_events=True,
+        )
+        kv_tier = KV_TIER.build(self)
+        if kv_tier.disk_path is not None:  # each app its own pages: <disk_path>/<app>/<worker>
+            kv_tier = dataclasses.replace(
+                kv_tier, disk_path=str(Path(kv_tier.disk_path) / self.app_name)
+            )
+        kv_tier = kv_tier if kv_tier.enabled else None
+        role_cpus = self.prefill_cpus if role == "producer" else self.decode_cpus
+        cpus = tuple(role_cpus) if role_cpus else None
         if self.colocated:
             return WorkerSpec(worker_id, engine, kv_tier=kv_tier, cpus=cpus)
         if self.kv_transfer_secret is None:
@@ -328,16 +335,13 @@ class PDServeConfig(BaseModel):
                 "build the app with deploy.app.build (it resolves one) or call "
                 "resolve_kv_transfer_secret() first"
             )
-        transfer_host = self.kv_transfer_host or "127.0.0.1"
         port = self.kv_transfer_port + index if self.kv_transfer_port and role == "producer" else 0
-        connector = KVConnectorConfig(
+        connector = KV_CONNECTOR.build(
+            self,
             role=role,
-            transport=self.transport,
-            host=transfer_host,
+            host=self.kv_transfer_host or "127.0.0.1",
             port=port,
             secret=self.kv_transfer_secret,
-            lease_ttl_s=self.lease_ttl_s,
-            failure_policy=self.kv_failure_policy,
         )
         return WorkerSpec(
             worker_id,
@@ -348,68 +352,23 @@ class PDServeConfig(BaseModel):
             cpus=cpus,
         )
 
-    def kv_tier_config(self) -> KVTierConfig | None:
-        """Every worker's KV tier settings; None when no tier is configured."""
-        config = KVTierConfig(
-            self.kv_tier_cpu_bytes,
-            self.kv_tier_disk_path,
-            self.kv_tier_disk_bytes,
-            self.kv_tier_write_through,
-        )
-        return config if config.enabled else None
-
     def gateway_config(self) -> GatewayConfig:
-        return GatewayConfig(
-            model=self.model,
-            model_name=self.model_name,
-            host=self.host,
-            grpc_port=self.grpc_port,
-            # Each replica admits its share (the proxy balances them).
-            max_inflight_requests=-(-self.max_inflight_requests // self.num_gateway_replicas),
-            max_load_imbalance=self.max_load_imbalance,
-            retry_after_s=self.retry_after_s,
-            worker_timeout_s=self.worker_timeout_s,
-            max_attempts=self.max_attempts,
-            retry_backoff_s=self.retry_backoff_s,
-            disagg_min_uncached_tokens=self.disagg_min_uncached_tokens,
-            app_name=self.app_name,
-            num_replicas=self.num_gateway_replicas,
-        )
-
-    def engine_config(self, engine_id: str, device: str) -> EngineConfig:
-        """The ``EngineConfig`` of one worker; only ``engine_id`` and ``device`` differ."""
-        return EngineConfig(
-            model=self.model,
-            dtype=self.dtype,
-            device=device,
-            block_size=self.block_size,
-            num_kv_blocks=self.num_kv_blocks,
-            max_model_len=self.max_model_len,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            enable_prefix_caching=self.enable_prefix_caching,
-            hash_algorithm=self.hash_algorithm,
-            hash_seed=self.hash_seed,
-            torch_threads=self.torch_threads,
-            engine_id=engine_id,
-            publish_kv_events=True,
-            **self.extra_engine_args,
-        )
+        return GATEWAY.build(self, model=self.model, model_name=self.model_name)
 
     # ------------------------------------------------------------------ loading
-
-    @classmethod
-    def from_yaml(cls, path: str | Path) -> PDServeConfig:
-        return cls.model_validate(load_yaml_mapping(path))
 
     @classmethod
     def add_cli_flags(cls, parser: argparse.ArgumentParser) -> None:
         """``--config FILE`` and one flag per field, generated from the model (aliases:
         ``--prefill``, ``--decode``, ``--address``); ``from_cli`` reads them back."""
         parser.add_argument("--config", type=Path, help="YAML file of config keys")
-        source = CliSettingsSource(
-            cls, root_parser=parser, cli_kebab_case=True, cli_implicit_flags=True
+        # pydantic-settings reads any pydantic model's fields, though its signature names
+        # BaseSettings; the config stays a BaseModel so that the environment is not read.
+        source: CliSettingsSource[argparse.Namespace] = CliSettingsSource(
+            cls,
+            root_parser=parser,
+            cli_kebab_case=True,
+            cli_implicit_flags=True,
         )
         parser.set_defaults(config_source=source)
 

@@ -63,7 +63,12 @@ def _ports(config: PDServeConfig) -> list[tuple[str, str, int, str]]:
 
 
 def _is_free(host: str, port: int) -> bool:
+    """Whether a server could listen on ``host:port`` now. The probe binds the way the
+    servers do (uvicorn and gRPC set ``SO_REUSEADDR``): a port whose last server stopped a
+    moment ago still has its connections in TIME_WAIT, which refuses a plain bind for about
+    a minute but not a server's; a port something listens on refuses both."""
     with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError:

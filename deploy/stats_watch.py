@@ -50,8 +50,8 @@ def interval_rates(before: dict, after: dict, seconds: float) -> list[WorkerRate
             continue
         queries = now["prefix_cache_queries"] - then["prefix_cache_queries"]
         hits = now["prefix_cache_hits"] - then["prefix_cache_hits"]
-        per_s = [
-            (now[key] - then[key]) / seconds
+        per_s = {
+            key: (now[key] - then[key]) / seconds
             for key in (
                 "num_blocks_sent",
                 "num_blocks_received",
@@ -59,10 +59,17 @@ def interval_rates(before: dict, after: dict, seconds: float) -> list[WorkerRate
                 "num_bytes_received",
                 "num_dedup_skipped_blocks",
             )
-        ]
+        }
         rates.append(
             WorkerRates(
-                now["worker_id"], now["role"], *per_s, hit_rate=hits / queries if queries else None
+                now["worker_id"],
+                now["role"],
+                blocks_sent_per_s=per_s["num_blocks_sent"],
+                blocks_received_per_s=per_s["num_blocks_received"],
+                bytes_sent_per_s=per_s["num_bytes_sent"],
+                bytes_received_per_s=per_s["num_bytes_received"],
+                dedup_blocks_per_s=per_s["num_dedup_skipped_blocks"],
+                hit_rate=hits / queries if queries else None,
             )
         )
     return rates

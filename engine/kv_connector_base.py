@@ -74,7 +74,9 @@ class FinishedTransfers:
     flight; their blocks may be freed now. ``loaded_request_ids``: decode side, pulls that
     ended (well or not); ``failed_block_ids`` names the local blocks that did not arrive intact
     and ``load_errors`` why a request's pull failed, when it failed as a whole; ``pulls``
-    what each ended pull moved (a request's KV provenance).
+    what each ended pull moved (a request's KV provenance); ``tier_tokens`` how many of an
+    ended load's tokens were to come from a KV tier (they lie first in its ext_comp region:
+    ``| pool hit | tier | pull |``; the rest were pulled from a peer).
     """
 
     freeable_request_ids: set[str] = field(default_factory=set)
@@ -82,6 +84,7 @@ class FinishedTransfers:
     failed_block_ids: set[int] = field(default_factory=set)
     load_errors: dict[str, str] = field(default_factory=dict)
     pulls: dict[str, PullSummary] = field(default_factory=dict)
+    tier_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +127,7 @@ class TierStatsSnapshot:
     evictions: int
     store_failures: int
     load_failures: int
+    pinned_bytes: int = 0  # page-locked host memory the tier holds (a GPU pool's cpu tier)
 
 
 class KVConnectorBase(ABC):
@@ -167,10 +171,10 @@ class KVConnectorBase(ABC):
         step path. The default has nothing to add."""
         return params
 
-    def completion_bytes(self, params: KVTransferParams) -> int:
-        """How many KV bytes ``complete_transfer_params`` reads for ``params``: the host
-        completes a small hand-off inline rather than paying a thread hop for it."""
-        return 0
+    def completes_inline(self, params: KVTransferParams) -> bool:
+        """Whether ``complete_transfer_params`` is cheap enough for the worker's event loop
+        (a thread hop costs up to milliseconds under load); the default adds nothing."""
+        return True
 
     @abstractmethod
     def request_aborted(self, request: Request) -> None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve.cache import (
     BlockHasher,
@@ -23,11 +24,12 @@ from pdserve.cache import (
 )
 from pdserve.engine.engine_stats import EngineStats
 from pdserve.engine.kv_connector_base import KVConnectorBase
+from pdserve.engine.model_input import ScheduledChunk
 from pdserve.engine.model_runner import ModelRunner, configure_torch_threads
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.request_output import RequestOutput
 from pdserve.engine.sampler import sample, token_logprobs
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.kv_transfer_params import KVTransferParams
 from pdserve.messages.sampling_params import SamplingParams
@@ -52,15 +54,20 @@ def kv_cache_spec(model_config: ModelConfig, config: EngineConfig) -> KVCacheSpe
     """The ledger's spec for the model's layers: windowed layers get a sliding-window
     group, whose blocks leave the request (null block 0 in their place) once no
     token can attend to them; attention masks those positions anyway."""
-    shape = dict(
+    if model_config.sliding_window is not None:
+        return SlidingWindowSpec(
+            block_size=config.block_size,
+            num_kv_heads=model_config.num_kv_heads,
+            head_size=model_config.head_dim,
+            dtype=config.dtype,
+            sliding_window=model_config.sliding_window,
+        )
+    return FullAttentionSpec(
         block_size=config.block_size,
         num_kv_heads=model_config.num_kv_heads,
         head_size=model_config.head_dim,
         dtype=config.dtype,
     )
-    if model_config.sliding_window is not None:
-        return SlidingWindowSpec(**shape, sliding_window=model_config.sliding_window)
-    return FullAttentionSpec(**shape)
 
 
 class LLMEngine:
@@ -77,6 +84,7 @@ class LLMEngine:
         connector: KVConnectorBase | None = None,
     ) -> None:
         configure_torch_threads(config.torch_threads)
+        config = dataclasses.replace(config, device=resolve_device(config.device))
         self.config = config
         self.model, self.model_config, self.tokenizer = load_model(
             config.model, dtype=config.dtype, device=config.device
@@ -110,6 +118,7 @@ class LLMEngine:
             enable_kv_cache_events=True,
         )
         self.connector = connector
+        self._shut_down = False
         if connector is not None:
             connector.register_kv_caches(self.runner.kv_cache)
             connector.attach_kv_cache_manager(self.kv_cache_manager)
@@ -132,9 +141,10 @@ class LLMEngine:
 
     @classmethod
     def from_pretrained(
-        cls, model: str = "tiny", *, connector: KVConnectorBase | None = None, **config: object
+        cls, model: str = "tiny", *, connector: KVConnectorBase | None = None, **config: Any
     ) -> LLMEngine:
-        return cls(EngineConfig(model=model, **config), connector=connector)  # type: ignore[arg-type]
+        """``config``: further ``EngineConfig`` fields, by name (EngineConfig checks them)."""
+        return cls(EngineConfig(model=model, **config), connector=connector)
 
     # ---- requests -------------------------------------------------------------------
     def add_request(
@@ -183,7 +193,9 @@ class LLMEngine:
                 status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 request.status = status
-                self.connector.request_aborted(request)  # type: ignore[union-attr]
+                if self.connector is None:  # checked on entry: kv_transfer_params need one
+                    raise RuntimeError("kv_transfer_params given, but this engine has no connector")
+                self.connector.request_aborted(request)
                 self._finished_on_arrival.append(request)
                 return
         self.scheduler.add_request(request)
@@ -246,6 +258,20 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step: schedule, load, forward, sample, apply; the requests that changed.
+
+        A step that raises leaves no hash behind for a block it cached: the forward that
+        was to write those blocks may not have run (``KVCacheManager.uncache_step_blocks``).
+        The caller then aborts every request (``abort_all``, as ``EngineHost`` does)."""
+        try:
+            changed = self._step()
+        except BaseException:
+            self.kv_cache_manager.uncache_step_blocks()
+            raise
+        self.kv_cache_manager.end_step()
+        return changed
+
+    def _step(self) -> list[RequestOutput]:
         scheduler = self.scheduler
         output = scheduler.schedule()
         if self.connector is not None and output.connector_metadata is not None:
@@ -272,7 +298,7 @@ class LLMEngine:
         return [self._make_output(request) for request in changed]
 
     @staticmethod
-    def _sampled_rows(logits: torch.Tensor, output) -> torch.Tensor:
+    def _sampled_rows(logits: torch.Tensor, output: SchedulerOutput) -> torch.Tensor:
         """The sampling rows of a step's logits; a prompt-logprobs chunk's other rows are
         turned into its prompt's logprobs on the way (row ``k`` of a chunk starting at
         position ``p`` predicts the token at ``p + k + 1``)."""
@@ -367,25 +393,32 @@ class LLMEngine:
         return [finished[request_id] for request_id in ids]
 
     def shutdown(self) -> None:
-        if self.connector is not None:
+        """Stops the connector's servers and threads (once: later calls do nothing)."""
+        if self.connector is not None and not self._shut_down:
+            self._shut_down = True
             self.connector.shutdown()
 
 
 def _record_logprobs(logits: torch.Tensor, sampled: list[Request], token_ids: list[int]) -> None:
     """Appends each sampled token's logprobs to the requests that ask for them."""
-    rows = [r for r, request in enumerate(sampled) if request.sampling_params.logprobs is not None]
-    if not rows:
+    asked = [
+        (r, num_top)
+        for r, request in enumerate(sampled)
+        if (num_top := request.sampling_params.logprobs) is not None
+    ]
+    if not asked:
         return
+    rows = [r for r, _ in asked]
     results = token_logprobs(
         logits[rows],
         [token_ids[r] for r in rows],
-        [sampled[r].sampling_params.logprobs for r in rows],
+        [num_top for _, num_top in asked],
     )
     for row, result in zip(rows, results):
         sampled[row].output_logprobs.append(result)
 
 
-def _record_prompt_logprobs(logits: torch.Tensor, chunk, request: Request) -> None:
+def _record_prompt_logprobs(logits: torch.Tensor, chunk: ScheduledChunk, request: Request) -> None:
     """Appends the logprobs of the prompt tokens this chunk's rows predict."""
     prompt = request.prompt_token_ids
     first_target = chunk.start_position + 1
@@ -393,6 +426,18 @@ def _record_prompt_logprobs(logits: torch.Tensor, chunk, request: Request) -> No
     if not targets or first_target != len(request.prompt_logprobs):
         return  # nothing left in the prompt, or already recorded (a recompute)
     k = request.sampling_params.prompt_logprobs
+    if k is None:  # not asked for; prompt_logprobs is then empty and the check above returned
+        return
     request.prompt_logprobs.extend(
         token_logprobs(logits[: len(targets)], targets, [k] * len(targets))
     )
+
+
+def resolve_device(device: str) -> str:
+    """``auto``: cuda when this process sees a GPU (a Ray worker sees the ones it was given),
+    else cpu; any other device as it is."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

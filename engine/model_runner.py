@@ -13,9 +13,9 @@ from __future__ import annotations
 from itertools import chain
 
 import torch
-from torch import nn
 
 from pdserve.engine.model_input import ScheduledChunk
+from pdserve.model.architectures import CausalLM
 from pdserve.model.attention import build_attention_metadata
 from pdserve.model.model_config import ModelConfig, resolve_dtype
 
@@ -42,7 +42,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: CausalLM,
         model_config: ModelConfig,
         num_blocks: int,
         block_size: int,

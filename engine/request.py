@@ -101,7 +101,10 @@ class Request:
         self.kv_offered = kv_transfer_params is not None
         self.num_prompt_cache_hit_tokens: int | None = None
         self.num_pulled_tokens = 0
-        # While in WAITING_FOR_REMOTE_KVS: the computed tokens once its load lands.
+        self.num_tier_tokens = 0  # loaded intact from this worker's KV tier
+        # While in WAITING_FOR_REMOTE_KVS: the computed tokens once its load lands, and how
+        # many of them the KV tier was to supply.
+        self.num_tokens_from_tier = 0
         self.num_tokens_after_load = 0
         self.kv_pull: PullSummary | None = None
 
@@ -159,11 +162,12 @@ class Request:
         hit = self.num_prompt_cache_hit_tokens
         if hit is None:
             return None
-        rest = self.num_prompt_tokens - hit - self.num_pulled_tokens
+        rest = self.num_prompt_tokens - hit - self.num_tier_tokens - self.num_pulled_tokens
         pull = self.kv_pull
         return KVProvenance(
             num_prompt_tokens=self.num_prompt_tokens,
             num_cache_hit_tokens=hit,
+            num_tier_tokens=self.num_tier_tokens,
             num_pulled_tokens=self.num_pulled_tokens,
             num_recomputed_tokens=rest if self.kv_offered else 0,
             num_computed_tokens=0 if self.kv_offered else rest,

@@ -92,10 +92,14 @@ def token_logprobs(
         1, torch.tensor(token_ids, dtype=torch.long, device=logits.device).unsqueeze(1)
     ).squeeze(1)
     widest = max(num_top, default=0)
-    top_values, top_ids = logprobs.topk(widest, dim=-1) if widest else (None, None)
+    # Only when some row asks for top alternatives (then widest >= that row's k > 0).
+    widest_top = logprobs.topk(widest, dim=-1) if widest else None
     results = []
     for row, token_id in enumerate(token_ids):
         k = num_top[row]
-        top = list(zip(top_ids[row, :k].tolist(), top_values[row, :k].tolist())) if k else []
+        top: list[tuple[int, float]] = []
+        if k and widest_top is not None:
+            top_values, top_ids = widest_top
+            top = list(zip(top_ids[row, :k].tolist(), top_values[row, :k].tolist()))
         results.append(TokenLogprobs(token_id, float(chosen[row]), top))
     return results

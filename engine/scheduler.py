@@ -176,13 +176,17 @@ class Scheduler:
         Returns the tokens it scheduled (0 while its KV loads from a peer), or None when
         the pool cannot hold it now."""
         manager = self.kv_cache_manager
-        if request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None:
+        # Every prompt position of a prompt-logprobs request needs its logits: no cached KV
+        # from any source serves it, neither a pool hit (as vLLM does) nor a tier or a peer.
+        may_reuse_kv = (
+            request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None
+        )
+        if may_reuse_kv:
             computed_blocks, num_local = manager.get_computed_blocks(request)
-        else:  # its KV arrived from a prefill worker while it waited, or every prompt
-            # position needs its logits (prompt logprobs: no prefix-cache hit, as vLLM does)
+        else:  # its KV arrived from a prefill worker while it waited, or prompt logprobs
             computed_blocks, num_local = None, 0
 
-        if self.connector is not None and request.num_computed_tokens == 0:
+        if self.connector is not None and may_reuse_kv:
             # Past the pool's hit: what a KV tier or a prefill worker holds (ext_comp).
             num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
             if load_async:
@@ -342,6 +346,7 @@ class Scheduler:
                 self.requests.pop(request_id, None)
                 continue
             request.kv_pull = finished.pulls.get(request_id)
+            request.num_tokens_from_tier = finished.tier_tokens.get(request_id, 0)
             self._finish_load(
                 request, finished.failed_block_ids, finished.load_errors.get(request_id)
             )
@@ -384,7 +389,14 @@ class Scheduler:
             # Blocks a sliding window will have left were dropped for the load; recomputing
             # from the bad block would read them: the prompt starts over instead.
             num_loaded = request.num_computed_tokens = 0
-        request.num_pulled_tokens = max(0, num_loaded - request.num_computed_tokens)
+        # | pool hit | tier | pull |: what landed intact, the tier's part first.
+        num_landed = max(0, num_loaded - request.num_computed_tokens)
+        request.num_tier_tokens = min(num_landed, request.num_tokens_from_tier)
+        request.num_pulled_tokens = num_landed - request.num_tier_tokens
+        # A tier hit is a cache hit (vLLM's cached_tokens counts it); a pull is not.
+        request.num_cached_tokens = max(
+            request.num_cached_tokens, request.num_computed_tokens + request.num_tier_tokens
+        )
         request.kv_transfer_params = None  # the lease is released; a preemption recomputes
         request.stamps.record_load(request.kv_pull)
         request.status = RequestStatus.WAITING

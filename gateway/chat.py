@@ -23,6 +23,7 @@ from pdserve.gateway.openai_schema import (
     APIError,
     ParsedCompletion,
     SamplingRequest,
+    envelope,
     validate_request,
 )
 from pdserve.messages.logprobs import MAX_LOGPROBS
@@ -72,6 +73,7 @@ def parse_chat(body: Any, tokenizer: Tokenizer) -> ParsedCompletion:
         cache_salt=request.cache_salt,
         include_usage=request.include_usage,
         n=request.n,
+        return_tokens_as_token_ids=request.return_tokens_as_token_ids,
     )
 
 
@@ -102,13 +104,7 @@ class ChatFormat:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.request_id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
+        return envelope(self, "chat.completion.chunk", choices)
 
     def opening_chunks(self, n: int) -> list[dict[str, Any]]:
         return [
@@ -153,19 +149,13 @@ class ChatFormat:
     def response(
         self, choices: list[tuple[str, str | None, TokensWithLogprobs]], usage_body: dict[str, Any]
     ) -> dict[str, Any]:
-        return {
-            "id": self.request_id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "usage": usage_body,
-            "choices": [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": self._render(tokens),
-                    "finish_reason": reason,
-                }
-                for i, (text, reason, tokens) in enumerate(choices)
-            ],
-        }
+        rendered = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": self._render(tokens),
+                "finish_reason": reason,
+            }
+            for i, (text, reason, tokens) in enumerate(choices)
+        ]
+        return envelope(self, "chat.completion", rendered, usage=usage_body)

@@ -7,8 +7,10 @@ and a message over ``MAX_REQUEST_BYTES``, refused by gRPC itself) and UNAVAILABL
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
+from collections.abc import AsyncIterator
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -51,11 +53,14 @@ class GenerateServicer:
     def __init__(self, orchestrator: RequestOrchestrator) -> None:
         self.orchestrator = orchestrator
 
-    async def Generate(self, raw: bytes, context):
+    async def Generate(
+        self, raw: bytes, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         orchestrator = self.orchestrator
         try:
             request = _parse_generate_request(raw)
-            parsed = self._parse(request)
+            # A chat is rendered with its template and tokenized: off the loop, as HTTP does.
+            parsed = await asyncio.to_thread(self._parse, request)
             token_ids, params = await orchestrator.prepare_off_loop(parsed)
             orchestrator.admit()
         except APIError as error:
@@ -90,7 +95,7 @@ class GenerateServicer:
             await stream.aclose()
             orchestrator.release()
 
-    async def _abort(self, context, error: APIError) -> None:
+    async def _abort(self, context: grpc.aio.ServicerContext, error: APIError) -> None:
         self.orchestrator.metrics.record_rejected(error.status)
         await context.abort(
             self._STATUS.get(error.status, grpc.StatusCode.INVALID_ARGUMENT), error.message

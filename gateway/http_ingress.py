@@ -23,7 +23,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
@@ -132,13 +132,15 @@ def _refuse_constant(name: str) -> None:
 ResponseFormat = CompletionFormat | ChatFormat
 
 
-Choices = AsyncIterator[tuple[int, StreamDelta]]
+# An async generator, not just an iterator: closing it cancels the worker streams.
+Choices = AsyncGenerator[tuple[int, StreamDelta], None]
 
 
 async def _sse_events(
     orchestrator: RequestOrchestrator,
     response_format: ResponseFormat,
     parsed: ParsedCompletion,
+    token_ids: list[int],
     first: tuple[int, StreamDelta],
     choices: Choices,
 ) -> AsyncIterator[dict[str, str]]:
@@ -151,7 +153,7 @@ async def _sse_events(
     error event, as OpenAI does. The request's ``AdmissionSlot`` closes ``choices`` and
     frees its place when the request ends.
     """
-    tally = _Tally(parsed, orchestrator.tokenizer)
+    tally = _Tally(parsed, token_ids, orchestrator.tokenizer)
     try:
         for chunk in response_format.opening_chunks(parsed.n):
             yield {"data": json.dumps(chunk)}
@@ -186,7 +188,9 @@ class _Tally:
     """A reply's choices as they arrive: their text, tokens and logprobs, finish reasons
     and token counts; with ``echo`` each choice's first delta starts with the prompt."""
 
-    def __init__(self, parsed: ParsedCompletion, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, parsed: ParsedCompletion, prompt_token_ids: list[int], tokenizer: Tokenizer
+    ) -> None:
         n = parsed.n
         self.texts = [""] * n
         self.token_ids: list[list[int]] = [[] for _ in range(n)]
@@ -196,6 +200,8 @@ class _Tally:
         self.num_prompt_tokens = self.num_cached_tokens = 0
         self.first_choice_last: StreamDelta | None = None
         self._echo = parsed if parsed.echo else None
+        self._prompt_token_ids = prompt_token_ids  # tokenized once, off the loop (prepare)
+        self._echo_text: str | None = None
         self._tokenizer = tokenizer
         self._prompt_logprobs: list[TokenLogprobs | None] = []
 
@@ -205,11 +211,10 @@ class _Tally:
         if delta.prompt_logprobs:  # choice 0's prefill computed them; every choice echoes them
             self._prompt_logprobs = delta.prompt_logprobs
         if self._echo is not None and not self.texts[index] and not self.token_ids[index]:
-            prompt_ids = self._echo.prompt_token_ids or self._tokenizer.encode(
-                self._echo.prompt_text
-            )
-            prompt_text = self._echo.prompt_text or self._tokenizer.decode(prompt_ids)
-            text, token_ids = prompt_text + text, [*prompt_ids, *token_ids]
+            prompt_ids = self._prompt_token_ids
+            if self._echo_text is None:  # once for every choice, not once per choice
+                self._echo_text = self._echo.prompt_text or self._tokenizer.decode(prompt_ids)
+            text, token_ids = self._echo_text + text, [*prompt_ids, *token_ids]
             logprobs = [*(self._prompt_logprobs or [None] * len(prompt_ids)), *logprobs]
         self.texts[index] += text
         self.token_ids[index] += token_ids
@@ -270,9 +275,10 @@ async def _serve(
         return _error_response(orchestrator, error)
     if parsed.stream:
         return EventSourceResponse(
-            _sse_events(orchestrator, response_format, parsed, first, choices), ping=None
+            _sse_events(orchestrator, response_format, parsed, token_ids, first, choices),
+            ping=None,
         )
-    tally = _Tally(parsed, orchestrator.tokenizer)
+    tally = _Tally(parsed, token_ids, orchestrator.tokenizer)
     try:
         tally.add(*first)
         async for index, delta in choices:
@@ -325,7 +331,9 @@ def _renderer(
 ) -> LogprobsRenderer | None:
     """Renders the request's logprobs, when it asked for them."""
     wanted = parsed.params.logprobs is not None or parsed.params.prompt_logprobs is not None
-    return LogprobsRenderer(orchestrator.tokenizer) if wanted else None
+    if not wanted:
+        return None
+    return LogprobsRenderer(orchestrator.tokenizer, parsed.return_tokens_as_token_ids)
 
 
 # ---------------------------------------------------------------------- the ingress

@@ -21,12 +21,22 @@ TokensWithLogprobs = tuple[Sequence[int], Sequence["TokenLogprobs | None"]]
 
 
 class LogprobsRenderer:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    """``as_token_ids`` (vLLM's ``return_tokens_as_token_ids``): each token is named
+    ``"token_id:<id>"``. By text, distinct tokens that decode alike (byte tokens of a split
+    UTF-8 character all decode to U+FFFD) share one key of ``top_logprobs``, and one hides
+    the other; by id they never do. Text offsets still count the decoded text."""
+
+    def __init__(self, tokenizer: Tokenizer, as_token_ids: bool = False) -> None:
         self._tokenizer = tokenizer
+        self._as_token_ids = as_token_ids
         self._text_offsets: dict[int, int] = {}  # per choice: characters rendered so far
 
     def token_text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id])
+
+    def token_name(self, token_id: int) -> str:
+        """How the reply names the token: its text, or ``token_id:<id>``."""
+        return f"token_id:{token_id}" if self._as_token_ids else self.token_text(token_id)
 
     def completion(
         self, index: int, token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None]
@@ -35,7 +45,7 @@ class LogprobsRenderer:
         offset = self._text_offsets.get(index, 0)
         for token_id in token_ids:
             text = self.token_text(token_id)
-            tokens.append(text)
+            tokens.append(self.token_name(token_id))
             offsets.append(offset)
             offset += len(text)
         self._text_offsets[index] = offset
@@ -43,7 +53,7 @@ class LogprobsRenderer:
             "tokens": tokens,
             "token_logprobs": [e.logprob if e else None for e in entries],
             "top_logprobs": [
-                {self.token_text(t): lp for t, lp in e.top} if e else None for e in entries
+                {self.token_name(t): lp for t, lp in e.top} if e else None for e in entries
             ],
             "text_offset": offsets,
         }
@@ -64,4 +74,8 @@ class LogprobsRenderer:
 
     def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {
+            "token": self.token_name(token_id),
+            "logprob": logprob,
+            "bytes": list(text.encode("utf-8")),
+        }

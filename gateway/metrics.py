@@ -86,9 +86,10 @@ class GatewayMetrics:
         and Ray's share of each stream."""
         for phase, stream in timeline.streams.items():
             inside = stream.worker
-            if stream.answered_at is None or inside is None:
+            ray_s = stream.ray_s  # None until the stream answered with the worker's timings
+            if ray_s is None or inside is None:
                 continue
-            self.worker_call_overhead.observe(stream.ray_s)
+            self.worker_call_overhead.observe(ray_s)
             if phase == "prefill":
                 self.request_queue_time.observe(inside.op_wait_s + inside.queued_s)
                 self.request_prefill_time.observe(inside.compute_s)
@@ -147,6 +148,8 @@ def stats_report(
 
 def _json_ready(row: dict[str, Any]) -> dict[str, Any]:
     return {
-        key: dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+        key: dataclasses.asdict(value)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type)
+        else value
         for key, value in row.items()
     }

@@ -9,8 +9,8 @@ can send wrong becomes an ``APIError`` with an OpenAI-style body and a 4xx statu
 Fields are checked strictly: ``"max_tokens": "5"``, ``"stream": "yes"`` or a token id of
 ``true`` or ``1.0`` are refused rather than coerced, and NaN or infinite numbers are refused.
 OpenAI fields that would change the output but that pdserve does not implement (``best_of``,
-``echo``, ``logprobs``, ...) are refused unless they hold their default; other unknown fields
-are ignored.
+``suffix``, ``logit_bias``, the penalties: ``_UNSUPPORTED_FIELDS``) are refused unless they
+hold their default; other unknown fields are ignored. ``echo`` and ``logprobs`` are served.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Protocol, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -27,7 +27,6 @@ from pydantic import (
     Field,
     StringConstraints,
     ValidationError,
-    ValidationInfo,
     field_validator,
 )
 
@@ -155,12 +154,15 @@ class SamplingRequest(BaseModel):
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     user: str | None = None
     cache_salt: CacheSalt | None = None  # vLLM's extension: a tenant's prefix-cache namespace
+    # vLLM's extension: logprobs name tokens as "token_id:<id>", not by their text (two
+    # byte tokens that decode alike, e.g. to U+FFFD, would otherwise share one key).
+    return_tokens_as_token_ids: bool = False
 
     @field_validator("cache_salt")
     @classmethod
-    def _valid_salt(cls, value: str | None, info: ValidationInfo) -> str | None:
+    def _valid_salt(cls, value: str | None) -> str | None:
         if value is not None:
-            check_unicode(value, info.field_name)
+            check_unicode(value, "cache_salt")
         return value
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -191,10 +193,10 @@ class CompletionRequest(SamplingRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
+    def _valid_unicode(cls, value: Any) -> Any:
         for text in value if isinstance(value, list) else [value]:
             if isinstance(text, str):
-                check_unicode(text, info.field_name)
+                check_unicode(text, "prompt")
         return value
 
 
@@ -211,6 +213,7 @@ class ParsedCompletion:
     include_usage: bool = False  # streamed: a last chunk with the usage
     n: int = 1  # choices, each sampled with its own seed
     echo: bool = False  # completions: the reply repeats the prompt first
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
 
 
 def validate_request(
@@ -257,6 +260,7 @@ def parse_completion(body: Any) -> ParsedCompletion:
         cache_salt=request.cache_salt,
         include_usage=request.include_usage,
         n=request.n,
+        return_tokens_as_token_ids=request.return_tokens_as_token_ids,
     )
 
 
@@ -307,13 +311,7 @@ class CompletionFormat:
         index: int = 0,
         tokens: TokensWithLogprobs = ((), ()),
     ) -> dict[str, Any]:
-        return {
-            "id": self.request_id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [self._choice(index, text, finish_reason, tokens)],
-        }
+        return envelope(self, "text_completion", [self._choice(index, text, finish_reason, tokens)])
 
     def _choice(
         self, index: int, text: str, finish_reason: str | None, tokens: TokensWithLogprobs
@@ -322,30 +320,40 @@ class CompletionFormat:
         return {"index": index, "text": text, "logprobs": rendered, "finish_reason": finish_reason}
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "id": self.request_id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [],
-            "usage": usage_body,
-        }
+        return envelope(self, "text_completion", [], usage=usage_body)
 
     def response(
         self, choices: list[tuple[str, str | None, TokensWithLogprobs]], usage_body: dict[str, Any]
     ) -> dict[str, Any]:
         """The whole reply: ``choices`` are ``(text, finish_reason, tokens)`` by index."""
-        return {
-            "id": self.request_id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "usage": usage_body,
-            "choices": [
-                self._choice(i, text, reason, tokens)
-                for i, (text, reason, tokens) in enumerate(choices)
-            ],
-        }
+        rendered = [
+            self._choice(i, text, reason, tokens)
+            for i, (text, reason, tokens) in enumerate(choices)
+        ]
+        return envelope(self, "text_completion", rendered, usage=usage_body)
+
+
+class ReplyIdentity(Protocol):
+    """What every body of one reply repeats: its id, creation time and model."""
+
+    request_id: str
+    created: int
+    model: str
+
+
+def envelope(
+    reply: ReplyIdentity, object_name: str, choices: list[dict[str, Any]], **extra: Any
+) -> dict[str, Any]:
+    """One OpenAI body (a chunk or the whole response) of ``reply``: its id, ``object``,
+    creation time, model, ``choices``, then anything ``extra`` (``usage``)."""
+    return {
+        "id": reply.request_id,
+        "object": object_name,
+        "created": reply.created,
+        "model": reply.model,
+        "choices": choices,
+        **extra,
+    }
 
 
 def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict[str, Any]:

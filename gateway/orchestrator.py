@@ -32,8 +32,9 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 from ray.exceptions import RayActorError, RayTaskError
 
@@ -41,6 +42,7 @@ from pdserve.cache import BlockHash, BlockHasher
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.kv_event_poller import KVEventPoller
 from pdserve.gateway.metrics import GatewayMetrics, stats_report
+from pdserve.gateway.off_loop import call_by_size
 from pdserve.gateway.openai_schema import (
     APIError,
     ParsedCompletion,
@@ -72,7 +74,7 @@ _STATS_TIMEOUT_S = 10.0
 _INLINE_PROMPT_SIZE = 16_384
 
 
-def raised_by_worker_code(error: BaseException) -> bool:
+def raised_by_worker_code(error: BaseException) -> TypeGuard[RayTaskError]:
     """True when the worker's own code raised (a bug, a request it cannot serve): the worker
     is alive and would fail the same way again, so it stays in routing and the request is
     not retried. Anything else (its actor died, is unreachable) is a lost worker."""
@@ -110,7 +112,9 @@ class RequestRun:
     last_prefill_chunk: GenerationChunk | None = None
     last_decode_chunk: GenerationChunk | None = None
     kv_transfer_params: KVTransferParams | None = field(default=None, repr=False)
-    lease_id: str | None = None  # the lease handed to the decode worker, kept after a replay
+    # A lease went to the decode worker (kept after a replay). Its id is a capability: it
+    # stays inside the deployment, never in a reply or /v1/requests.
+    handed_off: bool = False
     created: float = field(default_factory=time.time)
     # The worker whose stream ends the request (decode, or prefill when it runs whole),
     # set with ``final_stream_started`` at that stream's first delta: its cache then holds
@@ -165,7 +169,13 @@ class RequestOrchestrator:
     def start(self) -> None:
         self.poller.start()
         if self.share is not None:
-            self.share.start(self.metrics.row)
+            self.share.start(
+                self.metrics.row,
+                lambda: [
+                    r.to_json()
+                    for r in reversed(self.recent.latest(self.config.num_recent_requests))
+                ],
+            )
 
     # ------------------------------------------------------------------ validate, admit
 
@@ -188,8 +198,10 @@ class RequestOrchestrator:
                     f"token id {bad} is outside the vocabulary [0, {vocab_size})",
                     param="prompt",
                 )
-        else:
+        elif parsed.prompt_text is not None:
             token_ids = self.tokenizer.encode(parsed.prompt_text)
+        else:  # validate_request sets one of the two
+            raise ValueError("a parsed request carries neither prompt text nor token ids")
         max_len = self.model_info.max_model_len
         if len(token_ids) > max_len:
             raise APIError(
@@ -213,24 +225,24 @@ class RequestOrchestrator:
     async def prepare_off_loop(self, parsed: ParsedCompletion) -> tuple[list[int], SamplingParams]:
         """``prepare``, on a worker thread when the prompt is long."""
         size = len(parsed.prompt_text or "") + len(parsed.prompt_token_ids or ())
-        if size <= _INLINE_PROMPT_SIZE:
-            return self.prepare(parsed)
-        return await asyncio.to_thread(self.prepare, parsed)
+        return await call_by_size(size, _INLINE_PROMPT_SIZE, self.prepare, parsed)
 
     async def hash_blocks(self, token_ids: list[int], cache_salt: str | None) -> list[BlockHash]:
         """The prompt's block hashes, salted like the workers' (a tenant's prefix never
         routes by another's blocks); on a worker thread when the prompt is long."""
-        block_size = self.model_info.block_size
-        if len(token_ids) <= _INLINE_PROMPT_SIZE:
-            return self.hasher.hash_request_blocks(token_ids, block_size, cache_salt=cache_salt)
-        return await asyncio.to_thread(
-            self.hasher.hash_request_blocks, token_ids, block_size, cache_salt=cache_salt
+        return await call_by_size(
+            len(token_ids),
+            _INLINE_PROMPT_SIZE,
+            self.hasher.hash_request_blocks,
+            token_ids,
+            self.model_info.block_size,
+            cache_salt=cache_salt,
         )
 
     def admit(self) -> None:
         """Takes a place in the bounded in-flight queue, or refuses with 429."""
-        if self.metrics.num_requests_in_flight >= self.config.max_inflight_requests:
-            raise too_many_requests(self.config.max_inflight_requests)
+        if self.metrics.num_requests_in_flight >= self.config.max_inflight_per_replica:
+            raise too_many_requests(self.config.max_inflight_per_replica)
         self.metrics.num_requests_in_flight += 1
         self.metrics.num_requests += 1
 
@@ -272,17 +284,18 @@ class RequestOrchestrator:
             remote_decode=params.max_tokens > 1 and self.router.has_decode_workers(),
         )
 
-    async def run_phases(self, run: RequestRun) -> AsyncIterator[StreamDelta]:
+    async def run_phases(self, run: RequestRun) -> AsyncGenerator[StreamDelta, None]:
         """``generate``'s body: the phases, in order, for an already built ``RequestRun``."""
         self.decide_disaggregation(run)
-        async for delta in self.prefill(run):
-            yield self.account(run, delta)
-        if not run.needs_decode:
-            run.started_final_stream(run.prefill_id)  # it ended at its first token
-            return
-        self.hand_off(run)
         completed = False
-        try:
+        try:  # from the first token on (a client may hang up at it), a lease may be held
+            async for delta in self.prefill(run):
+                yield self.account(run, delta)
+            if not run.needs_decode:
+                run.started_final_stream(run.prefill_id)  # it ended at its first token
+                completed = True
+                return
+            self.hand_off(run)
             async for delta in self.decode_stream(run):
                 yield self.account(run, delta)
             completed = True
@@ -333,6 +346,8 @@ class RequestOrchestrator:
                 async for chunk in self.worker_stream(run.prefill_id, request, first=True):
                     run.timeline.answered("prefill", chunk)
                     run.last_prefill_chunk = chunk
+                    # The lease the prefill granted: held from here, released if unused.
+                    run.kv_transfer_params = chunk.kv_transfer_params
                     hands_off = run.remote_decode and chunk.finish_reason == "length"
                     delta = run.emitter.update(chunk, final=not hands_off)
                     if not run.remote_decode:
@@ -347,9 +362,7 @@ class RequestOrchestrator:
 
     def hand_off(self, run: RequestRun) -> None:
         """The prefill's ``KVTransferParams`` (None: the decode side recomputes) go to decode."""
-        run.kv_transfer_params = run.last_prefill_chunk.kv_transfer_params
-        if run.kv_transfer_params is not None:
-            run.lease_id = run.kv_transfer_params.lease_id
+        run.handed_off = run.kv_transfer_params is not None
 
     async def decode_stream(self, run: RequestRun) -> AsyncIterator[StreamDelta]:
         """The decode worker's stream, replayed on another worker if this one is lost."""
@@ -410,7 +423,7 @@ class RequestOrchestrator:
             self.model_info.block_size,
             prefill=run.last_prefill_chunk.kv_provenance if run.last_prefill_chunk else None,
             decode=decode.kv_provenance if decode is not None else None,
-            lease_id=run.lease_id,
+            handed_off=run.handed_off,
             ttft_s=emitter.ttft_s(),
             itl_s=emitter.mean_itl_s(),
             e2e_s=time.perf_counter() - emitter.start,
@@ -432,7 +445,10 @@ class RequestOrchestrator:
         try:
             if role == "prefill":
                 return self.router.pick_prefill(block_hashes).worker_id
-            return self.router.pick_decode(block_hashes).worker_id
+            choice = self.router.pick_decode(block_hashes)
+            if choice is None:  # a colocated deployment has no decode worker to route to
+                raise NoWorkerAvailable("decode")
+            return choice.worker_id
         except NoWorkerAvailable as error:
             if fallback is not None:
                 return fallback

@@ -2,8 +2,9 @@
 
     choice 0:       the usual phases: prefill ─▶ hand-off (lease) ─▶ decode on worker D
     choice i ≥ 1:   once choice 0 streams from D, the same prompt on D with its own seed;
-                    D's prefix cache holds every prompt block (choice 0 pulled them), so
-                    each choice recomputes only the prompt's last token (for its logits)
+                    D's prefix cache holds every full prompt block (choice 0 pulled them),
+                    so each choice recomputes only the prompt's partial last block (a whole
+                    block when the prompt is block-aligned: the last token needs its logits)
 
 Seeds: ``seed + i`` when the client gave ``seed`` (so ``n=3, seed=s`` equals three
 requests with seeds ``s, s+1, s+2``), else one random seed per choice. Choices stream
@@ -17,7 +18,7 @@ import asyncio
 import contextlib
 import dataclasses
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from pdserve.gateway.openai_schema import APIError
 from pdserve.gateway.orchestrator import RequestOrchestrator, RequestRun, WorkerLost
@@ -50,7 +51,7 @@ async def generate_choices(
     token_ids: list[int],
     params: list[SamplingParams],
     cache_salt: str | None,
-) -> AsyncIterator[tuple[int, StreamDelta]]:
+) -> AsyncGenerator[tuple[int, StreamDelta], None]:
     """``(choice index, delta)`` of every choice, interleaved as they arrive."""
     first = await orchestrator.new_run(request_id, token_ids, params[0], cache_salt)
     if len(params) == 1:
@@ -94,7 +95,7 @@ async def _start_siblings(
 
 async def _sibling(
     orchestrator: RequestOrchestrator, first: RequestRun, index: int, params: SamplingParams
-) -> AsyncIterator[StreamDelta]:
+) -> AsyncGenerator[StreamDelta, None]:
     emitter = StreamEmitter(
         params.stop, len(first.token_ids), orchestrator.metrics, first.emitter.start
     )
@@ -116,7 +117,9 @@ async def _sibling(
         ) from None
 
 
-async def _pump(index: int, stream: AsyncIterator[StreamDelta], queue: asyncio.Queue) -> None:
+async def _pump(
+    index: int, stream: AsyncGenerator[StreamDelta, None], queue: asyncio.Queue
+) -> None:
     try:
         async for delta in stream:
             await queue.put((index, delta))

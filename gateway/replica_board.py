@@ -14,6 +14,13 @@ Counters and histograms add up; the recent p50/p99 show the worst replica's. A r
 stopped pushing (stopped, restarted) keeps its counters in the sum, as a restarted worker's
 Prometheus series would, but its present-tense gauges count as 0 once its row is older
 than ``STALE_AFTER_S``. With one replica none of this runs.
+
+Losing the board loses nothing for good. Ray restarts it (``max_restarts``), or, killed for
+good, the next call creates it again by name; each board has an ``incarnation`` id, and a
+replica that sees a new one pushes its recent records again. Until every replica has pushed
+to the new board, a replica answers with the rows it last read for the replicas the board
+does not know yet, so no counter of ``/stats`` goes backwards; a failed push keeps its
+records for the next.
 """
 
 from __future__ import annotations
@@ -22,10 +29,13 @@ import asyncio
 import contextvars
 import logging
 import time
+import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 
 from pdserve.stats.registry import GATEWAY_STATS, Kind
 from pdserve.stats.views import totals
@@ -36,22 +46,25 @@ PUSH_INTERVAL_S = 1.0
 STALE_AFTER_S = 5.0
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_restarts=-1)
 class ReplicaBoard:
     """The gateway replicas' rows and recent request records, by replica id."""
 
     def __init__(self, num_recent_requests: int) -> None:
+        self.incarnation = uuid.uuid4().hex  # a restarted board is a new one, and empty
         self._rows: dict[str, tuple[float, dict[str, Any]]] = {}
         self._records: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._capacity = num_recent_requests
 
-    def push(self, replica_id: str, row: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    def push(self, replica_id: str, row: dict[str, Any], records: list[dict[str, Any]]) -> str:
+        """Keeps a replica's row and new records; returns this board's incarnation."""
         self._rows[replica_id] = (time.monotonic(), row)
         for record in records:  # oldest first: the newest end up last
             self._records[record["request_id"]] = record
             self._records.move_to_end(record["request_id"])
         while len(self._records) > self._capacity:
             self._records.popitem(last=False)
+        return self.incarnation
 
     def rows(self) -> dict[str, tuple[float, dict[str, Any]]]:
         """Each replica's last row and how many seconds ago it came."""
@@ -66,11 +79,14 @@ class ReplicaBoard:
         return list(reversed(self._records.values()))[: max(limit, 0)]
 
 
-def board_for(app_name: str, num_recent_requests: int):
+def board_for(app_name: str, num_recent_requests: int) -> Any:
     """The app's board: created by the first replica that asks, found by the others.
 
-    Detached, so that it outlives any one replica; ``deploy.cluster.delete_app`` ends it."""
-    return ReplicaBoard.options(
+    Detached, so that it outlives any one replica; ``deploy.cluster.delete_app`` ends it.
+    Its actor handle is returned as ``Any``: Ray's ``ActorHandle`` types every method
+    attribute as ``Never``, which would make the code after each call unreachable."""
+    # @ray.remote made ReplicaBoard an ActorClass; mypy keeps a decorated class's own type.
+    return ReplicaBoard.options(  # type: ignore[attr-defined]  # an ActorClass: see above
         name=board_name(app_name), namespace="pdserve", get_if_exists=True, lifetime="detached"
     ).remote(num_recent_requests)
 
@@ -94,23 +110,49 @@ class ReplicaShare:
 
     def __init__(self, app_name: str, replica_id: str, num_recent_requests: int) -> None:
         self.replica_id = replica_id
+        self._app_name = app_name
+        self._num_recent_requests = num_recent_requests
         self._board = board_for(app_name, num_recent_requests)
+        self._incarnation: str | None = None
         self._unpushed: list[dict[str, Any]] = []
+        self._last_rows: dict[str, tuple[float, dict[str, Any]]] = {}
         self._task: asyncio.Task | None = None
 
     def finished(self, record_json: dict[str, Any]) -> None:
         self._unpushed.append(record_json)
 
-    def start(self, read_row) -> None:
-        """Pushes ``read_row()`` and the new records every ``PUSH_INTERVAL_S``."""
+    def start(
+        self,
+        read_row: Callable[[], dict[str, Any]],
+        read_recent: Callable[[], list[dict[str, Any]]],
+    ) -> None:
+        """Pushes ``read_row()`` and the new records every ``PUSH_INTERVAL_S``;
+        ``read_recent()`` (this replica's recent records, oldest first) refills a new board."""
         self._read_row = read_row
+        self._read_recent = read_recent
         self._task = asyncio.get_running_loop().create_task(  # not any request's child
             self._push_forever(), context=contextvars.Context()
         )
 
     async def push(self) -> None:
         records, self._unpushed = self._unpushed, []
-        await self._board.push.remote(self.replica_id, self._read_row(), records)
+        try:
+            incarnation = await self._call("push", self.replica_id, self._read_row(), records)
+        except BaseException:
+            self._unpushed[:0] = records  # kept for the next push
+            raise
+        if self._incarnation is not None and incarnation != self._incarnation:
+            logger.warning("the gateway replicas' board restarted: refilling it")
+            await self._call("push", self.replica_id, self._read_row(), self._read_recent())
+        self._incarnation = incarnation
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        """One board call; a board killed for good is created again by name, once."""
+        try:
+            return await getattr(self._board, method).remote(*args)
+        except RayActorError:
+            self._board = board_for(self._app_name, self._num_recent_requests)
+            return await getattr(self._board, method).remote(*args)
 
     async def _push_forever(self) -> None:
         while True:
@@ -125,7 +167,11 @@ class ReplicaShare:
     async def service_row(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """The merged gateway row, and each replica's own (``replica_id``, requests, in flight)."""
         await self.push()  # this replica's figures as of now
-        rows = await self._board.rows.remote()
+        rows = await self._call("rows")
+        # A board that restarted may not have every replica's row yet: keep the last seen.
+        for replica, (age, row) in self._last_rows.items():
+            rows.setdefault(replica, (age + PUSH_INTERVAL_S, row))
+        self._last_rows = dict(rows)
         replicas = [
             {
                 "replica_id": replica,
@@ -138,8 +184,8 @@ class ReplicaShare:
         return merged_gateway_row(rows), replicas
 
     async def record(self, request_id: str) -> dict[str, Any] | None:
-        return await self._board.record.remote(request_id)
+        return await self._call("record", request_id)
 
     async def latest(self, limit: int) -> list[dict[str, Any]]:
         await self.push()
-        return await self._board.latest.remote(limit)
+        return await self._call("latest", limit)

@@ -28,13 +28,17 @@ from pdserve.messages.kv_provenance import KVProvenance
 
 KV_SOURCES = (
     "prefill_cache_hit",
+    "prefill_tier_hit",
     "prefill_computed",
     "decode_cache_hit",
+    "decode_tier_hit",
     "pulled",
     "decode_recomputed",
     "decode_prefilled",
 )
-VLLM_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+# vLLM's labels, plus one for a KV tier below the pool: its loads moved nothing between
+# workers, so they are neither a local cache hit of the pool nor an external transfer.
+VLLM_SOURCES = ("local_compute", "local_cache_hit", "local_kv_tier", "external_kv_transfer")
 
 
 @dataclass(slots=True)
@@ -49,7 +53,7 @@ class RequestProvenance:
     block_size: int
     prefill: KVProvenance | None
     decode: KVProvenance | None
-    lease_id: str | None  # the prefill's lease the decode worker was handed, if any
+    handed_off: bool  # the decode worker was handed the prefill's lease (never its id)
     ttft_s: float
     itl_s: float  # mean time between output tokens after the first
     e2e_s: float
@@ -64,10 +68,12 @@ class RequestProvenance:
         counts = dict.fromkeys(KV_SOURCES, 0)
         if self.prefill is not None:
             counts["prefill_cache_hit"] = self.prefill.num_cache_hit_tokens
+            counts["prefill_tier_hit"] = self.prefill.num_tier_tokens
             counts["prefill_computed"] = self.prefill.num_computed_tokens
         if self.decode is not None:
-            skipped = self.decode.num_computed_tokens if self.lease_id is not None else 0
+            skipped = self.decode.num_computed_tokens if self.handed_off else 0
             counts["decode_cache_hit"] = self.decode.num_cache_hit_tokens
+            counts["decode_tier_hit"] = self.decode.num_tier_tokens
             counts["pulled"] = self.decode.num_pulled_tokens
             counts["decode_recomputed"] = self.decode.num_recomputed_tokens + skipped
             counts["decode_prefilled"] = self.decode.num_computed_tokens - skipped
@@ -81,6 +87,7 @@ class RequestProvenance:
         return {
             "local_compute": replying.num_computed_tokens + replying.num_recomputed_tokens,
             "local_cache_hit": replying.num_cache_hit_tokens,
+            "local_kv_tier": replying.num_tier_tokens,
             "external_kv_transfer": replying.num_pulled_tokens,
         }
 
@@ -98,7 +105,7 @@ class RequestProvenance:
             "prefill": _worker_json(self.prefill),
             "decode": _worker_json(decode),
             "transfer": {
-                "lease_id": self.lease_id,
+                "handed_off": self.handed_off,
                 "num_blocks": decode.num_blocks_pulled if decode else 0,
                 "num_bytes": decode.num_bytes_pulled if decode else 0,
                 "seconds": decode.transfer_s if decode else 0.0,

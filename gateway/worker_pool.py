@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.messages.generation import GenerationChunk, ModelInfo, WorkerRequest
+
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentResponseGenerator
 
 
 class NoModelInfo(Exception):
@@ -21,7 +23,9 @@ class WorkerPool:
         self.decode = decode
         self.all = {**prefill, **decode}
 
-    def stream(self, worker_id: str, request: WorkerRequest) -> AsyncIterator[GenerationChunk]:
+    def stream(
+        self, worker_id: str, request: WorkerRequest
+    ) -> DeploymentResponseGenerator[GenerationChunk]:
         """The worker's chunks for ``request``; cancelling the stream aborts it there."""
         return self.all[worker_id].options(stream=True).generate.remote(request)
 

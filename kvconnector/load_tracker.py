@@ -39,6 +39,7 @@ class LoadTracker:
         failed_block_ids: Iterable[int] = (),
         error: str | None = None,
         pull: PullSummary | None = None,
+        tier_tokens: int = 0,
     ) -> None:
         """A load is over (or, aborted before it started, will never run): ``failed_block_ids``
         are the local blocks that did not arrive intact."""
@@ -50,6 +51,8 @@ class LoadTracker:
                 self._done.load_errors[request_id] = error
             if pull is not None:
                 self._done.pulls[request_id] = pull
+            if tier_tokens:
+                self._done.tier_tokens[request_id] = tier_tokens
             self._lock.notify_all()
 
     def take(self) -> FinishedTransfers:

@@ -16,7 +16,7 @@ landed, with the failed blocks of both:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 from pdserve.engine.kv_connector_base import (
     FinishedTransfers,
@@ -28,13 +28,16 @@ from pdserve.engine.kv_connector_base import (
 )
 from pdserve.kvconnector.pd.pd_connector import PDConnector
 from pdserve.kvconnector.tier.tier_connector import TierConnector
+from pdserve.kvconnector.transport.node_network import on_node_address
 
 if TYPE_CHECKING:
     import torch
 
     from pdserve.cache import KVCacheEvent, KVCacheManager
     from pdserve.engine.request import Request
+    from pdserve.messages.engine_config import EngineConfig
     from pdserve.messages.kv_transfer_params import KVTransferParams
+    from pdserve.messages.worker_spec import WorkerSpec
 
 
 @dataclass(slots=True)
@@ -52,6 +55,7 @@ class _SplitLoad:
     failed_block_ids: set[int] = field(default_factory=set)
     load_error: str | None = None
     pull: PullSummary | None = None
+    tier_tokens: int = 0
 
 
 class TieredConnector(KVConnectorBase):
@@ -90,8 +94,14 @@ class TieredConnector(KVConnectorBase):
         if had_params and not pull_async:
             # The P/D part released the lease (nothing left to pull): never ask it again.
             request.kv_transfer_params = None
-        self._split[request.request_id] = (num_tier, num_pull)
-        return num_tier + num_pull, num_tier > 0 or pull_async
+        load_async = num_tier > 0 or pull_async
+        # Kept only for the ``update_state_after_alloc`` that follows an async load: a request
+        # that loads nothing never gets that call, so its entry would stay for good.
+        if load_async:
+            self._split[request.request_id] = (num_tier, num_pull)
+        else:
+            self._split.pop(request.request_id, None)
+        return num_tier + num_pull, load_async
 
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int
@@ -120,8 +130,8 @@ class TieredConnector(KVConnectorBase):
     def complete_transfer_params(self, params: KVTransferParams) -> KVTransferParams:
         return self.pd.complete_transfer_params(params)
 
-    def completion_bytes(self, params: KVTransferParams) -> int:
-        return self.pd.completion_bytes(params)
+    def completes_inline(self, params: KVTransferParams) -> bool:
+        return self.pd.completes_inline(params)
 
     def request_aborted(self, request: Request) -> None:
         self._split.pop(request.request_id, None)
@@ -147,6 +157,7 @@ class TieredConnector(KVConnectorBase):
                 load.failed_block_ids |= part.failed_block_ids & load.block_ids
                 load.load_error = load.load_error or part.load_errors.get(request_id)
                 load.pull = load.pull or part.pulls.get(request_id)
+                load.tier_tokens = load.tier_tokens or part.tier_tokens.get(request_id, 0)
         for request_id, load in list(self._loads.items()):
             if load.parts_left <= 0:
                 del self._loads[request_id]
@@ -156,6 +167,8 @@ class TieredConnector(KVConnectorBase):
                     finished.load_errors[request_id] = load.load_error
                 if load.pull is not None:
                     finished.pulls[request_id] = load.pull
+                if load.tier_tokens:
+                    finished.tier_tokens[request_id] = load.tier_tokens
         return finished
 
     def has_pending_loads(self) -> bool:
@@ -188,8 +201,40 @@ class TieredConnector(KVConnectorBase):
         self.tier.shutdown()
 
 
+@overload
+def with_tier(pd: PDConnector, tier: TierConnector | None) -> KVConnectorBase: ...
+@overload
+def with_tier(pd: None, tier: TierConnector | None) -> KVConnectorBase | None: ...
 def with_tier(pd: PDConnector | None, tier: TierConnector | None) -> KVConnectorBase | None:
-    """A worker's connector: the P/D part, the tier, both composed, or none."""
+    """A worker's connector: the P/D part, the tier, both composed, or none (the overloads
+    say that a P/D part always gives a connector)."""
     if tier is None or pd is None:
         return tier or pd
     return TieredConnector(tier, pd)
+
+
+def worker_connector(spec: WorkerSpec, engine_config: EngineConfig) -> KVConnectorBase | None:
+    """The connector a worker's spec describes, for either role:
+
+        spec.connector  spec.kv_tier   connector
+        None            None           None (colocated, the pool only)
+        None            set            TierConnector
+        set             None           PDConnector (producer or consumer side)
+        set             set            TieredConnector(tier, pd)
+
+    With ``advertise_node_address`` the P/D part binds and advertises the Ray node's address
+    (a prefill's KV service; a NIXL worker's UCX data path uses that node's interface)."""
+    tier = TierConnector(spec.kv_tier, spec.worker_id) if spec.kv_tier else None
+    if spec.connector is None:
+        return tier
+    connector_config = spec.connector
+    if spec.advertise_node_address:
+        connector_config = on_node_address(connector_config)
+    return with_tier(PDConnector.for_engine(connector_config, engine_config), tier)
+
+
+def pd_part(connector: KVConnectorBase | None) -> PDConnector | None:
+    """The P/D connector inside a worker's connector (None: colocated or tier only)."""
+    if isinstance(connector, TieredConnector):
+        return connector.pd
+    return connector if isinstance(connector, PDConnector) else None

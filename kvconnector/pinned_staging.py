@@ -16,11 +16,33 @@ One lock per buffer: the gRPC server reads on several threads.
 
 from __future__ import annotations
 
+import mmap
 import threading
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
 import torch
+
+
+def pinned_host_array(num_rows: int, row_bytes: int) -> np.ndarray:
+    """A ``[num_rows, row_bytes]`` uint8 host array, page-locked for the GPU: exactly its
+    bytes.
+
+    ``torch.empty(..., pin_memory=True)`` goes through torch's caching host allocator, which
+    rounds each allocation up to a power of two: a 5 GiB tier pinned 8 GiB. Here an
+    anonymous mapping (page-aligned) is registered with ``cudaHostRegister`` instead, so the
+    pinned bytes are the budget; the registration ends with the array."""
+    num_bytes = num_rows * row_bytes
+    mapping = mmap.mmap(-1, max(num_bytes, 1))
+    array = np.frombuffer(mapping, dtype=np.uint8, count=num_bytes).reshape(num_rows, row_bytes)
+    cudart = torch.cuda.cudart()
+    address = array.ctypes.data
+    status = cudart.cudaHostRegister(address, num_bytes, 0)
+    if int(status) != 0:
+        raise RuntimeError(f"cudaHostRegister of {num_bytes} bytes failed with status {status}")
+    weakref.finalize(array, cudart.cudaHostUnregister, address)
+    return array
 
 
 def device_page_view(kv_cache: torch.Tensor) -> torch.Tensor:

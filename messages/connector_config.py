@@ -1,4 +1,5 @@
-"""How one worker's KV connector behaves, in one typed place."""
+"""How one worker's KV connector behaves, in one typed place (a field's docstring is its
+deployment flag's help, ``deploy/part_settings.py``)."""
 
 from __future__ import annotations
 
@@ -26,16 +27,22 @@ class KVConnectorConfig:
 
     role: KVRole
     transport: Transport = "grpc"
+    """The KV plane: grpc, or nixl (UCX: RDMA, cma or TCP)."""
     host: str = "127.0.0.1"
+    """Where a producer's transfer service listens and what it advertises."""
     port: int = 0
+    """A producer's transfer port; 0: any free one."""
     secret: str | None = field(default=None, repr=False)
     allow_insecure: bool = False
     lease_ttl_s: float = 30.0
+    """How long a producer holds a hand-off's blocks for the consumer's pull."""
     transfer_timeout_s: float = 10.0
-    # A pull may take transfer_timeout_s plus its bytes at this rate: the deadline follows
-    # the size, so a long prompt on a large model is not failed by a fixed one.
+    """A pull's deadline, before its bytes' share (min_transfer_rate_bytes_per_s)."""
     min_transfer_rate_bytes_per_s: float = 64 * 2**20
+    """A pull may take transfer_timeout_s plus its bytes at this rate: the deadline follows
+    the size, so a long prompt on a large model is not failed by a fixed one."""
     failure_policy: FailurePolicy = "recompute"
+    """recompute: compute what did not arrive intact; fail: end the request with an error."""
 
     def __post_init__(self) -> None:
         if self.role not in ("producer", "consumer"):

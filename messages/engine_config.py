@@ -1,4 +1,8 @@
-"""Every setting of one engine, in one typed place."""
+"""Every setting of one engine, in one typed place.
+
+Each field's docstring (the string under it) is its description everywhere: a deployment's
+``--flag`` help and YAML key are generated from this class (``deploy/part_settings.py``).
+"""
 
 from __future__ import annotations
 
@@ -16,30 +20,54 @@ class EngineConfig:
     """
 
     model: str = "tiny"
-    dtype: str = "float32"
-    device: str = "cpu"
+    """'tiny', 'smollm2', a local HF directory or a .gguf file."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights and KV cache."""
+    device: str = "auto"
+    """The torch device; auto: cuda when this process sees a GPU (a worker: when Ray gave
+    it one), else cpu."""
     seed: int = 0
+    """Seeds the per-request sampling seeds of requests that bring none."""
     block_size: int = 16
+    """Tokens per KV block (a power of two)."""
     num_kv_blocks: int | None = None
+    """Blocks in the KV pool, the null block included; unset: as many as
+    kv_cache_memory_bytes holds."""
     kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    """The KV pool's memory budget when num_kv_blocks is unset."""
     max_model_len: int | None = None
+    """Longest prompt plus output, in tokens; unset: the model's own limit."""
     max_num_seqs: int = 64
+    """Requests running at once."""
     max_num_batched_tokens: int = 2048
-    # A prompt computes at most this many tokens a step (0: no cap beyond the budget), so
-    # running decodes keep stepping while a long prompt is computed (vLLM's name).
-    long_prefill_token_threshold: int = 0
+    """Tokens computed in one step, over every request (at least block_size)."""
+    long_prefill_token_threshold: int = 512
+    """A prompt computes at most this many tokens a step, so running decodes keep stepping
+    beside a long prompt (vLLM's name; 0: no cap beyond max_num_batched_tokens)."""
     enable_prefix_caching: bool = True
+    """Reuse computed blocks of a shared prefix."""
     hash_algorithm: Literal["xxh3_128", "sha256"] = "xxh3_128"
+    """Block hashes: xxh3_128 (fast, needs a secret seed) or sha256."""
     hash_seed: int | str = 0
+    """Seeds the block hashes; equal on every worker of a deployment."""
     torch_threads: int = 1
+    """torch's intra-op threads in this process."""
     publish_kv_events: bool = False
+    """Record KV events (blocks stored, removed) for the router to poll."""
     engine_id: str = "engine-0"
+    """This engine's name among KV peers."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}"
+            )
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.long_prefill_token_threshold < 0:
@@ -52,3 +80,5 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                 f"block_size ({self.block_size})"
             )
+        if self.torch_threads < 1:
+            raise ValueError(f"torch_threads must be at least 1, got {self.torch_threads}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.cache import HashAlgorithm
 from pdserve.messages.first_chunk_timing import FirstChunkTiming
 from pdserve.messages.kv_provenance import KVProvenance
 from pdserve.messages.kv_transfer_params import KVTransferParams
@@ -60,6 +61,12 @@ class GenerationChunk:
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     timing: FirstChunkTiming | None = None
 
+    @classmethod
+    def failed(cls, request_id: str, error: str, refused: bool = False) -> GenerationChunk:
+        """The last chunk of a request that ends in an error, with no tokens: ``refused``
+        when the engine turned it down as invalid (a 400), else it failed running (a 500)."""
+        return cls(request_id, [], "", 0, True, "error", error=error, refused=refused)
+
 
 @dataclass(slots=True)
 class ModelInfo:
@@ -68,6 +75,6 @@ class ModelInfo:
     model: str
     max_model_len: int
     block_size: int
-    hash_algorithm: str
+    hash_algorithm: HashAlgorithm
     hash_seed: int | str
     eos_token_ids: list[int]  # every id that ends a reply

@@ -9,16 +9,17 @@ from dataclasses import dataclass
 class KVProvenance:
     """One worker's account of a request's prompt tokens, by where their KV came from.
 
-    The four token counts add up to ``num_prompt_tokens``; on a decode worker they lie in
-    this order along the prompt::
+    The five token counts add up to ``num_prompt_tokens``; they lie in this order along the
+    prompt::
 
-        prompt: | cache hit | pulled | recomputed | computed |
-                  held here   arrived    the peer     no peer offered
-                  already     intact     offered it,  any: computed
-                  (dedup)     from the   its pull     here from scratch
-                              peer       failed
+        prompt: | cache hit | tier hit | pulled | recomputed | computed |
+                  held in     loaded     arrived   the peer     no peer offered
+                  the pool    intact     intact    offered it,  any: computed
+                  (dedup)     from this  from the  its pull     here from scratch
+                              worker's   peer      failed
+                              KV tier
 
-    A prefill (or colocated) worker only hits and computes. ``num_blocks_pulled`` and
+    A prefill (or colocated) worker only hits (pool or tier) and computes. ``num_blocks_pulled`` and
     ``num_bytes_pulled`` count what landed, as the worker's transfer counters do, so the
     requests' figures add up to the counters' growth (but for a pull cut off by an error: it
     reports none of the bytes that landed before it broke). The engine fills the counts; the
@@ -27,6 +28,7 @@ class KVProvenance:
 
     num_prompt_tokens: int
     num_cache_hit_tokens: int = 0
+    num_tier_tokens: int = 0
     num_pulled_tokens: int = 0
     num_recomputed_tokens: int = 0
     num_computed_tokens: int = 0
@@ -36,13 +38,3 @@ class KVProvenance:
     worker_id: str = ""
     role: str = ""
     node_ip: str = ""
-
-    @property
-    def num_accounted_tokens(self) -> int:
-        """The four sources together: equals ``num_prompt_tokens`` in every account."""
-        return (
-            self.num_cache_hit_tokens
-            + self.num_pulled_tokens
-            + self.num_recomputed_tokens
-            + self.num_computed_tokens
-        )

@@ -15,18 +15,22 @@ class KVTierConfig:
             └──────────── prefix hit past the pool: loaded back ◀──┴───────────────────┘
     ```
 
-    ``cpu_bytes``: host memory for pages (0: no cpu tier); pinned when the pool is on a GPU.
-    ``disk_path``: a directory; the worker keeps its pages under ``disk_path/<worker>``
-    (None: no disk tier), at most ``disk_bytes`` of them. A disk tier starts empty: files left
-    by an earlier run are deleted at start (their checksums lived in that run's memory).
-    ``write_through``: copy each block to the tier when it fills, not only when evicted, so
-    an eviction costs nothing on the step path (but every full block is copied once).
+    A disk tier starts empty: files left by an earlier run are deleted at start (their
+    checksums lived in that run's memory).
     """
 
     cpu_bytes: int = 0
+    """Host memory per worker for blocks evicted from the pool (0: no cpu tier); pinned when
+    the pool is on a GPU."""
     disk_path: str | None = None
+    """A directory for a disk tier; each app and worker keeps its pages in its own
+    subdirectory (``<disk_path>/<app>/<worker>``, owner-only), emptied at start and deleted
+    when the worker stops (unset: no disk tier)."""
     disk_bytes: int = 0
+    """The disk tier's budget per worker."""
     write_through: bool = False
+    """Copy each block to the tier when it fills, not only when evicted, so an eviction costs
+    nothing on the step path (but every full block is copied once)."""
 
     def __post_init__(self) -> None:
         if self.cpu_bytes < 0 or self.disk_bytes < 0:

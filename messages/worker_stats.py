@@ -57,6 +57,7 @@ class WorkerStats:
     num_lease_expiries: int = 0
     num_recompute_fallbacks: int = 0
     kv_tier_bytes_used: dict[str, float] = field(default_factory=per_tier)
+    kv_tier_pinned_bytes: dict[str, float] = field(default_factory=per_tier)
     kv_tier_blocks_stored: dict[str, float] = field(default_factory=per_tier)
     kv_tier_blocks_loaded: dict[str, float] = field(default_factory=per_tier)
     kv_tier_hit_tokens: dict[str, float] = field(default_factory=per_tier)

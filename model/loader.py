@@ -18,11 +18,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
 from pdserve.checkpoint.gguf_file import gguf_metadata, open_gguf
 from pdserve.checkpoint.model_source import ModelSource, hf_eos_token_ids, resolve_model
-from pdserve.model.architectures import build_model
+from pdserve.model.architectures import CausalLM, build_model
 from pdserve.model.gguf_loader import gguf_has_output_head, gguf_state_dict
 from pdserve.model.model_config import DTYPES, ModelConfig, resolve_dtype
 from pdserve.model.tiny_model import build_tiny_model, tiny_model_config
@@ -36,7 +35,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def load_model(
     name_or_path: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
-) -> tuple[nn.Module, ModelConfig, Tokenizer]:
+) -> tuple[CausalLM, ModelConfig, Tokenizer]:
     """``(model, model_config, tokenizer)`` for any ``--model`` value; model in eval mode."""
     torch_dtype = resolve_dtype(dtype)
     source = resolve_model(name_or_path)
@@ -46,18 +45,18 @@ def load_model(
         return build_tiny_model(torch_dtype, device), config, load_tokenizer(source)
     if source.kind == "gguf":
         return load_gguf_model(source, torch_dtype, device)
-    config = load_model_config(source.path)
+    config = load_model_config(source.file_path())
     config.dtype = _dtype_name(torch_dtype)
-    model = load_weights(config, source.path, torch_dtype, device)
+    model = load_weights(config, source.file_path(), torch_dtype, device)
     return model, config, load_tokenizer(source)
 
 
 def load_gguf_model(
     source: ModelSource, dtype: torch.dtype, device: str | torch.device
-) -> tuple[nn.Module, ModelConfig, Tokenizer]:
+) -> tuple[CausalLM, ModelConfig, Tokenizer]:
     """One pass over the file: its metadata gives the config and the tokenizer (whose every
     declared end id stops generation), its tensors the weights."""
-    reader = open_gguf(source.path)
+    reader = open_gguf(source.file_path())
     metadata = gguf_metadata(reader)
     config = ModelConfig.from_gguf_metadata(
         metadata, tie_word_embeddings=not gguf_has_output_head(reader)
@@ -85,7 +84,7 @@ def load_model_config(directory: str | Path) -> ModelConfig:
 
 def load_weights(
     config: ModelConfig, directory: str | Path, dtype: torch.dtype, device: str | torch.device
-) -> nn.Module:
+) -> CausalLM:
     """Build ``config``'s architecture and fill it from the directory's safetensors."""
     directory = Path(directory)
     state: dict[str, torch.Tensor] = {}
@@ -99,7 +98,7 @@ def load_weights(
 
 def build_with_weights(
     config: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device, origin: str
-) -> nn.Module:
+) -> CausalLM:
     """``config``'s architecture, built on ``meta`` and given exactly the tensors of ``state``
     (a tied LM head comes from the embedding); ``origin`` names them in the error."""
     with torch.device("meta"):

@@ -10,9 +10,8 @@ that: a prefill worker and a decode worker built separately hold the same model.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from pdserve.model.architectures import build_model
+from pdserve.model.architectures import CausalLM, build_model
 from pdserve.model.model_config import ModelConfig
 from pdserve.tokenizer.tokenizer import ByteTokenizer
 
@@ -44,7 +43,7 @@ def tiny_model_config() -> ModelConfig:
 
 def build_tiny_model(
     dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
-) -> nn.Module:
+) -> CausalLM:
     """The ``tiny`` model, weights generated in float32 on the CPU, then cast and moved."""
     config = tiny_model_config()
     with torch.device("cpu"):

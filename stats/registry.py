@@ -246,6 +246,14 @@ WORKER_STATS: tuple[Stat, ...] = (
         label="tier",
     ),
     Stat(
+        "kv_tier_pinned_bytes",
+        G,
+        "bytes",
+        "Page-locked host memory the KV tier holds (a GPU pool's cpu tier: its budget).",
+        "pdserve:kv_tier_pinned_bytes",
+        label="tier",
+    ),
+    Stat(
         "kv_tier_blocks_stored",
         C,
         "blocks",
@@ -474,7 +482,3 @@ GATEWAY_STATS: tuple[Stat, ...] = (
         "itl_p99_s", G, "seconds", "p99 inter-token latency, recent tokens.", None, total=Total.MAX
     ),
 )
-
-
-def by_name(stats: tuple[Stat, ...]) -> dict[str, Stat]:
-    return {stat.name: stat for stat in stats}

@@ -41,12 +41,12 @@ def totals(stats: Sequence[Stat], rows: Sequence[Row]) -> dict[str, Any]:
             result[stat.name] = (
                 sum(row[stat.name] * row["num_blocks"] for row in rows) / pool if pool else 0.0
             )
-        elif stat.total is Total.MERGE and stat.label:
-            result[stat.name] = merge_counts(values)
         elif stat.total is Total.MERGE:
             result[stat.name] = merge_histograms([as_histogram(v) for v in values])
     for stat in stats:  # ratios of the totals, once those exist
         if stat.total is Total.RATIO:
+            if stat.ratio_of is None:
+                raise ValueError(f"stat {stat.name!r} totals as a RATIO but names no ratio_of")
             numerator, denominator = stat.ratio_of
             result[stat.name] = (
                 result[numerator] / result[denominator] if result[denominator] else 0.0
@@ -59,15 +59,6 @@ def as_histogram(value: HistogramSnapshot | Mapping[str, Any]) -> HistogramSnaps
     if isinstance(value, HistogramSnapshot):
         return value
     return HistogramSnapshot(tuple(value["bounds"]), tuple(value["counts"]), value["sum"])
-
-
-def merge_counts(counts: Sequence[Mapping[str, int]]) -> dict[str, int]:
-    """Counts kept per label value, added label by label."""
-    merged: dict[str, int] = {}
-    for count in counts:
-        for key, value in count.items():
-            merged[key] = merged.get(key, 0) + value
-    return merged
 
 
 def merge_histograms(histograms: Sequence[HistogramSnapshot]) -> HistogramSnapshot | None:
@@ -87,10 +78,13 @@ def prometheus_families(
             continue
         labels = [*label_names, stat.label] if stat.label else list(label_names)
         if stat.kind is Kind.HISTOGRAM:
-            family = HistogramMetricFamily(stat.metric, stat.help, labels=labels)
+            histograms = HistogramMetricFamily(stat.metric, stat.help, labels=labels)
             for label_values, row in rows:
                 histogram = as_histogram(row[stat.name])
-                family.add_metric(list(label_values), histogram.cumulative_buckets(), histogram.sum)
+                histograms.add_metric(
+                    list(label_values), histogram.cumulative_buckets(), histogram.sum
+                )
+            yield histograms
         else:
             family_class = CounterMetricFamily if stat.kind is Kind.COUNTER else GaugeMetricFamily
             family = family_class(stat.metric, stat.help, labels=labels)
@@ -101,7 +95,7 @@ def prometheus_families(
                         family.add_metric([*label_values, str(key)], count)
                 else:
                     family.add_metric(list(label_values), value)
-        yield family
+            yield family
 
 
 def format_cell(stat: Stat, value: Any) -> str:
@@ -118,12 +112,12 @@ def format_table(
     """A right-aligned text table: the ``leading`` (header, key) columns, then one column per
     stat with a ``column``; the last line is ``total_row``, where a stat whose total is NONE
     (and a leading key the row lacks or leaves empty) shows ``-``."""
-    shown = [stat for stat in stats if stat.column]
-    header = [title for title, _ in leading] + [stat.column for stat in shown]
+    shown = [(stat, stat.column) for stat in stats if stat.column]
+    header = [title for title, _ in leading] + [column for _, column in shown]
 
     def line(row: Row, is_total: bool) -> list[str]:
         cells = [str(row.get(key) or "-") for _, key in leading]
-        for stat in shown:
+        for stat, _ in shown:
             blank = is_total and stat.total is Total.NONE
             cells.append("-" if blank else format_cell(stat, row[stat.name]))
         return cells

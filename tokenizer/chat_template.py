@@ -63,9 +63,10 @@ class ChatTemplate:
             raise ValueError(f"the model's chat template refused these messages: {error}") from None
 
 
-def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+def validate_messages(messages: object) -> list[dict[str, str]]:
     """``messages`` as plain ``{"role", "content"}`` dicts of strings, or a ``ValueError``
-    that says which message is wrong and why."""
+    that says which message is wrong and why (``object``: it is the client's JSON, checked
+    here, not yet a list of mappings)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise ValueError("messages must be a non-empty list of {role, content} objects")
     plain = []
@@ -90,8 +91,9 @@ def _content_text(content: Any, index: int) -> str:
             for part in content
             if isinstance(part, Mapping) and part.get("type") == "text"
         ]
-        if len(parts) == len(content) and all(isinstance(text, str) for text in parts):
-            return "\n".join(parts)
+        texts = [text for text in parts if isinstance(text, str)]
+        if len(texts) == len(content):
+            return "\n".join(texts)
     raise ValueError(
         f"messages[{index}].content must be a string or a non-empty list of "
         '{"type": "text", "text": "..."} parts'

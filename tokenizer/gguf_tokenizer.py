@@ -129,11 +129,13 @@ def _byte_level_vocab(tokens: list[str]) -> dict[str, int]:
 
 def _merges(metadata: dict[str, Any]) -> list[tuple[str, str]]:
     merges: list[str] = require(metadata, "tokenizer.ggml.merges")
-    pairs = [tuple(merge.split(" ")) for merge in merges]
-    bad = next((merge for merge, pair in zip(merges, pairs) if len(pair) != 2), None)
-    if bad is not None:
-        raise ValueError(f"GGUF merge {bad!r} is not two tokens separated by one space")
-    return pairs  # type: ignore[return-value]
+    pairs: list[tuple[str, str]] = []
+    for merge in merges:
+        parts = merge.split(" ")
+        if len(parts) != 2:
+            raise ValueError(f"GGUF merge {merge!r} is not two tokens separated by one space")
+        pairs.append((parts[0], parts[1]))
+    return pairs
 
 
 def _add_special_tokens(

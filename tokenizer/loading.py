@@ -25,8 +25,8 @@ def load_tokenizer(model: str | ModelSource) -> Tokenizer:
     if source.kind == "tiny":
         return ByteTokenizer()
     if source.kind == "gguf":
-        return tokenizer_from_gguf(gguf_metadata(open_gguf(source.path)))
-    return _hf_dir_tokenizer(source.path)
+        return tokenizer_from_gguf(gguf_metadata(open_gguf(source.file_path())))
+    return _hf_dir_tokenizer(source.file_path())
 
 
 def _hf_dir_tokenizer(directory: Path) -> HFTokenizer:

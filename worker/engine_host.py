@@ -1,9 +1,10 @@
 """One ``LLMEngine`` inside a Ray actor: the step loop, streams, KV events and stats.
 
 The role workers (``prefill.worker.PrefillWorker``, ``decode.worker.DecodeWorker``) are this
-host plus what differs by role: which connector they run (``make_connector``). The host
-knows a ``WorkerSpec`` and the engine's connector interface, never a transport, so it sits in
-the engine layer and both roles import it from below.
+host plus the calls only their role answers. The host builds the connector its
+``WorkerSpec`` describes (``kvconnector.pd_with_tier.worker_connector``: the P/D side, a KV
+tier, both, or none) and knows the engine only through the connector seam, so it sits above
+the connector and below both roles, which import it.
 
 The engine is not thread-safe, so exactly one thread ever touches it: the host's *engine
 thread*. Calls from the actor's event loop (add, abort, stats) are queued as ops and applied
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import enum
 import logging
 import os
 import threading
@@ -31,8 +33,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from pdserve.engine.kv_connector_base import KVConnectorBase
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.llm_engine import LLMEngine, resolve_device
 from pdserve.engine.request_output import RequestOutput
+from pdserve.kvconnector.pd.pd_connector import PDConnector
+from pdserve.kvconnector.pd_with_tier import pd_part, worker_connector
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.generation import GenerationChunk, ModelInfo, WorkerRequest
 from pdserve.messages.kv_event_batch import KVEventBatch
@@ -46,10 +50,20 @@ logger = logging.getLogger(__name__)
 
 # While only leased blocks remain, step this often so released leases free their blocks.
 _LEASE_POLL_S = 0.02
-_BUSY, _HOLDING, _IDLE = "busy", "holding", "idle"
-# A lease this small is checksummed on the event loop (xxh3 reads ~10 GB/s: ~0.1 ms).
-_INLINE_COMPLETION_BYTES = 1 << 20
 T = TypeVar("T")
+
+
+class HostState(enum.Enum):
+    """What the engine thread's last step left, and so how the loop waits for the next:
+
+    BUSY     requests to step          → step again at once
+    HOLDING  only leased blocks remain → wake every ``_LEASE_POLL_S`` (a release frees them)
+    IDLE     nothing                   → sleep until an op arrives
+    """
+
+    BUSY = "busy"
+    HOLDING = "holding"
+    IDLE = "idle"
 
 
 class EngineHost:
@@ -68,14 +82,14 @@ class EngineHost:
         engine_config = dataclasses.replace(
             spec.engine,
             engine_id=f"{spec.engine.engine_id}-{self.instance_id[:8]}",
-            device=_pick_device(spec.engine.device),
+            device=resolve_device(spec.engine.device),
         )
         self.engine = LLMEngine(engine_config, connector=self.make_connector(engine_config))
         self.events = KVEventLog(self.worker_id, self.instance_id)
         self._executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"{self.worker_id}-engine"
         )
-        self._ops: list[Callable[[], None]] = []
+        self._ops: list[Callable[[], object]] = []
         self._ops_lock = threading.Lock()
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -83,8 +97,13 @@ class EngineHost:
         self._loop_task: asyncio.Task | None = None
 
     def make_connector(self, engine_config: EngineConfig) -> KVConnectorBase | None:
-        """The connector this role runs; a colocated worker (role ``both``) runs none."""
-        return None
+        """The connector the spec describes (none for a colocated worker without a tier)."""
+        return worker_connector(self.spec, engine_config)
+
+    @property
+    def pd_connector(self) -> PDConnector | None:
+        """The P/D part of this worker's connector (None: colocated)."""
+        return pd_part(self.engine.connector)
 
     # ------------------------------------------------------------------ Ray methods
 
@@ -160,11 +179,13 @@ class EngineHost:
                 self._submit(lambda: self.engine.abort(request_id))
 
     async def _complete(self, params: KVTransferParams) -> KVTransferParams:
-        """The connector's ``complete_transfer_params``: inline for a small lease (a short
-        prompt's checksums take microseconds, a thread hop up to milliseconds under load),
-        on a thread for a large one, so the event loop serving every stream never stalls."""
+        """The connector's ``complete_transfer_params``: inline when the connector says it is
+        cheap (a small lease on a CPU cache: microseconds, where a thread hop costs up to
+        milliseconds under load), else on a thread, so the event loop never stalls."""
         connector = self.engine.connector
-        if connector.completion_bytes(params) <= _INLINE_COMPLETION_BYTES:
+        if connector is None:  # only a connector's hand-off brings params to complete
+            raise RuntimeError(f"{self.worker_id} has no KV connector to complete a hand-off")
+        if connector.completes_inline(params):
             return connector.complete_transfer_params(params)
         return await asyncio.to_thread(connector.complete_transfer_params, params)
 
@@ -180,6 +201,14 @@ class EngineHost:
             provenance.node_ip = self.node_ip
         return provenance
 
+    def __del__(self) -> None:
+        """Serve calls this when it stops the replica (scale-down, ``pdserve down``, a
+        redeploy): the connector's servers and threads stop, and a disk tier deletes its
+        pages, so no tenant's KV outlives its worker."""
+        engine = getattr(self, "engine", None)  # None: the constructor failed
+        if engine is not None:
+            engine.shutdown()
+
     # ------------------------------------------------------------------ engine thread
 
     def _add(self, request: WorkerRequest) -> None:
@@ -193,11 +222,7 @@ class EngineHost:
                 kv_transfer_params=request.kv_transfer_params,
             )
         except (ValueError, TypeError) as error:
-            self._deliver(
-                GenerationChunk(
-                    request.request_id, [], "", 0, True, "error", error=str(error), refused=True
-                )
-            )
+            self._deliver(GenerationChunk.failed(request.request_id, str(error), refused=True))
 
     def _read_stats(self) -> WorkerStats:
         engine = self.engine
@@ -240,50 +265,58 @@ class EngineHost:
 
     async def _on_engine_thread(self, read: Callable[[], T]) -> T:
         """Runs ``read`` as an op of the engine thread and returns its result."""
-        self._ensure_loop()
-        future: asyncio.Future = self._loop.create_future()
+        loop = self._ensure_loop()
+        future: asyncio.Future = loop.create_future()
 
         def op() -> None:
             try:
                 result = read()
             except Exception as error:  # noqa: BLE001 — handed to the awaiting caller
-                self._loop.call_soon_threadsafe(future.set_exception, error)
+                loop.call_soon_threadsafe(future.set_exception, error)
             else:
-                self._loop.call_soon_threadsafe(future.set_result, result)
+                loop.call_soon_threadsafe(future.set_result, result)
 
         self._submit(op)
         return await future
 
-    def _submit(self, op: Callable[[], None]) -> None:
+    def _submit(self, op: Callable[[], object]) -> None:
+        """Queues ``op`` for the engine thread; what it returns is dropped."""
         with self._ops_lock:
             self._ops.append(op)
-        if self._wakeup is not None:
+        if self._wakeup is not None and self._loop is not None:  # both set by _ensure_loop
             self._loop.call_soon_threadsafe(self._wakeup.set)
 
-    def _ensure_loop(self) -> None:
+    def _ensure_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the engine thread reports to, its step task (re)started if needed."""
         if self._loop_task is None or self._loop_task.done():
             self._loop = asyncio.get_running_loop()
             self._wakeup = asyncio.Event()
             self._loop_task = self._loop.create_task(self._run())
+        if self._loop is None:  # set above, with the task
+            raise RuntimeError("the engine host's event loop was not set")
+        return self._loop
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        state = _IDLE
+        wakeup = self._wakeup
+        if wakeup is None:  # _ensure_loop sets it before it starts this task
+            raise RuntimeError("the engine host's wakeup event was not set")
+        state = HostState.IDLE
         while True:
-            if state != _BUSY:
+            if state is not HostState.BUSY:
                 with self._ops_lock:
                     pending = bool(self._ops)
                 if not pending:
-                    self._wakeup.clear()
-                    if state == _IDLE:
-                        await self._wakeup.wait()
+                    wakeup.clear()
+                    if state is HostState.IDLE:
+                        await wakeup.wait()
                     else:  # blocks held under a lease: poll for the decode side's release
                         with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(self._wakeup.wait(), _LEASE_POLL_S)
+                            await asyncio.wait_for(wakeup.wait(), _LEASE_POLL_S)
             state = await loop.run_in_executor(self._executor, self._step)
 
-    def _step(self) -> str:
-        """One engine step in the engine thread: busy, holding (leases only) or idle."""
+    def _step(self) -> HostState:
+        """One engine step in the engine thread; the state it leaves."""
         with self._ops_lock:
             ops, self._ops = self._ops, []
         for op in ops:
@@ -293,26 +326,22 @@ class EngineHost:
             if holding:
                 self.engine.step()  # lets the connector report released or expired leases
             self._take_events()
-            return _HOLDING if holding else _IDLE
+            return HostState.HOLDING if holding else HostState.IDLE
         try:
             outputs = self.engine.step()
         except Exception:  # an engine bug must not take the actor down: fail the in-flight requests
             logger.exception("engine step failed on %s", self.worker_id)
             self.engine.abort_all()  # every request, streamed or not, loading included
             for request_id in list(self._streams):
-                self._deliver(
-                    GenerationChunk(
-                        request_id, [], "", 0, True, "error", error="internal engine error"
-                    )
-                )
-            return _IDLE
+                self._deliver(GenerationChunk.failed(request_id, "internal engine error"))
+            return HostState.IDLE
         self._take_events()
         for output in outputs:
             self._deliver(output)
         if self.engine.has_unfinished_requests():
-            return _BUSY
+            return HostState.BUSY
         # A request that just finished may hold its blocks under a lease: keep polling.
-        return _HOLDING if self.engine.num_leases_held > 0 else _IDLE
+        return HostState.HOLDING if self.engine.num_leases_held > 0 else HostState.IDLE
 
     def _take_events(self) -> None:
         events = self.engine.take_kv_events()
@@ -321,7 +350,7 @@ class EngineHost:
 
     def _deliver(self, output: RequestOutput | GenerationChunk) -> None:
         queue = self._streams.get(output.request_id)
-        if queue is not None:
+        if queue is not None and self._loop is not None:  # a stream exists once the loop does
             self._loop.call_soon_threadsafe(queue.put_nowait, output)
 
 
@@ -335,16 +364,13 @@ def _node_identity() -> tuple[str, str]:
     return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
 
-def _pick_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def _pin_to(worker_id: str, cpus: tuple[int, ...]) -> None:
-    """Pins this process (the engine's torch threads start after this) to ``cpus``."""
+    """Pins every thread of this process to ``cpus``; threads started later inherit it.
+
+    ``sched_setaffinity(0, …)`` sets the *calling thread's* mask only: the thread that runs
+    an actor's constructor is not the one that later starts the engine thread, so pinning
+    it alone left the engine (and its torch threads) unpinned. Linux lists a process's
+    threads in ``/proc/self/task``."""
     allowed = os.sched_getaffinity(0)
     missing = sorted(set(cpus) - allowed)
     if missing:
@@ -352,4 +378,6 @@ def _pin_to(worker_id: str, cpus: tuple[int, ...]) -> None:
             f"{worker_id} is to run on CPUs {sorted(cpus)}, but {missing} are not "
             f"among this node's usable CPUs {sorted(allowed)}"
         )
-    os.sched_setaffinity(0, cpus)
+    for thread_id in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(thread_id), cpus)

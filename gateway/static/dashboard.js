@@ -11,8 +11,10 @@ const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf"
 // Prompt KV sources, in prompt order per worker (see gateway/request_provenance.py).
 const SOURCES = {
   prefill_cache_hit: ["P", "#2ca02c", "prefill cache hit"],
+  prefill_tier_hit: ["P", "#8c564b", "prefill KV tier hit"],
   prefill_computed: ["P", "#ff7f0e", "computed by prefill"],
   decode_cache_hit: ["D", "#17becf", "held by decode (dedup)"],
+  decode_tier_hit: ["D", "#bcbd22", "decode KV tier hit"],
   pulled: ["D", "#1f77b4", "pulled from prefill"],
   decode_recomputed: ["D", "#d62728", "recomputed on decode"],
   decode_prefilled: ["D", "#9467bd", "prefilled on decode"],
@@ -173,7 +175,7 @@ function requestRow(record, now) {
   const cells = [record.request_id.slice(0, 17), `${Math.max(0, now - record.created).toFixed(0)} s`,
     record.num_prompt_tokens, record.num_output_tokens, bars, workerCell(record.prefill),
     workerCell(record.decode), transfer.num_blocks, byteString(transfer.num_bytes),
-    ms(transfer.seconds), transfer.lease_id ? transfer.lease_id.slice(0, 8) : "–",
+    ms(transfer.seconds), transfer.handed_off ? "yes" : "–",
     ms(record.ttft_s), ms(record.itl_s), record.finish_reason || "–"];
   cells.forEach((cell) => row.appendChild(cell instanceof Node ? cell : element("td", String(cell))));
   row.firstChild.title = record.request_id;

@@ -42,7 +42,12 @@ from pdserve.kvconnector.checksum import block_checksums
 from pdserve.kvconnector.load_tracker import LoadTracker
 from pdserve.kvconnector.pd.lease import LeaseTable
 from pdserve.kvconnector.transfer_stats import TransferStats
-from pdserve.kvconnector.transport.base import KVTransferClient, PeerInfo, TransferError
+from pdserve.kvconnector.transport.base import (
+    KVTransferClient,
+    KVTransferServer,
+    PeerInfo,
+    TransferError,
+)
 from pdserve.kvconnector.transport.factory import make_client, make_server
 from pdserve.kvconnector.transport.layout import KVLayout
 from pdserve.messages.connector_config import KVConnectorConfig
@@ -56,6 +61,9 @@ if TYPE_CHECKING:
     from pdserve.kvconnector.transport.grpc_server import FaultInjector
 
 logger = logging.getLogger(__name__)
+
+# A lease this small, on a CPU cache, is checksummed on the event loop (~0.1 ms).
+INLINE_COMPLETION_BYTES = 1 << 20
 
 # Renew a lease before pulling when less than this fraction of its TTL is left.
 _RENEW_BELOW_FRACTION = 0.5
@@ -88,7 +96,7 @@ class PDConnector(KVConnectorBase):
         # producer
         self.leases = LeaseTable(default_ttl_s=config.lease_ttl_s, stats=self.stats)
         self._lease_of_request: dict[str, str] = {}
-        self._server = None
+        self._server: KVTransferServer | None = None
         # consumer
         self._client: KVTransferClient | None = None
         self._peers: dict[str, PeerInfo] = {}  # by address; pull threads share it
@@ -120,6 +128,11 @@ class PDConnector(KVConnectorBase):
     # ---- worker side: set-up --------------------------------------------------------
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
         self._kv_cache = kv_cache
+        if not isinstance(self._hash_seed, int):
+            # The handshake compares seeds as a uint64 field (kv_transfer.proto).
+            raise ValueError(
+                f"a KV connector needs an integer hash_seed, got {type(self._hash_seed).__name__}"
+            )
         layout = KVLayout.from_kv_cache(kv_cache, self._hash_algorithm, self._hash_seed)
         self._block_size = layout.block_size
         if self.config.role == "producer":
@@ -227,10 +240,16 @@ class PDConnector(KVConnectorBase):
         params.block_checksums = [checksum_of.get(b, 0) for b in params.block_ids]
         return params
 
-    def completion_bytes(self, params: KVTransferParams) -> int:
+    def completes_inline(self, params: KVTransferParams) -> bool:
+        """A small lease on a CPU cache: its checksums take microseconds (xxh3 reads ~10
+        GB/s). Never a device cache's: copying its pages to the host waits for the forward
+        running on the device, and would freeze every stream the event loop serves."""
         if self.config.role != "producer" or params.block_checksums or self._kv_cache is None:
-            return 0
-        return len(_held(params.block_ids)) * self._kv_cache[0].nbytes
+            return True  # nothing to read
+        if self._kv_cache.device.type != "cpu":
+            return False
+        num_bytes = len(_held(params.block_ids)) * self._kv_cache[0].nbytes
+        return num_bytes <= INLINE_COMPLETION_BYTES
 
     def request_aborted(self, request: Request) -> None:
         lease_id = self._lease_of_request.get(request.request_id)
@@ -271,6 +290,7 @@ class PDConnector(KVConnectorBase):
         error_message: str | None = None
         started = time.perf_counter()
         summary: PullSummary | None = None
+        peer: PeerInfo | None = None
         try:
             peer = self._peer(load.params)
             handshake_s = time.perf_counter() - started
@@ -282,7 +302,7 @@ class PDConnector(KVConnectorBase):
                     "(cache_salt or prompt mismatch); not using its blocks"
                 )
             self._renew_if_expiring(peer, load.params)
-            result = self._client.read_blocks(  # type: ignore[union-attr]
+            result = self._transfer_client.read_blocks(
                 peer,
                 load.params.lease_id,
                 load.remote_block_ids,
@@ -315,7 +335,8 @@ class PDConnector(KVConnectorBase):
                 error_message,
                 summary or PullSummary(0, 0, time.perf_counter() - started),
             )
-            self._release_remote(load.params)
+            if peer is not None:  # a peer that never answered the handshake holds no read
+                self._release_remote(load.params, peer)
 
     def _renew_if_expiring(self, peer: PeerInfo, params: KVTransferParams) -> None:
         """Renews a lease that waited long for admission here, so the read finds it alive.
@@ -326,12 +347,16 @@ class PDConnector(KVConnectorBase):
         """
         remaining = params.lease_expires_at - time.time()
         if remaining < _RENEW_BELOW_FRACTION * self.config.lease_ttl_s:
-            params.lease_expires_at = self._client.renew(peer, params.lease_id)  # type: ignore[union-attr]
+            params.lease_expires_at = self._transfer_client.renew(peer, params.lease_id)
             self.stats.record_lease_renewal()
 
-    def _release_remote(self, params: KVTransferParams) -> None:
+    def _release_remote(self, params: KVTransferParams, peer: PeerInfo | None = None) -> None:
+        """Tells the prefill worker the lease is no longer needed. After a pull, through the
+        peer the pull used: never a second handshake (a dead peer would hold this transfer
+        thread for another deadline). Without one (an aborted request's lease that was
+        never pulled), through the known peer, handshaking if it is new."""
         try:
-            self._client.release(self._peer(params), params.lease_id)  # type: ignore[union-attr]
+            self._transfer_client.release(peer or self._peer(params), params.lease_id)
         except (TransferError, ValueError) as error:
             logger.info(
                 "release of lease %s at %s failed (it will expire): %s",
@@ -339,6 +364,13 @@ class PDConnector(KVConnectorBase):
                 params.transfer_address,
                 error,
             )
+
+    @property
+    def _transfer_client(self) -> KVTransferClient:
+        """The consumer side's client, which ``register_kv_caches`` makes."""
+        if self._client is None:
+            raise RuntimeError("the KV transfer client is the consumer's, after register_kv_caches")
+        return self._client
 
     def connect(self, address: str) -> str:
         """Handshakes with the prefill worker at ``address`` now (decode side), replacing any
@@ -363,7 +395,7 @@ class PDConnector(KVConnectorBase):
             peer = self._peers.get(address)
         if peer is not None and peer.engine_id == params.engine_id:
             return peer
-        peer = self._client.handshake(address)  # type: ignore[union-attr]
+        peer = self._transfer_client.handshake(address)
         with self._peers_lock:
             self._peers[address] = peer
         return peer

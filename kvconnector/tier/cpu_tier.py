@@ -1,6 +1,6 @@
 """The host-memory level of the KV tier: one slab of pages, an LRU over its slots.
 
-    slab [capacity, page_bytes] uint8 (pinned when the pool is on a GPU)
+    slab [capacity, page_bytes] uint8 (pinned when the pool is on a GPU: exactly its bytes)
     ┌────────┬────────┬────────┬────────┐
     │ slot 0 │ slot 1 │ slot 2 │  free  │      index: block hash → (slot, checksum), LRU order
     └────────┴────────┴────────┴────────┘
@@ -14,10 +14,11 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import torch
 
 from pdserve.cache import BlockHash
-from pdserve.kvconnector.tier.tier_level import FillPage, TierLevel, page_checksum
+from pdserve.kvconnector.checksum import page_checksum
+from pdserve.kvconnector.pinned_staging import pinned_host_array
+from pdserve.kvconnector.tier.tier_level import FillPage, TierLevel
 from pdserve.kvconnector.tier.tier_lru import TierLRU, capacity_for_budget
 
 
@@ -34,16 +35,20 @@ class CpuTier(TierLevel):
     ) -> None:
         super().__init__(page_bytes, block_size)
         capacity = capacity_for_budget(self.medium, budget_bytes, page_bytes)
-        self._slab = torch.empty(
-            (capacity, page_bytes), dtype=torch.uint8, pin_memory=pinned
-        ).numpy()
+        if pinned:  # exactly the slab's bytes, not torch's power-of-two rounding of them
+            self._slab = pinned_host_array(capacity, page_bytes)
+            self.pinned_bytes = self._slab.nbytes
+        else:
+            self._slab = np.empty((capacity, page_bytes), dtype=np.uint8)
         self._free_slots = list(range(capacity - 1, -1, -1))
         self._index: TierLRU[tuple[int, int]] = TierLRU(capacity)
         self.below = below
 
     def __contains__(self, block_hash: object) -> bool:
         with self._lock:
-            return self._index.get(block_hash) is not None  # type: ignore[arg-type]
+            if not isinstance(block_hash, bytes):  # a BlockHash is bytes: nothing else is held
+                return False
+            return self._index.get(block_hash) is not None
 
     def num_pages(self) -> int:
         return len(self._index)

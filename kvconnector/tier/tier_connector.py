@@ -93,6 +93,20 @@ class TierConnector(KVConnectorBase):
         )
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-load")
 
+    @property
+    def _store(self) -> TierStore:
+        """The tier's levels, which ``register_kv_caches`` builds."""
+        if self.store is None:
+            raise RuntimeError("the KV tier is used before register_kv_caches")
+        return self.store
+
+    @property
+    def _load_executor(self) -> ThreadPoolExecutor:
+        """The thread that loads pages back, which ``register_kv_caches`` starts."""
+        if self._loader is None:
+            raise RuntimeError("the KV tier is used before register_kv_caches")
+        return self._loader
+
     def attach_kv_cache_manager(self, manager: KVCacheManager) -> None:
         kinds = [kind for kind, _ in manager.kv_cache_event_metadata]
         if kinds != ["full_attention"]:
@@ -105,18 +119,21 @@ class TierConnector(KVConnectorBase):
     # ---- the pool's listener: the write side ----------------------------------------
     def block_evicted(self, block_id: int, block_hash: BlockHashWithGroupId) -> None:
         self._write_through.pop(block_id, None)
-        self.store.offload(get_block_hash(block_hash), block_id)  # type: ignore[union-attr]
+        self._store.offload(get_block_hash(block_hash), block_id)
 
     def block_cached(self, block_id: int, block_hash: BlockHashWithGroupId) -> None:
         if self.config.write_through and get_group_id(block_hash) == 0:
             self._write_through[block_id] = get_block_hash(block_hash)
+
+    def block_uncached(self, block_id: int) -> None:
+        self._write_through.pop(block_id, None)  # its page was never written: never offload
 
     def wait_for_save(self) -> None:
         if not self._write_through:
             return
         cached, self._write_through = self._write_through, {}
         for block_id, block_hash in cached.items():
-            self.store.offload(block_hash, block_id)  # type: ignore[union-attr]
+            self._store.offload(block_hash, block_id)
 
     # ---- scheduler side: the read side ----------------------------------------------
     def get_num_new_matched_tokens(
@@ -124,9 +141,9 @@ class TierConnector(KVConnectorBase):
     ) -> tuple[int, bool]:
         first = num_computed_tokens // self._block_size
         last = (request.num_tokens - 1) // self._block_size
-        store = self.store
+        store = self._store
         end = first
-        while end < last and store.level_holding(request.block_hashes[end]) is not None:  # type: ignore[union-attr]
+        while end < last and store.level_holding(request.block_hashes[end]) is not None:
             end += 1
         num_tokens = (end - first) * self._block_size
         return num_tokens, num_tokens > 0
@@ -138,7 +155,7 @@ class TierConnector(KVConnectorBase):
         last = first + num_external_tokens // self._block_size
         hashes = list(request.block_hashes[first:last])
         for block_hash in hashes:
-            level = self.store.level_holding(block_hash)  # type: ignore[union-attr]
+            level = self._store.level_holding(block_hash)
             if level is not None:
                 level.record_hit()
         self._pending.append(TierLoad(request.request_id, hashes, block_ids[first:last]))
@@ -161,20 +178,24 @@ class TierConnector(KVConnectorBase):
         loads = metadata.tier_loads if isinstance(metadata, TierConnectorMetadata) else []
         self._loads.start(load.request_id for load in loads)
         for load in loads:
-            self._loader.submit(self._load, load)  # type: ignore[union-attr]
+            self._load_executor.submit(self._load, load)
 
     def _load(self, load: TierLoad) -> None:
         """Lands one request's pages in order; from the first that fails, none is used."""
         num_loaded = 0
         try:
             for block_hash, block_id in zip(load.block_hashes, load.block_ids):
-                if not self.store.load(block_hash, block_id):  # type: ignore[union-attr]
+                if not self._store.load(block_hash, block_id):
                     break
                 num_loaded += 1
         except Exception:  # a loader thread must always report back
             logger.exception("tier load of %s crashed", load.request_id)
         finally:
-            self._loads.finish(load.request_id, load.block_ids[num_loaded:])
+            self._loads.finish(
+                load.request_id,
+                load.block_ids[num_loaded:],
+                tier_tokens=len(load.block_ids) * self._block_size,
+            )
 
     def get_finished(self) -> FinishedTransfers:
         return self._loads.take()

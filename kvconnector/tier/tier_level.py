@@ -20,15 +20,9 @@ import numpy as np
 
 from pdserve.cache import BlockHash, BlockRemoved, BlockStored, KVCacheEvent
 from pdserve.engine.kv_connector_base import TierStatsSnapshot
-from pdserve.kvconnector.checksum import page_checksums
 
 FillPage = Callable[[np.ndarray], None]
 """Copies one page into the ``[page_bytes]`` uint8 buffer it is given."""
-
-
-def page_checksum(page: np.ndarray) -> int:
-    """xxh3_64 of one page held in a ``[page_bytes]`` buffer (the P/D plane's checksum)."""
-    return page_checksums(page.reshape(1, -1), (0,))[0]
 
 
 @dataclass(slots=True)
@@ -65,6 +59,8 @@ class TierLevel(ABC):
     """A level's pages, LRU and counters; every method is safe from any thread."""
 
     medium: str
+
+    pinned_bytes = 0  # page-locked host memory this level holds (none by default)
 
     def __init__(self, page_bytes: int, block_size: int) -> None:
         self.page_bytes = page_bytes
@@ -117,6 +113,7 @@ class TierLevel(ABC):
                 counters.evictions,
                 counters.store_failures,
                 counters.load_failures,
+                self.pinned_bytes,
             )
 
     def take_events(self) -> list[KVCacheEvent]:

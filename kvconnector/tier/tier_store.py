@@ -73,10 +73,12 @@ class TierStore:
         level = self.level_holding(block_hash)
         if level is None:
             return False
-        if self.pages.copy_in(block_id, lambda dst: level.load(block_hash, dst)):
-            return True
-        level.discard(block_hash)
-        return False
+        if not self.pages.copy_in(block_id, lambda dst: level.load(block_hash, dst)):
+            level.discard(block_hash)
+            return False
+        if level is not self.levels[0]:  # a hit from below comes back to the top level
+            self.levels[0].store(block_hash, lambda dst: self.pages.copy_out(block_id, dst))
+        return True
 
     def take_events(self) -> list[KVCacheEvent]:
         return [event for level in self.levels for event in level.take_events()]

@@ -20,10 +20,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-import torch
-
-from pdserve.kvconnector.checksum import block_checksums, page_checksums
 from pdserve.kvconnector.transport.layout import KVLayout
 from pdserve.proto import kv_transfer_pb2
 
@@ -116,28 +112,3 @@ def check_read_arguments(
     bad = [b for b in local_block_ids if not 0 <= b < num_local_blocks]
     if bad:
         raise ValueError(f"local block ids {bad[:8]} outside 0..{num_local_blocks - 1}")
-
-
-def verify_pages(
-    pages: np.ndarray, local_block_ids: Sequence[int], expected_checksums: Sequence[int]
-) -> tuple[list[int], list[int]]:
-    """Split landed blocks into (verified, failed) by recomputing each page's checksum."""
-    return _split(local_block_ids, page_checksums(pages, local_block_ids), expected_checksums)
-
-
-def verify_blocks(
-    kv_cache: torch.Tensor, local_block_ids: Sequence[int], expected_checksums: Sequence[int]
-) -> tuple[list[int], list[int]]:
-    """``verify_pages`` for a KV tensor on any device (a CUDA one's pages are hashed on the
-    host, ``block_checksums``)."""
-    return _split(local_block_ids, block_checksums(kv_cache, local_block_ids), expected_checksums)
-
-
-def _split(
-    block_ids: Sequence[int], actual_checksums: Sequence[int], expected_checksums: Sequence[int]
-) -> tuple[list[int], list[int]]:
-    ok: list[int] = []
-    failed: list[int] = []
-    for block_id, actual, expected in zip(block_ids, actual_checksums, expected_checksums):
-        (ok if actual == expected else failed).append(block_id)
-    return ok, failed

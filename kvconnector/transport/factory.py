@@ -45,7 +45,7 @@ def make_server(
         kv_cache,
         leases,
         layout,
-        engine_id=engine_id,  # type: ignore[call-arg]
+        engine_id=engine_id,  # type: ignore[call-arg]  # both transports take it; the ABC has no __init__
         host=config.host,
         port=config.port,
         secret=config.secret,
@@ -74,7 +74,7 @@ def make_client(
     return client_type(
         kv_cache,
         layout,
-        engine_id=engine_id,  # type: ignore[call-arg]
+        engine_id=engine_id,  # type: ignore[call-arg]  # both transports take it; the ABC has no __init__
         secret=config.secret,
         timeout_s=config.transfer_timeout_s,
         stats=stats,

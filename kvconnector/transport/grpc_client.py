@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import torch
 
-from pdserve.kvconnector.checksum import page_view
+from pdserve.kvconnector.checksum import page_view, verify_pages
 from pdserve.kvconnector.pinned_staging import PinnedStaging
 from pdserve.kvconnector.transfer_stats import TransferStats
 from pdserve.kvconnector.transport.base import (
@@ -27,7 +27,6 @@ from pdserve.kvconnector.transport.base import (
     ReadResult,
     TransferError,
     check_read_arguments,
-    verify_pages,
 )
 from pdserve.kvconnector.transport.block_chunk import decode_block_chunk
 from pdserve.kvconnector.transport.grpc_server import (
@@ -262,10 +261,13 @@ class GrpcTransferClient(KVTransferClient):
             failed += [local_ids[position] for position in corrupt]
             self._staging.write(local_ids, pages)
             return local_ids
+        local_pages = self._pages
+        if local_pages is None:  # __init__ sets the staging buffer or the host pages
+            raise RuntimeError("the KV transfer client has neither host pages nor staging")
         for position, first, length in consecutive_runs(local_ids):
-            np.copyto(self._pages[first : first + length], pages[position : position + length])
+            np.copyto(local_pages[first : first + length], pages[position : position + length])
             run = local_ids[position : position + length]
-            verified, corrupt = verify_pages(self._pages, run, [expected_of_local[b] for b in run])
+            verified, corrupt = verify_pages(local_pages, run, [expected_of_local[b] for b in run])
             ok += verified
             failed += corrupt
         return local_ids

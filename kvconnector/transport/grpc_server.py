@@ -36,7 +36,7 @@ from typing import TypeVar
 
 import grpc
 import torch
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from pdserve.kvconnector.checksum import page_view
 from pdserve.kvconnector.pd.lease import (
@@ -85,7 +85,8 @@ _LEASE_ERROR_CODES: dict[type[LeaseError], grpc.StatusCode] = {
 
 # Test hook: called with a message's block ids and its packed pages, which it may change.
 FaultInjector = Callable[[Sequence[int], bytearray], None]
-T = TypeVar("T")
+# A generated request message: each has FromString and a DESCRIPTOR.
+T = TypeVar("T", bound=Message)
 
 
 def consecutive_runs(block_ids: Sequence[int]) -> Iterator[tuple[int, int, int]]:
@@ -149,7 +150,9 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
             num_blocks=self._num_blocks,
         )
 
-    def ReadBlocks(
+    # The generated servicer yields BlockChunk messages; this one yields them already encoded
+    # (see block_chunk), which its handler passes on unchanged (``identity``).
+    def ReadBlocks(  # type: ignore[override]  # bytes, not BlockChunk: see above
         self, request: pb.ReadBlocksRequest, context: grpc.ServicerContext
     ) -> Iterator[bytes]:
         """Yields encoded ``BlockChunk`` messages (see ``block_chunk``)."""
@@ -235,13 +238,15 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
     def _pack(self, block_ids: list[int]) -> bytes:
         """One ``BlockChunk`` of the listed pages: one copy from the KV tensor to the wire
         (a CUDA tensor's: one more, device to pinned host buffer)."""
-        if self._staging is not None:
-            pages = [memoryview(self._staging.read(block_ids))]
-        else:
+        if self._pages is not None:
             pages = [
                 self._pages[first : first + length].data
                 for _, first, length in consecutive_runs(block_ids)
             ]
+        elif self._staging is not None:
+            pages = [memoryview(self._staging.read(block_ids))]
+        else:  # __init__ sets one of the two
+            raise RuntimeError("the KV transfer servicer has neither host pages nor staging")
         if self._fault_injector is not None:
             packed = bytearray(b"".join(pages))
             self._fault_injector(block_ids, packed)
@@ -271,7 +276,9 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
         if self._secret is None:
             return
         provided = dict(context.invocation_metadata()).get(SECRET_METADATA_KEY, "")
-        if not hmac.compare_digest(provided.encode(), self._secret):
+        # A text key's value is a str (only a "-bin" key's would arrive as bytes).
+        provided_bytes = provided.encode() if isinstance(provided, str) else provided
+        if not hmac.compare_digest(provided_bytes, self._secret):
             context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
                 "wrong or missing deployment secret for the KV transfer service",

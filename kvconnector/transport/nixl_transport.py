@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdserve.kvconnector.checksum import page_view
+from pdserve.kvconnector.checksum import page_view, verify_blocks, verify_pages
 from pdserve.kvconnector.pd.lease import LeaseTable
 from pdserve.kvconnector.transfer_stats import TransferStats
 from pdserve.kvconnector.transport.backoff import IdleBackoff
@@ -65,8 +65,6 @@ from pdserve.kvconnector.transport.base import (
     ReadResult,
     TransferError,
     check_read_arguments,
-    verify_blocks,
-    verify_pages,
 )
 from pdserve.kvconnector.transport.grpc_client import (
     DEFAULT_MIN_TRANSFER_RATE,
@@ -195,6 +193,8 @@ def check_peer_region(peer: PeerInfo, page_bytes: int) -> None:
     that lies or is broken before any descriptor is built from its numbers.
     """
     nixl = peer.nixl
+    if nixl is None:
+        raise TransferError(f"peer {peer.address} serves no NIXL agent; use the gRPC transport")
     problems = []
     if nixl.page_bytes != page_bytes:
         problems.append(f"page_bytes {nixl.page_bytes}, but the layouts agree on {page_bytes}")
@@ -324,24 +324,27 @@ class NixlTransferClient(KVTransferClient):
         """Learns the peer's agent and describes its pool; a previous agent at the same
         address (the worker restarted there) is forgotten."""
         agent = self.endpoint.agent
+        nixl = peer.nixl
+        if nixl is None:  # handshake() checked; the error is here too for any other caller
+            raise TransferError(f"peer {peer.address} serves no NIXL agent; use the gRPC transport")
         try:
-            name = agent.add_remote_agent(peer.nixl.agent_metadata)
+            name = agent.add_remote_agent(nixl.agent_metadata)
             if isinstance(name, bytes):
                 name = name.decode()
-            if name != peer.nixl.agent_name:
+            if name != nixl.agent_name:
                 raise TransferError(
                     f"peer {peer.address} announced agent "
-                    f"{peer.nixl.agent_name!r} but its metadata names {name!r}"
+                    f"{nixl.agent_name!r} but its metadata names {name!r}"
                 )
             self._remote_pages[name] = agent.prep_xfer_dlist(
                 name,
                 page_descriptors(
-                    peer.nixl.base_address,
-                    peer.nixl.page_bytes,
-                    peer.nixl.num_blocks,
-                    peer.nixl.device_id,
+                    nixl.base_address,
+                    nixl.page_bytes,
+                    nixl.num_blocks,
+                    nixl.device_id,
                 ),
-                peer.nixl.memory_type or "DRAM",
+                nixl.memory_type or "DRAM",
             )
         except NIXL_ERRORS as error:
             raise TransferError(f"NIXL refused peer {peer.address}'s agent: {error!r}") from error

@@ -3,25 +3,28 @@
 Every architecture takes a :class:`ModelConfig`, has HF parameter names, and exposes
 ``forward(input_ids, positions, kv_cache, metadata) -> hidden`` and
 ``compute_logits(hidden) -> logits``.
+
+Each is a Llama variant (a subclass of ``LlamaForCausalLM``), so ``CausalLM`` names that
+class as the type the loaders return and the engine runs.
 """
 
 from __future__ import annotations
-
-from torch import nn
 
 from pdserve.model.architectures.llama import LlamaForCausalLM
 from pdserve.model.architectures.mistral import MistralForCausalLM
 from pdserve.model.architectures.qwen2 import Qwen2ForCausalLM
 from pdserve.model.model_config import ModelConfig
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+CausalLM = LlamaForCausalLM
+
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
 }
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
+def get_model_class(architecture: str) -> type[CausalLM]:
     """The class for an HF architecture name; a clear error for any other."""
     try:
         return MODEL_REGISTRY[architecture]
@@ -31,13 +34,14 @@ def get_model_class(architecture: str) -> type[nn.Module]:
         ) from None
 
 
-def build_model(config: ModelConfig) -> nn.Module:
+def build_model(config: ModelConfig) -> CausalLM:
     """An uninitialised model of ``config``'s architecture (create it under a device context)."""
     return get_model_class(config.architecture)(config)
 
 
 __all__ = [
     "MODEL_REGISTRY",
+    "CausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",

@@ -20,6 +20,9 @@ batch 1 the ~25 calls of a step are a tenth of its time. Inference registers no 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -203,7 +206,8 @@ class LlamaForCausalLM(nn.Module):
         """Pack the projections for inference (module doc); call once the model is on its device.
 
         A tied LM head stays the embedding (``[vocab, hidden]``, used by ``linear``)."""
-        for layer in self.model.layers:
+        # nn.ModuleList yields plain Modules; these are the LlamaDecoderLayers LlamaModel built.
+        for layer in cast("Iterable[LlamaDecoderLayer]", self.model.layers):
             layer.self_attn.fuse_weights()
             layer.mlp.fuse_weights()
         if not self.config.tie_word_embeddings:

@@ -59,6 +59,10 @@ class RotaryEmbedding(nn.Module):
     not carry it; neither is the table.
     """
 
+    # A registered buffer: declared so that it reads as a Tensor (nn.Module's __getattr__,
+    # which finds buffers, is typed ``Tensor | Module``).
+    inv_freq: torch.Tensor
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -22,6 +23,7 @@ from pdserve.gateway.orchestrator import RequestOrchestrator
 from pdserve.gateway.worker_pool import NoModelInfo, WorkerPool
 from pdserve.messages.generation import GenerationChunk, ModelInfo, WorkerRequest
 from pdserve.messages.kv_event_batch import KVEventBatch
+from pdserve.messages.kv_transfer_params import KVTransferParams
 from pdserve.messages.sampling_params import SamplingParams
 from pdserve.tokenizer.tokenizer import ByteTokenizer
 
@@ -347,5 +349,66 @@ def test_a_worker_bug_fails_the_request_but_keeps_the_worker_a_lost_worker_leave
         assert caught.value.status == (503 if lost else 500)
         assert service.router.is_available("prefill-0") is not lost
         assert (service.metrics.num_retries > 0) is lost
+
+    asyncio.run(scenario())
+
+
+class LeasingWorker(FakeWorker):
+    """A prefill worker whose first token comes with a lease, and that records releases."""
+
+    def __init__(self, worker_id: str) -> None:
+        super().__init__(worker_id)
+        self.released: list[str] = []
+
+    async def generate(self, request: WorkerRequest) -> AsyncIterator[GenerationChunk]:
+        params = KVTransferParams(
+            "engine", "127.0.0.1:1", "lease-1", [1], [], [0], 5, 65, 1, time.time() + 30
+        )
+        yield GenerationChunk(
+            request.request_id, [65], "A", 1, True, "length", kv_transfer_params=params
+        )
+
+    async def abort(self, request_id: str) -> None:
+        self.released.append(request_id)
+
+
+@pytest.mark.parametrize("hang_up_after", [1, 2])
+def test_a_client_hanging_up_at_any_token_releases_the_prefill_lease_at_once(hang_up_after):
+    """1: right after the first token, before the hand-off (the lease stayed held until its
+    TTL before the fix); 2: mid-decode."""
+
+    async def scenario() -> None:
+        pool = FakePool([], ["decode-0"])
+        pool.prefill = {"prefill-0": LeasingWorker("prefill-0")}
+        pool.all = {**pool.prefill, **pool.decode}
+        service = make_service(pool, disagg_min_uncached_tokens=0)  # always hand off
+        params = SamplingParams(max_tokens=4, temperature=0, seed=1)
+        stream = service.generate("r", service.tokenizer.encode("hello"), params)
+        for _ in range(hang_up_after):
+            await anext(stream)
+        await stream.aclose()  # the client went away
+        for _ in range(20):  # the release runs as its own task
+            await asyncio.sleep(0)
+        assert pool.prefill["prefill-0"].released == ["r"]
+
+    asyncio.run(scenario())
+
+
+def test_no_reply_and_no_recent_request_carries_the_lease_id():
+    """A lease id is a bearer capability for the prefill's KV pages: it stays between the
+    workers and the gateway (before the fix every reply's kv_provenance and /v1/requests
+    carried it)."""
+
+    async def scenario() -> None:
+        pool = FakePool([], ["decode-0"])
+        pool.prefill = {"prefill-0": LeasingWorker("prefill-0")}
+        pool.all = {**pool.prefill, **pool.decode}
+        service = make_service(pool, disagg_min_uncached_tokens=0)  # always hand off
+        params = SamplingParams(max_tokens=4, temperature=0, seed=1)
+        deltas = [d async for d in service.generate("r", service.tokenizer.encode("hi"), params)]
+        provenance = deltas[-1].kv_provenance.to_json()
+        assert provenance["transfer"]["handed_off"] is True
+        assert "lease-1" not in json.dumps(provenance)
+        assert "lease-1" not in json.dumps([r.to_json() for r in service.recent.latest(10)])
 
     asyncio.run(scenario())

@@ -54,7 +54,7 @@ def _stored(*hashes: bytes) -> BlockStored:
 
 
 def test_the_event_log_serves_cursors_and_snapshots_after_truncation():
-    log = KVEventLog("p0", "inst", max_events=2)
+    log = KVEventLog("p0", "inst", max_bytes=200)  # two one-hash events (97 bytes each)
     log.extend([_stored(b"a"), _stored(b"b")])
     assert [e.block_hashes for e in log.since(1).events] == [[b"b"]]
     log.extend([BlockRemoved([b"a"])])  # drops event 0 from the log

@@ -126,17 +126,20 @@ def test_after_drain_no_block_is_held_and_the_disk_holds_exactly_the_indexed_pag
 
 
 def test_a_restarted_disk_tier_starts_empty_and_deletes_the_old_pages(tmp_path):
+    """A worker that died without closing its tier (killed) left its pages: the restarted
+    one, on the same directory, deletes them (their checksums died with the old process)."""
     config = KVTierConfig(disk_path=str(tmp_path), disk_bytes=64 * PAGE_BYTES)
-    engine = tier_engine(config)
-    run(engine, workload()[:NUM_SYSTEMS])
-    wait_for_writes(engine.connector)
-    directory = engine.connector.store.levels[0].directory
+    died = tier_engine(config)
+    run(died, workload()[:NUM_SYSTEMS])
+    wait_for_writes(died.connector)
+    directory = died.connector.store.levels[0].directory
     assert list(directory.glob("*.kv"))
-    engine.shutdown()
-    restarted = tier_engine(config)
-    assert not list(directory.glob("*.kv"))
+    restarted = tier_engine(config)  # the first never closed: its files are still there
+    assert not directory.exists()  # its run, pages and all, is gone
+    assert not list(restarted.connector.store.levels[0].directory.glob("*.kv"))
     assert restarted.stats().tiers[0].bytes_used == 0
     restarted.shutdown()
+    died.shutdown()
 
 
 def test_an_unusable_disk_path_is_a_clear_error_at_start(tmp_path):
@@ -170,13 +173,23 @@ def test_failed_writes_are_counted_store_failures_and_tokens_stay_right(baseline
 
 
 def test_a_sliding_window_model_is_refused():
-    from pdserve.cache import KVCacheManager
+    from pdserve.cache import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheManager,
+        SlidingWindowSpec,
+    )
 
-    class SlidingManager:
-        kv_cache_event_metadata = (("sliding_window", 32),)
+    def manager(*specs) -> KVCacheManager:
+        groups = [KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate(specs)]
+        return KVCacheManager(KVCacheConfig(16, groups), max_model_len=256)
 
-    with pytest.raises(ValueError, match="one full-attention"):
-        TierConnector(KVTierConfig(cpu_bytes=PAGE_BYTES), "w").attach_kv_cache_manager(
-            SlidingManager()
-        )  # type: ignore[arg-type]
-    assert KVCacheManager  # the real manager's metadata has this shape
+    sliding = SlidingWindowSpec(BLOCK_SIZE, 4, 64, "float32", sliding_window=32)
+    full = FullAttentionSpec(BLOCK_SIZE, 4, 64, "float32")
+    for refused in (manager(sliding), manager(full, sliding)):
+        with pytest.raises(ValueError, match="one full-attention KV cache group"):
+            TierConnector(KVTierConfig(cpu_bytes=PAGE_BYTES), "w").attach_kv_cache_manager(refused)
+    accepted = manager(full)
+    TierConnector(KVTierConfig(cpu_bytes=PAGE_BYTES), "w").attach_kv_cache_manager(accepted)
+    assert accepted.block_pool.listener is not None

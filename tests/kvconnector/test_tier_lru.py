@@ -1,40 +1,120 @@
-"""The tier's LRU and budget, as invariants (hypothesis), and the router's view of tiers."""
+"""The tier levels' invariants under any sequence of operations (hypothesis), and the
+router's view of tiers.
+
+The levels are real (a numpy slab; files in a temporary directory, written by the disk
+level's own thread); a failed write is real too: the directory is removed under the level,
+the same OSError path as a full disk.
+"""
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import shutil
+import tempfile
+import threading
+from pathlib import Path
 
+import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.cache import BlockRemoved, BlockStored, HeldBlocks
 from pdserve.gateway.router import Router
+from pdserve.kvconnector.tier.cpu_tier import CpuTier
+from pdserve.kvconnector.tier.disk_tier import PAGE_SUFFIX, DiskTier
 from pdserve.kvconnector.tier.tier_lru import TierLRU, capacity_for_budget
 from pdserve.messages.kv_event_batch import KVEventBatch
 
-KEYS = st.binary(min_size=1, max_size=1)
-OPS = st.lists(st.tuples(st.sampled_from(["put", "get", "pop"]), KEYS), max_size=60)
+PAGE_BYTES = 64
+KEYS = st.sampled_from([bytes([i]) * 16 for i in range(8)])  # 16-byte block hashes
 
 
-@given(capacity=st.integers(1, 6), ops=OPS)
-def test_a_tier_never_exceeds_its_budget_and_drops_the_least_recently_used(capacity, ops):
-    lru: TierLRU[int] = TierLRU(capacity)
-    model: OrderedDict[bytes, int] = OrderedDict()
-    for step, (op, key) in enumerate(ops):
-        if op == "put" and key not in model:
-            if len(model) >= capacity:
-                assert lru.pop_lru() == model.popitem(last=False)
-            lru.put(key, step)
-            model[key] = step
-        elif op == "get":
-            assert lru.get(key) == model.get(key)
-            if key in model:
-                model.move_to_end(key)
-        elif op == "pop":
-            assert lru.pop(key) == model.pop(key, None)
-        assert len(lru) == len(model) <= capacity
-        assert list(lru) == list(model)
+def page_of(block_hash: bytes) -> np.ndarray:
+    return np.full(PAGE_BYTES, block_hash[0], dtype=np.uint8)
+
+
+def fill_with(block_hash: bytes):
+    return lambda dst: np.copyto(dst, page_of(block_hash))
+
+
+def flushed(disk: DiskTier) -> None:
+    while disk.num_queued():
+        threading.Event().wait(0.001)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    capacity=st.integers(1, 4),
+    ops=st.lists(st.tuples(st.sampled_from(["store", "load", "discard"]), KEYS), max_size=40),
+)
+def test_a_cpu_tier_keeps_every_slot_once_and_gives_back_the_pages_it_holds(capacity, ops):
+    tier = CpuTier(capacity * PAGE_BYTES, PAGE_BYTES, block_size=16)
+    dst = np.empty(PAGE_BYTES, dtype=np.uint8)
+    for op, key in ops:
+        if op == "store":
+            tier.store(key, fill_with(key))
+            assert key in tier
+        elif op == "load":
+            held = key in tier
+            assert tier.load(key, dst) == held
+            if held:
+                assert np.array_equal(dst, page_of(key))
+        else:
+            tier.discard(key)
+            assert key not in tier
+        used = [slot for slot, _ in tier._index._entries.values()]
+        # Every slot is either free or holds exactly one page: none lost, none shared.
+        assert sorted(used + tier._free_slots) == list(range(capacity))
+        assert tier.num_pages() == len(used) <= capacity
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    capacity=st.integers(1, 4),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["store", "discard", "break_disk", "mend_disk"]), KEYS),
+        max_size=30,
+    ),
+)
+def test_a_disk_tiers_index_and_files_agree_through_stores_evictions_and_failed_writes(
+    capacity, ops
+):
+    root = Path(tempfile.mkdtemp())
+    try:
+        disk = DiskTier(root / "worker-0", capacity * PAGE_BYTES, PAGE_BYTES, block_size=16)
+        directory = disk.directory  # this run's pages
+        for op, key in ops:
+            if op == "store":
+                disk.store(key, fill_with(key))
+            elif op == "discard":
+                disk.discard(key)
+            elif op == "break_disk":
+                flushed(disk)
+                shutil.rmtree(directory, ignore_errors=True)  # every write now fails
+            else:
+                flushed(disk)
+                directory.mkdir(exist_ok=True)
+            flushed(disk)
+            files = (
+                {path.stem for path in directory.iterdir() if path.suffix == PAGE_SUFFIX}
+                if directory.exists()
+                else set()
+            )
+            indexed = {block_hash.hex() for block_hash in disk._index}
+            # Every indexed page is a file (while the directory stands) and no file is a
+            # page the index forgot; the budget holds.
+            assert files <= indexed
+            if directory.exists() and not any(o == "break_disk" for o, _ in ops):
+                assert files == indexed
+            assert disk.num_pages() <= capacity
+            dst = np.empty(PAGE_BYTES, dtype=np.uint8)
+            for block_hash in list(disk._index):
+                if (directory / f"{block_hash.hex()}{PAGE_SUFFIX}").exists():
+                    assert disk.load(block_hash, dst) and np.array_equal(dst, page_of(block_hash))
+        disk.close()
+        assert not (root / "worker-0").exists()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_a_full_tier_refuses_a_put_without_room():

@@ -35,8 +35,20 @@ def silent_listener(host: str = "127.0.0.7") -> Iterator[str]:
 def test_unreachable_advertised_address_fails_the_pull_in_its_deadline_and_recomputes(
     colocated: LLMEngine, prefill_factory
 ) -> None:
+    """...and handshakes once: the lease's release after the failed pull goes through the
+    peer the pull had (none here), never a second handshake that would hold the transfer
+    thread for another deadline."""
     prefill = prefill_factory(transport="grpc")
     decode = make_decode_engine("grpc", transfer_timeout_s=PULL_DEADLINE_S)
+    client = decode.connector._client
+    handshakes: list[str] = []
+    real_handshake = client.handshake
+
+    def counted_handshake(address: str):
+        handshakes.append(address)
+        return real_handshake(address)
+
+    client.handshake = counted_handshake
     prompt = random_prompts(3, 1)[0]
     params = SamplingParams(max_tokens=8, temperature=0.0)
     prefilled = prefill.prefill("u0", prompt, params)
@@ -49,4 +61,5 @@ def test_unreachable_advertised_address_fails_the_pull_in_its_deadline_and_recom
     assert output.output_token_ids == colocated.generate([prompt], [params])[0].output_token_ids
     assert decode.stats().num_recompute_fallbacks == 1
     assert output.kv_provenance.num_recomputed_tokens == len(prompt)
+    assert handshakes == [unreachable]
     decode.shutdown()

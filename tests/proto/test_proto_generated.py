@@ -16,7 +16,12 @@ def test_regenerating_the_grpc_modules_gives_the_checked_in_files(tmp_path: Path
         timeout=60,
     )
     written = sorted(path.name for path in tmp_path.iterdir())
-    assert {"kv_transfer_pb2.py", "kv_transfer_pb2_grpc.py"} <= set(written)
+    # The .pyi stubs (mypy-protobuf) are compared too: a stale stub misleads mypy silently.
+    assert {
+        f"{proto}{suffix}"
+        for proto in ("kv_transfer_pb2", "generate_pb2")
+        for suffix in (".py", "_grpc.py", ".pyi", "_grpc.pyi")
+    } <= set(written)
     for name in written:
         assert (tmp_path / name).read_text() == (PROTO_DIR / name).read_text(), name
 
@@ -24,3 +29,5 @@ def test_regenerating_the_grpc_modules_gives_the_checked_in_files(tmp_path: Path
 def test_generated_modules_import_from_the_pdserve_package() -> None:
     grpc_module = (PROTO_DIR / "kv_transfer_pb2_grpc.py").read_text()
     assert "from pdserve.proto import kv_transfer_pb2 as" in grpc_module
+    grpc_stub = (PROTO_DIR / "kv_transfer_pb2_grpc.pyi").read_text()
+    assert "from pdserve.proto import kv_transfer_pb2 as" in grpc_stub

@@ -165,11 +165,11 @@ def corrupt_landed_pages(every_nth: int) -> Callable:
     def install(worker) -> None:
         import sys
 
-        from pdserve.kvconnector import transport
+        from pdserve.kvconnector import checksum
 
         client_module = sys.modules[type(worker.engine.connector._client).__module__]
         if not every_nth:
-            client_module.verify_pages = transport.verify_pages
+            client_module.verify_pages = checksum.verify_pages
             return
         calls = [0]
 
@@ -177,7 +177,7 @@ def corrupt_landed_pages(every_nth: int) -> Callable:
             calls[0] += 1
             if calls[0] % every_nth == 0 and len(local_block_ids):
                 pages[local_block_ids[0]][7] ^= 0xFF
-            return transport.verify_pages(pages, local_block_ids, expected_checksums)
+            return checksum.verify_pages(pages, local_block_ids, expected_checksums)
 
         client_module.verify_pages = corrupting
 
@@ -395,16 +395,20 @@ def test_a_cancel_before_prefill_finishes_leaks_nothing(app, colocated):
 
 
 def test_a_cancel_between_prefill_and_decode_leaks_nothing(app, colocated):
-    clients = [StreamClient(app, p, 64, _sampling(i)) for i, p in enumerate(_prompts("c2", 2))]
+    """Each client hangs up the moment its first token arrives, with the prefill's lease out
+    and the decode stream not started yet (held): the gateway must release the lease then,
+    not at its TTL (the orchestrator's first-token yield sat outside its try/finally)."""
+    clients = [
+        StreamClient(app, p, 64, _sampling(i), drop_after_events=1)
+        for i, p in enumerate(_prompts("c2", 2))
+    ]
     with injected(app, DECODES, slow_stream_start, 10.0, 0.0):
         _cancel(
             app,
             colocated,
-            "between prefill and decode",
+            "at the first token, before the hand-off",
             clients,
-            lambda: (
-                sum(on_worker(app, w, lambda worker: worker.num_held_streams) for w in DECODES) == 2
-            ),
+            lambda: all(c.dropped for c in clients),
         )
 
 

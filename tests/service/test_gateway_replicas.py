@@ -13,10 +13,12 @@ import time
 
 import httpx
 import pytest
+import ray
 
 from bench.load_driver import get_json
 from pdserve.deploy.cluster import base_url
 from pdserve.deploy.config import PDServeConfig
+from pdserve.gateway.replica_board import board_name
 from pdserve.messages.sampling_params import SamplingParams
 from tests.service.service_apps import assert_drained, expected_text, running_app, wait_until_ready
 
@@ -98,14 +100,86 @@ def test_two_gateway_replicas_share_the_load_and_answer_stats_and_records_as_one
             assert record.status_code == 200 and record.json()["request_id"] == request_id
         listed = get_json(config, f"/v1/requests?limit={NUM_REQUESTS}")["data"]
         assert {r["request_id"] for r in listed} == {r.json()["id"] for r in replies.values()}
+
+        # The board killed for good: the replicas make a new one and refill it; /stats
+        # answers again within seconds and no counter goes backwards.
+        ray.kill(ray.get_actor(board_name("gw2"), namespace="pdserve"), no_restart=True)
+        deadline = time.time() + 15
+        answers: list[tuple[int, int]] = []
+        while time.time() < deadline:
+            reply = httpx.get(base_url(config) + "/stats", timeout=30)
+            counted = reply.json()["gateway"]["num_requests"] if reply.status_code == 200 else -1
+            answers.append((reply.status_code, counted))
+            if reply.status_code == 200 and len(reply.json()["gateway_replicas"]) == 2:
+                break
+            time.sleep(0.5)
+        assert answers[-1][0] == 200 and len(reply.json()["gateway_replicas"]) == 2, answers
+        assert all(counted in (-1, NUM_REQUESTS) for _, counted in answers), answers
+        some_id = next(iter(replies.values())).json()["id"]
+        assert httpx.get(base_url(config) + f"/v1/requests/{some_id}", timeout=30).status_code in (
+            200,
+        )
         assert_drained(config)
 
 
-def test_each_replica_admits_its_share_and_grpc_needs_one_replica():
-    config = PDServeConfig(model="tiny", num_gateway_replicas=3, max_inflight_requests=10)
-    assert config.gateway_config().max_inflight_requests == 4  # ceil(10 / 3)
+def test_each_replica_admits_its_share_under_real_load_and_grpc_needs_one_replica(ray_cluster):
+    """max_inflight_requests=4 over two replicas: each admits 2 at once. Twelve slow streams at
+    once through Serve's proxy: no replica ever has more than 2 in flight, the service never
+    more than 4, the rest get 429, and what the replicas admitted is what was answered."""
     with pytest.raises(ValueError, match="gRPC Generate service .* one gateway replica"):
         PDServeConfig(model="tiny", num_gateway_replicas=2, grpc_port=50051)
+    with running_app(
+        num_prefill=1,
+        num_decode=1,
+        num_gateway_replicas=2,
+        max_inflight_requests=4,
+        app_name="gwadmit",
+        route_prefix="/gwadmit",
+    ) as config:
+        assert config.gateway_config().max_inflight_per_replica == 2
+        wait_until_ready(config)
+        url = base_url(config) + "/v1/completions"
+        statuses: list[int] = []
+        peaks: list[dict[str, int]] = []
+        done = threading.Event()
+
+        def one_slow_stream(i: int) -> None:
+            body = {
+                "model": "tiny",
+                "prompt": f"stream {i}",
+                "max_tokens": 160,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            statuses.append(httpx.post(url, json=body, timeout=120).status_code)
+
+        def watch() -> None:
+            while not done.is_set():
+                replicas = get_json(config, "/stats")["gateway_replicas"]
+                peaks.append({r["replica_id"]: r["num_requests_in_flight"] for r in replicas})
+                time.sleep(0.05)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        threads = [threading.Thread(target=one_slow_stream, args=(i,)) for i in range(12)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        done.set()
+        watcher.join(30)
+
+        assert len(statuses) == 12 and set(statuses) <= {200, 429}, statuses
+        assert statuses.count(429) > 0 and statuses.count(200) >= 4, statuses
+        assert all(in_flight <= 2 for sample in peaks for in_flight in sample.values()), peaks
+        assert max(v for sample in peaks for v in sample.values()) == 2, "no replica was full"
+        assert all(sum(sample.values()) <= 4 for sample in peaks), peaks
+        stats = get_json(config, "/stats")
+        admitted = {r["replica_id"]: r["num_requests"] for r in stats["gateway_replicas"]}
+        # /stats itself is no completion; every admitted completion was answered 200.
+        assert sum(admitted.values()) == statuses.count(200), (admitted, statuses)
+        assert stats["gateway"]["num_requests"] == statuses.count(200)
+        assert_drained(config)
 
 
 def test_a_silent_replicas_counts_stay_in_the_sum_but_its_in_flight_does_not():

@@ -3,9 +3,10 @@
 A background load keeps four streamed completions in flight (greedy, so each reply has one
 right answer: the colocated engine's) while the app goes from 1 + 1 to 2 + 2 and back.
 No request may be lost or wrong, the new gateway routes to the workers added, forgets the
-ones removed, and every surviving worker drains to its baseline. (Serve replaces every
-replica of an app redeployed from Python, kept workers included, one by one and gracefully:
-docs/deploy.md, "Scaling and restarts".)
+ones removed, and every surviving worker drains to its baseline. The workers a step keeps
+keep running (same process, same instance, their caches warm): before each worker's
+deployment was versioned by what it is, Serve restarted every replica of an app redeployed
+from Python, kept workers included, and each scale step threw their caches away.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from tests.service.service_apps import (
     StreamClient,
     assert_drained,
     expected_text,
+    on_worker,
+    post_completion,
     run_all,
     running_app,
     wait_until_ready,
@@ -69,6 +72,25 @@ class SteadyLoad(threading.Thread):
             time.sleep(0.1)
 
 
+KEPT = ("prefill-0", "decode-0")
+REPEATED = "A prompt asked before and after each scale step, " + "long enough to fill blocks " * 6
+
+
+def _processes(config) -> dict[str, tuple[int, str]]:
+    """Each kept worker's (process id, engine instance id): a restart changes both."""
+    import os
+
+    return {w: on_worker(config, w, lambda worker: (os.getpid(), worker.instance_id)) for w in KEPT}
+
+
+def _cached_tokens_of_repeated(config) -> int:
+    status, _, body = post_completion(
+        config, {"model": "tiny", "prompt": REPEATED, "max_tokens": 2, "temperature": 0}
+    )
+    assert status == 200, body
+    return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
 def _wait_for_requests_on(config, worker_ids: list[str], timeout_s: float = 120.0) -> dict:
     deadline = time.time() + timeout_s
     while True:
@@ -87,6 +109,8 @@ def test_scaling_up_and_down_under_load_loses_no_request_and_routes_to_the_new_s
         num_prefill=1, num_decode=1, app_name="scale", route_prefix="/scale"
     ) as config:
         wait_until_ready(config)
+        assert _cached_tokens_of_repeated(config) == 0  # computed once, cached on prefill-0
+        before = _processes(config)
         load = SteadyLoad(config)
         load.start()
         try:
@@ -98,11 +122,14 @@ def test_scaling_up_and_down_under_load_loses_no_request_and_routes_to_the_new_s
             wait_until_ready(config, timeout_s=120)
             rows = _wait_for_requests_on(config, ["prefill-1", "decode-1"])
             assert sorted(rows) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
+            assert _processes(config) == before  # kept, not restarted
+            assert _cached_tokens_of_repeated(config) > 0  # its prefix cache is still warm
             finished = sum(1 for c in load.clients if not c.is_alive())
             scale("scale", 1, 1)
             wait_until_ready(config, timeout_s=120)
             load.wait_for(finished + 2 * IN_FLIGHT)  # served by the smaller set
             assert sorted(worker_rows(config)) == ["decode-0", "prefill-0"]
+            assert _processes(config) == before
         finally:
             clients = load.stop()
         lost = [

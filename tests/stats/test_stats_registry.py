@@ -8,7 +8,12 @@ from prometheus_client import generate_latest
 
 from pdserve.gateway.metrics import GatewayMetrics, stats_report
 from pdserve.messages.worker_stats import WorkerStats
-from pdserve.stats.latency import percentile
+from pdserve.stats.latency import (
+    TRANSFER_BUCKETS_S,
+    HistogramSnapshot,
+    LatencyHistogram,
+    percentile,
+)
 from pdserve.stats.registry import GATEWAY_STATS, WORKER_STATS, Kind, Total
 from pdserve.stats.views import totals
 
@@ -114,11 +119,19 @@ def test_totals_follow_each_stats_rule():
 def test_stats_report_is_json_ready_and_merges_histograms():
     import json
 
-    workers = [WorkerStats("a", "consumer", "1"), WorkerStats("b", "consumer", "2")]
-    report = json.loads(json.dumps(stats_report("m", GatewayMetrics("m").row(), workers)))
-    assert report["totals"]["transfer_latency"]["counts"] == list(
-        workers[0].transfer_latency.counts
-    )
+    def transfers(*seconds: float) -> HistogramSnapshot:
+        histogram = LatencyHistogram(TRANSFER_BUCKETS_S)
+        for s in seconds:
+            histogram.observe(s)
+        return histogram.snapshot()
+
+    # Different non-zero counts in different buckets: the totals are the element-wise sum.
+    a = WorkerStats("a", "consumer", "1", transfer_latency=transfers(0.001, 0.001, 0.5))
+    b = WorkerStats("b", "consumer", "2", transfer_latency=transfers(0.001, 2.0, 2.0, 2.0))
+    report = json.loads(json.dumps(stats_report("m", GatewayMetrics("m").row(), [a, b])))
+    summed = [x + y for x, y in zip(a.transfer_latency.counts, b.transfer_latency.counts)]
+    assert report["totals"]["transfer_latency"]["counts"] == summed
+    assert sum(summed) == 7 and sum(1 for count in summed if count) >= 3
 
 
 def test_percentile_is_nearest_rank():
