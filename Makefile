@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo check test typecheck bench bench-vllm-env clean
+.PHONY: setup demo check test test-fast typecheck bench bench-vllm-env clean
 
 setup: $(VENV)/.installed
 
@@ -34,6 +34,12 @@ check: setup
 
 test: check
 	$(PY) -m pytest -q
+
+# The lane to run while editing: every test that starts no Ray cluster (-m "not ray"; see
+# tests/conftest.py), about 1.5 minutes on 2 cores. Whole files go to 2 workers, so that a
+# module's engines and peer processes are built once.
+test-fast: setup
+	$(PY) -m pytest -q -m "not ray" -n 2 --dist loadfile
 
 # mypy on the package (settings in pyproject's [tool.mypy]). The repository root is the
 # package, so mypy sees it as `pdserve` through a link build/mypy-path/pdserve -> the root.

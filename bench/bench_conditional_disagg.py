@@ -17,10 +17,6 @@ import argparse
 import random
 import statistics
 import string
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 from serve_load import Planned, poisson_delays, print_failures, run_load, summarize
 

@@ -21,11 +21,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_serve import (
     SHAPES,

@@ -23,12 +23,8 @@ import contextlib
 import random
 import statistics
 import string
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, TypeVar
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 from serve_load import Planned, poisson_delays, print_failures, run_load, summarize
 

@@ -1,5 +1,7 @@
 """A bounded, checked load against a running app: the driver of ``tests/service/test_load.py``
-and ``bench/load_report.py``.
+and ``bench/load_report.py``. The tests import it by module path (``bench.load_driver``, the
+repository root is on pytest's path); the bench scripts by name (a script's folder is first on
+its own path, so ``python bench/load_report.py`` finds its siblings).
 
 Every prompt is ``shared prefix + unique suffix`` (the suffix names the request), so a
 response maps to exactly one request; the reference runs all of them in one batched

@@ -1,7 +1,7 @@
 """Regenerate the checked-in gRPC modules from the ``.proto`` sources in this folder.
 
 The generated files are checked in so that installing pdserve needs no protoc; this script is
-how they were made, and ``tests/kvconnector/test_proto_generated.py`` checks that running it
+how they were made, and ``tests/proto/test_proto_generated.py`` checks that running it
 again yields identical files. protoc writes ``import kv_transfer_pb2`` (a top-level module);
 pdserve installs no top-level modules, so that line is rewritten to import from
 ``pdserve.proto``.

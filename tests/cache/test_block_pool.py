@@ -1,5 +1,4 @@
 import pytest
-from cache_fakes import FakeRequest, make_hasher
 
 from pdserve.cache import (
     AllBlocksCleared,
@@ -8,6 +7,7 @@ from pdserve.cache import (
     BlockStored,
     make_block_hash_with_group_id,
 )
+from tests.cache.cache_fakes import FakeRequest, make_hasher
 
 
 def make_cached_request(pool, tokens, request_id="a"):

@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections import Counter
 
 import hypothesis.strategies as st
-from cache_fakes import BLOCK_SIZE, FakeRequest, make_hasher, make_manager
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pdserve.cache import get_block_hash
+from tests.cache.cache_fakes import BLOCK_SIZE, FakeRequest, make_hasher, make_manager
 
 PREFIXES = [[], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9], [5] * 10]
 HASHER = make_hasher()

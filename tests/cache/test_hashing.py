@@ -3,9 +3,9 @@ import sys
 
 import numpy as np
 import pytest
-from cache_fakes import FakeRequest, make_hasher
 
 from pdserve.cache import BlockHasher, ExtraKeys, MultiModalFeature, hash_block_tokens, none_hash
+from tests.cache.cache_fakes import FakeRequest, make_hasher
 
 TOKENS = list(range(100, 140))  # 10 blocks of 4
 

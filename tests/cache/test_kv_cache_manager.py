@@ -1,7 +1,7 @@
 import pytest
-from cache_fakes import FakeRequest, make_hasher, make_manager
 
 from pdserve.cache import BlockRemoved, BlockStored
+from tests.cache.cache_fakes import FakeRequest, make_hasher, make_manager
 
 HASHER = make_hasher()
 

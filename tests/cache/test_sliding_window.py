@@ -1,6 +1,5 @@
-from cache_fakes import FakeRequest, make_hasher, make_manager
-
 from pdserve.cache import BlockPool, SlidingWindowManager, SlidingWindowSpec
+from tests.cache.cache_fakes import FakeRequest, make_hasher, make_manager
 
 HASHER = make_hasher()
 

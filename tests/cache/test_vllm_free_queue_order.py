@@ -5,7 +5,7 @@ block with no hash goes to the head of the free queue; a cached one to the tail.
 expected orders were checked against vLLM 0.33.0's own `KVCacheManager`.
 """
 
-from cache_fakes import FakeRequest, make_hasher, make_manager
+from tests.cache.cache_fakes import FakeRequest, make_hasher, make_manager
 
 BLOCK_SIZE = 16
 HASHER = make_hasher(BLOCK_SIZE)

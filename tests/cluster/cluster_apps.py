@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import Iterator
 
-from load_driver import (
+from bench.load_driver import (
     get_json,
     load_figures,
     plan_requests,
@@ -14,11 +14,10 @@ from load_driver import (
     run_load,
     wait_until_drained,
 )
-from raylets import free_port
-
 from pdserve.deploy.cluster import base_url, deploy
 from pdserve.deploy.config import PDServeConfig
 from pdserve.engine.llm_engine import LLMEngine
+from tests.ports import free_port
 
 HEAD_IP, NODE_B_IP, NODE_C_IP = "127.0.0.5", "127.0.0.2", "127.0.0.3"
 NUM_KV_BLOCKS = 128

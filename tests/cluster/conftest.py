@@ -4,30 +4,23 @@ Each module starts its own small cluster (``cluster``: a head and two nodes, ≈
 cores) and kills every node by process id when it ends, also on failure (``raylets``). The
 head carries the gateway (resource ``head``), node B the prefill worker (``node_b``), node C
 the decode worker (``node_c``).
+
+The raylets get ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1`` in their own environment
+(``raylets.cluster_env``); this process keeps the loopback settings of tests/conftest.py: a
+Ray cluster started later in the same session (the service suite's embedded one) inherits
+them, and with the flag set Ray registers a one-node cluster under the machine's network
+address instead of 127.0.0.1.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-# The raylets get RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 in their own environment
-# (raylets.cluster_env); this process's is left alone: a Ray cluster started later in the same
-# session (the service suite's embedded one) inherits it, and with it set Ray registers a
-# one-node cluster under the machine's network address instead of 127.0.0.1.
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-sys.path.insert(0, str(Path(__file__).parent))
-# The load driver lives with the benchmarks (the service suite uses it too).
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from cluster_apps import HEAD_IP, NODE_B_IP, NODE_C_IP, NUM_KV_BLOCKS
-from raylets import RayNode, ray_cluster
-
 from pdserve.engine.llm_engine import LLMEngine
+from tests.cluster.cluster_apps import HEAD_IP, NODE_B_IP, NODE_C_IP, NUM_KV_BLOCKS
+from tests.cluster.raylets import RayNode, ray_cluster
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.ports import free_port
+
 RAY = str(Path(sys.executable).with_name("ray"))
 # Node loss is noticed after period x threshold: ~1.5 s instead of Ray's default ~15 s.
 HEAD_SYSTEM_ENV = {
@@ -40,19 +42,14 @@ HEAD_SYSTEM_ENV = {
 NODE_START_TIMEOUT_S = 90.0
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with contextlib.closing(socket.socket()) as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
-
-
 def cluster_env() -> dict[str, str]:
     """The environment of every node and of the driver: several nodes on one host, one auth
     mode, this worktree's code on the path of every Ray worker."""
     env = dict(os.environ)
-    # Ray workers import this suite's helpers (kv_endpoint) by name, as the driver does.
+    # Ray workers import this suite's helpers (tests.cluster.kv_endpoint) by module path, as
+    # the driver does: the repository root on their path, as pytest's `pythonpath` puts it on ours.
     env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")])
+        filter(None, [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")])
     )
     env.update(
         RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1",

@@ -9,9 +9,9 @@ servers, NIXL agents (where nixl loads).
 from __future__ import annotations
 
 import pytest
-from cluster_apps import NODE_B_IP, NODE_C_IP, checked_load, placed_app, workers_by_id
 
 from pdserve.kvconnector.transport.nixl_transport import nixl_available
+from tests.cluster.cluster_apps import NODE_B_IP, NODE_C_IP, checked_load, placed_app, workers_by_id
 
 TRANSPORTS = [
     dict(transport="grpc"),
@@ -54,7 +54,8 @@ def test_prefill_on_b_decode_on_c_equal_colocated_and_bytes_move_b_to_c(
 @pytest.mark.timeout(120)
 def test_hash_seed_and_layout_mismatch_between_nodes_is_refused_naming_both_sides(cluster) -> None:
     import ray
-    from kv_endpoint import KVEndpoint
+
+    from tests.cluster.kv_endpoint import KVEndpoint
 
     endpoint = ray.remote(num_cpus=0)(KVEndpoint)
     on_b = endpoint.options(resources={"node_b": 0.01}).remote(block_size=16, hash_seed=11)
@@ -73,9 +74,8 @@ def test_hash_seed_and_layout_mismatch_between_nodes_is_refused_naming_both_side
 
 
 def test_pdserve_up_refuses_a_placement_no_node_can_satisfy(cluster, capsys) -> None:
-    from cluster_apps import HEAD_IP, SERVE_PORT
-
     from pdserve.deploy.cli import main
+    from tests.cluster.cluster_apps import HEAD_IP, SERVE_PORT
 
     head = cluster[HEAD_IP]
     code = main(

@@ -16,10 +16,10 @@ import time
 import urllib.error
 import urllib.request
 
-import load_driver
 import pytest
-from cluster_apps import HEAD_IP, NODE_B_IP, NODE_C_IP, placed_app, workers_by_id
-from load_driver import (
+
+from bench import load_driver
+from bench.load_driver import (
     get_json,
     is_drained,
     load_figures,
@@ -28,9 +28,9 @@ from load_driver import (
     run_load,
     wait_until_drained,
 )
-from raylets import RayNode
-
 from pdserve.deploy.cluster import base_url
+from tests.cluster.cluster_apps import HEAD_IP, NODE_B_IP, NODE_C_IP, placed_app, workers_by_id
+from tests.cluster.raylets import RayNode
 
 NEW_NODE_B_IP = "127.0.0.4"
 NUM_REQUESTS = 40

@@ -1,5 +1,6 @@
 """LLMEngine on the built-in tiny model: scheduling under pressure, prefix caching, stops,
-aborts and bad input. Model numerics against transformers live in test_model_*.py."""
+aborts and bad input. Model numerics against transformers live in test_model_runner.py and
+tests/model/."""
 
 from __future__ import annotations
 
@@ -190,7 +191,8 @@ def test_engine_greedy_generate_equals_transformers_on_a_local_checkpoint(
 ) -> None:
     import torch
     import transformers
-    from test_model_runner import save_hf_model
+
+    from tests.engine.hf_models import save_hf_model
 
     reference = save_hf_model(tmp_path, getattr(transformers, architecture))
     engine = LLMEngine.from_pretrained(

@@ -11,44 +11,17 @@ from __future__ import annotations
 import random
 
 import pytest
-import tokenizers
 import torch
 import transformers
 
 from pdserve.engine.model_input import ScheduledChunk
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.model.loader import load_model
+from tests.engine.hf_models import save_hf_model
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 96
 ATOL = 1e-4
-
-COMMON = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    initializer_range=0.2,
-    eos_token_id=1,
-    bos_token_id=0,
-)
-
-
-def save_hf_model(directory, config_class, **overrides) -> transformers.PreTrainedModel:
-    """A random HF model saved (with a tokenizer.json) in ``directory``; returns the reference."""
-    config = config_class(**{**COMMON, **overrides})
-    torch.manual_seed(0)
-    architecture = getattr(transformers, config_class.__name__.replace("Config", "ForCausalLM"))
-    reference = architecture(config).float().eval()
-    reference.save_pretrained(directory)
-    vocab = {f"w{i}": i for i in range(config.vocab_size)}
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w2"))
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tokenizer.save(str(directory / "tokenizer.json"))
-    return reference
 
 
 class PagedRequests:

@@ -11,11 +11,11 @@ import random
 import pytest
 import torch
 import transformers
-from test_model_runner import save_hf_model
 
 from pdserve.cache import SlidingWindowSpec
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.model.model_config import ModelConfig
+from tests.engine.hf_models import save_hf_model
 
 WINDOW = 8
 BLOCK_SIZE = 4

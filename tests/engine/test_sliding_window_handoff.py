@@ -16,7 +16,6 @@ import random
 
 import pytest
 import transformers
-from test_model_runner import save_hf_model
 
 from pdserve.cache import NULL_BLOCK_ID
 from pdserve.decode.worker import DecodeWorker
@@ -26,6 +25,7 @@ from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.generation import GenerationChunk, WorkerRequest
 from pdserve.messages.worker_spec import WorkerSpec
 from pdserve.prefill.worker import PrefillWorker
+from tests.engine.hf_models import save_hf_model
 
 WINDOW, BLOCK_SIZE = 8, 4
 SECRET = "a-test-secret-of-enough-length"

@@ -1,7 +1,8 @@
 """The built-in ``smollm2`` (a real Q4_1 GGUF) computes what transformers computes from the same file.
 
 The reference is transformers' own GGUF load (``from_pretrained(dir, gguf_file=...)``), which
-dequantizes and un-permutes independently of our loader. Both engines are built once per
+dequantizes and un-permutes independently of our loader (converted once per environment and
+kept in pytest's cache: tests/transformers_reference.py). Both engines are built once per
 module (≈ 0.5 GB each in float32). Skipped, with the install command, when the wheel is absent.
 """
 
@@ -15,6 +16,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_input import ScheduledChunk
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.messages.sampling_params import SamplingParams
+from tests.transformers_reference import reference_model
 
 ATOL = 1e-3  # float32 over 30 layers; logits reach ~25
 BLOCK_SIZE = 16
@@ -34,11 +36,9 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_gguf) -> transformers.PreTrainedModel:
+def reference(smollm2_gguf, pytestconfig) -> transformers.PreTrainedModel:
     torch.set_num_threads(1)
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
-    ).eval()
+    return reference_model(pytestconfig, smollm2_gguf)
 
 
 @pytest.fixture(scope="module")

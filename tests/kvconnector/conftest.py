@@ -3,18 +3,13 @@ process (``prefill_factory``) and the colocated reference engine (``colocated``)
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from kv_peer import PeerProcess, PeerSpec
-from prefill_engine_process import ENGINE_KWARGS, PrefillProcess, PrefillSpec
-
 from pdserve.engine import LLMEngine
+from tests.kvconnector.kv_peer import PeerProcess, PeerSpec
+from tests.kvconnector.prefill_engine_process import ENGINE_KWARGS, PrefillProcess, PrefillSpec
 
 
 @pytest.fixture

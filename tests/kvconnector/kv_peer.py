@@ -8,7 +8,6 @@ expiries. The test can also kill it outright.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +19,7 @@ from pdserve.kvconnector.transport.base import KVTransferClient
 from pdserve.kvconnector.transport.grpc_client import GrpcTransferClient
 from pdserve.kvconnector.transport.layout import KVLayout
 from pdserve.kvconnector.transport.nixl_transport import NixlTransferClient, nixl_available
+from tests.child_processes import child_context
 
 TRANSPORTS = [
     "grpc",
@@ -144,7 +144,7 @@ class PeerProcess:
     """Handle on the child: ``address``, ``grant``, ``take_freeable``, ``kill``."""
 
     def __init__(self, spec: PeerSpec) -> None:
-        context = mp.get_context("spawn")
+        context = child_context()
         self.spec = spec
         self._conn, child_conn = context.Pipe()
         self.process = context.Process(target=_serve, args=(spec, child_conn), daemon=True)

@@ -7,13 +7,13 @@ their blocks as they would in a PrefillWorker.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.engine import SamplingParams
+from tests.child_processes import child_context
 
 ENGINE_KWARGS = dict(block_size=16, num_kv_blocks=256, max_num_batched_tokens=512)
 
@@ -115,7 +115,7 @@ class PrefillProcess:
     """Handle on the child: prefill a prompt, inject a fault, read its state, stop or kill."""
 
     def __init__(self, spec: PrefillSpec) -> None:
-        context = mp.get_context("spawn")
+        context = child_context()
         self._conn, child_conn = context.Pipe()
         self.process = context.Process(target=_run, args=(spec, child_conn), daemon=True)
         self.process.start()

@@ -17,7 +17,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kv_peer import PeerProcess, PeerSpec, make_client, seeded_kv_cache
 
 from pdserve.kvconnector.pd.lease import LeaseTable
 from pdserve.kvconnector.transport.base import TransferError
@@ -26,6 +25,7 @@ from pdserve.kvconnector.transport.grpc_server import MAX_LEASE_ID_CHARS, GrpcTr
 from pdserve.kvconnector.transport.layout import KVLayout
 from pdserve.kvconnector.transport.nixl_transport import MAX_PEER_BLOCKS, nixl_available
 from pdserve.proto import kv_transfer_pb2 as pb
+from tests.kvconnector.kv_peer import PeerProcess, PeerSpec, make_client, seeded_kv_cache
 
 SPEC = PeerSpec(transport="grpc")
 LEASED = [3, 4, 5, 10, 11, 40]

@@ -10,15 +10,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from prefill_engine_process import ENGINE_KWARGS
-from test_disaggregated_engines import random_prompts
-
 from pdserve.decode.worker import DecodeWorker
 from pdserve.engine import SamplingParams
 from pdserve.messages.connector_config import KVConnectorConfig
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.generation import WorkerRequest
 from pdserve.messages.worker_spec import WorkerSpec
+from tests.kvconnector.disaggregation import random_prompts
+from tests.kvconnector.prefill_engine_process import ENGINE_KWARGS
 
 
 def test_a_step_failure_frees_a_request_whose_loaded_notice_it_took(

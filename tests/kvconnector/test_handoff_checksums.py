@@ -15,7 +15,6 @@ import random
 import threading
 
 import pytest
-from prefill_engine_process import ENGINE_KWARGS
 
 import pdserve.kvconnector.pd.pd_connector as pd_connector_module
 from pdserve.decode.worker import DecodeWorker
@@ -27,6 +26,7 @@ from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.generation import GenerationChunk, WorkerRequest
 from pdserve.messages.worker_spec import WorkerSpec
 from pdserve.prefill.worker import PrefillWorker
+from tests.kvconnector.prefill_engine_process import ENGINE_KWARGS
 
 SECRET = "a-test-secret-of-enough-length"
 

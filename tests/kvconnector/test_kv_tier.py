@@ -7,30 +7,24 @@ With a tier the evicted prefixes come back, and the tokens must not change.
 
 from __future__ import annotations
 
-import random
 import threading
 from pathlib import Path
 
 import pytest
 
-from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.engine import LLMEngine
 from pdserve.kvconnector.tier.tier_connector import TierConnector
 from pdserve.messages.kv_tier_config import KVTierConfig
+from tests.kvconnector.tier_workload import (
+    BLOCK_SIZE,
+    NUM_SYSTEMS,
+    PAGE_BYTES,
+    PARAMS,
+    SYSTEM_TOKENS,
+    workload,
+)
 
-BLOCK_SIZE = 16
 ENGINE_KWARGS = dict(num_kv_blocks=16, block_size=BLOCK_SIZE, max_num_seqs=1)
-PAGE_BYTES = 64 * 1024  # tiny model: 4 layers x K,V x 16 tokens x 4 heads x 64 x fp32
-NUM_SYSTEMS, SYSTEM_TOKENS, QUESTION_TOKENS, NUM_REQUESTS = 4, 96, 8, 12
-PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-
-
-def workload() -> list[list[int]]:
-    rng = random.Random(0)
-    systems = [[rng.randrange(1, 500) for _ in range(SYSTEM_TOKENS)] for _ in range(NUM_SYSTEMS)]
-    return [
-        systems[i % NUM_SYSTEMS] + [rng.randrange(1, 500) for _ in range(QUESTION_TOKENS)]
-        for i in range(NUM_REQUESTS)
-    ]
 
 
 def run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:

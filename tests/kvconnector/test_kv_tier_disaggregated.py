@@ -7,20 +7,14 @@ loaded, never both, so the two runs must add up exactly, and the tokens must not
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from prefill_engine_process import PrefillProcess, PrefillSpec
-from test_kv_tier import BLOCK_SIZE, PAGE_BYTES, PARAMS, workload
-
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.kvconnector.pd.pd_connector import PDConnector
 from pdserve.kvconnector.pd_with_tier import with_tier
 from pdserve.kvconnector.tier.tier_connector import TierConnector
 from pdserve.messages.connector_config import KVConnectorConfig
 from pdserve.messages.kv_tier_config import KVTierConfig
+from tests.kvconnector.prefill_engine_process import PrefillProcess, PrefillSpec
+from tests.kvconnector.tier_workload import BLOCK_SIZE, PAGE_BYTES, PARAMS, workload
 
 DECODE_KWARGS = dict(num_kv_blocks=16, block_size=BLOCK_SIZE, max_num_batched_tokens=512)
 

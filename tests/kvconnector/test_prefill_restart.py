@@ -8,26 +8,19 @@ connector kept the dead engine's handshake (its NIXL agent and pool) cached by a
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
-from test_disaggregated_engines import (
-    TRANSPORTS,
+
+from pdserve.engine import LLMEngine, SamplingParams
+from tests.kvconnector.disaggregation import (
     assert_decode_idle,
     disaggregate,
     make_decode_engine,
     random_prompts,
 )
-
-from pdserve.engine import LLMEngine, SamplingParams
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
+from tests.kvconnector.kv_peer import TRANSPORTS
+from tests.ports import free_port
 
 PARAMS = [SamplingParams(max_tokens=4, temperature=0.0)]
 

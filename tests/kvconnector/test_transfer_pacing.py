@@ -12,7 +12,6 @@ import threading
 import grpc
 import pytest
 import torch
-from kv_peer import PeerSpec, seeded_kv_cache
 
 from pdserve.kvconnector.pd.lease import LeaseTable
 from pdserve.kvconnector.transport.backoff import IdleBackoff
@@ -21,6 +20,7 @@ from pdserve.kvconnector.transport.grpc_server import CONTROL_THREADS, GrpcTrans
 from pdserve.kvconnector.transport.layout import KVLayout
 from pdserve.proto import kv_transfer_pb2 as pb
 from pdserve.proto import kv_transfer_pb2_grpc as pb_grpc
+from tests.kvconnector.kv_peer import PeerSpec, seeded_kv_cache
 
 
 def test_a_pull_longer_than_the_fixed_timeout_finishes_when_its_bytes_allow(start_peer) -> None:

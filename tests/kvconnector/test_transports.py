@@ -8,10 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from kv_peer import TRANSPORTS, PeerSpec, make_client, seeded_kv_cache
 
 from pdserve.kvconnector.transport.base import TransferError
 from pdserve.kvconnector.transport.layout import LayoutMismatchError
+from tests.kvconnector.kv_peer import TRANSPORTS, PeerSpec, make_client, seeded_kv_cache
 
 NUM_LOCAL_BLOCKS = 48
 

@@ -13,13 +13,12 @@ import contextlib
 import socket
 from collections.abc import Iterator
 
-from test_disaggregated_engines import (
+from pdserve.engine import LLMEngine, SamplingParams
+from tests.kvconnector.disaggregation import (
     make_decode_engine,
     random_prompts,
     run_to_completion,
 )
-
-from pdserve.engine import LLMEngine, SamplingParams
 
 PULL_DEADLINE_S = 1.0
 

@@ -7,22 +7,13 @@ deletes them when done (``service_apps.running_app``): one shape runs at a time.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from pdserve.deploy.cluster import configure_ray_env, init_ray
-
-configure_ray_env()  # before any test module imports ray: every Ray port on loopback
-sys.path.insert(0, str(Path(__file__).parent))
-# The load driver lives with the benchmarks (bench/load_report.py runs it too).
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from service_apps import NUM_KV_BLOCKS  # noqa: E402
-
-from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
+from pdserve.deploy.cluster import init_ray
+from pdserve.engine.llm_engine import LLMEngine
+from tests.service.service_apps import NUM_KV_BLOCKS
 
 
 @pytest.fixture(scope="session")

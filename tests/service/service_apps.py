@@ -12,22 +12,15 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from load_driver import get_json, wait_until_drained
-
+from bench.load_driver import get_json, wait_until_drained
 from pdserve.deploy.cluster import base_url, delete_app, deploy
 from pdserve.deploy.config import PDServeConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.messages.sampling_params import SamplingParams
+from tests.ports import free_port
 
 NUM_KV_BLOCKS = 256
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    """A port nothing listens on now, so suites running side by side do not collide."""
-    with contextlib.closing(socket.socket()) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 SERVE_PORT = free_port()

@@ -16,10 +16,10 @@ import pytest
 import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from service_apps import assert_drained, running_app
 
 from pdserve.deploy.cluster import base_url
 from pdserve.gateway.openai_schema import MAX_REQUEST_BYTES
+from tests.service.service_apps import assert_drained, running_app
 
 VOCAB_SIZE = 512  # the tiny model's
 VALID = {"model": "tiny", "prompt": "Hello there", "max_tokens": 4, "temperature": 0}

@@ -15,12 +15,13 @@ import sys
 import grpc
 import httpx
 import pytest
-from load_driver import is_drained, wait_until_drained
-from service_apps import free_port, openai_client, running_app
 
+from bench.load_driver import is_drained, wait_until_drained
 from pdserve.deploy.cluster import base_url
 from pdserve.messages.sampling_params import SamplingParams
 from pdserve.proto import generate_pb2, generate_pb2_grpc
+from tests.ports import free_port
+from tests.service.service_apps import openai_client, running_app
 
 GRPC_PORT = free_port()
 SYSTEM = {"role": "system", "content": "You are terse. Answer in a few words."}

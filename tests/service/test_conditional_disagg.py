@@ -5,10 +5,10 @@ moved; a longer one is disaggregated. Both give the colocated engine's tokens.""
 from __future__ import annotations
 
 import pytest
-from load_driver import get_json, is_drained, wait_until_drained
-from service_apps import expected_text, openai_client, running_app
 
+from bench.load_driver import get_json, is_drained, wait_until_drained
 from pdserve.messages.sampling_params import SamplingParams
+from tests.service.service_apps import expected_text, openai_client, running_app
 
 THRESHOLD = 48
 LONG = "A long shared preamble about caches, blocks and leases, " * 4  # ≈ 220 tokens

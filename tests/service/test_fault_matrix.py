@@ -29,9 +29,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
-from load_driver import get_json, wait_until_drained
 from ray.exceptions import RayError
-from service_apps import (
+
+from bench.load_driver import get_json, wait_until_drained
+from pdserve.kvconnector.transport.nixl_transport import nixl_available
+from pdserve.messages.sampling_params import SamplingParams
+from tests.service.service_apps import (
     StreamClient,
     assert_drained,
     expected_text,
@@ -46,9 +49,6 @@ from service_apps import (
     wait_until_restarted,
     worker_rows,
 )
-
-from pdserve.kvconnector.transport.nixl_transport import nixl_available
-from pdserve.messages.sampling_params import SamplingParams
 
 TRANSPORTS = [
     "grpc",

@@ -13,7 +13,9 @@ import threading
 import time
 
 import pytest
-from service_apps import (
+
+from pdserve.messages.sampling_params import SamplingParams
+from tests.service.service_apps import (
     StreamClient,
     assert_drained,
     expected_text,
@@ -25,8 +27,6 @@ from service_apps import (
     wait_until_restarted,
     worker_rows,
 )
-
-from pdserve.messages.sampling_params import SamplingParams
 
 LONG_PROMPT = "A long shared preamble that spans several KV blocks, so a pull has work. " * 2
 

@@ -14,13 +14,13 @@ import time
 import httpx
 import pytest
 import ray
-from load_driver import get_json
-from service_apps import assert_drained, expected_text, running_app, wait_until_ready
 
+from bench.load_driver import get_json
 from pdserve.deploy.cluster import base_url
 from pdserve.deploy.config import PDServeConfig
 from pdserve.gateway.replica_board import board_name
 from pdserve.messages.sampling_params import SamplingParams
+from tests.service.service_apps import assert_drained, expected_text, running_app, wait_until_ready
 
 NUM_REQUESTS = 24
 CONCURRENCY = 6

@@ -12,10 +12,14 @@ from __future__ import annotations
 import urllib.request
 
 import pytest
-from load_driver import is_drained, wait_until_drained
-from service_apps import assert_completions_equal_colocated, openai_client, running_app
 
+from bench.load_driver import is_drained, wait_until_drained
 from pdserve.deploy.cluster import base_url
+from tests.service.service_apps import (
+    assert_completions_equal_colocated,
+    openai_client,
+    running_app,
+)
 
 SYSTEMS = [
     f"System prompt {name}: " + f"you are a {name} assistant; answer in one line. " * 2

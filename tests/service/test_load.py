@@ -20,7 +20,8 @@ import asyncio
 import time
 
 import pytest
-from load_driver import (
+
+from bench.load_driver import (
     CONCURRENCY,
     get_json,
     load_figures,
@@ -30,9 +31,8 @@ from load_driver import (
     wait_until_drained,
     write_report,
 )
-from service_apps import running_app
-
 from pdserve.deploy.cluster import base_url
+from tests.service.service_apps import running_app
 
 NUM_REQUESTS = 600  # load_driver's default is 1,000; 600 keeps the suite's time
 

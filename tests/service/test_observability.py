@@ -16,13 +16,19 @@ from pathlib import Path
 
 import pytest
 import yaml
-from browser import headless_chromium
-from load_driver import get_json
-from service_apps import open_stream, post_completion, read_event, running_app, worker_rows
 
+from bench.load_driver import get_json
 from pdserve.deploy.cli import main
 from pdserve.deploy.cluster import base_url
 from pdserve.deploy.stats_watch import CLEAR_SCREEN, format_rates, interval_rates, watch
+from tests.service.browser import headless_chromium
+from tests.service.service_apps import (
+    open_stream,
+    post_completion,
+    read_event,
+    running_app,
+    worker_rows,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 16

@@ -15,7 +15,11 @@ import threading
 import time
 
 import pytest
-from service_apps import (
+
+from pdserve.deploy.cli import main as pdserve_cli
+from pdserve.deploy.cluster import scale
+from pdserve.messages.sampling_params import SamplingParams
+from tests.service.service_apps import (
     StreamClient,
     assert_drained,
     expected_text,
@@ -26,10 +30,6 @@ from service_apps import (
     wait_until_ready,
     worker_rows,
 )
-
-from pdserve.deploy.cli import main as pdserve_cli
-from pdserve.deploy.cluster import scale
-from pdserve.messages.sampling_params import SamplingParams
 
 PREAMBLE = "Scaling under load: the prompt spans a few KV blocks so each hand-off pulls some. "
 MAX_TOKENS = 12

@@ -20,15 +20,6 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from service_apps import (
-    SERVE_PORT,
-    assert_drained,
-    expected_text,
-    free_port,
-    get_json,
-    post_completion,
-    running_app,
-)
 
 from pdserve.deploy.cluster import base_url
 from pdserve.deploy.config import KV_TRANSFER_SECRET_ENV
@@ -37,6 +28,15 @@ from pdserve.kvconnector.transport.grpc_client import GrpcTransferClient
 from pdserve.kvconnector.transport.layout import KVLayout
 from pdserve.messages.sampling_params import SamplingParams
 from pdserve.proto import generate_pb2, generate_pb2_grpc
+from tests.service.service_apps import (
+    SERVE_PORT,
+    assert_drained,
+    expected_text,
+    free_port,
+    get_json,
+    post_completion,
+    running_app,
+)
 
 SECRET = "service-suite-secret-" + os.urandom(8).hex()
 GRPC_PORT = free_port()

@@ -1,9 +1,9 @@
 """The 1 prefill + 1 decode shape: OpenAI and gRPC clients, admission (429), and drain.
 
 The app admits at most ``MAX_INFLIGHT`` requests at once, so a burst is partly refused with
-429. (503, no worker available, is specified in ``test_admission.py``: Serve replaces a
-killed replica and queues calls meanwhile, so a real cluster shows it only when a restart
-outlasts the gateway's worker timeout.)
+429. (503, no worker available, is specified in ``tests/gateway/test_admission.py``: Serve
+replaces a killed replica and queues calls meanwhile, so a real cluster shows it only when a
+restart outlasts the gateway's worker timeout.)
 """
 
 from __future__ import annotations
@@ -12,8 +12,11 @@ import threading
 
 import grpc
 import pytest
-from load_driver import get_json, is_drained, wait_until_drained
-from service_apps import (
+
+from bench.load_driver import get_json, is_drained, wait_until_drained
+from pdserve.messages.sampling_params import SamplingParams
+from pdserve.proto import generate_pb2, generate_pb2_grpc
+from tests.service.service_apps import (
     assert_completions_equal_colocated,
     free_port,
     openai_client,
@@ -21,9 +24,6 @@ from service_apps import (
     running_app,
     wait_until_ready,
 )
-
-from pdserve.messages.sampling_params import SamplingParams
-from pdserve.proto import generate_pb2, generate_pb2_grpc
 
 GRPC_PORT = free_port()
 MAX_INFLIGHT = 3

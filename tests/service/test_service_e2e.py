@@ -10,8 +10,11 @@ import urllib.error
 import urllib.request
 
 import pytest
-from load_driver import get_json
-from service_apps import (
+
+from bench.load_driver import get_json
+from pdserve.deploy.cluster import base_url
+from pdserve.messages.sampling_params import SamplingParams
+from tests.service.service_apps import (
     assert_completions_equal_colocated,
     assert_drained,
     expected_text,
@@ -20,9 +23,6 @@ from service_apps import (
     running_app,
     wait_until_ready,
 )
-
-from pdserve.deploy.cluster import base_url
-from pdserve.messages.sampling_params import SamplingParams
 
 PREFIX = "System: you are a careful assistant who answers in one short line. User asks: "
 PROMPTS = [

@@ -11,13 +11,14 @@ from __future__ import annotations
 import grpc
 import httpx
 import pytest
-from load_driver import get_json, is_drained, wait_until_drained
-from service_apps import free_port, openai_client, running_app, wait_until_ready
 
+from bench.load_driver import get_json, is_drained, wait_until_drained
 from pdserve.deploy.cluster import base_url
 from pdserve.kvconnector.transport.nixl_transport import nixl_available
 from pdserve.messages.sampling_params import SamplingParams
 from pdserve.proto import generate_pb2, generate_pb2_grpc
+from tests.ports import free_port
+from tests.service.service_apps import openai_client, running_app, wait_until_ready
 
 SHAPES = [(1, 1, "grpc"), (1, 1, "nixl"), (2, 2, "grpc"), (2, 2, "nixl")]
 PROMPT = "Parallel sampling: one prompt, prefilled once and leased once, decoded n times. "

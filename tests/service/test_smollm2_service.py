@@ -12,12 +12,12 @@ from __future__ import annotations
 import concurrent.futures
 
 import pytest
-from load_driver import is_drained, wait_until_drained
-from service_apps import openai_client, running_app, wait_until_ready
 
+from bench.load_driver import is_drained, wait_until_drained
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kvconnector.transport.nixl_transport import nixl_available
 from pdserve.messages.sampling_params import SamplingParams
+from tests.service.service_apps import openai_client, running_app, wait_until_ready
 
 NUM_KV_BLOCKS = 160  # ≈ 0.7 MiB a block for this model
 MAX_TOKENS = 32

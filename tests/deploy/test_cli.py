@@ -8,17 +8,19 @@ import socket
 import subprocess
 import sys
 
-from service_apps import free_port
+import pytest
 
 from pdserve.checkpoint.model_source import default_model_name
 from pdserve.deploy.demo import QUESTIONS
 from pdserve.deploy.stats_table import format_stats
 from pdserve.gateway.metrics import GatewayMetrics, stats_report
 from pdserve.messages.worker_stats import WorkerStats
+from tests.ports import free_port
 
 DEMO_PORT = free_port()
 
 
+@pytest.mark.ray  # the demo starts its own embedded cluster
 def test_pdserve_demo_answers_real_questions_prints_the_stats_table_and_exits_0():
     """The README's first command: on the default model (smollm2 once `make setup` installed
     it) the capital of France comes back as Paris, and the shared system prompt shows as

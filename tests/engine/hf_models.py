@@ -1,0 +1,35 @@
+"""Small random Hugging Face models saved to a folder: the references the engine's numerics
+are checked against."""
+
+from __future__ import annotations
+
+import tokenizers
+import torch
+import transformers
+
+COMMON = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+    eos_token_id=1,
+    bos_token_id=0,
+)
+
+
+def save_hf_model(directory, config_class, **overrides) -> transformers.PreTrainedModel:
+    """A random HF model saved (with a tokenizer.json) in ``directory``; returns the reference."""
+    config = config_class(**{**COMMON, **overrides})
+    torch.manual_seed(0)
+    architecture = getattr(transformers, config_class.__name__.replace("Config", "ForCausalLM"))
+    reference = architecture(config).float().eval()
+    reference.save_pretrained(directory)
+    vocab = {f"w{i}": i for i in range(config.vocab_size)}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w2"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return reference
