@@ -43,9 +43,10 @@ class RequestStamps:
         """The intervals from the host's ``generate()`` entry (``entered_at``) to the first
         chunk's yield (``yielded_at``); a request refused or ended before a token counts its
         missing points as reached when the next one was."""
-        first_token_at = self.first_token_at or yielded_at
-        admitted_at = self.admitted_at or first_token_at
-        loaded_at = self.loaded_at or admitted_at
+        # "is None", not "or": a stamp of 0.0 is a time like any other.
+        first_token_at = _reached(self.first_token_at, yielded_at)
+        admitted_at = _reached(self.admitted_at, first_token_at)
+        loaded_at = _reached(self.loaded_at, admitted_at)
         return FirstChunkTiming(
             op_wait_s=self.added_at - entered_at,
             queued_s=admitted_at - self.added_at,
@@ -56,3 +57,8 @@ class RequestStamps:
             transfer_s=self.transfer_s,
             checksum_s=checksum_s,
         )
+
+
+def _reached(stamp: float | None, when_the_next_was: float) -> float:
+    """A point the request never stamped counts as reached when the next one was."""
+    return when_the_next_was if stamp is None else stamp

@@ -4,7 +4,7 @@ first chunk, whichever points the request reached."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from pdserve.engine.kv_connector_base import PullSummary
@@ -19,6 +19,9 @@ INTERVALS = ("op_wait_s", "queued_s", "load_s", "compute_s", "emit_s")
     st.booleans(),
     st.booleans(),
 )
+# Found by hypothesis: a stamp of 0.0 was taken for a missing one ("or"), so the load
+# interval came out negative.
+@example([0.0, 0.0, 0.0, 1.0, 1.0, 2.0], True, True, False)
 def test_the_intervals_are_consecutive_and_add_up_to_the_time_in_the_worker(
     points, admitted, loaded, sampled
 ):
