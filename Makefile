@@ -32,8 +32,12 @@ check: setup
 	$(VENV)/bin/lint-imports
 	$(MAKE) --no-print-directory typecheck
 
+# Everything: the fast lane's tests on two workers (whole files each), then the Ray-backed
+# suites one at a time (each starts its own cluster or app; two at once on 2 cores only
+# slow each other down).
 test: check
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not ray" -n 2 --dist loadfile
+	$(PY) -m pytest -q -m ray
 
 # The lane to run while editing: every test that starts no Ray cluster (-m "not ray"; see
 # tests/conftest.py), about 1.5 minutes on 2 cores. Whole files go to 2 workers, so that a
