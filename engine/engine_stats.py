@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.cache import KVCacheManager
 from pdserve.engine.request import Request
+from pdserve.grammar import CompilerStats
 
 if TYPE_CHECKING:
     from pdserve.engine.kv_connector_base import (
@@ -43,6 +44,12 @@ class EngineStats:
     num_scheduled_tokens: int = 0
     num_steps: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
+    # Structured outputs: requests with a grammar, rows sampled under a mask and the tokens
+    # those masks forbade, and the compiler's cache.
+    num_structured_requests: int = 0
+    num_constrained_rows: int = 0
+    num_masked_tokens: int = 0
+    grammar: CompilerStats = field(default_factory=CompilerStats)
     transfer: TransferStatsSnapshot | None = None
     tiers: list[TierStatsSnapshot] = field(default_factory=list)
 

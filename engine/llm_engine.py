@@ -30,6 +30,8 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.request_output import RequestOutput
 from pdserve.engine.sampler import sample, token_logprobs
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.token_bitmask import fill_token_bitmask, num_masked_tokens
+from pdserve.grammar import GrammarCompiler
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.kv_transfer_params import KVTransferParams
 from pdserve.messages.sampling_params import SamplingParams
@@ -138,6 +140,11 @@ class LLMEngine:
         self._kv_events: list[KVCacheEvent] = []
         self._tracked: dict[str, _Tracked] = {}
         self._seed_rng = random.Random(config.seed)
+        # Structured outputs' grammars over this model's vocabulary (EngineHost compiles off
+        # the engine thread through it; add_request then finds them cached).
+        self.grammar_compiler = GrammarCompiler(
+            self.tokenizer.backend, self.model_config.vocab_size, self.tokenizer.eos_token_ids
+        )
 
     @classmethod
     def from_pretrained(
@@ -169,6 +176,9 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         if kv_transfer_params is not None:
             seed = kv_transfer_params.sampling_seed
+        # A GrammarError is a ValueError: the request is refused. EngineHost compiled the
+        # grammar off this thread already, so this is a cache hit there.
+        grammar = self.grammar_compiler.matcher(params.structured) if params.structured else None
         request = Request(
             request_id,
             prompt_token_ids,
@@ -178,13 +188,16 @@ class LLMEngine:
             cache_salt=cache_salt,
             remote_decode=remote_decode,
             kv_transfer_params=kv_transfer_params,
+            grammar=grammar,
         )
         tracked = _Tracked(request, IncrementalDetokenizer(self.tokenizer, params.stop))
         self._tracked[request_id] = tracked
         self._stats.num_requests += 1
+        self._stats.num_structured_requests += grammar is not None
         if kv_transfer_params is not None:
-            # The prefill worker sampled the first token; it may already end the request,
-            # and then the lease is released unread and the next step reports it.
+            # The prefill worker sampled the first token (under the grammar, if any: the
+            # matcher advances past it here); it may already end the request, and then the
+            # lease is released unread and the next step reports it.
             request.append_output_token(kv_transfer_params.first_token_id)
             if params.logprobs is not None:  # its logprob is the prefill worker's to report
                 request.output_logprobs.append(None)
@@ -285,6 +298,7 @@ class LLMEngine:
                 [r.sampling_params for r in sampled],
                 [r.sampling_seed for r in sampled],
                 [r.num_output_tokens for r in sampled],
+                self._token_bitmask(sampled, logits.shape[1]),
             )
             _record_logprobs(logits, sampled, token_ids)
             changed += scheduler.update_from_output(output, token_ids)
@@ -296,6 +310,15 @@ class LLMEngine:
             changed += scheduler.update_from_kv_xfer_finished(self.connector.get_finished())
         self._stats.num_evictions += self._collect_kv_events()
         return [self._make_output(request) for request in changed]
+
+    def _token_bitmask(self, sampled: list[Request], vocab_size: int) -> torch.Tensor | None:
+        """The tokens each sampled row's grammar allows (None: no row has a grammar)."""
+        bitmask = fill_token_bitmask([r.grammar for r in sampled], vocab_size)
+        if bitmask is not None:
+            rows = [row for row, r in enumerate(sampled) if r.grammar is not None]
+            self._stats.num_constrained_rows += len(rows)
+            self._stats.num_masked_tokens += num_masked_tokens(bitmask, rows, vocab_size)
+        return bitmask
 
     @staticmethod
     def _sampled_rows(logits: torch.Tensor, output: SchedulerOutput) -> torch.Tensor:
@@ -334,6 +357,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """A copy of this engine's counters, safe to send to another process."""
         self._stats.record_cache(self.kv_cache_manager, self.scheduler.counters)
+        self._stats.grammar = dataclasses.replace(self.grammar_compiler.stats)
         return self._stats.snapshot(self.connector)
 
     def _make_output(self, request: Request) -> RequestOutput:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.cache import BlockHash, RequestBlockHasher
 from pdserve.engine.request_stamps import RequestStamps
+from pdserve.grammar import GrammarMatcher
 from pdserve.messages.kv_provenance import KVProvenance
 from pdserve.messages.logprobs import TokenLogprobs
 from pdserve.messages.sampling_params import SamplingParams
@@ -79,6 +80,7 @@ class Request:
         remote_decode: bool = False,
         kv_transfer_params: KVTransferParams | None = None,
         arrival_time: float | None = None,
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -88,6 +90,8 @@ class Request:
         self.lora_id = lora_id
         self.remote_decode = remote_decode
         self.kv_transfer_params = kv_transfer_params
+        # Structured outputs: where the output is in its grammar; advances with every token.
+        self.grammar = grammar
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.stamps = RequestStamps()
@@ -181,6 +185,8 @@ class Request:
             self.first_token_time = time.time()
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         self._update_block_hashes()
 
     def _update_block_hashes(self) -> None:

@@ -9,12 +9,18 @@ A sampled row draws by the exponential race (the Gumbel-max trick in another for
 ``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d. picks token ``t`` with probability ``p_t``,
 and needs one vector of noise per row, no cumulative sums. Greedy rows (temperature
 0) are one vectorized argmax.
+
+Structured outputs mask here, in one place, before greedy and sampled rows part ways: the
+batch's token bitmask sets every forbidden logit to -inf on a copy, so the draw (and the
+argmax) only ever picks a token the row's grammar allows. Logprobs are taken from the raw
+logits (vLLM's default ``raw_logprobs``): the model's distribution, not the masked one.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pdserve.engine.token_bitmask import apply_token_bitmask
 from pdserve.messages.logprobs import TokenLogprobs
 from pdserve.messages.sampling_params import SamplingParams
 
@@ -34,12 +40,14 @@ def sample(
     params: list[SamplingParams],
     seeds: list[int],
     output_positions: list[int],
+    token_bitmask: torch.Tensor | None = None,
 ) -> list[int]:
     """One token per row of ``logits`` ``[n, vocab]`` (float32).
 
     ``seeds[r]`` is row ``r``'s effective seed (the request's, or the one drawn at
     arrival) and ``output_positions[r]`` the index of the token being sampled in the
-    request's output (0 for the first token).
+    request's output (0 for the first token). ``token_bitmask`` (``token_bitmask.py``):
+    the tokens each row's grammar allows, or None when no row has one.
     """
     num_rows = logits.shape[0]
     if not len(params) == len(seeds) == len(output_positions) == num_rows:
@@ -47,6 +55,8 @@ def sample(
             f"sample() got {num_rows} logit rows but {len(params)} params, {len(seeds)} seeds "
             f"and {len(output_positions)} output positions"
         )
+    if token_bitmask is not None:
+        logits = apply_token_bitmask(logits, token_bitmask)
     if all(p.greedy for p in params):
         return logits.argmax(dim=-1).tolist()
     tokens = [0] * num_rows

@@ -298,6 +298,10 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         if last in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
+        grammar = request.grammar
+        if grammar is not None and (grammar.finished or grammar.error is not None):
+            # Complete (only EOS could follow), or no token continues it: a clean stop.
+            return RequestStatus.FINISHED_STOPPED
         if (
             request.num_output_tokens >= params.max_tokens
             or request.num_tokens >= self.max_model_len

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.grammar import GrammarSpec
 from pdserve.messages.logprobs import MAX_LOGPROBS
 
 
@@ -28,6 +29,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # report each token's logprob and this many alternatives
     prompt_logprobs: int | None = None  # the same for each prompt token (skips prefix caching)
+    # What the output must match (structured outputs); every sampled token is masked by it,
+    # on the prefill worker and the decode worker alike.
+    structured: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:

@@ -56,6 +56,13 @@ class WorkerStats:
     num_failed_transfers: int = 0
     num_lease_expiries: int = 0
     num_recompute_fallbacks: int = 0
+    num_structured_requests: int = 0
+    num_constrained_rows: int = 0
+    num_masked_tokens: int = 0
+    masked_tokens_per_row: float = 0.0
+    num_grammar_compiles: int = 0
+    num_grammar_cache_hits: int = 0
+    grammar_compile_seconds: float = 0.0
     kv_tier_bytes_used: dict[str, float] = field(default_factory=per_tier)
     kv_tier_pinned_bytes: dict[str, float] = field(default_factory=per_tier)
     kv_tier_blocks_stored: dict[str, float] = field(default_factory=per_tier)
@@ -72,3 +79,5 @@ class WorkerStats:
     def __post_init__(self) -> None:
         if self.prefix_cache_queries:
             self.prefix_cache_hit_rate = self.prefix_cache_hits / self.prefix_cache_queries
+        if self.num_constrained_rows:
+            self.masked_tokens_per_row = self.num_masked_tokens / self.num_constrained_rows

@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 from pdserve.engine.kv_connector_base import KVConnectorBase
 from pdserve.engine.llm_engine import LLMEngine, resolve_device
 from pdserve.engine.request_output import RequestOutput
+from pdserve.grammar import GrammarError
 from pdserve.kvconnector.pd.pd_connector import PDConnector
 from pdserve.kvconnector.pd_with_tier import pd_part, worker_connector
 from pdserve.messages.engine_config import EngineConfig
@@ -129,8 +130,17 @@ class EngineHost:
         """Streams the request's chunks; cancelling the stream aborts the request."""
         entered_at = time.perf_counter()
         self._ensure_loop()
-        queue: asyncio.Queue = asyncio.Queue()
         request_id = request.request_id
+        if request.params.structured is not None:
+            # Compiled here, off the engine thread: add_request then finds it in the cache.
+            try:
+                await asyncio.to_thread(
+                    self.engine.grammar_compiler.compile, request.params.structured
+                )
+            except GrammarError as error:
+                yield GenerationChunk.failed(request_id, str(error), refused=True)
+                return
+        queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         self._submit(lambda: self._add(request))
         finished = prompt_logprobs_sent = False
@@ -260,6 +270,12 @@ class EngineHost:
             num_leases_held=engine.num_leases_held,
             # The scheduler's count is the authority; the connector's counts the same events.
             num_recompute_fallbacks=stats.num_recompute_fallbacks,
+            num_structured_requests=stats.num_structured_requests,
+            num_constrained_rows=stats.num_constrained_rows,
+            num_masked_tokens=stats.num_masked_tokens,
+            num_grammar_compiles=stats.grammar.num_compiled,
+            num_grammar_cache_hits=stats.grammar.num_cache_hits,
+            grammar_compile_seconds=stats.grammar.compile_s,
             **values,
         )
 

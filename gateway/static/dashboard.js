@@ -136,7 +136,9 @@ function workerRow(w) {
     w.num_blocks_received, byteString(w.num_bytes_sent), byteString(w.num_bytes_received),
     w.num_dedup_skipped_blocks, w.num_leases_held, w.num_failed_transfers,
     w.num_lease_expiries, w.num_recompute_fallbacks, ms(w.transfer_latency_p50_s),
-    ms(w.transfer_latency_p99_s)];
+    ms(w.transfer_latency_p99_s), w.num_structured_requests,
+    Math.round(w.masked_tokens_per_row), `${w.num_grammar_compiles}/${w.num_grammar_cache_hits}`,
+    ms(w.grammar_compile_seconds)];
   const row = element("tr");
   cells.forEach((cell) => row.appendChild(element("td", String(cell))));
   return row;

@@ -1,0 +1,145 @@
+"""Structured outputs across the P/D hand-off, on real workers in this process (no Ray; the
+KV moves over real gRPC between a PrefillWorker and a DecodeWorker).
+
+The prefill worker samples the first token under the grammar; the decode worker rebuilds
+the matcher from the grammar plus that token and continues. Every reply equals the
+colocated engine's token for token, for each schema and 20 seeds at temperature 0.8, also
+when the pull fails and the decode worker recomputes the prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+import jsonschema
+import pytest
+
+from pdserve.decode.worker import DecodeWorker
+from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.grammar import GrammarSpec
+from pdserve.messages.connector_config import KVConnectorConfig
+from pdserve.messages.engine_config import EngineConfig
+from pdserve.messages.generation import GenerationChunk, WorkerRequest
+from pdserve.messages.worker_spec import WorkerSpec
+from pdserve.prefill.worker import PrefillWorker
+from tests.engine.structured_schemas import SCHEMAS
+
+SECRET = "a-test-secret-of-enough-length"
+ENGINE = dict(model="tiny", num_kv_blocks=512, hash_seed=0)
+PROMPT = list(b"Reply with the record as JSON, please: ")
+SEEDS = range(20)
+
+
+def _spec(worker_id: str, role: str) -> WorkerSpec:
+    return WorkerSpec(
+        worker_id,
+        EngineConfig(engine_id=worker_id, **ENGINE),
+        KVConnectorConfig(role=role, secret=SECRET),
+    )
+
+
+@pytest.fixture(scope="module")
+def workers():
+    prefill = PrefillWorker(_spec("prefill-0", "producer"))
+    decode = DecodeWorker(_spec("decode-0", "consumer"))
+    yield prefill, decode
+    decode.engine.shutdown()
+    prefill.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def colocated() -> LLMEngine:
+    return LLMEngine.from_pretrained(**ENGINE)
+
+
+async def _stream(worker, request: WorkerRequest) -> list[GenerationChunk]:
+    return [chunk async for chunk in worker.generate(request)]
+
+
+async def _disaggregated(
+    prefill: PrefillWorker, decode: DecodeWorker, request_id: str, params: SamplingParams
+) -> list[int]:
+    """The gateway's two phases: the first token on the prefill worker, the rest pulled."""
+    first = await _stream(
+        prefill,
+        WorkerRequest(
+            request_id, PROMPT, dataclasses.replace(params, max_tokens=1), remote_decode=True
+        ),
+    )
+    hand_off = first[-1].kv_transfer_params
+    if hand_off is None:  # the first token already ended the request (grammar complete)
+        return [t for chunk in first for t in chunk.new_token_ids]
+    rest = await _stream(
+        decode, WorkerRequest(request_id, PROMPT, params, kv_transfer_params=hand_off)
+    )
+    return [t for chunk in rest for t in chunk.new_token_ids]
+
+
+def _run_all(prefill, decode, params: list[SamplingParams]) -> list[list[int]]:
+    async def run() -> list[list[int]]:
+        return await asyncio.gather(
+            *(_disaggregated(prefill, decode, f"r{i}", p) for i, p in enumerate(params))
+        )
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_disaggregated_json_equals_colocated_token_for_token(workers, colocated, name):
+    prefill, decode = workers
+    schema = SCHEMAS[name]
+    spec = GrammarSpec("json_schema", json.dumps(schema))
+    params = [
+        SamplingParams(max_tokens=160, temperature=0.8, seed=seed, structured=spec)
+        for seed in SEEDS
+    ]
+    structured_before = decode.engine.stats().num_structured_requests
+    expected = colocated.generate([PROMPT] * len(params), params)
+    got = _run_all(prefill, decode, params)
+    assert got == [o.output_token_ids for o in expected]
+    for output in expected:
+        jsonschema.validate(json.loads(output.text), schema)
+    # Every reply went through the decode worker, which rebuilt each one's matcher.
+    assert decode.engine.stats().num_structured_requests - structured_before == len(SEEDS)
+    assert not prefill.engine.has_unfinished_requests()
+    assert not decode.engine.has_unfinished_requests()
+
+
+def test_a_first_token_that_completes_the_grammar_ends_the_request_on_the_prefill(workers):
+    prefill, decode = workers
+    params = SamplingParams(
+        max_tokens=8, temperature=0.8, seed=3, structured=GrammarSpec.choice(["a", "b"])
+    )
+    [tokens] = _run_all(prefill, decode, [params])
+    assert bytes(tokens) in (b"a", b"b")
+    assert prefill.engine.num_leases_held == 0  # finished by its grammar: nothing leased
+
+
+def test_a_failed_pull_recomputes_and_still_equals_colocated(workers, colocated):
+    """The page the decode worker pulls changed after the hand-off: its checksum fails, the
+    prompt is recomputed there, and the grammar (already past the first token) goes on."""
+    prefill, decode = workers
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMAS["person"]))
+    params = SamplingParams(max_tokens=160, temperature=0.8, seed=11, structured=spec)
+    prompt = [*PROMPT, *b"(recomputed)"]
+    [expected] = colocated.generate([prompt], [params])
+    fallbacks_before = decode.engine.stats().num_recompute_fallbacks
+
+    async def run() -> list[int]:
+        first = await _stream(
+            prefill,
+            WorkerRequest(
+                "rc", prompt, dataclasses.replace(params, max_tokens=1), remote_decode=True
+            ),
+        )
+        hand_off = first[-1].kv_transfer_params
+        prefill.engine.runner.kv_cache[hand_off.block_ids[-1]].view(-1)[3] += 1.0  # unique to it
+        rest = await _stream(
+            decode, WorkerRequest("rc", prompt, params, kv_transfer_params=hand_off)
+        )
+        return [t for chunk in rest for t in chunk.new_token_ids]
+
+    assert asyncio.run(run()) == expected.output_token_ids
+    assert decode.engine.stats().num_recompute_fallbacks == fallbacks_before + 1
