@@ -12,6 +12,7 @@ A streamed reply is ``chat.completion.chunk`` events: the first carries ``delta.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -26,16 +27,16 @@ from pdserve.gateway.openai_schema import (
     envelope,
     validate_request,
 )
+from pdserve.gateway.structured_outputs import StructuredOutputError
+from pdserve.gateway.tool_calls import HermesToolParser, ParsedDelta, parse_whole
+from pdserve.gateway.tools import ToolFields
 from pdserve.messages.logprobs import MAX_LOGPROBS
 from pdserve.tokenizer.tokenizer import Tokenizer
 
 # Chat fields pdserve does not implement; each is accepted only at its default value.
 _UNSUPPORTED_CHAT_FIELDS: dict[str, Any] = {
-    "tools": None,
-    "tool_choice": None,
     "functions": None,
     "function_call": None,
-    "response_format": None,
     "logit_bias": {},
     "presence_penalty": 0,
     "frequency_penalty": 0,
@@ -45,9 +46,9 @@ _UNSUPPORTED_CHAT_FIELDS: dict[str, Any] = {
 }
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(SamplingRequest, ToolFields):
     """The chat request; ``messages`` are checked by the chat template's own validation,
-    which names the message that is wrong."""
+    which names the message that is wrong; the tool fields by ``tools.py``."""
 
     messages: list[Any]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -62,13 +63,27 @@ def parse_chat(body: Any, tokenizer: Tokenizer) -> ParsedCompletion:
     if request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    params = request.sampling_params(request.max_completion_tokens or request.max_tokens, logprobs)
+    try:
+        tools = request.tool_definitions()
+        tool_grammar = request.tool_grammar()
+    except StructuredOutputError as error:
+        raise APIError(400, str(error), param=error.param) from None
+    if tool_grammar is not None:
+        if params.structured is not None:
+            raise APIError(
+                400,
+                "tool_choice required or a named function cannot be combined with a "
+                "response_format or structured_outputs",
+                param="tool_choice",
+            )
+        params = dataclasses.replace(params, structured=tool_grammar)
     return ParsedCompletion(
         model=request.model,
         prompt_text=None,
-        prompt_token_ids=render_chat(request.messages, tokenizer),
-        params=request.sampling_params(
-            request.max_completion_tokens or request.max_tokens, logprobs
-        ),
+        prompt_token_ids=render_chat(request.messages, tokenizer, tools),
+        params=params,
+        parse_tool_calls=tools is not None,
         stream=request.stream,
         cache_salt=request.cache_salt,
         include_usage=request.include_usage,
@@ -77,7 +92,9 @@ def parse_chat(body: Any, tokenizer: Tokenizer) -> ParsedCompletion:
     )
 
 
-def render_chat(messages: list[Any], tokenizer: Tokenizer) -> list[int]:
+def render_chat(
+    messages: list[Any], tokenizer: Tokenizer, tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     """The prompt's token ids: the template writes every special token (BOS included)."""
     if tokenizer.chat_template is None:
         raise APIError(
@@ -87,7 +104,7 @@ def render_chat(messages: list[Any], tokenizer: Tokenizer) -> list[int]:
             code="no_chat_template",
         )
     try:
-        prompt = tokenizer.chat_template.render(messages, add_generation_prompt=True)
+        prompt = tokenizer.chat_template.render(messages, add_generation_prompt=True, tools=tools)
     except ValueError as error:
         raise APIError(400, str(error), param="messages") from None
     return tokenizer.encode(prompt, add_special_tokens=False)
@@ -96,12 +113,16 @@ def render_chat(messages: list[Any], tokenizer: Tokenizer) -> list[int]:
 @dataclass(slots=True)
 class ChatFormat:
     """``chat.completion`` bodies: the streamed chunks and the whole response (the same
-    methods as ``openai_schema.CompletionFormat``)."""
+    methods as ``openai_schema.CompletionFormat``). With ``parse_tool_calls`` each choice's
+    text goes through a ``HermesToolParser``: calls come out as ``tool_calls`` (streamed:
+    argument deltas), and a reply that called a tool finishes with ``"tool_calls"``."""
 
     request_id: str
     model: str
     logprobs: LogprobsRenderer | None = None  # set when the request asked for logprobs
+    parse_tool_calls: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    _parsers: dict[int, HermesToolParser] = field(default_factory=dict)
 
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return envelope(self, "chat.completion.chunk", choices)
@@ -128,7 +149,19 @@ class ChatFormat:
         index: int = 0,
         tokens: TokensWithLogprobs = ((), ()),
     ) -> dict[str, Any]:
-        delta = {"content": text} if text else {}
+        delta: dict[str, Any] = {"content": text} if text else {}
+        if self.parse_tool_calls:
+            parser = self._parsers.setdefault(index, HermesToolParser())
+            parsed = parser.feed(text)
+            if finish_reason is not None:
+                end = parser.finish()
+                parsed = ParsedDelta(
+                    parsed.content + end.content, parsed.tool_calls + end.tool_calls
+                )
+                finish_reason = _tool_finish_reason(finish_reason, parser.num_calls)
+            delta = {"content": parsed.content} if parsed.content else {}
+            if parsed.tool_calls:
+                delta["tool_calls"] = [call.openai() for call in parsed.tool_calls]
         return self._envelope(
             [
                 {
@@ -149,13 +182,26 @@ class ChatFormat:
     def response(
         self, choices: list[tuple[str, str | None, TokensWithLogprobs]], usage_body: dict[str, Any]
     ) -> dict[str, Any]:
-        rendered = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": self._render(tokens),
-                "finish_reason": reason,
-            }
-            for i, (text, reason, tokens) in enumerate(choices)
-        ]
+        rendered = []
+        for i, (text, reason, tokens) in enumerate(choices):
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.parse_tool_calls:
+                content, calls = parse_whole(text)
+                message["content"] = content or None
+                if calls:
+                    message["tool_calls"] = calls
+                reason = _tool_finish_reason(reason, len(calls))
+            rendered.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": self._render(tokens),
+                    "finish_reason": reason,
+                }
+            )
         return envelope(self, "chat.completion", rendered, usage=usage_body)
+
+
+def _tool_finish_reason(reason: str | None, num_calls: int) -> str | None:
+    """A reply that called a tool and stopped finishes with "tool_calls" (OpenAI's)."""
+    return "tool_calls" if num_calls and reason == "stop" else reason

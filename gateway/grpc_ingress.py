@@ -11,6 +11,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -122,6 +123,8 @@ class GenerateServicer:
         for optional in ("temperature", "top_p", "seed", "cache_salt", "n", "logprobs"):
             if request.HasField(optional):
                 body[optional] = getattr(request, optional)
+        if request.HasField("structured_outputs"):
+            body["structured_outputs"] = _structured_outputs(request.structured_outputs)
         if which == "chat":
             if "logprobs" in body:  # chat's shape: a flag and the number of alternatives
                 body["logprobs"], body["top_logprobs"] = True, body["logprobs"]
@@ -131,6 +134,16 @@ class GenerateServicer:
             return parse_chat(body, self.orchestrator.tokenizer)
         body["prompt"] = request.text if which == "text" else list(request.token_ids.ids)
         return parse_completion(body)
+
+
+def _structured_outputs(message: generate_pb2.StructuredOutputs) -> dict[str, Any]:
+    """The message as vLLM's ``structured_outputs`` body (validated with the HTTP one's)."""
+    which = message.WhichOneof("constraint")
+    if which is None:
+        raise APIError(400, "structured_outputs sets no constraint", param="structured_outputs")
+    if which == "choice":
+        return {"choice": list(message.choice.options)}
+    return {which: getattr(message, which)}
 
 
 def _token_logprob(entry: TokenLogprobs) -> generate_pb2.TokenLogprob:

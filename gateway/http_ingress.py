@@ -321,7 +321,10 @@ async def chat_complete(orchestrator: RequestOrchestrator, request: Request) -> 
         request,
         parsed,
         ChatFormat(
-            f"chatcmpl-{uuid.uuid4().hex}", orchestrator.model_name, _renderer(orchestrator, parsed)
+            f"chatcmpl-{uuid.uuid4().hex}",
+            orchestrator.model_name,
+            _renderer(orchestrator, parsed),
+            parse_tool_calls=parsed.parse_tool_calls,
         ),
     )
 

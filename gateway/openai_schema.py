@@ -31,6 +31,7 @@ from pydantic import (
 )
 
 from pdserve.gateway.logprobs_format import LogprobsRenderer, TokensWithLogprobs
+from pdserve.gateway.structured_outputs import StructuredOutputError, StructuredOutputFields
 from pdserve.messages.logprobs import MAX_LOGPROBS
 from pdserve.messages.sampling_params import SamplingParams
 
@@ -136,9 +137,10 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(StructuredOutputFields):
     """The fields completions and chat completions share, with their ranges, checked
-    strictly: the one place a request's sampling fields are validated."""
+    strictly: the one place a request's sampling fields are validated (structured outputs'
+    fields: ``structured_outputs.py``)."""
 
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
@@ -167,6 +169,10 @@ class SamplingRequest(BaseModel):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        try:
+            structured = self.grammar_spec()
+        except StructuredOutputError as error:
+            raise APIError(400, str(error), param=error.param) from None
         return SamplingParams(
             max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -176,6 +182,7 @@ class SamplingRequest(BaseModel):
             stop=stop,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            structured=structured,
         )
 
     @property
@@ -214,6 +221,7 @@ class ParsedCompletion:
     n: int = 1  # choices, each sampled with its own seed
     echo: bool = False  # completions: the reply repeats the prompt first
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
+    parse_tool_calls: bool = False  # chat with tools: the reply's <tool_call> blocks are calls
 
 
 def validate_request(

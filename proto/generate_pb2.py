@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0egenerate.proto\x12\x10pdserve.generate\"\x97\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12/\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1a.pdserve.generate.TokenIdsH\x00\x12.\n\x04\x63hat\x18\x0b \x01(\x0b\x32\x1e.pdserve.generate.ChatMessagesH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x17\n\ncache_salt\x18\n \x01(\tH\x04\x88\x01\x01\x12\x0e\n\x01n\x18\x0c \x01(\rH\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\x06\x88\x01\x01\x42\x08\n\x06promptB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_cache_saltB\x04\n\x02_nB\x0b\n\t_logprobs\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"?\n\x0c\x43hatMessages\x12/\n\x08messages\x18\x01 \x03(\x0b\x32\x1d.pdserve.generate.ChatMessage\"\xd5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\r\n\x05index\x18\x07 \x01(\r\x12\x30\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1e.pdserve.generate.TokenLogprob\"\\\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12)\n\x03top\x18\x03 \x03(\x0b\x32\x1c.pdserve.generate.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x32_\n\x08Generate\x12S\n\x08Generate\x12!.pdserve.generate.GenerateRequest\x1a\".pdserve.generate.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0egenerate.proto\x12\x10pdserve.generate\"\xd8\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12/\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1a.pdserve.generate.TokenIdsH\x00\x12.\n\x04\x63hat\x18\x0b \x01(\x0b\x32\x1e.pdserve.generate.ChatMessagesH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x17\n\ncache_salt\x18\n \x01(\tH\x04\x88\x01\x01\x12\x0e\n\x01n\x18\x0c \x01(\rH\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\x06\x88\x01\x01\x12?\n\x12structured_outputs\x18\x0e \x01(\x0b\x32#.pdserve.generate.StructuredOutputsB\x08\n\x06promptB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_cache_saltB\x04\n\x02_nB\x0b\n\t_logprobs\"\x99\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12+\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x19.pdserve.generate.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07options\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"?\n\x0c\x43hatMessages\x12/\n\x08messages\x18\x01 \x03(\x0b\x32\x1d.pdserve.generate.ChatMessage\"\xd5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\r\n\x05index\x18\x07 \x01(\r\x12\x30\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1e.pdserve.generate.TokenLogprob\"\\\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12)\n\x03top\x18\x03 \x03(\x0b\x32\x1c.pdserve.generate.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x32_\n\x08Generate\x12S\n\x08Generate\x12!.pdserve.generate.GenerateRequest\x1a\".pdserve.generate.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,19 +32,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=37
-  _globals['_GENERATEREQUEST']._serialized_end=444
-  _globals['_TOKENIDS']._serialized_start=446
-  _globals['_TOKENIDS']._serialized_end=469
-  _globals['_CHATMESSAGE']._serialized_start=471
-  _globals['_CHATMESSAGE']._serialized_end=515
-  _globals['_CHATMESSAGES']._serialized_start=517
-  _globals['_CHATMESSAGES']._serialized_end=580
-  _globals['_GENERATERESPONSE']._serialized_start=583
-  _globals['_GENERATERESPONSE']._serialized_end=796
-  _globals['_TOKENLOGPROB']._serialized_start=798
-  _globals['_TOKENLOGPROB']._serialized_end=890
-  _globals['_TOPLOGPROB']._serialized_start=892
-  _globals['_TOPLOGPROB']._serialized_end=939
-  _globals['_GENERATE']._serialized_start=941
-  _globals['_GENERATE']._serialized_end=1036
+  _globals['_GENERATEREQUEST']._serialized_end=509
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=512
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=665
+  _globals['_CHOICES']._serialized_start=667
+  _globals['_CHOICES']._serialized_end=693
+  _globals['_TOKENIDS']._serialized_start=695
+  _globals['_TOKENIDS']._serialized_end=718
+  _globals['_CHATMESSAGE']._serialized_start=720
+  _globals['_CHATMESSAGE']._serialized_end=764
+  _globals['_CHATMESSAGES']._serialized_start=766
+  _globals['_CHATMESSAGES']._serialized_end=829
+  _globals['_GENERATERESPONSE']._serialized_start=832
+  _globals['_GENERATERESPONSE']._serialized_end=1045
+  _globals['_TOKENLOGPROB']._serialized_start=1047
+  _globals['_TOKENLOGPROB']._serialized_end=1139
+  _globals['_TOPLOGPROB']._serialized_start=1141
+  _globals['_TOPLOGPROB']._serialized_end=1188
+  _globals['_GENERATE']._serialized_start=1190
+  _globals['_GENERATE']._serialized_end=1285
 # @@protoc_insertion_point(module_scope)

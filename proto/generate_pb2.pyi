@@ -40,6 +40,7 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     N_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    STRUCTURED_OUTPUTS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """must equal the served model name; empty = the served one"""
     text: _builtins.str
@@ -73,6 +74,12 @@ class GenerateRequest(_message.Message):
 
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def structured_outputs(self) -> Global___StructuredOutputs:
+        """Structured output (vLLM's structured_outputs): the reply matches this constraint, on the
+        prefill worker's first token and every decode token alike. Unset = free text.
+        """
+
     def __init__(
         self,
         *,
@@ -89,10 +96,11 @@ class GenerateRequest(_message.Message):
         cache_salt: _builtins.str | None = ...,
         n: _builtins.int | None = ...,
         logprobs: _builtins.int | None = ...,
+        structured_outputs: Global___StructuredOutputs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "_logprobs", b"_logprobs", "_n", b"_n", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "cache_salt", b"cache_salt", "chat", b"chat", "logprobs", b"logprobs", "n", b"n", "prompt", b"prompt", "seed", b"seed", "temperature", b"temperature", "text", b"text", "token_ids", b"token_ids", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "_logprobs", b"_logprobs", "_n", b"_n", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "cache_salt", b"cache_salt", "chat", b"chat", "logprobs", b"logprobs", "n", b"n", "prompt", b"prompt", "seed", b"seed", "structured_outputs", b"structured_outputs", "temperature", b"temperature", "text", b"text", "token_ids", b"token_ids", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "_logprobs", b"_logprobs", "_n", b"_n", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "cache_salt", b"cache_salt", "chat", b"chat", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "model", b"model", "n", b"n", "prompt", b"prompt", "request_id", b"request_id", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "text", b"text", "token_ids", b"token_ids", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "_logprobs", b"_logprobs", "_n", b"_n", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "cache_salt", b"cache_salt", "chat", b"chat", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "model", b"model", "n", b"n", "prompt", b"prompt", "request_id", b"request_id", "seed", b"seed", "stop", b"stop", "structured_outputs", b"structured_outputs", "temperature", b"temperature", "text", b"text", "token_ids", b"token_ids", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cache_salt: _TypeAlias = _typing.Literal["cache_salt"]  # noqa: Y015
     _WhichOneofArgType__cache_salt: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt"]  # noqa: Y015
@@ -124,6 +132,65 @@ class GenerateRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_prompt) -> _WhichOneofReturnType_prompt | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class StructuredOutputs(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JSON_FIELD_NUMBER: _builtins.int
+    REGEX_FIELD_NUMBER: _builtins.int
+    CHOICE_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
+    JSON_OBJECT_FIELD_NUMBER: _builtins.int
+    json: _builtins.str
+    """a JSON Schema, as JSON text"""
+    regex: _builtins.str
+    grammar: _builtins.str
+    """a Lark grammar (llguidance's dialect)"""
+    json_object: _builtins.bool
+    """any JSON object"""
+    @_builtins.property
+    def choice(self) -> Global___Choices:
+        """the reply is exactly one of these strings"""
+
+    def __init__(
+        self,
+        *,
+        json: _builtins.str = ...,
+        regex: _builtins.str = ...,
+        choice: Global___Choices | None = ...,
+        grammar: _builtins.str = ...,
+        json_object: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "constraint", b"constraint", "grammar", b"grammar", "json", b"json", "json_object", b"json_object", "regex", b"regex"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "constraint", b"constraint", "grammar", b"grammar", "json", b"json", "json_object", b"json_object", "regex", b"regex"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_constraint: _TypeAlias = _typing.Literal["json", "regex", "choice", "grammar", "json_object"]  # noqa: Y015
+    _WhichOneofArgType_constraint: _TypeAlias = _typing.Literal["constraint", b"constraint"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_constraint) -> _WhichOneofReturnType_constraint | None: ...
+
+Global___StructuredOutputs: _TypeAlias = StructuredOutputs  # noqa: Y015
+
+@_typing.final
+class Choices(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OPTIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def options(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        options: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["options", b"options"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Choices: _TypeAlias = Choices  # noqa: Y015
 
 @_typing.final
 class TokenIds(_message.Message):

@@ -18,9 +18,12 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-CHAT_ROLES = ("system", "user", "assistant")
+from pdserve.tokenizer.tool_prompt import fold_tools
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 class ChatTemplate:
@@ -35,6 +38,10 @@ class ChatTemplate:
         environment.globals["strftime_now"] = _strftime_now
         try:
             self._template = environment.from_string(source)
+            # A template that reads ``tools`` renders definitions, calls and results itself.
+            self.supports_tools = "tools" in jinja2.meta.find_undeclared_variables(
+                environment.parse(source)
+            )
         except jinja2.TemplateSyntaxError as error:
             raise ValueError(f"the model's chat template does not compile: {error}") from None
         self.source = source
@@ -42,31 +49,42 @@ class ChatTemplate:
         self.eos_token = eos_token
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> str:
         """The prompt for ``messages`` (OpenAI chat format), ending with the assistant's turn
-        opened when ``add_generation_prompt``.
+        opened when ``add_generation_prompt``. ``tools``: OpenAI function definitions, given
+        to a template that reads them, else written into the system prompt (``fold_tools``).
 
         ``ValueError`` for empty messages, an unknown role, or content that is neither a
         string nor a list of ``{"type": "text", "text": ...}`` parts (joined with newlines),
         and when the template itself refuses the conversation (``raise_exception``).
         """
         plain_messages = validate_messages(messages)
+        extra: dict[str, Any] = {}
+        if self.supports_tools:
+            extra["tools"] = list(tools) if tools else None
+        else:
+            plain_messages = fold_tools(plain_messages, tools)
         try:
             return self._template.render(
                 messages=plain_messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                **extra,
             )
         except jinja2.TemplateError as error:
             raise ValueError(f"the model's chat template refused these messages: {error}") from None
 
 
-def validate_messages(messages: object) -> list[dict[str, str]]:
-    """``messages`` as plain ``{"role", "content"}`` dicts of strings, or a ``ValueError``
-    that says which message is wrong and why (``object``: it is the client's JSON, checked
-    here, not yet a list of mappings)."""
+def validate_messages(messages: object) -> list[dict[str, Any]]:
+    """``messages`` as plain ``{"role", "content"}`` dicts of strings (an assistant's
+    ``tool_calls`` and a tool result's ``tool_call_id`` kept), or a ``ValueError`` that says
+    which message is wrong and why (``object``: it is the client's JSON, checked here, not
+    yet a list of mappings)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise ValueError("messages must be a non-empty list of {role, content} objects")
     plain = []
@@ -78,8 +96,51 @@ def validate_messages(messages: object) -> list[dict[str, str]]:
             raise ValueError(
                 f"messages[{index}].role is {role!r}; expected one of {', '.join(CHAT_ROLES)}"
             )
-        plain.append({"role": role, "content": _content_text(message.get("content"), index)})
+        calls = message.get("tool_calls") if role == "assistant" else None
+        content = message.get("content")
+        plain_message: dict[str, Any] = {
+            "role": role,
+            "content": "" if calls and content is None else _content_text(content, index),
+        }
+        if calls is not None:
+            plain_message["tool_calls"] = _tool_calls(calls, index)
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise ValueError(f"messages[{index}] (a tool result) needs its tool_call_id")
+            plain_message["tool_call_id"] = call_id
+        plain.append(plain_message)
     return plain
+
+
+def _tool_calls(calls: object, index: int) -> list[dict[str, Any]]:
+    """An assistant's past calls, arguments decoded to objects (as transformers' templates
+    expect them; OpenAI sends them as JSON text)."""
+    where = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list) or not calls:
+        raise ValueError(f"{where} must be a non-empty list of calls")
+    checked = []
+    for position, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        name = function.get("name") if isinstance(function, Mapping) else None
+        arguments = function.get("arguments") if isinstance(function, Mapping) else None
+        if not isinstance(name, str) or not isinstance(arguments, str):
+            raise ValueError(
+                f"{where}[{position}] must be {{id, type: function, function: {{name, arguments}}}} "
+                "with arguments as JSON text"
+            )
+        try:
+            decoded = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise ValueError(f"{where}[{position}].function.arguments is not JSON") from None
+        checked.append(
+            {
+                "id": call.get("id"),
+                "type": "function",
+                "function": {"name": name, "arguments": decoded},
+            }
+        )
+    return checked
 
 
 def _content_text(content: Any, index: int) -> str:

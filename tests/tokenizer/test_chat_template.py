@@ -31,7 +31,7 @@ def test_chatml_render_with_text_parts_and_generation_prompt():
         (["hello"], r"messages\[0\] must be an object"),
         (
             [{"role": "wizard", "content": "hi"}],
-            r"messages\[0\].role is 'wizard'; expected one of system, user, assistant",
+            r"messages\[0\].role is 'wizard'; expected one of system, user, assistant, tool",
         ),
         ([{"role": "user"}], r"messages\[0\].content must be a string"),
         (
