@@ -1,4 +1,4 @@
-"""JSON Schemas the structured-output suites use: nested objects, arrays with minItems,
+"""JSON Schemas and tools the structured-output suites use: nested objects, arrays with minItems,
 enums, required keys, bounded numbers and string patterns (strings bounded, so a model with
 random weights still closes every string within the token budget)."""
 
@@ -59,3 +59,25 @@ MEASUREMENT = {
     "additionalProperties": False,
 }
 SCHEMAS = {"person": PERSON, "order": ORDER, "measurement": MEASUREMENT}
+
+# Two function tools, their parameters bounded for the same reason.
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+ADD = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "integer", "minimum": 0, "maximum": 99},
+        "b": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "add", "parameters": ADD}},
+]
+TOOL_SCHEMAS = {"get_weather": WEATHER, "add": ADD}

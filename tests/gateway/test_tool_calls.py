@@ -15,27 +15,8 @@ from pdserve.engine import LLMEngine
 from pdserve.gateway.chat import ChatFormat, parse_chat
 from pdserve.gateway.openai_schema import APIError
 from pdserve.gateway.tool_calls import HermesToolParser, parse_whole
+from tests.engine.structured_schemas import ADD, TOOL_SCHEMAS, TOOLS
 
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-ADD = {
-    "type": "object",
-    "properties": {
-        "a": {"type": "integer", "minimum": 0, "maximum": 99},
-        "b": {"type": "integer", "minimum": 0, "maximum": 99},
-    },
-    "required": ["a", "b"],
-    "additionalProperties": False,
-}
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "add", "parameters": ADD}},
-]
-SCHEMAS = {"get_weather": WEATHER, "add": ADD}
 QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
 
 
@@ -71,7 +52,7 @@ def test_required_returns_calls_of_the_given_tools_whose_arguments_validate(engi
         assert calls and all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
         for call in calls:
             name = call["function"]["name"]
-            jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[name])
+            jsonschema.validate(json.loads(call["function"]["arguments"]), TOOL_SCHEMAS[name])
 
 
 def test_a_named_function_is_the_one_call(engine):

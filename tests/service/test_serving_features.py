@@ -1,6 +1,6 @@
 """Serving features on 1 + 1 and 2 + 2 apps, over gRPC and NIXL: ``n`` choices (the prompt
-prefilled once, each choice its own seed) and readiness, each shape deployed once for
-the module's tests.
+prefilled once, each choice its own seed), readiness, logprobs, structured outputs and tools,
+each shape deployed once for the module's tests.
 
 References are the colocated engine's outputs for the same prompt and seeds: choice ``i``
 of ``n=3, seed=s`` equals a request with seed ``s + i``.
@@ -8,15 +8,22 @@ of ``n=3, seed=s`` equals a request with seed ``s + i``.
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
+import re
+
 import grpc
 import httpx
+import jsonschema
 import pytest
 
 from bench.load_driver import get_json, is_drained, wait_until_drained
 from pdserve.deploy.cluster import base_url
+from pdserve.grammar import GrammarSpec
 from pdserve.kvconnector.transport.nixl_transport import nixl_available
 from pdserve.messages.sampling_params import SamplingParams
 from pdserve.proto import generate_pb2, generate_pb2_grpc
+from tests.engine.structured_schemas import SCHEMAS, TOOL_SCHEMAS, TOOLS
 from tests.ports import free_port
 from tests.service.service_apps import openai_client, running_app, wait_until_ready
 
@@ -267,3 +274,161 @@ def test_echo_with_logprobs_returns_the_prompts_logprobs_computed_on_the_prefill
         model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, echo=True, stream=True
     )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == PROMPT + output.text
+
+
+# ---------------------------------------------------------------- structured outputs and tools
+
+STRUCTURED_SEEDS = range(20)
+
+
+def _schema_replies(app, schema: dict) -> list[tuple[str, str]]:
+    """(whole, streamed) completion text per seed, through the official client."""
+    client = openai_client(app)
+    extra = {"structured_outputs": {"json": schema}}
+
+    def ask(seed: int) -> tuple[str, str]:
+        fields = dict(model="tiny", prompt=PROMPT, max_tokens=160, temperature=0.8, seed=seed)
+        whole = client.completions.create(**fields, extra_body=extra).choices[0].text
+        stream = client.completions.create(**fields, extra_body=extra, stream=True)
+        return whole, "".join(chunk.choices[0].text for chunk in stream)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        return list(pool.map(ask, STRUCTURED_SEEDS))
+
+
+@pytest.mark.parametrize("name", ["person", "order"])
+def test_json_schema_replies_validate_and_equal_the_colocated_engine_streamed_and_not(
+    app, colocated, name
+):
+    schema = SCHEMAS[name]
+    spec = GrammarSpec("json_schema", json.dumps(schema))
+    expected = colocated.generate(
+        [PROMPT] * len(STRUCTURED_SEEDS),
+        [
+            SamplingParams(max_tokens=160, temperature=0.8, seed=seed, structured=spec)
+            for seed in STRUCTURED_SEEDS
+        ],
+    )
+    replies = _schema_replies(app, schema)
+    assert [whole for whole, _ in replies] == [o.text for o in expected]
+    assert all(whole == streamed for whole, streamed in replies)
+    for whole, _ in replies:
+        jsonschema.validate(json.loads(whole), schema)
+    assert all(is_drained(w) for w in wait_until_drained(app))
+
+
+def test_choice_regex_and_n3_json_object_replies_always_match(app):
+    client = openai_client(app)
+    choices = ["alpha", "beta", "gamma"]
+    for seed in range(5):
+        picked = client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            temperature=0.8,
+            seed=seed,
+            max_tokens=10,
+            extra_body={"guided_choice": choices},
+        )
+        assert picked.choices[0].text in choices and picked.choices[0].finish_reason == "stop"
+        code = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": PROMPT}],
+            temperature=0.8,
+            seed=seed,
+            max_tokens=12,
+            extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}},
+        )
+        assert re.fullmatch("[A-Z]{2}-[0-9]{3}", code.choices[0].message.content)
+    reply = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": PROMPT}],
+        n=3,
+        seed=5,
+        temperature=0.8,
+        max_tokens=160,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "p", "schema": SCHEMAS["person"]},
+        },
+    )
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    for choice in reply.choices:
+        jsonschema.validate(json.loads(choice.message.content), SCHEMAS["person"])
+
+
+def test_tool_choice_required_returns_a_valid_call_streamed_and_not(app):
+    client = openai_client(app)
+    fields = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=120,
+    )
+    whole = client.chat.completions.create(**fields)
+    [call] = whole.choices[0].message.tool_calls
+    assert whole.choices[0].finish_reason == "tool_calls"
+    assert call.function.name in TOOL_SCHEMAS
+    jsonschema.validate(json.loads(call.function.arguments), TOOL_SCHEMAS[call.function.name])
+    names, arguments, reasons = [], "", []
+    for chunk in client.chat.completions.create(**fields, stream=True):
+        for choice in chunk.choices:
+            reasons.append(choice.finish_reason)
+            for delta in choice.delta.tool_calls or []:
+                names += [delta.function.name] if delta.function.name else []
+                arguments += delta.function.arguments or ""
+    assert names == [call.function.name] and arguments == call.function.arguments
+    assert reasons[-1] == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    "endpoint, body, param",
+    [
+        ("/v1/completions", {"structured_outputs": {"regex": "([a-z"}}, "structured_outputs.regex"),
+        ("/v1/completions", {"guided_json": {"type": "wat"}}, "guided_json"),
+        (
+            "/v1/chat/completions",
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}
+                ]
+            },
+            "tools.0.function.parameters",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "pattern": "x" * 70000},
+                    },
+                }
+            },
+            "response_format.json_schema",
+        ),
+    ],
+    ids=["bad-regex", "bad-schema", "unknown-tool", "bad-parameters", "huge-schema"],
+)
+def test_bad_structured_input_is_a_400_naming_the_field_and_leaks_nothing(
+    app, endpoint, body, param
+):
+    prompt = (
+        {"prompt": PROMPT}
+        if endpoint == "/v1/completions"
+        else {"messages": [{"role": "user", "content": PROMPT}]}
+    )
+    reply = httpx.post(
+        base_url(app) + endpoint, json={"model": "tiny", **prompt, **body}, timeout=30
+    )
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+    assert all(is_drained(w) for w in wait_until_drained(app))
