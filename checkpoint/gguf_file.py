@@ -17,12 +17,30 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
+
+
+class _PlainViewReader(gguf.GGUFReader):
+    """``gguf.GGUFReader`` over a plain ``ndarray`` view of its memory map.
+
+    The same mapped pages, without ``np.memmap``'s ``__array_finalize__`` on every slice:
+    the reader slices the map once per metadata item, and a 49k-token vocabulary with its
+    merges is ≈ 250k slices. Opening SmolLM2's GGUF takes 1.3 s this way against 3.5-5 s
+    (every worker and every gateway of a GGUF model opens it at start)."""
+
+    @property  # type: ignore[override]
+    def data(self) -> np.ndarray:
+        return self._plain_data
+
+    @data.setter
+    def data(self, mapped: np.ndarray) -> None:
+        self._plain_data = mapped.view(np.ndarray)  # keeps the map alive as its base
 
 
 def open_gguf(path: str | Path) -> gguf.GGUFReader:
     """A reader over ``path``; ``ValueError`` naming the file when it is not a whole GGUF."""
     try:
-        return gguf.GGUFReader(path)
+        return _PlainViewReader(path)
     except (ValueError, IndexError, KeyError, struct.error, OverflowError) as error:
         raise ValueError(
             f"{path} is not a valid GGUF file (corrupt or truncated?): {error}"

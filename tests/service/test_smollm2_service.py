@@ -4,16 +4,20 @@ Greedy chat replies through the gateway equal the colocated engine's token for t
 1 + 1 and 2 + 2 apps, over gRPC and NIXL; the official OpenAI client gets "Paris" for the
 capital of France, streamed and not; a repeated long system prompt shows cached tokens.
 Each smollm2 worker holds ≈ 0.55 GB of fp32 weights, so the shapes run one at a time and
-every request of a shape runs concurrently.
+every request of a shape runs concurrently; the Paris test reuses the 1 + 1 gRPC app
+(``smollm2_app`` keeps one shape deployed, replacing it when a test asks for another).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from bench.load_driver import is_drained, wait_until_drained
+from pdserve.deploy.config import PDServeConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kvconnector.transport.nixl_transport import nixl_available
 from pdserve.messages.sampling_params import SamplingParams
@@ -33,7 +37,37 @@ CONVERSATIONS = [
         {"role": "user", "content": "Now count backwards from five."},
     ],
 ]
-SHAPES = [(1, 1, "grpc"), (1, 1, "nixl"), (2, 2, "grpc")]  # 2+2 over NIXL: tiny's suites
+# 1+1 gRPC last: the Paris test after it runs on the same app. 2+2 over NIXL: tiny's suites.
+SHAPES = [(1, 1, "nixl"), (2, 2, "grpc"), (1, 1, "grpc")]
+Shape = tuple[int, int, str]
+
+
+@pytest.fixture(scope="module")
+def smollm2_app(ray_cluster, smollm2_gguf) -> Iterator[Callable[[Shape], PDServeConfig]]:
+    """Deploys a shape on request, keeping one deployed: asking for another deletes it."""
+    deployed: dict[Shape, PDServeConfig] = {}
+    with contextlib.ExitStack() as stack:
+
+        def app(shape: Shape) -> PDServeConfig:
+            if shape not in deployed:
+                stack.close()
+                deployed.clear()
+                num_prefill, num_decode, transport = shape
+                name = f"smol{num_prefill}{num_decode}{transport}"
+                deployed[shape] = stack.enter_context(
+                    running_app(
+                        model="smollm2",
+                        num_prefill=num_prefill,
+                        num_decode=num_decode,
+                        transport=transport,
+                        num_kv_blocks=NUM_KV_BLOCKS,
+                        app_name=name,
+                        route_prefix=f"/{name}",
+                    )
+                )
+            return deployed[shape]
+
+        yield app
 
 
 @pytest.fixture(scope="module")
@@ -54,69 +88,53 @@ def expected_replies(smollm2_gguf) -> list[tuple[str, int]]:
     "num_prefill, num_decode, transport", SHAPES, ids=[f"{p}p{d}d-{t}" for p, d, t in SHAPES]
 )
 def test_greedy_chat_replies_equal_the_colocated_engine(
-    ray_cluster, expected_replies, num_prefill, num_decode, transport
+    smollm2_app, expected_replies, num_prefill, num_decode, transport
 ):
     if transport == "nixl" and not nixl_available():
         pytest.skip("NIXL does not load here (pip install 'pdserve[nixl]')")
-    name = f"smol{num_prefill}{num_decode}{transport}"
-    with running_app(
-        model="smollm2",
-        num_prefill=num_prefill,
-        num_decode=num_decode,
-        transport=transport,
-        num_kv_blocks=NUM_KV_BLOCKS,
-        app_name=name,
-        route_prefix=f"/{name}",
-    ) as config:
-        report = wait_until_ready(config)
-        assert report["ready"] and report["missing_handshakes"] == []
-        client = openai_client(config)
+    config = smollm2_app((num_prefill, num_decode, transport))
+    report = wait_until_ready(config)
+    assert report["ready"] and report["missing_handshakes"] == []
+    client = openai_client(config)
 
-        def ask(messages):
-            reply = client.chat.completions.create(
-                model="smollm2", messages=messages, max_tokens=MAX_TOKENS, temperature=0
-            )
-            return reply.choices[0].message.content, reply.usage.completion_tokens
-
-        with concurrent.futures.ThreadPoolExecutor(len(CONVERSATIONS)) as pool:
-            replies = list(pool.map(ask, CONVERSATIONS))
-        assert replies == expected_replies
-        assert "<|im_end|>" not in "".join(text for text, _ in replies)
-        assert all(is_drained(w) for w in wait_until_drained(config))
-
-
-def test_openai_chat_answers_paris_and_reports_cached_tokens(ray_cluster, smollm2_gguf):
-    with running_app(
-        model="smollm2",
-        num_prefill=1,
-        num_decode=1,
-        num_kv_blocks=NUM_KV_BLOCKS,
-        app_name="smolchat",
-        route_prefix="/smolchat",
-    ) as config:
-        client = openai_client(config)
-        question = [{"role": "user", "content": "What is the capital of France?"}]
-        whole = client.chat.completions.create(
-            model="smollm2", messages=question, temperature=0, max_tokens=MAX_TOKENS
+    def ask(messages):
+        reply = client.chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=MAX_TOKENS, temperature=0
         )
-        assert "Paris" in whole.choices[0].message.content
-        streamed = client.chat.completions.create(
-            model="smollm2", messages=question, temperature=0, max_tokens=MAX_TOKENS, stream=True
+        return reply.choices[0].message.content, reply.usage.completion_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(len(CONVERSATIONS)) as pool:
+        replies = list(pool.map(ask, CONVERSATIONS))
+    assert replies == expected_replies
+    assert "<|im_end|>" not in "".join(text for text, _ in replies)
+    assert all(is_drained(w) for w in wait_until_drained(config))
+
+
+def test_openai_chat_answers_paris_and_reports_cached_tokens(smollm2_app):
+    config = smollm2_app((1, 1, "grpc"))
+    client = openai_client(config)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    whole = client.chat.completions.create(
+        model="smollm2", messages=question, temperature=0, max_tokens=MAX_TOKENS
+    )
+    assert "Paris" in whole.choices[0].message.content
+    streamed = client.chat.completions.create(
+        model="smollm2", messages=question, temperature=0, max_tokens=MAX_TOKENS, stream=True
+    )
+    assert "Paris" in "".join(c.choices[0].delta.content or "" for c in streamed)
+    long_system = {
+        "role": "system",
+        "content": "You answer questions about geography. "
+        "Be precise and brief, and name places directly. " * 6,
+    }
+    for question in ("What is the capital of Italy?", "What is the capital of Spain?"):
+        reply = client.chat.completions.create(
+            model="smollm2",
+            temperature=0,
+            max_tokens=8,
+            messages=[long_system, {"role": "user", "content": question}],
         )
-        assert "Paris" in "".join(c.choices[0].delta.content or "" for c in streamed)
-        long_system = {
-            "role": "system",
-            "content": "You answer questions about geography. "
-            "Be precise and brief, and name places directly. " * 6,
-        }
-        for question in ("What is the capital of Italy?", "What is the capital of Spain?"):
-            reply = client.chat.completions.create(
-                model="smollm2",
-                temperature=0,
-                max_tokens=8,
-                messages=[long_system, {"role": "user", "content": question}],
-            )
-        # The second question reuses the system prompt's blocks.
-        cached = reply.usage.prompt_tokens_details.cached_tokens
-        assert 16 * 4 <= cached < reply.usage.prompt_tokens
-        assert all(is_drained(w) for w in wait_until_drained(config))
+    # The second question reuses the system prompt's blocks.
+    cached = reply.usage.prompt_tokens_details.cached_tokens
+    assert 16 * 4 <= cached < reply.usage.prompt_tokens
+    assert all(is_drained(w) for w in wait_until_drained(config))
