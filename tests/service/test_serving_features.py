@@ -300,6 +300,11 @@ def _schema_replies(app, schema: dict) -> list[tuple[str, str]]:
 def test_json_schema_replies_validate_and_equal_the_colocated_engine_streamed_and_not(
     app, colocated, name
 ):
+    """On the issue's two shapes, 1 + 1 over gRPC and 2 + 2 over NIXL (each reply costs up
+    to 160 tokens twice; the other shapes run the cheaper structured tests below)."""
+    shape = (app.num_prefill, app.num_decode, app.transport)
+    if shape not in ((1, 1, "grpc"), (2, 2, "nixl")):
+        pytest.skip("the 20-seed schema run covers 1+1 gRPC and 2+2 NIXL")
     schema = SCHEMAS[name]
     spec = GrammarSpec("json_schema", json.dumps(schema))
     expected = colocated.generate(
@@ -432,3 +437,34 @@ def test_bad_structured_input_is_a_400_naming_the_field_and_leaks_nothing(
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
     assert all(is_drained(w) for w in wait_until_drained(app))
+
+
+def test_grpc_generate_takes_structured_outputs_and_refuses_a_bad_one(app, colocated):
+    spec = GrammarSpec("regex", "[a-z]{3}-[0-9]{2}")
+    (expected,) = colocated_texts(
+        colocated, PROMPT, [9], max_tokens=12, temperature=0.8, structured=spec
+    )
+    before = get_json(app, "/stats")["totals"]["num_structured_requests"]
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        stub = generate_pb2_grpc.GenerateStub(channel)
+        replies = stub.Generate(
+            generate_pb2.GenerateRequest(
+                text=PROMPT,
+                max_tokens=12,
+                temperature=0.8,
+                seed=9,
+                structured_outputs=generate_pb2.StructuredOutputs(regex=spec.source),
+            ),
+            timeout=60,
+        )
+        assert "".join(r.text for r in replies) == expected
+        bad = generate_pb2.GenerateRequest(
+            text=PROMPT, structured_outputs=generate_pb2.StructuredOutputs(regex="([a-z")
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(bad, timeout=60))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unclosed" in refused.value.details()
+    # The prefill and the decode worker each counted it.
+    after = get_json(app, "/stats")["totals"]["num_structured_requests"]
+    assert after - before == 2

@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 from collections.abc import Callable, Iterator
 
+import jsonschema
 import pytest
 
 from bench.load_driver import is_drained, wait_until_drained
 from pdserve.deploy.config import PDServeConfig
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.grammar import GrammarSpec
 from pdserve.kvconnector.transport.nixl_transport import nixl_available
 from pdserve.messages.sampling_params import SamplingParams
+from tests.engine.structured_schemas import SCHEMAS, TOOL_SCHEMAS, TOOLS
 from tests.service.service_apps import openai_client, running_app, wait_until_ready
 
 NUM_KV_BLOCKS = 160  # ≈ 0.7 MiB a block for this model
@@ -137,4 +141,66 @@ def test_openai_chat_answers_paris_and_reports_cached_tokens(smollm2_app):
     # The second question reuses the system prompt's blocks.
     cached = reply.usage.prompt_tokens_details.cached_tokens
     assert 16 * 4 <= cached < reply.usage.prompt_tokens
+    assert all(is_drained(w) for w in wait_until_drained(config))
+
+
+def test_smollm2_json_replies_and_tool_calls_validate_and_equal_the_colocated_engine(
+    smollm2_app, smollm2_gguf
+):
+    """The real model through the official client on the 1 + 1 gRPC app: JSON Schema replies
+    at temperature 0.8 (5 seeds of two schemas here; tiny's suites run 20 seeds on every
+    shape) equal the colocated engine's and validate; greedy ``tool_choice: required`` over
+    two tools returns a call of one of them whose arguments validate."""
+    config = smollm2_app((1, 1, "grpc"))
+    client = openai_client(config)
+    engine = LLMEngine.from_pretrained("smollm2", num_kv_blocks=NUM_KV_BLOCKS)
+    tokenizer = engine.tokenizer
+    question = [{"role": "user", "content": "Describe a person called Ada as JSON."}]
+    prompt = tokenizer.encode(tokenizer.chat_template.render(question), add_special_tokens=False)
+    cases = [(name, seed) for name in ("person", "order") for seed in range(5)]
+    expected = engine.generate(
+        [prompt] * len(cases),
+        [
+            SamplingParams(
+                max_tokens=128,
+                temperature=0.8,
+                seed=seed,
+                structured=GrammarSpec("json_schema", json.dumps(SCHEMAS[name])),
+            )
+            for name, seed in cases
+        ],
+    )
+    engine.shutdown()
+
+    def ask(case):
+        name, seed = case
+        return client.chat.completions.create(
+            model="smollm2",
+            messages=question,
+            max_tokens=128,
+            temperature=0.8,
+            seed=seed,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True},
+            },
+        ).choices[0]
+
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        replies = list(pool.map(ask, cases))
+    assert [r.message.content for r in replies] == [o.text for o in expected]
+    for (name, _), reply in zip(cases, replies):
+        assert reply.finish_reason == "stop"
+        jsonschema.validate(json.loads(reply.message.content), SCHEMAS[name])
+    called = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "What is the weather in Paris, in celsius?"}],
+        tools=TOOLS,
+        tool_choice="required",
+        temperature=0,
+        max_tokens=96,
+    ).choices[0]
+    assert called.finish_reason == "tool_calls" and called.message.tool_calls
+    for call in called.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), TOOL_SCHEMAS[call.function.name])
     assert all(is_drained(w) for w in wait_until_drained(config))
