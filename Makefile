@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo check test test-fast typecheck bench bench-vllm-env clean
+.PHONY: setup demo check lint test test-fast typecheck bench bench-vllm-env clean
 
 setup: $(VENV)/.installed
 
@@ -24,20 +24,27 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/pdserve demo
 
-# The checks every `make test` runs before any test (CONTRIBUTING.md): lint, format, the
-# import layers, types. Each fails the target on its own.
-check: setup
+# The checks (CONTRIBUTING.md): lint, format, the import layers, types. Each fails the target
+# on its own; `make test` runs them too (types beside the Ray lane, below).
+check: lint typecheck
+
+lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
-	$(MAKE) --no-print-directory typecheck
 
-# Everything: the fast lane's tests on two workers (whole files each), then the Ray-backed
-# suites one at a time (each starts its own cluster or app; two at once on 2 cores only
-# slow each other down).
-test: check
+# Everything: lint, format and import layers first; the fast lane's tests on two workers
+# (whole files each); then the Ray-backed suites one at a time (each starts its own cluster or
+# app; two at once on 2 cores only slow each other down), with mypy beside them: it needs
+# one core for about a minute, which the Ray lane leaves idle. A type error still fails the
+# target (after the Ray lane; `make check` reports it at once).
+test: lint
 	$(PY) -m pytest -q -m "not ray" -n 2 --dist loadfile
-	$(PY) -m pytest -q -m ray
+	@mkdir -p build; \
+	$(MAKE) --no-print-directory typecheck > build/typecheck.log 2>&1 & types=$$!; \
+	$(PY) -m pytest -q -m ray --durations=20; tests=$$?; \
+	wait $$types; typed=$$?; echo "--- mypy"; cat build/typecheck.log; \
+	test $$tests -eq 0 && test $$typed -eq 0
 
 # The lane to run while editing: every test that starts no Ray cluster (-m "not ray"; see
 # tests/conftest.py), about 1.5 minutes on 2 cores. Whole files go to 2 workers, so that a
