@@ -97,13 +97,14 @@ def validate_messages(messages: object) -> list[dict[str, Any]]:
                 f"messages[{index}].role is {role!r}; expected one of {', '.join(CHAT_ROLES)}"
             )
         calls = message.get("tool_calls") if role == "assistant" else None
+        checked_calls = None if calls is None else _tool_calls(calls, index)
         content = message.get("content")
         plain_message: dict[str, Any] = {
             "role": role,
-            "content": "" if calls and content is None else _content_text(content, index),
+            "content": "" if checked_calls and content is None else _content_text(content, index),
         }
-        if calls is not None:
-            plain_message["tool_calls"] = _tool_calls(calls, index)
+        if checked_calls is not None:
+            plain_message["tool_calls"] = checked_calls
         if role == "tool":
             call_id = message.get("tool_call_id")
             if not isinstance(call_id, str) or not call_id:

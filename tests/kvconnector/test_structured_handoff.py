@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+from collections.abc import Callable
 
 import jsonschema
 import pytest
@@ -22,6 +23,7 @@ from pdserve.grammar import GrammarSpec
 from pdserve.messages.connector_config import KVConnectorConfig
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.generation import GenerationChunk, WorkerRequest
+from pdserve.messages.kv_transfer_params import KVTransferParams
 from pdserve.messages.worker_spec import WorkerSpec
 from pdserve.prefill.worker import PrefillWorker
 from tests.engine.structured_schemas import SCHEMAS
@@ -59,20 +61,28 @@ async def _stream(worker, request: WorkerRequest) -> list[GenerationChunk]:
 
 
 async def _disaggregated(
-    prefill: PrefillWorker, decode: DecodeWorker, request_id: str, params: SamplingParams
+    prefill: PrefillWorker,
+    decode: DecodeWorker,
+    request_id: str,
+    params: SamplingParams,
+    prompt: list[int] = PROMPT,
+    before_pull: Callable[[KVTransferParams], None] | None = None,
 ) -> list[int]:
-    """The gateway's two phases: the first token on the prefill worker, the rest pulled."""
+    """The gateway's two phases: the first token on the prefill worker, the rest pulled
+    (``before_pull`` sees the hand-off first)."""
     first = await _stream(
         prefill,
         WorkerRequest(
-            request_id, PROMPT, dataclasses.replace(params, max_tokens=1), remote_decode=True
+            request_id, prompt, dataclasses.replace(params, max_tokens=1), remote_decode=True
         ),
     )
     hand_off = first[-1].kv_transfer_params
     if hand_off is None:  # the first token already ended the request (grammar complete)
         return [t for chunk in first for t in chunk.new_token_ids]
+    if before_pull is not None:
+        before_pull(hand_off)
     rest = await _stream(
-        decode, WorkerRequest(request_id, PROMPT, params, kv_transfer_params=hand_off)
+        decode, WorkerRequest(request_id, prompt, params, kv_transfer_params=hand_off)
     )
     return [t for chunk in rest for t in chunk.new_token_ids]
 
@@ -127,19 +137,9 @@ def test_a_failed_pull_recomputes_and_still_equals_colocated(workers, colocated)
     [expected] = colocated.generate([prompt], [params])
     fallbacks_before = decode.engine.stats().num_recompute_fallbacks
 
-    async def run() -> list[int]:
-        first = await _stream(
-            prefill,
-            WorkerRequest(
-                "rc", prompt, dataclasses.replace(params, max_tokens=1), remote_decode=True
-            ),
-        )
-        hand_off = first[-1].kv_transfer_params
-        prefill.engine.runner.kv_cache[hand_off.block_ids[-1]].view(-1)[3] += 1.0  # unique to it
-        rest = await _stream(
-            decode, WorkerRequest("rc", prompt, params, kv_transfer_params=hand_off)
-        )
-        return [t for chunk in rest for t in chunk.new_token_ids]
+    def corrupt_a_page(hand_off: KVTransferParams) -> None:
+        prefill.engine.runner.kv_cache[hand_off.block_ids[-1]].view(-1)[3] += 1.0  # unique
 
-    assert asyncio.run(run()) == expected.output_token_ids
+    pulled = _disaggregated(prefill, decode, "rc", params, prompt, before_pull=corrupt_a_page)
+    assert asyncio.run(pulled) == expected.output_token_ids
     assert decode.engine.stats().num_recompute_fallbacks == fallbacks_before + 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.tokenizer.chat_template import ChatTemplate
+from pdserve.tokenizer.chat_template import ChatTemplate, validate_messages
 from pdserve.tokenizer.tokenizer import ByteTokenizer
 
 CHATML = ByteTokenizer().chat_template
@@ -71,3 +71,58 @@ def test_template_cannot_reach_python_internals():
 def test_template_that_does_not_compile_is_a_clear_error():
     with pytest.raises(ValueError, match="does not compile"):
         ChatTemplate("{% for m in messages %}", bos_token="", eos_token="")
+
+
+def test_a_template_that_reads_tools_gets_them_and_renders_calls_itself():
+    """A tools-aware template (the shape of Qwen's and Hermes') is handed the definitions and
+    the history's calls as transformers hands them: arguments decoded to objects."""
+    source = (
+        "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}|{% endif %}"
+        "{% for m in messages %}{{ m.role }}:"
+        "{% if m.tool_calls %}{% for c in m.tool_calls %}CALL {{ c.function.name }}"
+        "({{ c.function.arguments.city }}){% endfor %}{% else %}{{ m.content }}{% endif %}|"
+        "{% endfor %}"
+    )
+    template = ChatTemplate(source, "", "")
+    assert template.supports_tools
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "4 degrees"},
+    ]
+    rendered = template.render(messages, add_generation_prompt=False, tools=tools)
+    assert (
+        rendered
+        == "TOOLS:get_weather;|user:Weather?|assistant:CALL get_weather(Oslo)|tool:4 degrees|"
+    )
+
+
+@pytest.mark.parametrize(
+    "message, reason",
+    [
+        ({"role": "tool", "content": "x"}, "tool_call_id"),
+        (
+            {"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]},
+            "arguments as JSON text",
+        ),
+        (
+            {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]},
+            "not JSON",
+        ),
+        ({"role": "assistant", "tool_calls": []}, "non-empty list"),
+    ],
+)
+def test_bad_tool_history_names_the_message(message, reason):
+    with pytest.raises(ValueError, match=reason):
+        validate_messages([{"role": "user", "content": "hi"}, message])
