@@ -46,9 +46,7 @@ PROMPT = "List the rows of the inventory table as JSON: "
 def decode_tokens_per_s(engine: LLMEngine, batch: int, tokens: int, structured: bool) -> float:
     spec = GrammarSpec("json_schema", json.dumps(SCHEMA)) if structured else None
     params = [
-        SamplingParams(
-            max_tokens=tokens, temperature=0.8, seed=i, ignore_eos=True, structured=spec
-        )
+        SamplingParams(max_tokens=tokens, temperature=0.8, seed=i, ignore_eos=True, structured=spec)
         for i in range(batch)
     ]
     # Distinct prompts (no prefix sharing between sides); the prefill is timed apart.
@@ -71,7 +69,9 @@ def decode_tokens_per_s(engine: LLMEngine, batch: int, tokens: int, structured: 
 def compile_times(engine: LLMEngine) -> tuple[float, float]:
     """Seconds to compile the schema into a fresh compiler, then to fetch it cached."""
     tokenizer = engine.tokenizer
-    compiler = GrammarCompiler(tokenizer.backend, engine.model_config.vocab_size, tokenizer.eos_token_ids)
+    compiler = GrammarCompiler(
+        tokenizer.backend, engine.model_config.vocab_size, tokenizer.eos_token_ids
+    )
     spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
     compiler.matcher(GrammarSpec("regex", "a"))  # builds the llguidance tokenizer first
     start = time.perf_counter()
@@ -103,8 +103,10 @@ def main() -> None:
             f"   ratio {masked / free:.3f}"
         )
     cold, cached = compile_times(engine)
-    print(f"grammar compile: cold {1000 * cold:.2f} ms, cached {1000 * cached:.3f} ms "
-          f"(ratio {cold / cached:.0f}x)")
+    print(
+        f"grammar compile: cold {1000 * cold:.2f} ms, cached {1000 * cached:.3f} ms "
+        f"(ratio {cold / cached:.0f}x)"
+    )
 
 
 if __name__ == "__main__":
