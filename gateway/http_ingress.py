@@ -61,6 +61,7 @@ from pdserve.gateway.openai_schema import (
 from pdserve.gateway.orchestrator import RequestOrchestrator
 from pdserve.gateway.parallel_sampling import choice_params, generate_choices
 from pdserve.gateway.stream_emitter import StreamDelta
+from pdserve.gateway.structured_outputs import StructuredOutputFields
 from pdserve.gateway.worker_pool import NoModelInfo, WorkerPool
 from pdserve.messages.logprobs import TokenLogprobs
 from pdserve.tokenizer.loading import load_tokenizer
@@ -295,7 +296,11 @@ async def _serve(
 async def complete(orchestrator: RequestOrchestrator, request: Request) -> Response:
     """``POST /v1/completions``: validate, then ``_serve``."""
     try:
-        parsed = parse_completion(await read_json_body(request))
+        body = await read_json_body(request)
+        if StructuredOutputFields.asks_for_structure(body):  # a grammar compiles: off the loop
+            parsed = await asyncio.to_thread(parse_completion, body)
+        else:
+            parsed = parse_completion(body)
     except APIError as error:
         return _error_response(orchestrator, error)
     return await _serve(

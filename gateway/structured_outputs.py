@@ -76,6 +76,12 @@ class StructuredOutputFields(BaseModel):
     guided_choice: Choices | None = None
     guided_grammar: Annotated[str, StringConstraints(min_length=1)] | None = None
 
+    @classmethod
+    def asks_for_structure(cls, body: object) -> bool:
+        """Whether a raw body sets any of these fields (then parsing it compiles a grammar:
+        up to tens of milliseconds for a large schema, so the ingress parses it off the loop)."""
+        return isinstance(body, dict) and any(body.get(name) for name in cls.model_fields)
+
     def grammar_spec(self) -> GrammarSpec | None:
         """The one constraint the request asks for, compiled once to check it; None if none."""
         asked = [(param, spec) for param, spec in self._asked() if spec is not None]
