@@ -5,7 +5,9 @@ One int32 word holds 32 tokens' "may come next" bits, row ``r`` for sampled row 
     bitmask [rows, ceil(vocab / 32)]     bit t % 32 of word t // 32 = token t allowed
     row without a grammar                all bits set (-1): nothing masked
 
-llguidance fills every constrained row in one call on its own threads (``LLExecutor``).
+llguidance fills every constrained row in one call on its own threads (``LLExecutor``),
+straight into the tensor's memory (``llguidance.torch`` is not imported: its module-level
+``torch.compile`` would add seconds to every worker's start).
 Applying unpacks the bits with one broadcast shift into a ``[rows, vocab]`` boolean and
 fills the forbidden logits with -inf on a copy: the raw logits stay for logprobs.
 (llguidance's own ``apply_token_bitmask_inplace`` is a ``torch.compile`` kernel, which would
@@ -17,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import llguidance
-import llguidance.torch
 import torch
 
 from pdserve.grammar import GrammarMatcher
@@ -37,8 +38,9 @@ def fill_token_bitmask(
     global _EXECUTOR
     if _EXECUTOR is None:
         _EXECUTOR = llguidance.LLExecutor()
-    bitmask = torch.full((len(matchers), (vocab_size + 31) // 32), -1, dtype=torch.int32)
-    llguidance.torch.fill_next_token_bitmask_par(_EXECUTOR, constrained, bitmask)
+    words = (vocab_size + 31) // 32
+    bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)
+    _EXECUTOR.unsafe_compute_mask_ptr(constrained, bitmask.data_ptr(), words * 4, len(matchers))
     return bitmask
 
 

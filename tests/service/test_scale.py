@@ -105,8 +105,11 @@ def _wait_for_requests_on(config, worker_ids: list[str], timeout_s: float = 120.
 def test_scaling_up_and_down_under_load_loses_no_request_and_routes_to_the_new_set(
     ray_cluster, colocated
 ):
+    # A pool the load cannot cycle through while the test runs (each load prompt takes 6 new
+    # blocks): with 256, a slow scale step let LRU eviction take the repeated prompt's blocks,
+    # and "the cache is still warm" failed for a reason that is not a restart.
     with running_app(
-        num_prefill=1, num_decode=1, app_name="scale", route_prefix="/scale"
+        num_kv_blocks=4096, num_prefill=1, num_decode=1, app_name="scale", route_prefix="/scale"
     ) as config:
         wait_until_ready(config)
         assert _cached_tokens_of_repeated(config) == 0  # computed once, cached on prefill-0
