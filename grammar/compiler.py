@@ -91,3 +91,8 @@ class GrammarCompiler:
 
     def __len__(self) -> int:
         return len(self._cache)
+
+    def __contains__(self, spec: GrammarSpec) -> bool:
+        """Compiled and cached (a hint: another thread may evict it before it is used)."""
+        with self._lock:
+            return spec in self._cache

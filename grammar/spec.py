@@ -9,6 +9,7 @@ llguidance grammar, so both sides mask the same tokens.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Literal
@@ -79,11 +80,18 @@ class GrammarSpec:
         return {"x-guidance": _COMPACT_JSON, **schema}
 
     def validate(self) -> None:
-        """Compiles the grammar without a tokenizer (cheap, no model needed: the gateway
-        calls it to answer a bad schema with a 400); raises ``GrammarError`` naming why."""
-        reason = llguidance.LLMatcher.validate_grammar(self.llguidance_grammar())
-        if reason:
-            raise GrammarError(reason.strip())
+        """Compiles the grammar without a tokenizer (no model needed: the gateway calls it to
+        answer a bad schema with a 400); raises ``GrammarError`` naming why. A spec that
+        compiled is remembered (agents send the same schema with every request)."""
+        _validate(self)
+
+
+@functools.lru_cache(maxsize=256)
+def _validate(spec: GrammarSpec) -> None:
+    """``GrammarSpec.validate``'s work; a raise is not cached, a success is."""
+    reason = llguidance.LLMatcher.validate_grammar(spec.llguidance_grammar())
+    if reason:
+        raise GrammarError(reason.strip())
 
 
 def _choice_lark(source: str) -> str:

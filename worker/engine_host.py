@@ -131,12 +131,11 @@ class EngineHost:
         entered_at = time.perf_counter()
         self._ensure_loop()
         request_id = request.request_id
-        if request.params.structured is not None:
+        spec = request.params.structured
+        if spec is not None and spec not in self.engine.grammar_compiler:
             # Compiled here, off the engine thread: add_request then finds it in the cache.
             try:
-                await asyncio.to_thread(
-                    self.engine.grammar_compiler.compile, request.params.structured
-                )
+                await asyncio.to_thread(self.engine.grammar_compiler.compile, spec)
             except GrammarError as error:
                 yield GenerationChunk.failed(request_id, str(error), refused=True)
                 return
