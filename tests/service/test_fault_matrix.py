@@ -86,7 +86,7 @@ def app(request, ray_cluster):
         transport=transport,
         app_name=f"matrix-{transport}",
         route_prefix=f"/matrix-{transport}",
-        kv_transfer_port=free_port(),
+        kv_transfer_port=free_port(count=2),  # prefill-i binds port + i
         worker_timeout_s=3.0,
     ) as config:
         wait_until_ready(config, timeout_s=120)
