@@ -45,6 +45,10 @@ from pdserve.prefill.worker import PrefillWorker
 _WORKER_MAX_ONGOING = 4096
 _WORKER_CLASSES = {"producer": PrefillWorker, "consumer": DecodeWorker}
 _NOT_CODE = {"tests", "bench", "docs", "build", "dist", "__pycache__"}
+# How often a stopping replica looks whether its requests finished. Serve's default (2 s)
+# is a floor under every delete and scale step, even for an idle replica; the wait for
+# running requests (graceful_shutdown_timeout_s) is unchanged.
+_SHUTDOWN_POLL_S = 0.2
 
 
 def worker_actor_options(config: PDServeConfig, worker_id: str) -> dict[str, Any]:
@@ -152,6 +156,7 @@ def build(config: PDServeConfig, retiring_from: PDServeConfig | None = None) -> 
             ray_actor_options=worker.actor_options,
             max_ongoing_requests=_WORKER_MAX_ONGOING,
             health_check_period_s=5,
+            graceful_shutdown_wait_loop_s=_SHUTDOWN_POLL_S,
         )(_WORKER_CLASSES[worker.role])
         # Serve's public API no longer takes a version; the Deployment keeps one, and the
         # client uses it instead of a random one when it is set (ray.serve._private.client).
@@ -163,7 +168,9 @@ def build(config: PDServeConfig, retiring_from: PDServeConfig | None = None) -> 
     retiring = {w.spec.worker_id: bind(w) for w in app.retiring}
     # @serve.deployment made Gateway a Deployment; mypy keeps a decorated class's own type.
     gateway = Gateway.options(  # type: ignore[attr-defined]  # a Deployment: see above
-        num_replicas=app.gateway.num_replicas, ray_actor_options=app.gateway_options
+        num_replicas=app.gateway.num_replicas,
+        ray_actor_options=app.gateway_options,
+        graceful_shutdown_wait_loop_s=_SHUTDOWN_POLL_S,
     )
     return gateway.bind(app.gateway, prefill, decode, retiring)
 
