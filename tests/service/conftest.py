@@ -1,8 +1,9 @@
 """Session fixtures of the service suite: one local Ray cluster, and the colocated reference.
 
-Starting Ray costs ≈ 5 s and each app's workers ≈ 1 s apiece on 2 cores, so every module
-deploys its shapes as named apps under their own route prefix on this one cluster and
-deletes them when done (``service_apps.running_app``): one shape runs at a time.
+Starting Ray costs ≈ 7 s and each worker process ≈ 5 s of CPU (most of it importing torch)
+on 2 cores, so the modules share this one cluster and one app on it, each redeploying the
+app with its settings (``service_apps.running_app``): Serve keeps the workers a module did
+not change. One shape runs at a time; Serve goes down with the cluster at the end.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import secrets
 import socket
 import threading
 import time
@@ -24,14 +25,31 @@ T = TypeVar("T")
 
 
 SERVE_PORT = free_port()
+# The app modules share (see ``running_app``), and what every deploy of it keeps equal so that
+# Serve keeps the workers whose spec did not change: the hash seed and the KV secret.
+SHARED_APP = "svc"
+SHARED_SECRETS = {"hash_seed": 20_261_201, "kv_transfer_secret": secrets.token_urlsafe(32)}
+_entered: list[PDServeConfig] = []  # the apps of the running_app blocks now open
 
 
 @contextlib.contextmanager
 def running_app(num_kv_blocks: int = NUM_KV_BLOCKS, **fields) -> Iterator[PDServeConfig]:
-    """Deploys one pdserve app on the shared cluster; deletes it afterwards.
+    """Deploys one pdserve app on the shared cluster.
+
+    Without an ``app_name`` the app is the suite's shared one: each module redeploys it with
+    its own settings and leaves it running when done, and Serve keeps every worker whose
+    spec (engine, connector, tier) did not change and replaces the rest, the gateway always.
+    A module that changes only gateway settings (ports, admission, the disaggregation
+    threshold) starts one process, not a whole app: ≈ 3 s instead of 9 to 15 on 2 cores. So
+    its workers may hold what an earlier module left: prefix caches, counters, restarted
+    instances; a test here reads counters as growth and sends prompts of its own.
+    An ``app_name``, or a block inside another one, gets an app of its own, deleted after.
 
     ``num_kv_blocks`` below the default makes a pool that fills up on purpose; every
     request is disaggregated unless ``disagg_min_uncached_tokens`` is given."""
+    shared = "app_name" not in fields and not _entered
+    if shared:
+        fields = {**fields, "app_name": SHARED_APP, "route_prefix": f"/{SHARED_APP}"}
     # Always disaggregate unless a test says otherwise: most tests specify the hand-off.
     config = PDServeConfig(
         **{
@@ -39,14 +57,18 @@ def running_app(num_kv_blocks: int = NUM_KV_BLOCKS, **fields) -> Iterator[PDServ
             "port": SERVE_PORT,
             "num_kv_blocks": num_kv_blocks,
             "disagg_min_uncached_tokens": 0,
+            **SHARED_SECRETS,
             **fields,
         }
     )
     deploy(config)
+    _entered.append(config)
     try:
         yield config
     finally:
-        delete_app(config.app_name)
+        _entered.pop()
+        if not shared:
+            delete_app(config.app_name)
 
 
 def expected_text(engine: LLMEngine, prompt: str | list[int], params: SamplingParams) -> str:

@@ -32,8 +32,6 @@ def service(ray_cluster):
     with running_app(
         num_prefill=1,
         num_decode=0,
-        app_name="badgrpc",
-        route_prefix="/badgrpc",
         grpc_port=GRPC_PORT,
     ) as config:
         yield config

@@ -27,9 +27,7 @@ VALID = {"model": "tiny", "prompt": "Hello there", "max_tokens": 4, "temperature
 
 @pytest.fixture(scope="module")
 def service(ray_cluster):
-    with running_app(
-        num_prefill=1, num_decode=1, app_name="badhttp", route_prefix="/badhttp"
-    ) as config:
+    with running_app(num_prefill=1, num_decode=1) as config:
         yield config
 
 

@@ -44,9 +44,7 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def service(ray_cluster):
-    with running_app(
-        num_prefill=1, num_decode=1, app_name="chat11", route_prefix="/chat11", grpc_port=GRPC_PORT
-    ) as config:
+    with running_app(num_prefill=1, num_decode=1, grpc_port=GRPC_PORT) as config:
         yield config
 
 

@@ -19,8 +19,6 @@ def service(ray_cluster):
     with running_app(
         num_prefill=1,
         num_decode=1,
-        app_name="cond11",
-        route_prefix="/cond11",
         disagg_min_uncached_tokens=THRESHOLD,
     ) as config:
         yield config

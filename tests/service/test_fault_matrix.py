@@ -84,8 +84,6 @@ def app(request, ray_cluster):
         num_prefill=2,
         num_decode=2,
         transport=transport,
-        app_name=f"matrix-{transport}",
-        route_prefix=f"/matrix-{transport}",
         kv_transfer_port=free_port(count=2),  # prefill-i binds port + i
         worker_timeout_s=3.0,
     ) as config:

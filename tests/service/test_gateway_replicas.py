@@ -16,7 +16,7 @@ import pytest
 import ray
 
 from bench.load_driver import get_json
-from pdserve.deploy.cluster import base_url
+from pdserve.deploy.cluster import base_url, scale
 from pdserve.deploy.config import PDServeConfig
 from pdserve.gateway.replica_board import board_name
 from pdserve.messages.sampling_params import SamplingParams
@@ -180,6 +180,8 @@ def test_each_replica_admits_its_share_under_real_load_and_grpc_needs_one_replic
         assert sum(admitted.values()) == statuses.count(200), (admitted, statuses)
         assert stats["gateway"]["num_requests"] == statuses.count(200)
         assert_drained(config)
+    with pytest.raises(LookupError, match="no app 'gwadmit'"):  # deleted: scale forgot it too
+        scale("gwadmit", 1, 1)
 
 
 def test_a_silent_replicas_counts_stay_in_the_sum_but_its_in_flight_does_not():

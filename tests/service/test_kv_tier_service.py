@@ -36,8 +36,6 @@ def service(ray_cluster, tmp_path_factory):
         num_kv_blocks=16,
         num_prefill=1,
         num_decode=1,
-        app_name="tier11",
-        route_prefix="/tier11",
         max_model_len=240,
         kv_tier_cpu_bytes=16 * PAGE_BYTES,
         kv_tier_disk_path=str(disk),

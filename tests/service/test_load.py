@@ -55,8 +55,6 @@ def test_256_requests_64_in_flight_are_each_answered_once_as_colocated_and_free_
         num_prefill=2,
         num_decode=2,
         max_inflight_requests=CONCURRENCY // 2,
-        app_name="load22",
-        route_prefix="/load22",
     ) as config:
         workers_before = get_json(config, "/stats")["workers"]
         outcomes, wall_s = asyncio.run(run_load(base_url(config) + "/v1/completions", planned))

@@ -45,7 +45,7 @@ DECODE_SOURCES = (
 
 @pytest.fixture(scope="module")
 def service(ray_cluster):
-    with running_app(num_prefill=1, num_decode=1, app_name="obs", route_prefix="/obs") as config:
+    with running_app(num_prefill=1, num_decode=1) as config:
         yield config
 
 

@@ -101,57 +101,59 @@ def _wait_for_requests_on(config, worker_ids: list[str], timeout_s: float = 120.
         time.sleep(0.25)
 
 
-@pytest.mark.timeout(420)
-def test_scaling_up_and_down_under_load_loses_no_request_and_routes_to_the_new_set(
-    ray_cluster, colocated
-):
+@pytest.fixture(scope="module")
+def service(ray_cluster):
     # A pool the load cannot cycle through while the test runs (each load prompt takes 6 new
     # blocks): with 256, a slow scale step let LRU eviction take the repeated prompt's blocks,
     # and "the cache is still warm" failed for a reason that is not a restart.
-    with running_app(
-        num_kv_blocks=4096, num_prefill=1, num_decode=1, app_name="scale", route_prefix="/scale"
-    ) as config:
-        wait_until_ready(config)
-        assert _cached_tokens_of_repeated(config) == 0  # computed once, cached on prefill-0
-        before = _processes(config)
-        load = SteadyLoad(config)
-        load.start()
-        try:
-            load.wait_for(IN_FLIGHT)
-            assert (
-                pdserve_cli(["scale", "--app-name", "scale", "--prefill", "2", "--decode", "2"])
-                == 0
+    with running_app(num_kv_blocks=4096, num_prefill=1, num_decode=1) as config:
+        yield config
+
+
+@pytest.mark.timeout(420)
+def test_scaling_up_and_down_under_load_loses_no_request_and_routes_to_the_new_set(
+    service, colocated
+):
+    wait_until_ready(service)
+    assert _cached_tokens_of_repeated(service) == 0  # computed once, cached on prefill-0
+    before = _processes(service)
+    load = SteadyLoad(service)
+    load.start()
+    try:
+        load.wait_for(IN_FLIGHT)
+        assert (
+            pdserve_cli(
+                ["scale", "--app-name", service.app_name, "--prefill", "2", "--decode", "2"]
             )
-            wait_until_ready(config, timeout_s=120)
-            rows = _wait_for_requests_on(config, ["prefill-1", "decode-1"])
-            assert sorted(rows) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
-            assert _processes(config) == before  # kept, not restarted
-            assert _cached_tokens_of_repeated(config) > 0  # its prefix cache is still warm
-            finished = sum(1 for c in load.clients if not c.is_alive())
-            scale("scale", 1, 1)
-            wait_until_ready(config, timeout_s=120)
-            load.wait_for(finished + 2 * IN_FLIGHT)  # served by the smaller set
-            assert sorted(worker_rows(config)) == ["decode-0", "prefill-0"]
-            assert _processes(config) == before
-        finally:
-            clients = load.stop()
-        lost = [
-            (c.prompt[:4], c.status, c.error)
-            for c in clients
-            if c.error is not None or c.finish_reason is None
-        ]
-        assert lost == []
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-        wrong = [
-            c.prompt[:4] for c in clients if c.text != expected_text(colocated, c.prompt, params)
-        ]
-        assert wrong == []
-        assert_drained(config)
+            == 0
+        )
+        wait_until_ready(service, timeout_s=120)
+        rows = _wait_for_requests_on(service, ["prefill-1", "decode-1"])
+        assert sorted(rows) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
+        assert _processes(service) == before  # kept, not restarted
+        assert _cached_tokens_of_repeated(service) > 0  # its prefix cache is still warm
+        finished = sum(1 for c in load.clients if not c.is_alive())
+        scale(service.app_name, 1, 1)
+        wait_until_ready(service, timeout_s=120)
+        load.wait_for(finished + 2 * IN_FLIGHT)  # served by the smaller set
+        assert sorted(worker_rows(service)) == ["decode-0", "prefill-0"]
+        assert _processes(service) == before
+    finally:
+        clients = load.stop()
+    lost = [
+        (c.prompt[:4], c.status, c.error)
+        for c in clients
+        if c.error is not None or c.finish_reason is None
+    ]
+    assert lost == []
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    wrong = [c.prompt[:4] for c in clients if c.text != expected_text(colocated, c.prompt, params)]
+    assert wrong == []
+    assert_drained(service)
 
 
-def test_scaling_refuses_to_turn_a_disaggregated_app_colocated_and_an_unknown_app(ray_cluster):
-    with running_app(num_prefill=1, num_decode=1, app_name="scale2", route_prefix="/scale2"):
-        with pytest.raises(ValueError, match="disaggregated.*pdserve down"):
-            scale("scale2", 1, 0)
-    with pytest.raises(LookupError, match="no app 'scale2'"):
-        scale("scale2", 1, 1)
+def test_scaling_refuses_to_turn_a_disaggregated_app_colocated_and_an_unknown_app(service):
+    with pytest.raises(ValueError, match="disaggregated.*pdserve down"):
+        scale(service.app_name, 1, 0)
+    with pytest.raises(LookupError, match="no app 'never-deployed'"):
+        scale("never-deployed", 1, 1)

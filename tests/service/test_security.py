@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import urllib.error
 import urllib.request
@@ -22,7 +21,6 @@ import pytest
 import torch
 
 from pdserve.deploy.cluster import base_url
-from pdserve.deploy.config import KV_TRANSFER_SECRET_ENV
 from pdserve.kvconnector.transport.base import TransferError
 from pdserve.kvconnector.transport.grpc_client import GrpcTransferClient
 from pdserve.kvconnector.transport.layout import KVLayout
@@ -30,6 +28,7 @@ from pdserve.messages.sampling_params import SamplingParams
 from pdserve.proto import generate_pb2, generate_pb2_grpc
 from tests.service.service_apps import (
     SERVE_PORT,
+    SHARED_SECRETS,
     assert_drained,
     expected_text,
     free_port,
@@ -38,7 +37,7 @@ from tests.service.service_apps import (
     running_app,
 )
 
-SECRET = "service-suite-secret-" + os.urandom(8).hex()
+SECRET = SHARED_SECRETS["kv_transfer_secret"]
 GRPC_PORT = free_port()
 KV_PORT = free_port()
 PROMPT = "Tenant data: the quarterly numbers are confidential. Summarise them: "
@@ -46,23 +45,10 @@ PROMPT = "Tenant data: the quarterly numbers are confidential. Summarise them: "
 
 @pytest.fixture(scope="module")
 def service(ray_cluster):
-    previous = os.environ.get(KV_TRANSFER_SECRET_ENV)
-    os.environ[KV_TRANSFER_SECRET_ENV] = SECRET  # read by build() in this (driver) process
-    try:
-        with running_app(
-            num_prefill=1,
-            num_decode=1,
-            app_name="sec11",
-            route_prefix="/sec11",
-            grpc_port=GRPC_PORT,
-            kv_transfer_port=KV_PORT,
-        ) as config:
-            yield config
-    finally:
-        if previous is None:
-            os.environ.pop(KV_TRANSFER_SECRET_ENV, None)
-        else:
-            os.environ[KV_TRANSFER_SECRET_ENV] = previous
+    with running_app(
+        num_prefill=1, num_decode=1, grpc_port=GRPC_PORT, kv_transfer_port=KV_PORT
+    ) as config:
+        yield config
 
 
 @pytest.fixture(autouse=True)

@@ -39,8 +39,6 @@ def service(ray_cluster):
     with running_app(
         num_prefill=1,
         num_decode=1,
-        app_name="pd11",
-        route_prefix="/pd11",
         grpc_port=GRPC_PORT,
         max_inflight_requests=MAX_INFLIGHT,
     ) as config:

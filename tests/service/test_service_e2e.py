@@ -38,7 +38,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def service(ray_cluster):
-    with running_app(num_prefill=2, num_decode=2, app_name="pd22", route_prefix="/pd22") as config:
+    with running_app(num_prefill=2, num_decode=2) as config:
         yield config
 
 

@@ -39,13 +39,10 @@ def app(request, ray_cluster):
     num_prefill, num_decode, transport = request.param
     if transport == "nixl" and not nixl_available():
         pytest.skip("NIXL does not load here (pip install 'pdserve[nixl]')")
-    name = f"feat{num_prefill}{num_decode}{transport}"
     with running_app(
         num_prefill=num_prefill,
         num_decode=num_decode,
         transport=transport,
-        app_name=name,
-        route_prefix=f"/{name}",
         grpc_port=GRPC_PORT,
     ) as config:
         assert wait_until_ready(config)["ready"]

@@ -4,8 +4,9 @@ Greedy chat replies through the gateway equal the colocated engine's token for t
 1 + 1 and 2 + 2 apps, over gRPC and NIXL; the official OpenAI client gets "Paris" for the
 capital of France, streamed and not; a repeated long system prompt shows cached tokens.
 Each smollm2 worker holds ≈ 0.55 GB of fp32 weights, so the shapes run one at a time and
-every request of a shape runs concurrently; the Paris test reuses the 1 + 1 gRPC app
-(``smollm2_app`` keeps one shape deployed, replacing it when a test asks for another).
+every request of a shape runs concurrently; the Paris and JSON tests reuse the 1 + 1 gRPC
+app (``smollm2_app`` redeploys the suite's shared app only when a test asks for another
+shape; from 2 + 2 to 1 + 1 over the same transport Serve keeps prefill-0 and decode-0).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ Shape = tuple[int, int, str]
 
 @pytest.fixture(scope="module")
 def smollm2_app(ray_cluster, smollm2_gguf) -> Iterator[Callable[[Shape], PDServeConfig]]:
-    """Deploys a shape on request, keeping one deployed: asking for another deletes it."""
+    """Deploys a shape on request, keeping the last one: asking for another replaces it."""
     deployed: dict[Shape, PDServeConfig] = {}
     with contextlib.ExitStack() as stack:
 
@@ -57,7 +58,6 @@ def smollm2_app(ray_cluster, smollm2_gguf) -> Iterator[Callable[[Shape], PDServe
                 stack.close()
                 deployed.clear()
                 num_prefill, num_decode, transport = shape
-                name = f"smol{num_prefill}{num_decode}{transport}"
                 deployed[shape] = stack.enter_context(
                     running_app(
                         model="smollm2",
@@ -65,8 +65,6 @@ def smollm2_app(ray_cluster, smollm2_gguf) -> Iterator[Callable[[Shape], PDServe
                         num_decode=num_decode,
                         transport=transport,
                         num_kv_blocks=NUM_KV_BLOCKS,
-                        app_name=name,
-                        route_prefix=f"/{name}",
                     )
                 )
             return deployed[shape]
@@ -75,16 +73,23 @@ def smollm2_app(ray_cluster, smollm2_gguf) -> Iterator[Callable[[Shape], PDServe
 
 
 @pytest.fixture(scope="module")
-def expected_replies(smollm2_gguf) -> list[tuple[str, int]]:
-    """(text, completion tokens) of each conversation from the colocated engine, greedy."""
+def colocated_smollm2(smollm2_gguf) -> Iterator[LLMEngine]:
+    """The reference: a colocated engine with the workers' settings, built once here."""
     engine = LLMEngine.from_pretrained("smollm2", num_kv_blocks=NUM_KV_BLOCKS)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def expected_replies(colocated_smollm2) -> list[tuple[str, int]]:
+    """(text, completion tokens) of each conversation from the colocated engine, greedy."""
+    engine = colocated_smollm2
     tokenizer = engine.tokenizer
     prompts = [
         tokenizer.encode(tokenizer.chat_template.render(m), add_special_tokens=False)
         for m in CONVERSATIONS
     ]
     outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
-    engine.shutdown()
     return [(output.text, len(output.output_token_ids)) for output in outputs]
 
 
@@ -145,7 +150,7 @@ def test_openai_chat_answers_paris_and_reports_cached_tokens(smollm2_app):
 
 
 def test_smollm2_json_replies_and_tool_calls_validate_and_equal_the_colocated_engine(
-    smollm2_app, smollm2_gguf
+    smollm2_app, colocated_smollm2
 ):
     """The real model through the official client on the 1 + 1 gRPC app: JSON Schema replies
     at temperature 0.8 (5 seeds of two schemas here; tiny's suites run 20 seeds on every
@@ -153,7 +158,7 @@ def test_smollm2_json_replies_and_tool_calls_validate_and_equal_the_colocated_en
     two tools returns a call of one of them whose arguments validate."""
     config = smollm2_app((1, 1, "grpc"))
     client = openai_client(config)
-    engine = LLMEngine.from_pretrained("smollm2", num_kv_blocks=NUM_KV_BLOCKS)
+    engine = colocated_smollm2
     tokenizer = engine.tokenizer
     question = [{"role": "user", "content": "Describe a person called Ada as JSON."}]
     prompt = tokenizer.encode(tokenizer.chat_template.render(question), add_special_tokens=False)
@@ -170,7 +175,6 @@ def test_smollm2_json_replies_and_tool_calls_validate_and_equal_the_colocated_en
             for name, seed in cases
         ],
     )
-    engine.shutdown()
 
     def ask(case):
         name, seed = case
