@@ -8,13 +8,16 @@ Serve starts a new replica, which reports a new ``instance_id``.
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
 
 import pytest
 
+from pdserve.grammar import GrammarSpec
 from pdserve.messages.sampling_params import SamplingParams
+from tests.engine.structured_schemas import SCHEMAS
 from tests.service.service_apps import (
     StreamClient,
     assert_drained,
@@ -33,9 +36,7 @@ LONG_PROMPT = "A long shared preamble that spans several KV blocks, so a pull ha
 
 @pytest.fixture(scope="module")
 def faults(ray_cluster):
-    with running_app(
-        num_prefill=2, num_decode=2, app_name="faults", route_prefix="/faults", worker_timeout_s=2.0
-    ) as config:
+    with running_app(num_prefill=2, num_decode=2, worker_timeout_s=2.0) as config:
         yield config
 
 
@@ -43,16 +44,35 @@ def _sampling(index: int) -> dict:
     return dict(temperature=0.0) if index % 2 == 0 else dict(temperature=0.8, seed=100 + index)
 
 
-def _expected(colocated, prompt: str, max_tokens: int, sampling: dict) -> str:
-    return expected_text(colocated, prompt, SamplingParams(max_tokens=max_tokens, **sampling))
+def _expected(
+    colocated, prompt: str, max_tokens: int, sampling: dict, structured: GrammarSpec | None = None
+) -> str:
+    params = SamplingParams(max_tokens=max_tokens, structured=structured, **sampling)
+    return expected_text(colocated, prompt, params)
+
+
+PERSON = SCHEMAS["person"]
+PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
 
 
 def test_a_decode_worker_killed_mid_generation_replays_its_requests_into_one_clean_stream(
     faults, colocated
 ):
-    prompts = [f"Request {i}: tell a long story about the number {i}." for i in range(4)]
+    """Four of the six requests have a JSON Schema (so each decode worker runs one or more
+    of them): a replay on another decode worker rebuilds the grammar from its start and
+    must give the colocated engine's tokens."""
+    prompts = [f"Request {i}: tell a long story about the number {i}." for i in range(6)]
     max_tokens = 96
-    clients = [StreamClient(faults, p, max_tokens, _sampling(i)) for i, p in enumerate(prompts)]
+    structured = [i % 3 != 0 for i in range(len(prompts))]
+    clients = [
+        StreamClient(
+            faults,
+            p,
+            max_tokens,
+            {**_sampling(i), **({"response_format": PERSON_FORMAT} if structured[i] else {})},
+        )
+        for i, p in enumerate(prompts)
+    ]
     for client in clients:
         client.start()
     deadline = time.time() + 30
@@ -66,11 +86,13 @@ def test_a_decode_worker_killed_mid_generation_replays_its_requests_into_one_cle
     kill_worker(faults, victim)
     run_all(clients)
 
+    person = GrammarSpec("json_schema", json.dumps(PERSON))
     for i, client in enumerate(clients):
         assert client.error is None, client.error
-        assert client.text == _expected(colocated, prompts[i], max_tokens, _sampling(i)), (
-            client.finish_reason
+        expected = _expected(
+            colocated, prompts[i], max_tokens, _sampling(i), person if structured[i] else None
         )
+        assert client.text == expected, client.finish_reason
     assert get_json(faults, "/stats")["gateway"]["num_retries"] >= 1
     wait_until_restarted(faults, victim, rows[victim]["instance_id"])  # a new instance, routed to
     assert_drained(faults)
