@@ -201,9 +201,10 @@ class LLMEngine:
             request.append_output_token(kv_transfer_params.first_token_id)
             if params.logprobs is not None:  # its logprob is the prefill worker's to report
                 request.output_logprobs.append(None)
-            status = self.scheduler.stop_status(request)
-            if tracked.detokenizer.update(request.output_token_ids):
-                status = RequestStatus.FINISHED_STOPPED
+            status = self.scheduler.check_stop(request)
+            stop = tracked.detokenizer.update(request.output_token_ids)
+            if stop is not None:
+                request.stop_reason, status = stop, RequestStatus.FINISHED_STOPPED
             if status is not None:
                 request.status = status
                 if self.connector is None:  # checked on entry: kv_transfer_params need one
@@ -363,8 +364,9 @@ class LLMEngine:
     def _make_output(self, request: Request) -> RequestOutput:
         tracked = self._tracked.get(request.request_id)
         if tracked is not None:
-            stopped = tracked.detokenizer.update(request.output_token_ids)
-            if stopped and not request.is_finished:
+            stop = tracked.detokenizer.update(request.output_token_ids)
+            if stop is not None and not request.is_finished:
+                request.stop_reason = stop
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
         if request.is_finished:
             self._tracked.pop(request.request_id, None)
@@ -382,6 +384,7 @@ class LLMEngine:
             text=text,
             finished=request.is_finished,
             finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
             arrival_time=request.arrival_time,
             first_token_time=request.first_token_time,
             finish_time=request.finish_time,

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from pdserve.cache import BlockHash, RequestBlockHasher
 from pdserve.engine.request_stamps import RequestStamps
 from pdserve.grammar import GrammarMatcher
+from pdserve.messages.generation import StopReason
 from pdserve.messages.kv_provenance import KVProvenance
 from pdserve.messages.logprobs import TokenLogprobs
 from pdserve.messages.sampling_params import SamplingParams
@@ -97,6 +98,10 @@ class Request:
         self.stamps = RequestStamps()
         self.finish_time: float | None = None
         self.error: str | None = None
+        # Why a FINISHED_STOPPED request stopped, as vLLM's ``stop_reason``: the stop token
+        # id or stop string it met, or what its grammar said when no token could continue
+        # it (None: EOS, or the grammar completed).
+        self.stop_reason: StopReason = None
         # Set on a prefill worker when the request finished with its blocks leased out.
         self.kv_transfer_params_out: KVTransferParams | None = None
         self.num_cached_tokens = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.engine.request_stamps import RequestStamps
+from pdserve.messages.generation import StopReason
 from pdserve.messages.kv_provenance import KVProvenance
 from pdserve.messages.kv_transfer_params import KVTransferParams
 from pdserve.messages.logprobs import TokenLogprobs
@@ -31,6 +32,7 @@ class RequestOutput:
     finish_time: float | None
     num_cached_tokens: int = 0
     error: str | None = None
+    stop_reason: StopReason = None
     kv_transfer_params: KVTransferParams | None = None
     kv_provenance: KVProvenance | None = None
     output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # when asked

@@ -285,22 +285,28 @@ class Scheduler:
             request.stamps.first_token_at = request.stamps.first_token_at or sampled_at
             request.append_output_token(token_id)
             changed.append(request)
-            status = self.stop_status(request)
+            status = self.check_stop(request)
             if status is not None:
                 self.finish_request(request, status)
         return changed
 
-    def stop_status(self, request: Request) -> RequestStatus | None:
-        """Whether the newest output token ends the request (stop strings are the engine's)."""
+    def check_stop(self, request: Request) -> RequestStatus | None:
+        """Whether the newest output token ends the request, noting why in its
+        ``stop_reason`` (stop strings are the engine's: they need the text)."""
         params = request.sampling_params
         last = request.output_token_ids[-1]
         if not params.ignore_eos and last in self.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if last in params.stop_token_ids:
+            request.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
         grammar = request.grammar
-        if grammar is not None and (grammar.finished or grammar.error is not None):
-            # Complete (only EOS could follow), or no token continues it: a clean stop.
+        if grammar is not None and grammar.finished:  # only EOS could follow
+            return RequestStatus.FINISHED_STOPPED
+        if grammar is not None and grammar.error is not None:
+            # No token continues it (on a decode worker: the first token the prefill side
+            # sampled is not in this grammar): a clean stop that says so, not a 500.
+            request.stop_reason = f"grammar: {grammar.error}"
             return RequestStatus.FINISHED_STOPPED
         if (
             request.num_output_tokens >= params.max_tokens

@@ -24,12 +24,14 @@ from pdserve.gateway.openai_schema import (
     APIError,
     ParsedCompletion,
     SamplingRequest,
+    WholeChoice,
     envelope,
     validate_request,
 )
 from pdserve.gateway.structured_outputs import StructuredOutputError
 from pdserve.gateway.tool_calls import HermesToolParser, ParsedDelta, parse_whole
 from pdserve.gateway.tools import ToolFields
+from pdserve.messages.generation import StopReason
 from pdserve.messages.logprobs import MAX_LOGPROBS
 from pdserve.tokenizer.tokenizer import Tokenizer
 
@@ -148,6 +150,7 @@ class ChatFormat:
         finish_reason: str | None,
         index: int = 0,
         tokens: TokensWithLogprobs = ((), ()),
+        stop_reason: StopReason = None,
     ) -> dict[str, Any]:
         delta: dict[str, Any] = {"content": text} if text else {}
         if self.parse_tool_calls:
@@ -169,6 +172,7 @@ class ChatFormat:
                     "delta": delta,
                     "logprobs": self._render(tokens),
                     "finish_reason": finish_reason,
+                    "stop_reason": stop_reason,
                 }
             ]
         )
@@ -179,11 +183,9 @@ class ChatFormat:
     def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
         return {**self._envelope([]), "usage": usage_body}
 
-    def response(
-        self, choices: list[tuple[str, str | None, TokensWithLogprobs]], usage_body: dict[str, Any]
-    ) -> dict[str, Any]:
+    def response(self, choices: list[WholeChoice], usage_body: dict[str, Any]) -> dict[str, Any]:
         rendered = []
-        for i, (text, reason, tokens) in enumerate(choices):
+        for i, (text, reason, stop_reason, tokens) in enumerate(choices):
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if self.parse_tool_calls:
                 content, calls = parse_whole(text)
@@ -197,6 +199,7 @@ class ChatFormat:
                     "message": message,
                     "logprobs": self._render(tokens),
                     "finish_reason": reason,
+                    "stop_reason": stop_reason,
                 }
             )
         return envelope(self, "chat.completion", rendered, usage=usage_body)

@@ -27,6 +27,7 @@ from pdserve.gateway.openai_schema import (
 )
 from pdserve.gateway.orchestrator import RequestOrchestrator
 from pdserve.gateway.parallel_sampling import choice_params, generate_choices
+from pdserve.messages.generation import StopReason
 from pdserve.messages.logprobs import TokenLogprobs
 from pdserve.proto import generate_pb2
 
@@ -78,7 +79,7 @@ class GenerateServicer:
         )
         try:
             async for index, delta in stream:
-                yield generate_pb2.GenerateResponse(
+                response = generate_pb2.GenerateResponse(
                     request_id=request_id,
                     index=index,
                     token_ids=delta.token_ids,
@@ -90,6 +91,8 @@ class GenerateServicer:
                         _token_logprob(entry) for entry in delta.logprobs if entry is not None
                     ],
                 )
+                _set_stop_reason(response, delta.stop_reason)
+                yield response
         except APIError as error:
             await self._abort(context, error)
         finally:
@@ -144,6 +147,14 @@ def _structured_outputs(message: generate_pb2.StructuredOutputs) -> dict[str, An
     if which == "choice":
         return {"choice": list(message.choice.options)}
     return {which: getattr(message, which)}
+
+
+def _set_stop_reason(response: generate_pb2.GenerateResponse, reason: StopReason) -> None:
+    """Sets the ``stop_reason`` oneof: a stop token id, else the text (None: left unset)."""
+    if isinstance(reason, int):
+        response.stop_token_id = reason
+    elif reason is not None:
+        response.stop_text = reason
 
 
 def _token_logprob(entry: TokenLogprobs) -> generate_pb2.TokenLogprob:

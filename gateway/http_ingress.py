@@ -53,6 +53,7 @@ from pdserve.gateway.openai_schema import (
     APIError,
     CompletionFormat,
     ParsedCompletion,
+    WholeChoice,
     models_response,
     parse_completion,
     request_too_large,
@@ -63,6 +64,7 @@ from pdserve.gateway.parallel_sampling import choice_params, generate_choices
 from pdserve.gateway.stream_emitter import StreamDelta
 from pdserve.gateway.structured_outputs import StructuredOutputFields
 from pdserve.gateway.worker_pool import NoModelInfo, WorkerPool
+from pdserve.messages.generation import StopReason
 from pdserve.messages.logprobs import TokenLogprobs
 from pdserve.tokenizer.loading import load_tokenizer
 from pdserve.tokenizer.tokenizer import Tokenizer
@@ -162,7 +164,9 @@ async def _sse_events(
         while True:
             index, delta = item
             text, tokens = tally.add(index, delta)
-            chunk = response_format.chunk(text, delta.finish_reason, index, tokens)
+            chunk = response_format.chunk(
+                text, delta.finish_reason, index, tokens, delta.stop_reason
+            )
             if not tally.done:
                 yield {"data": json.dumps(chunk)}
             else:
@@ -197,6 +201,7 @@ class _Tally:
         self.token_ids: list[list[int]] = [[] for _ in range(n)]
         self.logprobs: list[list[TokenLogprobs | None]] = [[] for _ in range(n)]
         self.finish_reasons: list[str | None] = [None] * n
+        self.stop_reasons: list[StopReason] = [None] * n
         self.num_output_tokens = 0
         self.num_prompt_tokens = self.num_cached_tokens = 0
         self.first_choice_last: StreamDelta | None = None
@@ -223,6 +228,7 @@ class _Tally:
         self.num_output_tokens += len(delta.token_ids)
         if delta.finish_reason is not None:
             self.finish_reasons[index] = delta.finish_reason
+            self.stop_reasons[index] = delta.stop_reason
         if index == 0:
             self.num_prompt_tokens = delta.num_prompt_tokens
             self.num_cached_tokens = delta.num_cached_tokens
@@ -232,6 +238,17 @@ class _Tally:
     @property
     def done(self) -> bool:
         return all(reason is not None for reason in self.finish_reasons)
+
+    def whole_choices(self) -> list[WholeChoice]:
+        return list(
+            zip(
+                self.texts,
+                self.finish_reasons,
+                self.stop_reasons,
+                zip(self.token_ids, self.logprobs),
+                strict=True,
+            )
+        )
 
     def usage(self) -> dict[str, Any]:
         """The prompt once (it was prefilled once), every choice's tokens."""
@@ -286,10 +303,7 @@ async def _serve(
             tally.add(index, delta)
     except APIError as error:
         return _error_response(orchestrator, error)
-    body = response_format.response(
-        list(zip(tally.texts, tally.finish_reasons, zip(tally.token_ids, tally.logprobs))),
-        tally.usage(),
-    )
+    body = response_format.response(tally.whole_choices(), tally.usage())
     return JSONResponse({**body, **tally.provenance()})
 
 

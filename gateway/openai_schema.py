@@ -32,6 +32,7 @@ from pydantic import (
 
 from pdserve.gateway.logprobs_format import LogprobsRenderer, TokensWithLogprobs
 from pdserve.gateway.structured_outputs import StructuredOutputError, StructuredOutputFields
+from pdserve.messages.generation import StopReason
 from pdserve.messages.logprobs import MAX_LOGPROBS
 from pdserve.messages.sampling_params import SamplingParams
 
@@ -318,27 +319,42 @@ class CompletionFormat:
         finish_reason: str | None,
         index: int = 0,
         tokens: TokensWithLogprobs = ((), ()),
+        stop_reason: StopReason = None,
     ) -> dict[str, Any]:
-        return envelope(self, "text_completion", [self._choice(index, text, finish_reason, tokens)])
+        choice = self._choice(index, text, finish_reason, stop_reason, tokens)
+        return envelope(self, "text_completion", [choice])
 
     def _choice(
-        self, index: int, text: str, finish_reason: str | None, tokens: TokensWithLogprobs
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        stop_reason: StopReason,
+        tokens: TokensWithLogprobs,
     ) -> dict[str, Any]:
         rendered = self.logprobs.completion(index, *tokens) if self.logprobs else None
-        return {"index": index, "text": text, "logprobs": rendered, "finish_reason": finish_reason}
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": rendered,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
         return envelope(self, "text_completion", [], usage=usage_body)
 
-    def response(
-        self, choices: list[tuple[str, str | None, TokensWithLogprobs]], usage_body: dict[str, Any]
-    ) -> dict[str, Any]:
-        """The whole reply: ``choices`` are ``(text, finish_reason, tokens)`` by index."""
+    def response(self, choices: list[WholeChoice], usage_body: dict[str, Any]) -> dict[str, Any]:
+        """The whole reply: ``choices`` by index."""
         rendered = [
-            self._choice(i, text, reason, tokens)
-            for i, (text, reason, tokens) in enumerate(choices)
+            self._choice(i, text, reason, stop_reason, tokens)
+            for i, (text, reason, stop_reason, tokens) in enumerate(choices)
         ]
         return envelope(self, "text_completion", rendered, usage=usage_body)
+
+
+# One choice of a whole (not streamed) reply: text, finish reason, stop reason, tokens.
+WholeChoice = tuple[str, str | None, StopReason, TokensWithLogprobs]
 
 
 class ReplyIdentity(Protocol):

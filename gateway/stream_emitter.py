@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.request_provenance import RequestProvenance
-from pdserve.messages.generation import GenerationChunk
+from pdserve.messages.generation import GenerationChunk, StopReason
 from pdserve.messages.logprobs import TokenLogprobs
 
 
@@ -28,12 +28,14 @@ class ReplayDiverged(Exception):
 
 @dataclass(slots=True)
 class StreamDelta:
-    """What the client gets next: new tokens and text; ``finish_reason`` and the request's
+    """What the client gets next: new tokens and text; ``finish_reason``, ``stop_reason``
+    (vLLM's: the stop string or token id met, or why the grammar ended it) and the request's
     ``kv_provenance`` on the last one."""
 
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
+    stop_reason: StopReason = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     kv_provenance: RequestProvenance | None = None
@@ -117,6 +119,7 @@ class StreamEmitter:
             new_tokens,
             new_text,
             reason,
+            chunk.stop_reason if finished else None,
             self.num_prompt_tokens,
             self.num_cached_tokens,
             logprobs=new_logprobs,

@@ -32,6 +32,12 @@ class WorkerRequest:
     cache_salt: str | None = None
 
 
+# Why a request that finished with "stop" stopped (vLLM's ``stop_reason``): the stop token id
+# or stop string it met, or ``"grammar: ..."`` when no token could continue its structured
+# output; None for an EOS token or a grammar that completed.
+StopReason = int | str | None
+
+
 @dataclass(slots=True)
 class GenerationChunk:
     """What one request gained since the previous chunk of its stream.
@@ -54,6 +60,7 @@ class GenerationChunk:
     kv_transfer_params: KVTransferParams | None = None
     error: str | None = None
     refused: bool = False
+    stop_reason: StopReason = None  # on the last chunk
     kv_provenance: KVProvenance | None = None
     # Aligned with new_token_ids when the request asked for logprobs, else empty.
     new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)

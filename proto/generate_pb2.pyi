@@ -269,6 +269,8 @@ class GenerateResponse(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    STOP_TEXT_FIELD_NUMBER: _builtins.int
+    STOP_TOKEN_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     text: _builtins.str
     """new text since the previous message"""
@@ -278,6 +280,8 @@ class GenerateResponse(_message.Message):
     num_cached_tokens: _builtins.int
     index: _builtins.int
     """the choice these tokens belong to (n > 1)"""
+    stop_text: _builtins.str
+    stop_token_id: _builtins.int
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """new tokens since the previous message"""
@@ -297,12 +301,16 @@ class GenerateResponse(_message.Message):
         num_cached_tokens: _builtins.int = ...,
         index: _builtins.int = ...,
         logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
+        stop_text: _builtins.str = ...,
+        stop_token_id: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["stop_reason", b"stop_reason", "stop_text", b"stop_text", "stop_token_id", b"stop_token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "num_prompt_tokens", b"num_prompt_tokens", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "num_prompt_tokens", b"num_prompt_tokens", "request_id", b"request_id", "stop_reason", b"stop_reason", "stop_text", b"stop_text", "stop_token_id", b"stop_token_id", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType_stop_reason: _TypeAlias = _typing.Literal["stop_text", "stop_token_id"]  # noqa: Y015
+    _WhichOneofArgType_stop_reason: _TypeAlias = _typing.Literal["stop_reason", b"stop_reason"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_stop_reason) -> _WhichOneofReturnType_stop_reason | None: ...
 
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
 

@@ -29,9 +29,9 @@ class IncrementalDetokenizer:
         self._num_stepped = 0
         self.text = ""
 
-    def update(self, token_ids: Sequence[int]) -> bool:
-        """Extends ``text`` with the tokens added since the last call; returns True when a
-        stop string appeared.
+    def update(self, token_ids: Sequence[int]) -> str | None:
+        """Extends ``text`` with the tokens added since the last call; returns the stop
+        string that appeared, if one did.
 
         On a stop the text is cut just before the stop string, as OpenAI's API does.
         """
@@ -42,12 +42,12 @@ class IncrementalDetokenizer:
                 pieces.append(piece)
         self._num_stepped = len(token_ids)
         if not pieces:
-            return False
+            return None
         search_from = max(0, len(self.text) - self._max_stop_len + 1)
         self.text += "".join(pieces)
         for stop in self._stop:
             index = self.text.find(stop, search_from)
             if index != -1:
                 self.text = self.text[:index]
-                return True
-        return False
+                return stop
+        return None

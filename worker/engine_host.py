@@ -175,6 +175,7 @@ class EngineHost:
                     num_cached_tokens=output.num_cached_tokens,
                     kv_transfer_params=transfer_params,
                     error=output.error,
+                    stop_reason=output.stop_reason,
                     kv_provenance=self._signed(output.kv_provenance),
                     new_logprobs=output.output_logprobs[sent_tokens:],
                     prompt_logprobs=[] if prompt_logprobs_sent else output.prompt_logprobs,

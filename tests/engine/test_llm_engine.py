@@ -103,7 +103,9 @@ def test_stop_token_ids_and_max_tokens(engine: LLMEngine) -> None:
     )[0]
     first = free_run.output_token_ids.index(stop_at)
     assert stopped.output_token_ids == free_run.output_token_ids[: first + 1]
-    assert stopped.finish_reason == "stop"
+    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", stop_at)  # vLLM's field
+    if free_run.finish_reason == "length":
+        assert free_run.stop_reason is None
 
 
 def test_stop_string_cuts_text(engine: LLMEngine) -> None:
@@ -114,7 +116,7 @@ def test_stop_string_cuts_text(engine: LLMEngine) -> None:
     stopped = engine.generate(
         [prompt], SamplingParams(max_tokens=20, temperature=0.0, stop=[stop])
     )[0]
-    assert stopped.finish_reason == "stop"
+    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", stop)
     assert stopped.text == free_run.text[: free_run.text.index(stop)]
 
 

@@ -36,7 +36,7 @@ def _reply(engine, parsed, seed: int = 0) -> dict:
     params = dataclasses.replace(parsed.params, seed=seed, max_tokens=200)
     [output] = engine.generate([parsed.prompt_token_ids], [params])
     chat = ChatFormat("id", "tiny", parse_tool_calls=parsed.parse_tool_calls)
-    return chat.response([(output.text, output.finish_reason, ((), ()))], {})["choices"][0]
+    return chat.response([(output.text, output.finish_reason, None, ((), ()))], {})["choices"][0]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])

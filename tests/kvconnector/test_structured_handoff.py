@@ -143,3 +143,41 @@ def test_a_failed_pull_recomputes_and_still_equals_colocated(workers, colocated)
     pulled = _disaggregated(prefill, decode, "rc", params, prompt, before_pull=corrupt_a_page)
     assert asyncio.run(pulled) == expected.output_token_ids
     assert decode.engine.stats().num_recompute_fallbacks == fallbacks_before + 1
+
+
+def test_a_first_token_outside_the_decode_sides_grammar_stops_saying_why(workers):
+    """The decode worker's matcher refuses the first token it was handed (here an ``x``,
+    where the schema's JSON must open with ``{``; in production: workers with different
+    grammar versions): the request ends ``stop`` with the grammar's reason as its
+    ``stop_reason``, never a hang or an error, and the prefill worker's lease is freed."""
+    prefill, decode = workers
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMAS["person"]))
+    params = SamplingParams(max_tokens=32, temperature=0.0, structured=spec)
+
+    async def run() -> tuple[list[GenerationChunk], int]:
+        first = await _stream(
+            prefill,
+            WorkerRequest(
+                "bad", PROMPT, dataclasses.replace(params, max_tokens=1), remote_decode=True
+            ),
+        )
+        hand_off = first[-1].kv_transfer_params
+        assert hand_off is not None and prefill.engine.num_leases_held == 1
+        refused = dataclasses.replace(hand_off, first_token_id=ord("x"))
+        chunks = await _stream(
+            decode, WorkerRequest("bad", PROMPT, params, kv_transfer_params=refused)
+        )
+        # The release reaches the prefill worker, whose loop frees the lease's blocks.
+        for _ in range(200):
+            if prefill.engine.num_leases_held == 0:
+                break
+            await asyncio.sleep(0.05)
+        return chunks, prefill.engine.num_leases_held
+
+    chunks, leases_held = asyncio.run(run())
+    last = chunks[-1]
+    assert last.finished and last.finish_reason == "stop" and last.error is None
+    assert isinstance(last.stop_reason, str) and last.stop_reason.startswith("grammar: ")
+    assert [t for c in chunks for t in c.new_token_ids] == [ord("x")]
+    assert not decode.engine.has_unfinished_requests()
+    assert leases_held == 0

@@ -65,8 +65,10 @@ def test_openai_completions_streamed_and_whole_equal_colocated(client, colocated
 def test_grpc_generate_streams_the_colocated_tokens(service, colocated):
     with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
         stub = generate_pb2_grpc.GenerateStub(channel)
+        texts = {}
         for prompt in PROMPTS:
             expected = colocated.generate([prompt], SamplingParams(max_tokens=10, temperature=0))[0]
+            texts[prompt] = expected.text
             replies = list(
                 stub.Generate(
                     generate_pb2.GenerateRequest(text=prompt, max_tokens=10, temperature=0.0),
@@ -77,6 +79,16 @@ def test_grpc_generate_streams_the_colocated_tokens(service, colocated):
             assert "".join(r.text for r in replies) == expected.text
             assert replies[-1].finish_reason == expected.finish_reason
             assert replies[-1].num_prompt_tokens == len(expected.prompt_token_ids)
+            assert replies[-1].WhichOneof("stop_reason") is None  # no stop string or token met
+        # A stop string the reply reaches: the last message names it (vLLM's stop_reason).
+        prompt, stop = next(
+            (p, ch) for p, text in texts.items() for ch in text[1:] if ch.isascii() and ch.isalnum()
+        )
+        request = generate_pb2.GenerateRequest(
+            text=prompt, max_tokens=10, temperature=0.0, stop=[stop]
+        )
+        last = list(stub.Generate(request, timeout=60))[-1]
+        assert (last.finish_reason, last.stop_text) == ("stop", stop)
         with pytest.raises(grpc.RpcError) as caught:
             next(stub.Generate(generate_pb2.GenerateRequest(text="hi", model="nope")))
         assert caught.value.code() == grpc.StatusCode.NOT_FOUND

@@ -88,10 +88,23 @@ def test_token_id_prompts_stop_strings_and_one_token_requests_equal_colocated(cl
     expected = expected_text(
         colocated, prompt, SamplingParams(max_tokens=16, temperature=0, stop=[stop])
     )
-    streamed = client.completions.create(
-        model="tiny", prompt=prompt, max_tokens=16, temperature=0, stop=[stop], stream=True
+    streamed = list(
+        client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=16, temperature=0, stop=[stop], stream=True
+        )
     )
     assert "".join(c.choices[0].text for c in streamed) == expected
+    # vLLM's stop_reason names the stop string met, streamed and whole.
+    last = streamed[-1].choices[0]
+    assert (last.finish_reason, last.stop_reason) == ("stop", stop)
+    whole = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=16, temperature=0, stop=[stop]
+    ).choices[0]
+    assert (whole.text, whole.finish_reason, whole.stop_reason) == (expected, "stop", stop)
+    capped = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=2, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert (capped.choices[0].finish_reason, capped.choices[0].stop_reason) == ("length", None)
 
 
 def test_a_repeated_prompt_is_routed_to_the_prefill_worker_that_cached_it_and_hits_there(service):

@@ -10,21 +10,22 @@ TOKENIZER = ByteTokenizer()
 TEXT = "Grüße, 世界! 🙂 done"
 
 
-def stream(token_ids: list[int], stop: list[str] | None = None) -> tuple[list[str], bool]:
-    """The text after each token, fed one at a time, and whether a stop string ended it."""
+def stream(token_ids: list[int], stop: list[str] | None = None) -> tuple[list[str], str | None]:
+    """The text after each token, fed one at a time, and the stop string that ended it."""
     detokenizer = IncrementalDetokenizer(TOKENIZER, stop or [])
     texts = []
     for end in range(1, len(token_ids) + 1):
-        if detokenizer.update(token_ids[:end]):
-            return texts + [detokenizer.text], True
+        met = detokenizer.update(token_ids[:end])
+        if met is not None:
+            return texts + [detokenizer.text], met
         texts.append(detokenizer.text)
-    return texts, False
+    return texts, None
 
 
 def test_streamed_text_equals_the_whole_decode_and_hides_eos():
     ids = TOKENIZER.encode(TEXT) + [TOKENIZER.eos_token_id]
     texts, stopped = stream(ids)
-    assert texts[-1] == TEXT and not stopped
+    assert texts[-1] == TEXT and stopped is None
     assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:]))
 
 
@@ -44,8 +45,8 @@ def test_several_new_tokens_in_one_update():
 
 
 def test_stop_string_spanning_tokens_cuts_the_text_before_it():
-    texts, stopped = stream(TOKENIZER.encode(TEXT), stop=["世界"])
-    assert stopped and texts[-1] == "Grüße, "
+    texts, stopped = stream(TOKENIZER.encode(TEXT), stop=["🙂", "世界"])
+    assert stopped == "世界" and texts[-1] == "Grüße, "  # the one met, first in the text
 
 
 def test_specials_above_eos_decode_to_nothing_and_text_never_becomes_one():
