@@ -70,6 +70,7 @@ from pdserve.tokenizer.loading import load_tokenizer
 from pdserve.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+_START_RETRY_S = 0.5  # between tries to reach a worker at start
 
 app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
 app.include_router(dashboard_router)
@@ -382,6 +383,21 @@ class Gateway:
         self._ready = asyncio.Lock()
         self._created = int(time.time())
         self._grpc_server: grpc.aio.Server | None = None
+        # Started now (Serve runs the constructor on the replica's loop), not by the first
+        # request or health check: once Serve reports the app running, the gRPC port listens
+        # and the router polls the workers. Started lazily, a deploy returned with the gRPC
+        # port refusing connections until the next health check, up to 10 s later. Workers
+        # still loading their model do not make the gateway unhealthy: Serve's health check
+        # is the replica answering, and readiness is ``/ready``'s to say.
+        self._starting = asyncio.get_running_loop().create_task(self._start_when_workers_answer())
+
+    async def _start_when_workers_answer(self) -> None:
+        while self.orchestrator is None:
+            try:
+                await self._get_orchestrator()
+            except APIError as error:  # the workers are still loading their model
+                logger.info("gateway up, workers not yet: %s", error.message)
+                await asyncio.sleep(_START_RETRY_S)
 
     async def _get_orchestrator(self) -> RequestOrchestrator:
         if self.orchestrator is None:
@@ -400,15 +416,6 @@ class Gateway:
                     if self.config.grpc_port:
                         self._grpc_server = await start_grpc_server(orchestrator, self.config)
         return self.orchestrator
-
-    async def check_health(self) -> None:
-        """Serve's health check: the replica answers. It tries to start the orchestrator
-        (so the first request finds it), but workers that are still loading their model do
-        not make the gateway unhealthy: readiness is ``/ready``'s to say."""
-        try:
-            await self._get_orchestrator()
-        except APIError as error:
-            logger.info("gateway up, workers not yet: %s", error.message)
 
     # ------------------------------------------------------------------ HTTP
 
