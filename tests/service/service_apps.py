@@ -169,6 +169,28 @@ def on_worker(config: PDServeConfig, worker_id: str, action: Callable[[Any], T])
     return ray.get(_replica_actor(config, worker_id).__ray_call__.remote(run), timeout=60)
 
 
+def delay_reads(seconds: float) -> Callable:
+    """Prefill side: every read (gRPC stream or NIXL hold) waits ``seconds`` before it
+    starts, as a stalled transfer thread would; 0 removes the delay."""
+
+    def install(worker) -> None:
+        import time as worker_time
+
+        from pdserve.kvconnector.pd.lease import LeaseTable
+
+        table = worker.engine.connector.leases
+        table.__dict__.pop("begin_read", None)
+        if seconds:
+
+            def delayed(lease_id, block_ids):
+                worker_time.sleep(seconds)
+                return LeaseTable.begin_read(table, lease_id, block_ids)
+
+            table.begin_read = delayed
+
+    return install
+
+
 def wait_until_restarted(
     config: PDServeConfig, worker_id: str, old_instance_id: str, timeout_s: float = 60.0
 ) -> dict:

@@ -37,6 +37,7 @@ from pdserve.messages.sampling_params import SamplingParams
 from tests.service.service_apps import (
     StreamClient,
     assert_drained,
+    delay_reads,
     expected_text,
     free_port,
     kill_worker,
@@ -112,28 +113,6 @@ def matrix_report(request) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------- faults, run in the workers
-
-
-def delay_reads(seconds: float) -> Callable:
-    """Prefill side: every read (gRPC stream or NIXL hold) waits ``seconds`` before it
-    starts, as a stalled transfer thread would; 0 removes the delay."""
-
-    def install(worker) -> None:
-        import time as worker_time
-
-        from pdserve.kvconnector.pd.lease import LeaseTable
-
-        table = worker.engine.connector.leases
-        table.__dict__.pop("begin_read", None)
-        if seconds:
-
-            def delayed(lease_id, block_ids):
-                worker_time.sleep(seconds)
-                return LeaseTable.begin_read(table, lease_id, block_ids)
-
-            table.begin_read = delayed
-
-    return install
 
 
 def transfer_deadline(seconds: float) -> Callable:

@@ -21,9 +21,11 @@ from tests.engine.structured_schemas import SCHEMAS
 from tests.service.service_apps import (
     StreamClient,
     assert_drained,
+    delay_reads,
     expected_text,
     get_json,
     kill_worker,
+    on_worker,
     post_completion,
     run_all,
     running_app,
@@ -31,6 +33,7 @@ from tests.service.service_apps import (
     worker_rows,
 )
 
+PREFILLS = ("prefill-0", "prefill-1")
 LONG_PROMPT = "A long shared preamble that spans several KV blocks, so a pull has work. " * 2
 
 
@@ -108,15 +111,30 @@ def test_a_decode_worker_killed_mid_generation_replays_its_requests_into_one_cle
 def test_a_prefill_worker_killed_mid_transfer_leaves_the_decode_side_to_recompute(
     faults, colocated
 ):
+    """Reads stall 3 s on both prefill workers, so the kill lands while decode workers wait
+    for the victim's pages: the victim is the prefill worker holding the most leases once
+    client 0's first token is out (a kill timed by that alone missed every pull on a slow
+    run)."""
     prompts = [f"{LONG_PROMPT} Variant {i}." for i in range(6)]
     max_tokens = 24
     before = worker_rows(faults)
     clients = [StreamClient(faults, p, max_tokens, _sampling(i)) for i, p in enumerate(prompts)]
-    for client in clients:
-        client.start()
-    clients[0].first_event.wait(30)  # its first token is out: its KV is leased for the pull
-    kill_worker(faults, "prefill-0")
-    run_all(clients)
+    for worker_id in PREFILLS:
+        on_worker(faults, worker_id, delay_reads(3.0))
+    victim = None
+    try:
+        for client in clients:
+            client.start()
+        clients[0].first_event.wait(30)  # its first token is out: its KV is leased for the pull
+        rows = worker_rows(faults)
+        victim = max(PREFILLS, key=lambda w: rows[w]["num_leases_held"])
+        assert rows[victim]["num_leases_held"] > 0, "no lease held when the kill came"
+        kill_worker(faults, victim)
+        run_all(clients)
+    finally:  # the victim's new process starts without the delay
+        for worker_id in PREFILLS:
+            if worker_id != victim:
+                on_worker(faults, worker_id, delay_reads(0.0))
 
     for i, client in enumerate(clients):
         assert client.error is None, client.error
@@ -129,7 +147,7 @@ def test_a_prefill_worker_killed_mid_transfer_leaves_the_decode_side_to_recomput
         for w in ("decode-0", "decode-1")
     )
     assert recomputed >= 1, "no pull met the dead prefill worker"
-    wait_until_restarted(faults, "prefill-0", before["prefill-0"]["instance_id"])
+    wait_until_restarted(faults, victim, before[victim]["instance_id"])
     assert_drained(faults)
     again = StreamClient(faults, prompts[0], 8, _sampling(0))
     run_all([again])
