@@ -392,11 +392,14 @@ class Gateway:
         self._starting = asyncio.get_running_loop().create_task(self._start_when_workers_answer())
 
     async def _start_when_workers_answer(self) -> None:
+        waiting = False
         while self.orchestrator is None:
             try:
                 await self._get_orchestrator()
             except APIError as error:  # the workers are still loading their model
-                logger.info("gateway up, workers not yet: %s", error.message)
+                if not waiting:  # once, not every retry of a model load
+                    logger.info("gateway up, workers not yet: %s", error.message)
+                    waiting = True
                 await asyncio.sleep(_START_RETRY_S)
 
     async def _get_orchestrator(self) -> RequestOrchestrator:
