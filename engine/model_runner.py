@@ -18,6 +18,7 @@ from pdserve.engine.model_input import ScheduledChunk
 from pdserve.model.architectures import CausalLM
 from pdserve.model.attention import build_attention_metadata
 from pdserve.model.model_config import ModelConfig, resolve_dtype
+from pdserve.model.paged_decode import SPLIT_KV_BYTES
 
 
 def configure_torch_threads(num_threads: int = 1) -> None:
@@ -71,6 +72,12 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
+        # Decode reads its pages in chunks of SPLIT_KV_BYTES on CPU (model/paged_decode.py);
+        # elsewhere the whole table at once.
+        key_value_bytes = 2 * self.kv_cache[0, 0, 0, 0].nbytes
+        self.decode_chunk_keys = (
+            max(1, SPLIT_KV_BYTES // key_value_bytes) if self.device.type == "cpu" else None
+        )
 
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Run one step; float32 logits, ``chunk.num_logit_rows`` rows per chunk in the caller's
@@ -99,6 +106,8 @@ class ModelRunner:
             self.model_config.num_layers,
             self.device,
             self.model_config.sliding_window,
+            self.dtype,
+            self.decode_chunk_keys,
         )
         if metadata.max_position > self.model_config.max_position_embeddings:
             raise ValueError(

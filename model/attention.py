@@ -1,19 +1,19 @@
-"""Paged attention in plain torch: write K/V into slots, gather blocks, one SDPA call.
+"""Paged attention in plain torch: write K/V into slots, then attend over the pages.
 
 The KV tensor is ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_size]``
 (docs/architecture.md). A step's tokens arrive flattened, multi-token chunks (prefills)
 first, then single-token chunks (decodes):
 
     tokens:  | prefill A (n_A) | prefill B (n_B) | d0 | d1 | d2 |
-              └ one SDPA each ┘                   └ one SDPA for all, padded + masked ┘
+              └ one SDPA each ┘                   └ split-KV over the pages (paged_decode) ┘
 
 Per layer: every token's K and V go to their rows of the KV tensor seen as
 ``[num_blocks * num_layers * 2 * block_size, num_kv_heads * head_size]`` (one
 ``index_put`` for K and V of all tokens), where the row of slot ``(block, offset)``
 of ``layer`` is ``((block * num_layers + layer) * 2 + kv) * block_size + offset``.
 A prefill chunk that starts at position 0 attends to its own fresh K/V (no gather);
-one that continues a prefix gathers its blocks. The decodes gather their block tables
-padded to the longest, with a mask over the padding (none for a single decode).
+one that continues a prefix gathers its blocks (from the window's first block, under a
+sliding window). The decodes read their pages chunk by chunk (``model/paged_decode.py``).
 Everything that is the same for all layers (rows, tables, masks) is built once per
 step in :func:`build_attention_metadata`, with O(batch) Python.
 """
@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.cache import cdiv
+from pdserve.model.paged_decode import DecodeAttention, decode_attention, plan_decode
 
 
 @dataclass(slots=True)
@@ -35,28 +36,15 @@ class PrefillAttention:
     """One multi-token chunk: its query rows, its blocks and its mask.
 
     ``block_table`` is ``None`` for a chunk starting at position 0 (it attends to its own
-    fresh K/V). ``attn_mask`` is ``None`` for plain causal attention from position 0
-    (SDPA's ``is_causal`` serves); else ``[1, 1, num_queries, seq_len]`` bool.
+    fresh K/V); else the blocks it reads, from the sliding window's first one. ``seq_len``
+    is how many keys it attends, counted from the table's first block. ``attn_mask`` is
+    ``None`` for plain causal attention from position 0 (SDPA's ``is_causal`` serves); else
+    ``[1, 1, num_queries, seq_len]`` bool.
     """
 
     query_start: int
     query_end: int
     block_table: torch.Tensor | None  # [num_blocks_needed] long
-    seq_len: int
-    attn_mask: torch.Tensor | None
-
-
-@dataclass(slots=True)
-class DecodeAttention:
-    """All single-token chunks of the step, as one padded batch.
-
-    Rows ``query_start ..`` of the step's tokens; ``block_tables`` ``[batch, max_blocks]``
-    (padded with block 0, masked); ``attn_mask`` ``[batch, 1, 1, seq_len]``, or ``None``
-    when no key needs hiding (one decode, full attention: ``seq_len`` is its length).
-    """
-
-    query_start: int
-    block_tables: torch.Tensor
     seq_len: int
     attn_mask: torch.Tensor | None
 
@@ -80,11 +68,15 @@ def build_attention_metadata(
     num_layers: int,
     device: torch.device,
     sliding_window: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    decode_chunk_keys: int | None = None,
 ) -> AttentionMetadata:
     """Index tensors and masks for a step whose chunks are ordered prefills-then-decodes.
 
     ``token_counts[i] > 1`` for every prefill, ``== 1`` for every decode; decodes come last.
-    ``block_ids[i]`` must cover the chunk's end position.
+    ``block_ids[i]`` must cover the chunk's end position. ``dtype`` is the query's (the
+    decode masks are additive); ``decode_chunk_keys`` how many keys one decode chunk gathers
+    over the batch (``model/paged_decode.py``; ``None``: the whole table at once).
     """
     ends = [start + count for start, count in zip(start_positions, token_counts)]
     blocks_needed = [cdiv(end, block_size) for end in ends]
@@ -115,41 +107,41 @@ def build_attention_metadata(
     query_start = 0
     for i in range(num_prefills):
         start, count = start_positions[i], token_counts[i]
+        # A window's first query reads from `start - window + 1` on: blocks before it are
+        # neither gathered nor masked (they may be the null block already).
+        first_block = (
+            0 if sliding_window is None else max(0, start - sliding_window + 1) // block_size
+        )
+        key_start = first_block * block_size
         table = None
         if start > 0:
-            table = torch.tensor(block_ids[i][: blocks_needed[i]], dtype=torch.long, device=device)
+            table = torch.tensor(
+                block_ids[i][first_block : blocks_needed[i]], dtype=torch.long, device=device
+            )
         mask = None
         if start > 0 or sliding_window is not None:
             query_pos = torch.arange(start, start + count)[:, None]
-            mask = _visible(query_pos, torch.arange(start + count)[None, :], sliding_window)[
-                None, None
-            ].to(device)
+            key_pos = torch.arange(key_start, start + count)[None, :]
+            mask = _visible(query_pos, key_pos, sliding_window)[None, None].to(device)
         prefills.append(
-            PrefillAttention(query_start, query_start + count, table, start + count, mask)
+            PrefillAttention(
+                query_start, query_start + count, table, start + count - key_start, mask
+            )
         )
         query_start += count
 
     decode = None
     if num_prefills < len(token_counts):
-        decode_needed = blocks_needed[num_prefills:]
-        max_blocks = max(decode_needed)
-        tables = torch.tensor(
-            [
-                ids[:need] + [0] * (max_blocks - need)
-                for ids, need in zip(block_ids[num_prefills:], decode_needed)
-            ],
-            dtype=torch.long,
+        decode = plan_decode(
+            query_start,
+            start_positions[num_prefills:],
+            block_ids[num_prefills:],
+            block_size,
+            device,
+            dtype,
+            sliding_window,
+            decode_chunk_keys,
         )
-        decode_starts = start_positions[num_prefills:]
-        if len(decode_starts) == 1 and sliding_window is None:
-            seq_len, mask = decode_starts[0] + 1, None
-        else:
-            seq_len = max_blocks * block_size
-            query_pos = torch.tensor(decode_starts, dtype=torch.long)[:, None]
-            mask = _visible(query_pos, torch.arange(seq_len)[None, :], sliding_window)[
-                :, None, None, :
-            ].to(device)
-        decode = DecodeAttention(query_start, tables.to(device), seq_len, mask)
 
     return AttentionMetadata(
         positions.to(device), write_rows.to(device), max(ends), prefills, decode
@@ -235,7 +227,7 @@ def paged_attention(
     layer_cache = kv_cache[:, layer]
     decode = metadata.decode
     if not metadata.prefills and decode is not None:  # decode-only: no output copy
-        return _decode(query, layer_cache, decode)
+        return decode_attention(query, layer_cache, decode)
     output = torch.empty_like(query)
     for chunk in metadata.prefills:
         if chunk.block_table is None:
@@ -254,33 +246,7 @@ def paged_attention(
         )
         output[chunk.query_start : chunk.query_end] = attended[0].transpose(0, 1)
     if decode is not None:
-        output[decode.query_start :] = _decode(
+        output[decode.query_start :] = decode_attention(
             query[decode.query_start : num_tokens], layer_cache, decode
         )
     return output
-
-
-def _decode(
-    query: torch.Tensor, layer_cache: torch.Tensor, decode: DecodeAttention
-) -> torch.Tensor:
-    """One SDPA over the padded batch of single-token queries ``[batch, num_heads, head_size]``.
-
-    The query heads that share a K/V head are passed as that head's queries
-    (``[batch, kv_heads, group, head_size]``), so SDPA needs no ``enable_gqa`` expansion of
-    K and V: a single token attends to every visible key, hence no causal mask among them.
-    At batch 16 this halves the attention time (the GQA path copies K/V per query head).
-    """
-    keys, values = _gather(
-        layer_cache, decode.block_tables
-    )  # [batch, max_blocks * block_size, ...]
-    if decode.attn_mask is None:
-        keys, values = keys[:, : decode.seq_len], values[:, : decode.seq_len]
-    batch, num_heads, head_size = query.shape
-    num_kv_heads = keys.shape[2]
-    attended = F.scaled_dot_product_attention(
-        query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_size),
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        attn_mask=decode.attn_mask,
-    )
-    return attended.reshape(batch, num_heads, head_size)
