@@ -14,8 +14,17 @@ greedy, EOS ignored, one torch thread, in the same process:
    cannot beat ``read bandwidth / weight bytes``. The bandwidth is measured here, by one
    thread summing a tensor larger than the caches: a copy (read + write + write-allocate)
    under-states what a read-only pass such as decode can reach.
+4. ``smollm2`` at long contexts: one decode step at batch 1 and 8 x 2k and 8k tokens of
+   context (random K/V in shuffled pages: a step's cost does not depend on what the K/V
+   hold, and prefilling 64k tokens here would take minutes), against (a) the same attention
+   over a contiguous cache, one layer, (b) transformers' forward of one token per row over
+   its own cache (``DynamicCache`` holding the same context) and (c) the floor: the bytes
+   that step must read (weights + K/V once) at the read bandwidth measured in the run.
+5. The engine's per-step overhead at batch 16: the share of ``step()`` spent outside the
+   model runner's ``execute`` (scheduling, sampling, outputs), tiny and smollm2.
 
-Run: python bench/bench_engine.py   (about 15 s for tiny on 2 idle cores, 90 s with smollm2)
+Run: python bench/bench_engine.py   (about 15 s for tiny on 2 idle cores, 4 min with smollm2;
+6 GiB of memory for the 8 x 8k caches)
 """
 
 from __future__ import annotations
@@ -25,11 +34,14 @@ import time
 from collections.abc import Callable
 
 import torch
-from transformers import LlamaConfig
+import torch.nn.functional as F
+from transformers import DynamicCache, LlamaConfig
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
 from pdserve.checkpoint.model_source import builtin_gguf_path
 from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.engine.model_input import ScheduledChunk
+from pdserve.model.attention import build_attention_metadata, paged_attention
 from pdserve.model.model_config import ModelConfig
 
 OUTPUT_TOKENS = 64
@@ -40,6 +52,10 @@ SUFFIX_TOKENS = 32
 SMOLLM2_PROMPT_TOKENS = 128
 SMOLLM2_OUTPUT_TOKENS = 32
 SMOLLM2_ROUNDS = 2
+LONG_CONTEXT_SHAPES = ((1, 2048), (8, 2048), (1, 8192), (8, 8192))  # (batch, context tokens)
+LONG_CONTEXT_BLOCK_SIZE = 16
+LONG_CONTEXT_ROUNDS = 3
+OVERHEAD_BATCH = 16
 
 
 def hf_model(engine: LLMEngine) -> HFLlamaForCausalLM:
@@ -193,13 +209,136 @@ def bench_decode_bandwidth(engine: LLMEngine, prompt: list[int]) -> None:
     )
 
 
+def bench_long_context(engine: LLMEngine, model: HFLlamaForCausalLM) -> None:
+    """Decode step at long contexts: engine vs contiguous attention, transformers and the floor."""
+    config, runner = engine.model_config, engine.runner
+    runner.kv_cache.uniform_(-1, 1)  # any K/V: the step's cost does not depend on the values
+    bandwidth, weights = read_bandwidth(), weight_bytes(engine)
+    kv_token_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
+    print(
+        f"smollm2 long-context decode step, {LONG_CONTEXT_BLOCK_SIZE}-token pages shuffled, "
+        f"1 torch thread, best of {LONG_CONTEXT_ROUNDS}; floor = (weights + K/V) / "
+        f"{bandwidth / 2**30:.1f} GiB/s"
+    )
+    generator = torch.Generator().manual_seed(0)
+    for batch, context in LONG_CONTEXT_SHAPES:
+        best = long_context_step(engine, model, batch, context, generator)
+        floor = (weights + batch * context * kv_token_bytes) / bandwidth
+        print(
+            f"  {batch} x {context:5d}: engine step {best['engine'] * 1e3:7.1f} ms   "
+            f"transformers {best['hf'] * 1e3:7.1f} ms ({best['hf'] / best['engine']:4.2f}x faster)   "
+            f"floor {floor * 1e3:6.1f} ms ({floor / best['engine']:4.0%} of it)   attention/layer "
+            f"paged {best['paged'] * 1e3:6.2f} ms vs contiguous {best['contiguous'] * 1e3:6.2f} ms "
+            f"({best['paged'] / best['contiguous']:4.2f}x)"
+        )
+
+
+def long_context_step(
+    engine: LLMEngine,
+    model: HFLlamaForCausalLM,
+    batch: int,
+    context: int,
+    generator: torch.Generator,
+) -> dict[str, float]:
+    """Best times of one decode step (engine, transformers) and one layer's attention (paged,
+    contiguous) at ``batch`` rows of ``context`` tokens each."""
+    config, runner = engine.model_config, engine.runner
+    position = context - 1  # the step's token; the context before it is cached
+    blocks = (
+        torch.randperm(runner.num_blocks - 1, generator=generator)[
+            : batch * (context // LONG_CONTEXT_BLOCK_SIZE)
+        ]
+        + 1
+    )
+    tables = blocks.view(batch, -1).tolist()
+    chunks = [
+        ScheduledChunk(f"r{row}", [row + 3], position, table, True)
+        for row, table in enumerate(tables)
+    ]
+    hf_cache = DynamicCache()
+    shape = (batch, config.num_kv_heads, position, config.head_dim)
+    for layer in range(config.num_layers):
+        hf_cache.update(torch.randn(shape), torch.randn(shape), layer)
+    input_ids = torch.arange(3, 3 + batch)[:, None]
+    position_ids = torch.full((batch, 1), position)
+
+    def hf_step() -> None:
+        with torch.inference_mode():
+            model(input_ids, past_key_values=hf_cache, position_ids=position_ids)
+        hf_cache.crop(-1)  # the next round sees the same context
+
+    metadata = build_attention_metadata(
+        [1] * batch,
+        [position] * batch,
+        tables,
+        LONG_CONTEXT_BLOCK_SIZE,
+        config.num_layers,
+        runner.device,
+        dtype=runner.dtype,
+        decode_chunk_keys=runner.decode_chunk_keys,
+    )
+    query = torch.randn(batch, config.num_heads, config.head_dim)
+    key_value = torch.randn(batch, 2, config.num_kv_heads, config.head_dim)
+    grouped = query.view(batch, config.num_kv_heads, -1, config.head_dim)
+    contiguous = torch.randn(2, batch, config.num_kv_heads, context, config.head_dim)
+
+    def paged_layer() -> None:
+        with torch.inference_mode():
+            paged_attention(query, key_value, runner.kv_cache, 0, metadata)
+
+    return best_of(
+        LONG_CONTEXT_ROUNDS,
+        {
+            "engine": lambda: runner.execute(chunks),
+            "hf": hf_step,
+            "paged": paged_layer,
+            "contiguous": lambda: F.scaled_dot_product_attention(
+                grouped, contiguous[0], contiguous[1]
+            ),
+        },
+    )
+
+
+def bench_step_overhead(engine: LLMEngine, name: str, vocab: int, rng: random.Random) -> None:
+    """Share of ``engine.step()`` spent outside the runner's forward, at batch 16 decode."""
+    inside = 0.0
+    execute = engine.runner.execute
+
+    def timed_execute(chunks: list[ScheduledChunk]) -> torch.Tensor:
+        nonlocal inside
+        start = time.perf_counter()
+        logits = execute(chunks)
+        inside += time.perf_counter() - start
+        return logits
+
+    prompts = [[rng.randrange(3, vocab) for _ in range(32)] for _ in range(OVERHEAD_BATCH)]
+    engine.runner.execute = timed_execute  # type: ignore[method-assign]
+    try:
+        start = time.perf_counter()
+        engine_generate(engine, prompts, OUTPUT_TOKENS)
+        whole = time.perf_counter() - start
+    finally:
+        del engine.runner.execute
+    print(
+        f"{name}: per-step overhead outside the forward at batch {OVERHEAD_BATCH}: "
+        f"{(whole - inside) / whole:5.1%} of {whole:.2f} s"
+    )
+
+
 def bench_smollm2() -> None:
     try:
         builtin_gguf_path("smollm2")
     except FileNotFoundError as error:
         print(f"smollm2 skipped: {error}")
         return
-    engine = LLMEngine.from_pretrained("smollm2", torch_threads=1, max_num_batched_tokens=4096)
+    longest = max(batch * context for batch, context in LONG_CONTEXT_SHAPES)
+    engine = LLMEngine.from_pretrained(
+        "smollm2",
+        torch_threads=1,
+        max_num_batched_tokens=4096,
+        block_size=LONG_CONTEXT_BLOCK_SIZE,
+        num_kv_blocks=longest // LONG_CONTEXT_BLOCK_SIZE + 1,
+    )
     model = hf_model(engine)
     rng = random.Random(1)
     vocab = engine.model_config.vocab_size
@@ -217,6 +356,8 @@ def bench_smollm2() -> None:
     )
     bench_throughput(engine, model, prompts_of_batch, SMOLLM2_OUTPUT_TOKENS, SMOLLM2_ROUNDS)
     bench_decode_bandwidth(engine, prompts_of_batch(1)[0])
+    bench_step_overhead(engine, "smollm2", vocab, rng)
+    bench_long_context(engine, model)
 
 
 def main() -> None:
@@ -237,6 +378,7 @@ def main() -> None:
     )
     bench_throughput(engine, model, prompts_of_batch, OUTPUT_TOKENS, ROUNDS)
     bench_prefix(engine, rng)
+    bench_step_overhead(engine, "tiny", engine.model_config.vocab_size, rng)
     bench_smollm2()
 
 
