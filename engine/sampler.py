@@ -59,37 +59,50 @@ def sample(
         logits = apply_token_bitmask(logits, token_bitmask)
     if all(p.greedy for p in params):
         return logits.argmax(dim=-1).tolist()
-    tokens = [0] * num_rows
-    greedy_rows = [r for r in range(num_rows) if params[r].greedy]
-    if greedy_rows:
-        picked = logits[greedy_rows].argmax(dim=-1).tolist()
-        for row, token in zip(greedy_rows, picked):
-            tokens[row] = token
+    tokens = logits.argmax(dim=-1)
     sampled_rows = [r for r in range(num_rows) if not params[r].greedy]
-    if sampled_rows:
-        sampled_logits = logits[sampled_rows].float().cpu()
-        for index, row in enumerate(sampled_rows):
-            draw = draw_seed(seeds[row], output_positions[row])
-            tokens[row] = _sample_row(sampled_logits[index], params[row], draw)
-    return tokens
+    rows = torch.tensor(sampled_rows, dtype=torch.long, device=logits.device)
+    draws = [draw_seed(seeds[r], output_positions[r]) for r in sampled_rows]
+    tokens[rows] = _sample_rows(logits[rows].float(), [params[r] for r in sampled_rows], draws)
+    return tokens.tolist()
 
 
-def _sample_row(logits: torch.Tensor, params: SamplingParams, draw: int) -> int:
-    """Temperature, then top-k, then top-p, then the exponential race with the row's own noise."""
-    scaled = logits / params.temperature
-    vocab_size = scaled.shape[0]
-    if 0 < params.top_k < vocab_size:
-        kth_largest = torch.topk(scaled, params.top_k).values[-1]
+def _sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], draws: list[int]
+) -> torch.Tensor:
+    """Temperature, then top-k, then top-p, then the exponential race, for every row at once.
+
+    Each step is row-wise (a row's result never reads another row), and each row's noise
+    comes from its own generator, so a row's token is the one it would get alone. The noise
+    is drawn on the CPU (the generators are CPU ones) and moved in one copy: no per-row sync.
+    """
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    temperatures = torch.tensor([p.temperature for p in params], device=device)
+    scaled = logits / temperatures[:, None]
+    # A row without top-k (or top-p) gets a threshold that keeps every token, so that it
+    # samples exactly as it would alone (a cumulative sum may round past 1.0).
+    top_ks = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
+    widest = max(top_ks)
+    if widest:
+        kth_index = torch.tensor([max(k, 1) for k in top_ks], device=device)[:, None] - 1
+        kth_largest = torch.topk(scaled, widest, dim=-1).values.gather(1, kth_index)
+        no_top_k = torch.tensor([k == 0 for k in top_ks], device=device)[:, None]
+        kth_largest = kth_largest.masked_fill(no_top_k, float("-inf"))
         scaled = scaled.masked_fill(scaled < kth_largest, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, sorted_ids = torch.sort(probs, descending=True)
-        # Drop a token when the ones ranked above it already reach top_p; the top one always stays.
-        drop_sorted = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
-        probs = probs.masked_fill(drop_sorted.scatter(0, sorted_ids, drop_sorted), 0.0)
-    generator = torch.Generator(device="cpu").manual_seed(draw)
-    noise = torch.empty(vocab_size).exponential_(generator=generator)
-    return int(torch.argmax(probs / noise))
+    if any(p.top_p < 1.0 for p in params):
+        top_ps = torch.tensor(
+            [p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=device
+        )[:, None]
+        sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True)
+        # Drop a token when the ones ranked above it already reach top_p; the top one stays.
+        drop_sorted = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= top_ps
+        probs = probs.masked_fill(drop_sorted.scatter(1, sorted_ids, drop_sorted), 0.0)
+    noise = torch.empty(num_rows, vocab_size)
+    for row, draw in enumerate(draws):
+        noise[row].exponential_(generator=torch.Generator(device="cpu").manual_seed(draw))
+    return torch.argmax(probs / noise.to(device), dim=-1)
 
 
 def token_logprobs(

@@ -31,6 +31,27 @@ def test_token_depends_only_on_seed_position_and_logits_not_on_batch():
     assert mixed[1] == batched[2]
 
 
+def test_rows_with_different_settings_in_one_batch_sample_as_they_would_alone():
+    """The batch samples in tensor ops; a row's top-k / top-p / temperature (or none) must
+    not leak into its neighbours' draws."""
+    logits = random_logits(40, seed=3) * 3
+    settings = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.8),
+        SamplingParams(temperature=0.9, top_k=30, top_p=0.95),
+        SamplingParams(temperature=0.0),
+    ]
+    params = [settings[r % len(settings)] for r in range(40)]
+    seeds, positions = list(range(100, 140)), [r % 7 for r in range(40)]
+    batched = sample(logits, params, seeds, positions)
+    alone = [
+        sample(logits[r : r + 1], [params[r]], [seeds[r]], [positions[r]])[0] for r in range(40)
+    ]
+    assert batched == alone
+    assert len(set(batched)) > 10  # the rows really sample
+
+
 def test_greedy_is_argmax():
     logits = random_logits(5)
     tokens = sample(logits, [SamplingParams(temperature=0.0)] * 5, [1] * 5, [0] * 5)
