@@ -61,14 +61,14 @@ def kv_cache_spec(model_config: ModelConfig, config: EngineConfig) -> KVCacheSpe
             block_size=config.block_size,
             num_kv_heads=model_config.num_kv_heads,
             head_size=model_config.head_dim,
-            dtype=config.dtype,
+            dtype=config.resolved_kv_cache_dtype,
             sliding_window=model_config.sliding_window,
         )
     return FullAttentionSpec(
         block_size=config.block_size,
         num_kv_heads=model_config.num_kv_heads,
         head_size=model_config.head_dim,
-        dtype=config.dtype,
+        dtype=config.resolved_kv_cache_dtype,
     )
 
 
@@ -104,6 +104,7 @@ class LLMEngine:
             config.block_size,
             config.device,
             config.dtype,
+            config.resolved_kv_cache_dtype,
         )
         self.block_hasher = BlockHasher(config.hash_algorithm, config.hash_seed)
         # One request must always fit alone in the pool, or preemption could loop forever.

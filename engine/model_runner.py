@@ -37,7 +37,7 @@ class ModelRunner:
     """Holds the model and its KV tensor; turns a step's chunks into logits.
 
     ``kv_cache`` is ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``
-    in the model's dtype, zero-filled, allocated outside inference mode so that KV
+    in ``kv_cache_dtype`` (default: the model's dtype), zero-filled, allocated outside inference mode so that KV
     transports may write into it in place.
     """
 
@@ -49,6 +49,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype | str = torch.float32,
+        kv_cache_dtype: torch.dtype | str | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
@@ -62,6 +63,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype)
+        self.kv_cache_dtype = (
+            self.dtype if kv_cache_dtype is None else resolve_dtype(kv_cache_dtype)
+        )
         self.kv_cache = torch.zeros(
             num_blocks,
             model_config.num_layers,
@@ -69,7 +73,7 @@ class ModelRunner:
             block_size,
             model_config.num_kv_heads,
             model_config.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_cache_dtype,
             device=self.device,
         )
         # Decode reads its pages in chunks of SPLIT_KV_BYTES on CPU (model/paged_decode.py);

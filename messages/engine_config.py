@@ -7,7 +7,9 @@ Each field's docstring (the string under it) is its description everywhere: a de
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
+
+KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 @dataclass(slots=True)
@@ -22,7 +24,11 @@ class EngineConfig:
     model: str = "tiny"
     """'tiny', 'smollm2', a local HF directory or a .gguf file."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Weights and KV cache."""
+    """Weights and activations (and the KV cache unless kv_cache_dtype says otherwise)."""
+    kv_cache_dtype: KVCacheDtype = "auto"
+    """The KV cache's dtype; auto: dtype's. A 16-bit cache under a float32 model halves the
+    KV bytes stored, moved and read; every worker of a deployment must use the same (the
+    KV handshake refuses a mismatch, naming both)."""
     device: str = "auto"
     """The torch device; auto: cuda when this process sees a GPU (a worker: when Ray gave
     it one), else cpu."""
@@ -57,6 +63,11 @@ class EngineConfig:
     engine_id: str = "engine-0"
     """This engine's name among KV peers."""
 
+    @property
+    def resolved_kv_cache_dtype(self) -> str:
+        """The KV cache's dtype, ``auto`` resolved to ``dtype``."""
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
@@ -79,6 +90,11 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                 f"block_size ({self.block_size})"
+            )
+        if self.kv_cache_dtype not in get_args(KVCacheDtype):
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(get_args(KVCacheDtype))}, "
+                f"got {self.kv_cache_dtype!r}"
             )
         if self.torch_threads < 1:
             raise ValueError(f"torch_threads must be at least 1, got {self.torch_threads}")

@@ -193,6 +193,15 @@ def _visible(
     return visible
 
 
+def as_stored(fresh: torch.Tensor, kv_cache_dtype: torch.dtype) -> torch.Tensor:
+    """``fresh`` K or V as a read from the cache would give it back: rounded to a 16-bit
+    cache's dtype under a wider model. Every read sees the cache's precision, so a prompt's
+    tokens are the same computed in one chunk or several, or found in the prefix cache."""
+    if fresh.dtype == kv_cache_dtype:
+        return fresh
+    return fresh.to(kv_cache_dtype).to(fresh.dtype)
+
+
 def _gather(
     layer_cache: torch.Tensor, block_table: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,7 +232,7 @@ def paged_attention(
     """
     num_tokens = query.shape[0]
     rows = kv_cache.view(-1, kv_cache.shape[-2] * kv_cache.shape[-1])
-    rows[metadata.write_rows[layer]] = key_value.flatten(2)
+    rows[metadata.write_rows[layer]] = key_value.flatten(2).to(kv_cache.dtype)
     layer_cache = kv_cache[:, layer]
     decode = metadata.decode
     if not metadata.prefills and decode is not None:  # decode-only: no output copy
@@ -231,11 +240,12 @@ def paged_attention(
     output = torch.empty_like(query)
     for chunk in metadata.prefills:
         if chunk.block_table is None:
-            keys = key_value[chunk.query_start : chunk.query_end, 0]
-            values = key_value[chunk.query_start : chunk.query_end, 1]
+            keys = as_stored(key_value[chunk.query_start : chunk.query_end, 0], kv_cache.dtype)
+            values = as_stored(key_value[chunk.query_start : chunk.query_end, 1], kv_cache.dtype)
         else:
             keys, values = _gather(layer_cache, chunk.block_table)
-            keys, values = keys[: chunk.seq_len], values[: chunk.seq_len]
+            keys = keys[: chunk.seq_len].to(query.dtype)
+            values = values[: chunk.seq_len].to(query.dtype)
         attended = F.scaled_dot_product_attention(
             query[chunk.query_start : chunk.query_end].transpose(0, 1)[None],
             keys.transpose(0, 1)[None],

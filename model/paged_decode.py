@@ -151,7 +151,7 @@ def decode_attention(
     num_kv_heads = layer_cache.shape[3]
     grouped = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_size)
     if len(decode.chunks) == 1:
-        keys, values = _gather(layer_cache, decode, decode.chunks[0])
+        keys, values = _gather(layer_cache, decode, decode.chunks[0], query.dtype)
         attended = F.scaled_dot_product_attention(
             grouped, keys, values, attn_mask=decode.chunks[0].attn_mask
         )
@@ -159,7 +159,7 @@ def decode_attention(
     outputs = query.new_empty(len(decode.chunks), *grouped.shape)
     log_sum_exps = query.new_empty(len(decode.chunks), *grouped.shape[:-1])
     for index, chunk in enumerate(decode.chunks):
-        keys, values = _gather(layer_cache, decode, chunk)
+        keys, values = _gather(layer_cache, decode, chunk, query.dtype)
         output, log_sum_exp = _flash_for_cpu(grouped, keys, values, attn_mask=chunk.attn_mask)
         outputs[index] = output
         log_sum_exps[index] = (
@@ -170,11 +170,12 @@ def decode_attention(
 
 
 def _gather(
-    layer_cache: torch.Tensor, decode: DecodeAttention, chunk: KeyChunk
+    layer_cache: torch.Tensor, decode: DecodeAttention, chunk: KeyChunk, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunk's keys and values as ``[batch, kv_heads, num_keys, head_size]`` views of the
     step's reused gather buffers (one ``index_select`` each from the strided K and V views;
-    each block's rows are contiguous, so the block and offset dims merge without a copy)."""
+    each block's rows are contiguous, so the block and offset dims merge without a copy),
+    widened to the query's ``dtype`` when the cache is narrower (the chunk is in cache)."""
     rows = decode.batch * chunk.num_blocks
     if "keys" not in decode.buffers:
         shape = (rows, *layer_cache.shape[2:])
@@ -185,5 +186,5 @@ def _gather(
     for kv, name in ((0, "keys"), (1, "values")):
         buffer = decode.buffers[name][:rows]
         torch.index_select(layer_cache[:, kv], 0, chunk.blocks, out=buffer)
-        gathered.append(buffer.view(shape)[:, : chunk.num_keys].transpose(1, 2))
+        gathered.append(buffer.view(shape)[:, : chunk.num_keys].transpose(1, 2).to(dtype))
     return gathered[0], gathered[1]

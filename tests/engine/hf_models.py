@@ -33,3 +33,23 @@ def save_hf_model(directory, config_class, **overrides) -> transformers.PreTrain
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tokenizer.save(str(directory / "tokenizer.json"))
     return reference
+
+
+def hf_greedy(
+    reference: transformers.PreTrainedModel, prompt: list[int], num_tokens: int
+) -> list[int]:
+    """transformers' greedy tokens with its own cache, EOS ignored as ``ignore_eos`` does
+    (``min_new_tokens`` would instead forbid EOS, which the engine may pick)."""
+    config = reference.generation_config
+    eos, config.eos_token_id = config.eos_token_id, None
+    try:
+        with torch.no_grad():
+            output = reference.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=num_tokens,
+                do_sample=False,
+            )
+    finally:
+        config.eos_token_id = eos
+    return output[0, len(prompt) :].tolist()

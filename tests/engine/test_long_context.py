@@ -12,30 +12,16 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 import transformers
 
 from pdserve.engine import LLMEngine, SamplingParams
-from tests.engine.hf_models import save_hf_model
+from tests.engine.hf_models import hf_greedy, save_hf_model
 
 NEW_TOKENS = 6
 LONG_CONFIGS = [
     pytest.param(transformers.LlamaConfig, {}, id="llama"),
     pytest.param(transformers.MistralConfig, {"sliding_window": 1000}, id="mistral-window-1000"),
 ]
-
-
-def reference_greedy(reference, prompt: list[int]) -> list[int]:
-    """transformers' greedy tokens with its own cache (and its own window mask)."""
-    with torch.no_grad():
-        output = reference.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            do_sample=False,
-        )
-    return output[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("config_class, overrides", LONG_CONFIGS)
@@ -49,5 +35,5 @@ def test_2k_and_8k_prompts_in_one_batch_equal_transformers(tmp_path, config_clas
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outputs = engine.generate(prompts, params)
     for prompt, output in zip(prompts, outputs):
-        assert output.output_token_ids == reference_greedy(reference, prompt)
+        assert output.output_token_ids == hf_greedy(reference, prompt, NEW_TOKENS)
     assert engine.kv_cache_manager.usage == 0.0

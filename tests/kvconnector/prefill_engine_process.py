@@ -26,6 +26,7 @@ class PrefillSpec:
     secret: str | None = None
     port: int = 0  # fixed: a restart comes back on the same address
     engine_id: str = "prefill-0"  # a restarted worker is a new engine: a new id
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ def _run(spec: PrefillSpec, conn: Any) -> None:
         connector=connector,
         hash_seed=spec.hash_seed,
         engine_id=spec.engine_id,
+        kv_cache_dtype=spec.kv_cache_dtype,
         **ENGINE_KWARGS,
     )
     conn.send(connector.address)

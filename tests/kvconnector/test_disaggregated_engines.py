@@ -158,6 +158,44 @@ def test_incompatible_layout_is_refused_with_both_values(prefill_factory) -> Non
     decode.shutdown()
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_16_bit_cache_moves_half_the_bytes_and_decodes_as_colocated(
+    transport: str, prefill_factory
+) -> None:
+    """float16 KV under the float32 tiny model on both sides: the decode worker's tokens are
+    a colocated float16-KV engine's, from pages of half the float32 ones' bytes."""
+    prefill = prefill_factory(transport=transport, kv_cache_dtype="float16")
+    decode = make_decode_engine(transport, kv_cache_dtype="float16")
+    colocated = LLMEngine.from_pretrained("tiny", kv_cache_dtype="float16", **ENGINE_KWARGS)
+    prompts = random_prompts(21, 6)
+    params = sampling_mix(len(prompts))
+    expected = [o.output_token_ids for o in colocated.generate(prompts, params)]
+    outputs = disaggregate(prefill, decode, prompts, params)
+    assert [o.output_token_ids for o in outputs] == expected
+    transfer = decode.stats().transfer
+    float32_page_bytes = colocated.runner.kv_cache[0].numel() * 4
+    assert transfer.num_blocks_received > 0
+    assert transfer.num_bytes_received == transfer.num_blocks_received * float32_page_bytes // 2
+    assert_decode_idle(decode)
+    prefill.wait_until_idle()
+    decode.shutdown()
+
+
+def test_a_kv_cache_dtype_mismatch_is_refused_naming_both(prefill_factory) -> None:
+    prefill = prefill_factory(transport="grpc", kv_cache_dtype="float16", lease_ttl_s=2.0)
+    decode = make_decode_engine("grpc", failure_policy="fail")
+    prompt = random_prompts(15, 1)[0]
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    prefilled = prefill.prefill("d0", prompt, params)
+    decode.add_request("d0", prompt, params, kv_transfer_params=prefilled.kv_transfer_params)
+    (output,) = run_to_completion(decode, ["d0"])
+    assert output.finish_reason == "error"
+    assert "dtype: local='float32' remote='float16'" in output.error
+    assert_decode_idle(decode)
+    prefill.wait_until_idle()
+    decode.shutdown()
+
+
 def test_decode_abort_while_waiting_for_kv_frees_after_the_transfer(prefill_factory) -> None:
     prefill = prefill_factory(transport="grpc")
     decode = make_decode_engine("grpc", transfer_timeout_s=1.0)
