@@ -83,16 +83,19 @@ class StreamEmitter:
     def update(self, chunk: GenerationChunk, final: bool) -> StreamDelta | None:
         """The delta ``chunk`` adds (None if nothing can be sent yet); ``final``: this
         stream's finish is the request's (False for a prefill that hands off to decode)."""
-        overlap = min(len(self.stream_tokens) + len(chunk.new_token_ids), self.sent_tokens)
+        # Only this chunk's tokens that fall on already-sent ones are compared: the stream's
+        # earlier ones were compared by earlier chunks (O(new), not O(history), per chunk).
+        checked = len(self.stream_tokens)
         self.stream_tokens.extend(chunk.new_token_ids)
+        overlap = min(len(self.stream_tokens), self.sent_tokens)
         self.stream_logprobs.extend(chunk.new_logprobs)
         if chunk.prompt_logprobs:
             self.prompt_logprobs = chunk.prompt_logprobs
         self.stream_text += chunk.text_delta
-        if self.stream_tokens[:overlap] != self.sent_token_ids[:overlap]:
+        if self.stream_tokens[checked:overlap] != self.sent_token_ids[checked:overlap]:
             raise ReplayDiverged(
-                f"tokens {self.stream_tokens[:overlap]} where "
-                f"{self.sent_token_ids[:overlap]} were sent"
+                f"tokens {self.stream_tokens[checked:overlap]} at {checked}.. where "
+                f"{self.sent_token_ids[checked:overlap]} were sent"
             )
         if chunk.num_cached_tokens:
             self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
