@@ -115,14 +115,16 @@ def token_logprobs(
         1, torch.tensor(token_ids, dtype=torch.long, device=logits.device).unsqueeze(1)
     ).squeeze(1)
     widest = max(num_top, default=0)
-    # Only when some row asks for top alternatives (then widest >= that row's k > 0).
-    widest_top = logprobs.topk(widest, dim=-1) if widest else None
+    # Only when some row asks for top alternatives (then widest >= that row's k > 0); each
+    # result comes to the host in one copy, not one sync per row.
+    top_ids: list[list[int]] = []
+    top_values: list[list[float]] = []
+    if widest:
+        widest_top = logprobs.topk(widest, dim=-1)
+        top_ids, top_values = widest_top.indices.tolist(), widest_top.values.tolist()
     results = []
-    for row, token_id in enumerate(token_ids):
+    for row, (token_id, logprob) in enumerate(zip(token_ids, chosen.tolist())):
         k = num_top[row]
-        top: list[tuple[int, float]] = []
-        if k and widest_top is not None:
-            top_values, top_ids = widest_top
-            top = list(zip(top_ids[row, :k].tolist(), top_values[row, :k].tolist()))
-        results.append(TokenLogprobs(token_id, float(chosen[row]), top))
+        top = list(zip(top_ids[row][:k], top_values[row][:k])) if k else []
+        results.append(TokenLogprobs(token_id, logprob, top))
     return results
