@@ -1,0 +1,55 @@
+"""Paged decode attention on CUDA equals float64 dense attention, float32 and 16-bit KV.
+
+On CUDA the decode reads its table in one chunk (model/paged_decode.py); the pages live in
+a CUDA KV tensor with shuffled block ids, rows of unequal lengths, with and without a
+sliding window. Needs torch with CUDA only (no Ray): tests/gpu/run_gpu_checks.sh.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.model.attention import build_attention_metadata, paged_attention
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is False)"
+)
+NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 8, 2, 64, 16
+
+
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_paged_decode_equals_dense_attention(window, kv_dtype):
+    generator = torch.Generator().manual_seed(3)
+    positions = [2047, 300, 1000, 17]
+    needs = [p // BLOCK_SIZE + 1 for p in positions]
+    order = torch.randperm(sum(needs) + 1, generator=generator)
+    order = order[order != 0].tolist()  # block 0 is the null block
+    tables = [[order.pop() for _ in range(need)] for need in needs]
+    kv_cache = torch.randn(
+        sum(needs) + 1, 1, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, generator=generator
+    ).to("cuda", kv_dtype)
+    query = torch.randn(len(positions), NUM_HEADS, HEAD_SIZE, generator=generator)
+    key_value = torch.randn(len(positions), 2, NUM_KV_HEADS, HEAD_SIZE, generator=generator)
+    metadata = build_attention_metadata(
+        [1] * len(positions),
+        positions,
+        tables,
+        BLOCK_SIZE,
+        1,
+        torch.device("cuda"),
+        sliding_window=window,
+        dtype=torch.float32,
+    )
+    with torch.inference_mode():
+        attended = paged_attention(query.cuda(), key_value.cuda(), kv_cache, 0, metadata).cpu()
+    layer = kv_cache[:, 0].double().cpu()
+    group = NUM_HEADS // NUM_KV_HEADS
+    for row, (table, position) in enumerate(zip(tables, positions)):
+        first = 0 if window is None else max(0, position - window + 1)
+        keys = layer[table, 0].flatten(0, 1)[first : position + 1].repeat_interleave(group, 1)
+        values = layer[table, 1].flatten(0, 1)[first : position + 1].repeat_interleave(group, 1)
+        scores = torch.einsum("hd,thd->ht", query[row].double(), keys) / HEAD_SIZE**0.5
+        expected = torch.einsum("ht,thd->hd", scores.softmax(-1), values)
+        torch.testing.assert_close(attended[row].double(), expected, atol=2e-3, rtol=2e-3)
