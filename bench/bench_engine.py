@@ -19,7 +19,8 @@ greedy, EOS ignored, one torch thread, in the same process:
    hold, and prefilling 64k tokens here would take minutes), against (a) the same attention
    over a contiguous cache, one layer, (b) transformers' forward of one token per row over
    its own cache (``DynamicCache`` holding the same context) and (c) the floor: the bytes
-   that step must read (weights + K/V once) at the read bandwidth measured in the run.
+   that step must read (weights + K/V once) at the read bandwidth measured in the run;
+   then the same steps with a float16 KV cache under the float32 model.
 5. The engine's per-step overhead at batch 16: the share of ``step()`` spent outside the
    model runner's ``execute`` (scheduling, sampling, outputs), tiny and smollm2.
 
@@ -209,8 +210,11 @@ def bench_decode_bandwidth(engine: LLMEngine, prompt: list[int]) -> None:
     )
 
 
-def bench_long_context(engine: LLMEngine, model: HFLlamaForCausalLM) -> None:
-    """Decode step at long contexts: engine vs contiguous attention, transformers and the floor."""
+def bench_long_context(
+    engine: LLMEngine, model: HFLlamaForCausalLM
+) -> dict[tuple[int, int], dict[str, float]]:
+    """Decode step at long contexts: engine vs contiguous attention, transformers and the floor;
+    returns the best times by shape."""
     config, runner = engine.model_config, engine.runner
     runner.kv_cache.uniform_(-1, 1)  # any K/V: the step's cost does not depend on the values
     bandwidth, weights = read_bandwidth(), weight_bytes(engine)
@@ -221,8 +225,9 @@ def bench_long_context(engine: LLMEngine, model: HFLlamaForCausalLM) -> None:
         f"{bandwidth / 2**30:.1f} GiB/s"
     )
     generator = torch.Generator().manual_seed(0)
+    results = {}
     for batch, context in LONG_CONTEXT_SHAPES:
-        best = long_context_step(engine, model, batch, context, generator)
+        best = results[batch, context] = long_context_step(engine, batch, context, generator, model)
         floor = (weights + batch * context * kv_token_bytes) / bandwidth
         print(
             f"  {batch} x {context:5d}: engine step {best['engine'] * 1e3:7.1f} ms   "
@@ -231,17 +236,36 @@ def bench_long_context(engine: LLMEngine, model: HFLlamaForCausalLM) -> None:
             f"paged {best['paged'] * 1e3:6.2f} ms vs contiguous {best['contiguous'] * 1e3:6.2f} ms "
             f"({best['paged'] / best['contiguous']:4.2f}x)"
         )
+    return results
+
+
+def bench_half_kv(engine: LLMEngine, wide: dict[tuple[int, int], dict[str, float]]) -> None:
+    """The same decode steps with a float16 KV cache under the float32 model, against the
+    float32 cache's times from ``bench_long_context`` (half the K/V bytes read)."""
+    engine.runner.kv_cache.uniform_(-1, 1)
+    print("  float16 KV cache (model float32), against the float32 cache above:")
+    generator = torch.Generator().manual_seed(0)
+    for batch, context in LONG_CONTEXT_SHAPES:
+        best = long_context_step(engine, batch, context, generator)
+        float32 = wide[batch, context]
+        print(
+            f"  {batch} x {context:5d}: engine step {best['engine'] * 1e3:7.1f} ms "
+            f"({float32['engine'] / best['engine']:4.2f}x the float32 cache's speed)   "
+            f"attention/layer {best['paged'] * 1e3:6.2f} ms "
+            f"({float32['paged'] / best['paged']:4.2f}x)"
+        )
 
 
 def long_context_step(
     engine: LLMEngine,
-    model: HFLlamaForCausalLM,
     batch: int,
     context: int,
     generator: torch.Generator,
+    model: HFLlamaForCausalLM | None = None,
 ) -> dict[str, float]:
-    """Best times of one decode step (engine, transformers) and one layer's attention (paged,
-    contiguous) at ``batch`` rows of ``context`` tokens each."""
+    """Best times of one decode step (engine; transformers' when ``model`` is given) and one
+    layer's attention (paged; over a contiguous cache when ``model`` is given) at ``batch``
+    rows of ``context`` tokens each."""
     config, runner = engine.model_config, engine.runner
     position = context - 1  # the step's token; the context before it is cached
     blocks = (
@@ -255,18 +279,6 @@ def long_context_step(
         ScheduledChunk(f"r{row}", [row + 3], position, table, True)
         for row, table in enumerate(tables)
     ]
-    hf_cache = DynamicCache()
-    shape = (batch, config.num_kv_heads, position, config.head_dim)
-    for layer in range(config.num_layers):
-        hf_cache.update(torch.randn(shape), torch.randn(shape), layer)
-    input_ids = torch.arange(3, 3 + batch)[:, None]
-    position_ids = torch.full((batch, 1), position)
-
-    def hf_step() -> None:
-        with torch.inference_mode():
-            model(input_ids, past_key_values=hf_cache, position_ids=position_ids)
-        hf_cache.crop(-1)  # the next round sees the same context
-
     metadata = build_attention_metadata(
         [1] * batch,
         [position] * batch,
@@ -279,24 +291,44 @@ def long_context_step(
     )
     query = torch.randn(batch, config.num_heads, config.head_dim)
     key_value = torch.randn(batch, 2, config.num_kv_heads, config.head_dim)
-    grouped = query.view(batch, config.num_kv_heads, -1, config.head_dim)
-    contiguous = torch.randn(2, batch, config.num_kv_heads, context, config.head_dim)
 
     def paged_layer() -> None:
         with torch.inference_mode():
             paged_attention(query, key_value, runner.kv_cache, 0, metadata)
 
-    return best_of(
-        LONG_CONTEXT_ROUNDS,
-        {
-            "engine": lambda: runner.execute(chunks),
-            "hf": hf_step,
-            "paged": paged_layer,
-            "contiguous": lambda: F.scaled_dot_product_attention(
-                grouped, contiguous[0], contiguous[1]
-            ),
-        },
-    )
+    runs: dict[str, Callable[[], object]] = {
+        "engine": lambda: runner.execute(chunks),
+        "paged": paged_layer,
+    }
+    if model is not None:
+        runs |= reference_runs(model, config, batch, context, query)
+    return best_of(LONG_CONTEXT_ROUNDS, runs)
+
+
+def reference_runs(
+    model: HFLlamaForCausalLM, config: ModelConfig, batch: int, context: int, query: torch.Tensor
+) -> dict[str, Callable[[], object]]:
+    """transformers' decode step over its own cache holding ``context - 1`` tokens per row,
+    and SDPA of ``query`` over a contiguous cache of ``context`` keys."""
+    position = context - 1
+    hf_cache = DynamicCache()
+    shape = (batch, config.num_kv_heads, position, config.head_dim)
+    for layer in range(config.num_layers):
+        hf_cache.update(torch.randn(shape), torch.randn(shape), layer)
+    input_ids = torch.arange(3, 3 + batch)[:, None]
+    position_ids = torch.full((batch, 1), position)
+
+    def hf_step() -> None:
+        with torch.inference_mode():
+            model(input_ids, past_key_values=hf_cache, position_ids=position_ids)
+        hf_cache.crop(-1)  # the next round sees the same context
+
+    grouped = query.view(batch, config.num_kv_heads, -1, config.head_dim)
+    contiguous = torch.randn(2, batch, config.num_kv_heads, context, config.head_dim)
+    return {
+        "hf": hf_step,
+        "contiguous": lambda: F.scaled_dot_product_attention(grouped, contiguous[0], contiguous[1]),
+    }
 
 
 def bench_step_overhead(engine: LLMEngine, name: str, vocab: int, rng: random.Random) -> None:
@@ -357,7 +389,16 @@ def bench_smollm2() -> None:
     bench_throughput(engine, model, prompts_of_batch, SMOLLM2_OUTPUT_TOKENS, SMOLLM2_ROUNDS)
     bench_decode_bandwidth(engine, prompts_of_batch(1)[0])
     bench_step_overhead(engine, "smollm2", vocab, rng)
-    bench_long_context(engine, model)
+    wide = bench_long_context(engine, model)
+    del engine, model  # their 3 GiB of caches and weights, before the float16-KV engine's
+    half = LLMEngine.from_pretrained(
+        "smollm2",
+        torch_threads=1,
+        block_size=LONG_CONTEXT_BLOCK_SIZE,
+        num_kv_blocks=longest // LONG_CONTEXT_BLOCK_SIZE + 1,
+        kv_cache_dtype="float16",
+    )
+    bench_half_kv(half, wide)
 
 
 def main() -> None:
