@@ -9,15 +9,6 @@ from tokenizers.decoders import DecodeStream
 from pdserve.tokenizer.tokenizer import Tokenizer
 
 
-def stop_safe_length(text: str, stops: list[str]) -> int:
-    """How much of ``text`` can be sent now: all but a tail that may begin a stop string."""
-    for cut in range(max((len(s) for s in stops), default=1) - 1, 0, -1):
-        tail = text[-cut:] if cut <= len(text) else None
-        if tail is not None and any(stop.startswith(tail) for stop in stops):
-            return len(text) - cut
-    return len(text)
-
-
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text in O(1) work per token.
 
@@ -37,12 +28,6 @@ class IncrementalDetokenizer:
         self._max_stop_len = max((len(s) for s in stop), default=0)
         self._num_stepped = 0
         self.text = ""
-
-    @property
-    def stable_length(self) -> int:
-        """How much of ``text`` no later token can take back: a stop string found later cuts
-        the text before it, so a tail that may begin one is not stable yet."""
-        return stop_safe_length(self.text, self._stop)
 
     def update(self, token_ids: Sequence[int]) -> str | None:
         """Extends ``text`` with the tokens added since the last call; returns the stop
