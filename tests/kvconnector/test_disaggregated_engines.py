@@ -142,17 +142,27 @@ def test_corrupted_block_is_dropped_and_recomputed(
     decode.shutdown()
 
 
-def test_incompatible_layout_is_refused_with_both_values(prefill_factory) -> None:
+@pytest.mark.parametrize(
+    "prefill_spec, decode_spec, named",
+    [
+        ({"hash_seed": 1}, {"hash_seed": 2}, "hash_seed: local=2 remote=1"),
+        ({"kv_cache_dtype": "float16"}, {}, "dtype: local='float32' remote='float16'"),
+    ],
+    ids=["hash-seed", "kv-cache-dtype"],
+)
+def test_incompatible_layout_is_refused_with_both_values(
+    prefill_factory, prefill_spec, decode_spec, named
+) -> None:
     # A refused handshake reads nothing and releases nothing: the lease ends at its TTL.
-    prefill = prefill_factory(transport="grpc", hash_seed=1, lease_ttl_s=2.0)
-    decode = make_decode_engine("grpc", failure_policy="fail", hash_seed=2)
+    prefill = prefill_factory(transport="grpc", lease_ttl_s=2.0, **prefill_spec)
+    decode = make_decode_engine("grpc", failure_policy="fail", **decode_spec)
     prompt = random_prompts(14, 1)[0]
     params = SamplingParams(max_tokens=5, temperature=0.0)
     prefilled = prefill.prefill("m0", prompt, params)
     decode.add_request("m0", prompt, params, kv_transfer_params=prefilled.kv_transfer_params)
     (output,) = run_to_completion(decode, ["m0"])
     assert output.finish_reason == "error"
-    assert "hash_seed: local=2 remote=1" in output.error
+    assert named in output.error
     assert_decode_idle(decode)
     prefill.wait_until_idle()
     decode.shutdown()
@@ -176,21 +186,6 @@ def test_a_16_bit_cache_moves_half_the_bytes_and_decodes_as_colocated(
     float32_page_bytes = colocated.runner.kv_cache[0].numel() * 4
     assert transfer.num_blocks_received > 0
     assert transfer.num_bytes_received == transfer.num_blocks_received * float32_page_bytes // 2
-    assert_decode_idle(decode)
-    prefill.wait_until_idle()
-    decode.shutdown()
-
-
-def test_a_kv_cache_dtype_mismatch_is_refused_naming_both(prefill_factory) -> None:
-    prefill = prefill_factory(transport="grpc", kv_cache_dtype="float16", lease_ttl_s=2.0)
-    decode = make_decode_engine("grpc", failure_policy="fail")
-    prompt = random_prompts(15, 1)[0]
-    params = SamplingParams(max_tokens=5, temperature=0.0)
-    prefilled = prefill.prefill("d0", prompt, params)
-    decode.add_request("d0", prompt, params, kv_transfer_params=prefilled.kv_transfer_params)
-    (output,) = run_to_completion(decode, ["d0"])
-    assert output.finish_reason == "error"
-    assert "dtype: local='float32' remote='float16'" in output.error
     assert_decode_idle(decode)
     prefill.wait_until_idle()
     decode.shutdown()
