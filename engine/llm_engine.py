@@ -373,7 +373,10 @@ class LLMEngine:
             self._tracked.pop(request.request_id, None)
             request.finish_time = request.finish_time or time.time()
             self._stats.record_finished(request)
-        text = tracked.detokenizer.text if tracked is not None else ""
+        text = ""
+        if tracked is not None:  # a running request's text only grows: see stable_text
+            detokenizer = tracked.detokenizer
+            text = detokenizer.text if request.is_finished else detokenizer.stable_text
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,

@@ -15,6 +15,10 @@ from pdserve.messages.logprobs import TokenLogprobs
 class RequestOutput:
     """A request's state after a step; ``output_token_ids`` and ``text`` are cumulative.
 
+    A running request's ``text`` holds back a tail that may begin a stop string
+    (``IncrementalDetokenizer.stable_text``), so each ``text`` extends the one before it and
+    a stream may send ``text[sent:]`` without ever taking characters back.
+
     ``kv_transfer_params`` is set on a prefill worker's request that finished with its blocks
     held under a lease for a decode worker. ``kv_provenance`` is set on a finished request
     that was admitted: where its prompt's KV came from. ``stamps`` is the request's own

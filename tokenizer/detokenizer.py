@@ -29,6 +29,24 @@ class IncrementalDetokenizer:
         self._num_stepped = 0
         self.text = ""
 
+    @property
+    def stable_text(self) -> str:
+        """The part of ``text`` no later token can take back.
+
+        A stop string found later cuts the text just before it, so a tail that could be the
+        start of a stop string is held until the next tokens settle it; everything before
+        that tail stays. A caller that reports text while the request runs reports this,
+        so what it has sent is always a prefix of the final text::
+
+            text:         "...the answer is 42 ##"    stop: ["###"]
+            stable_text:  "...the answer is 42 "      "##" may begin "###": held back
+        """
+        for cut in range(min(self._max_stop_len - 1, len(self.text)), 0, -1):
+            tail = self.text[-cut:]
+            if any(stop.startswith(tail) for stop in self._stop):
+                return self.text[:-cut]
+        return self.text
+
     def update(self, token_ids: Sequence[int]) -> str | None:
         """Extends ``text`` with the tokens added since the last call; returns the stop
         string that appeared, if one did.

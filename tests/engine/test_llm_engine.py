@@ -120,6 +120,35 @@ def test_stop_string_cuts_text(engine: LLMEngine) -> None:
     assert stopped.text == free_run.text[: free_run.text.index(stop)]
 
 
+def step_texts(engine: LLMEngine, prompt: str, params: SamplingParams) -> list[str]:
+    """The text of each output one request reports, step by step."""
+    engine.add_request("texts", prompt, params)
+    texts = []
+    while engine.has_unfinished_requests():
+        texts += [out.text for out in engine.step() if out.request_id == "texts"]
+    return texts
+
+
+def test_a_stop_string_split_over_two_steps_never_shows_its_first_half(
+    engine: LLMEngine,
+) -> None:
+    """A stop string whose first characters come a step before the rest: the text reported
+    in between must not hold them, since the stop will cut them (a stream cannot take back
+    characters it sent). Before stable_text the host streamed them and the reply kept them."""
+    prompt = "The quick brown fox"
+    free_run = step_texts(engine, prompt, SamplingParams(max_tokens=20, temperature=0.0))
+    final = free_run[-1]
+    boundaries = [len(text) for text in free_run[:-1] if 0 < len(text) < len(final)]
+    split = next(b for b in boundaries if final.index(final[b - 1 : b + 1]) == b - 1)
+    stop = final[split - 1 : split + 1]
+    stopped = step_texts(
+        engine, prompt, SamplingParams(max_tokens=20, temperature=0.0, stop=[stop])
+    )
+    assert stopped[-1] == final[: split - 1]
+    for text in stopped:
+        assert stopped[-1].startswith(text), (text, stopped[-1])
+
+
 def test_abort_frees_every_block() -> None:
     engine = make_engine()
     prompts = random_prompts(6, 4)
