@@ -50,6 +50,10 @@ _IDLE_WAIT_S = 0.005
 class _Tracked:
     request: Request
     detokenizer: IncrementalDetokenizer
+    # What earlier delta outputs reported (step(delta=True)).
+    reported_tokens: int = 0
+    reported_chars: int = 0
+    reported_prompt_logprobs: bool = False
 
 
 def kv_cache_spec(model_config: ModelConfig, config: EngineConfig) -> KVCacheSpec:
@@ -272,21 +276,25 @@ class LLMEngine:
         return len(self.scheduler.held_for_transfer)
 
     # ---- one step -------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, delta: bool = False) -> list[RequestOutput]:
         """One step: schedule, load, forward, sample, apply; the requests that changed.
+
+        ``delta``: each output holds only what is new since the request's previous one
+        (``RequestOutput.delta``; vLLM's ``RequestOutputKind.DELTA``), so a long stream costs
+        O(n) to report, not O(n) per step. A caller keeps to one kind per request.
 
         A step that raises leaves no hash behind for a block it cached: the forward that
         was to write those blocks may not have run (``KVCacheManager.uncache_step_blocks``).
         The caller then aborts every request (``abort_all``, as ``EngineHost`` does)."""
         try:
-            changed = self._step()
+            changed = self._step(delta)
         except BaseException:
             self.kv_cache_manager.uncache_step_blocks()
             raise
         self.kv_cache_manager.end_step()
         return changed
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, delta: bool) -> list[RequestOutput]:
         scheduler = self.scheduler
         output = scheduler.schedule()
         if self.connector is not None and output.connector_metadata is not None:
@@ -311,7 +319,7 @@ class LLMEngine:
                 self.connector.wait_for_progress(_IDLE_WAIT_S)
             changed += scheduler.update_from_kv_xfer_finished(self.connector.get_finished())
         self._stats.num_evictions += self._collect_kv_events()
-        return [self._make_output(request) for request in changed]
+        return [self._make_output(request, delta) for request in changed]
 
     def _token_bitmask(self, sampled: list[Request], vocab_size: int) -> torch.Tensor | None:
         """The tokens each sampled row's grammar allows (None: no row has a grammar)."""
@@ -362,7 +370,7 @@ class LLMEngine:
         self._stats.grammar = dataclasses.replace(self.grammar_compiler.stats)
         return self._stats.snapshot(self.connector)
 
-    def _make_output(self, request: Request) -> RequestOutput:
+    def _make_output(self, request: Request, delta: bool = False) -> RequestOutput:
         tracked = self._tracked.get(request.request_id)
         if tracked is not None:
             stop = tracked.detokenizer.update(request.output_token_ids)
@@ -373,19 +381,28 @@ class LLMEngine:
             self._tracked.pop(request.request_id, None)
             request.finish_time = request.finish_time or time.time()
             self._stats.record_finished(request)
-        text = ""
-        if tracked is not None:  # a running request's text only grows: see stable_text
+        num_output_tokens = len(request.output_token_ids)
+        first_token = first_char = text_end = 0
+        prompt_logprobs = request.prompt_logprobs if not request.needs_prompt_logprobs else []
+        if tracked is not None:  # a running request's text only grows: see stable_length
             detokenizer = tracked.detokenizer
-            text = detokenizer.text if request.is_finished else detokenizer.stable_text
+            text_end = len(detokenizer.text) if request.is_finished else detokenizer.stable_length
+            if delta:
+                first_token, first_char = tracked.reported_tokens, tracked.reported_chars
+                if tracked.reported_prompt_logprobs:
+                    prompt_logprobs = []  # once, with the first output that has them all
+                tracked.reported_prompt_logprobs |= bool(prompt_logprobs)
+                tracked.reported_tokens, tracked.reported_chars = num_output_tokens, text_end
+        text = tracked.detokenizer.text[first_char:text_end] if tracked is not None else ""
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=list(request.output_token_ids),
-            output_logprobs=list(request.output_logprobs),
-            prompt_logprobs=(
-                list(request.prompt_logprobs) if not request.needs_prompt_logprobs else []
-            ),
+            output_token_ids=request.output_token_ids[first_token:num_output_tokens],
+            output_logprobs=request.output_logprobs[first_token:num_output_tokens],
+            prompt_logprobs=list(prompt_logprobs),
             text=text,
+            delta=delta,
+            num_output_tokens=num_output_tokens,
             finished=request.is_finished,
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from pdserve.engine.request_stamps import RequestStamps
@@ -13,11 +14,14 @@ from pdserve.messages.logprobs import TokenLogprobs
 
 @dataclass(slots=True)
 class RequestOutput:
-    """A request's state after a step; ``output_token_ids`` and ``text`` are cumulative.
+    """A request's state after a step; ``output_token_ids``, ``output_logprobs`` and ``text``
+    are cumulative, or with ``delta`` only what is new since the request's previous output
+    (``LLMEngine.step(delta=True)``; then ``prompt_logprobs`` come once).
+    ``num_output_tokens`` is the cumulative count either way.
 
     A running request's ``text`` holds back a tail that may begin a stop string
-    (``IncrementalDetokenizer.stable_text``), so each ``text`` extends the one before it and
-    a stream may send ``text[sent:]`` without ever taking characters back.
+    (``IncrementalDetokenizer.stable_length``): text once reported is never taken back, so
+    each cumulative ``text`` extends the one before and the deltas add up to the final text.
 
     ``kv_transfer_params`` is set on a prefill worker's request that finished with its blocks
     held under a lease for a decode worker. ``kv_provenance`` is set on a finished request
@@ -42,3 +46,19 @@ class RequestOutput:
     output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # when asked
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # when asked
     stamps: RequestStamps | None = None
+    delta: bool = False
+    num_output_tokens: int = 0
+
+    def followed_by(self, later: RequestOutput) -> RequestOutput:
+        """One output for this one and the ``later`` output of the same request: the later's
+        state, with both deltas joined (a cumulative later output is already the sum)."""
+        if not later.delta:
+            return later
+        return dataclasses.replace(
+            later,
+            output_token_ids=self.output_token_ids + later.output_token_ids,
+            output_logprobs=self.output_logprobs + later.output_logprobs,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+            text=self.text + later.text,
+            kv_transfer_params=later.kv_transfer_params or self.kv_transfer_params,
+        )

@@ -20,6 +20,7 @@ from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.request_provenance import RequestProvenance
 from pdserve.messages.generation import GenerationChunk, StopReason
 from pdserve.messages.logprobs import TokenLogprobs
+from pdserve.tokenizer.detokenizer import stop_safe_length
 
 
 class ReplayDiverged(Exception):
@@ -41,15 +42,6 @@ class StreamDelta:
     kv_provenance: RequestProvenance | None = None
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # per token, when asked
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # once, when asked
-
-
-def stop_safe_length(text: str, stops: list[str]) -> int:
-    """How much of ``text`` can be sent now: all but a tail that may begin a stop string."""
-    for cut in range(max((len(s) for s in stops), default=1) - 1, 0, -1):
-        tail = text[-cut:] if cut <= len(text) else None
-        if tail is not None and any(stop.startswith(tail) for stop in stops):
-            return len(text) - cut
-    return len(text)
 
 
 class StreamEmitter:

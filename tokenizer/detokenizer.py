@@ -9,6 +9,17 @@ from tokenizers.decoders import DecodeStream
 from pdserve.tokenizer.tokenizer import Tokenizer
 
 
+def stop_safe_length(text: str, stops: list[str]) -> int:
+    """How much of ``text`` can be sent now: all but a tail that may begin a stop string.
+
+    The engine holds such a tail back while a request runs (``stable_length``); the gateway
+    again over a prefill's last chunk, whose text is whole but whose decode goes on."""
+    for cut in range(min(max((len(s) for s in stops), default=0) - 1, len(text)), 0, -1):
+        if any(stop.startswith(text[-cut:]) for stop in stops):
+            return len(text) - cut
+    return len(text)
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text in O(1) work per token.
 
@@ -30,22 +41,18 @@ class IncrementalDetokenizer:
         self.text = ""
 
     @property
-    def stable_text(self) -> str:
-        """The part of ``text`` no later token can take back.
+    def stable_length(self) -> int:
+        """How much of ``text`` no later token can take back.
 
         A stop string found later cuts the text just before it, so a tail that could be the
         start of a stop string is held until the next tokens settle it; everything before
-        that tail stays. A caller that reports text while the request runs reports this,
-        so what it has sent is always a prefix of the final text::
+        that tail stays. A caller that reports text while the request runs reports
+        ``text[:stable_length]``, so what it has sent is always a prefix of the final text::
 
-            text:         "...the answer is 42 ##"    stop: ["###"]
-            stable_text:  "...the answer is 42 "      "##" may begin "###": held back
+            text:                 "...the answer is 42 ##"    stop: ["###"]
+            text[:stable_length]: "...the answer is 42 "      "##" may begin "###": held back
         """
-        for cut in range(min(self._max_stop_len - 1, len(self.text)), 0, -1):
-            tail = self.text[-cut:]
-            if any(stop.startswith(tail) for stop in self._stop):
-                return self.text[:-cut]
-        return self.text
+        return stop_safe_length(self.text, self._stop)
 
     def update(self, token_ids: Sequence[int]) -> str | None:
         """Extends ``text`` with the tokens added since the last call; returns the stop

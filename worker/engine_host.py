@@ -14,7 +14,7 @@ by that thread before its next step; outputs travel back to each request's async
     generate(req) ─▶ ops.append(add) ───┐
     (cancelled) ───▶ ops.append(abort) ─┼─▶ apply ops; engine.step(); take KV events
     stats() ───────▶ ops.append(read) ──┘
-    queue.get() ◀── call_soon_threadsafe ◀─ RequestOutput (cumulative) per changed request
+    queue.get() ◀── call_soon_threadsafe ◀─ RequestOutput (a delta) per changed request
 """
 
 from __future__ import annotations
@@ -142,15 +142,17 @@ class EngineHost:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         self._submit(lambda: self._add(request))
-        finished = prompt_logprobs_sent = False
+        finished = False
         first_chunk = True
-        sent_tokens = sent_chars = 0
         try:
             while not finished:
                 output = await queue.get()
                 while not queue.empty() and not isinstance(output, GenerationChunk):
-                    output = queue.get_nowait()  # outputs are cumulative: keep the newest
-                if isinstance(output, GenerationChunk):  # add_request refused it
+                    later = queue.get_nowait()  # outputs are deltas: join those waiting
+                    output = (
+                        later if isinstance(later, GenerationChunk) else output.followed_by(later)
+                    )
+                if isinstance(output, GenerationChunk):  # refused, or the engine step failed
                     finished = True
                     yield output
                     return
@@ -167,9 +169,9 @@ class EngineHost:
                     first_chunk = False
                 yield GenerationChunk(
                     request_id=request_id,
-                    new_token_ids=output.output_token_ids[sent_tokens:],
-                    text_delta=output.text[sent_chars:],
-                    num_output_tokens=len(output.output_token_ids),
+                    new_token_ids=output.output_token_ids,
+                    text_delta=output.text,
+                    num_output_tokens=output.num_output_tokens,
                     finished=output.finished,
                     finish_reason=output.finish_reason,
                     num_cached_tokens=output.num_cached_tokens,
@@ -177,12 +179,10 @@ class EngineHost:
                     error=output.error,
                     stop_reason=output.stop_reason,
                     kv_provenance=self._signed(output.kv_provenance),
-                    new_logprobs=output.output_logprobs[sent_tokens:],
-                    prompt_logprobs=[] if prompt_logprobs_sent else output.prompt_logprobs,
+                    new_logprobs=output.output_logprobs,
+                    prompt_logprobs=output.prompt_logprobs,
                     timing=timing,
                 )
-                prompt_logprobs_sent = prompt_logprobs_sent or bool(output.prompt_logprobs)
-                sent_tokens, sent_chars = len(output.output_token_ids), len(output.text)
         finally:
             self._streams.pop(request_id, None)
             if not finished:
@@ -344,7 +344,7 @@ class EngineHost:
             self._take_events()
             return HostState.HOLDING if holding else HostState.IDLE
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step(delta=True)
         except Exception:  # an engine bug must not take the actor down: fail the in-flight requests
             logger.exception("engine step failed on %s", self.worker_id)
             self.engine.abort_all()  # every request, streamed or not, loading included

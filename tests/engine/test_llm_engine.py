@@ -134,7 +134,7 @@ def test_a_stop_string_split_over_two_steps_never_shows_its_first_half(
 ) -> None:
     """A stop string whose first characters come a step before the rest: the text reported
     in between must not hold them, since the stop will cut them (a stream cannot take back
-    characters it sent). Before stable_text the host streamed them and the reply kept them."""
+    characters it sent). Before stable_length the host streamed them and the reply kept them."""
     prompt = "The quick brown fox"
     free_run = step_texts(engine, prompt, SamplingParams(max_tokens=20, temperature=0.0))
     final = free_run[-1]

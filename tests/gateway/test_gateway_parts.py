@@ -7,7 +7,7 @@ import pytest
 from pdserve.cache import BlockRemoved, BlockStored
 from pdserve.gateway.openai_schema import APIError, parse_completion
 from pdserve.gateway.router import Router
-from pdserve.gateway.stream_emitter import stop_safe_length
+from pdserve.tokenizer.detokenizer import stop_safe_length
 from pdserve.worker.kv_event_log import KVEventLog
 
 

@@ -176,9 +176,9 @@ def slow_steps(seconds: float, chunk_tokens: int = 0) -> Callable:
         if seconds:
             step = type(engine).step
 
-            def slow_step():
+            def slow_step(*args, **kwargs):
                 worker_time.sleep(seconds)
-                return step(engine)
+                return step(engine, *args, **kwargs)
 
             engine.step = slow_step
 
