@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -33,6 +34,7 @@ from pdserve.deploy.config import PDServeConfig
 from pdserve.deploy.http_client import ServiceClient, ServiceError
 from pdserve.deploy.preflight import preflight_problems
 from pdserve.deploy.stats_table import format_stats
+from pdserve.gateway.api_keys import API_KEY_ENV, keys_from_env
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -122,6 +124,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _client(args: argparse.Namespace) -> ServiceClient:
+    return ServiceClient(args.url, api_key=args.api_key, ca_bundle=args.ca_bundle)
+
+
 def _sampling_body(client: ServiceClient, args: argparse.Namespace) -> dict[str, Any]:
     body = {
         "model": args.model or client.served_model(),
@@ -145,7 +151,7 @@ def _print_stream(pieces: Iterable[str], out: TextIO) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Streams one completion (or, with ``--chat``, one chat reply) to the terminal."""
-    client = ServiceClient(args.url)
+    client = _client(args)
     try:
         body = _sampling_body(client, args)
         if args.chat:
@@ -166,7 +172,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     """A conversation on the terminal: each line you type is a user message, the reply streams
     back, and the history goes with every request. An empty line or end of input ends it."""
-    client = ServiceClient(args.url)
+    client = _client(args)
     messages = _system(args)
     try:
         body = _sampling_body(client, args)
@@ -194,13 +200,16 @@ def _system(args: argparse.Namespace) -> list[dict[str, str]]:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    client = ServiceClient(args.url)
+    client = _client(args)
     try:
         if args.watch:
             from pdserve.deploy.stats_watch import watch
 
             return watch(lambda: client.get("/stats"), format_stats, args.interval, args.count)
         stats = client.get("/stats")
+    except ServiceError as error:  # e.g. 401: no --api-key, or not this gateway's
+        print(f"error {error}", file=sys.stderr)
+        return 1
     finally:
         client.close()
     print(json.dumps(stats, indent=2) if args.json else format_stats(stats))
@@ -261,6 +270,14 @@ def main(argv: list[str] | None = None) -> int:
     stats.add_argument("--count", type=int, help="frames to draw (default: until Ctrl-C)")
     for sub in (gen, chat, stats):
         sub.add_argument("--url", default="http://127.0.0.1:8000")
+        sub.add_argument(
+            "--api-key",
+            default=(keys_from_env(os.environ.get(API_KEY_ENV)) or (None,))[0],
+            help=f"the gateway's API key (default: the first of {API_KEY_ENV})",
+        )
+        sub.add_argument(
+            "--ca-bundle", help="CA certificate file of an https:// gateway (default: the system's)"
+        )
     gen.set_defaults(func=cmd_generate)
     chat.set_defaults(func=cmd_chat)
     stats.set_defaults(func=cmd_stats)

@@ -37,7 +37,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import AliasChoices, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import CliSettingsSource
 
 from pdserve.checkpoint.model_source import default_model_name
@@ -48,6 +56,12 @@ from pdserve.deploy.part_settings import (
     KV_TIER,
     PARTS,
     settings_fields,
+)
+from pdserve.gateway.api_keys import (
+    ADMIN_API_KEY_ENV,
+    API_KEY_ENV,
+    check_api_keys,
+    keys_from_env,
 )
 from pdserve.gateway.config import GatewayConfig
 from pdserve.messages.worker_spec import WorkerSpec
@@ -104,6 +118,19 @@ class PDServeConfig(_PartsSettings):  # type: ignore[misc,valid-type]  # generat
         repr=False,
         description=f"shared secret of the KV plane; prefer the {KV_TRANSFER_SECRET_ENV} "
         "environment variable (flags show in ps); unset: a random one per app",
+    )
+    api_key: list[str] | None = Field(
+        None,
+        repr=False,
+        description=f"keys every gateway route but /health and /ready needs (Bearer; several "
+        f"for rotation); prefer the {API_KEY_ENV} environment variable, comma-separated; "
+        "unset: the gateway is open",
+    )
+    admin_api_key: list[str] | None = Field(
+        None,
+        repr=False,
+        description=f"keys the admin views /v1/requests and /dashboard need instead (also "
+        f"{ADMIN_API_KEY_ENV}); unset: an API key serves there too",
     )
     hash_seed: int | None = Field(
         None,
@@ -251,10 +278,31 @@ class PDServeConfig(_PartsSettings):  # type: ignore[misc,valid-type]  # generat
             check_kv_transfer_secret(secret, "kv_transfer_secret")
         return secret
 
+    @field_validator("api_key", "admin_api_key", mode="before")
+    @classmethod
+    def _check_api_keys(cls, keys: Any, info: ValidationInfo) -> Any:
+        if isinstance(keys, str):
+            keys = keys_from_env(keys)
+        if keys is not None:
+            check_api_keys(keys, str(info.field_name))
+        return keys
+
     def resolve_deployment_secrets(self) -> PDServeConfig:
         """This config with what one app must share and nobody else may guess: the KV-transfer
-        secret and the block-hash seed, generated once here by the app builder."""
-        return self.resolve_kv_transfer_secret().resolve_hash_seed()
+        secret and the block-hash seed, generated once here by the app builder; the API keys
+        from the environment when the config names none."""
+        return self.resolve_kv_transfer_secret().resolve_hash_seed().resolve_api_keys()
+
+    def resolve_api_keys(self) -> PDServeConfig:
+        """``api_key`` / ``admin_api_key`` from ``PDSERVE_API_KEY`` / ``PDSERVE_ADMIN_API_KEY``
+        (comma-separated) where the config sets none; none anywhere: no key."""
+        update: dict[str, list[str]] = {}
+        for name, env in (("api_key", API_KEY_ENV), ("admin_api_key", ADMIN_API_KEY_ENV)):
+            from_env = keys_from_env(os.environ.get(env))
+            if getattr(self, name) is None and from_env:
+                check_api_keys(from_env, env)
+                update[name] = list(from_env)
+        return self.model_copy(update=update) if update else self
 
     def resolve_hash_seed(self) -> PDServeConfig:
         """This config with the deployment's block-hash seed filled in.
@@ -353,7 +401,13 @@ class PDServeConfig(_PartsSettings):  # type: ignore[misc,valid-type]  # generat
         )
 
     def gateway_config(self) -> GatewayConfig:
-        return GATEWAY.build(self, model=self.model, model_name=self.model_name)
+        return GATEWAY.build(
+            self,
+            model=self.model,
+            model_name=self.model_name,
+            api_keys=tuple(self.api_key or ()),
+            admin_api_keys=tuple(self.admin_api_key or ()),
+        )
 
     # ------------------------------------------------------------------ loading
 

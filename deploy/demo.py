@@ -46,7 +46,8 @@ def run_demo(config: PDServeConfig) -> int:
         f"{config.model_name!r} ..."
     )
     print(f"up in {deploy(config):.1f}s")
-    client = ServiceClient(base_url(config))
+    keys = config.resolve_api_keys().api_key  # the deployment's, when it has any
+    client = ServiceClient(base_url(config), api_key=keys[0] if keys else None)
 
     def ask(question: str) -> str:
         body = {

@@ -21,9 +21,22 @@ class ServiceError(RuntimeError):
 
 
 class ServiceClient:
-    def __init__(self, url: str, timeout_s: float = TIMEOUT_S) -> None:
+    """``api_key``: sent as ``Authorization: Bearer`` on every request (None: none).
+    ``ca_bundle``: the CA file an ``https://`` gateway's certificate is checked against
+    (None: the system's)."""
+
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float = TIMEOUT_S,
+        api_key: str | None = None,
+        ca_bundle: str | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
-        self._http = httpx.Client(timeout=timeout_s)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self._http = httpx.Client(
+            timeout=timeout_s, headers=headers, verify=ca_bundle if ca_bundle else True
+        )
 
     def close(self) -> None:
         self._http.close()

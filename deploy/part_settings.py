@@ -11,7 +11,7 @@ This table only says which of their fields a deployment sets, and under which ke
     kv tier         kv_tier_f
     kv connector    f (failure_policy:        role, host, port, secret, allow_insecure
                     kv_failure_policy)
-    gateway         f (num_replicas:          model, model_name
+    gateway         f (num_replicas:          model, model_name, api_keys, admin_api_keys
                     num_gateway_replicas)
 
 ``PDServeConfig``'s fields, and so its YAML keys and CLI flags, are generated from it
@@ -98,7 +98,7 @@ KV_CONNECTOR = PartSettings(
 GATEWAY = PartSettings(
     "gateway",
     GatewayConfig,
-    frozenset({"model", "model_name"}),
+    frozenset({"model", "model_name", "api_keys", "admin_api_keys"}),
     renamed={"num_replicas": "num_gateway_replicas"},
     placeholders={"model": "", "model_name": ""},
 )

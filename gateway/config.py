@@ -6,7 +6,7 @@ The gateway never sees the deployment's whole config (``pdserve.deploy``, a laye
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Chosen by bench/bench_conditional_disagg.py (README, "Benchmarks"): on a mix of short
 # prompts and long ones with a shared preamble, 256 beat 64 and 0 on every figure (short
@@ -58,6 +58,15 @@ class GatewayConfig:
     num_replicas: int = 1
     """Gateway replicas (Serve spreads HTTP over them); they answer /stats, /metrics and
     /v1/requests as one service."""
+    public_metrics: bool = False
+    """With API keys set, serve /metrics without a key (a Prometheus scraper that sends no
+    bearer token); the figures hold no prompt, but they tell the load."""
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    """Filled by the app builder (``api_key`` / PDSERVE_API_KEY): keys every route but the
+    probes needs; empty: the gateway is open (loopback setups)."""
+    admin_api_keys: tuple[str, ...] = field(default=(), repr=False)
+    """Filled by the app builder (``admin_api_key`` / PDSERVE_ADMIN_API_KEY): keys the admin
+    views (/v1/requests, /dashboard) need instead of an API key."""
 
     def __post_init__(self) -> None:
         if self.max_inflight_requests < 1:

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from pdserve.gateway.api_keys import APIKeyInterceptor, APIKeyPolicy
 from pdserve.gateway.chat import parse_chat
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.openai_schema import (
@@ -178,7 +179,10 @@ def _parse_generate_request(raw: bytes) -> generate_pb2.GenerateRequest:
 async def start_grpc_server(
     orchestrator: RequestOrchestrator, config: GatewayConfig
 ) -> grpc.aio.Server:
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
+    server = grpc.aio.server(
+        interceptors=[APIKeyInterceptor(APIKeyPolicy.of(config))],
+        options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)],
+    )
     servicer = GenerateServicer(orchestrator)
     server.add_generic_rpc_handlers(
         [

@@ -38,6 +38,7 @@ from pdserve.gateway.admission import (
     ReleaseSlotsAtRequestEnd,
     hold_until_request_ends,
 )
+from pdserve.gateway.api_keys import APIKeyPolicy, RequireAPIKey
 from pdserve.gateway.chat import ChatFormat, parse_chat
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.dashboard import (
@@ -75,6 +76,7 @@ _START_RETRY_S = 0.5  # between tries to reach a worker at start
 app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
 app.include_router(dashboard_router)
 app.add_middleware(ReleaseSlotsAtRequestEnd)  # an admitted request's slot lives as long as it
+app.add_middleware(RequireAPIKey)  # outermost: every route, the ones added later included
 
 
 @app.exception_handler(APIError)
@@ -378,6 +380,7 @@ class Gateway:
         self, config: GatewayConfig, prefill: dict, decode: dict, retiring: dict | None = None
     ) -> None:
         self.config = config
+        app.state.api_key_policy = APIKeyPolicy.of(config)  # the app this replica serves
         self.workers = WorkerPool(prefill, decode)
         self.orchestrator: RequestOrchestrator | None = None
         self._ready = asyncio.Lock()

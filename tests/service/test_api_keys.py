@@ -1,0 +1,146 @@
+"""API keys on a running app: every HTTP route and gRPC ``Generate`` need one, probes excepted.
+
+The routes are walked from the gateway app's own table (``http_ingress.app``), and the table
+below must name each of them: a route added later fails here until it says what it answers,
+and is then checked with a key and without. The admin views take only the admin key; the
+official ``openai`` client, the ``pdserve stats`` command and a gRPC client are used as they
+would be by a user.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+import grpc
+import openai
+import pytest
+
+from pdserve.deploy.cli import main as pdserve_main
+from pdserve.deploy.cluster import base_url
+from pdserve.gateway.dashboard import STATIC_DIR
+from pdserve.gateway.http_ingress import app
+from pdserve.proto import generate_pb2, generate_pb2_grpc
+from tests.service.service_apps import free_port, running_app
+
+API_KEY, ROTATED_KEY, ADMIN_KEY = "api-key-" + "1" * 24, "api-key-" + "2" * 24, "admin-" + "3" * 24
+GRPC_PORT = free_port()
+MODEL = "tiny"
+STATIC_FILE = next(path.name for path in STATIC_DIR.iterdir() if path.is_file())
+COMPLETION = {"model": MODEL, "prompt": "Hello there", "max_tokens": 2, "temperature": 0}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+# (method, path) -> (the path to call, its body, the status it answers with a key)
+ROUTE_CALLS: dict[tuple[str, str], tuple[str, dict | None, int]] = {
+    ("GET", "/openapi.json"): ("/openapi.json", None, 200),
+    ("GET", "/dashboard"): ("/dashboard", None, 200),
+    ("GET", "/dashboard/static/{name}"): (f"/dashboard/static/{STATIC_FILE}", None, 200),
+    ("POST", "/v1/completions"): ("/v1/completions", COMPLETION, 200),
+    ("POST", "/v1/chat/completions"): ("/v1/chat/completions", CHAT, 200),
+    ("GET", "/v1/models"): ("/v1/models", None, 200),
+    ("GET", "/v1/requests"): ("/v1/requests", None, 200),
+    ("GET", "/v1/requests/{request_id}"): ("/v1/requests/no-such-request", None, 404),
+    ("GET", "/health"): ("/health", None, 200),
+    ("GET", "/ready"): ("/ready", None, 200),
+    ("GET", "/stats"): ("/stats", None, 200),
+    ("GET", "/metrics"): ("/metrics", None, 200),
+}
+PROBES = {"/health", "/ready"}
+ADMIN_VIEWS = ("/v1/requests", "/dashboard")
+
+
+def app_routes(routes: list[Any]) -> set[tuple[str, str]]:
+    """(method, path) of every route of the gateway's app, included routers' too."""
+    found = set()
+    for route in routes:
+        if hasattr(route, "original_router"):  # FastAPI's included router
+            found |= app_routes(route.original_router.routes)
+        else:
+            found |= {(method, route.path) for method in route.methods if method != "HEAD"}
+    return found
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster):
+    with running_app(
+        num_prefill=1,
+        num_decode=1,
+        grpc_port=GRPC_PORT,
+        api_key=[API_KEY, ROTATED_KEY],
+        admin_api_key=[ADMIN_KEY],
+    ) as config:
+        yield config
+
+
+def call(config, method: str, path: str, body: dict | None, key: str | None) -> int:
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(
+        base_url(config) + path,
+        data=json.dumps(body).encode() if body is not None else None,
+        headers=headers,
+        method=method,
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            response.read()
+            return response.status
+    except urllib.error.HTTPError as error:
+        body = error.read()
+        if error.code == 401:
+            assert json.loads(body)["error"]["code"] == "invalid_api_key"
+        return error.code
+
+
+def test_every_route_is_in_the_table() -> None:
+    assert app_routes(app.routes) == set(ROUTE_CALLS), (
+        "a gateway route is missing from ROUTE_CALLS (or the table names one that is gone): "
+        "say what it answers so it is checked with and without a key"
+    )
+
+
+def test_every_route_but_the_probes_needs_its_key(service) -> None:
+    for (method, route), (path, body, answer) in ROUTE_CALLS.items():
+        probe = route in PROBES
+        admin = route.startswith(ADMIN_VIEWS)
+        assert call(service, method, path, body, None) == (answer if probe else 401), route
+        assert call(service, method, path, body, "wrong-" + API_KEY) == (
+            answer if probe else 401
+        ), route
+        assert call(service, method, path, body, ADMIN_KEY) == answer, route
+        for key in (API_KEY, ROTATED_KEY):
+            assert call(service, method, path, body, key) == (401 if admin else answer), route
+
+
+def test_the_openai_client_with_the_key_and_without(service) -> None:
+    with_key = openai.OpenAI(base_url=base_url(service) + "/v1", api_key=API_KEY, max_retries=0)
+    reply = with_key.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+    assert reply.usage.completion_tokens == 3  # tiny's text may be empty: count tokens
+    without = openai.OpenAI(base_url=base_url(service) + "/v1", api_key="not-it", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        without.completions.create(model=MODEL, prompt="Hello", max_tokens=3)
+    with pytest.raises(openai.AuthenticationError):
+        without.models.list()
+
+
+def test_grpc_generate_needs_the_key(service) -> None:
+    request = generate_pb2.GenerateRequest(text="Hello", max_tokens=3, temperature=0)
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        stub = generate_pb2_grpc.GenerateStub(channel)
+        for metadata in ((), (("authorization", "Bearer wrong"),)):
+            with pytest.raises(grpc.RpcError) as caught:
+                list(stub.Generate(request, metadata=metadata, timeout=60))
+            assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        replies = list(
+            stub.Generate(request, metadata=(("authorization", f"Bearer {API_KEY}"),), timeout=60)
+        )
+        assert sum(len(reply.token_ids) for reply in replies) == 3
+
+
+def test_pdserve_stats_takes_the_key(service, capsys) -> None:
+    url = base_url(service)
+    assert pdserve_main(["stats", "--url", url, "--json", "--api-key", API_KEY]) == 0
+    assert "gateway" in json.loads(capsys.readouterr().out)
