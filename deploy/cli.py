@@ -11,6 +11,7 @@
     pdserve status                                                # the app's deployments and replicas
     pdserve scale --prefill 2 --decode 3                          # change the running app's workers
     pdserve down --address auto                                   # deletes the app
+    pdserve certs --out certs/                                    # a CA, KV-plane and gateway certificates
     pdserve demo                                                  # up (1+1), real questions sharing a long
                                                                   # system prompt, answers, stats, down
 
@@ -27,6 +28,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
@@ -216,6 +218,20 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_certs(args: argparse.Namespace) -> int:
+    """Writes a deployment's CA and its KV-plane and gateway certificates (``certs.py``)."""
+    from pdserve.deploy.certs import load_issued, write_certificates
+
+    ca = load_issued(args.ca_dir, "ca") if args.ca_dir else None
+    out = write_certificates(
+        args.out, args.gateway_host or ["localhost", "127.0.0.1"], args.days, ca
+    )
+    print(f"wrote ca.crt, worker.crt/.key, gateway.crt/.key under {out}")
+    print(f"KV plane: --kv-tls-dir {out} (the same path on every worker node)")
+    print(f"gateway:  --ssl-certfile {out / 'gateway.crt'} --ssl-keyfile {out / 'gateway.key'}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from pdserve.deploy.demo import run_demo
 
@@ -268,6 +284,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     stats.add_argument("--interval", type=float, default=2.0, help="seconds between frames")
     stats.add_argument("--count", type=int, help="frames to draw (default: until Ctrl-C)")
+    certs = commands.add_parser("certs", help="create a deployment's CA and certificates")
+    certs.add_argument("--out", type=Path, required=True, help="directory to write them to")
+    certs.add_argument(
+        "--gateway-host",
+        action="append",
+        help="a name or address clients reach the gateway by (repeat; default: localhost, "
+        "127.0.0.1)",
+    )
+    certs.add_argument("--days", type=int, default=365, help="validity of every certificate")
+    certs.add_argument(
+        "--ca-dir", type=Path, help="issue from the CA (ca.crt, ca.key) in this directory"
+    )
+    certs.set_defaults(func=cmd_certs)
     for sub in (gen, chat, stats):
         sub.add_argument("--url", default="http://127.0.0.1:8000")
         sub.add_argument(

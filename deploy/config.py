@@ -64,6 +64,7 @@ from pdserve.gateway.api_keys import (
     keys_from_env,
 )
 from pdserve.gateway.config import GatewayConfig
+from pdserve.messages.kv_plane_tls import KVPlaneTLS
 from pdserve.messages.worker_spec import WorkerSpec
 
 # Where a deployment's KV-transfer secret may come from when the config does not set it:
@@ -118,6 +119,12 @@ class PDServeConfig(_PartsSettings):  # type: ignore[misc,valid-type]  # generat
         repr=False,
         description=f"shared secret of the KV plane; prefer the {KV_TRANSFER_SECRET_ENV} "
         "environment variable (flags show in ps); unset: a random one per app",
+    )
+    kv_tls_dir: str | None = Field(
+        None,
+        description="mutual TLS on the KV plane: a directory of `pdserve certs` (ca.crt, "
+        "worker.crt, worker.key) at the same path on every worker node; unset: plaintext, "
+        "the shared secret alone",
     )
     api_key: list[str] | None = Field(
         None,
@@ -390,6 +397,7 @@ class PDServeConfig(_PartsSettings):  # type: ignore[misc,valid-type]  # generat
             host=self.kv_transfer_host or "127.0.0.1",
             port=port,
             secret=self.kv_transfer_secret,
+            tls=KVPlaneTLS.in_directory(self.kv_tls_dir) if self.kv_tls_dir else None,
         )
         return WorkerSpec(
             worker_id,

@@ -9,7 +9,7 @@ This table only says which of their fields a deployment sets, and under which ke
     part            key of field f            not settings (the app builder fills them)
     engine          f                         model, hash_seed, engine_id, publish_kv_events
     kv tier         kv_tier_f
-    kv connector    f (failure_policy:        role, host, port, secret, allow_insecure
+    kv connector    f (failure_policy:        role, host, port, secret, allow_insecure, tls
                     kv_failure_policy)
     gateway         f (num_replicas:          model, model_name, api_keys, admin_api_keys
                     num_gateway_replicas)
@@ -91,7 +91,7 @@ KV_TIER = PartSettings("kv tier (kv_tier_*)", KVTierConfig, prefix="kv_tier_")
 KV_CONNECTOR = PartSettings(
     "kv connector",
     KVConnectorConfig,
-    frozenset({"role", "host", "port", "secret", "allow_insecure"}),
+    frozenset({"role", "host", "port", "secret", "allow_insecure", "tls"}),
     renamed={"failure_policy": "kv_failure_policy"},
     placeholders={"role": "consumer"},
 )

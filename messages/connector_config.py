@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pdserve.messages.kv_plane_tls import KVPlaneTLS
+
 KVRole = Literal["producer", "consumer"]
 Transport = Literal["grpc", "nixl"]
 FailurePolicy = Literal["recompute", "fail"]
@@ -23,6 +25,8 @@ class KVConnectorConfig:
     A producer refuses to start without one (``PDConnector``): its KV blocks hold tenants'
     prompts. ``allow_insecure=True`` lifts that, for unit tests and benchmarks on loopback
     only, never for a deployment (``build_app`` always sets a secret).
+    ``tls``: mutual TLS on every KV gRPC connection (``kv_plane_tls.py``); with it the secret
+    still travels, inside the TLS session.
     """
 
     role: KVRole
@@ -34,6 +38,7 @@ class KVConnectorConfig:
     """A producer's transfer port; 0: any free one."""
     secret: str | None = field(default=None, repr=False)
     allow_insecure: bool = False
+    tls: KVPlaneTLS | None = None
     lease_ttl_s: float = 30.0
     """How long a producer holds a hand-off's blocks for the consumer's pull."""
     transfer_timeout_s: float = 10.0

@@ -49,6 +49,7 @@ def make_server(
         host=config.host,
         port=config.port,
         secret=config.secret,
+        tls=config.tls,
         stats=stats,
         fault_injector=fault_injector,
     )
@@ -76,6 +77,7 @@ def make_client(
         layout,
         engine_id=engine_id,  # type: ignore[call-arg]  # both transports take it; the ABC has no __init__
         secret=config.secret,
+        tls=config.tls,
         timeout_s=config.transfer_timeout_s,
         stats=stats,
         min_rate_bytes_per_s=config.min_transfer_rate_bytes_per_s,

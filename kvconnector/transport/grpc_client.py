@@ -37,6 +37,7 @@ from pdserve.kvconnector.transport.grpc_server import (
     identity,
 )
 from pdserve.kvconnector.transport.layout import KVLayout, check_compatible
+from pdserve.messages.kv_plane_tls import KV_PEER_NAME, KVPlaneTLS
 from pdserve.proto import kv_transfer_pb2 as pb
 from pdserve.proto import kv_transfer_pb2_grpc as pb_grpc
 
@@ -57,6 +58,7 @@ class GrpcTransferClient(KVTransferClient):
         layout: KVLayout,
         engine_id: str = "",
         secret: str | None = None,
+        tls: KVPlaneTLS | None = None,
         timeout_s: float = 30.0,
         stats: TransferStats | None = None,
         min_rate_bytes_per_s: float = DEFAULT_MIN_TRANSFER_RATE,
@@ -76,6 +78,10 @@ class GrpcTransferClient(KVTransferClient):
         self._layout = layout
         self._engine_id = engine_id
         self._metadata = ((SECRET_METADATA_KEY, secret),) if secret else ()
+        self._credentials = None
+        if tls is not None:
+            ca, cert, key = tls.read()
+            self._credentials = grpc.ssl_channel_credentials(ca, key, cert)
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, pb_grpc.KvTransferStub] = {}
         self._lock = threading.Lock()
@@ -309,9 +315,15 @@ class GrpcTransferClient(KVTransferClient):
     def _channel(self, address: str) -> grpc.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.insecure_channel(
-                address, options=CHANNEL_OPTIONS
-            )
+            if self._credentials is None:
+                channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            else:  # the peer's certificate names KV_PEER_NAME, not its node's address
+                channel = grpc.secure_channel(
+                    address,
+                    self._credentials,
+                    options=[*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", KV_PEER_NAME)],
+                )
+            self._channels[address] = channel
         return channel
 
 

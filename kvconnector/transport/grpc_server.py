@@ -56,6 +56,7 @@ from pdserve.kvconnector.transport.base import (
 )
 from pdserve.kvconnector.transport.block_chunk import encode_block_chunk
 from pdserve.kvconnector.transport.layout import KVLayout
+from pdserve.messages.kv_plane_tls import KVPlaneTLS
 from pdserve.proto import kv_transfer_pb2 as pb
 from pdserve.proto import kv_transfer_pb2_grpc as pb_grpc
 
@@ -347,6 +348,7 @@ class GrpcTransferServer(KVTransferServer):
         host: str = "127.0.0.1",
         port: int = 0,
         secret: str | None = None,
+        tls: KVPlaneTLS | None = None,
         stats: TransferStats | None = None,
         nixl_info: pb.NixlAgentInfo | None = None,
         max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
@@ -383,7 +385,14 @@ class GrpcTransferServer(KVTransferServer):
             self.activity,
         )
         self._server.add_generic_rpc_handlers([_method_handlers(servicer)])
-        bound_port = self._server.add_insecure_port(f"{host}:{port}")
+        if tls is None:
+            bound_port = self._server.add_insecure_port(f"{host}:{port}")
+        else:  # a client without a certificate of the deployment's CA never gets a message in
+            ca, cert, key = tls.read()
+            credentials = grpc.ssl_server_credentials(
+                [(key, cert)], root_certificates=ca, require_client_auth=True
+            )
+            bound_port = self._server.add_secure_port(f"{host}:{port}", credentials)
         if bound_port == 0:
             raise OSError(f"could not bind the KV transfer service to {host}:{port}")
         self._address = f"{host}:{bound_port}"

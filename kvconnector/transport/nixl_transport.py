@@ -76,6 +76,7 @@ from pdserve.kvconnector.transport.grpc_server import (
     GrpcTransferServer,
 )
 from pdserve.kvconnector.transport.layout import KVLayout
+from pdserve.messages.kv_plane_tls import KVPlaneTLS
 from pdserve.proto import kv_transfer_pb2 as pb
 
 try:
@@ -224,6 +225,7 @@ class NixlTransferServer(KVTransferServer):
         host: str = "127.0.0.1",
         port: int = 0,
         secret: str | None = None,
+        tls: KVPlaneTLS | None = None,
         stats: TransferStats | None = None,
         max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
         fault_injector: FaultInjector | None = None,
@@ -237,6 +239,7 @@ class NixlTransferServer(KVTransferServer):
             host=host,
             port=port,
             secret=secret,
+            tls=tls,
             stats=stats,
             nixl_info=self.endpoint.info(),
             max_message_bytes=max_message_bytes,
@@ -288,6 +291,7 @@ class NixlTransferClient(KVTransferClient):
         layout: KVLayout,
         engine_id: str = "",
         secret: str | None = None,
+        tls: KVPlaneTLS | None = None,
         timeout_s: float = 30.0,
         stats: TransferStats | None = None,
         min_rate_bytes_per_s: float = DEFAULT_MIN_TRANSFER_RATE,
@@ -298,6 +302,7 @@ class NixlTransferClient(KVTransferClient):
             layout,
             engine_id=engine_id,
             secret=secret,
+            tls=tls,
             timeout_s=timeout_s,
             stats=stats,
             min_rate_bytes_per_s=min_rate_bytes_per_s,

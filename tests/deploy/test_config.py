@@ -23,6 +23,7 @@ from pdserve.deploy import cli, cluster
 from pdserve.deploy.app import AppPlan, WorkerDeployment, plan
 from pdserve.deploy.config import PDServeConfig
 from pdserve.deploy.part_settings import ENGINE, GATEWAY, KV_CONNECTOR, KV_TIER, PARTS
+from pdserve.messages.kv_plane_tls import KVPlaneTLS
 
 SECRET = "s" * 24
 # Fixed, so that two builds differ only by the setting under test (unset, both are random).
@@ -108,6 +109,9 @@ PICKED: dict[str, tuple[Any, dict[str, Any]]] = {
     "ray_address": ("127.0.0.1:6390", {}),
     "kv_transfer_host": ("127.0.0.3", {}),
     "kv_transfer_secret": ("t" * 24, {}),
+    "kv_tls_dir": ("/etc/pdserve/certs", {}),
+    "api_key": (["k" * 24, "r" * 24], {}),
+    "admin_api_key": (["a" * 24], {}),
     "ucx_tls": ("tcp", {"transport": "nixl"}),
     # A disk tier needs both: the app without the value has the other one.
     "kv_tier_disk_path": ("/tmp/pdserve-tier-b", DISK_TIER),
@@ -193,6 +197,11 @@ OWN_SETTINGS_ARRIVE = {
         and [w.spec.connector.port for w in b.role("consumer")] == [0]
     ),
     "kv_transfer_secret": lambda v, b: all(w.spec.connector.secret == v for w in b.workers),
+    "kv_tls_dir": lambda v, b: all(
+        w.spec.connector.tls == KVPlaneTLS.in_directory(v) for w in b.workers
+    ),
+    "api_key": lambda v, b: b.app.gateway.api_keys == tuple(v),
+    "admin_api_key": lambda v, b: b.app.gateway.admin_api_keys == tuple(v),
     "hash_seed": lambda v, b: all(w.spec.engine.hash_seed == v for w in b.workers),
     "prefill_cpus": lambda v, b: [w.spec.cpus for w in b.role("producer")] == [tuple(v)],
     "decode_cpus": lambda v, b: [w.spec.cpus for w in b.role("consumer")] == [tuple(v)],

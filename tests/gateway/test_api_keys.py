@@ -115,3 +115,18 @@ def test_an_app_whose_policy_is_not_set_yet_refuses_all_but_the_probes() -> None
     client = _app(None)
     assert client.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 401
     assert client.get("/health").status_code == 200
+
+
+def test_a_deployment_takes_its_keys_from_the_environment_unless_configured(monkeypatch) -> None:
+    from pdserve.deploy.config import PDServeConfig
+
+    monkeypatch.setenv("PDSERVE_API_KEY", f"{KEY},{OTHER}")
+    monkeypatch.setenv("PDSERVE_ADMIN_API_KEY", ADMIN)
+    gateway = PDServeConfig(model="tiny").resolve_deployment_secrets().gateway_config()
+    assert (gateway.api_keys, gateway.admin_api_keys) == ((KEY, OTHER), (ADMIN,))
+    configured = PDServeConfig(model="tiny", api_key=[OTHER]).resolve_deployment_secrets()
+    assert configured.gateway_config().api_keys == (OTHER,)
+    assert KEY not in repr(gateway) and OTHER not in repr(configured)
+    monkeypatch.setenv("PDSERVE_API_KEY", "short")
+    with pytest.raises(ValueError, match="PDSERVE_API_KEY"):
+        PDServeConfig(model="tiny").resolve_deployment_secrets()

@@ -1,0 +1,129 @@
+"""Mutual TLS on the KV plane: a decode worker pulls over it, a peer without the deployment's
+certificate is refused by the TLS layer before any message is read.
+
+Certificates come from ``pdserve certs``' own functions (``deploy/certs.py``): the
+deployment's CA and worker certificate, a foreign CA's worker certificate, an expired one of
+the deployment's CA. Everything runs in one process on loopback, over real gRPC with TLS.
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.deploy.certs import issue, load_issued, write_certificates
+from pdserve.deploy.config import PDServeConfig
+from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.kvconnector.pd.lease import LeaseTable
+from pdserve.kvconnector.pd.pd_connector import PDConnector
+from pdserve.kvconnector.transport.base import TransferError
+from pdserve.kvconnector.transport.grpc_client import GrpcTransferClient
+from pdserve.kvconnector.transport.grpc_server import GrpcTransferServer
+from pdserve.kvconnector.transport.layout import KVLayout
+from pdserve.messages.connector_config import KVConnectorConfig
+from pdserve.messages.kv_plane_tls import KV_PEER_NAME, KVPlaneTLS
+from tests.kvconnector.test_kv_plane_security import ENGINE_KWARGS, SECRET, run
+
+PROMPT = list(range(7, 7 + 70))
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> dict[str, KVPlaneTLS]:
+    """The deployment's files, and three peers that must be refused."""
+    root = tmp_path_factory.mktemp("certs")
+    deployment = write_certificates(root / "deployment", ["127.0.0.1"])
+    foreign = write_certificates(root / "foreign", ["127.0.0.1"])
+    ca = load_issued(deployment, "ca")
+    long_ago = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=400)
+    expired = root / "expired"
+    expired.mkdir()
+    issue(ca, KV_PEER_NAME, [KV_PEER_NAME], days=30, valid_from=long_ago).write(expired, "worker")
+    return {
+        "deployment": KVPlaneTLS.in_directory(deployment),
+        # A foreign CA's worker, trusting the deployment's CA (so only its own cert is wrong).
+        "foreign": KVPlaneTLS(
+            str(deployment / "ca.crt"), str(foreign / "worker.crt"), str(foreign / "worker.key")
+        ),
+        "expired": KVPlaneTLS(
+            str(deployment / "ca.crt"), str(expired / "worker.crt"), str(expired / "worker.key")
+        ),
+    }
+
+
+def engine(role: str, tls: KVPlaneTLS) -> LLMEngine:
+    connector = PDConnector(
+        KVConnectorConfig(role=role, secret=SECRET, tls=tls),
+        engine_id=f"{role}-0",
+        hash_algorithm="xxh3_128",
+        hash_seed=0,
+    )
+    return LLMEngine.from_pretrained("tiny", connector=connector, **ENGINE_KWARGS)
+
+
+def test_a_pull_over_mutual_tls_equals_the_colocated_engine(certs) -> None:
+    expected = LLMEngine.from_pretrained("tiny", **ENGINE_KWARGS).generate([PROMPT], PARAMS)[0]
+    prefill, decode = (
+        engine("producer", certs["deployment"]),
+        engine("consumer", certs["deployment"]),
+    )
+    try:
+        first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        handed = run(prefill, "m0", PROMPT, first, remote_decode=True).kv_transfer_params
+        assert handed is not None
+        out = run(decode, "m0", PROMPT, PARAMS, kv_transfer_params=handed)
+        assert out.output_token_ids == expected.output_token_ids
+        assert decode.stats().transfer.num_blocks_received == len(handed.block_ids)
+    finally:
+        decode.connector.shutdown()
+        prefill.connector.shutdown()
+
+
+def _server(tls: KVPlaneTLS) -> tuple[GrpcTransferServer, torch.Tensor]:
+    prefill = LLMEngine.from_pretrained("tiny", **ENGINE_KWARGS)
+    kv_cache = prefill.runner.kv_cache
+    layout = KVLayout.from_kv_cache(kv_cache, "xxh3_128", 0)
+    return GrpcTransferServer(kv_cache, LeaseTable(), layout, secret=SECRET, tls=tls), kv_cache
+
+
+@pytest.mark.parametrize("peer", ["plaintext", "foreign", "expired"])
+def test_a_peer_without_the_deployments_certificate_is_refused_before_any_message(
+    certs, peer
+) -> None:
+    server, kv_cache = _server(certs["deployment"])
+    layout = KVLayout.from_kv_cache(kv_cache, "xxh3_128", 0)
+    try:
+        tls = None if peer == "plaintext" else certs[peer]
+        client = GrpcTransferClient(
+            torch.zeros_like(kv_cache), layout, secret=SECRET, tls=tls, timeout_s=5.0
+        )
+        with pytest.raises(TransferError):
+            client.handshake(server.address)
+        client.close()
+        assert not server.activity.is_set(), "the server read a message from the peer"
+        # The same server still serves a peer with the deployment's certificate.
+        good = GrpcTransferClient(
+            torch.zeros_like(kv_cache), layout, secret=SECRET, tls=certs["deployment"]
+        )
+        good.handshake(server.address)
+        good.close()
+        assert server.activity.is_set()
+    finally:
+        server.stop()
+
+
+def test_a_deployment_hands_every_worker_its_tls_files(tmp_path: Path) -> None:
+    config = PDServeConfig(kv_transfer_secret=SECRET, hash_seed=0, kv_tls_dir=str(tmp_path))
+    for role in ("producer", "consumer"):
+        assert config.worker_spec(role, 0).connector.tls == KVPlaneTLS.in_directory(tmp_path)
+    assert (
+        PDServeConfig(kv_transfer_secret=SECRET, hash_seed=0)
+        .worker_spec("producer", 0)
+        .connector.tls
+        is None
+    )
+    with pytest.raises(ValueError, match="cannot read the KV plane's TLS files"):
+        KVPlaneTLS.in_directory(tmp_path / "missing").read()
