@@ -85,8 +85,11 @@ def deploy(
 
 def serve_start_options(config: PDServeConfig) -> dict[str, Any]:
     """``serve.start``'s arguments: where Serve's HTTP proxies listen."""
+    http_options: dict[str, Any] = {"host": config.host, "port": config.port}
+    if config.ssl_certfile:  # HTTPS only: Serve's proxy (uvicorn) answers no plain HTTP
+        http_options |= {"ssl_certfile": config.ssl_certfile, "ssl_keyfile": config.ssl_keyfile}
     return {
-        "http_options": {"host": config.host, "port": config.port},
+        "http_options": http_options,
         "proxy_location": config.proxy_location,
     }
 
@@ -199,7 +202,8 @@ def shut_down(config: PDServeConfig) -> None:
 
 def base_url(config: PDServeConfig) -> str:
     prefix = config.route_prefix.rstrip("/")
-    return f"http://{config.host}:{config.port}{prefix}"
+    scheme = "https" if config.ssl_certfile else "http"
+    return f"{scheme}://{config.host}:{config.port}{prefix}"
 
 
 def _state_file() -> Path:

@@ -120,6 +120,12 @@ class PDServeConfig(_PartsSettings):  # type: ignore[misc,valid-type]  # generat
         description=f"shared secret of the KV plane; prefer the {KV_TRANSFER_SECRET_ENV} "
         "environment variable (flags show in ps); unset: a random one per app",
     )
+    ssl_certfile: str | None = Field(
+        None,
+        description="HTTPS and gRPC-over-TLS on the gateway: its certificate (PEM; `pdserve "
+        "certs` writes gateway.crt), readable on every node with a Serve proxy; unset: plain",
+    )
+    ssl_keyfile: str | None = Field(None, description="the key of ssl_certfile (gateway.key)")
     kv_tls_dir: str | None = Field(
         None,
         description="mutual TLS on the KV plane: a directory of `pdserve certs` (ca.crt, "
@@ -233,6 +239,12 @@ class PDServeConfig(_PartsSettings):  # type: ignore[misc,valid-type]  # generat
         when a worker starts."""
         for part in PARTS:
             part.check(self)
+        return self
+
+    @model_validator(mode="after")
+    def _check_gateway_tls(self) -> PDServeConfig:
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile and ssl_keyfile go together: set both or neither")
         return self
 
     @model_validator(mode="after")
@@ -415,6 +427,8 @@ class PDServeConfig(_PartsSettings):  # type: ignore[misc,valid-type]  # generat
             model_name=self.model_name,
             api_keys=tuple(self.api_key or ()),
             admin_api_keys=tuple(self.admin_api_key or ()),
+            tls_cert_file=self.ssl_certfile,
+            tls_key_file=self.ssl_keyfile,
         )
 
     # ------------------------------------------------------------------ loading

@@ -7,6 +7,7 @@ event inside it) becomes a ``ServiceError`` carrying the gateway's message.
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,9 +35,8 @@ class ServiceClient:
     ) -> None:
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-        self._http = httpx.Client(
-            timeout=timeout_s, headers=headers, verify=ca_bundle if ca_bundle else True
-        )
+        verify = ssl.create_default_context(cafile=ca_bundle) if ca_bundle else True
+        self._http = httpx.Client(timeout=timeout_s, headers=headers, verify=verify)
 
     def close(self) -> None:
         self._http.close()

@@ -11,8 +11,8 @@ This table only says which of their fields a deployment sets, and under which ke
     kv tier         kv_tier_f
     kv connector    f (failure_policy:        role, host, port, secret, allow_insecure, tls
                     kv_failure_policy)
-    gateway         f (num_replicas:          model, model_name, api_keys, admin_api_keys
-                    num_gateway_replicas)
+    gateway         f (num_replicas:          model, model_name, api_keys, admin_api_keys,
+                    num_gateway_replicas)     tls_cert_file, tls_key_file
 
 ``PDServeConfig``'s fields, and so its YAML keys and CLI flags, are generated from it
 (``settings_fields``), and a part's config is built back by the same names (``build``): a
@@ -98,7 +98,9 @@ KV_CONNECTOR = PartSettings(
 GATEWAY = PartSettings(
     "gateway",
     GatewayConfig,
-    frozenset({"model", "model_name", "api_keys", "admin_api_keys"}),
+    frozenset(
+        {"model", "model_name", "api_keys", "admin_api_keys", "tls_cert_file", "tls_key_file"}
+    ),
     renamed={"num_replicas": "num_gateway_replicas"},
     placeholders={"model": "", "model_name": ""},
 )

@@ -67,6 +67,11 @@ class GatewayConfig:
     admin_api_keys: tuple[str, ...] = field(default=(), repr=False)
     """Filled by the app builder (``admin_api_key`` / PDSERVE_ADMIN_API_KEY): keys the admin
     views (/v1/requests, /dashboard) need instead of an API key."""
+    tls_cert_file: str | None = None
+    """Filled by the app builder (``ssl_certfile``): the gRPC Generate service serves TLS
+    with it, as Serve's proxy serves HTTPS."""
+    tls_key_file: str | None = None
+    """Filled by the app builder (``ssl_keyfile``)."""
 
     def __post_init__(self) -> None:
         if self.max_inflight_requests < 1:

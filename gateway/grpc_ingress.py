@@ -11,6 +11,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -197,7 +198,12 @@ async def start_grpc_server(
             )
         ]
     )
-    port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+    address = f"{config.host}:{config.grpc_port}"
+    if config.tls_cert_file and config.tls_key_file:
+        key, cert = (Path(f).read_bytes() for f in (config.tls_key_file, config.tls_cert_file))
+        port = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(
             f"cannot bind the gRPC Generate service to {config.host}:{config.grpc_port}"

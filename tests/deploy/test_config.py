@@ -99,6 +99,7 @@ def pdserve_up(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> Deployed:
 DISK_TIER = {"kv_tier_disk_path": "/tmp/pdserve-tier-a", "kv_tier_disk_bytes": 1 << 20}
 # A value of each setting whose type alone does not give one (str, dict, list), and the
 # other settings it needs to take effect (in both apps): {key: (value, companions)}.
+GATEWAY_TLS = {"ssl_certfile": "/etc/pdserve/a.crt", "ssl_keyfile": "/etc/pdserve/a.key"}
 PICKED: dict[str, tuple[Any, dict[str, Any]]] = {
     "model": ("smollm2", {}),
     "served_model_name": ("my-model", {}),
@@ -110,6 +111,9 @@ PICKED: dict[str, tuple[Any, dict[str, Any]]] = {
     "kv_transfer_host": ("127.0.0.3", {}),
     "kv_transfer_secret": ("t" * 24, {}),
     "kv_tls_dir": ("/etc/pdserve/certs", {}),
+    # Gateway TLS needs both files: the app without the value has the other ones.
+    "ssl_certfile": ("/etc/pdserve/b/gateway.crt", GATEWAY_TLS),
+    "ssl_keyfile": ("/etc/pdserve/b/gateway.key", GATEWAY_TLS),
     "api_key": (["k" * 24, "r" * 24], {}),
     "admin_api_key": (["a" * 24], {}),
     "ucx_tls": ("tcp", {"transport": "nixl"}),
@@ -199,6 +203,12 @@ OWN_SETTINGS_ARRIVE = {
     "kv_transfer_secret": lambda v, b: all(w.spec.connector.secret == v for w in b.workers),
     "kv_tls_dir": lambda v, b: all(
         w.spec.connector.tls == KVPlaneTLS.in_directory(v) for w in b.workers
+    ),
+    "ssl_certfile": lambda v, b: (
+        b.serve_start["http_options"]["ssl_certfile"] == v and b.app.gateway.tls_cert_file == v
+    ),
+    "ssl_keyfile": lambda v, b: (
+        b.serve_start["http_options"]["ssl_keyfile"] == v and b.app.gateway.tls_key_file == v
     ),
     "api_key": lambda v, b: b.app.gateway.api_keys == tuple(v),
     "admin_api_key": lambda v, b: b.app.gateway.admin_api_keys == tuple(v),
