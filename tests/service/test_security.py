@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 import socket
 import urllib.error
 import urllib.request
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from pdserve.deploy.cluster import base_url
-from pdserve.kvconnector.transport.base import TransferError
+from pdserve.kvconnector.transport.base import SECRET_METADATA_KEY, TransferError
 from pdserve.kvconnector.transport.grpc_client import GrpcTransferClient
 from pdserve.kvconnector.transport.layout import KVLayout
 from pdserve.messages.sampling_params import SamplingParams
@@ -35,9 +36,11 @@ from tests.service.service_apps import (
     get_json,
     post_completion,
     running_app,
+    wait_until_ready,
 )
 
 SECRET = SHARED_SECRETS["kv_transfer_secret"]
+SECRET_METADATA = ((SECRET_METADATA_KEY, SECRET),)
 GRPC_PORT = free_port()
 KV_PORT = free_port()
 PROMPT = "Tenant data: the quarterly numbers are confidential. Summarise them: "
@@ -194,3 +197,59 @@ def test_http_refuses_a_bad_cache_salt_with_400(service):
         )[0]
         == 200
     )
+
+
+class _RunsWhenUnpickled:
+    """A pickle whose loading makes a directory: proof that a listener unpickled it."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return (os.mkdir, (self.marker,))
+
+
+def test_no_listener_unpickles_what_a_client_or_peer_sends(service, tmp_path):
+    """A crafted pickle to every port a client or peer reaches (gateway HTTP, gateway gRPC,
+    the KV service's every method, with the secret so it gets past the door): each refuses
+    it as a bad request and none runs it. Ray's own ports are trusted-network only (README)."""
+    marker = tmp_path / "unpickled"
+    payload = pickle.dumps(_RunsWhenUnpickled(marker))
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        for content_type in ("application/json", "application/octet-stream"):
+            request = urllib.request.Request(
+                base_url(service) + path, data=payload, headers={"Content-Type": content_type}
+            )
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=30)
+            assert refused.value.code in (400, 415), (path, content_type)
+    calls = [
+        (f"127.0.0.1:{GRPC_PORT}", "/pdserve.generate.Generate/Generate", "unary_stream", ()),
+        *[
+            (f"127.0.0.1:{KV_PORT}", f"/pdserve.kv.KvTransfer/{method}", kind, SECRET_METADATA)
+            for method, kind in [
+                ("Handshake", "unary_unary"),
+                ("ReadBlocks", "unary_stream"),
+                ("HoldBlocks", "stream_stream"),
+                ("RenewLease", "unary_unary"),
+                ("Release", "unary_unary"),
+            ]
+        ],
+    ]
+    for address, method, kind, metadata in calls:
+        with grpc.insecure_channel(address) as channel:
+            call = getattr(channel, kind)(method)  # no serializers: the raw bytes go as they are
+            request = iter([payload]) if kind.startswith("stream") else payload
+            with pytest.raises(grpc.RpcError) as refused:
+                reply = call(request, metadata=metadata, timeout=30)
+                if kind.endswith("stream"):
+                    list(reply)
+            assert refused.value.code() in (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.StatusCode.NOT_FOUND,
+            ), (method, refused.value.code(), refused.value.details())
+    assert not marker.exists(), "a listener unpickled a request"
+    assert wait_until_ready(service)["ready"]  # and every part still serves

@@ -1,0 +1,59 @@
+"""Mutual TLS on the KV plane of a running app, both transports, both shapes: the hand-off
+crosses it and every reply equals the colocated engine's.
+
+(1+1 over gRPC runs in ``tests/deploy/test_secure_deployment.py`` with the gateway's TLS and a
+key too.) NIXL's agent metadata rides the control plane's mutual-TLS gRPC; its UCX data path
+has no TLS of its own (README, "Security and threat model").
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.deploy.certs import write_certificates
+from pdserve.kvconnector.transport.nixl_transport import nixl_available
+from tests.service.service_apps import (
+    assert_completions_equal_colocated,
+    openai_client,
+    running_app,
+    wait_until_ready,
+    worker_rows,
+)
+
+SHAPES = [(2, 2, "grpc"), (1, 1, "nixl"), (2, 2, "nixl")]
+PROMPTS = [
+    "Over mutual TLS: a prompt long enough to fill a few blocks of the tiny model's cache",
+    "Another one, sharing nothing with the first, also pulled by its decode worker",
+]
+
+
+@pytest.fixture(scope="module")
+def cert_dir(tmp_path_factory):
+    return write_certificates(tmp_path_factory.mktemp("kv-mtls"), ["127.0.0.1"])
+
+
+@pytest.fixture(scope="module", params=SHAPES, ids=[f"{p}p{d}d-{t}" for p, d, t in SHAPES])
+def app(request, ray_cluster, cert_dir):
+    num_prefill, num_decode, transport = request.param
+    if transport == "nixl" and not nixl_available():
+        pytest.skip("NIXL does not load here (pip install 'pdserve[nixl]')")
+    with running_app(
+        num_prefill=num_prefill,
+        num_decode=num_decode,
+        transport=transport,
+        kv_tls_dir=str(cert_dir),
+    ) as config:
+        assert wait_until_ready(config)["ready"]  # every decode worker handshook over mTLS
+        yield config
+
+
+def test_replies_over_a_mutual_tls_kv_plane_equal_the_colocated_engine(app, colocated) -> None:
+    def received() -> int:
+        rows = worker_rows(app).values()
+        return sum(row["num_blocks_received"] for row in rows if row["role"] == "consumer")
+
+    before = received()
+    assert_completions_equal_colocated(
+        openai_client(app), colocated, PROMPTS, 6, dict(temperature=0.0)
+    )
+    assert received() > before, "no block crossed the KV plane"
