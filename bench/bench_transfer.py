@@ -5,6 +5,7 @@ holds a KV tensor and serves it; this process pulls a shuffled set of at least 6
 blocks into shuffled destination blocks, verified, through:
 
     grpc      GrpcTransferClient.read_blocks      vs  raw gRPC stream of the same bytes
+    grpc mTLS the same pull over mutual TLS (kv_tls_dir)  vs  the plaintext pull
     nixl      NixlTransferClient.read_blocks      vs  raw NIXL READ of the same descriptors
     nixl unverified: the same pull without its checksums (hold + READ), to show what
               integrity costs; a bench-only path, not a transport option
@@ -19,11 +20,14 @@ import argparse
 import multiprocessing as mp
 import os
 import random
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -32,12 +36,14 @@ import grpc
 import numpy as np
 import torch
 
+from pdserve.deploy.certs import write_certificates
 from pdserve.kvconnector.checksum import block_checksums, page_view
 from pdserve.kvconnector.pd.lease import LeaseTable
 from pdserve.kvconnector.transport.grpc_client import GrpcTransferClient
 from pdserve.kvconnector.transport.grpc_server import (
     DEFAULT_MESSAGE_BYTES,
     MAX_GRPC_MESSAGE_BYTES,
+    GrpcTransferServer,
 )
 from pdserve.kvconnector.transport.layout import KVLayout
 from pdserve.kvconnector.transport.nixl_transport import (
@@ -45,6 +51,7 @@ from pdserve.kvconnector.transport.nixl_transport import (
     NixlTransferServer,
     nixl_available,
 )
+from pdserve.messages.kv_plane_tls import KVPlaneTLS
 
 LAYOUTS = {
     "tiny (4L x 2H x 64, fp32)": dict(
@@ -87,13 +94,17 @@ def raw_messages(kv_cache: torch.Tensor, message_bytes: int) -> list[bytes]:
     return [flat[i : i + message_bytes].tobytes() for i in range(0, flat.size, message_bytes)]
 
 
-def _serve(shape: dict[str, Any], num_blocks: int, conn: Any) -> None:
-    """Prefill side: the transfer service plus a raw gRPC stream and a raw TCP sender."""
+def _serve(shape: dict[str, Any], num_blocks: int, cert_dir: str, conn: Any) -> None:
+    """Prefill side: the transfer service (plaintext, and over mutual TLS with the same
+    leases), a raw gRPC stream and a raw TCP sender."""
     torch.set_num_threads(1)
     kv_cache = make_kv_cache(num_blocks, seed=1, **shape)
     layout = KVLayout.from_kv_cache(kv_cache, "xxh3_128", 0)
     leases = LeaseTable()
     server = NixlTransferServer(kv_cache, leases, layout, engine_id="bench-prefill")
+    mtls_server = GrpcTransferServer(
+        kv_cache, leases, layout, engine_id="bench-prefill", tls=KVPlaneTLS.in_directory(cert_dir)
+    )
     messages = raw_messages(kv_cache, max(DEFAULT_MESSAGE_BYTES, layout.page_bytes))
 
     def stream(_request: bytes, _context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -121,11 +132,19 @@ def _serve(shape: dict[str, Any], num_blocks: int, conn: Any) -> None:
                     sock.sendall(message)
 
     threading.Thread(target=tcp_sender, daemon=True).start()
-    conn.send((server.address, f"127.0.0.1:{raw_grpc_port}", listener.getsockname()[1]))
+    conn.send(
+        (
+            server.address,
+            mtls_server.address,
+            f"127.0.0.1:{raw_grpc_port}",
+            listener.getsockname()[1],
+        )
+    )
     while True:
         command, block_ids = conn.recv()
         if command == "stop":
             server.stop(0)
+            mtls_server.stop(0)
             raw_grpc.stop(0)
             return
         lease = leases.grant("bench", block_ids, [], block_checksums(kv_cache, block_ids))
@@ -167,11 +186,14 @@ def bench_layout(name: str, shape: dict[str, Any], mib: int, repeats: int) -> li
     page_bytes = KVLayout.from_kv_cache(make_kv_cache(1, seed=0, **shape), "xxh3_128", 0).page_bytes
     num_blocks = max(1, (mib << 20) // page_bytes)
     total = num_blocks * page_bytes
+    cert_dir = write_certificates(Path(tempfile.mkdtemp(prefix="bench-certs-")), ["127.0.0.1"])
     context = mp.get_context("spawn")
     conn, child_conn = context.Pipe()
-    server = context.Process(target=_serve, args=(shape, num_blocks, child_conn), daemon=True)
+    server = context.Process(
+        target=_serve, args=(shape, num_blocks, str(cert_dir), child_conn), daemon=True
+    )
     server.start()
-    address, raw_grpc_address, raw_tcp_port = conn.recv()
+    address, mtls_address, raw_grpc_address, raw_tcp_port = conn.recv()
 
     local = make_kv_cache(num_blocks, seed=2, **shape)
     layout = KVLayout.from_kv_cache(local, "xxh3_128", 0)
@@ -185,8 +207,8 @@ def bench_layout(name: str, shape: dict[str, Any], mib: int, repeats: int) -> li
         conn.send(("grant", remote_ids))
         return conn.recv()
 
-    def pull(client: Any) -> Callable[[tuple[str, list[int]]], None]:
-        peer = client.handshake(address)
+    def pull(client: Any, at: str = address) -> Callable[[tuple[str, list[int]]], None]:
+        peer = client.handshake(at)
 
         def run(lease: tuple[str, list[int]]) -> None:
             lease_id, checksums = lease
@@ -206,6 +228,21 @@ def bench_layout(name: str, shape: dict[str, Any], mib: int, repeats: int) -> li
     channel.close()
     grpc_client.close()
     rows.append((name, "grpc", grpc_mib_s, "raw gRPC stream", raw_grpc_mib_s))
+
+    # Mutual TLS against plaintext, alternately (the grant's checksums stay untimed).
+    plain_client = GrpcTransferClient(local, layout, timeout_s=60)
+    mtls_client = GrpcTransferClient(
+        local, layout, timeout_s=60, tls=KVPlaneTLS.in_directory(cert_dir)
+    )
+    plain, mtls = pull(plain_client), pull(mtls_client, mtls_address)
+    plain_mib_s = mtls_mib_s = 0.0
+    for _ in range(repeats):
+        mtls_mib_s = max(mtls_mib_s, best_mib_s(total, 1, mtls, grant))
+        plain_mib_s = max(plain_mib_s, best_mib_s(total, 1, plain, grant))
+    plain_client.close()
+    mtls_client.close()
+    shutil.rmtree(cert_dir)
+    rows.append((name, "grpc mTLS", mtls_mib_s, "grpc plaintext", plain_mib_s))
 
     def raw_tcp() -> None:
         buffer = bytearray(DEFAULT_MESSAGE_BYTES)

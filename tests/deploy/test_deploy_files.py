@@ -13,6 +13,8 @@ from ray.serve.schema import ServeDeploySchema
 from pdserve.deploy.config import PDServeConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+SECURITY_ARGS = ("kv_tls_dir", "ssl_certfile", "ssl_keyfile")
+CERTS_MOUNT = "/etc/pdserve/certs"
 
 
 def _build(application: dict) -> Application:
@@ -38,7 +40,14 @@ def test_the_kuberay_rayservice_runs_the_same_import_path_and_args():
     (application,) = serve_config["applications"]
     (reference,) = yaml.safe_load((DEPLOY / "serve_config.yaml").read_text())["applications"]
     assert application["import_path"] == reference["import_path"]
+    security = {key: application["args"].pop(key) for key in SECURITY_ARGS}
     assert application["args"] == reference["args"]
+    assert all(path.startswith(CERTS_MOUNT) for path in security.values())
+    assert serve_config["http_options"] == {
+        "ssl_certfile": security["ssl_certfile"],
+        "ssl_keyfile": security["ssl_keyfile"],
+    }
+    application["args"] |= security
     assert isinstance(_build(application), Application)
     ports = {
         p["containerPort"]
@@ -54,5 +63,25 @@ def test_the_kuberay_head_probes_liveness_on_health_and_readiness_on_ready():
     (head,) = manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"][
         "containers"
     ]
-    assert head["livenessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
-    assert head["readinessProbe"]["httpGet"] == {"path": "/ready", "port": 8000}
+    probe = {"port": 8000, "scheme": "HTTPS"}
+    assert head["livenessProbe"]["httpGet"] == {"path": "/health", **probe}
+    assert head["readinessProbe"]["httpGet"] == {"path": "/ready", **probe}
+
+
+def test_every_kuberay_pod_mounts_the_certificates_and_runs_ray_with_token_auth():
+    manifest = yaml.safe_load((DEPLOY / "kuberay_rayservice.yaml").read_text())
+    cluster = manifest["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]["template"]["spec"]] + [
+        group["template"]["spec"] for group in cluster["workerGroupSpecs"]
+    ]
+    for pod in pods:
+        (volume,) = pod["volumes"]
+        assert volume["secret"]["secretName"] == "pdserve-certs"
+        (container,) = pod["containers"]
+        assert {"name": volume["name"], "mountPath": CERTS_MOUNT, "readOnly": True} in container[
+            "volumeMounts"
+        ]
+        env = {entry["name"]: entry for entry in container["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "token" and "valueFrom" in env["RAY_AUTH_TOKEN"]
+    head_env = {entry["name"] for entry in pods[0]["containers"][0]["env"]}
+    assert "PDSERVE_API_KEY" in head_env  # the app is built on the head
