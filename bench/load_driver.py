@@ -23,14 +23,15 @@ from pathlib import Path
 
 import aiohttp
 
-from pdserve.deploy.cluster import base_url
+from pdserve.deploy.cluster import auth_headers, base_url
 from pdserve.deploy.config import PDServeConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.messages.sampling_params import SamplingParams
 
 
 def get_json(config: PDServeConfig, path: str) -> dict:
-    with urllib.request.urlopen(base_url(config) + path) as response:
+    request = urllib.request.Request(base_url(config) + path, headers=auth_headers(config))
+    with urllib.request.urlopen(request) as response:
         return json.loads(response.read())
 
 

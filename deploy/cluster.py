@@ -200,6 +200,13 @@ def shut_down(config: PDServeConfig) -> None:
         ray.shutdown()
 
 
+def auth_headers(config: PDServeConfig) -> dict[str, str]:
+    """The header a client of this app sends: its first API key (admin key if it has only
+    that; none if it has neither)."""
+    keys = config.api_key or config.admin_api_key
+    return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+
+
 def base_url(config: PDServeConfig) -> str:
     prefix = config.route_prefix.rstrip("/")
     scheme = "https" if config.ssl_certfile else "http"

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from bench.load_driver import get_json, wait_until_drained
-from pdserve.deploy.cluster import base_url, delete_app, deploy
+from pdserve.deploy.cluster import auth_headers, base_url, delete_app, deploy
 from pdserve.deploy.config import PDServeConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.messages.sampling_params import SamplingParams
@@ -97,7 +97,8 @@ def openai_client(config: PDServeConfig):
     """The official OpenAI client pointed at the app's gateway, without client-side retries."""
     import openai
 
-    return openai.OpenAI(base_url=base_url(config) + "/v1", api_key="unused", max_retries=0)
+    keys = config.api_key or ["unused"]
+    return openai.OpenAI(base_url=base_url(config) + "/v1", api_key=keys[0], max_retries=0)
 
 
 def post_completion(config: PDServeConfig, body: dict) -> tuple[int, dict[str, str], dict]:
@@ -105,7 +106,7 @@ def post_completion(config: PDServeConfig, body: dict) -> tuple[int, dict[str, s
     request = urllib.request.Request(
         base_url(config) + "/v1/completions",
         data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **auth_headers(config)},
     )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
@@ -239,7 +240,7 @@ def open_stream(config: PDServeConfig, body: dict, timeout_s: float = 60.0):
         "POST",
         config.route_prefix.rstrip("/") + "/v1/completions",
         body=json.dumps({**body, "stream": True}),
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **auth_headers(config)},
     )
     return connection, connection.getresponse()
 

@@ -8,6 +8,7 @@ server still serves and has freed every block.
 
 from __future__ import annotations
 
+import collections
 import threading
 
 import grpc
@@ -24,22 +25,50 @@ from tests.service.service_apps import assert_drained, running_app
 GRPC_PORT = free_port()
 VOCAB_SIZE = 512  # the tiny model's
 UINT32 = st.integers(0, 2**32 - 1)
+API_KEY = "fuzz-grpc-" + "k" * 20
 CLEAR_REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
 
 
-@pytest.fixture(scope="module")
-def service(ray_cluster):
-    with running_app(
-        num_prefill=1,
-        num_decode=0,
-        grpc_port=GRPC_PORT,
-    ) as config:
+@pytest.fixture(scope="module", params=["security off", "security on"])
+def service(request, ray_cluster):
+    """Each fuzz runs on an open gateway and on one that needs an API key."""
+    secure = {"api_key": [API_KEY]} if request.param == "security on" else {}
+    with running_app(num_prefill=1, num_decode=0, grpc_port=GRPC_PORT, **secure) as config:
         yield config
+
+
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready")
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class _SendsTheKey(grpc.UnaryStreamClientInterceptor):
+    """Adds ``authorization: Bearer <key>`` to every call, as a client of a keyed app does."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def intercept_unary_stream(self, continuation, details, request):
+        metadata = [*(details.metadata or ()), ("authorization", f"Bearer {self.key}")]
+        return continuation(
+            _CallDetails(
+                details.method, details.timeout, metadata, details.credentials,
+                details.wait_for_ready,
+            ),
+            request,
+        )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def channel(service):
-    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as plain:
+        channel = plain
+        if service.api_key:
+            channel = grpc.intercept_channel(plain, _SendsTheKey(service.api_key[0]))
         generate(channel, generate_pb2.GenerateRequest(text="warm up", max_tokens=1))
         yield channel
 

@@ -17,7 +17,8 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.deploy.cluster import base_url
+from pdserve.deploy.certs import write_certificates
+from pdserve.deploy.cluster import auth_headers, base_url
 from pdserve.gateway.openai_schema import MAX_REQUEST_BYTES
 from tests.service.service_apps import assert_drained, running_app
 
@@ -25,18 +26,24 @@ VOCAB_SIZE = 512  # the tiny model's
 VALID = {"model": "tiny", "prompt": "Hello there", "max_tokens": 4, "temperature": 0}
 
 
-@pytest.fixture(scope="module")
-def service(ray_cluster):
-    with running_app(num_prefill=1, num_decode=1) as config:
+@pytest.fixture(scope="module", params=["security off", "security on"])
+def service(request, ray_cluster, tmp_path_factory):
+    """Each fuzz runs on an open app and on one with an API key and a mutual-TLS KV plane."""
+    secure = {}
+    if request.param == "security on":
+        certs = write_certificates(tmp_path_factory.mktemp("fuzz-certs"), ["127.0.0.1"])
+        secure = {"api_key": ["fuzz-http-" + "k" * 20], "kv_tls_dir": str(certs)}
+    with running_app(num_prefill=1, num_decode=1, **secure) as config:
         yield config
 
 
 class Http:
     """POSTs to the app's ``/v1/completions`` with a timeout: a hang is a failure."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, headers: dict[str, str]) -> None:
         self.url = url + "/v1/completions"
         self.session = requests.Session()
+        self.session.headers.update(headers)  # the app's API key, if it has one
 
     def post(self, **kwargs) -> requests.Response:
         return self.session.post(self.url, timeout=60, **kwargs)
@@ -53,7 +60,7 @@ def ends_serving_and_drained(service, http):
 
 @pytest.fixture(scope="module")
 def http(service):
-    client = Http(base_url(service))
+    client = Http(base_url(service), auth_headers(service))
     yield client
     client.session.close()
 

@@ -32,6 +32,7 @@ import pytest
 from ray.exceptions import RayError
 
 from bench.load_driver import get_json, wait_until_drained
+from pdserve.deploy.certs import write_certificates
 from pdserve.kvconnector.transport.nixl_transport import nixl_available
 from pdserve.messages.sampling_params import SamplingParams
 from tests.service.service_apps import (
@@ -51,15 +52,20 @@ from tests.service.service_apps import (
     worker_rows,
 )
 
+# Each transport once (each app costs ~15 s to start, the matrix ~1.5 min to run): gRPC with
+# security on (an API key on the gateway, mutual TLS on the KV plane), NIXL with it off. So
+# every fault row runs both ways, and a restarted prefill is re-dialled over mTLS.
 TRANSPORTS = [
-    "grpc",
+    pytest.param(("grpc", "security on"), id="grpc-secure"),
     pytest.param(
-        "nixl",
+        ("nixl", "security off"),
+        id="nixl",
         marks=pytest.mark.skipif(
             not nixl_available(), reason="nixl is not installed (pip install 'pdserve[nixl]')"
         ),
     ),
 ]
+API_KEY = "fault-matrix-" + "k" * 20
 PREFILLS, DECODES = ("prefill-0", "prefill-1"), ("decode-0", "decode-1")
 PREAMBLE = "A shared preamble long enough to span several KV blocks, so a pull has work. " * 3
 CLIENT_DEADLINE_S = 90.0  # a request still running after this is a hang
@@ -78,13 +84,23 @@ class MatrixRow:
 MATRIX: list[MatrixRow] = []
 
 
+def _shape(config) -> str:
+    """The matrix's transport column: the transport, and whether security is on."""
+    return config.transport + (" + keys, mTLS" if config.kv_tls_dir else "")
+
+
 @pytest.fixture(scope="module", params=TRANSPORTS)
-def app(request, ray_cluster):
-    transport = request.param
+def app(request, ray_cluster, tmp_path_factory):
+    transport, security = request.param
+    secure = {}
+    if security == "security on":
+        certs = write_certificates(tmp_path_factory.mktemp("fault-matrix-certs"), ["127.0.0.1"])
+        secure = {"api_key": [API_KEY], "kv_tls_dir": str(certs)}
     with running_app(
         num_prefill=2,
         num_decode=2,
         transport=transport,
+        **secure,
         kv_transfer_port=free_port(count=2),  # prefill-i binds port + i
         worker_timeout_s=3.0,
     ) as config:
@@ -263,7 +279,7 @@ def _record(
     lost = len(hung) + (len(ended) - len(completed) if must_complete else 0)
     wrong = sum(1 for c in completed if c.text != _expected(colocated, c))
     leaked = sum(sum(values) for values in leftovers(wait_until_drained(config)).values())
-    row = MatrixRow(fault, config.transport, len(clients), lost, wrong, leaked)
+    row = MatrixRow(fault, _shape(config), len(clients), lost, wrong, leaked)
     MATRIX.append(row)
     return row
 
@@ -473,7 +489,7 @@ def test_cached_tokens_and_transfer_counters_match_what_was_sent(app, colocated)
         if body["choices"][0]["text"]
         != expected_text(colocated, prompt, SamplingParams(max_tokens=4, temperature=0.0))
     )
-    row = MatrixRow("cached_tokens and counters", app.transport, len(replies), 0, wrong, leaked)
+    row = MatrixRow("cached_tokens and counters", _shape(app), len(replies), 0, wrong, leaked)
     MATRIX.append(row)
 
     usages = [body["usage"] for body in replies]

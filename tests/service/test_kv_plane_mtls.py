@@ -1,8 +1,8 @@
-"""Mutual TLS on the KV plane of a running app, both transports, both shapes: the hand-off
-crosses it and every reply equals the colocated engine's.
+"""Mutual TLS on the KV plane of a running NIXL app, both shapes: the hand-off crosses it and
+every reply equals the colocated engine's.
 
-(1+1 over gRPC runs in ``tests/deploy/test_secure_deployment.py`` with the gateway's TLS and a
-key too.) NIXL's agent metadata rides the control plane's mutual-TLS gRPC; its UCX data path
+(gRPC: 1+1 in ``tests/deploy/test_secure_deployment.py`` with the gateway's TLS and a key
+too, 2+2 in the fault matrix, whose gRPC app runs with security on.) NIXL's agent metadata rides the control plane's mutual-TLS gRPC; its UCX data path
 has no TLS of its own (README, "Security and threat model").
 """
 
@@ -20,7 +20,7 @@ from tests.service.service_apps import (
     worker_rows,
 )
 
-SHAPES = [(2, 2, "grpc"), (1, 1, "nixl"), (2, 2, "nixl")]
+SHAPES = [(1, 1, "nixl"), (2, 2, "nixl")]
 PROMPTS = [
     "Over mutual TLS: a prompt long enough to fill a few blocks of the tiny model's cache",
     "Another one, sharing nothing with the first, also pulled by its decode worker",
