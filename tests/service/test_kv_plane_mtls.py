@@ -2,8 +2,9 @@
 every reply equals the colocated engine's.
 
 (gRPC: 1+1 in ``tests/deploy/test_secure_deployment.py`` with the gateway's TLS and a key
-too, 2+2 in the fault matrix, whose gRPC app runs with security on.) NIXL's agent metadata rides the control plane's mutual-TLS gRPC; its UCX data path
-has no TLS of its own (README, "Security and threat model").
+too, 2+2 in the fault matrix, whose gRPC app runs with security on.) NIXL's agent metadata
+rides the control plane's mutual-TLS gRPC; its UCX data path has no TLS of its own (README,
+"Security and threat model").
 """
 
 from __future__ import annotations
