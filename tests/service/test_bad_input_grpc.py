@@ -69,6 +69,8 @@ def channel(service):
         channel = plain
         if service.api_key:
             channel = grpc.intercept_channel(plain, _SendsTheKey(service.api_key[0]))
+        # The gateway starts its gRPC server once its workers answer, after the deploy returns.
+        grpc.channel_ready_future(plain).result(timeout=60)
         generate(channel, generate_pb2.GenerateRequest(text="warm up", max_tokens=1))
         yield channel
 
