@@ -9,7 +9,9 @@ would be by a user.
 
 from __future__ import annotations
 
+import base64
 import json
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -23,6 +25,7 @@ from pdserve.deploy.cluster import base_url
 from pdserve.gateway.dashboard import STATIC_DIR
 from pdserve.gateway.http_ingress import app
 from pdserve.proto import generate_pb2, generate_pb2_grpc
+from tests.service.browser import headless_chromium
 from tests.service.service_apps import free_port, running_app
 
 API_KEY, ROTATED_KEY, ADMIN_KEY = "api-key-" + "1" * 24, "api-key-" + "2" * 24, "admin-" + "3" * 24
@@ -144,3 +147,29 @@ def test_pdserve_stats_takes_the_key(service, capsys) -> None:
     url = base_url(service)
     assert pdserve_main(["stats", "--url", url, "--json", "--api-key", API_KEY]) == 0
     assert "gateway" in json.loads(capsys.readouterr().out)
+
+
+def test_the_dashboard_runs_in_a_real_browser_on_the_admin_key_it_asked_for(service) -> None:
+    """The page answers 401 with a Basic challenge (the browser's own key prompt); once the
+    browser sends the admin key it loads and its polls of /stats and /v1/requests succeed.
+    Headless Chromium shows no prompt: the test gives it the header a prompt would produce."""
+    with headless_chromium() as driver:
+        driver.get(base_url(service) + "/dashboard")
+        # Refused: the browser is asked for credentials (blank in headless), no page runs.
+        assert driver.execute_script("return typeof window.pdserveDashboard") == "undefined"
+        driver.get_log("browser")  # that 401, logged by the browser: read and set aside
+        basic = base64.b64encode(f"operator:{ADMIN_KEY}".encode()).decode()
+        driver.execute_cdp_cmd("Network.enable", {})
+        driver.execute_cdp_cmd(
+            "Network.setExtraHTTPHeaders", {"headers": {"Authorization": f"Basic {basic}"}}
+        )
+        driver.get(base_url(service) + "/dashboard")
+        deadline = time.time() + 30
+        while not driver.execute_script(
+            "return window.pdserveDashboard && window.pdserveDashboard.updates >= 2"
+        ):
+            assert time.time() < deadline, "the dashboard never updated on the admin key"
+            time.sleep(0.2)
+        assert ADMIN_KEY not in driver.current_url
+        errors = [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
+        assert errors == []  # every poll of /stats and /v1/requests was answered
