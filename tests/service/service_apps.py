@@ -71,6 +71,29 @@ def running_app(num_kv_blocks: int = NUM_KV_BLOCKS, **fields) -> Iterator[PDServ
             delete_app(config.app_name)
 
 
+def skip_without(transport: str) -> None:
+    """Skips the test when ``transport`` cannot run here (NIXL not installed)."""
+    from pdserve.kvconnector.transport.nixl_transport import nixl_available
+
+    if transport == "nixl" and not nixl_available():
+        import pytest
+
+        pytest.skip("NIXL does not load here (pip install 'pdserve[nixl]')")
+
+
+@contextlib.contextmanager
+def running_shape(
+    num_prefill: int, num_decode: int, transport: str, **fields
+) -> Iterator[PDServeConfig]:
+    """``running_app`` of one P/D shape and transport (skipped without it), once ready."""
+    skip_without(transport)
+    with running_app(
+        num_prefill=num_prefill, num_decode=num_decode, transport=transport, **fields
+    ) as config:
+        assert wait_until_ready(config)["ready"]  # every decode worker handshook
+        yield config
+
+
 def expected_text(engine: LLMEngine, prompt: str | list[int], params: SamplingParams) -> str:
     return engine.generate([prompt], params)[0].text
 

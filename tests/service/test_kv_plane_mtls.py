@@ -12,12 +12,10 @@ from __future__ import annotations
 import pytest
 
 from pdserve.deploy.certs import write_certificates
-from pdserve.kvconnector.transport.nixl_transport import nixl_available
 from tests.service.service_apps import (
     assert_completions_equal_colocated,
     openai_client,
-    running_app,
-    wait_until_ready,
+    running_shape,
     worker_rows,
 )
 
@@ -35,16 +33,7 @@ def cert_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=SHAPES, ids=[f"{p}p{d}d-{t}" for p, d, t in SHAPES])
 def app(request, ray_cluster, cert_dir):
-    num_prefill, num_decode, transport = request.param
-    if transport == "nixl" and not nixl_available():
-        pytest.skip("NIXL does not load here (pip install 'pdserve[nixl]')")
-    with running_app(
-        num_prefill=num_prefill,
-        num_decode=num_decode,
-        transport=transport,
-        kv_tls_dir=str(cert_dir),
-    ) as config:
-        assert wait_until_ready(config)["ready"]  # every decode worker handshook over mTLS
+    with running_shape(*request.param, kv_tls_dir=str(cert_dir)) as config:
         yield config
 
 

@@ -20,12 +20,11 @@ import pytest
 from bench.load_driver import get_json, is_drained, wait_until_drained
 from pdserve.deploy.cluster import base_url
 from pdserve.grammar import GrammarSpec
-from pdserve.kvconnector.transport.nixl_transport import nixl_available
 from pdserve.messages.sampling_params import SamplingParams
 from pdserve.proto import generate_pb2, generate_pb2_grpc
 from tests.engine.structured_schemas import SCHEMAS, TOOL_SCHEMAS, TOOLS
 from tests.ports import free_port
-from tests.service.service_apps import openai_client, running_app, wait_until_ready
+from tests.service.service_apps import openai_client, running_shape
 
 # Both shapes and both transports, in two apps (each app costs 15-25 s to start on 2 cores;
 # 2+2 over gRPC runs in the fault matrix, 1+1 over NIXL in the smollm2 suite).
@@ -36,16 +35,7 @@ GRPC_PORT = free_port()
 
 @pytest.fixture(scope="module", params=SHAPES, ids=[f"{p}p{d}d-{t}" for p, d, t in SHAPES])
 def app(request, ray_cluster):
-    num_prefill, num_decode, transport = request.param
-    if transport == "nixl" and not nixl_available():
-        pytest.skip("NIXL does not load here (pip install 'pdserve[nixl]')")
-    with running_app(
-        num_prefill=num_prefill,
-        num_decode=num_decode,
-        transport=transport,
-        grpc_port=GRPC_PORT,
-    ) as config:
-        assert wait_until_ready(config)["ready"]
+    with running_shape(*request.param, grpc_port=GRPC_PORT) as config:
         yield config
 
 

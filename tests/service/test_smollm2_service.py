@@ -23,10 +23,14 @@ from bench.load_driver import is_drained, wait_until_drained
 from pdserve.deploy.config import PDServeConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.grammar import GrammarSpec
-from pdserve.kvconnector.transport.nixl_transport import nixl_available
 from pdserve.messages.sampling_params import SamplingParams
 from tests.engine.structured_schemas import SCHEMAS, TOOL_SCHEMAS, TOOLS
-from tests.service.service_apps import openai_client, running_app, wait_until_ready
+from tests.service.service_apps import (
+    openai_client,
+    running_app,
+    skip_without,
+    wait_until_ready,
+)
 
 NUM_KV_BLOCKS = 160  # ≈ 0.7 MiB a block for this model
 MAX_TOKENS = 32
@@ -100,8 +104,7 @@ def expected_replies(colocated_smollm2) -> list[tuple[str, int]]:
 def test_greedy_chat_replies_equal_the_colocated_engine(
     smollm2_app, expected_replies, num_prefill, num_decode, transport
 ):
-    if transport == "nixl" and not nixl_available():
-        pytest.skip("NIXL does not load here (pip install 'pdserve[nixl]')")
+    skip_without(transport)
     config = smollm2_app((num_prefill, num_decode, transport))
     report = wait_until_ready(config)
     assert report["ready"] and report["missing_handshakes"] == []
