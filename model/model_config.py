@@ -29,6 +29,10 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 
 # The architecture decides whether q/k/v carry a bias when config.json does not say.
 _DEFAULT_ATTENTION_BIAS = {"Qwen2ForCausalLM": True}
+# Those that RMS-norm each query and key head before RoPE.
+_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
+# Those that window only with `use_sliding_window`, from `max_window_layers` on.
+_QWEN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclass(slots=True)
@@ -39,7 +43,8 @@ class ModelConfig:
     its parameters). ``attention_bias`` means a bias on q/k/v; Llama checkpoints that
     set it also put one on ``o_proj`` (``o_proj_bias``). ``sliding_window`` is the
     Mistral window (a key is visible when ``query_pos - key_pos < sliding_window``),
-    ``None`` for full attention.
+    ``None`` for full attention. ``qk_norm``: each query and key head is RMS-normed (over
+    ``head_dim``, weights ``self_attn.q_norm`` / ``k_norm``) before RoPE, as Qwen3 does.
     """
 
     architecture: str
@@ -60,6 +65,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     dtype: str = "float32"
     sliding_window: int | None = None
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -103,6 +109,7 @@ class ModelConfig:
             eos_token_ids=_as_id_list(hf.get("eos_token_id")),
             dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
             sliding_window=_parse_sliding_window(hf, architecture),
+            qk_norm=architecture in _QK_NORM_ARCHITECTURES,
         )
 
     @classmethod
@@ -183,20 +190,20 @@ def _gguf_rope_scaling(
 def _parse_sliding_window(hf: dict[str, Any], architecture: str) -> int | None:
     """The window every layer attends within, or None for full attention.
 
-    Mistral windows every layer when `sliding_window` is set. Qwen2 windows only with
+    Mistral windows every layer when `sliding_window` is set. Qwen2 and Qwen3 window only with
     `use_sliding_window`, and then the layers from `max_window_layers` on; transformers 5
     also writes the result as `layer_types`, which wins when present. A mix of full and
     windowed layers would need one block table per layer group in the runner, which it
     does not have: that is refused with a clear error rather than computed wrongly.
     """
     window = hf.get("sliding_window")
-    if architecture == "Qwen2ForCausalLM" and not hf.get("use_sliding_window"):
+    if architecture in _QWEN_WINDOWS and not hf.get("use_sliding_window"):
         window = None
-    if architecture not in ("MistralForCausalLM", "Qwen2ForCausalLM") or window is None:
+    if architecture not in ("MistralForCausalLM", *_QWEN_WINDOWS) or window is None:
         return None
     num_layers = hf["num_hidden_layers"]
     layer_types = hf.get("layer_types")
-    if layer_types is None and architecture == "Qwen2ForCausalLM":
+    if layer_types is None and architecture in _QWEN_WINDOWS:
         first_windowed = hf.get("max_window_layers", num_layers)
         layer_types = [
             "full_attention" if i < first_windowed else "sliding_attention"

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pdserve.model.architectures.llama import LlamaForCausalLM
 from pdserve.model.architectures.mistral import MistralForCausalLM
 from pdserve.model.architectures.qwen2 import Qwen2ForCausalLM
+from pdserve.model.architectures.qwen3 import Qwen3ForCausalLM
 from pdserve.model.model_config import ModelConfig
 
 CausalLM = LlamaForCausalLM
@@ -20,6 +21,7 @@ CausalLM = LlamaForCausalLM
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
 }
 
@@ -45,6 +47,7 @@ __all__ = [
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
     "build_model",
     "get_model_class",
 ]

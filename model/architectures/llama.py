@@ -86,6 +86,8 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_size, bias=config.attention_bias)
         self.v_proj = nn.Linear(hidden, kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, hidden, bias=config.o_proj_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def fuse_weights(self) -> None:
         self.qkv_weight, self.qkv_bias = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
@@ -104,6 +106,10 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = project(hidden, self.qkv_weight, self.qkv_bias).view(num_tokens, -1, self.head_dim)
         query_key = qkv[:, : self.num_heads + self.num_kv_heads]
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per head, before RoPE
+            query, key = query_key[:, : self.num_heads], query_key[:, self.num_heads :]
+            query.copy_(self.q_norm.forward(query))
+            key.copy_(self.k_norm.forward(key))
         apply_rotary(query_key, *rotary, out=query_key)
         key_value = qkv[:, self.num_heads :].view(num_tokens, 2, self.num_kv_heads, self.head_dim)
         attended = paged_attention(qkv[:, : self.num_heads], key_value, kv_cache, layer, metadata)

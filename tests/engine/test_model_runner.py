@@ -59,6 +59,7 @@ def make_runner(directory) -> ModelRunner:
 ARCHITECTURES = [
     pytest.param(transformers.LlamaConfig, {}, id="llama"),
     pytest.param(transformers.Qwen2Config, {}, id="qwen2"),
+    pytest.param(transformers.Qwen3Config, {"head_dim": 32}, id="qwen3"),
     pytest.param(transformers.MistralConfig, {"sliding_window": None}, id="mistral"),
     pytest.param(transformers.LlamaConfig, {"tie_word_embeddings": True}, id="llama-tied"),
 ]
@@ -191,6 +192,7 @@ def greedy_generate(
     [
         pytest.param(transformers.LlamaConfig, id="llama"),
         pytest.param(transformers.Qwen2Config, id="qwen2"),
+        pytest.param(transformers.Qwen3Config, id="qwen3"),
     ],
 )
 def test_greedy_generation_equals_transformers_generate(tmp_path, config_class):

@@ -16,6 +16,7 @@ def make_decode_engine(transport: str = "grpc", **overrides: object) -> LLMEngin
     policy = overrides.pop("failure_policy", "recompute")
     timeout_s = overrides.pop("transfer_timeout_s", 10.0)
     hash_seed = overrides.pop("hash_seed", 0)
+    model = str(overrides.pop("model", "tiny"))
     connector = PDConnector(
         KVConnectorConfig(
             role="consumer",
@@ -28,7 +29,7 @@ def make_decode_engine(transport: str = "grpc", **overrides: object) -> LLMEngin
         hash_seed=hash_seed,
     )
     return LLMEngine.from_pretrained(
-        "tiny",
+        model,
         connector=connector,
         hash_seed=hash_seed,
         engine_id="decode-0",

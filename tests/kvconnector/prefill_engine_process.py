@@ -27,6 +27,7 @@ class PrefillSpec:
     port: int = 0  # fixed: a restart comes back on the same address
     engine_id: str = "prefill-0"  # a restarted worker is a new engine: a new id
     kv_cache_dtype: str = "auto"
+    model: str = "tiny"  # or a directory of a saved HF model
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def _run(spec: PrefillSpec, conn: Any) -> None:
         fault_injector=fault_injector,
     )
     engine = LLMEngine.from_pretrained(
-        "tiny",
+        spec.model,
         connector=connector,
         hash_seed=spec.hash_seed,
         engine_id=spec.engine_id,

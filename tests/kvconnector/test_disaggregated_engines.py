@@ -10,9 +10,11 @@ import random
 import time
 
 import pytest
+import transformers
 
 from pdserve.engine import LLMEngine, RequestOutput, SamplingParams
 from pdserve.engine.request import RequestStatus
+from tests.engine.hf_models import hf_greedy, save_hf_model
 from tests.kvconnector.disaggregation import (
     assert_decode_idle,
     disaggregate,
@@ -163,6 +165,27 @@ def test_incompatible_layout_is_refused_with_both_values(
     (output,) = run_to_completion(decode, ["m0"])
     assert output.finish_reason == "error"
     assert named in output.error
+    assert_decode_idle(decode)
+    prefill.wait_until_idle()
+    decode.shutdown()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_qwen3_pair_decodes_as_transformers_with_its_prefix_shared(
+    transport: str, prefill_factory, tmp_path
+) -> None:
+    """Qwen3 (q/k norms, head_dim apart from hidden / heads) saved by transformers: P/D
+    greedy tokens equal transformers' own, on prompts sharing a two-block prefix."""
+    reference = save_hf_model(tmp_path, transformers.Qwen3Config, head_dim=32)
+    prefill = prefill_factory(transport=transport, model=str(tmp_path))
+    decode = make_decode_engine(transport, model=tmp_path)
+    rng = random.Random(5)
+    prefix = [rng.randrange(2, 96) for _ in range(40)]
+    prompts = [prefix + [rng.randrange(2, 96) for _ in range(n)] for n in (7, 23, 50)]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    outputs = disaggregate(prefill, decode, prompts, [params] * len(prompts))
+    assert [o.output_token_ids for o in outputs] == [hf_greedy(reference, p, 32) for p in prompts]
+    assert decode.stats().transfer.num_blocks_received > 0
     assert_decode_idle(decode)
     prefill.wait_until_idle()
     decode.shutdown()
