@@ -30,9 +30,34 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 # The architecture decides whether q/k/v carry a bias when config.json does not say.
 _DEFAULT_ATTENTION_BIAS = {"Qwen2ForCausalLM": True}
 # Those that RMS-norm each query and key head before RoPE.
-_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
+_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Those that window only with `use_sliding_window`, from `max_window_layers` on.
-_QWEN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_QWEN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# Those that window every layer when `sliding_window` is set.
+_MISTRAL_WINDOWS = ("MistralForCausalLM", "MixtralForCausalLM")
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """The sparse feed-forward of a mixture-of-experts model (``architectures/moe.py``).
+
+    ``sparse_layers``: the layers whose feed-forward is the experts (the others keep a dense
+    MLP); ``module_name`` and ``expert_names`` (gate, up, down) are the checkpoint's names.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]
+    module_name: str = "mlp"
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be 1..num_experts ({self.num_experts}), got {self.top_k}"
+            )
 
 
 @dataclass(slots=True)
@@ -45,6 +70,7 @@ class ModelConfig:
     Mistral window (a key is visible when ``query_pos - key_pos < sliding_window``),
     ``None`` for full attention. ``qk_norm``: each query and key head is RMS-normed (over
     ``head_dim``, weights ``self_attn.q_norm`` / ``k_norm``) before RoPE, as Qwen3 does.
+    ``moe``: the experts of a mixture-of-experts model (None: dense).
     """
 
     architecture: str
@@ -66,6 +92,7 @@ class ModelConfig:
     dtype: str = "float32"
     sliding_window: int | None = None
     qk_norm: bool = False
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -110,6 +137,7 @@ class ModelConfig:
             dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
             sliding_window=_parse_sliding_window(hf, architecture),
             qk_norm=architecture in _QK_NORM_ARCHITECTURES,
+            moe=_parse_moe(hf, architecture),
         )
 
     @classmethod
@@ -199,7 +227,7 @@ def _parse_sliding_window(hf: dict[str, Any], architecture: str) -> int | None:
     window = hf.get("sliding_window")
     if architecture in _QWEN_WINDOWS and not hf.get("use_sliding_window"):
         window = None
-    if architecture not in ("MistralForCausalLM", *_QWEN_WINDOWS) or window is None:
+    if architecture not in (*_MISTRAL_WINDOWS, *_QWEN_WINDOWS) or window is None:
         return None
     num_layers = hf["num_hidden_layers"]
     layer_types = hf.get("layer_types")
@@ -217,6 +245,35 @@ def _parse_sliding_window(hf: dict[str, Any], architecture: str) -> int | None:
             "max_window_layers to 0, or use_sliding_window to false)"
         )
     return int(window) if windowed == {True} else None
+
+
+def _parse_moe(hf: dict[str, Any], architecture: str) -> MoEConfig | None:
+    """Qwen3-MoE's experts (every `decoder_sparse_step`-th layer not in `mlp_only_layers`,
+    top-k renormalised when `norm_topk_prob`) or Mixtral's (every layer, renormalised)."""
+    num_layers = hf["num_hidden_layers"]
+    if architecture == "Qwen3MoeForCausalLM":
+        step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
+        return MoEConfig(
+            # Qwen's own files say num_experts; transformers 5 writes num_local_experts.
+            num_experts=hf.get("num_experts") or hf["num_local_experts"],
+            top_k=hf["num_experts_per_tok"],
+            intermediate_size=hf["moe_intermediate_size"],
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            sparse_layers=tuple(
+                i for i in range(num_layers) if i not in dense and (i + 1) % step == 0
+            ),
+        )
+    if architecture == "MixtralForCausalLM":
+        return MoEConfig(
+            num_experts=hf["num_local_experts"],
+            top_k=hf["num_experts_per_tok"],
+            intermediate_size=hf["intermediate_size"],
+            norm_topk_prob=True,
+            sparse_layers=tuple(range(num_layers)),
+            module_name="block_sparse_moe",
+            expert_names=("w1", "w3", "w2"),
+        )
+    return None
 
 
 def _as_id_list(value: int | list[int] | None) -> list[int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pdserve.model.architectures.llama import LlamaForCausalLM
 from pdserve.model.architectures.mistral import MistralForCausalLM
+from pdserve.model.architectures.moe_models import MixtralForCausalLM, Qwen3MoeForCausalLM
 from pdserve.model.architectures.qwen2 import Qwen2ForCausalLM
 from pdserve.model.architectures.qwen3 import Qwen3ForCausalLM
 from pdserve.model.model_config import ModelConfig
@@ -23,6 +24,8 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 
@@ -46,8 +49,10 @@ __all__ = [
     "CausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "MixtralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
     "build_model",
     "get_model_class",
 ]

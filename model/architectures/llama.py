@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.model.architectures.moe import SparseMoE
 from pdserve.model.architectures.rotary import RotaryEmbedding, apply_rotary
 from pdserve.model.attention import AttentionMetadata, paged_attention
 from pdserve.model.model_config import ModelConfig
@@ -139,12 +140,19 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm residual block: attention, then MLP."""
+    """Pre-norm residual block: attention, then the feed-forward: a dense MLP (``mlp``), or
+    a mixture of experts on a model's sparse layers (under its checkpoint's name)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
+        moe = config.moe
+        if moe is not None and index in moe.sparse_layers:
+            self.feed_forward_name = moe.module_name
+            setattr(self, moe.module_name, SparseMoE(config, moe))
+        else:
+            self.feed_forward_name = "mlp"
+            self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -160,7 +168,11 @@ class LlamaDecoderLayer(nn.Module):
             self.input_layernorm.forward(hidden), rotary, kv_cache, layer, metadata
         )
         hidden = hidden + attended
-        return hidden + self.mlp.forward(self.post_attention_layernorm.forward(hidden))
+        return hidden + self.feed_forward.forward(self.post_attention_layernorm.forward(hidden))
+
+    @property
+    def feed_forward(self) -> LlamaMLP | SparseMoE:
+        return cast("LlamaMLP | SparseMoE", getattr(self, self.feed_forward_name))
 
 
 class LlamaModel(nn.Module):
@@ -176,7 +188,9 @@ class LlamaModel(nn.Module):
             config.hidden_size,
             _weight=torch.empty(config.vocab_size, config.hidden_size),
         )
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, index) for index in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
@@ -222,7 +236,7 @@ class LlamaForCausalLM(nn.Module):
         # nn.ModuleList yields plain Modules; these are the LlamaDecoderLayers LlamaModel built.
         for layer in cast("Iterable[LlamaDecoderLayer]", self.model.layers):
             layer.self_attn.fuse_weights()
-            layer.mlp.fuse_weights()
+            layer.feed_forward.fuse_weights()
         if not self.config.tie_word_embeddings:
             self.lm_head_weight, _ = fuse_linears([self.lm_head])
 

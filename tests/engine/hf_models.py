@@ -7,6 +7,9 @@ import tokenizers
 import torch
 import transformers
 
+# Enough experts to route: a step's tokens spread over all of them, 2 picked per token.
+QWEN3_MOE = {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+MIXTRAL = {"num_local_experts": 6, "num_experts_per_tok": 2, "intermediate_size": 32}
 COMMON = dict(
     vocab_size=96,
     hidden_size=64,

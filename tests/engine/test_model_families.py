@@ -14,13 +14,20 @@ import pytest
 import transformers
 
 from pdserve.engine import LLMEngine, SamplingParams
-from tests.engine.hf_models import hf_greedy, save_hf_model
+from tests.engine.hf_models import MIXTRAL, QWEN3_MOE, hf_greedy, save_hf_model
 
 FAMILIES = [
     pytest.param(transformers.LlamaConfig, {}, id="llama"),
     pytest.param(transformers.Qwen2Config, {}, id="qwen2"),
     pytest.param(transformers.Qwen3Config, {"head_dim": 32}, id="qwen3"),
     pytest.param(transformers.MistralConfig, {"sliding_window": 24}, id="mistral-window-24"),
+    pytest.param(transformers.Qwen3MoeConfig, QWEN3_MOE, id="qwen3-moe"),
+    pytest.param(
+        transformers.Qwen3MoeConfig,
+        {**QWEN3_MOE, "norm_topk_prob": True, "mlp_only_layers": [0]},
+        id="qwen3-moe-renormalised-dense-first",
+    ),
+    pytest.param(transformers.MixtralConfig, MIXTRAL, id="mixtral"),
 ]
 NEW_TOKENS = 32
 

@@ -14,7 +14,7 @@ import transformers
 
 from pdserve.engine import LLMEngine, RequestOutput, SamplingParams
 from pdserve.engine.request import RequestStatus
-from tests.engine.hf_models import hf_greedy, save_hf_model
+from tests.engine.hf_models import MIXTRAL, QWEN3_MOE, hf_greedy, save_hf_model
 from tests.kvconnector.disaggregation import (
     assert_decode_idle,
     disaggregate,
@@ -171,12 +171,20 @@ def test_incompatible_layout_is_refused_with_both_values(
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_qwen3_pair_decodes_as_transformers_with_its_prefix_shared(
-    transport: str, prefill_factory, tmp_path
+@pytest.mark.parametrize(
+    "config_class, overrides",
+    [
+        pytest.param(transformers.Qwen3Config, {"head_dim": 32}, id="qwen3"),
+        pytest.param(transformers.Qwen3MoeConfig, QWEN3_MOE, id="qwen3-moe"),
+        pytest.param(transformers.MixtralConfig, MIXTRAL, id="mixtral"),
+    ],
+)
+def test_a_pair_of_each_new_family_decodes_as_transformers(
+    transport: str, config_class, overrides, prefill_factory, tmp_path
 ) -> None:
-    """Qwen3 (q/k norms, head_dim apart from hidden / heads) saved by transformers: P/D
-    greedy tokens equal transformers' own, on prompts sharing a two-block prefix."""
-    reference = save_hf_model(tmp_path, transformers.Qwen3Config, head_dim=32)
+    """Qwen3 (q/k norms, head_dim apart from hidden / heads), Qwen3-MoE and Mixtral saved by
+    transformers: P/D greedy tokens equal transformers' own, on prompts sharing a prefix."""
+    reference = save_hf_model(tmp_path, config_class, **overrides)
     prefill = prefill_factory(transport=transport, model=str(tmp_path))
     decode = make_decode_engine(transport, model=tmp_path)
     rng = random.Random(5)

@@ -1,0 +1,92 @@
+"""Mixture-of-experts feed-forward: a router picks ``top_k`` SwiGLU experts per token.
+
+Qwen3-MoE (``mlp.gate``, ``mlp.experts.{e}.gate_proj / up_proj / down_proj``) and Mixtral
+(``block_sparse_moe.gate``, ``block_sparse_moe.experts.{e}.w1 / w3 / w2``) differ only in
+names and in whether the top-k weights are renormalised (``MoEConfig``): one module serves
+both, its experts built with the checkpoint's names so weights load unrenamed.
+
+A step's tokens are computed grouped by expert, not per token: the (token, expert) pairs of
+the whole step are sorted by expert, and each expert that got any runs one pair of matmuls
+over all its tokens::
+
+    router:   probs = softmax(x @ gate)          [tokens, experts]   (float32)
+              weight, expert = topk(probs, k)    [tokens, k]         (renormalised or not)
+    grouped:  pairs sorted by expert ──▶ e0: rows 3 7 9 | e1: rows 0 3 | e2: … | e3: rows 7
+              out[rows] += weight · down_e(silu(gate_e(x[rows])) * up_e(x[rows]))
+
+so a step costs about what a dense MLP of ``k`` experts' width costs, not ``num_experts`` ×.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.model.model_config import ModelConfig, MoEConfig
+
+
+class _Expert(nn.Module):
+    """One SwiGLU expert, its three projections under the checkpoint's names."""
+
+    def __init__(self, hidden: int, intermediate: int, names: tuple[str, str, str]) -> None:
+        super().__init__()
+        gate, up, down = names
+        setattr(self, gate, nn.Linear(hidden, intermediate, bias=False))
+        setattr(self, up, nn.Linear(hidden, intermediate, bias=False))
+        setattr(self, down, nn.Linear(intermediate, hidden, bias=False))
+        self.names = names
+
+    def projections(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        gate, up, down = (cast(nn.Linear, getattr(self, name)) for name in self.names)
+        return gate, up, down
+
+
+class SparseMoE(nn.Module):
+    """``gate`` (the router, ``[experts, hidden]``) and ``experts``; see the module doc."""
+
+    def __init__(self, config: ModelConfig, moe: MoEConfig) -> None:
+        super().__init__()
+        self.moe = moe
+        self.gate = nn.Linear(config.hidden_size, moe.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            _Expert(config.hidden_size, moe.intermediate_size, moe.expert_names)
+            for _ in range(moe.num_experts)
+        )
+
+    def fuse_weights(self) -> None:
+        """Stacks the experts transposed: ``gate_up [E, hidden, 2·I]``, ``down [E, I, hidden]``."""
+        experts = [cast(_Expert, expert).projections() for expert in self.experts]
+        self.gate_t = self.gate.weight.detach().t().contiguous()
+        self.gate_up = torch.stack(
+            [torch.cat([gate.weight, up.weight]).t() for gate, up, _ in experts]
+        ).contiguous()
+        self.down = torch.stack([down.weight.t() for _, _, down in experts]).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        moe = self.moe
+        probs = torch.softmax(torch.mm(x, self.gate_t).float(), dim=-1)
+        weights, chosen = torch.topk(probs, moe.top_k, dim=-1)
+        if moe.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype).reshape(-1)
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        rows_in_order = order // moe.top_k
+        counts = torch.bincount(flat, minlength=moe.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        intermediate = moe.intermediate_size
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            pairs = order[start : start + count]
+            rows = rows_in_order[start : start + count]
+            start += count
+            gate_up = torch.mm(x[rows], self.gate_up[expert])
+            activated = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+            expert_out = torch.mm(activated, self.down[expert]) * weights[pairs].unsqueeze(1)
+            out.index_add_(0, rows, expert_out)
+        return out
