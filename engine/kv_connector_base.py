@@ -182,8 +182,10 @@ class KVConnectorBase(ABC):
 
     # ---- worker side ----------------------------------------------------------------
     @abstractmethod
-    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
-        """Exposes this worker's KV tensor to the transport (NIXL registration, gRPC reads)."""
+    def register_kv_caches(self, kv_cache: torch.Tensor, model_fingerprint: str = "") -> None:
+        """Exposes this worker's KV tensor to the transport (NIXL registration, gRPC reads);
+        ``model_fingerprint`` (``ModelConfig.fingerprint``) goes into the handshake's layout,
+        so a peer running another model is refused, whatever the shape of its pages."""
 
     @abstractmethod
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:

@@ -127,7 +127,7 @@ class LLMEngine:
         self.connector = connector
         self._shut_down = False
         if connector is not None:
-            connector.register_kv_caches(self.runner.kv_cache)
+            connector.register_kv_caches(self.runner.kv_cache, self.model_config.fingerprint)
             connector.attach_kv_cache_manager(self.kv_cache_manager)
         self.scheduler = Scheduler(
             self.kv_cache_manager,

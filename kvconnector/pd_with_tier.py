@@ -72,9 +72,9 @@ class TieredConnector(KVConnectorBase):
         return self.pd.failure_policy
 
     # ---- set-up ---------------------------------------------------------------------
-    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
-        self.tier.register_kv_caches(kv_cache)
-        self.pd.register_kv_caches(kv_cache)
+    def register_kv_caches(self, kv_cache: torch.Tensor, model_fingerprint: str = "") -> None:
+        self.tier.register_kv_caches(kv_cache, model_fingerprint)
+        self.pd.register_kv_caches(kv_cache, model_fingerprint)
 
     def attach_kv_cache_manager(self, manager: KVCacheManager) -> None:
         self.tier.attach_kv_cache_manager(manager)

@@ -8,6 +8,9 @@ inside); older files use top-level ``rope_theta`` plus ``rope_scaling``. Both pa
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,6 +107,14 @@ class ModelConfig:
             raise ValueError(
                 f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+
+    @property
+    def fingerprint(self) -> str:
+        """``<architecture>:<16 hex>``: two workers whose KV pages may be exchanged run
+        models with equal fingerprints (every field but the end-of-sequence ids)."""
+        identity = {k: v for k, v in dataclasses.asdict(self).items() if k != "eos_token_ids"}
+        digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+        return f"{self.architecture}:{digest[:16]}"
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:

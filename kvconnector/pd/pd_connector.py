@@ -126,14 +126,16 @@ class PDConnector(KVConnectorBase):
         return self._server.address
 
     # ---- worker side: set-up --------------------------------------------------------
-    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+    def register_kv_caches(self, kv_cache: torch.Tensor, model_fingerprint: str = "") -> None:
         self._kv_cache = kv_cache
         if not isinstance(self._hash_seed, int):
             # The handshake compares seeds as a uint64 field (kv_transfer.proto).
             raise ValueError(
                 f"a KV connector needs an integer hash_seed, got {type(self._hash_seed).__name__}"
             )
-        layout = KVLayout.from_kv_cache(kv_cache, self._hash_algorithm, self._hash_seed)
+        layout = KVLayout.from_kv_cache(
+            kv_cache, self._hash_algorithm, self._hash_seed, model_fingerprint
+        )
         self._block_size = layout.block_size
         if self.config.role == "producer":
             self._server = make_server(

@@ -85,7 +85,8 @@ class TierConnector(KVConnectorBase):
         return "recompute"  # a tier is a cache: whatever it cannot give back is computed
 
     # ---- set-up ---------------------------------------------------------------------
-    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+    def register_kv_caches(self, kv_cache: torch.Tensor, model_fingerprint: str = "") -> None:
+        # The tier's pages are only ever this worker's own: no peer, no model to compare.
         pages = KVPages(kv_cache)
         self._block_size = kv_cache.shape[3]
         self.store = TierStore.from_config(

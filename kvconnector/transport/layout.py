@@ -6,8 +6,10 @@ A block travels as raw bytes: one page of the KV tensor
                └──────────── one page = page_bytes ───────────────────────┘
 
 so a page from a peer with another layer count, head shape, dtype or block size would land
-as garbage that no checksum catches (the checksum is of the sender's bytes). The hash
-algorithm and seed must match too, or a block hash names different tokens on each side.
+as garbage that no checksum catches (the checksum is of the sender's bytes), and so would a
+page of another model of the very same shape (``model``: architecture and a digest of its
+config). The hash algorithm and seed must match too, or a block hash names different tokens
+on each side.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class KVLayout:
     dtype: str
     hash_algorithm: str
     hash_seed: int
+    model: str = ""  # ModelConfig.fingerprint; "" in unit tests that move raw tensors
 
     @property
     def itemsize(self) -> int:
@@ -50,7 +53,9 @@ class KVLayout:
         )
 
     @classmethod
-    def from_kv_cache(cls, kv_cache: torch.Tensor, hash_algorithm: str, hash_seed: int) -> KVLayout:
+    def from_kv_cache(
+        cls, kv_cache: torch.Tensor, hash_algorithm: str, hash_seed: int, model: str = ""
+    ) -> KVLayout:
         if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
             raise ValueError(
                 "kv_cache must be [num_blocks, num_layers, 2, block_size, num_kv_heads, "
@@ -67,6 +72,7 @@ class KVLayout:
             dtype=str(kv_cache.dtype).removeprefix("torch."),
             hash_algorithm=hash_algorithm,
             hash_seed=hash_seed,
+            model=model,
         )
 
     def to_proto(self) -> kv_transfer_pb2.KvLayout:

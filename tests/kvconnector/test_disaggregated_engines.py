@@ -170,6 +170,40 @@ def test_incompatible_layout_is_refused_with_both_values(
     decode.shutdown()
 
 
+def test_a_peer_of_another_model_with_the_same_page_shape_is_refused(
+    prefill_factory, tmp_path
+) -> None:
+    """A decode worker on a Qwen3 whose KV pages have exactly tiny's shape (4 layers, 2 KV
+    heads of 64, float32): every page would land and verify (checksums are the sender's)
+    and decode as another model's KV. The handshake refuses it naming both models."""
+    save_hf_model(
+        tmp_path,
+        transformers.Qwen3Config,
+        vocab_size=512,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    )
+    prefill = prefill_factory(transport="grpc", lease_ttl_s=2.0)
+    decode = make_decode_engine("grpc", failure_policy="fail", model=tmp_path)
+    tiny = LLMEngine.from_pretrained("tiny", **ENGINE_KWARGS).runner.kv_cache
+    assert decode.runner.kv_cache[0].shape == tiny[0].shape  # the same page, byte for byte
+    prompt = random_prompts(15, 1)[0]
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    prefilled = prefill.prefill("m0", prompt, params)
+    decode.add_request("m0", prompt, params, kv_transfer_params=prefilled.kv_transfer_params)
+    (output,) = run_to_completion(decode, ["m0"])
+    assert output.finish_reason == "error"
+    assert "model: local='Qwen3ForCausalLM:" in output.error
+    assert "remote='LlamaForCausalLM:" in output.error
+    assert decode.stats().transfer.num_blocks_received == 0
+    assert_decode_idle(decode)
+    prefill.wait_until_idle()
+    decode.shutdown()
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize(
     "config_class, overrides",

@@ -79,7 +79,7 @@ def client_for(engine: LLMEngine, secret: str | None) -> tuple[GrpcTransferClien
     local = torch.zeros_like(engine.runner.kv_cache)
     client = GrpcTransferClient(
         local,
-        KVLayout.from_kv_cache(local, "xxh3_128", 0),
+        KVLayout.from_kv_cache(local, "xxh3_128", 0, engine.model_config.fingerprint),
         engine_id="decode-x",
         secret=secret,
         timeout_s=5.0,
