@@ -155,16 +155,22 @@ def test_corrupted_block_is_dropped_and_recomputed(
 def test_incompatible_layout_is_refused_with_both_values(
     prefill_factory, prefill_spec, decode_spec, named
 ) -> None:
-    # A refused handshake reads nothing and releases nothing: the lease ends at its TTL.
     prefill = prefill_factory(transport="grpc", lease_ttl_s=2.0, **prefill_spec)
     decode = make_decode_engine("grpc", failure_policy="fail", **decode_spec)
+    assert_the_pull_is_refused(prefill, decode, named)
+
+
+def assert_the_pull_is_refused(prefill, decode: LLMEngine, *named: str) -> None:
+    """A request handed from ``prefill`` to ``decode`` ends in an error naming ``named``,
+    with no block read. A refused handshake releases nothing: the lease ends at its TTL."""
     prompt = random_prompts(14, 1)[0]
     params = SamplingParams(max_tokens=5, temperature=0.0)
     prefilled = prefill.prefill("m0", prompt, params)
     decode.add_request("m0", prompt, params, kv_transfer_params=prefilled.kv_transfer_params)
     (output,) = run_to_completion(decode, ["m0"])
     assert output.finish_reason == "error"
-    assert named in output.error
+    assert all(name in output.error for name in named), output.error
+    assert decode.stats().transfer.num_blocks_received == 0
     assert_decode_idle(decode)
     prefill.wait_until_idle()
     decode.shutdown()
@@ -190,18 +196,9 @@ def test_a_peer_of_another_model_with_the_same_page_shape_is_refused(
     decode = make_decode_engine("grpc", failure_policy="fail", model=tmp_path)
     tiny = LLMEngine.from_pretrained("tiny", **ENGINE_KWARGS).runner.kv_cache
     assert decode.runner.kv_cache[0].shape == tiny[0].shape  # the same page, byte for byte
-    prompt = random_prompts(15, 1)[0]
-    params = SamplingParams(max_tokens=5, temperature=0.0)
-    prefilled = prefill.prefill("m0", prompt, params)
-    decode.add_request("m0", prompt, params, kv_transfer_params=prefilled.kv_transfer_params)
-    (output,) = run_to_completion(decode, ["m0"])
-    assert output.finish_reason == "error"
-    assert "model: local='Qwen3ForCausalLM:" in output.error
-    assert "remote='LlamaForCausalLM:" in output.error
-    assert decode.stats().transfer.num_blocks_received == 0
-    assert_decode_idle(decode)
-    prefill.wait_until_idle()
-    decode.shutdown()
+    assert_the_pull_is_refused(
+        prefill, decode, "model: local='Qwen3ForCausalLM:", "remote='LlamaForCausalLM:"
+    )
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
