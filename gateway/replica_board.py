@@ -19,8 +19,9 @@ Losing the board loses nothing for good. Ray restarts it (``max_restarts``), or,
 good, the next call creates it again by name; each board has an ``incarnation`` id, and a
 replica that sees a new one pushes its recent records again. Until every replica has pushed
 to the new board, a replica answers with the rows it last read for the replicas the board
-does not know yet, so no counter of ``/stats`` goes backwards; a failed push keeps its
-records for the next.
+does not know yet (each reads the rows after every push, not only when asked for
+``/stats``), so no counter of ``/stats`` goes backwards; a failed push keeps its records for
+the next.
 """
 
 from __future__ import annotations
@@ -158,6 +159,7 @@ class ReplicaShare:
         while True:
             try:
                 await self.push()
+                await self._read_rows()  # every replica remembers the others' last rows
             except Exception as error:  # noqa: BLE001 — the board restarting: the next push retries
                 logger.warning(
                     "gateway replica %s could not push its figures: %r", self.replica_id, error
@@ -167,11 +169,7 @@ class ReplicaShare:
     async def service_row(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """The merged gateway row, and each replica's own (``replica_id``, requests, in flight)."""
         await self.push()  # this replica's figures as of now
-        rows = await self._call("rows")
-        # A board that restarted may not have every replica's row yet: keep the last seen.
-        for replica, (age, row) in self._last_rows.items():
-            rows.setdefault(replica, (age + PUSH_INTERVAL_S, row))
-        self._last_rows = dict(rows)
+        rows = await self._read_rows()
         replicas = [
             {
                 "replica_id": replica,
@@ -182,6 +180,15 @@ class ReplicaShare:
             for replica, (age, row) in sorted(rows.items())
         ]
         return merged_gateway_row(rows), replicas
+
+    async def _read_rows(self) -> dict[str, tuple[float, dict[str, Any]]]:
+        """The board's rows, and for a replica a restarted board does not know yet, the row
+        last read (read every push, so a replica that never answered ``/stats`` has them)."""
+        rows = await self._call("rows")
+        for replica, (age, row) in self._last_rows.items():
+            rows.setdefault(replica, (age + PUSH_INTERVAL_S, row))
+        self._last_rows = dict(rows)
+        return rows
 
     async def record(self, request_id: str) -> dict[str, Any] | None:
         return await self._call("record", request_id)
