@@ -37,6 +37,7 @@ from pdserve.cache.kv_cache_spec import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
     num_blocks_for_memory,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "FreeKVCacheBlockQueue",
     "FullAttentionManager",
     "FullAttentionSpec",
+    "MLAAttentionSpec",
     "HashAlgorithm",
     "KVCacheBlock",
     "KVCacheBlocks",

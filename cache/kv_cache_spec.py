@@ -7,6 +7,9 @@ kv_cache: [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_size
            └────────── one block = one contiguous page of bytes_per_block ──────────┘
 ```
 
+(latent attention stores one row per token instead: `[.., 1, block_size, 1, latent]`,
+`MLAAttentionSpec`).
+
 Layers are grouped by attention type (`KVCacheGroupSpec`); each group gets its own
 block ids from the one shared pool, so a block id is a page across *all* layers and
 `bytes_per_block` sums the per-layer pages of every group. All groups share one
@@ -42,6 +45,8 @@ class KVCacheSpec:
 
     kind: ClassVar[str] = "full_attention"
     """The attention type's name in KV events (vLLM's `KVCacheSpecKind` values)."""
+    entries: ClassVar[int] = 2
+    """Rows stored per token and head: K and V."""
 
     block_size: int
     num_kv_heads: int
@@ -63,8 +68,8 @@ class KVCacheSpec:
 
     @property
     def page_size_bytes(self) -> int:
-        """Bytes of one block in one layer: 2 (K, V) * block_size * heads * head_size * itemsize."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.itemsize
+        """Bytes of one block in one layer: entries (K, V) * block_size * heads * head_size * itemsize."""
+        return self.entries * self.block_size * self.num_kv_heads * self.head_size * self.itemsize
 
     def event_metadata(self) -> tuple[str, int | None]:
         """(kind, sliding window in tokens or None), what a `BlockStored` carries."""
@@ -74,6 +79,15 @@ class KVCacheSpec:
 @dataclass(frozen=True, slots=True)
 class FullAttentionSpec(KVCacheSpec):
     """Every token attends to every earlier token: every block stays needed."""
+
+
+@dataclass(frozen=True, slots=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """Full attention over one latent row per token (DeepSeek's MLA): no separate K and V,
+    no heads (``num_kv_heads`` 1, ``head_size`` the latent plus its RoPE key), so a page is
+    a fraction of a GQA page of the same width."""
+
+    entries: ClassVar[int] = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,12 @@ from pdserve.cache.block_pool import BlockPool
 from pdserve.cache.cache_request import CacheRequest
 from pdserve.cache.hashing import BlockHash
 from pdserve.cache.kv_cache_block import KVCacheBlock, make_block_hash_with_group_id
-from pdserve.cache.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from pdserve.cache.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -197,6 +202,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
 SPEC_MANAGER_MAP: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
+    MLAAttentionSpec: FullAttentionManager,  # a latent page is kept like a full-attention one
     SlidingWindowSpec: SlidingWindowManager,
 }
 

@@ -18,6 +18,7 @@ from pdserve.cache import (
     KVCacheGroupSpec,
     KVCacheManager,
     KVCacheSpec,
+    MLAAttentionSpec,
     RequestBlockHasher,
     SlidingWindowSpec,
     num_blocks_for_memory,
@@ -59,21 +60,15 @@ class _Tracked:
 def kv_cache_spec(model_config: ModelConfig, config: EngineConfig) -> KVCacheSpec:
     """The ledger's spec for the model's layers: windowed layers get a sliding-window
     group, whose blocks leave the request (null block 0 in their place) once no
-    token can attend to them; attention masks those positions anyway."""
+    token can attend to them; attention masks those positions anyway. Latent attention
+    pages hold one latent row per token."""
+    _, heads, head_size = model_config.kv_token_shape
+    dtype = config.resolved_kv_cache_dtype
     if model_config.sliding_window is not None:
-        return SlidingWindowSpec(
-            block_size=config.block_size,
-            num_kv_heads=model_config.num_kv_heads,
-            head_size=model_config.head_dim,
-            dtype=config.resolved_kv_cache_dtype,
-            sliding_window=model_config.sliding_window,
-        )
-    return FullAttentionSpec(
-        block_size=config.block_size,
-        num_kv_heads=model_config.num_kv_heads,
-        head_size=model_config.head_dim,
-        dtype=config.resolved_kv_cache_dtype,
-    )
+        window = model_config.sliding_window
+        return SlidingWindowSpec(config.block_size, heads, head_size, dtype, window)
+    spec = MLAAttentionSpec if model_config.mla is not None else FullAttentionSpec
+    return spec(config.block_size, heads, head_size, dtype)
 
 
 class LLMEngine:

@@ -36,8 +36,8 @@ def configure_torch_threads(num_threads: int = 1) -> None:
 class ModelRunner:
     """Holds the model and its KV tensor; turns a step's chunks into logits.
 
-    ``kv_cache`` is ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``
-    in ``kv_cache_dtype`` (default: the model's dtype), zero-filled, allocated outside inference mode so that KV
+    ``kv_cache`` is ``[num_blocks, num_layers, entries, block_size, heads, head_size]``
+    (``ModelConfig.kv_token_shape``: K and V per KV head, or one latent row) in ``kv_cache_dtype`` (default: the model's dtype), zero-filled, allocated outside inference mode so that KV
     transports may write into it in place.
     """
 
@@ -66,19 +66,20 @@ class ModelRunner:
         self.kv_cache_dtype = (
             self.dtype if kv_cache_dtype is None else resolve_dtype(kv_cache_dtype)
         )
+        entries, heads, head_size = model_config.kv_token_shape
         self.kv_cache = torch.zeros(
             num_blocks,
             model_config.num_layers,
-            2,
+            entries,
             block_size,
-            model_config.num_kv_heads,
-            model_config.head_dim,
+            heads,
+            head_size,
             dtype=self.kv_cache_dtype,
             device=self.device,
         )
         # Decode reads its pages in chunks of SPLIT_KV_BYTES on CPU (model/paged_decode.py);
         # elsewhere the whole table at once.
-        key_value_bytes = 2 * self.kv_cache[0, 0, 0, 0].nbytes
+        key_value_bytes = self.kv_cache[0, 0, :, 0].nbytes
         self.decode_chunk_keys = (
             max(1, SPLIT_KV_BYTES // key_value_bytes) if self.device.type == "cpu" else None
         )
@@ -112,6 +113,7 @@ class ModelRunner:
             self.model_config.sliding_window,
             self.dtype,
             self.decode_chunk_keys,
+            self.model_config.kv_token_shape[0],
         )
         if metadata.max_position > self.model_config.max_position_embeddings:
             raise ValueError(

@@ -1,16 +1,17 @@
 """Paged attention in plain torch: write K/V into slots, then attend over the pages.
 
-The KV tensor is ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_size]``
-(docs/architecture.md). A step's tokens arrive flattened, multi-token chunks (prefills)
-first, then single-token chunks (decodes):
+The KV tensor is ``[num_blocks, num_layers, entries, block_size, heads, head_size]``
+(docs/architecture.md): ``entries`` is 2 (K and V of each KV head) or, for latent attention
+(``architectures/mla.py``), 1 (one latent row, no heads). A step's tokens arrive flattened,
+multi-token chunks (prefills) first, then single-token chunks (decodes):
 
     tokens:  | prefill A (n_A) | prefill B (n_B) | d0 | d1 | d2 |
               └ one SDPA each ┘                   └ split-KV over the pages (paged_decode) ┘
 
 Per layer: every token's K and V go to their rows of the KV tensor seen as
-``[num_blocks * num_layers * 2 * block_size, num_kv_heads * head_size]`` (one
+``[num_blocks * num_layers * entries * block_size, heads * head_size]`` (one
 ``index_put`` for K and V of all tokens), where the row of slot ``(block, offset)``
-of ``layer`` is ``((block * num_layers + layer) * 2 + kv) * block_size + offset``.
+of ``layer`` is ``((block * num_layers + layer) * entries + kv) * block_size + offset``.
 A prefill chunk that starts at position 0 attends to its own fresh K/V (no gather);
 one that continues a prefix gathers its blocks (from the window's first block, under a
 sliding window). The decodes read their pages chunk by chunk (``model/paged_decode.py``).
@@ -54,7 +55,7 @@ class AttentionMetadata:
     """Where this step's K/V go and what each query may see; shared by all layers."""
 
     positions: torch.Tensor  # [num_tokens] long: each token's position in its request
-    write_rows: torch.Tensor  # [num_layers, num_tokens, 2] long: K and V rows (see module doc)
+    write_rows: torch.Tensor  # [num_layers, num_tokens, entries] long: K and V rows (module doc)
     max_position: int  # the largest position in the step, plus one
     prefills: list[PrefillAttention]
     decode: DecodeAttention | None
@@ -70,13 +71,15 @@ def build_attention_metadata(
     sliding_window: int | None = None,
     dtype: torch.dtype = torch.float32,
     decode_chunk_keys: int | None = None,
+    kv_entries: int = 2,
 ) -> AttentionMetadata:
     """Index tensors and masks for a step whose chunks are ordered prefills-then-decodes.
 
     ``token_counts[i] > 1`` for every prefill, ``== 1`` for every decode; decodes come last.
     ``block_ids[i]`` must cover the chunk's end position. ``dtype`` is the query's (the
     decode masks are additive); ``decode_chunk_keys`` how many keys one decode chunk gathers
-    over the batch (``model/paged_decode.py``; ``None``: the whole table at once).
+    over the batch (``model/paged_decode.py``; ``None``: the whole table at once);
+    ``kv_entries`` the KV tensor's entries per token (2: K and V; 1: a latent row).
     """
     ends = [start + count for start, count in zip(start_positions, token_counts)]
     blocks_needed = [cdiv(end, block_size) for end in ends]
@@ -87,7 +90,7 @@ def build_attention_metadata(
                 f"{len(ids)} blocks of {block_size} tokens"
             )
     num_prefills = sum(1 for count in token_counts if count > 1)
-    rows_per_block = num_layers * 2 * block_size
+    rows_per_block = num_layers * kv_entries * block_size
     if num_prefills == 0:  # decode-only step: one token per chunk, plain Python lists
         positions = torch.tensor(start_positions, dtype=torch.long)
         base_rows = torch.tensor(
@@ -101,7 +104,7 @@ def build_attention_metadata(
         positions, base_rows = _token_rows(
             token_counts, start_positions, block_ids, blocks_needed, block_size, rows_per_block
         )
-    write_rows = base_rows[None, :, None] + _layer_rows(num_layers, block_size)
+    write_rows = base_rows[None, :, None] + _layer_rows(num_layers, kv_entries, block_size)
 
     prefills = []
     query_start = 0
@@ -149,10 +152,11 @@ def build_attention_metadata(
 
 
 @functools.cache
-def _layer_rows(num_layers: int, block_size: int) -> torch.Tensor:
-    """``[num_layers, 1, 2]``: row of (layer, kv) relative to a token's block row,
-    ``(layer * 2 + kv) * block_size``. The same every step, so built once (read-only)."""
-    return torch.arange(2 * num_layers, dtype=torch.long).view(num_layers, 1, 2) * block_size
+def _layer_rows(num_layers: int, kv_entries: int, block_size: int) -> torch.Tensor:
+    """``[num_layers, 1, entries]``: row of (layer, kv) relative to a token's block row,
+    ``(layer * entries + kv) * block_size``. The same every step, so built once (read-only)."""
+    rows = torch.arange(kv_entries * num_layers, dtype=torch.long) * block_size
+    return rows.view(num_layers, 1, kv_entries)
 
 
 def _token_rows(
@@ -209,12 +213,42 @@ def _gather(
 
     K and V are gathered apart (one ``index_select`` each from the strided views): the
     results are contiguous per block, so the block and offset dims merge without a copy.
+    A one-entry cache (latent rows) gives its rows as both.
     """
     shape = (*block_table.shape[:-1], -1, *layer_cache.shape[3:])
     flat = block_table.flatten()
     keys = layer_cache[:, 0].index_select(0, flat).view(shape)
+    if layer_cache.shape[1] == 1:
+        return keys, keys
     values = layer_cache[:, 1].index_select(0, flat).view(shape)
     return keys, values
+
+
+def store_kv(
+    key_value: torch.Tensor, kv_cache: torch.Tensor, layer: int, metadata: AttentionMetadata
+) -> None:
+    """Write this step's ``[num_tokens, entries, heads, head_size]`` rows into the layer's pages."""
+    rows = kv_cache.view(-1, kv_cache.shape[-2] * kv_cache.shape[-1])
+    rows[metadata.write_rows[layer]] = key_value.flatten(2).to(kv_cache.dtype)
+
+
+def prefill_keys_values(
+    chunk: PrefillAttention,
+    key_value: torch.Tensor,
+    layer_cache: torch.Tensor,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values a prefill chunk attends, ``[seq_len, heads, head_size]`` each, at
+    the cache's precision: its own fresh rows (``key_value``, the step's) when it starts the
+    prompt, else its blocks gathered from the pages."""
+    if chunk.block_table is None:
+        fresh = key_value[chunk.query_start : chunk.query_end]
+        last = fresh.shape[1] - 1  # a one-entry cache: the latent row is both
+        return as_stored(fresh[:, 0], layer_cache.dtype), as_stored(
+            fresh[:, last], layer_cache.dtype
+        )
+    keys, values = _gather(layer_cache, chunk.block_table)
+    return keys[: chunk.seq_len].to(dtype), values[: chunk.seq_len].to(dtype)
 
 
 def paged_attention(
@@ -231,21 +265,14 @@ def paged_attention(
     the whole KV tensor. Returns ``[num_tokens, num_heads, head_size]``.
     """
     num_tokens = query.shape[0]
-    rows = kv_cache.view(-1, kv_cache.shape[-2] * kv_cache.shape[-1])
-    rows[metadata.write_rows[layer]] = key_value.flatten(2).to(kv_cache.dtype)
+    store_kv(key_value, kv_cache, layer, metadata)
     layer_cache = kv_cache[:, layer]
     decode = metadata.decode
     if not metadata.prefills and decode is not None:  # decode-only: no output copy
         return decode_attention(query, layer_cache, decode)
     output = torch.empty_like(query)
     for chunk in metadata.prefills:
-        if chunk.block_table is None:
-            keys = as_stored(key_value[chunk.query_start : chunk.query_end, 0], kv_cache.dtype)
-            values = as_stored(key_value[chunk.query_start : chunk.query_end, 1], kv_cache.dtype)
-        else:
-            keys, values = _gather(layer_cache, chunk.block_table)
-            keys = keys[: chunk.seq_len].to(query.dtype)
-            values = values[: chunk.seq_len].to(query.dtype)
+        keys, values = prefill_keys_values(chunk, key_value, layer_cache, query.dtype)
         attended = F.scaled_dot_product_attention(
             query[chunk.query_start : chunk.query_end].transpose(0, 1)[None],
             keys.transpose(0, 1)[None],

@@ -38,6 +38,28 @@ _QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _QWEN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Those that window every layer when `sliding_window` is set.
 _MISTRAL_WINDOWS = ("MistralForCausalLM", "MixtralForCausalLM")
+# Multi-head latent attention and DeepSeek's routed plus shared experts.
+_DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+@dataclass(frozen=True, slots=True)
+class DeepSeekRouting:
+    """How DeepSeek's router scores and limits its experts (float32, as the checkpoints
+    keep ``gate.weight``).
+
+    V2 scores by softmax; V3 by sigmoid plus a learned per-expert bias
+    (``gate.e_score_correction_bias``) that steers the choice but not the weights. With
+    ``num_groups > 1`` a token picks from its ``topk_groups`` best groups only, a group
+    scored by the sum of its ``group_score_top`` best experts (V2: 1, the max; V3: 2).
+    The chosen experts' weights are scaled by ``routed_scaling_factor``.
+    """
+
+    scoring: str  # "softmax" | "sigmoid"
+    routed_scaling_factor: float = 1.0
+    num_groups: int = 1
+    topk_groups: int = 1
+    group_score_top: int = 1
+    score_correction_bias: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,12 +77,53 @@ class MoEConfig:
     sparse_layers: tuple[int, ...]
     module_name: str = "mlp"
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # DeepSeek's router (``DeepSeekRouting``) and its always-on shared experts (their
+    # width; 0: none).
+    deepseek_routing: DeepSeekRouting | None = None
+    shared_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok must be 1..num_experts ({self.num_experts}), got {self.top_k}"
             )
+        routing = self.deepseek_routing
+        if routing is not None and self.num_experts % routing.num_groups != 0:
+            raise ValueError(
+                f"n_group ({routing.num_groups}) must divide the experts ({self.num_experts})"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class MLAConfig:
+    """DeepSeek's multi-head latent attention: what one token caches and how heads expand it.
+
+    A token's K and V of every head come from one ``kv_lora_rank`` latent through
+    ``kv_b_proj``; only the latent (RMS-normed) and one shared RoPE key of
+    ``qk_rope_head_dim`` are cached (``latent_size`` per token and layer, no heads)::
+
+        cached row:  | latent (kv_lora_rank) | k_rope (qk_rope_head_dim) |
+        per head:    k = | kv_b(latent)[:nope] | k_rope |    v = kv_b(latent)[nope:]
+
+    ``q_lora_rank``: queries pass through their own low-rank bottleneck (V3, V2 full
+    size) or, ``None``, one ``q_proj`` (V2-Lite). ``rope_interleave``: the RoPE pairs are
+    adjacent channels (DeepSeek's layout) rather than the two halves.
+    """
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None
+    rope_interleave: bool
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_size(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(slots=True)
@@ -73,7 +136,8 @@ class ModelConfig:
     Mistral window (a key is visible when ``query_pos - key_pos < sliding_window``),
     ``None`` for full attention. ``qk_norm``: each query and key head is RMS-normed (over
     ``head_dim``, weights ``self_attn.q_norm`` / ``k_norm``) before RoPE, as Qwen3 does.
-    ``moe``: the experts of a mixture-of-experts model (None: dense).
+    ``moe``: the experts of a mixture-of-experts model (None: dense). ``mla``: latent
+    attention (DeepSeek), whose ``head_dim`` is the RoPE part of a query head.
     """
 
     architecture: str
@@ -96,6 +160,7 @@ class ModelConfig:
     sliding_window: int | None = None
     qk_norm: bool = False
     moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -107,6 +172,16 @@ class ModelConfig:
             raise ValueError(
                 f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+
+    @property
+    def kv_token_shape(self) -> tuple[int, int, int]:
+        """What one token stores per layer, as ``(entries, heads, head_size)``: K and V of
+        each KV head, ``(2, num_kv_heads, head_dim)``; or MLA's one latent row,
+        ``(1, 1, latent_size)``. The KV tensor, the ledger's page size and the connector's
+        page bytes all follow from it."""
+        if self.mla is not None:
+            return 1, 1, self.mla.latent_size
+        return 2, self.num_kv_heads, self.head_dim
 
     @property
     def fingerprint(self) -> str:
@@ -128,6 +203,7 @@ class ModelConfig:
         num_heads = hf["num_attention_heads"]
         rope_theta, rope_scaling = _parse_rope(hf)
         attention_bias = hf.get("attention_bias", _DEFAULT_ATTENTION_BIAS.get(architecture, False))
+        mla = _parse_mla(hf, architecture)
         return cls(
             architecture=architecture,
             vocab_size=hf["vocab_size"],
@@ -135,8 +211,14 @@ class ModelConfig:
             intermediate_size=hf["intermediate_size"],
             num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            # MLA: every head has its own K and V (expanded from the latent); RoPE spans
+            # the rope part of a head only.
+            num_kv_heads=num_heads if mla else hf.get("num_key_value_heads") or num_heads,
+            head_dim=(
+                mla.qk_rope_head_dim
+                if mla
+                else hf.get("head_dim") or hf["hidden_size"] // num_heads
+            ),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
@@ -149,6 +231,7 @@ class ModelConfig:
             sliding_window=_parse_sliding_window(hf, architecture),
             qk_norm=architecture in _QK_NORM_ARCHITECTURES,
             moe=_parse_moe(hf, architecture),
+            mla=mla,
         )
 
     @classmethod
@@ -262,6 +345,8 @@ def _parse_moe(hf: dict[str, Any], architecture: str) -> MoEConfig | None:
     """Qwen3-MoE's experts (every `decoder_sparse_step`-th layer not in `mlp_only_layers`,
     top-k renormalised when `norm_topk_prob`) or Mixtral's (every layer, renormalised)."""
     num_layers = hf["num_hidden_layers"]
+    if architecture in _DEEPSEEK:
+        return _parse_deepseek_moe(hf, architecture)
     if architecture == "Qwen3MoeForCausalLM":
         step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
         return MoEConfig(
@@ -285,6 +370,68 @@ def _parse_moe(hf: dict[str, Any], architecture: str) -> MoEConfig | None:
             expert_names=("w1", "w3", "w2"),
         )
     return None
+
+
+def _parse_deepseek_moe(hf: dict[str, Any], architecture: str) -> MoEConfig | None:
+    """DeepSeek's experts: every ``moe_layer_freq``-th layer from ``first_k_dense_replace`` on,
+    routed as V2 (softmax, optionally group-limited) or V3 (sigmoid plus a correction bias,
+    always group-limited) scores them, beside ``n_shared_experts`` always-on experts."""
+    num_layers = hf["num_hidden_layers"]
+    first_sparse, every = hf.get("first_k_dense_replace", 0), hf.get("moe_layer_freq", 1)
+    sparse_layers = tuple(i for i in range(num_layers) if i >= first_sparse and i % every == 0)
+    num_experts = hf.get("n_routed_experts")
+    if not num_experts or not sparse_layers:
+        return None
+    groups, topk_groups = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    if architecture == "DeepseekV3ForCausalLM":
+        routing = DeepSeekRouting(
+            scoring="sigmoid",
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            num_groups=groups,
+            topk_groups=topk_groups,
+            group_score_top=2,
+            score_correction_bias=True,
+        )
+        normalise = hf.get("norm_topk_prob", True)
+    else:
+        method = hf.get("topk_method", "greedy")
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(
+                f"DeepSeek-V2 topk_method {method!r} is not supported; "
+                "supported: greedy, group_limited_greedy"
+            )
+        limited = method == "group_limited_greedy"
+        routing = DeepSeekRouting(
+            scoring="softmax",
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            num_groups=groups if limited else 1,
+            topk_groups=topk_groups if limited else 1,
+        )
+        normalise = hf.get("norm_topk_prob", False)
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=hf["num_experts_per_tok"],
+        intermediate_size=hf["moe_intermediate_size"],
+        norm_topk_prob=bool(normalise),
+        sparse_layers=sparse_layers,
+        deepseek_routing=routing,
+        shared_intermediate_size=hf["moe_intermediate_size"] * (hf.get("n_shared_experts") or 0),
+    )
+
+
+def _parse_mla(hf: dict[str, Any], architecture: str) -> MLAConfig | None:
+    if architecture not in _DEEPSEEK:
+        return None
+    return MLAConfig(
+        kv_lora_rank=hf["kv_lora_rank"],
+        qk_nope_head_dim=hf["qk_nope_head_dim"],
+        qk_rope_head_dim=hf["qk_rope_head_dim"],
+        v_head_dim=hf["v_head_dim"],
+        q_lora_rank=hf.get("q_lora_rank"),
+        # DeepSeek's own layout; V3 configs may say otherwise (transformers' default: True).
+        rope_interleave=architecture == "DeepseekV2ForCausalLM"
+        or bool(hf.get("rope_interleave", True)),
+    )
 
 
 def _as_id_list(value: int | list[int] | None) -> list[int]:

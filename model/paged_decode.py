@@ -138,14 +138,19 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def decode_attention(
-    query: torch.Tensor, layer_cache: torch.Tensor, decode: DecodeAttention
+    query: torch.Tensor,
+    layer_cache: torch.Tensor,
+    decode: DecodeAttention,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Attend single-token queries ``[batch, num_heads, head_size]`` over their pages.
 
-    ``layer_cache`` is one layer's ``[num_blocks, 2, block_size, num_kv_heads, head_size]``.
+    ``layer_cache`` is one layer's ``[num_blocks, entries, block_size, num_kv_heads, head_size]``
+    (a one-entry cache of latent rows serves as its own values: MLA's absorbed form).
     The query heads that share a K/V head are passed as that head's queries
     (``[batch, kv_heads, group, head_size]``), so no K/V is expanded per query head: a single
-    token attends to every visible key, hence no causal mask among them.
+    token attends to every visible key, hence no causal mask among them. ``scale``: the
+    softmax scale (``None``: ``1/sqrt(head_size)``).
     """
     batch, num_heads, head_size = query.shape
     num_kv_heads = layer_cache.shape[3]
@@ -153,14 +158,16 @@ def decode_attention(
     if len(decode.chunks) == 1:
         keys, values = _gather(layer_cache, decode, decode.chunks[0], query.dtype)
         attended = F.scaled_dot_product_attention(
-            grouped, keys, values, attn_mask=decode.chunks[0].attn_mask
+            grouped, keys, values, attn_mask=decode.chunks[0].attn_mask, scale=scale
         )
         return attended.reshape(batch, num_heads, head_size)
     outputs = query.new_empty(len(decode.chunks), *grouped.shape)
     log_sum_exps = query.new_empty(len(decode.chunks), *grouped.shape[:-1])
     for index, chunk in enumerate(decode.chunks):
         keys, values = _gather(layer_cache, decode, chunk, query.dtype)
-        output, log_sum_exp = _flash_for_cpu(grouped, keys, values, attn_mask=chunk.attn_mask)
+        output, log_sum_exp = _flash_for_cpu(
+            grouped, keys, values, attn_mask=chunk.attn_mask, scale=scale
+        )
         outputs[index] = output
         log_sum_exps[index] = (
             log_sum_exp if chunk.empty_rows is None else log_sum_exp + chunk.empty_rows
@@ -175,16 +182,18 @@ def _gather(
     """The chunk's keys and values as ``[batch, kv_heads, num_keys, head_size]`` views of the
     step's reused gather buffers (one ``index_select`` each from the strided K and V views;
     each block's rows are contiguous, so the block and offset dims merge without a copy),
-    widened to the query's ``dtype`` when the cache is narrower (the chunk is in cache)."""
+    widened to the query's ``dtype`` when the cache is narrower (the chunk is in cache).
+    A one-entry cache's rows are gathered once and serve as both."""
     rows = decode.batch * chunk.num_blocks
+    entries = (("keys", 0), ("values", 1))[: layer_cache.shape[1]]
     if "keys" not in decode.buffers:
         shape = (rows, *layer_cache.shape[2:])
-        decode.buffers["keys"] = layer_cache.new_empty(shape)
-        decode.buffers["values"] = layer_cache.new_empty(shape)
+        for name, _ in entries:
+            decode.buffers[name] = layer_cache.new_empty(shape)
     shape = (decode.batch, chunk.num_blocks * decode.block_size, *layer_cache.shape[3:])
     gathered = []
-    for kv, name in ((0, "keys"), (1, "values")):
+    for name, kv in entries:
         buffer = decode.buffers[name][:rows]
         torch.index_select(layer_cache[:, kv], 0, chunk.blocks, out=buffer)
         gathered.append(buffer.view(shape)[:, : chunk.num_keys].transpose(1, 2).to(dtype))
-    return gathered[0], gathered[1]
+    return gathered[0], gathered[-1]

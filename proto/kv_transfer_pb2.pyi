@@ -43,6 +43,7 @@ class KvLayout(_message.Message):
     HASH_ALGORITHM_FIELD_NUMBER: _builtins.int
     HASH_SEED_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    KV_ENTRIES_FIELD_NUMBER: _builtins.int
     num_layers: _builtins.int
     block_size: _builtins.int
     num_kv_heads: _builtins.int
@@ -56,6 +57,8 @@ class KvLayout(_message.Message):
     """The model's identity: "<architecture>:<digest of its config>" (ModelConfig.fingerprint);
     pages of another model with the same shape would land as wrong KV no checksum catches.
     """
+    kv_entries: _builtins.int
+    """2: K and V per token; 1: one latent row (MLA)"""
     def __init__(
         self,
         *,
@@ -67,10 +70,11 @@ class KvLayout(_message.Message):
         hash_algorithm: _builtins.str = ...,
         hash_seed: _builtins.int = ...,
         model: _builtins.str = ...,
+        kv_entries: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "dtype", b"dtype", "hash_algorithm", b"hash_algorithm", "hash_seed", b"hash_seed", "head_size", b"head_size", "model", b"model", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "dtype", b"dtype", "hash_algorithm", b"hash_algorithm", "hash_seed", b"hash_seed", "head_size", b"head_size", "kv_entries", b"kv_entries", "model", b"model", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -2,8 +2,10 @@
 
 A block travels as raw bytes: one page of the KV tensor
 
-    kv_cache: [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_size]
+    kv_cache: [num_blocks, num_layers, entries, block_size, num_kv_heads, head_size]
                └──────────── one page = page_bytes ───────────────────────┘
+
+(``entries``: 2 for K and V; 1 for a latent-attention model's one row per token)
 
 so a page from a peer with another layer count, head shape, dtype or block size would land
 as garbage that no checksum catches (the checksum is of the sender's bytes), and so would a
@@ -35,6 +37,7 @@ class KVLayout:
     hash_algorithm: str
     hash_seed: int
     model: str = ""  # ModelConfig.fingerprint; "" in unit tests that move raw tensors
+    kv_entries: int = 2
 
     @property
     def itemsize(self) -> int:
@@ -42,10 +45,10 @@ class KVLayout:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one block: all layers, K and V, every token slot of the block."""
+        """Bytes of one block: all layers, K and V (or the latent), every token slot of the block."""
         return (
             self.num_layers
-            * 2
+            * self.kv_entries
             * self.block_size
             * self.num_kv_heads
             * self.head_size
@@ -56,14 +59,14 @@ class KVLayout:
     def from_kv_cache(
         cls, kv_cache: torch.Tensor, hash_algorithm: str, hash_seed: int, model: str = ""
     ) -> KVLayout:
-        if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
+        if kv_cache.dim() != 6 or kv_cache.shape[2] not in (1, 2):
             raise ValueError(
-                "kv_cache must be [num_blocks, num_layers, 2, block_size, num_kv_heads, "
+                "kv_cache must be [num_blocks, num_layers, 1 or 2, block_size, num_kv_heads, "
                 f"head_size]; got shape {tuple(kv_cache.shape)}"
             )
         if not kv_cache.is_contiguous():
             raise ValueError("kv_cache must be contiguous: a block is moved as one page")
-        _, num_layers, _, block_size, num_kv_heads, head_size = kv_cache.shape
+        _, num_layers, kv_entries, block_size, num_kv_heads, head_size = kv_cache.shape
         return cls(
             num_layers=num_layers,
             block_size=block_size,
@@ -73,6 +76,7 @@ class KVLayout:
             hash_algorithm=hash_algorithm,
             hash_seed=hash_seed,
             model=model,
+            kv_entries=kv_entries,
         )
 
     def to_proto(self) -> kv_transfer_pb2.KvLayout:

@@ -10,6 +10,7 @@ class as the type the loaders return and the engine runs.
 
 from __future__ import annotations
 
+from pdserve.model.architectures.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pdserve.model.architectures.llama import LlamaForCausalLM
 from pdserve.model.architectures.mistral import MistralForCausalLM
 from pdserve.model.architectures.moe_models import MixtralForCausalLM, Qwen3MoeForCausalLM
@@ -26,6 +27,8 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 
@@ -47,6 +50,8 @@ def build_model(config: ModelConfig) -> CausalLM:
 __all__ = [
     "MODEL_REGISTRY",
     "CausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "MixtralForCausalLM",

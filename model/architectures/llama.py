@@ -24,53 +24,14 @@ from collections.abc import Iterable
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pdserve.model.architectures.layers import GatedMLP, RMSNorm, fuse_linears, project
+from pdserve.model.architectures.mla import MLAttention
 from pdserve.model.architectures.moe import SparseMoE
 from pdserve.model.architectures.rotary import RotaryEmbedding, apply_rotary
 from pdserve.model.attention import AttentionMetadata, paged_attention
 from pdserve.model.model_config import ModelConfig
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm (``F.rms_norm``: one kernel, float32 for float32 models)."""
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        normed = x.float()
-        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
-
-
-def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``[in, sum(out)]`` weight and ``[sum(out)]`` bias (or ``None``) of linears sharing an input.
-
-    Each linear's parameters become views into the fused tensors, so the checkpoint
-    names still reach the same numbers and memory is not doubled.
-    """
-    weight_t = torch.cat([linear.weight.detach() for linear in linears]).t().contiguous()
-    has_bias = linears[0].bias is not None
-    bias = torch.cat([linear.bias.detach() for linear in linears]) if has_bias else None
-    start = 0
-    for linear in linears:
-        end = start + linear.out_features
-        linear.weight = nn.Parameter(weight_t[:, start:end].t(), requires_grad=False)
-        if bias is not None:
-            linear.bias = nn.Parameter(bias[start:end], requires_grad=False)
-        start = end
-    return weight_t, bias
-
-
-def project(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight_t (+ bias)`` for a fused ``[in, out]`` weight."""
-    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
 
 
 class LlamaAttention(nn.Module):
@@ -117,42 +78,21 @@ class LlamaAttention(nn.Module):
         return project(attended.reshape(num_tokens, -1), self.o_weight, self.o_bias)
 
 
-class LlamaMLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up as one fused matmul."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def fuse_weights(self) -> None:
-        self.gate_up_weight, _ = fuse_linears([self.gate_proj, self.up_proj])
-        self.down_weight, _ = fuse_linears([self.down_proj])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = torch.mm(x, self.gate_up_weight)
-        activated = (
-            F.silu(gate_up[:, : self.intermediate_size]) * gate_up[:, self.intermediate_size :]
-        )
-        return torch.mm(activated, self.down_weight)
-
-
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm residual block: attention, then the feed-forward: a dense MLP (``mlp``), or
-    a mixture of experts on a model's sparse layers (under its checkpoint's name)."""
+    """Pre-norm residual block: attention (grouped-query, or latent for DeepSeek), then the
+    feed-forward: a dense MLP (``mlp``), or a mixture of experts on a model's sparse layers
+    (under its checkpoint's name)."""
 
     def __init__(self, config: ModelConfig, index: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config) if config.mla is None else MLAttention(config)
         moe = config.moe
         if moe is not None and index in moe.sparse_layers:
             self.feed_forward_name = moe.module_name
             setattr(self, moe.module_name, SparseMoE(config, moe))
         else:
             self.feed_forward_name = "mlp"
-            self.mlp = LlamaMLP(config)
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -171,8 +111,8 @@ class LlamaDecoderLayer(nn.Module):
         return hidden + self.feed_forward.forward(self.post_attention_layernorm.forward(hidden))
 
     @property
-    def feed_forward(self) -> LlamaMLP | SparseMoE:
-        return cast("LlamaMLP | SparseMoE", getattr(self, self.feed_forward_name))
+    def feed_forward(self) -> GatedMLP | SparseMoE:
+        return cast("GatedMLP | SparseMoE", getattr(self, self.feed_forward_name))
 
 
 class LlamaModel(nn.Module):

@@ -15,6 +15,11 @@ over all its tokens::
               out[rows] += weight · down_e(silu(gate_e(x[rows])) * up_e(x[rows]))
 
 so a step costs about what a dense MLP of ``k`` experts' width costs, not ``num_experts`` ×.
+
+DeepSeek-V2/V3 (``mlp.gate``, ``mlp.experts.{e}.*``, ``mlp.shared_experts.*``) route in
+float32 their own way (``DeepSeekRouting``: softmax or sigmoid scores, a group limit, a
+correction bias on the choice, a scale on the weights) and add always-on shared experts,
+one dense SwiGLU of their summed width, to every token's output.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.model.model_config import ModelConfig, MoEConfig
+from pdserve.model.architectures.layers import GatedMLP
+from pdserve.model.model_config import DeepSeekRouting, ModelConfig, MoEConfig
 
 
 class _Expert(nn.Module):
@@ -55,22 +61,64 @@ class SparseMoE(nn.Module):
             _Expert(config.hidden_size, moe.intermediate_size, moe.expert_names)
             for _ in range(moe.num_experts)
         )
+        routing = moe.deepseek_routing
+        if routing is not None and routing.score_correction_bias:
+            # Under the router, as the checkpoints name it: gate.e_score_correction_bias.
+            self.gate.register_buffer("e_score_correction_bias", torch.empty(moe.num_experts))
+        self.shared_experts = (
+            GatedMLP(config.hidden_size, moe.shared_intermediate_size)
+            if moe.shared_intermediate_size
+            else None
+        )
 
     def fuse_weights(self) -> None:
         """Stacks the experts transposed: ``gate_up [E, hidden, 2·I]``, ``down [E, I, hidden]``."""
         experts = [cast(_Expert, expert).projections() for expert in self.experts]
         self.gate_t = self.gate.weight.detach().t().contiguous()
+        if self.moe.deepseek_routing is not None:
+            self.gate_t = self.gate_t.float()
+        if self.shared_experts is not None:
+            self.shared_experts.fuse_weights()
         self.gate_up = torch.stack(
             [torch.cat([gate.weight, up.weight]).t() for gate, up, _ in experts]
         ).contiguous()
         self.down = torch.stack([down.weight.t() for _, _, down in experts]).contiguous()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        moe = self.moe
-        probs = torch.softmax(torch.mm(x, self.gate_t).float(), dim=-1)
-        weights, chosen = torch.topk(probs, moe.top_k, dim=-1)
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's ``top_k`` experts and their float32 weights, ``[tokens, top_k]`` each."""
+        moe, routing = self.moe, self.moe.deepseek_routing
+        if routing is None:
+            probs = torch.softmax(torch.mm(x, self.gate_t).float(), dim=-1)
+            weights, chosen = torch.topk(probs, moe.top_k, dim=-1)
+        else:
+            weights, chosen = self._deepseek_route(torch.mm(x.float(), self.gate_t), routing)
         if moe.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if routing is not None:
+            weights = weights * routing.routed_scaling_factor
+        return weights, chosen
+
+    def _deepseek_route(
+        self, logits: torch.Tensor, routing: DeepSeekRouting
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Choose among the best groups by the (bias-corrected) scores; weigh by the raw ones."""
+        scores = logits.sigmoid() if routing.scoring == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores
+        if routing.score_correction_bias:
+            choice = scores + cast(torch.Tensor, self.gate.e_score_correction_bias).float()
+        if routing.num_groups > 1:
+            grouped = choice.view(choice.shape[0], routing.num_groups, -1)
+            group_scores = grouped.topk(routing.group_score_top, dim=-1).values.sum(dim=-1)
+            best_groups = torch.topk(group_scores, routing.topk_groups, dim=-1).indices
+            allowed = torch.zeros_like(group_scores, dtype=torch.bool)
+            allowed.scatter_(1, best_groups, True)
+            choice = grouped.masked_fill(~allowed[..., None], float("-inf")).flatten(1)
+        chosen = torch.topk(choice, self.moe.top_k, dim=-1).indices
+        return scores.gather(1, chosen), chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        moe = self.moe
+        weights, chosen = self.route(x)
         weights = weights.to(x.dtype).reshape(-1)
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -89,4 +137,6 @@ class SparseMoE(nn.Module):
             activated = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
             expert_out = torch.mm(activated, self.down[expert]) * weights[pairs].unsqueeze(1)
             out.index_add_(0, rows, expert_out)
+        if self.shared_experts is not None:
+            out += self.shared_experts.forward(x)
         return out

@@ -98,3 +98,21 @@ def apply_rotary(
     """
     rolled = torch.roll(x, x.shape[-1] // 2, dims=-1)
     return torch.addcmul(x * cos, rolled, signed_sin, out=out)
+
+
+def apply_rotary_interleaved(
+    x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+) -> torch.Tensor:
+    """Rotate ``x`` ``[num_tokens, heads, dim]`` in DeepSeek's layout: channel pairs
+    ``(x0, x1), (x2, x3), …`` each turn by one frequency.
+
+    The result is laid out de-interleaved (every pair's first member, then every second),
+    as transformers' DeepSeek-V3 writes it. Queries and keys get the same layout, so their
+    dot products are the paired form's; the cached key is only ever read by such products.
+    """
+    half = x.shape[-1] // 2
+    cos_half, sin_half = cos[..., :half], -signed_sin[..., :half]
+    first, second = x[..., 0::2], x[..., 1::2]
+    return torch.cat(
+        (first * cos_half - second * sin_half, second * cos_half + first * sin_half), dim=-1
+    )

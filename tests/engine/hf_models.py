@@ -10,6 +10,25 @@ import transformers
 # Enough experts to route: a step's tokens spread over all of them, 2 picked per token.
 QWEN3_MOE = {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 MIXTRAL = {"num_local_experts": 6, "num_experts_per_tok": 2, "intermediate_size": 32}
+# Latent attention (a 32-wide latent plus an 8-wide RoPE key per token) and DeepSeek's experts:
+# a dense first layer, then 8 routed experts in 4 groups (2 groups allowed) plus a shared one.
+DEEPSEEK = {
+    "num_hidden_layers": 3,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 4,
+    "topk_group": 2,
+}
+DEEPSEEK_V2 = {**DEEPSEEK, "q_lora_rank": None}
+DEEPSEEK_V3 = {**DEEPSEEK, "q_lora_rank": 48}
 COMMON = dict(
     vocab_size=96,
     hidden_size=64,

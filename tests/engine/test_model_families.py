@@ -14,7 +14,14 @@ import pytest
 import transformers
 
 from pdserve.engine import LLMEngine, SamplingParams
-from tests.engine.hf_models import MIXTRAL, QWEN3_MOE, hf_greedy, save_hf_model
+from tests.engine.hf_models import (
+    DEEPSEEK_V2,
+    DEEPSEEK_V3,
+    MIXTRAL,
+    QWEN3_MOE,
+    hf_greedy,
+    save_hf_model,
+)
 
 FAMILIES = [
     pytest.param(transformers.LlamaConfig, {}, id="llama"),
@@ -28,6 +35,18 @@ FAMILIES = [
         id="qwen3-moe-renormalised-dense-first",
     ),
     pytest.param(transformers.MixtralConfig, MIXTRAL, id="mixtral"),
+    pytest.param(transformers.DeepseekV2Config, DEEPSEEK_V2, id="deepseek-v2-lite"),
+    pytest.param(
+        transformers.DeepseekV2Config,
+        {**DEEPSEEK_V2, "topk_method": "group_limited_greedy"},
+        id="deepseek-v2-group-limited",
+    ),
+    pytest.param(transformers.DeepseekV3Config, DEEPSEEK_V3, id="deepseek-v3"),
+    pytest.param(
+        transformers.DeepseekV3Config,
+        {**DEEPSEEK_V3, "rope_interleave": False},
+        id="deepseek-v3-rope-halves",
+    ),
 ]
 NEW_TOKENS = 32
 

@@ -14,7 +14,14 @@ import transformers
 
 from pdserve.engine import LLMEngine, RequestOutput, SamplingParams
 from pdserve.engine.request import RequestStatus
-from tests.engine.hf_models import MIXTRAL, QWEN3_MOE, hf_greedy, save_hf_model
+from tests.engine.hf_models import (
+    DEEPSEEK_V2,
+    DEEPSEEK_V3,
+    MIXTRAL,
+    QWEN3_MOE,
+    hf_greedy,
+    save_hf_model,
+)
 from tests.kvconnector.disaggregation import (
     assert_decode_idle,
     disaggregate,
@@ -208,13 +215,17 @@ def test_a_peer_of_another_model_with_the_same_page_shape_is_refused(
         pytest.param(transformers.Qwen3Config, {"head_dim": 32}, id="qwen3"),
         pytest.param(transformers.Qwen3MoeConfig, QWEN3_MOE, id="qwen3-moe"),
         pytest.param(transformers.MixtralConfig, MIXTRAL, id="mixtral"),
+        pytest.param(transformers.DeepseekV2Config, DEEPSEEK_V2, id="deepseek-v2"),
+        pytest.param(transformers.DeepseekV3Config, DEEPSEEK_V3, id="deepseek-v3"),
     ],
 )
 def test_a_pair_of_each_new_family_decodes_as_transformers(
     transport: str, config_class, overrides, prefill_factory, tmp_path
 ) -> None:
-    """Qwen3 (q/k norms, head_dim apart from hidden / heads), Qwen3-MoE and Mixtral saved by
-    transformers: P/D greedy tokens equal transformers' own, on prompts sharing a prefix."""
+    """Qwen3 (q/k norms, head_dim apart from hidden / heads), Qwen3-MoE, Mixtral and DeepSeek
+    V2/V3 saved by transformers: P/D greedy tokens equal transformers' own, on prompts sharing
+    a prefix, and each moved block is the bytes the family caches per token: K and V per KV
+    head, or MLA's latent row only."""
     reference = save_hf_model(tmp_path, config_class, **overrides)
     prefill = prefill_factory(transport=transport, model=str(tmp_path))
     decode = make_decode_engine(transport, model=tmp_path)
@@ -224,7 +235,17 @@ def test_a_pair_of_each_new_family_decodes_as_transformers(
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     outputs = disaggregate(prefill, decode, prompts, [params] * len(prompts))
     assert [o.output_token_ids for o in outputs] == [hf_greedy(reference, p, 32) for p in prompts]
-    assert decode.stats().transfer.num_blocks_received > 0
+    hf = reference.config
+    if hasattr(hf, "kv_lora_rank"):
+        per_token = hf.kv_lora_rank + hf.qk_rope_head_dim
+    else:
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        per_token = 2 * hf.num_key_value_heads * head_dim
+    transfer = decode.stats().transfer
+    assert transfer.num_blocks_received > 0
+    assert transfer.num_bytes_received == (
+        transfer.num_blocks_received * hf.num_hidden_layers * BLOCK_SIZE * per_token * 4
+    )
     assert_decode_idle(decode)
     prefill.wait_until_idle()
     decode.shutdown()

@@ -105,3 +105,34 @@ def test_a_step_mixing_prefills_and_chunked_decodes_writes_then_reads_every_toke
         torch.testing.assert_close(keys[position], key_value[6 + row, 0])
         expected = dense_reference(query[6 + row], keys, values, position, None)
         torch.testing.assert_close(attended[6 + row].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    positions=st.lists(st.integers(0, 90), min_size=1, max_size=5),
+    block_size=st.sampled_from([1, 4, 16]),
+    chunk_keys=st.one_of(st.none(), st.integers(1, 200)),
+    seed=st.integers(0, 2**16),
+)
+def test_a_latent_cache_serves_as_its_own_values_at_the_given_scale(
+    positions, block_size, chunk_keys, seed
+):
+    """MLA's absorbed decode: one-entry pages of latent rows, every query head over the one
+    shared row (MQA), a softmax scale that is not 1/sqrt(row size)."""
+    latent, scale = 12, 0.3
+    generator = torch.Generator().manual_seed(seed)
+    tables, next_block = [], 1
+    for position in positions:
+        need = position // block_size + 1
+        tables.append(list(range(next_block, next_block + need))[::-1])  # not contiguous order
+        next_block += need
+    layer_cache = torch.randn(next_block, 1, block_size, 1, latent, generator=generator)
+    query = torch.randn(len(positions), NUM_HEADS, latent, generator=generator)
+    decode = plan_decode(
+        0, positions, tables, block_size, torch.device("cpu"), torch.float32, None, chunk_keys
+    )
+    attended = decode_attention(query, layer_cache, decode, scale)
+    for row, (table, position) in enumerate(zip(tables, positions)):
+        rows = layer_cache[table, 0, :, 0].flatten(0, 1)[: position + 1].double()
+        weights = (query[row].double() @ rows.T * scale).softmax(-1)
+        torch.testing.assert_close(attended[row].double(), weights @ rows, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,76 @@
+"""The building blocks every architecture shares: RMSNorm, fused projections, SwiGLU.
+
+Projections are packed for inference into transposed, fused ``[in, out]`` matrices
+(:func:`fuse_linears`), whose HF-named parameters become views of them: ``state_dict()``
+keeps its names and values and no weight is stored twice (``llama.py`` says why ``mm`` on
+``[in, out]``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (``F.rms_norm``: one kernel, float32 for float32 models)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        normed = x.float()
+        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[in, sum(out)]`` weight and ``[sum(out)]`` bias (or ``None``) of linears sharing an input.
+
+    Each linear's parameters become views into the fused tensors, so the checkpoint
+    names still reach the same numbers and memory is not doubled.
+    """
+    weight_t = torch.cat([linear.weight.detach() for linear in linears]).t().contiguous()
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([linear.bias.detach() for linear in linears]) if has_bias else None
+    start = 0
+    for linear in linears:
+        end = start + linear.out_features
+        linear.weight = nn.Parameter(weight_t[:, start:end].t(), requires_grad=False)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias[start:end], requires_grad=False)
+        start = end
+    return weight_t, bias
+
+
+def project(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight_t (+ bias)`` for a fused ``[in, out]`` weight."""
+    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up as one fused matmul (Llama's
+    MLP, a MoE model's dense layers, DeepSeek's shared experts)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def fuse_weights(self) -> None:
+        self.gate_up_weight, _ = fuse_linears([self.gate_proj, self.up_proj])
+        self.down_weight, _ = fuse_linears([self.down_proj])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = torch.mm(x, self.gate_up_weight)
+        activated = (
+            F.silu(gate_up[:, : self.intermediate_size]) * gate_up[:, self.intermediate_size :]
+        )
+        return torch.mm(activated, self.down_weight)
