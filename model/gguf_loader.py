@@ -1,4 +1,5 @@
-"""Loading a Llama model from a GGUF file (llama.cpp's format), e.g. the built-in ``smollm2``.
+"""Loading a Llama, Qwen2 or Qwen3 model from a GGUF file (llama.cpp's format), e.g. the
+built-in ``smollm2``.
 
 Every tensor is dequantized to float32 by the ``gguf`` package's own dequantizer, cast to
 the engine dtype, renamed from llama.cpp's names to ours (transformers' names), and, for
@@ -10,7 +11,9 @@ transformers') rotates halves ``(x0, x_{d/2}), (x1, x_{d/2+1}) ...``. Per head o
     HF row order    [ 0  1  2 ... d/2-1 | d/2  d/2+1 ... d-1 ]      (first half, second half)
     GGUF row order  [ 0  d/2  1  d/2+1  2  d/2+2 ...  d/2-1  d-1 ]  (the halves interleaved)
 
-so the inverse views each head as ``[2 (pair), d/2]`` rows and swaps the two axes.
+so the inverse views each head as ``[2 (pair), d/2]`` rows and swaps the two axes. Only
+Llama's converter permutes: Qwen2 and Qwen3 run llama.cpp's NeoX RoPE, which rotates halves
+as ours does, so their rows load as stored (with Qwen2's q/k/v biases and Qwen3's q/k norms).
 """
 
 from __future__ import annotations
@@ -51,6 +54,11 @@ _GLOBAL_NAMES = {
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
@@ -72,11 +80,12 @@ def gguf_state_dict(
 ) -> dict[str, torch.Tensor]:
     """The GGUF's tensors under our names, dequantized and un-permuted, in ``dtype`` on ``device``."""
     state = {}
+    permuted = config.architecture == "LlamaForCausalLM"
     for tensor in reader.tensors:
         weight = torch.from_numpy(_dequantize(tensor))
-        if tensor.name.endswith("attn_q.weight"):
+        if permuted and tensor.name.endswith("attn_q.weight"):
             weight = unpermute_rotary_rows(weight, config.num_heads)
-        elif tensor.name.endswith("attn_k.weight"):
+        elif permuted and tensor.name.endswith("attn_k.weight"):
             weight = unpermute_rotary_rows(weight, config.num_kv_heads)
         state[_our_name(tensor.name)] = weight.to(device=device, dtype=dtype)
     return state
@@ -102,7 +111,7 @@ def _our_name(gguf_name: str) -> str:
             "GGUF tensor 'rope_freqs.weight' (per-frequency RoPE factors, Llama 3.1 style) "
             "is not supported"
         )
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in the Llama model")
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in the model")
 
 
 def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:

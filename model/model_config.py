@@ -28,7 +28,11 @@ DTYPES: dict[str, torch.dtype] = {
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 # llama.cpp's ``general.architecture`` -> the model class that runs it.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 # The architecture decides whether q/k/v carry a bias when config.json does not say.
 _DEFAULT_ATTENTION_BIAS = {"Qwen2ForCausalLM": True}
@@ -254,8 +258,9 @@ class ModelConfig:
         num_heads = require(metadata, key("attention.head_count"))
         hidden_size = require(metadata, key("embedding_length"))
         tokens = metadata.get("tokenizer.ggml.tokens") or []
+        architecture = GGUF_ARCHITECTURES[gguf_architecture]
         return cls(
-            architecture=GGUF_ARCHITECTURES[gguf_architecture],
+            architecture=architecture,
             vocab_size=metadata.get(key("vocab_size")) or len(tokens),
             hidden_size=hidden_size,
             intermediate_size=require(metadata, key("feed_forward_length")),
@@ -268,6 +273,8 @@ class ModelConfig:
             rms_norm_eps=float(require(metadata, key("attention.layer_norm_rms_epsilon"))),
             tie_word_embeddings=tie_word_embeddings,
             max_position_embeddings=require(metadata, key("context_length")),
+            attention_bias=_DEFAULT_ATTENTION_BIAS.get(architecture, False),
+            qk_norm=architecture in _QK_NORM_ARCHITECTURES,
         )
 
 

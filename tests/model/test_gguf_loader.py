@@ -45,9 +45,11 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def gguf_tensors(model: transformers.LlamaForCausalLM) -> dict[str, np.ndarray]:
-    """The model's weights under llama.cpp's names, Q and K permuted as its converter does."""
+def gguf_tensors(model: transformers.PreTrainedModel) -> dict[str, np.ndarray]:
+    """The model's weights under llama.cpp's names; a Llama's Q and K permuted as its converter
+    does (Qwen2 and Qwen3 rotate halves, NeoX-style, and are stored as they are)."""
     state = {name: tensor.numpy() for name, tensor in model.state_dict().items()}
+    permuted = isinstance(model, transformers.LlamaForCausalLM)
     tensors = {
         "token_embd.weight": state["model.embed_tokens.weight"],
         "output_norm.weight": state["model.norm.weight"],
@@ -63,15 +65,19 @@ def gguf_tensors(model: transformers.LlamaForCausalLM) -> dict[str, np.ndarray]:
         "ffn_gate": "mlp.gate_proj",
         "ffn_up": "mlp.up_proj",
         "ffn_down": "mlp.down_proj",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
     }
     for layer in range(model.config.num_hidden_layers):
         for gguf_name, hf_name in ours.items():
-            tensors[f"blk.{layer}.{gguf_name}.weight"] = state[
-                f"model.layers.{layer}.{hf_name}.weight"
-            ]
-        q, k = f"blk.{layer}.attn_q.weight", f"blk.{layer}.attn_k.weight"
-        tensors[q] = llama_cpp_permute(tensors[q], NUM_HEADS)
-        tensors[k] = llama_cpp_permute(tensors[k], NUM_KV_HEADS)
+            for kind in ("weight", "bias"):
+                hf_key = f"model.layers.{layer}.{hf_name}.{kind}"
+                if hf_key in state:
+                    tensors[f"blk.{layer}.{gguf_name}.{kind}"] = state[hf_key]
+        if permuted:
+            q, k = f"blk.{layer}.attn_q.weight", f"blk.{layer}.attn_k.weight"
+            tensors[q] = llama_cpp_permute(tensors[q], NUM_HEADS)
+            tensors[k] = llama_cpp_permute(tensors[k], NUM_KV_HEADS)
     return tensors
 
 
@@ -81,6 +87,7 @@ def write_gguf(
     quant: Quant = Quant.F32,
     architecture: str = "llama",
     tokenizer_model: str = "gpt2",
+    key_length: int | None = None,
 ) -> None:
     """A complete small GGUF: llama metadata, a byte-level vocabulary with one merge (" t") and a control EOS,
     2-D weights stored as ``quant`` (norms stay F32, as llama.cpp keeps them)."""
@@ -91,6 +98,9 @@ def write_gguf(
     writer.add_feed_forward_length(128)
     writer.add_head_count(NUM_HEADS)
     writer.add_head_count_kv(NUM_KV_HEADS)
+    if key_length is not None:  # a head_dim apart from hidden / heads (Qwen3)
+        writer.add_key_length(key_length)
+        writer.add_value_length(key_length)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
     writer.add_tokenizer_model(tokenizer_model)
@@ -133,6 +143,52 @@ def test_float32_gguf_logits_equal_transformers(tmp_path, reference):
         and tokenizer.decode([256, 101, 257]) == " te"
     )
     runner = ModelRunner(model, config, num_blocks=8, block_size=4)
+    prompt = list(range(40, 61))
+    logits = runner.execute([ScheduledChunk("a", prompt, 0, [6, 1, 4, 0, 7, 2], sample=True)])
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "config_class, architecture, head_dim",
+    [
+        pytest.param(transformers.Qwen2Config, "qwen2", None, id="qwen2-biases"),
+        pytest.param(transformers.Qwen3Config, "qwen3", 32, id="qwen3-qk-norms"),
+    ],
+)
+def test_qwen_ggufs_load_unpermuted_and_logits_equal_transformers(
+    tmp_path, config_class, architecture, head_dim
+):
+    """llama.cpp stores Qwen2/Qwen3 Q and K rows as transformers does (NeoX RoPE), with
+    Qwen2's q/k/v biases and Qwen3's per-head q/k norms under their GGUF names."""
+    extra = {} if head_dim is None else {"head_dim": head_dim}
+    config = config_class(
+        vocab_size=258,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=NUM_HEADS,
+        num_key_value_heads=NUM_KV_HEADS,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        **extra,
+    )
+    torch.manual_seed(0)
+    reference = getattr(transformers, config_class.__name__.replace("Config", "ForCausalLM"))(
+        config
+    ).eval()
+    path = tmp_path / f"{architecture}.gguf"
+    tensors = gguf_tensors(reference)
+    assert any(name.endswith("attn_q.bias" if head_dim is None else "attn_q_norm.weight") for name in tensors)
+    write_gguf(path, tensors, architecture=architecture, key_length=head_dim)
+    model, loaded, _ = load_model(str(path))
+    assert loaded.architecture == config_class.__name__.replace("Config", "ForCausalLM")
+    assert (loaded.attention_bias, loaded.qk_norm) == (head_dim is None, head_dim is not None)
+    runner = ModelRunner(model, loaded, num_blocks=8, block_size=4)
     prompt = list(range(40, 61))
     logits = runner.execute([ScheduledChunk("a", prompt, 0, [6, 1, 4, 0, 7, 2], sample=True)])
     with torch.no_grad():
