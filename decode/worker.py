@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from pdserve.kvconnector.transport.layout import LayoutMismatchError
+from pdserve.messages.prewarm_result import PrewarmResult
 from pdserve.messages.worker_spec import WorkerSpec
 from pdserve.worker.engine_host import EngineHost
 
@@ -38,18 +40,23 @@ class DecodeWorker(EngineHost):
             )
         super().__init__(spec)
 
-    async def connect_prefill_workers(self, addresses: list[str]) -> list[str]:
+    async def connect_prefill_workers(self, addresses: list[str]) -> PrewarmResult:
         """Handshakes with each prefill worker's KV service now (prewarm), so no user
-        request pays it; returns the addresses that answered (the others are logged)."""
+        request pays it. A peer whose KV layout or model differs is refused for good (its
+        message names both sides' values, and ``/ready`` shows it); one that does not answer
+        is only logged, and tried again on the next round."""
         connector = self.pd_connector
         if connector is None:  # a consumer's spec always has one (__init__ checked the role)
             raise RuntimeError(f"decode worker {self.worker_id!r} has no P/D connector")
-        connected = []
+        result = PrewarmResult()
         for address in addresses:
             try:
                 await asyncio.to_thread(connector.connect, address)
+            except LayoutMismatchError as error:
+                logger.error("prefill worker at %s refused: %s", address, error)
+                result.refused[address] = str(error)
             except Exception as error:  # noqa: BLE001 — reported as not connected
                 logger.warning("prewarm handshake with %s failed: %s", address, error)
             else:
-                connected.append(address)
-        return connected
+                result.connected.append(address)
+        return result

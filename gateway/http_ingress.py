@@ -467,7 +467,8 @@ class Gateway:
     @app.get("/ready")
     async def ready(self) -> JSONResponse:
         """200 when every role has an answering worker and every decode worker has
-        handshaken with every prefill worker (readiness); else 503 saying what is missing."""
+        handshaken with every prefill worker (readiness); else 503 saying what is missing,
+        and why a pair was refused (``refused_handshakes``: another model or KV layout)."""
         orchestrator = await self._get_orchestrator()
         report = orchestrator.readiness.report()
         return JSONResponse(report, status_code=200 if report["ready"] else 503)

@@ -8,10 +8,13 @@ workers listen until someone tells them):
 
     for each prefill worker (current instance):  kv_transfer_address()  ─▶ address
     for each decode worker (current instance):   connect_prefill_workers([addresses])
-                                                 ─▶ the addresses it handshook with
+                                                 ─▶ the addresses it handshook with, and
+                                                    those that refused it (PrewarmResult)
 
 A worker that restarts comes back under a new instance id (and, on a fixed port, at the
-same address but a new engine): its pairs are done again on the next round.
+same address but a new engine): its pairs are done again on the next round. A refused pair
+(another model, dtype, block size or layer count on the other side) is not retried until
+one side restarts: ``/ready`` stays false and names the pair with both sides' values.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ class Readiness:
         self._addresses: dict[str, tuple[str, str]] = {}
         # decode worker → the (decode instance, prefill worker, its instance) that handshook.
         self._connected: dict[str, set[tuple[str, str, str]]] = {}
+        # (decode worker, decode instance, prefill worker, its instance) → why it was refused.
+        self._refused: dict[tuple[str, str, str, str], str] = {}
         self._round: asyncio.Lock = asyncio.Lock()
 
     async def prewarm(self) -> None:
@@ -61,12 +66,18 @@ class Readiness:
             address: (decode_instance, prefill_id, prefill_instance)
             for prefill_id, (prefill_instance, address) in self._addresses.items()
             if (decode_instance, prefill_id, prefill_instance) not in done
+            and (decode_id, decode_instance, prefill_id, prefill_instance) not in self._refused
         }
         if not wanted:
             return
-        connected = await self._call(decode_id, "connect_prefill_workers", list(wanted))
-        for address in connected or []:
+        result = await self._call(decode_id, "connect_prefill_workers", list(wanted))
+        if result is None:
+            return
+        for address in result.connected:
             done.add(wanted[address])
+        for address, reason in result.refused.items():
+            self._refused[(decode_id, *wanted[address])] = reason
+            logger.error("%s refuses %s: %s", decode_id, wanted[address][1], reason)
 
     async def _call(self, worker_id: str, method: str, *args: Any) -> Any:
         try:
@@ -90,6 +101,7 @@ class Readiness:
             if ids and not answered & set(ids)
         ]
         missing_handshakes = []
+        refused = {}
         for decode_id in self.workers.decode:
             decode_instance = self.router.instance_id(decode_id)
             done = self._connected.get(decode_id, set())
@@ -97,9 +109,15 @@ class Readiness:
                 prefill_instance = self.router.instance_id(prefill_id)
                 if (decode_instance, prefill_id, prefill_instance) not in done:
                     missing_handshakes.append(f"{decode_id}->{prefill_id}")
+                reason = self._refused.get(
+                    (decode_id, decode_instance or "", prefill_id, prefill_instance or "")
+                )
+                if reason is not None:
+                    refused[f"{decode_id}->{prefill_id}"] = reason
         return {
             "ready": not roles_missing and not missing_handshakes,
             "roles_without_an_answering_worker": roles_missing,
             "missing_handshakes": missing_handshakes,
+            "refused_handshakes": refused,
             "unavailable": sorted(set(self.workers.all) - answered),
         }

@@ -11,6 +11,7 @@ import asyncio
 from pdserve.gateway.readiness import Readiness
 from pdserve.gateway.router import Router
 from pdserve.messages.kv_event_batch import KVEventBatch
+from pdserve.messages.prewarm_result import PrewarmResult
 
 
 class Worker:
@@ -19,14 +20,18 @@ class Worker:
         self.address = address
         self.instance = "i0"
         self.reachable: set[str] = set()  # decode side: prefill addresses it can reach
+        self.mismatched: dict[str, str] = {}  # and those whose layout differs, with the message
         self.handshakes: list[str] = []
 
     async def kv_transfer_address(self) -> str:
         return self.address
 
-    async def connect_prefill_workers(self, addresses: list[str]) -> list[str]:
+    async def connect_prefill_workers(self, addresses: list[str]) -> PrewarmResult:
         self.handshakes += addresses
-        return [a for a in addresses if a in self.reachable]
+        return PrewarmResult(
+            [a for a in addresses if a in self.reachable],
+            {a: self.mismatched[a] for a in addresses if a in self.mismatched},
+        )
 
 
 class Pool:
@@ -85,5 +90,35 @@ def test_a_colocated_app_is_ready_once_its_workers_answer():
         poll(router, pool)
         await readiness.prewarm()
         assert readiness.report()["ready"] is True
+
+    asyncio.run(scenario())
+
+
+def test_a_refused_pair_keeps_ready_false_names_both_values_and_is_not_retried():
+    """p1 runs another model: d0's handshake is refused with both sides' values. /ready stays
+    false and says why, the pair is not asked again every round, and it is once p1 restarts."""
+    reason = "KV layouts differ (model: local='Qwen3ForCausalLM:aa' remote='LlamaForCausalLM:bb')"
+
+    async def scenario() -> None:
+        pool = Pool()
+        router = Router(list(pool.prefill), list(pool.decode))
+        readiness = Readiness(pool, router, timeout_s=1.0)
+        poll(router, pool)
+        pool.decode["d0"].reachable = {"127.0.0.1:7100"}
+        pool.decode["d0"].mismatched = {"127.0.0.1:7101": reason}
+        await readiness.prewarm()
+        await readiness.prewarm()
+        report = readiness.report()
+        assert not report["ready"] and report["missing_handshakes"] == ["d0->p1"]
+        assert report["refused_handshakes"] == {"d0->p1": reason}
+        assert pool.decode["d0"].handshakes == ["127.0.0.1:7100", "127.0.0.1:7101"]
+        # p1 comes back with the right model: a new instance, asked again, and ready.
+        pool.prefill["p1"].instance = "i1"
+        pool.decode["d0"].mismatched = {}
+        pool.decode["d0"].reachable.add("127.0.0.1:7101")
+        poll(router, pool)
+        await readiness.prewarm()
+        report = readiness.report()
+        assert report["ready"] and report["refused_handshakes"] == {}
 
     asyncio.run(scenario())

@@ -183,7 +183,10 @@ def test_qwen_ggufs_load_unpermuted_and_logits_equal_transformers(
     ).eval()
     path = tmp_path / f"{architecture}.gguf"
     tensors = gguf_tensors(reference)
-    assert any(name.endswith("attn_q.bias" if head_dim is None else "attn_q_norm.weight") for name in tensors)
+    assert any(
+        name.endswith("attn_q.bias" if head_dim is None else "attn_q_norm.weight")
+        for name in tensors
+    )
     write_gguf(path, tensors, architecture=architecture, key_length=head_dim)
     model, loaded, _ = load_model(str(path))
     assert loaded.architecture == config_class.__name__.replace("Config", "ForCausalLM")
