@@ -11,10 +11,13 @@ kv_cache: [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_size
 `MLAAttentionSpec`).
 
 Layers are grouped by attention type (`KVCacheGroupSpec`); each group gets its own
-block ids from the one shared pool, so a block id is a page across *all* layers and
-`bytes_per_block` sums the per-layer pages of every group. All groups share one
-`block_size`: a token position maps to the same block index in every group, which is
-what lets one list of block hashes serve every group.
+block ids from the one shared pool. When groups mix (Gemma 3's global and windowed layers)
+they hold equally many layers (`ModelConfig.kv_layer_groups`) and share the tensor's layer
+axis: layer slot `i` of a block is layer `i` of whichever group holds the block, so a block
+id is one page of the largest group's layers and `bytes_per_block` is that page (vLLM's
+hybrid allocator shares its tensors the same way). All groups share one `block_size`: a
+token position maps to the same block index in every group, which is what lets one list
+of block hashes serve every group.
 """
 
 from __future__ import annotations
@@ -142,7 +145,8 @@ def _check_groups(groups: Sequence[KVCacheGroupSpec]) -> None:
 
 
 def _bytes_per_block(groups: Sequence[KVCacheGroupSpec]) -> int:
-    return sum(group.page_size_bytes for group in groups)
+    """One page of the largest group: every group's blocks fill the same layer slots."""
+    return max(group.page_size_bytes for group in groups)
 
 
 @dataclass(slots=True)
@@ -170,7 +174,7 @@ class KVCacheConfig:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block id across every layer of every group."""
+        """Bytes of one block id: a page of the largest group's layers."""
         return _bytes_per_block(self.kv_cache_groups)
 
 

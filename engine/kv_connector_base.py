@@ -133,6 +133,10 @@ class TierStatsSnapshot:
 class KVConnectorBase(ABC):
     """One worker's connector: both sides, called from the engine's step loop."""
 
+    max_kv_groups: int | None = None
+    """How many KV cache groups it can serve (``None``: any); the engine refuses a model
+    with more (a KV tier stores one group's blocks only, so far)."""
+
     @property
     @abstractmethod
     def failure_policy(self) -> str:
@@ -148,9 +152,10 @@ class KVConnectorBase(ABC):
 
     @abstractmethod
     def update_state_after_alloc(
-        self, request: Request, block_ids: list[int], num_external_tokens: int
+        self, request: Request, block_ids: tuple[list[int], ...], num_external_tokens: int
     ) -> None:
-        """Records which local blocks (the request's whole table) receive the external tokens."""
+        """Records which local blocks (the request's whole table, per KV group) receive the
+        external tokens."""
 
     @abstractmethod
     def build_connector_meta(self) -> KVConnectorMetadata:
@@ -158,10 +163,10 @@ class KVConnectorBase(ABC):
 
     @abstractmethod
     def request_finished(
-        self, request: Request, block_ids: list[int]
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, KVTransferParams | None]:
-        """``(delay_free, params)``: True keeps the blocks until the worker side says they
-        are freeable (a lease held for a decode worker)."""
+        """``(delay_free, params)``: True keeps the blocks (the request's table per KV group)
+        until the worker side says they are freeable (a lease held for a decode worker)."""
 
     def complete_transfer_params(self, params: KVTransferParams) -> KVTransferParams:
         """The hand-off ``request_finished`` returned, made whole before it leaves the worker.

@@ -57,18 +57,26 @@ class _Tracked:
     reported_prompt_logprobs: bool = False
 
 
-def kv_cache_spec(model_config: ModelConfig, config: EngineConfig) -> KVCacheSpec:
-    """The ledger's spec for the model's layers: windowed layers get a sliding-window
-    group, whose blocks leave the request (null block 0 in their place) once no
-    token can attend to them; attention masks those positions anyway. Latent attention
-    pages hold one latent row per token."""
+def kv_cache_groups(model_config: ModelConfig, config: EngineConfig) -> list[KVCacheGroupSpec]:
+    """The ledger's groups for the model's layers (``ModelConfig.kv_layer_groups``): windowed
+    layers get sliding-window groups, whose blocks leave the request (null block 0 in their
+    place) once no token can attend to them; attention masks those positions anyway. Latent
+    attention pages hold one latent row per token."""
     _, heads, head_size = model_config.kv_token_shape
     dtype = config.resolved_kv_cache_dtype
-    if model_config.sliding_window is not None:
-        window = model_config.sliding_window
-        return SlidingWindowSpec(config.block_size, heads, head_size, dtype, window)
-    spec = MLAAttentionSpec if model_config.mla is not None else FullAttentionSpec
-    return spec(config.block_size, heads, head_size, dtype)
+    groups = []
+    for layers in model_config.kv_layer_groups:
+        spec: KVCacheSpec
+        if model_config.is_windowed(layers[0]):
+            window = model_config.sliding_window
+            assert window is not None  # is_windowed says so
+            spec = SlidingWindowSpec(config.block_size, heads, head_size, dtype, window)
+        elif model_config.mla is not None:
+            spec = MLAAttentionSpec(config.block_size, heads, head_size, dtype)
+        else:
+            spec = FullAttentionSpec(config.block_size, heads, head_size, dtype)
+        groups.append(KVCacheGroupSpec([f"layers.{i}" for i in layers], spec))
+    return groups
 
 
 class LLMEngine:
@@ -90,8 +98,7 @@ class LLMEngine:
         self.model, self.model_config, self.tokenizer = load_model(
             config.model, dtype=config.dtype, device=config.device
         )
-        layer_names = [f"layers.{i}" for i in range(self.model_config.num_layers)]
-        groups = [KVCacheGroupSpec(layer_names, kv_cache_spec(self.model_config, config))]
+        groups = kv_cache_groups(self.model_config, config)
         num_blocks = config.num_kv_blocks or num_blocks_for_memory(
             config.kv_cache_memory_bytes, groups
         )
@@ -122,6 +129,13 @@ class LLMEngine:
         self.connector = connector
         self._shut_down = False
         if connector is not None:
+            limit = connector.max_kv_groups
+            if limit is not None and len(groups) > limit:
+                raise ValueError(
+                    f"{type(connector).__name__} serves {limit} KV cache group(s), but "
+                    f"{self.model_config.architecture} has {len(groups)} (windowed and full "
+                    "layers); run it without a KV tier"
+                )
             connector.register_kv_caches(self.runner.kv_cache, self.model_config.fingerprint)
             connector.attach_kv_cache_manager(self.kv_cache_manager)
         self.scheduler = Scheduler(

@@ -19,6 +19,9 @@ class ScheduledChunk:
         block_ids:  | b0 | b1 | b2 | b3 |          (block_size tokens each)
         positions:  0 ......... start_position ... start_position + len(token_ids)
                     └ cached / computed before ┘└── this chunk ──┘
+
+    ``block_ids`` is the first KV group's table (the only one for most models);
+    ``other_block_ids`` the other groups' (Gemma 3's windowed layers), in group order.
     """
 
     request_id: str
@@ -27,6 +30,12 @@ class ScheduledChunk:
     block_ids: list[int]
     sample: bool
     all_logits: bool = False
+    other_block_ids: tuple[list[int], ...] = ()
+
+    @property
+    def block_tables(self) -> tuple[list[int], ...]:
+        """Every KV group's block table, in group order."""
+        return (self.block_ids, *self.other_block_ids)
 
     @property
     def num_logit_rows(self) -> int:

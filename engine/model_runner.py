@@ -16,7 +16,7 @@ import torch
 
 from pdserve.engine.model_input import ScheduledChunk
 from pdserve.model.architectures import CausalLM
-from pdserve.model.attention import build_attention_metadata
+from pdserve.model.attention import StepAttention, build_attention_metadata
 from pdserve.model.model_config import ModelConfig, resolve_dtype
 from pdserve.model.paged_decode import SPLIT_KV_BYTES
 
@@ -36,7 +36,9 @@ def configure_torch_threads(num_threads: int = 1) -> None:
 class ModelRunner:
     """Holds the model and its KV tensor; turns a step's chunks into logits.
 
-    ``kv_cache`` is ``[num_blocks, num_layers, entries, block_size, heads, head_size]``
+    ``kv_cache`` is ``[num_blocks, layer slots, entries, block_size, heads, head_size]``
+    (a slot per layer; per layer of the largest KV group when groups mix, see
+    ``ModelConfig.kv_layer_groups``)
     (``ModelConfig.kv_token_shape``: K and V per KV head, or one latent row) in ``kv_cache_dtype`` (default: the model's dtype), zero-filled, allocated outside inference mode so that KV
     transports may write into it in place.
     """
@@ -66,10 +68,21 @@ class ModelRunner:
         self.kv_cache_dtype = (
             self.dtype if kv_cache_dtype is None else resolve_dtype(kv_cache_dtype)
         )
+        # Each layer's (KV group, slot in the tensor's layer axis); each group's window.
+        groups = model_config.kv_layer_groups
+        slots = {
+            layer: (g, slot) for g, layers in enumerate(groups) for slot, layer in enumerate(layers)
+        }
+        self.layer_slots = tuple(slots[layer] for layer in range(model_config.num_layers))
+        self.group_windows = [
+            model_config.sliding_window if model_config.is_windowed(layers[0]) else None
+            for layers in groups
+        ]
+        self.num_slots = max(len(layers) for layers in groups)
         entries, heads, head_size = model_config.kv_token_shape
         self.kv_cache = torch.zeros(
             num_blocks,
-            model_config.num_layers,
+            self.num_slots,
             entries,
             block_size,
             heads,
@@ -103,17 +116,23 @@ class ModelRunner:
         else:  # a decode-only step keeps the caller's order
             order, ordered = list(range(len(chunks))), chunks
         starts = [c.start_position for c in ordered]
-        metadata = build_attention_metadata(
-            counts,
-            starts,
-            [c.block_ids for c in ordered],
-            self.block_size,
-            self.model_config.num_layers,
-            self.device,
-            self.model_config.sliding_window,
-            self.dtype,
-            self.decode_chunk_keys,
-            self.model_config.kv_token_shape[0],
+        metadata = StepAttention(
+            [
+                build_attention_metadata(
+                    counts,
+                    starts,
+                    [c.block_tables[group] for c in ordered],
+                    self.block_size,
+                    self.num_slots,
+                    self.device,
+                    window,
+                    self.dtype,
+                    self.decode_chunk_keys,
+                    self.model_config.kv_token_shape[0],
+                )
+                for group, window in enumerate(self.group_windows)
+            ],
+            self.layer_slots,
         )
         if metadata.max_position > self.model_config.max_position_embeddings:
             raise ValueError(

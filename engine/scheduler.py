@@ -211,7 +211,7 @@ class Scheduler:
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 self.waiting_for_remote_kvs[request.request_id] = request
                 self.connector.update_state_after_alloc(
-                    request, manager.get_block_ids(request)[0], num_external
+                    request, manager.get_block_ids(request), num_external
                 )
                 return 0
             request.kv_transfer_params = None  # nothing to pull; the connector released it
@@ -247,14 +247,16 @@ class Scheduler:
     def _schedule_chunk(self, output: SchedulerOutput, request: Request, num_tokens: int) -> None:
         start = request.num_computed_tokens
         end = start + num_tokens
+        first, *others = self.kv_cache_manager.get_block_ids(request)
         output.chunks.append(
             ScheduledChunk(
                 request_id=request.request_id,
                 token_ids=request.all_token_ids[start:end],
                 start_position=start,
-                block_ids=self.kv_cache_manager.get_block_ids(request)[0],
+                block_ids=first,
                 sample=end == request.num_tokens,
                 all_logits=request.needs_prompt_logprobs,
+                other_block_ids=tuple(others),
             )
         )
         output.requests.append(request)
@@ -325,7 +327,7 @@ class Scheduler:
         """Frees a finished request's blocks, or hands them to the connector's lease."""
         delay_free = False
         if self.connector is not None and request.status != RequestStatus.FINISHED_ABORTED:
-            block_ids = self.kv_cache_manager.get_block_ids(request)[0]
+            block_ids = self.kv_cache_manager.get_block_ids(request)
             delay_free, params = self.connector.request_finished(request, block_ids)
             request.kv_transfer_params_out = params
         if delay_free:
@@ -369,13 +371,15 @@ class Scheduler:
     ) -> None:
         params = request.kv_transfer_params
         num_target = request.num_tokens_after_load
-        block_ids = self.kv_cache_manager.get_block_ids(request)[0]
+        tables = self.kv_cache_manager.get_block_ids(request)
         num_loaded = num_target
         first_block = request.num_computed_tokens // self.block_size
-        for index in range(first_block, min(len(block_ids), -(-num_target // self.block_size))):
-            if block_ids[index] in failed_block_ids:
-                num_loaded = index * self.block_size
-                break
+        for block_ids in tables:  # the first bad position of any group
+            end = min(len(block_ids), -(-num_target // self.block_size))
+            for index in range(first_block, end):
+                if block_ids[index] in failed_block_ids:
+                    num_loaded = min(num_loaded, index * self.block_size)
+                    break
         if num_loaded < num_target:
             self.counters.num_load_failures += 1
             if self.failure_policy == "fail":
@@ -395,7 +399,9 @@ class Scheduler:
                 num_loaded,
                 num_target,
             )
-        if num_loaded < num_target and NULL_BLOCK_ID in block_ids[first_block:]:
+        if num_loaded < num_target and any(
+            NULL_BLOCK_ID in block_ids[first_block:] for block_ids in tables
+        ):
             # Blocks a sliding window will have left were dropped for the load; recomputing
             # from the bad block would read them: the prompt starts over instead.
             num_loaded = request.num_computed_tokens = 0

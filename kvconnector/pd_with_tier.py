@@ -61,6 +61,8 @@ class _SplitLoad:
 class TieredConnector(KVConnectorBase):
     """``tier`` then ``pd``, behind the one connector seam the engine knows."""
 
+    max_kv_groups = TierConnector.max_kv_groups
+
     def __init__(self, tier: TierConnector, pd: PDConnector) -> None:
         self.tier = tier
         self.pd = pd
@@ -104,7 +106,7 @@ class TieredConnector(KVConnectorBase):
         return num_tier + num_pull, load_async
 
     def update_state_after_alloc(
-        self, request: Request, block_ids: list[int], num_external_tokens: int
+        self, request: Request, block_ids: tuple[list[int], ...], num_external_tokens: int
     ) -> None:
         num_tier, num_pull = self._split.pop(request.request_id)
         assert num_tier + num_pull == num_external_tokens
@@ -115,7 +117,7 @@ class TieredConnector(KVConnectorBase):
         if num_pull:
             self.pd.update_state_after_alloc(request, block_ids, num_pull)
             parts += 1
-        self._loads[request.request_id] = _SplitLoad(parts, set(block_ids))
+        self._loads[request.request_id] = _SplitLoad(parts, set(block_ids[0]))
 
     def build_connector_meta(self) -> TieredMetadata:
         return TieredMetadata(
@@ -123,7 +125,7 @@ class TieredConnector(KVConnectorBase):
         )
 
     def request_finished(
-        self, request: Request, block_ids: list[int]
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, KVTransferParams | None]:
         return self.pd.request_finished(request, block_ids)
 

@@ -23,6 +23,11 @@ class KVTransferParams:
     With a sliding window, blocks the prefill's window had already left are the null block
     (``NULL_BLOCK_ID``, checksum 0): no token after the prompt reads them, so they are
     neither leased nor pulled, and the decode side drops its own blocks there too.
+
+    A model of several KV groups (Gemma 3: global and windowed layers) lists each group's
+    table in turn, ``num_kv_groups`` tables of one id per prompt block, by position::
+
+        block_ids:     | g0: 7 3 12 5 | g1: 0 0 9 4 | g2: 0 0 14 8 |     (0: left the window)
     """
 
     engine_id: str
@@ -35,3 +40,4 @@ class KVTransferParams:
     first_token_id: int
     sampling_seed: int
     lease_expires_at: float
+    num_kv_groups: int = 1

@@ -61,6 +61,28 @@ class AttentionMetadata:
     decode: DecodeAttention | None
 
 
+@dataclass(slots=True)
+class StepAttention:
+    """A step's attention for every layer: each KV group's metadata (its own block tables,
+    its window) and each layer's ``(group, slot)``, its slot being its place in the KV
+    tensor's layer axis (``ModelConfig.kv_layer_groups``). One group: slot = layer."""
+
+    groups: list[AttentionMetadata]
+    layer_slots: tuple[tuple[int, int], ...]
+
+    def for_layer(self, layer: int) -> tuple[AttentionMetadata, int]:
+        group, slot = self.layer_slots[layer]
+        return self.groups[group], slot
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.groups[0].positions
+
+    @property
+    def max_position(self) -> int:
+        return self.groups[0].max_position
+
+
 def build_attention_metadata(
     token_counts: list[int],
     start_positions: list[int],
@@ -257,19 +279,21 @@ def paged_attention(
     kv_cache: torch.Tensor,
     layer: int,
     metadata: AttentionMetadata,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Store this step's K/V in the layer's pages, then attend.
 
     ``query`` ``[num_tokens, num_heads, head_size]``; ``key_value``
     ``[num_tokens, 2, num_kv_heads, head_size]`` (K then V, any row stride); ``kv_cache``
-    the whole KV tensor. Returns ``[num_tokens, num_heads, head_size]``.
+    the whole KV tensor, ``layer`` the layer's slot in it. ``scale``: the softmax scale
+    (``None``: ``1/sqrt(head_size)``). Returns ``[num_tokens, num_heads, head_size]``.
     """
     num_tokens = query.shape[0]
     store_kv(key_value, kv_cache, layer, metadata)
     layer_cache = kv_cache[:, layer]
     decode = metadata.decode
     if not metadata.prefills and decode is not None:  # decode-only: no output copy
-        return decode_attention(query, layer_cache, decode)
+        return decode_attention(query, layer_cache, decode, scale)
     output = torch.empty_like(query)
     for chunk in metadata.prefills:
         keys, values = prefill_keys_values(chunk, key_value, layer_cache, query.dtype)
@@ -280,10 +304,11 @@ def paged_attention(
             attn_mask=chunk.attn_mask,
             is_causal=chunk.attn_mask is None,
             enable_gqa=True,
+            scale=scale,
         )
         output[chunk.query_start : chunk.query_end] = attended[0].transpose(0, 1)
     if decode is not None:
         output[decode.query_start :] = decode_attention(
-            query[decode.query_start : num_tokens], layer_cache, decode
+            query[decode.query_start : num_tokens], layer_cache, decode, scale
         )
     return output

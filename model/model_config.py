@@ -37,7 +37,10 @@ GGUF_ARCHITECTURES = {
 # The architecture decides whether q/k/v carry a bias when config.json does not say.
 _DEFAULT_ATTENTION_BIAS = {"Qwen2ForCausalLM": True}
 # Those that RMS-norm each query and key head before RoPE.
-_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+# Interleaved local (windowed) and global layers, each kind with its RoPE base; Gemma's norms.
+_GEMMA = ("Gemma3ForCausalLM",)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # Those that window only with `use_sliding_window`, from `max_window_layers` on.
 _QWEN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Those that window every layer when `sliding_window` is set.
@@ -137,9 +140,15 @@ class ModelConfig:
     ``rope_scaling`` is ``None`` for plain RoPE, else the HF dict (``rope_type`` plus
     its parameters). ``attention_bias`` means a bias on q/k/v; Llama checkpoints that
     set it also put one on ``o_proj`` (``o_proj_bias``). ``sliding_window`` is the
-    Mistral window (a key is visible when ``query_pos - key_pos < sliding_window``),
-    ``None`` for full attention. ``qk_norm``: each query and key head is RMS-normed (over
-    ``head_dim``, weights ``self_attn.q_norm`` / ``k_norm``) before RoPE, as Qwen3 does.
+    window (a key is visible when ``query_pos - key_pos < sliding_window``), ``None`` for
+    full attention; it applies to every layer but ``full_attention_layers`` (Gemma 3's
+    global layers, Qwen2's below ``max_window_layers``), which then form their own KV group
+    (``kv_layer_groups``). ``local_rope_theta``: the windowed layers' own RoPE base (Gemma 3),
+    unscaled. ``qk_norm``: each query and key head is RMS-normed (over ``head_dim``, weights
+    ``self_attn.q_norm`` / ``k_norm``) before RoPE, as Qwen3 and Gemma 3 do.
+    ``attention_scale``: the softmax scale (``None``: ``1/sqrt(head_dim)``).
+    ``norm_weight_offset``: what every RMSNorm adds to its weight (Gemma stores ``w - 1``).
+    ``hidden_activation``: the gated MLP's (``silu``, or Gemma's ``gelu_pytorch_tanh``).
     ``moe``: the experts of a mixture-of-experts model (None: dense). ``mla``: latent
     attention (DeepSeek), whose ``head_dim`` is the RoPE part of a query head.
     """
@@ -162,7 +171,12 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     dtype: str = "float32"
     sliding_window: int | None = None
+    full_attention_layers: tuple[int, ...] = ()
+    local_rope_theta: float | None = None
     qk_norm: bool = False
+    attention_scale: float | None = None
+    norm_weight_offset: float = 0.0
+    hidden_activation: str = "silu"
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
 
@@ -171,11 +185,41 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.hidden_activation not in ACTIVATIONS:
+            raise ValueError(
+                f"hidden activation {self.hidden_activation!r} is not supported; "
+                f"supported: {', '.join(ACTIVATIONS)}"
+            )
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+
+    def is_windowed(self, layer: int) -> bool:
+        return self.sliding_window is not None and layer not in self.full_attention_layers
+
+    @property
+    def kv_layer_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The layers that share one block table, per KV cache group.
+
+        One group of every layer, unless windowed and full-attention layers mix: then the
+        full layers are group 0 and the windowed ones follow in groups of the same size
+        (vLLM's hybrid layout). Every group then fills the same number of the KV tensor's
+        layer slots, so a block id is one whole page of whichever group holds it, and a
+        windowed group's blocks that leave the window free pages a full group can use::
+
+            layers        0 1 2 3 4 5 6 7      (F: full at 2 and 5; the rest windowed)
+            groups        full: 2 5 | window: 0 1 | window: 3 4 | window: 6 7
+            KV tensor     [num_blocks, 2 slots, 2 (K, V), block_size, heads, head_size]
+        """
+        layers = tuple(range(self.num_layers))
+        full = tuple(i for i in layers if not self.is_windowed(i))
+        windowed = tuple(i for i in layers if self.is_windowed(i))
+        if not full or not windowed:
+            return (layers,)
+        size = len(full)
+        return (full, *(windowed[i : i + size] for i in range(0, len(windowed), size)))
 
     @property
     def kv_token_shape(self) -> tuple[int, int, int]:
@@ -208,6 +252,14 @@ class ModelConfig:
         rope_theta, rope_scaling = _parse_rope(hf)
         attention_bias = hf.get("attention_bias", _DEFAULT_ATTENTION_BIAS.get(architecture, False))
         mla = _parse_mla(hf, architecture)
+        window, full_layers = _parse_sliding_window(hf, architecture)
+        gemma = architecture in _GEMMA
+        local_rope_theta = None
+        if gemma:
+            rope_theta, rope_scaling, local_rope_theta = _parse_gemma_rope(hf)
+            for softcap in ("attn_logit_softcapping", "final_logit_softcapping"):
+                if hf.get(softcap) is not None:
+                    raise ValueError(f"{architecture} with {softcap} is not supported")
         return cls(
             architecture=architecture,
             vocab_size=hf["vocab_size"],
@@ -226,14 +278,19 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            tie_word_embeddings=hf.get("tie_word_embeddings", gemma),
             attention_bias=attention_bias,
             o_proj_bias=attention_bias and architecture != "Qwen2ForCausalLM",
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             eos_token_ids=_as_id_list(hf.get("eos_token_id")),
             dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
-            sliding_window=_parse_sliding_window(hf, architecture),
+            sliding_window=window,
+            full_attention_layers=full_layers,
+            local_rope_theta=local_rope_theta,
             qk_norm=architecture in _QK_NORM_ARCHITECTURES,
+            attention_scale=hf["query_pre_attn_scalar"] ** -0.5 if gemma else None,
+            norm_weight_offset=1.0 if gemma else 0.0,
+            hidden_activation=hf.get("hidden_activation") or hf.get("hidden_act") or "silu",
             moe=_parse_moe(hf, architecture),
             mla=mla,
         )
@@ -316,20 +373,21 @@ def _gguf_rope_scaling(
     return scaling
 
 
-def _parse_sliding_window(hf: dict[str, Any], architecture: str) -> int | None:
-    """The window every layer attends within, or None for full attention.
+def _parse_sliding_window(
+    hf: dict[str, Any], architecture: str
+) -> tuple[int | None, tuple[int, ...]]:
+    """The window, and the layers that attend fully despite it (``(None, ())``: no window).
 
     Mistral windows every layer when `sliding_window` is set. Qwen2 and Qwen3 window only with
-    `use_sliding_window`, and then the layers from `max_window_layers` on; transformers 5
-    also writes the result as `layer_types`, which wins when present. A mix of full and
-    windowed layers would need one block table per layer group in the runner, which it
-    does not have: that is refused with a clear error rather than computed wrongly.
+    `use_sliding_window`, and then the layers from `max_window_layers` on. Gemma 3 windows all
+    but every `sliding_window_pattern`-th layer. transformers 5 also writes the result as
+    `layer_types`, which wins when present.
     """
     window = hf.get("sliding_window")
     if architecture in _QWEN_WINDOWS and not hf.get("use_sliding_window"):
         window = None
-    if architecture not in (*_MISTRAL_WINDOWS, *_QWEN_WINDOWS) or window is None:
-        return None
+    if architecture not in (*_MISTRAL_WINDOWS, *_QWEN_WINDOWS, *_GEMMA) or window is None:
+        return None, ()
     num_layers = hf["num_hidden_layers"]
     layer_types = hf.get("layer_types")
     if layer_types is None and architecture in _QWEN_WINDOWS:
@@ -338,14 +396,33 @@ def _parse_sliding_window(hf: dict[str, Any], architecture: str) -> int | None:
             "full_attention" if i < first_windowed else "sliding_attention"
             for i in range(num_layers)
         ]
-    windowed = {kind == "sliding_attention" for kind in layer_types or ["sliding_attention"]}
-    if windowed == {True, False}:
-        raise ValueError(
-            f"{architecture} mixes full-attention and sliding-window layers ({layer_types}); "
-            "only models whose layers all share one window are supported (Qwen2: set "
-            "max_window_layers to 0, or use_sliding_window to false)"
-        )
-    return int(window) if windowed == {True} else None
+    if layer_types is None and architecture in _GEMMA:
+        pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
+        layer_types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(num_layers)
+        ]
+    if layer_types is None:
+        return int(window), ()
+    full = tuple(i for i, kind in enumerate(layer_types) if kind != "sliding_attention")
+    return (None, ()) if len(full) == num_layers else (int(window), full)
+
+
+def _parse_gemma_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
+    """Gemma 3's global RoPE (theta, scaling) and its local layers' base: transformers 5 nests
+    them per layer kind in `rope_parameters`; older files say `rope_theta`, `rope_scaling`
+    and `rope_local_base_freq`."""
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params:
+        theta, scaling = _parse_rope({"rope_parameters": params["full_attention"]})
+        local_theta, local_scaling = _parse_rope({"rope_parameters": params["sliding_attention"]})
+        if local_scaling is not None:
+            raise ValueError(
+                f"Gemma 3's local layers with RoPE scaling {local_scaling} are not supported"
+            )
+        return theta, scaling, local_theta
+    theta, scaling = _parse_rope(hf)
+    return theta, scaling, float(hf.get("rope_local_base_freq", 10000.0))
 
 
 def _parse_moe(hf: dict[str, Any], architecture: str) -> MoEConfig | None:

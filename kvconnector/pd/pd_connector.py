@@ -166,33 +166,35 @@ class PDConnector(KVConnectorBase):
         return num_external, True
 
     def update_state_after_alloc(
-        self, request: Request, block_ids: list[int], num_external_tokens: int
+        self, request: Request, block_ids: tuple[list[int], ...], num_external_tokens: int
     ) -> None:
         params = request.kv_transfer_params
         assert params is not None and num_external_tokens > 0
         # The pull is the prompt's tail: what neither the pool nor a KV tier holds, less the
         # blocks a sliding window has left (null here, so null at the prefill too, or held
-        # there still but read by no later token).
+        # there still but read by no later token), in every KV group.
         first = (params.num_tokens - num_external_tokens) // self._block_size
         last = cdiv(params.num_tokens, self._block_size)
-        pulled = [i for i in range(first, last) if block_ids[i] != NULL_BLOCK_ID]
         # Counted here, once per admitted request: admission may be retried while the pool is full.
         self.stats.record_dedup_skipped(first)
-        if list(request.block_hashes[: len(params.block_hashes)]) != list(params.block_hashes):
-            # Another cache_salt or prompt than the prefill's: the pulled blocks would be cached
-            # under this request's hashes, handing one tenant's KV to another. The pull fails
-            # them (after the handshake, so a layout mismatch is still reported as such).
+        if params.num_kv_groups != len(block_ids) or list(
+            request.block_hashes[: len(params.block_hashes)]
+        ) != list(params.block_hashes):
+            # Another cache_salt or prompt than the prefill's (or another model's groups): the
+            # pulled blocks would be cached under this request's hashes, handing one tenant's
+            # KV to another. The pull fails them (after the handshake, so a layout mismatch is
+            # still reported as such).
             with self._foreign_lock:
                 self._foreign_hashes.add(request.request_id)
-        self._pending.loads.append(
-            LoadSpec(
-                request_id=request.request_id,
-                params=params,
-                remote_block_ids=[params.block_ids[i] for i in pulled],
-                local_block_ids=[block_ids[i] for i in pulled],
-                expected_checksums=[params.block_checksums[i] for i in pulled],
-            )
-        )
+        remote, local, checksums = [], [], []
+        for group, table in enumerate(block_ids[: params.num_kv_groups]):
+            offset = group * last
+            for index in range(first, last):
+                if table[index] != NULL_BLOCK_ID:
+                    remote.append(params.block_ids[offset + index])
+                    local.append(table[index])
+                    checksums.append(params.block_checksums[offset + index])
+        self._pending.loads.append(LoadSpec(request.request_id, params, remote, local, checksums))
 
     def build_connector_meta(self) -> KVConnectorMetadata:
         metadata, self._pending = self._pending, KVConnectorMetadata()
@@ -200,7 +202,7 @@ class PDConnector(KVConnectorBase):
 
     # ---- scheduler side: prefill ----------------------------------------------------
     def request_finished(
-        self, request: Request, block_ids: list[int]
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, KVTransferParams | None]:
         if (
             self.config.role != "producer"
@@ -210,7 +212,9 @@ class PDConnector(KVConnectorBase):
             return False, None
         assert self._kv_cache is not None and self._server is not None
         num_tokens = request.num_prompt_tokens
-        prompt_ids = block_ids[: cdiv(num_tokens, self._block_size)]  # by position, nulls too
+        num_blocks = cdiv(num_tokens, self._block_size)
+        # Each group's table by position, nulls too, group after group.
+        prompt_ids = [block_id for table in block_ids for block_id in table[:num_blocks]]
         hashes = request.block_hashes[: num_tokens // self._block_size]
         lease = self.leases.grant(request.request_id, _held(prompt_ids), hashes, checksums=None)
         self._lease_of_request[request.request_id] = lease.lease_id
@@ -225,6 +229,7 @@ class PDConnector(KVConnectorBase):
             first_token_id=request.output_token_ids[0],
             sampling_seed=request.sampling_seed,
             lease_expires_at=lease.expires_at,
+            num_kv_groups=len(block_ids),
         )
 
     def complete_transfer_params(self, params: KVTransferParams) -> KVTransferParams:

@@ -67,6 +67,8 @@ class TierConnectorMetadata(KVConnectorMetadata):
 class TierConnector(KVConnectorBase):
     """The KV tier below one worker's block pool, behind the engine's connector seam."""
 
+    max_kv_groups = 1  # it stores and loads the first group's blocks
+
     def __init__(self, config: KVTierConfig, worker_dir_name: str) -> None:
         if not config.enabled:
             raise ValueError("KVTierConfig has neither a cpu nor a disk tier")
@@ -150,7 +152,7 @@ class TierConnector(KVConnectorBase):
         return num_tokens, num_tokens > 0
 
     def update_state_after_alloc(
-        self, request: Request, block_ids: list[int], num_external_tokens: int
+        self, request: Request, block_ids: tuple[list[int], ...], num_external_tokens: int
     ) -> None:
         first = request.num_computed_tokens // self._block_size
         last = first + num_external_tokens // self._block_size
@@ -159,13 +161,15 @@ class TierConnector(KVConnectorBase):
             level = self._store.level_holding(block_hash)
             if level is not None:
                 level.record_hit()
-        self._pending.append(TierLoad(request.request_id, hashes, block_ids[first:last]))
+        self._pending.append(TierLoad(request.request_id, hashes, block_ids[0][first:last]))
 
     def build_connector_meta(self) -> TierConnectorMetadata:
         loads, self._pending = self._pending, []
         return TierConnectorMetadata(tier_loads=loads)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, None]:
         return False, None
 
     def request_aborted(self, request: Request) -> None:

@@ -11,6 +11,7 @@ class as the type the loaders return and the engine runs.
 from __future__ import annotations
 
 from pdserve.model.architectures.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from pdserve.model.architectures.gemma3 import Gemma3ForCausalLM
 from pdserve.model.architectures.llama import LlamaForCausalLM
 from pdserve.model.architectures.mistral import MistralForCausalLM
 from pdserve.model.architectures.moe_models import MixtralForCausalLM, Qwen3MoeForCausalLM
@@ -29,6 +30,7 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 
@@ -52,6 +54,7 @@ __all__ = [
     "CausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "Gemma3ForCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "MixtralForCausalLM",

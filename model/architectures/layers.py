@@ -8,6 +8,9 @@ keeps its names and values and no weight is stored twice (``llama.py`` says why 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,12 +19,16 @@ from torch import nn
 class RMSNorm(nn.Module):
     """Root-mean-square norm (``F.rms_norm``: one kernel, float32 for float32 models)."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, weight_offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.weight_offset = weight_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_offset:  # Gemma: scaled by (offset + w) in float32, then cast
+            normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+            return (normed * (self.weight.float() + self.weight_offset)).to(x.dtype)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         normed = x.float()
@@ -53,12 +60,19 @@ def project(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) 
     return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
 
 
-class GatedMLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up as one fused matmul (Llama's
-    MLP, a MoE model's dense layers, DeepSeek's shared experts)."""
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+}
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``, gate and up as one fused matmul: SwiGLU (Llama's MLP, a
+    MoE model's dense layers, DeepSeek's shared experts) or GeGLU (Gemma's tanh GELU)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu") -> None:
         super().__init__()
+        self.activation = _ACTIVATIONS[activation]
         self.intermediate_size = intermediate_size
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
@@ -71,6 +85,7 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = torch.mm(x, self.gate_up_weight)
         activated = (
-            F.silu(gate_up[:, : self.intermediate_size]) * gate_up[:, self.intermediate_size :]
+            self.activation(gate_up[:, : self.intermediate_size])
+            * gate_up[:, self.intermediate_size :]
         )
         return torch.mm(activated, self.down_weight)

@@ -21,7 +21,7 @@ batch 1 the ~25 calls of a step are a tenth of its time. Inference registers no 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import cast
+from typing import ClassVar, cast
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ from pdserve.model.architectures.layers import GatedMLP, RMSNorm, fuse_linears, 
 from pdserve.model.architectures.mla import MLAttention
 from pdserve.model.architectures.moe import SparseMoE
 from pdserve.model.architectures.rotary import RotaryEmbedding, apply_rotary
-from pdserve.model.attention import AttentionMetadata, paged_attention
+from pdserve.model.attention import AttentionMetadata, StepAttention, paged_attention
 from pdserve.model.model_config import ModelConfig
 
 
@@ -48,8 +48,14 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_size, bias=config.attention_bias)
         self.v_proj = nn.Linear(hidden, kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, hidden, bias=config.o_proj_bias)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        offset = config.norm_weight_offset
+        self.q_norm = (
+            RMSNorm(config.head_dim, config.rms_norm_eps, offset) if config.qk_norm else None
+        )
+        self.k_norm = (
+            RMSNorm(config.head_dim, config.rms_norm_eps, offset) if config.qk_norm else None
+        )
+        self.scale = config.attention_scale
 
     def fuse_weights(self) -> None:
         self.qkv_weight, self.qkv_bias = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
@@ -68,13 +74,15 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = project(hidden, self.qkv_weight, self.qkv_bias).view(num_tokens, -1, self.head_dim)
         query_key = qkv[:, : self.num_heads + self.num_kv_heads]
-        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per head, before RoPE
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3, Gemma 3: before RoPE
             query, key = query_key[:, : self.num_heads], query_key[:, self.num_heads :]
             query.copy_(self.q_norm.forward(query))
             key.copy_(self.k_norm.forward(key))
         apply_rotary(query_key, *rotary, out=query_key)
         key_value = qkv[:, self.num_heads :].view(num_tokens, 2, self.num_kv_heads, self.head_dim)
-        attended = paged_attention(qkv[:, : self.num_heads], key_value, kv_cache, layer, metadata)
+        attended = paged_attention(
+            qkv[:, : self.num_heads], key_value, kv_cache, layer, metadata, self.scale
+        )
         return project(attended.reshape(num_tokens, -1), self.o_weight, self.o_bias)
 
 
@@ -118,6 +126,8 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm (HF's ``model.`` prefix)."""
 
+    layer_class: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         # Uninitialised: every weight comes from a checkpoint (or tiny's seeded generator).
@@ -128,10 +138,11 @@ class LlamaModel(nn.Module):
             config.hidden_size,
             _weight=torch.empty(config.vocab_size, config.hidden_size),
         )
+        self.config = config
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, index) for index in range(config.num_layers)
+            self.layer_class(config, index) for index in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         self.rotary_emb = RotaryEmbedding(config)
 
     def forward(
@@ -139,12 +150,13 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
+        metadata: StepAttention,
     ) -> torch.Tensor:
         hidden = self.embed_tokens.forward(input_ids)
         rotary = self.rotary_emb.forward(positions, metadata.max_position, hidden.dtype)
         for index, layer in enumerate(self.layers):
-            hidden = layer.forward(hidden, rotary, kv_cache, index, metadata)
+            group_metadata, slot = metadata.for_layer(index)
+            hidden = layer.forward(hidden, rotary, kv_cache, slot, group_metadata)
         return self.norm.forward(hidden)
 
 
@@ -156,10 +168,12 @@ class LlamaForCausalLM(nn.Module):
     head for every other token of a prefill.
     """
 
+    model_class: ClassVar[type[LlamaModel]] = LlamaModel
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = self.model_class(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.lm_head_weight: torch.Tensor | None = None
@@ -185,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
+        metadata: StepAttention,
     ) -> torch.Tensor:
         return self.model.forward(input_ids, positions, kv_cache, metadata)
 

@@ -15,14 +15,17 @@ from torch import nn
 from pdserve.model.model_config import ModelConfig
 
 
-def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """``[head_dim // 2]`` float32 inverse frequencies, scaled per ``config.rope_scaling``."""
+def inverse_frequencies(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """``[head_dim // 2]`` float32 inverse frequencies, scaled per ``config.rope_scaling``;
+    ``local``: the windowed layers' own unscaled base (``config.local_rope_theta``)."""
     dim = config.head_dim
+    theta = config.local_rope_theta if local else config.rope_theta
+    if theta is None:
+        raise ValueError(f"{config.architecture} has no local RoPE base")
     inv_freq = 1.0 / (
-        config.rope_theta
-        ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+        theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
     )
-    scaling = config.rope_scaling
+    scaling = None if local else config.rope_scaling
     if scaling is None:
         return inv_freq
     if scaling["rope_type"] == "linear":
@@ -63,9 +66,9 @@ class RotaryEmbedding(nn.Module):
     # which finds buffers, is typed ``Tensor | Module``).
     inv_freq: torch.Tensor
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, local: bool = False) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
+        self.register_buffer("inv_freq", inverse_frequencies(config, local), persistent=False)
         self._table = torch.empty(0)
 
     def forward(

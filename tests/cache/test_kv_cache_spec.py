@@ -15,11 +15,13 @@ def test_page_size_is_k_and_v_for_every_slot_of_one_layer():
     assert FullAttentionSpec(16, 4, 64, "float32").page_size_bytes == 2 * spec.page_size_bytes
 
 
-def test_num_blocks_for_memory_sums_every_layer_of_every_group():
+def test_a_block_is_one_page_of_the_largest_groups_layers():
+    """Groups share the KV tensor's layer slots (hybrid layout): a block id is a page of the
+    largest group's layers, whichever group holds it."""
     full = FullAttentionSpec(16, 2, 8, "float16")
     window = SlidingWindowSpec(16, 2, 8, "float16", sliding_window=64)
     groups = [KVCacheGroupSpec(["l0", "l2"], full), KVCacheGroupSpec(["l1"], window)]
-    bytes_per_block = 3 * full.page_size_bytes
+    bytes_per_block = 2 * full.page_size_bytes
     assert num_blocks_for_memory(100 * bytes_per_block + 5, groups) == 100
     assert KVCacheConfig(100, groups).bytes_per_block == bytes_per_block
 

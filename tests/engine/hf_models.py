@@ -29,6 +29,20 @@ DEEPSEEK = {
 }
 DEEPSEEK_V2 = {**DEEPSEEK, "q_lora_rank": None}
 DEEPSEEK_V3 = {**DEEPSEEK, "q_lora_rank": 48}
+# Gemma 3 with a window under the prompts and two kinds of layer: global at 2 and 5, local
+# at 0 1 3 4 (three KV groups of two layers).
+GEMMA3 = {
+    "num_hidden_layers": 6,
+    "head_dim": 16,
+    "sliding_window": 12,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    "query_pre_attn_scalar": 24,
+    "initializer_range": 0.02,  # at 0.2 the scaled embedding drowns the rest: one token repeated
+    "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+}
 COMMON = dict(
     vocab_size=96,
     hidden_size=64,
@@ -47,8 +61,7 @@ def save_hf_model(directory, config_class, **overrides) -> transformers.PreTrain
     """A random HF model saved (with a tokenizer.json) in ``directory``; returns the reference."""
     config = config_class(**{**COMMON, **overrides})
     torch.manual_seed(0)
-    architecture = getattr(transformers, config_class.__name__.replace("Config", "ForCausalLM"))
-    reference = architecture(config).float().eval()
+    reference = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     reference.save_pretrained(directory)
     vocab = {f"w{i}": i for i in range(config.vocab_size)}
     tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w2"))

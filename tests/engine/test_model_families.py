@@ -14,9 +14,12 @@ import pytest
 import transformers
 
 from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.kvconnector.tier.tier_connector import TierConnector
+from pdserve.messages.kv_tier_config import KVTierConfig
 from tests.engine.hf_models import (
     DEEPSEEK_V2,
     DEEPSEEK_V3,
+    GEMMA3,
     MIXTRAL,
     QWEN3_MOE,
     hf_greedy,
@@ -28,6 +31,12 @@ FAMILIES = [
     pytest.param(transformers.Qwen2Config, {}, id="qwen2"),
     pytest.param(transformers.Qwen3Config, {"head_dim": 32}, id="qwen3"),
     pytest.param(transformers.MistralConfig, {"sliding_window": 24}, id="mistral-window-24"),
+    pytest.param(
+        transformers.Qwen2Config,
+        {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1},
+        id="qwen2-full-then-windowed",
+    ),
+    pytest.param(transformers.Gemma3TextConfig, GEMMA3, id="gemma3-local-global"),
     pytest.param(transformers.Qwen3MoeConfig, QWEN3_MOE, id="qwen3-moe"),
     pytest.param(
         transformers.Qwen3MoeConfig,
@@ -69,3 +78,11 @@ def test_chunked_and_prefix_hit_greedy_tokens_equal_transformers(
     assert [o.output_token_ids for o in cold] == expected
     assert [o.output_token_ids for o in warm] == expected
     assert all(o.num_cached_tokens >= len(shared) // 8 * 8 for o in warm)
+
+
+def test_a_kv_tier_under_a_model_of_several_kv_groups_is_refused_by_name(tmp_path) -> None:
+    """The tier stores one group's blocks; Gemma 3's windowed groups would load as garbage."""
+    save_hf_model(tmp_path, transformers.Gemma3TextConfig, **GEMMA3)
+    tier = TierConnector(KVTierConfig(cpu_bytes=1 << 20), "worker-0")
+    with pytest.raises(ValueError, match="serves 1 KV cache group.*Gemma3ForCausalLM has 3"):
+        LLMEngine.from_pretrained(str(tmp_path), connector=tier, block_size=8, num_kv_blocks=64)

@@ -65,7 +65,9 @@ def test_greedy_generation_past_the_window_equals_transformers(tmp_path, config_
     assert engine.kv_cache_manager.usage == 0.0
 
 
-def test_qwen2_mixing_full_and_windowed_layers_is_refused_clearly():
+def test_qwen2_mixing_full_and_windowed_layers_makes_one_kv_group_of_each():
+    """Layers below max_window_layers attend fully, the rest within the window: a full group
+    and a windowed one of as many layers (greedy tokens: test_model_families.py)."""
     config = transformers.Qwen2Config(
         num_hidden_layers=4,
         use_sliding_window=True,
@@ -73,8 +75,9 @@ def test_qwen2_mixing_full_and_windowed_layers_is_refused_clearly():
         max_window_layers=2,
         architectures=["Qwen2ForCausalLM"],
     ).to_dict()
-    with pytest.raises(ValueError, match="mixes full-attention and sliding-window layers"):
-        ModelConfig.from_hf_config(config)
+    parsed = ModelConfig.from_hf_config(config)
+    assert (parsed.sliding_window, parsed.full_attention_layers) == (WINDOW, (0, 1))
+    assert parsed.kv_layer_groups == ((0, 1), (2, 3))
 
 
 def test_qwen2_without_use_sliding_window_is_full_attention():

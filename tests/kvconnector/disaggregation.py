@@ -3,6 +3,7 @@ share system prefixes, and the loop that prefills remotely and decodes locally."
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -54,10 +55,13 @@ def disaggregate(
     params: list[SamplingParams],
     prefix: str = "r",
 ) -> list[RequestOutput]:
-    """Runs each prompt's prefill remotely, then decodes all of them in one batch."""
+    """Runs each prompt's prefill remotely (one token, as the gateway asks it: a windowed
+    group's prompt blocks would leave the window under more), then decodes all of them in
+    one batch."""
     ids = [f"{prefix}{i}" for i in range(len(prompts))]
     for request_id, prompt, request_params in zip(ids, prompts, params):
-        prefilled = prefill.prefill(request_id, prompt, request_params)
+        first_token = dataclasses.replace(request_params, max_tokens=1)
+        prefilled = prefill.prefill(request_id, prompt, first_token)
         assert prefilled.kv_transfer_params is not None, prefilled
         decode.add_request(
             request_id, prompt, request_params, kv_transfer_params=prefilled.kv_transfer_params

@@ -17,6 +17,7 @@ from pdserve.engine.request import RequestStatus
 from tests.engine.hf_models import (
     DEEPSEEK_V2,
     DEEPSEEK_V3,
+    GEMMA3,
     MIXTRAL,
     QWEN3_MOE,
     hf_greedy,
@@ -217,15 +218,17 @@ def test_a_peer_of_another_model_with_the_same_page_shape_is_refused(
         pytest.param(transformers.MixtralConfig, MIXTRAL, id="mixtral"),
         pytest.param(transformers.DeepseekV2Config, DEEPSEEK_V2, id="deepseek-v2"),
         pytest.param(transformers.DeepseekV3Config, DEEPSEEK_V3, id="deepseek-v3"),
+        pytest.param(transformers.Gemma3TextConfig, GEMMA3, id="gemma3"),
     ],
 )
 def test_a_pair_of_each_new_family_decodes_as_transformers(
     transport: str, config_class, overrides, prefill_factory, tmp_path
 ) -> None:
     """Qwen3 (q/k norms, head_dim apart from hidden / heads), Qwen3-MoE, Mixtral and DeepSeek
-    V2/V3 saved by transformers: P/D greedy tokens equal transformers' own, on prompts sharing
-    a prefix, and each moved block is the bytes the family caches per token: K and V per KV
-    head, or MLA's latent row only."""
+    V2/V3 and Gemma 3 saved by transformers: P/D greedy tokens equal transformers' own, on
+    prompts sharing a prefix, and each moved block is the bytes the family caches per token:
+    K and V per KV head, or MLA's latent row only. Gemma 3 hands off every KV group (its
+    windowed groups only the blocks the next token reads: the rest are null on both sides)."""
     reference = save_hf_model(tmp_path, config_class, **overrides)
     prefill = prefill_factory(transport=transport, model=str(tmp_path))
     decode = make_decode_engine(transport, model=tmp_path)
@@ -241,10 +244,15 @@ def test_a_pair_of_each_new_family_decodes_as_transformers(
     else:
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         per_token = 2 * hf.num_key_value_heads * head_dim
+    # Gemma 3's global and windowed layers are KV groups of as many layers as it has global
+    # ones; a block holds one group's layers (ModelConfig.kv_layer_groups).
+    layer_types = list(getattr(hf, "layer_types", None) or [])
+    mixed = len(set(layer_types)) > 1
+    layers_per_block = layer_types.count("full_attention") if mixed else hf.num_hidden_layers
     transfer = decode.stats().transfer
     assert transfer.num_blocks_received > 0
     assert transfer.num_bytes_received == (
-        transfer.num_blocks_received * hf.num_hidden_layers * BLOCK_SIZE * per_token * 4
+        transfer.num_blocks_received * layers_per_block * BLOCK_SIZE * per_token * 4
     )
     assert_decode_idle(decode)
     prefill.wait_until_idle()

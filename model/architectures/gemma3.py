@@ -1,0 +1,95 @@
+"""Gemma 3 (text): local sliding-window layers interleaved with global ones, Gemma's norms.
+
+Differences from Llama, each under transformers' names so checkpoints load unrenamed:
+
+* every 6th layer (``layer_types``) attends globally, the others within ``sliding_window``;
+  the two kinds are separate KV groups (``ModelConfig.kv_layer_groups``: each has its own
+  block tables, and a windowed group's blocks go back to the pool once they leave the
+  window), with their own RoPE: the global one (``rope_theta``, maybe scaled) and the local
+  one (``local_rope_theta``, unscaled);
+* RMSNorm scales by ``1 + weight`` in float32; four norms per layer (before and after
+  attention and the MLP, the outputs normed before the residual add); q and k per head;
+* the embedding is multiplied by ``sqrt(hidden_size)``; the MLP's gate is a tanh GELU;
+* the softmax scale is ``query_pre_attn_scalar ** -0.5``, not ``1/sqrt(head_dim)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.model.architectures.layers import GatedMLP, RMSNorm
+from pdserve.model.architectures.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+)
+from pdserve.model.architectures.rotary import RotaryEmbedding
+from pdserve.model.attention import AttentionMetadata, StepAttention
+from pdserve.model.model_config import ModelConfig
+
+
+class Gemma3DecoderLayer(LlamaDecoderLayer):
+    """Attention and GeGLU, each between a pre-norm and a post-norm."""
+
+    def __init__(self, config: ModelConfig, index: int = 0) -> None:
+        super(LlamaDecoderLayer, self).__init__()
+        hidden, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_weight_offset
+        self.self_attn = LlamaAttention(config)
+        self.feed_forward_name = "mlp"
+        self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_activation)
+        self.input_layernorm = RMSNorm(hidden, eps, offset)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, offset)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps, offset)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps, offset)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        layer: int,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        attended = self.self_attn.forward(
+            self.input_layernorm.forward(hidden), rotary, kv_cache, layer, metadata
+        )
+        hidden = hidden + self.post_attention_layernorm.forward(attended)
+        fed = self.mlp.forward(self.pre_feedforward_layernorm.forward(hidden))
+        return hidden + self.post_feedforward_layernorm.forward(fed)
+
+
+class Gemma3Model(LlamaModel):
+    """Scaled embedding; each layer rotated by its kind's RoPE (local or global)."""
+
+    layer_class = Gemma3DecoderLayer
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.rotary_emb_local = RotaryEmbedding(config, local=True)
+        self.embed_scale = config.hidden_size**0.5
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: StepAttention,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens.forward(input_ids)
+        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        rotaries = {
+            windowed: rotary.forward(positions, metadata.max_position, hidden.dtype)
+            for windowed, rotary in ((False, self.rotary_emb), (True, self.rotary_emb_local))
+        }
+        for index, layer in enumerate(self.layers):
+            group_metadata, slot = metadata.for_layer(index)
+            rotary = rotaries[self.config.is_windowed(index)]
+            hidden = layer.forward(hidden, rotary, kv_cache, slot, group_metadata)
+        return self.norm.forward(hidden)
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Gemma 3's text model; the LM head is tied to the embedding."""
+
+    model_class = Gemma3Model
