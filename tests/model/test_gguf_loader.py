@@ -19,8 +19,11 @@ NUM_HEADS, NUM_KV_HEADS = 4, 2
 EOS_TOKEN = "<|end|>"
 
 
-def random_llama() -> transformers.LlamaForCausalLM:
-    config = transformers.LlamaConfig(
+def random_model(
+    config_class: type = transformers.LlamaConfig, **overrides: object
+) -> transformers.PreTrainedModel:
+    """A small random model of ``config_class`` (Llama unless told), GGUF-sized."""
+    config = config_class(
         vocab_size=258,
         hidden_size=64,
         intermediate_size=128,
@@ -31,9 +34,10 @@ def random_llama() -> transformers.LlamaForCausalLM:
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         initializer_range=0.2,
+        **overrides,
     )
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).float().eval()
+    return transformers.AutoModelForCausalLM.from_config(config).float().eval()
 
 
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -122,7 +126,7 @@ def write_gguf(
 
 @pytest.fixture(scope="module")
 def reference() -> transformers.LlamaForCausalLM:
-    return random_llama()
+    return random_model()
 
 
 def test_float32_gguf_logits_equal_transformers(tmp_path, reference):
@@ -163,24 +167,7 @@ def test_qwen_ggufs_load_unpermuted_and_logits_equal_transformers(
     """llama.cpp stores Qwen2/Qwen3 Q and K rows as transformers does (NeoX RoPE), with
     Qwen2's q/k/v biases and Qwen3's per-head q/k norms under their GGUF names."""
     extra = {} if head_dim is None else {"head_dim": head_dim}
-    config = config_class(
-        vocab_size=258,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=NUM_HEADS,
-        num_key_value_heads=NUM_KV_HEADS,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-        **extra,
-    )
-    torch.manual_seed(0)
-    reference = getattr(transformers, config_class.__name__.replace("Config", "ForCausalLM"))(
-        config
-    ).eval()
+    reference = random_model(config_class, tie_word_embeddings=False, **extra)
     path = tmp_path / f"{architecture}.gguf"
     tensors = gguf_tensors(reference)
     assert any(
