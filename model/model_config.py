@@ -25,7 +25,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 # llama.cpp's ``general.architecture`` -> the model class that runs it.
 GGUF_ARCHITECTURES = {

@@ -22,7 +22,8 @@ Two forms of the same attention, as DeepSeek serves it:
   shared KV head (MQA); the output, a latent, leaves through ``W_UV``. Nothing is
   expanded per key, so a decode reads the pages and no more.
 
-The softmax scale is ``1/sqrt(qk_nope + qk_rope)`` in both forms.
+The softmax scale is ``1/sqrt(qk_nope + qk_rope)`` in both forms, times YaRN's
+``mscale_all_dim`` correction squared when the context is stretched (DeepSeek's checkpoints).
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.architectures.layers import RMSNorm, fuse_linears, project
-from pdserve.model.architectures.rotary import apply_rotary, apply_rotary_interleaved
+from pdserve.model.architectures.rotary import (
+    apply_rotary,
+    apply_rotary_interleaved,
+    yarn_factor,
+    yarn_mscale,
+)
 from pdserve.model.attention import (
     AttentionMetadata,
     prefill_keys_values,
@@ -66,6 +72,10 @@ class MLAttention(nn.Module):
         )
         self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=bias)
         self.scale = mla.qk_head_dim**-0.5
+        scaling = config.rope_scaling or {}
+        if scaling.get("mscale_all_dim"):  # YaRN stretches DeepSeek's softmax too
+            factor = yarn_factor(scaling, config.max_position_embeddings)
+            self.scale *= yarn_mscale(factor, scaling["mscale_all_dim"]) ** 2
 
     def fuse_weights(self) -> None:
         """The input projections that read ``hidden`` as one matmul (``[hidden, q | latent]``,

@@ -1,4 +1,4 @@
-"""Rotary position embedding (RoPE), with the ``linear`` and ``llama3`` frequency scalings.
+"""Rotary position embedding (RoPE), with the ``linear``, ``llama3`` and ``yarn`` scalings.
 
 The frequencies are computed exactly as transformers does (float32, same formula), so
 logits match the reference to float tolerance. cos/sin come from a table built once;
@@ -30,7 +30,64 @@ def inverse_frequencies(config: ModelConfig, local: bool = False) -> torch.Tenso
         return inv_freq
     if scaling["rope_type"] == "linear":
         return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "yarn":
+        return _yarn_scaled(inv_freq, theta, dim, scaling, config.max_position_embeddings)
     return _llama3_scaled(inv_freq, scaling, config.max_position_embeddings)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched ``factor`` times."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def attention_factor(config: ModelConfig) -> float:
+    """How much YaRN scales cos and sin (1 for every other RoPE): ``attention_factor`` when
+    the config gives it, else the ratio of ``mscale`` to ``mscale_all_dim`` corrections
+    (DeepSeek), else the plain correction of ``factor``."""
+    scaling = config.rope_scaling
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = yarn_factor(scaling, config.max_position_embeddings)
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
+
+
+def yarn_factor(scaling: dict, max_position_embeddings: int) -> float:
+    """How many times YaRN stretches the original context."""
+    factor = scaling.get("factor")
+    if factor is None:
+        return max_position_embeddings / scaling["original_max_position_embeddings"]
+    return float(factor)
+
+
+def _yarn_scaled(
+    inv_freq: torch.Tensor, theta: float, dim: int, scaling: dict, max_position_embeddings: int
+) -> torch.Tensor:
+    """YaRN: frequencies that turn many times over the original context are kept, those that
+    turn less than once are divided by ``factor``, with a linear ramp between (over the
+    dimensions where ``beta_fast`` and ``beta_slow`` rotations fall)."""
+    factor = yarn_factor(scaling, max_position_embeddings)
+    original = scaling.get("original_max_position_embeddings", max_position_embeddings)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dimension_of(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = dimension_of(beta_fast), dimension_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(
+        0, 1
+    )
+    kept = 1 - ramp
+    return inv_freq / factor * (1 - kept) + inv_freq * kept
 
 
 def _llama3_scaled(
@@ -69,6 +126,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig, local: bool = False) -> None:
         super().__init__()
         self.register_buffer("inv_freq", inverse_frequencies(config, local), persistent=False)
+        self.attention_factor = 1.0 if local else attention_factor(config)
         self._table = torch.empty(0)
 
     def forward(
@@ -84,10 +142,10 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(num_positions, device=self.inv_freq.device, dtype=torch.float32)
         freqs = positions[:, None] * self.inv_freq.float()[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)  # [positions, head_dim]
-        sin = angles.sin()
+        sin = angles.sin() * self.attention_factor
         half = sin.shape[-1] // 2
         sin[:, :half] = -sin[:, :half]
-        return torch.stack((angles.cos(), sin), dim=1)
+        return torch.stack((angles.cos() * self.attention_factor, sin), dim=1)
 
 
 def apply_rotary(

@@ -26,6 +26,18 @@ from tests.engine.hf_models import (
     save_hf_model,
 )
 
+# DeepSeek's long-context RoPE, stretched 4x from a 64-token original context (the prompts
+# reach past it); its mscale_all_dim also scales the softmax.
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
+}
 FAMILIES = [
     pytest.param(transformers.LlamaConfig, {}, id="llama"),
     pytest.param(transformers.Qwen2Config, {}, id="qwen2"),
@@ -55,6 +67,16 @@ FAMILIES = [
         transformers.DeepseekV3Config,
         {**DEEPSEEK_V3, "rope_interleave": False},
         id="deepseek-v3-rope-halves",
+    ),
+    pytest.param(
+        transformers.DeepseekV2Config,
+        {**DEEPSEEK_V2, "rope_parameters": YARN},
+        id="deepseek-v2-yarn-mscale",
+    ),
+    pytest.param(
+        transformers.Qwen2Config,
+        {"rope_parameters": {k: v for k, v in YARN.items() if not k.startswith("mscale")}},
+        id="qwen2-yarn-attention-factor",
     ),
 ]
 NEW_TOKENS = 32
