@@ -133,10 +133,6 @@ class TierStatsSnapshot:
 class KVConnectorBase(ABC):
     """One worker's connector: both sides, called from the engine's step loop."""
 
-    max_kv_groups: int | None = None
-    """How many KV cache groups it can serve (``None``: any); the engine refuses a model
-    with more (a KV tier stores one group's blocks only, so far)."""
-
     @property
     @abstractmethod
     def failure_policy(self) -> str:

@@ -129,13 +129,6 @@ class LLMEngine:
         self.connector = connector
         self._shut_down = False
         if connector is not None:
-            limit = connector.max_kv_groups
-            if limit is not None and len(groups) > limit:
-                raise ValueError(
-                    f"{type(connector).__name__} serves {limit} KV cache group(s), but "
-                    f"{self.model_config.architecture} has {len(groups)} (windowed and full "
-                    "layers); run it without a KV tier"
-                )
             connector.register_kv_caches(self.runner.kv_cache, self.model_config.fingerprint)
             connector.attach_kv_cache_manager(self.kv_cache_manager)
         self.scheduler = Scheduler(

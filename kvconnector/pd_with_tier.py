@@ -61,8 +61,6 @@ class _SplitLoad:
 class TieredConnector(KVConnectorBase):
     """``tier`` then ``pd``, behind the one connector seam the engine knows."""
 
-    max_kv_groups = TierConnector.max_kv_groups
-
     def __init__(self, tier: TierConnector, pd: PDConnector) -> None:
         self.tier = tier
         self.pd = pd

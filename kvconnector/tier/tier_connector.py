@@ -67,8 +67,6 @@ class TierConnectorMetadata(KVConnectorMetadata):
 class TierConnector(KVConnectorBase):
     """The KV tier below one worker's block pool, behind the engine's connector seam."""
 
-    max_kv_groups = 1  # it stores and loads the first group's blocks
-
     def __init__(self, config: KVTierConfig, worker_dir_name: str) -> None:
         if not config.enabled:
             raise ValueError("KVTierConfig has neither a cpu nor a disk tier")
