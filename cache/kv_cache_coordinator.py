@@ -105,9 +105,12 @@ class KVCacheCoordinator:
         request_id: str,
         num_tokens: int,
         new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
+        total_computed_tokens: int = 0,
     ) -> int:
         return sum(
-            manager.get_num_blocks_to_allocate(request_id, num_tokens, blocks)
+            manager.get_num_blocks_to_allocate(
+                request_id, num_tokens, blocks, total_computed_tokens
+            )
             for manager, blocks in zip(self.single_type_managers, new_computed_blocks)
         )
 
@@ -118,10 +121,10 @@ class KVCacheCoordinator:
             manager.save_new_computed_blocks(request_id, blocks)
 
     def allocate_new_blocks(
-        self, request_id: str, num_tokens: int
+        self, request_id: str, num_tokens: int, total_computed_tokens: int = 0
     ) -> tuple[list[KVCacheBlock], ...]:
         return tuple(
-            manager.allocate_new_blocks(request_id, num_tokens)
+            manager.allocate_new_blocks(request_id, num_tokens, total_computed_tokens)
             for manager in self.single_type_managers
         )
 

@@ -207,14 +207,16 @@ class KVCacheManager:
             total_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len
         )
         num_blocks_to_allocate = self.coordinator.get_num_blocks_to_allocate(
-            request.request_id, num_tokens_need_slot, new_computed
+            request.request_id, num_tokens_need_slot, new_computed, total_computed_tokens
         )
         if num_blocks_to_allocate > self.block_pool.get_num_free_blocks():
             return None
 
         if new_computed_blocks is not None:
             self.coordinator.save_new_computed_blocks(request.request_id, new_computed)
-        new_blocks = self.coordinator.allocate_new_blocks(request.request_id, num_tokens_need_slot)
+        new_blocks = self.coordinator.allocate_new_blocks(
+            request.request_id, num_tokens_need_slot, total_computed_tokens
+        )
         if self.enable_caching and not delay_cache_blocks:
             num_tokens_to_cache = min(total_computed_tokens + num_new_tokens, request.num_tokens)
             self.coordinator.cache_blocks(request, num_tokens_to_cache)

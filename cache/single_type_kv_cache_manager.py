@@ -50,15 +50,21 @@ class SingleTypeKVCacheManager(ABC):
         return request_id in self.req_to_blocks
 
     def get_num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int = 0,
     ) -> int:
-        """Free blocks this group would consume to hold `num_tokens` slots.
+        """Free blocks this group would consume to hold `num_tokens` slots, once
+        `total_computed_tokens` are computed (a window's blocks before them need none).
 
         A prefix-hit block with ref_cnt 0 sits in the free queue: taking it consumes a
         free block just as a new block does, so it counts.
         """
         num_required_blocks = cdiv(num_tokens, self.block_size)
         num_held = len(self.req_to_blocks.get(request_id, ())) + len(new_computed_blocks)
+        num_held = max(num_held, self.num_skipped_blocks(total_computed_tokens))
         num_new_blocks = max(num_required_blocks - num_held, 0)
         num_evictable_computed_blocks = sum(
             1 for block in new_computed_blocks if block.ref_cnt == 0 and not block.is_null
@@ -76,9 +82,21 @@ class SingleTypeKVCacheManager(ABC):
         self.req_to_blocks[request_id] = list(new_computed_blocks)
         self.num_cached_block[request_id] = len(new_computed_blocks)
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
-        """Grow the request's block list to hold `num_tokens` slots; returns the new blocks."""
+    def num_skipped_blocks(self, num_computed_tokens: int) -> int:
+        """Leading blocks no token after `num_computed_tokens` reads (none: full attention)."""
+        return 0
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, total_computed_tokens: int = 0
+    ) -> list[KVCacheBlock]:
+        """Grow the request's block list to hold `num_tokens` slots; returns the new blocks.
+
+        Positions that `total_computed_tokens` (a load's, say) already put out of a window
+        get the null block, not a block of the pool: nothing will ever write or read them."""
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
+        num_skipped = self.num_skipped_blocks(total_computed_tokens)
+        if len(req_blocks) < num_skipped:
+            req_blocks.extend([self.block_pool.null_block] * (num_skipped - len(req_blocks)))
         num_new_blocks = cdiv(num_tokens, self.block_size) - len(req_blocks)
         if num_new_blocks <= 0:
             return []
@@ -184,12 +202,15 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         # Reached block 0: the contiguous run from the start is a hit, however short.
         return computed[:num_contiguous_blocks]
 
+    def num_skipped_blocks(self, num_computed_tokens: int) -> int:
+        first_useful_token = num_computed_tokens - self.sliding_window + 1
+        return max(first_useful_token, 0) // self.block_size
+
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
             return
-        first_useful_token = num_computed_tokens - self.sliding_window + 1
-        first_useful_block = max(first_useful_token, 0) // self.block_size
+        first_useful_block = self.num_skipped_blocks(num_computed_tokens)
         null_block = self.block_pool.null_block
         removed: list[KVCacheBlock] = []
         for index in range(min(first_useful_block, len(blocks)) - 1, -1, -1):

@@ -115,7 +115,8 @@ class TieredConnector(KVConnectorBase):
         if num_pull:
             self.pd.update_state_after_alloc(request, block_ids, num_pull)
             parts += 1
-        self._loads[request.request_id] = _SplitLoad(parts, set(block_ids[0]))
+        every_block = {block_id for table in block_ids for block_id in table}
+        self._loads[request.request_id] = _SplitLoad(parts, every_block)
 
     def build_connector_meta(self) -> TieredMetadata:
         return TieredMetadata(

@@ -9,14 +9,21 @@ the first part of ``TieredConnector`` on P/D workers. Both directions ride the l
             (write_through) BlockPool.cache_full_blocks caches b ─▶ block_cached: noted; after
             the forward pass wrote its K/V, wait_for_save copies it
     read    | comp | new_comp (pool hit) | ext_comp (tier hit) | new |
-            get_num_new_matched_tokens: the hashes past the pool's hit the tier holds, in a row
-            update_state_after_alloc:   TierLoad(hashes, ext_comp block ids), delay_cache_blocks
+            get_num_new_matched_tokens: the blocks past the pool's hit the tier holds, in a row
+            update_state_after_alloc:   TierLoad(keys, ext_comp block ids), delay_cache_blocks
             start_load_kv:              a loader thread copies the pages in, checksum verified
             get_finished:               the scheduler caches what landed, recomputes the rest
 
-The last prompt token is never loaded (its logits are needed), as for a pool hit. A tier
-keeps only a single full-attention KV cache group: a sliding window or several groups are
-refused at start.
+The last prompt token is never loaded (its logits are needed), as for a pool hit. Pages are
+kept under the pool's own keys (block hash + KV group), so a model of several groups (Gemma
+3's global and windowed layers) keeps each group's pages apart. A hit of ``n`` blocks needs
+what the pool would need: every full group's blocks up to ``n``, and each windowed group's
+last blocks before ``n`` (those its window still reads); the windowed groups' older
+positions are null blocks after admission, and load nothing::
+
+    positions               0   1   2   3   4   5  | n = 6
+    full group     needs    x   x   x   x   x   x
+    window group   needs                        x   x     (window of 2 blocks)
 """
 
 from __future__ import annotations
@@ -26,8 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pdserve.cache import BlockHash, get_block_hash
-from pdserve.cache.kv_cache_block import BlockHashWithGroupId, get_group_id
+from pdserve.cache import NULL_BLOCK_ID
+from pdserve.cache.kv_cache_block import BlockHashWithGroupId, make_block_hash_with_group_id
 from pdserve.engine.kv_connector_base import (
     FinishedTransfers,
     KVConnectorBase,
@@ -52,11 +59,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class TierLoad:
-    """One request's tier hit: the pages of ``block_hashes`` into ``block_ids``, in order."""
+    """One request's tier hit: the pages of ``keys`` into ``block_ids``, position by position
+    (each position's groups together), covering ``num_tokens`` prompt tokens."""
 
     request_id: str
-    block_hashes: list[BlockHash]
+    keys: list[BlockHashWithGroupId]
     block_ids: list[int]
+    num_tokens: int
 
 
 @dataclass(slots=True)
@@ -74,7 +83,8 @@ class TierConnector(KVConnectorBase):
         self._worker_dir_name = worker_dir_name
         self.store: TierStore | None = None
         self._block_size = 0
-        self._write_through: dict[int, BlockHash] = {}  # block id → hash, cached this step
+        self._write_through: dict[int, BlockHashWithGroupId] = {}  # block id → key, this step
+        self._windows: list[int | None] = [None]  # each KV group's window (None: full)
         self._pending: list[TierLoad] = []  # engine thread only
         self._loads = LoadTracker()
         self._loader: ThreadPoolExecutor | None = None
@@ -109,22 +119,20 @@ class TierConnector(KVConnectorBase):
         return self._loader
 
     def attach_kv_cache_manager(self, manager: KVCacheManager) -> None:
-        kinds = [kind for kind, _ in manager.kv_cache_event_metadata]
-        if kinds != ["full_attention"]:
-            raise ValueError(
-                f"a KV tier keeps one full-attention KV cache group; this model's "
-                f"groups are {kinds}. Run it without kv_tier settings"
-            )
+        self._windows = [
+            window if kind == "sliding_window" else None
+            for kind, window in manager.kv_cache_event_metadata
+        ]
         manager.block_pool.listener = self
 
     # ---- the pool's listener: the write side ----------------------------------------
     def block_evicted(self, block_id: int, block_hash: BlockHashWithGroupId) -> None:
         self._write_through.pop(block_id, None)
-        self._store.offload(get_block_hash(block_hash), block_id)
+        self._store.offload(block_hash, block_id)
 
     def block_cached(self, block_id: int, block_hash: BlockHashWithGroupId) -> None:
-        if self.config.write_through and get_group_id(block_hash) == 0:
-            self._write_through[block_id] = get_block_hash(block_hash)
+        if self.config.write_through:
+            self._write_through[block_id] = block_hash
 
     def block_uncached(self, block_id: int) -> None:
         self._write_through.pop(block_id, None)  # its page was never written: never offload
@@ -143,23 +151,49 @@ class TierConnector(KVConnectorBase):
         first = num_computed_tokens // self._block_size
         last = (request.num_tokens - 1) // self._block_size
         store = self._store
+
+        def held(position: int, group: int) -> bool:
+            key = make_block_hash_with_group_id(request.block_hashes[position], group)
+            return store.level_holding(key) is not None
+
+        full = [g for g, window in enumerate(self._windows) if window is None]
+        # The full groups' run from the pool's hit (all of it when every group is windowed),
+        # then back from there to the longest end whose windows the tier holds too.
         end = first
-        while end < last and store.level_holding(request.block_hashes[end]) is not None:
+        while end < last and all(held(end, g) for g in full):
             end += 1
+        while end > first and not all(
+            held(position, g)
+            for g, window in enumerate(self._windows)
+            if window is not None
+            for position in range(self._first_read_block(end, window, first), end)
+        ):
+            end -= 1
         num_tokens = (end - first) * self._block_size
         return num_tokens, num_tokens > 0
+
+    def _first_read_block(self, end: int, window: int, first: int) -> int:
+        """The first of the blocks before ``end`` a window still reads (the pool's rule)."""
+        return max(first, max(0, end * self._block_size - window + 1) // self._block_size)
 
     def update_state_after_alloc(
         self, request: Request, block_ids: tuple[list[int], ...], num_external_tokens: int
     ) -> None:
         first = request.num_computed_tokens // self._block_size
         last = first + num_external_tokens // self._block_size
-        hashes = list(request.block_hashes[first:last])
-        for block_hash in hashes:
-            level = self._store.level_holding(block_hash)
-            if level is not None:
-                level.record_hit()
-        self._pending.append(TierLoad(request.request_id, hashes, block_ids[0][first:last]))
+        keys, ids = [], []
+        for position in range(first, last):
+            block_hash = request.block_hashes[position]
+            for group, table in enumerate(block_ids):
+                if table[position] == NULL_BLOCK_ID:  # out of a window: nothing to load
+                    continue
+                key = make_block_hash_with_group_id(block_hash, group)
+                level = self._store.level_holding(key)
+                if level is not None and group == 0:  # a hit counts once per position
+                    level.record_hit()
+                keys.append(key)
+                ids.append(table[position])
+        self._pending.append(TierLoad(request.request_id, keys, ids, num_external_tokens))
 
     def build_connector_meta(self) -> TierConnectorMetadata:
         loads, self._pending = self._pending, []
@@ -187,8 +221,8 @@ class TierConnector(KVConnectorBase):
         """Lands one request's pages in order; from the first that fails, none is used."""
         num_loaded = 0
         try:
-            for block_hash, block_id in zip(load.block_hashes, load.block_ids):
-                if not self._store.load(block_hash, block_id):
+            for key, block_id in zip(load.keys, load.block_ids):
+                if not self._store.load(key, block_id):
                     break
                 num_loaded += 1
         except Exception:  # a loader thread must always report back
@@ -197,7 +231,7 @@ class TierConnector(KVConnectorBase):
             self._loads.finish(
                 load.request_id,
                 load.block_ids[num_loaded:],
-                tier_tokens=len(load.block_ids) * self._block_size,
+                tier_tokens=load.num_tokens,
             )
 
     def get_finished(self) -> FinishedTransfers:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.cache import BlockHash, BlockRemoved, BlockStored, KVCacheEvent
+from pdserve.cache import BlockHash, BlockRemoved, BlockStored, KVCacheEvent, get_block_hash
+from pdserve.cache.kv_cache_block import get_group_id
 from pdserve.engine.kv_connector_base import TierStatsSnapshot
 
 FillPage = Callable[[np.ndarray], None]
@@ -121,13 +122,22 @@ class TierLevel(ABC):
             events, self._events = self._events, []
         return events
 
-    def _stored_event(self, block_hash: BlockHash) -> None:
-        """Under the lock: the router learns this level holds ``block_hash``."""
+    def _stored_event(self, key: BlockHash) -> None:
+        """Under the lock: the router learns this level holds ``key`` (a pool key: the block
+        hash and its KV group)."""
         self._events.append(
             BlockStored(
-                [block_hash], None, [], self.block_size, None, group_idx=0, medium=self.medium
+                [get_block_hash(key)],
+                None,
+                [],
+                self.block_size,
+                None,
+                group_idx=get_group_id(key),
+                medium=self.medium,
             )
         )
 
-    def _removed_event(self, block_hash: BlockHash) -> None:
-        self._events.append(BlockRemoved([block_hash], 0, medium=self.medium))
+    def _removed_event(self, key: BlockHash) -> None:
+        self._events.append(
+            BlockRemoved([get_block_hash(key)], get_group_id(key), medium=self.medium)
+        )

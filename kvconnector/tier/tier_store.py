@@ -4,8 +4,8 @@
     admission: h in tier?          ─▶  holds(h)            ─▶  first level holding h
     load into block 12             ─▶  load(h, block 12)   ─▶  page copied, checksum verified
 
-Keys are the pool's block hashes (same algorithm and seed), so a hash found here is the
-same tokens with the same prefix. A page that fails to load is discarded from its level, so
+Keys are the pool's hash-index keys (block hash, same algorithm and seed, plus the KV group),
+so a key found here is the same tokens with the same prefix, in the same layers. A page that fails to load is discarded from its level, so
 a second admission of the same prompt does not try it again.
 """
 

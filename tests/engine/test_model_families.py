@@ -102,9 +102,27 @@ def test_chunked_and_prefix_hit_greedy_tokens_equal_transformers(
     assert all(o.num_cached_tokens >= len(shared) // 8 * 8 for o in warm)
 
 
-def test_a_kv_tier_under_a_model_of_several_kv_groups_is_refused_by_name(tmp_path) -> None:
-    """The tier stores one group's blocks; Gemma 3's windowed groups would load as garbage."""
+def test_evicted_prefixes_of_every_kv_group_load_back_from_a_kv_tier(tmp_path) -> None:
+    """Gemma 3 (a global group, two windowed ones) in a pool that holds one request at a
+    time, four system prompts taking turns: the tier brings each group's evicted blocks back
+    (the windowed groups only the window's), and the tokens are an engine's without a tier."""
     save_hf_model(tmp_path, transformers.Gemma3TextConfig, **GEMMA3)
-    tier = TierConnector(KVTierConfig(cpu_bytes=1 << 20), "worker-0")
-    with pytest.raises(ValueError, match="a KV tier keeps one full-attention KV cache group"):
-        LLMEngine.from_pretrained(str(tmp_path), connector=tier, block_size=8, num_kv_blocks=64)
+    rng = random.Random(0)
+    systems = [[rng.randrange(2, 96) for _ in range(96)] for _ in range(4)]
+    prompts = [systems[i % 4] + [rng.randrange(2, 96) for _ in range(8)] for i in range(12)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine_kwargs = dict(block_size=16, num_kv_blocks=16, max_num_seqs=1, max_num_batched_tokens=32)
+    plain = LLMEngine.from_pretrained(str(tmp_path), **engine_kwargs)
+    expected = [plain.generate([prompt], params)[0].output_token_ids for prompt in prompts]
+    tier = TierConnector(KVTierConfig(cpu_bytes=1 << 22), "worker-0")
+    engine = LLMEngine.from_pretrained(str(tmp_path), connector=tier, **engine_kwargs)
+    assert [engine.generate([p], params)[0].output_token_ids for p in prompts] == expected
+    (stats,) = engine.stats().tiers
+    groups = engine.model_config.kv_layer_groups
+    windowed_groups = sum(engine.model_config.is_windowed(layers[0]) for layers in groups)
+    full_groups = len(groups) - windowed_groups
+    # The 8 later prompts load their 6 system blocks: every one in a full group, and in a
+    # windowed group (window 12 < 16) only the last one, the block the next token reads.
+    assert stats.blocks_loaded == 8 * (6 * full_groups + windowed_groups)
+    assert stats.hit_tokens == 8 * 6 * 16 and stats.load_failures == 0
+    assert engine.stats().num_scheduled_tokens == plain.stats().num_scheduled_tokens - 8 * 96

@@ -172,7 +172,9 @@ def test_failed_writes_are_counted_store_failures_and_tokens_stay_right(baseline
     engine.shutdown()
 
 
-def test_a_sliding_window_model_is_refused():
+def test_windowed_and_mixed_kv_groups_are_served():
+    """A tier keeps every group's pages under the pool's keys (hash and group): a windowed
+    model and a mixed one attach (Gemma 3's loads: tests/engine/test_model_families.py)."""
     from pdserve.cache import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -187,9 +189,6 @@ def test_a_sliding_window_model_is_refused():
 
     sliding = SlidingWindowSpec(BLOCK_SIZE, 4, 64, "float32", sliding_window=32)
     full = FullAttentionSpec(BLOCK_SIZE, 4, 64, "float32")
-    for refused in (manager(sliding), manager(full, sliding)):
-        with pytest.raises(ValueError, match="one full-attention KV cache group"):
-            TierConnector(KVTierConfig(cpu_bytes=PAGE_BYTES), "w").attach_kv_cache_manager(refused)
-    accepted = manager(full)
-    TierConnector(KVTierConfig(cpu_bytes=PAGE_BYTES), "w").attach_kv_cache_manager(accepted)
-    assert accepted.block_pool.listener is not None
+    for accepted in (manager(full), manager(sliding), manager(full, sliding)):
+        TierConnector(KVTierConfig(cpu_bytes=PAGE_BYTES), "w").attach_kv_cache_manager(accepted)
+        assert accepted.block_pool.listener is not None
