@@ -25,7 +25,7 @@ from pdserve.model.architectures.llama import (
     LlamaModel,
 )
 from pdserve.model.architectures.rotary import RotaryEmbedding
-from pdserve.model.attention import AttentionMetadata, StepAttention
+from pdserve.model.attention import AttentionMetadata
 from pdserve.model.model_config import ModelConfig
 
 
@@ -69,24 +69,18 @@ class Gemma3Model(LlamaModel):
         self.rotary_emb_local = RotaryEmbedding(config, local=True)
         self.embed_scale = config.hidden_size**0.5
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: StepAttention,
-    ) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens.forward(input_ids)
-        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-        rotaries = {
-            windowed: rotary.forward(positions, metadata.max_position, hidden.dtype)
+        return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+
+    def layer_rotaries(
+        self, positions: torch.Tensor, max_position: int, dtype: torch.dtype
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        by_kind = {
+            windowed: rotary.forward(positions, max_position, dtype)
             for windowed, rotary in ((False, self.rotary_emb), (True, self.rotary_emb_local))
         }
-        for index, layer in enumerate(self.layers):
-            group_metadata, slot = metadata.for_layer(index)
-            rotary = rotaries[self.config.is_windowed(index)]
-            hidden = layer.forward(hidden, rotary, kv_cache, slot, group_metadata)
-        return self.norm.forward(hidden)
+        return [by_kind[self.config.is_windowed(i)] for i in range(len(self.layers))]
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

@@ -152,12 +152,22 @@ class LlamaModel(nn.Module):
         kv_cache: torch.Tensor,
         metadata: StepAttention,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens.forward(input_ids)
-        rotary = self.rotary_emb.forward(positions, metadata.max_position, hidden.dtype)
-        for index, layer in enumerate(self.layers):
+        hidden = self.embed(input_ids)
+        rotaries = self.layer_rotaries(positions, metadata.max_position, hidden.dtype)
+        for index, (layer, rotary) in enumerate(zip(self.layers, rotaries)):
             group_metadata, slot = metadata.for_layer(index)
             hidden = layer.forward(hidden, rotary, kv_cache, slot, group_metadata)
         return self.norm.forward(hidden)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens.forward(input_ids)
+
+    def layer_rotaries(
+        self, positions: torch.Tensor, max_position: int, dtype: torch.dtype
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's RoPE ``(cos, signed sin)`` for the step: one for all of Llama's."""
+        rotary = self.rotary_emb.forward(positions, max_position, dtype)
+        return [rotary] * len(self.layers)
 
 
 class LlamaForCausalLM(nn.Module):
