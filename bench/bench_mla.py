@@ -96,15 +96,18 @@ def hand_off(model: str, rounds: int) -> tuple[int, int, float]:
         prompt = [rng.randrange(2, WIDTH["vocab_size"]) for _ in range(PROMPT_TOKENS)]
         request_id = f"r{index}"
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        prefill.add_request(request_id, prompt, params, remote_decode=True)
+        # The first token only, as the gateway asks a prefill worker.
+        first_token = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        prefill.add_request(request_id, prompt, first_token, remote_decode=True)
         done = None
         while done is None:
             done = next((o for o in prefill.step() if o.finished), None)
         producer.complete_transfer_params(done.kv_transfer_params)
         start = time.perf_counter()
         decode.add_request(request_id, prompt, params, kv_transfer_params=done.kv_transfer_params)
-        while not any(o.request_id == request_id for o in decode.step()):
-            pass
+        decoded: list[object] = []
+        while not decoded:  # the pull, then the step that decodes the next token
+            decoded = [o for o in decode.step() if o.request_id == request_id]
         best = min(best, time.perf_counter() - start)
         while decode.has_unfinished_requests():
             decode.step()
