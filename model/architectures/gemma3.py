@@ -27,6 +27,7 @@ from pdserve.model.architectures.llama import (
 from pdserve.model.architectures.rotary import RotaryEmbedding
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.model_config import ModelConfig
+from pdserve.model.tensor_parallel import TensorParallel
 
 
 class Gemma3DecoderLayer(LlamaDecoderLayer):
@@ -42,6 +43,7 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
         self.post_attention_layernorm = RMSNorm(hidden, eps, offset)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, offset)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, offset)
+        self.tensor_parallel: TensorParallel | None = None
 
     def forward(
         self,
@@ -54,8 +56,12 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
         attended = self.self_attn.forward(
             self.input_layernorm.forward(hidden), rotary, kv_cache, layer, metadata
         )
+        if self.tensor_parallel is not None:  # the norms need the whole sum
+            self.tensor_parallel.all_reduce(attended)
         hidden = hidden + self.post_attention_layernorm.forward(attended)
         fed = self.mlp.forward(self.pre_feedforward_layernorm.forward(hidden))
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.all_reduce(fed)
         return hidden + self.post_feedforward_layernorm.forward(fed)
 
 
@@ -70,7 +76,7 @@ class Gemma3Model(LlamaModel):
         self.embed_scale = config.hidden_size**0.5
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens.forward(input_ids)
+        hidden = super().embed(input_ids)
         return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
 
     def layer_rotaries(

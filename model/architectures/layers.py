@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.model.tensor_parallel import TensorParallel, keep_input_columns, keep_output_rows
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm (``F.rms_norm``: one kernel, float32 for float32 models)."""
@@ -77,6 +79,14 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def shard(self, tensor_parallel: TensorParallel) -> None:
+        """Keep this rank's slice of the intermediate features (before ``fuse_weights``)."""
+        start, end = tensor_parallel.split(self.intermediate_size, "intermediate features")
+        keep_output_rows(self.gate_proj, start, end)
+        keep_output_rows(self.up_proj, start, end)
+        keep_input_columns(self.down_proj, start, end, keep_bias=True)  # down has no bias
+        self.intermediate_size = end - start
 
     def fuse_weights(self) -> None:
         self.gate_up_weight, _ = fuse_linears([self.gate_proj, self.up_proj])

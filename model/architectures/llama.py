@@ -32,6 +32,7 @@ from pdserve.model.architectures.moe import SparseMoE
 from pdserve.model.architectures.rotary import RotaryEmbedding, apply_rotary
 from pdserve.model.attention import AttentionMetadata, StepAttention, paged_attention
 from pdserve.model.model_config import ModelConfig
+from pdserve.model.tensor_parallel import TensorParallel, keep_input_columns, keep_output_rows
 
 
 class LlamaAttention(nn.Module):
@@ -56,6 +57,17 @@ class LlamaAttention(nn.Module):
             RMSNorm(config.head_dim, config.rms_norm_eps, offset) if config.qk_norm else None
         )
         self.scale = config.attention_scale
+
+    def shard(self, tensor_parallel: TensorParallel) -> None:
+        """Keep this rank's query heads and the KV heads they read (before ``fuse_weights``)."""
+        size = self.head_dim
+        q_start, q_end = tensor_parallel.split(self.num_heads, "attention heads")
+        kv_start, kv_end = tensor_parallel.kv_head_range(self.num_kv_heads)
+        keep_output_rows(self.q_proj, q_start * size, q_end * size)
+        keep_output_rows(self.k_proj, kv_start * size, kv_end * size)
+        keep_output_rows(self.v_proj, kv_start * size, kv_end * size)
+        keep_input_columns(self.o_proj, q_start * size, q_end * size, tensor_parallel.rank == 0)
+        self.num_heads, self.num_kv_heads = q_end - q_start, kv_end - kv_start
 
     def fuse_weights(self) -> None:
         self.qkv_weight, self.qkv_bias = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
@@ -103,6 +115,19 @@ class LlamaDecoderLayer(nn.Module):
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tensor_parallel: TensorParallel | None = None
+
+    def shard(self, tensor_parallel: TensorParallel) -> None:
+        """This rank's slice of attention and MLP; their outputs are summed over the ranks."""
+        feed_forward = self.feed_forward
+        if not isinstance(self.self_attn, LlamaAttention) or not isinstance(feed_forward, GatedMLP):
+            raise ValueError(
+                "tensor parallelism covers grouped-query attention and dense MLPs; "
+                "latent attention and mixtures of experts run at tensor parallel size 1"
+            )
+        self.self_attn.shard(tensor_parallel)
+        feed_forward.shard(tensor_parallel)
+        self.tensor_parallel = tensor_parallel
 
     def forward(
         self,
@@ -115,8 +140,13 @@ class LlamaDecoderLayer(nn.Module):
         attended = self.self_attn.forward(
             self.input_layernorm.forward(hidden), rotary, kv_cache, layer, metadata
         )
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.all_reduce(attended)
         hidden = hidden + attended
-        return hidden + self.feed_forward.forward(self.post_attention_layernorm.forward(hidden))
+        mixed = self.feed_forward.forward(self.post_attention_layernorm.forward(hidden))
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.all_reduce(mixed)
+        return hidden + mixed
 
     @property
     def feed_forward(self) -> GatedMLP | SparseMoE:
@@ -144,6 +174,17 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         self.rotary_emb = RotaryEmbedding(config)
+        self.tensor_parallel: TensorParallel | None = None
+
+    def shard(self, tensor_parallel: TensorParallel) -> None:
+        """Every layer's slice, and this rank's rows of the embedding."""
+        for layer in cast("Iterable[LlamaDecoderLayer]", self.layers):
+            layer.shard(tensor_parallel)
+        start, end = tensor_parallel.vocab_range(self.config.vocab_size)
+        self.embed_tokens.weight = nn.Parameter(
+            self.embed_tokens.weight.detach()[start:end].clone(), False
+        )
+        self.tensor_parallel = tensor_parallel
 
     def forward(
         self,
@@ -160,7 +201,17 @@ class LlamaModel(nn.Module):
         return self.norm.forward(hidden)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens.forward(input_ids)
+        """The ids' embeddings; sharded, each rank looks up the ids in its vocabulary rows
+        (zeros for the others) and the ranks' rows are summed."""
+        tensor_parallel = self.tensor_parallel
+        if tensor_parallel is None:
+            return self.embed_tokens.forward(input_ids)
+        start, end = tensor_parallel.vocab_range(self.config.vocab_size)
+        local = (input_ids >= start) & (input_ids < end)
+        hidden = self.embed_tokens.forward((input_ids - start) * local)
+        hidden *= local[:, None].to(hidden.dtype)
+        tensor_parallel.all_reduce(hidden)
+        return hidden
 
     def layer_rotaries(
         self, positions: torch.Tensor, max_position: int, dtype: torch.dtype
@@ -187,6 +238,18 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.lm_head_weight: torch.Tensor | None = None
+        self.tensor_parallel: TensorParallel | None = None
+
+    def shard(self, tensor_parallel: TensorParallel) -> None:
+        """Keep rank ``tensor_parallel.rank``'s slice of every weight (module doc of
+        ``model/tensor_parallel.py``); call before ``fuse_weights``."""
+        self.model.shard(tensor_parallel)
+        if self.config.tie_word_embeddings:
+            self.tie_weights()
+        else:
+            start, end = tensor_parallel.vocab_range(self.config.vocab_size)
+            keep_output_rows(self.lm_head, start, end)
+        self.tensor_parallel = tensor_parallel
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the checkpoint ties them."""
@@ -215,5 +278,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head_weight is None:
-            return self.lm_head.forward(hidden)
-        return torch.mm(hidden, self.lm_head_weight)
+            logits = self.lm_head.forward(hidden)
+        else:
+            logits = torch.mm(hidden, self.lm_head_weight)
+        if self.tensor_parallel is None:
+            return logits
+        return self.tensor_parallel.gather_vocab(logits, self.config.vocab_size)

@@ -1,0 +1,99 @@
+"""Tensor parallelism inside one worker: which slice of a model a rank holds, and the
+collectives that join the slices (Megatron's split, as vLLM's ``parallel_state`` applies it).
+
+A worker of degree ``k`` is ``k`` processes joined in one ``torch.distributed`` group (gloo
+on CPU, NCCL on CUDA). Each rank holds
+
+```
+q / k / v / gate / up   column-parallel: its heads' (its intermediate slice's) output rows
+o / down                row-parallel:    the matching input columns; outputs all-reduced
+embedding, LM head      vocab-parallel:  its vocabulary rows; lookups all-reduced, logits
+                                         all-gathered
+norms, RoPE             replicated
+```
+
+KV heads split like query heads when there are at least ``k`` of them; with fewer, each KV
+head is replicated on the ``k / kv_heads`` ranks whose query heads read it, so every rank's
+queries find their KV head locally (the GQA grouping ``query head // (heads / kv_heads)`` is
+preserved by construction). The model code calls :meth:`TensorParallel.all_reduce` /
+:meth:`TensorParallel.gather_vocab` where a sliced output must be joined; an unsharded model
+calls neither.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallel:
+    """Rank ``rank`` of ``world_size`` in the current process's default process group."""
+
+    rank: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"rank {self.rank} of world_size {self.world_size}: need 0 <= rank < world_size"
+            )
+
+    def split(self, size: int, what: str) -> tuple[int, int]:
+        """This rank's ``[start, end)`` of ``size`` equal parts (``what`` names them in errors)."""
+        if size % self.world_size:
+            raise ValueError(
+                f"tensor parallel size {self.world_size} does not divide the model's {size} {what}"
+            )
+        part = size // self.world_size
+        return self.rank * part, (self.rank + 1) * part
+
+    def kv_head_range(self, num_kv_heads: int) -> tuple[int, int]:
+        """This rank's KV heads: a split when there are enough, else the one head its query
+        heads share (replicated on ``world_size / num_kv_heads`` ranks)."""
+        if num_kv_heads >= self.world_size:
+            return self.split(num_kv_heads, "KV heads")
+        if self.world_size % num_kv_heads:
+            raise ValueError(
+                f"tensor parallel size {self.world_size} is neither a divisor nor a multiple "
+                f"of the model's {num_kv_heads} KV heads"
+            )
+        head = self.rank // (self.world_size // num_kv_heads)
+        return head, head + 1
+
+    def vocab_range(self, vocab_size: int) -> tuple[int, int]:
+        """This rank's vocabulary rows: equal parts rounded up, the last rank's shorter."""
+        part = -(-vocab_size // self.world_size)
+        return min(self.rank * part, vocab_size), min((self.rank + 1) * part, vocab_size)
+
+    def all_reduce(self, partial: torch.Tensor) -> None:
+        """Sum ``partial`` over the ranks, in place."""
+        dist.all_reduce(partial)
+
+    def gather_vocab(self, local_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Every rank's ``[rows, its vocabulary]`` logits joined to ``[rows, vocab_size]``."""
+        part = -(-vocab_size // self.world_size)
+        padded = local_logits.new_zeros(local_logits.shape[0], part)
+        padded[:, : local_logits.shape[1]] = local_logits
+        pieces = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(pieces, padded)
+        return torch.cat(pieces, dim=1)[:, :vocab_size]
+
+
+def keep_output_rows(linear: torch.nn.Linear, start: int, end: int) -> None:
+    """Column parallelism: ``linear`` keeps output features ``[start, end)`` (and their bias)."""
+    linear.weight = torch.nn.Parameter(linear.weight.detach()[start:end].clone(), False)
+    if linear.bias is not None:
+        linear.bias = torch.nn.Parameter(linear.bias.detach()[start:end].clone(), False)
+    linear.out_features = end - start
+
+
+def keep_input_columns(linear: torch.nn.Linear, start: int, end: int, keep_bias: bool) -> None:
+    """Row parallelism: ``linear`` keeps input features ``[start, end)``; its bias stays on
+    one rank only (``keep_bias``), since the partial outputs are summed."""
+    linear.weight = torch.nn.Parameter(linear.weight.detach()[:, start:end].clone(), False)
+    if linear.bias is not None and not keep_bias:
+        linear.register_parameter("bias", None)
+    linear.in_features = end - start

@@ -1,0 +1,120 @@
+"""Tensor-parallel slices of a model, joined over a real gloo group of spawned processes,
+give TP=1's greedy tokens (and its logits within float32's summation-order tolerance).
+
+Each rank builds the same seeded model, keeps its slice (``LlamaForCausalLM.shard``) and
+runs a greedy decode through its own ``ModelRunner`` whose KV tensor holds its KV heads
+only; rank 0 reports the tokens and the logits of every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pdserve.engine.model_input import ScheduledChunk
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.model.architectures import build_model
+from pdserve.model.model_config import ModelConfig
+from pdserve.model.tensor_parallel import TensorParallel
+from pdserve.model.tiny_model import tiny_model_config
+
+PROMPT = [5, 77, 300, 12, 9, 41, 250, 3, 18, 99, 402, 7, 64, 128, 33, 2, 71]
+STEPS = 12
+
+
+def _config(kind: str) -> ModelConfig:
+    config = tiny_model_config()
+    if kind == "qwen2":  # biased q/k/v, untied head, an odd vocabulary (uneven vocab split)
+        config = dataclasses.replace(
+            config, architecture="Qwen2ForCausalLM", attention_bias=True, vocab_size=509
+        )
+    return config
+
+
+def _model(config: ModelConfig) -> torch.nn.Module:
+    with torch.device("cpu"):
+        model = build_model(config)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.fill_(1.0)
+            else:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    return model.eval()
+
+
+def _greedy(kind: str, tensor_parallel: TensorParallel | None) -> tuple[list[int], torch.Tensor]:
+    config = _config(kind)
+    model = _model(config)
+    runner_config = config
+    if tensor_parallel is not None:
+        model.shard(tensor_parallel)
+        start, end = tensor_parallel.kv_head_range(config.num_kv_heads)
+        runner_config = dataclasses.replace(config, num_kv_heads=end - start)
+    runner = ModelRunner(model, runner_config, num_blocks=8, block_size=16)
+    blocks = [1, 2, 3]
+    chunk = ScheduledChunk("r", PROMPT, 0, blocks, sample=True)
+    tokens, logits = [], []
+    for _ in range(STEPS):
+        step_logits = runner.execute([chunk])
+        logits.append(step_logits[0])
+        tokens.append(int(step_logits.argmax()))
+        position = len(PROMPT) + len(tokens) - 1
+        chunk = ScheduledChunk("r", [tokens[-1]], position, blocks, sample=True)
+    return tokens, torch.stack(logits)
+
+
+def _rank(rank: int, world_size: int, port: int, kinds: list[str], results: dict) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    try:
+        for kind in kinds:
+            tokens, logits = _greedy(kind, TensorParallel(rank, world_size))
+            if rank == 0:
+                results[kind] = (tokens, logits.tolist())
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("world_size", "kinds"),
+    [(2, ["tiny", "qwen2"]), (4, ["tiny"])],
+    ids=["tp2-kv-split", "tp4-kv-replicated"],
+)
+def test_tensor_parallel_ranks_match_a_single_process(world_size: int, kinds: list[str]) -> None:
+    """TP=2 splits tiny's 2 KV heads (and runs a biased Qwen2 with an uneven vocabulary
+    split); TP=4 replicates each KV head on two ranks."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank, args=(world_size, _free_port(), kinds, results), nprocs=world_size)
+        outputs = dict(results)
+    for kind in kinds:
+        expected_tokens, expected_logits = _greedy(kind, None)
+        tokens, logits = outputs[kind]
+        assert tokens == expected_tokens, kind
+        assert len(set(tokens)) > 3  # a decode that moves, not one token repeated
+        torch.testing.assert_close(
+            torch.tensor(logits), expected_logits, rtol=1e-4, atol=1e-4, msg=kind
+        )
+
+
+def test_a_split_the_model_cannot_take_is_refused_naming_it() -> None:
+    model = _model(_config("tiny"))
+    with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
+        model.shard(TensorParallel(0, 3))
+    with pytest.raises(ValueError, match="rank 2 of world_size 2"):
+        TensorParallel(2, 2)
