@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,18 +26,19 @@ from pdserve.cache import (
 from pdserve.engine.engine_stats import EngineStats
 from pdserve.engine.kv_connector_base import KVConnectorBase
 from pdserve.engine.model_input import ScheduledChunk
-from pdserve.engine.model_runner import ModelRunner, configure_torch_threads
+from pdserve.engine.model_runner import ModelRunner, allocate_kv_pages, configure_torch_threads
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.request_output import RequestOutput
 from pdserve.engine.sampler import sample, token_logprobs
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.tensor_parallel_peers import TensorParallelPeers
 from pdserve.engine.token_bitmask import fill_token_bitmask, num_masked_tokens
 from pdserve.grammar import GrammarCompiler
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.kv_transfer_params import KVTransferParams
 from pdserve.messages.sampling_params import SamplingParams
 from pdserve.model.loader import load_model
-from pdserve.model.model_config import ModelConfig
+from pdserve.model.model_config import ModelConfig, resolve_dtype
 from pdserve.tokenizer.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -91,9 +92,18 @@ class LLMEngine:
         self,
         config: EngineConfig,
         connector: KVConnectorBase | None = None,
+        on_rank_lost: Callable[[], None] | None = None,
     ) -> None:
+        """``on_rank_lost``: called, from a watchdog thread, when a tensor-parallel rank
+        dies (the engine cannot step again; a worker exits, to be restarted whole)."""
         configure_torch_threads(config.torch_threads)
         config = dataclasses.replace(config, device=resolve_device(config.device))
+        if config.tensor_parallel_size > 1 and config.device != "cpu":
+            raise ValueError(
+                f"tensor_parallel_size {config.tensor_parallel_size} on {config.device}: "
+                "tensor-parallel ranks share one host mapping of the KV pages, so they run on "
+                "CPU only for now (per-rank GPU pages are not built)"
+            )
         self.config = config
         self.model, self.model_config, self.tokenizer = load_model(
             config.model, dtype=config.dtype, device=config.device
@@ -103,15 +113,7 @@ class LLMEngine:
             config.kv_cache_memory_bytes, groups
         )
         kv_cache_config = KVCacheConfig(num_blocks, groups)
-        self.runner = ModelRunner(
-            self.model,
-            self.model_config,
-            num_blocks,
-            config.block_size,
-            config.device,
-            config.dtype,
-            config.resolved_kv_cache_dtype,
-        )
+        self.runner = self._make_runner(num_blocks, on_rank_lost)
         self.block_hasher = BlockHasher(config.hash_algorithm, config.hash_seed)
         # One request must always fit alone in the pool, or preemption could loop forever.
         pool_capacity_tokens = (num_blocks - 1) * config.block_size
@@ -152,6 +154,36 @@ class LLMEngine:
         self.grammar_compiler = GrammarCompiler(
             self.tokenizer.backend, self.model_config.vocab_size, self.tokenizer.eos_token_ids
         )
+
+    def _make_runner(self, num_blocks: int, on_rank_lost: Callable[[], None] | None) -> ModelRunner:
+        """Rank 0's runner; under tensor parallelism its peers first, over KV pages in
+        shared memory that every rank maps."""
+        config = self.config
+        if config.tensor_parallel_size == 1:
+            return ModelRunner.for_engine(config, self.model, self.model_config, num_blocks)
+        kv_pages = allocate_kv_pages(
+            self.model_config,
+            num_blocks,
+            config.block_size,
+            resolve_dtype(config.resolved_kv_cache_dtype),
+            config.device,
+        ).share_memory_()
+        peers = TensorParallelPeers(config, num_blocks, kv_pages, on_rank_lost)
+        try:
+            runner = ModelRunner.for_engine(
+                config,
+                self.model,
+                self.model_config,
+                num_blocks,
+                kv_pages,
+                peers.tensor_parallel,
+                peers,
+            )
+            peers.wait_ready()
+        except BaseException:
+            peers.close()
+            raise
+        return runner
 
     @classmethod
     def from_pretrained(
@@ -443,10 +475,15 @@ class LLMEngine:
         return [finished[request_id] for request_id in ids]
 
     def shutdown(self) -> None:
-        """Stops the connector's servers and threads (once: later calls do nothing)."""
-        if self.connector is not None and not self._shut_down:
-            self._shut_down = True
+        """Stops the connector's servers and threads and the tensor-parallel ranks (once:
+        later calls do nothing)."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        if self.connector is not None:
             self.connector.shutdown()
+        if self.runner.peers is not None:
+            self.runner.peers.close()
 
 
 def _record_logprobs(logits: torch.Tensor, sampled: list[Request], token_ids: list[int]) -> None:

@@ -11,14 +11,21 @@ that sample, in the order the scheduler gave them.
 from __future__ import annotations
 
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.engine.model_input import ScheduledChunk
+from pdserve.engine.tensor_parallel_peers import TensorParallelGroupLost
 from pdserve.model.architectures import CausalLM
 from pdserve.model.attention import StepAttention, build_attention_metadata
 from pdserve.model.model_config import ModelConfig, resolve_dtype
 from pdserve.model.paged_decode import SPLIT_KV_BYTES
+from pdserve.model.tensor_parallel import TensorParallel
+
+if TYPE_CHECKING:
+    from pdserve.engine.tensor_parallel_peers import TensorParallelPeers
+    from pdserve.messages.engine_config import EngineConfig
 
 
 def configure_torch_threads(num_threads: int = 1) -> None:
@@ -33,14 +40,46 @@ def configure_torch_threads(num_threads: int = 1) -> None:
     torch.set_num_threads(num_threads)
 
 
+def allocate_kv_pages(
+    model_config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    kv_cache_dtype: torch.dtype,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """A worker's whole KV tensor, zero-filled, outside inference mode (so that KV
+    transports may write into it in place):
+
+    ``[num_blocks, layer slots, entries, block_size, kv_heads, head_size]``
+
+    a slot per layer (per layer of the largest KV group when groups mix, see
+    ``ModelConfig.kv_layer_groups``); entries and heads from ``ModelConfig.kv_token_shape``
+    (K and V per KV head, or one latent row)."""
+    groups = model_config.kv_layer_groups
+    entries, heads, head_size = model_config.kv_token_shape
+    return torch.zeros(
+        num_blocks,
+        max(len(layers) for layers in groups),
+        entries,
+        block_size,
+        heads,
+        head_size,
+        dtype=kv_cache_dtype,
+        device=device,
+    )
+
+
 class ModelRunner:
     """Holds the model and its KV tensor; turns a step's chunks into logits.
 
-    ``kv_cache`` is ``[num_blocks, layer slots, entries, block_size, heads, head_size]``
-    (a slot per layer; per layer of the largest KV group when groups mix, see
-    ``ModelConfig.kv_layer_groups``)
-    (``ModelConfig.kv_token_shape``: K and V per KV head, or one latent row) in ``kv_cache_dtype`` (default: the model's dtype), zero-filled, allocated outside inference mode so that KV
-    transports may write into it in place.
+    ``kv_cache`` is the worker's whole KV tensor (``allocate_kv_pages``; given as
+    ``kv_pages`` when it is shared, else allocated here) in ``kv_cache_dtype`` (default: the
+    model's dtype): what the connector, the tier and the transports read and write.
+
+    Under tensor parallelism (``tensor_parallel``) the model keeps its rank's slice and
+    attends over ``attention_kv``, the view of its KV heads in ``kv_cache``, so every
+    rank's pages are the same block ids of one shared tensor
+    (``engine/tensor_parallel_peers.py``); rank 0 holds ``peers`` and sends them each step.
     """
 
     def __init__(
@@ -52,12 +91,18 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         dtype: torch.dtype | str = torch.float32,
         kv_cache_dtype: torch.dtype | str | None = None,
+        kv_pages: torch.Tensor | None = None,
+        tensor_parallel: TensorParallel | None = None,
+        peers: TensorParallelPeers | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}"
             )
         self.model = model.eval()
+        if tensor_parallel is not None:  # before fusing: the fused matrices are the slices'
+            model.shard(tensor_parallel)
+        self.peers = peers
         if hasattr(model, "fuse_weights"):  # pack projections for inference (models/llama.py)
             model.fuse_weights()
         self.model_config = model_config
@@ -79,22 +124,45 @@ class ModelRunner:
             for layers in groups
         ]
         self.num_slots = max(len(layers) for layers in groups)
-        entries, heads, head_size = model_config.kv_token_shape
-        self.kv_cache = torch.zeros(
-            num_blocks,
-            self.num_slots,
-            entries,
-            block_size,
-            heads,
-            head_size,
-            dtype=self.kv_cache_dtype,
-            device=self.device,
-        )
+        if kv_pages is None:
+            kv_pages = allocate_kv_pages(
+                model_config, num_blocks, block_size, self.kv_cache_dtype, self.device
+            )
+        self.kv_cache = kv_pages
+        self.attention_kv = kv_pages
+        if tensor_parallel is not None:
+            start, end = tensor_parallel.kv_head_range(model_config.num_kv_heads)
+            self.attention_kv = kv_pages[..., start:end, :]
         # Decode reads its pages in chunks of SPLIT_KV_BYTES on CPU (model/paged_decode.py);
         # elsewhere the whole table at once.
-        key_value_bytes = self.kv_cache[0, 0, :, 0].nbytes
+        key_value_bytes = self.attention_kv[0, 0, :, 0].nbytes
         self.decode_chunk_keys = (
             max(1, SPLIT_KV_BYTES // key_value_bytes) if self.device.type == "cpu" else None
+        )
+
+    @classmethod
+    def for_engine(
+        cls,
+        config: EngineConfig,
+        model: CausalLM,
+        model_config: ModelConfig,
+        num_blocks: int,
+        kv_pages: torch.Tensor | None = None,
+        tensor_parallel: TensorParallel | None = None,
+        peers: TensorParallelPeers | None = None,
+    ) -> ModelRunner:
+        """The runner an engine of ``config`` runs (rank 0's, or a peer's: the same)."""
+        return cls(
+            model,
+            model_config,
+            num_blocks,
+            config.block_size,
+            config.device,
+            config.dtype,
+            config.resolved_kv_cache_dtype,
+            kv_pages,
+            tensor_parallel,
+            peers,
         )
 
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
@@ -153,10 +221,22 @@ class ModelRunner:
             for i, c in enumerate(chunks)
             for r in range(last_row[i] - c.num_logit_rows + 1, last_row[i] + 1)
         ]
+        if self.peers is None:
+            return self._forward(input_ids, metadata, sample_rows)
+        self.peers.send(chunks)  # the peers run the same step; their collectives wait for ours
+        try:
+            return self._forward(input_ids, metadata, sample_rows)
+        except Exception as error:  # the ranks are out of step now: the group is done
+            reason = self.peers.failure() or f"rank 0's step failed: {error}"
+            raise TensorParallelGroupLost(reason) from error
+
+    def _forward(
+        self, input_ids: torch.Tensor, metadata: StepAttention, sample_rows: list[int]
+    ) -> torch.Tensor:
         with torch.inference_mode():
             # .forward, not __call__: no hooks on the hot path (models/llama.py module doc).
             hidden = self.model.forward(
-                input_ids.to(self.device), metadata.positions, self.kv_cache, metadata
+                input_ids.to(self.device), metadata.positions, self.attention_kv, metadata
             )
             if (
                 len(sample_rows) != input_ids.shape[0]

@@ -57,7 +57,10 @@ class EngineConfig:
     hash_seed: int | str = 0
     """Seeds the block hashes; equal on every worker of a deployment."""
     torch_threads: int = 1
-    """torch's intra-op threads in this process."""
+    """torch's intra-op threads in this process (and in each tensor-parallel rank's)."""
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over (heads, MLP features and vocabulary), each a process
+    of the worker's node (engine/tensor_parallel_peers.py); CPU only for now."""
     publish_kv_events: bool = False
     """Record KV events (blocks stored, removed) for the router to poll."""
     engine_id: str = "engine-0"
@@ -98,3 +101,7 @@ class EngineConfig:
             )
         if self.torch_threads < 1:
             raise ValueError(f"torch_threads must be at least 1, got {self.torch_threads}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
+            )

@@ -250,8 +250,9 @@ def store_kv(
     key_value: torch.Tensor, kv_cache: torch.Tensor, layer: int, metadata: AttentionMetadata
 ) -> None:
     """Write this step's ``[num_tokens, entries, heads, head_size]`` rows into the layer's pages."""
-    rows = kv_cache.view(-1, kv_cache.shape[-2] * kv_cache.shape[-1])
-    rows[metadata.write_rows[layer]] = key_value.flatten(2).to(kv_cache.dtype)
+    # Rows of [heads, head_size]: a view also of a tensor-parallel rank's head slice.
+    rows = kv_cache.view(-1, *kv_cache.shape[-2:])
+    rows[metadata.write_rows[layer]] = key_value.to(kv_cache.dtype)
 
 
 def prefill_keys_values(

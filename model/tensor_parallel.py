@@ -23,17 +23,39 @@ calls neither.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
 
+# The loopback address every rank of a worker binds its group's connections to: the ranks
+# of one worker are processes of one node.
+GROUP_HOST = "127.0.0.1"
+
+
+class Collectives(Protocol):
+    """The two collectives a sliced model needs, as a c10d backend (gloo's, NCCL's) has
+    them; torch's stubs leave them off the backends' classes."""
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> dist.Work: ...
+
+    def allgather(
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor]
+    ) -> dist.Work: ...
+
 
 @dataclass(frozen=True, slots=True)
 class TensorParallel:
-    """Rank ``rank`` of ``world_size`` in the current process's default process group."""
+    """Rank ``rank`` of ``world_size``, joined to the other ranks by ``group``.
+
+    The group is passed, not the process's default group, so that a process may host more
+    than one engine (tests do) and no global state is set.
+    """
 
     rank: int
     world_size: int
+    group: Collectives
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -70,7 +92,7 @@ class TensorParallel:
 
     def all_reduce(self, partial: torch.Tensor) -> None:
         """Sum ``partial`` over the ranks, in place."""
-        dist.all_reduce(partial)
+        self.group.allreduce([partial]).wait()
 
     def gather_vocab(self, local_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Every rank's ``[rows, its vocabulary]`` logits joined to ``[rows, vocab_size]``."""
@@ -78,8 +100,22 @@ class TensorParallel:
         padded = local_logits.new_zeros(local_logits.shape[0], part)
         padded[:, : local_logits.shape[1]] = local_logits
         pieces = [torch.empty_like(padded) for _ in range(self.world_size)]
-        dist.all_gather(pieces, padded)
+        self.group.allgather([pieces], [padded]).wait()
         return torch.cat(pieces, dim=1)[:, :vocab_size]
+
+
+def join_group(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> TensorParallel:
+    """Rank ``rank``'s gloo group of ``world_size`` ranks, met through ``store``.
+
+    ``timeout`` bounds every collective: a rank that stops answering fails the others'
+    next step within it rather than hanging them (a rank that dies fails them at once, its
+    connections being reset).
+    """
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # untyped in torch
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=GROUP_HOST)]
+    options._timeout = timeout
+    group = dist.ProcessGroupGloo(store, rank, world_size, options)
+    return TensorParallel(rank, world_size, cast(Collectives, group))
 
 
 def keep_output_rows(linear: torch.nn.Linear, start: int, end: int) -> None:

@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 from pdserve.engine.kv_connector_base import KVConnectorBase
 from pdserve.engine.llm_engine import LLMEngine, resolve_device
 from pdserve.engine.request_output import RequestOutput
+from pdserve.engine.tensor_parallel_peers import TensorParallelGroupLost
 from pdserve.grammar import GrammarError
 from pdserve.kvconnector.pd.pd_connector import PDConnector
 from pdserve.kvconnector.pd_with_tier import pd_part, worker_connector
@@ -85,7 +86,11 @@ class EngineHost:
             engine_id=f"{spec.engine.engine_id}-{self.instance_id[:8]}",
             device=resolve_device(spec.engine.device),
         )
-        self.engine = LLMEngine(engine_config, connector=self.make_connector(engine_config))
+        self.engine = LLMEngine(
+            engine_config,
+            connector=self.make_connector(engine_config),
+            on_rank_lost=self._exit_for_lost_rank,
+        )
         self.events = KVEventLog(self.worker_id, self.instance_id)
         self._executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"{self.worker_id}-engine"
@@ -345,6 +350,9 @@ class EngineHost:
             return HostState.HOLDING if holding else HostState.IDLE
         try:
             outputs = self.engine.step(delta=True)
+        except TensorParallelGroupLost:
+            self._exit_for_lost_rank()
+            raise
         except Exception:  # an engine bug must not take the actor down: fail the in-flight requests
             logger.exception("engine step failed on %s", self.worker_id)
             self.engine.abort_all()  # every request, streamed or not, loading included
@@ -358,6 +366,15 @@ class EngineHost:
             return HostState.BUSY
         # A request that just finished may hold its blocks under a lease: keep polling.
         return HostState.HOLDING if self.engine.num_leases_held > 0 else HostState.IDLE
+
+    def _exit_for_lost_rank(self) -> None:
+        """A tensor-parallel rank died: this worker cannot step again. It exits, as a
+        single-process worker that died would: Serve restarts it with all its ranks, and
+        the gateway re-runs or recomputes what was in flight (``retry_or_fail``); its peers
+        exit when their pipes close."""
+        logger.error("%s lost a tensor-parallel rank; exiting to be restarted", self.worker_id)
+        logging.shutdown()
+        os._exit(1)
 
     def _take_events(self) -> None:
         events = self.engine.take_kv_events()

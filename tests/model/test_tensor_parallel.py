@@ -2,14 +2,15 @@
 give TP=1's greedy tokens (and its logits within float32's summation-order tolerance).
 
 Each rank builds the same seeded model, keeps its slice (``LlamaForCausalLM.shard``) and
-runs a greedy decode through its own ``ModelRunner`` whose KV tensor holds its KV heads
-only; rank 0 reports the tokens and the logits of every step.
+runs a greedy decode through its own ``ModelRunner``, attending over its KV heads' view of
+its pages; rank 0 reports the tokens and the logits of every step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import socket
+from datetime import timedelta
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from pdserve.engine.model_input import ScheduledChunk
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.model.architectures import build_model
 from pdserve.model.model_config import ModelConfig
-from pdserve.model.tensor_parallel import TensorParallel
+from pdserve.model.tensor_parallel import TensorParallel, join_group
 from pdserve.model.tiny_model import tiny_model_config
 
 PROMPT = [5, 77, 300, 12, 9, 41, 250, 3, 18, 99, 402, 7, 64, 128, 33, 2, 71]
@@ -52,12 +53,8 @@ def _model(config: ModelConfig) -> torch.nn.Module:
 def _greedy(kind: str, tensor_parallel: TensorParallel | None) -> tuple[list[int], torch.Tensor]:
     config = _config(kind)
     model = _model(config)
-    runner_config = config
-    if tensor_parallel is not None:
-        model.shard(tensor_parallel)
-        start, end = tensor_parallel.kv_head_range(config.num_kv_heads)
-        runner_config = dataclasses.replace(config, num_kv_heads=end - start)
-    runner = ModelRunner(model, runner_config, num_blocks=8, block_size=16)
+    # The runner shards the model and attends over its KV heads' view of the pages.
+    runner = ModelRunner(model, config, 8, 16, tensor_parallel=tensor_parallel)
     blocks = [1, 2, 3]
     chunk = ScheduledChunk("r", PROMPT, 0, blocks, sample=True)
     tokens, logits = [], []
@@ -72,16 +69,12 @@ def _greedy(kind: str, tensor_parallel: TensorParallel | None) -> tuple[list[int
 
 def _rank(rank: int, world_size: int, port: int, kinds: list[str], results: dict) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
-    try:
-        for kind in kinds:
-            tokens, logits = _greedy(kind, TensorParallel(rank, world_size))
-            if rank == 0:
-                results[kind] = (tokens, logits.tolist())
-    finally:
-        dist.destroy_process_group()
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0)
+    tensor_parallel = join_group(store, rank, world_size, timedelta(seconds=60))
+    for kind in kinds:
+        tokens, logits = _greedy(kind, tensor_parallel)
+        if rank == 0:
+            results[kind] = (tokens, logits.tolist())
 
 
 def _free_port() -> int:
@@ -115,6 +108,6 @@ def test_tensor_parallel_ranks_match_a_single_process(world_size: int, kinds: li
 def test_a_split_the_model_cannot_take_is_refused_naming_it() -> None:
     model = _model(_config("tiny"))
     with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
-        model.shard(TensorParallel(0, 3))
+        model.shard(TensorParallel(0, 3, group=None))  # type: ignore[arg-type]  # never reached
     with pytest.raises(ValueError, match="rank 2 of world_size 2"):
-        TensorParallel(2, 2)
+        TensorParallel(2, 2, group=None)  # type: ignore[arg-type]

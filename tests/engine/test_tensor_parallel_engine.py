@@ -1,0 +1,110 @@
+"""An engine of tensor-parallel degree 2 or 4 (rank 0 plus spawned peer processes over a real
+gloo group on 127.0.0.1, sharing the KV pages) gives TP=1's outputs exactly: greedy and
+seeded tokens, logprobs, prefix hits and chunked prefills beside running decodes; and a
+rank that dies fails the engine at once, naming it, with no process left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import transformers
+
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.tensor_parallel_peers import TensorParallelGroupLost
+from pdserve.messages.engine_config import EngineConfig
+from pdserve.messages.sampling_params import SamplingParams
+from tests.engine.hf_models import save_hf_model
+
+# Two prompts sharing three blocks (the second is a prefix hit on the first's pages), and
+# one long enough that its prefill is chunked beside the others' decodes.
+SHARED = list(range(3, 51))
+PROMPTS = [SHARED + [60, 61, 62], SHARED + [70, 71], [(7 * i) % 90 + 2 for i in range(120)]]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+SEEDED = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def qwen2_directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Qwen2 (biased q/k/v, 4 query heads sharing 2 KV heads)."""
+    directory = tmp_path_factory.mktemp("qwen2")
+    save_hf_model(directory, transformers.Qwen2Config)
+    return directory
+
+
+def _outputs(engine: LLMEngine) -> list[tuple[list[int], list, int]]:
+    """Greedy (with logprobs) then seeded, prompt by prompt, in one engine: the later
+    prompts hit the earlier ones' cached blocks."""
+    results = []
+    for params in (GREEDY, SEEDED):
+        for output in engine.generate(PROMPTS, params):
+            results.append(
+                (output.output_token_ids, output.output_logprobs, output.num_cached_tokens)
+            )
+    return results
+
+
+def _engine(model: str, tensor_parallel_size: int) -> LLMEngine:
+    return LLMEngine.from_pretrained(
+        model,
+        num_kv_blocks=48,
+        max_num_batched_tokens=64,
+        long_prefill_token_threshold=32,
+        tensor_parallel_size=tensor_parallel_size,
+    )
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [2, 4], ids=["tp2-kv-split", "tp4-kv-replicated"])
+@pytest.mark.parametrize("kind", ["tiny", "qwen2"])
+def test_a_tensor_parallel_engine_gives_a_single_process_engines_outputs(
+    kind: str, tensor_parallel_size: int, request: pytest.FixtureRequest
+) -> None:
+    model = "tiny" if kind == "tiny" else str(request.getfixturevalue("qwen2_directory"))
+    single = _engine(model, 1)
+    expected = _outputs(single)
+    single.shutdown()
+    engine = _engine(model, tensor_parallel_size)
+    try:
+        assert len(engine.runner.peers.pids) == tensor_parallel_size - 1
+        outputs = _outputs(engine)
+    finally:
+        engine.shutdown()
+    assert [tokens for tokens, _, _ in outputs] == [tokens for tokens, _, _ in expected]
+    assert [cached for _, _, cached in outputs] == [cached for _, _, cached in expected]
+    assert any(cached > 0 for _, _, cached in outputs)  # the prefix hit happened
+    for (_, logprobs, _), (_, expected_logprobs, _) in zip(outputs, expected):
+        for got, want in zip(logprobs, expected_logprobs):
+            if want is None:
+                assert got is None
+                continue
+            assert got.token_id == want.token_id
+            assert [token for token, _ in got.top] == [token for token, _ in want.top]
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+
+
+def test_a_rank_that_dies_fails_the_engine_naming_it_and_leaves_no_process() -> None:
+    lost = threading.Event()
+    engine = LLMEngine(
+        EngineConfig(model="tiny", num_kv_blocks=32, tensor_parallel_size=2), on_rank_lost=lost.set
+    )
+    (peer,) = engine.runner.peers.pids
+    try:
+        engine.generate([PROMPTS[0]], SamplingParams(max_tokens=2))  # the group works
+        os.kill(peer, signal.SIGKILL)
+        assert lost.wait(30), "the watchdog did not report the dead rank"
+        engine.add_request("after", PROMPTS[1], SamplingParams(max_tokens=2))
+        with pytest.raises(TensorParallelGroupLost, match=r"rank 1 \(pid \d+\) exited with -9"):
+            engine.step()
+    finally:
+        engine.shutdown()
+    with pytest.raises(ProcessLookupError):
+        os.kill(peer, 0)
+
+
+def test_tensor_parallelism_off_the_cpu_is_refused_naming_why() -> None:
+    with pytest.raises(ValueError, match="run on CPU only for now"):
+        LLMEngine.from_pretrained("tiny", device="meta", tensor_parallel_size=2)
