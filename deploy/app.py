@@ -52,20 +52,23 @@ _SHUTDOWN_POLL_S = 0.2
 
 
 def worker_actor_options(config: PDServeConfig, worker_id: str) -> dict[str, Any]:
-    """Placement of one worker: fractional CPUs on a small box, a GPU when asked for, the
-    custom resources of its role (or its own), and the UCX transports NIXL may use."""
+    """Placement of one worker: fractional CPUs on a small box, a GPU when asked for (each
+    per rank of a tensor-parallel worker), the custom resources of its role (or its own),
+    and the UCX transports NIXL may use."""
     env_vars = {
         "OMP_NUM_THREADS": str(config.torch_threads),
         "MKL_NUM_THREADS": str(config.torch_threads),
     }
     if config.transport == "nixl" and config.ucx_tls:
         env_vars["UCX_TLS"] = config.ucx_tls
+    # A tensor-parallel worker's ranks are processes of its own: it reserves for all of them.
+    ranks = config.tensor_parallel_size_of(worker_id)
     options: dict[str, Any] = {
-        "num_cpus": config.num_cpus_per_worker,
+        "num_cpus": config.num_cpus_per_worker * ranks,
         "runtime_env": {"env_vars": env_vars},
     }
     if config.num_gpus_per_worker:
-        options["num_gpus"] = config.num_gpus_per_worker
+        options["num_gpus"] = config.num_gpus_per_worker * ranks
     resources = config.resources_of(worker_id)
     if resources:
         options["resources"] = resources

@@ -160,6 +160,15 @@ class PDServeConfig(_PartsSettings):  # type: ignore[misc,valid-type]  # generat
     decode_cpus: list[int] | None = Field(
         None, description="the same for decode workers, e.g. prefill on 0-5, decode on 6-7"
     )
+    prefill_tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="ranks every prefill worker's model is split over (processes of its "
+        "node; CPU only for now); a colocated app's workers take this one",
+    )
+    decode_tensor_parallel_size: int = Field(
+        1, ge=1, description="the same for decode workers (may differ from prefill's)"
+    )
     ucx_tls: str | None = Field(
         None,
         description="UCX_TLS of NIXL workers, e.g. 'tcp' (tested between nodes); unset: "
@@ -290,6 +299,12 @@ class PDServeConfig(_PartsSettings):  # type: ignore[misc,valid-type]  # generat
         )
         return dict(role_resources)
 
+    def tensor_parallel_size_of(self, worker_id: str) -> int:
+        """The ranks worker ``worker_id`` is split over: its role's degree."""
+        if worker_id.startswith("prefill-"):
+            return self.prefill_tensor_parallel_size
+        return self.decode_tensor_parallel_size
+
     @field_validator("kv_transfer_secret", mode="before")
     @classmethod
     def _check_secret(cls, secret: Any) -> Any:
@@ -385,6 +400,7 @@ class PDServeConfig(_PartsSettings):  # type: ignore[misc,valid-type]  # generat
             hash_seed=self.hash_seed,
             engine_id=worker_id,
             publish_kv_events=True,
+            tensor_parallel_size=self.tensor_parallel_size_of(worker_id),
         )
         kv_tier = KV_TIER.build(self)
         if kv_tier.disk_path is not None:  # each app its own pages: <disk_path>/<app>/<worker>

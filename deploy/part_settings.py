@@ -7,7 +7,9 @@ docstring under the field, as vLLM's config classes have) and its checks (``__po
 This table only says which of their fields a deployment sets, and under which key:
 
     part            key of field f            not settings (the app builder fills them)
-    engine          f                         model, hash_seed, engine_id, publish_kv_events
+    engine          f                         model, hash_seed, engine_id, publish_kv_events,
+                                              tensor_parallel_size (one per role:
+                                              prefill_/decode_tensor_parallel_size)
     kv tier         kv_tier_f
     kv connector    f (failure_policy:        role, host, port, secret, allow_insecure, tls
                     kv_failure_policy)
@@ -85,7 +87,7 @@ class PartSettings:
 ENGINE = PartSettings(
     "engine",
     EngineConfig,
-    frozenset({"model", "hash_seed", "engine_id", "publish_kv_events"}),
+    frozenset({"model", "hash_seed", "engine_id", "publish_kv_events", "tensor_parallel_size"}),
 )
 KV_TIER = PartSettings("kv tier (kv_tier_*)", KVTierConfig, prefix="kv_tier_")
 KV_CONNECTOR = PartSettings(

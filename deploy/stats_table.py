@@ -10,11 +10,18 @@ from pdserve.stats.views import format_table
 
 def format_stats(stats: dict[str, Any]) -> str:
     """The per-worker table, columns from the stats registry, then the gateway's line."""
+    # "ranks": how many processes the worker's model is split over (its tensor-parallel degree).
+    workers = [{**worker, "ranks": len(worker["rank_pids"])} for worker in stats["workers"]]
     table = format_table(
         WORKER_STATS,
-        stats["workers"],
+        workers,
         {**stats["totals"], "worker_id": "total"},
-        leading=[("worker", "worker_id"), ("role", "role"), ("node", "node_ip")],
+        leading=[
+            ("worker", "worker_id"),
+            ("role", "role"),
+            ("node", "node_ip"),
+            ("ranks", "ranks"),
+        ],
     )
     g = stats["gateway"]
     rejected = sum(g["rejected_by_status"].values())

@@ -305,6 +305,11 @@ class LLMEngine:
         return len(self.scheduler.waiting) + len(self.scheduler.waiting_for_remote_kvs)
 
     @property
+    def rank_pids(self) -> list[int]:
+        """The process ids of the tensor-parallel peers (ranks 1..k-1; none at TP=1)."""
+        return self.runner.peers.pids if self.runner.peers is not None else []
+
+    @property
     def num_leases_held(self) -> int:
         """Finished requests whose blocks stay pinned under a lease for a decode worker."""
         return len(self.scheduler.held_for_transfer)

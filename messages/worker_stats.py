@@ -16,8 +16,9 @@ def per_tier() -> dict[str, float]:
 
 @dataclass(slots=True)
 class WorkerStats:
-    """The worker's identity (which worker, which instance, on which Ray node), then one
-    field per ``WORKER_STATS`` entry, same name and order.
+    """The worker's identity (which worker, which instance, on which Ray node, and the
+    process id of each of its tensor-parallel ranks, rank 0 first: all on that node), then
+    one field per ``WORKER_STATS`` entry, same name and order.
 
     Counters are cumulative since the worker (re)started, so a restarted worker's counters
     begin again under its new ``instance_id``. Units and meanings: ``stats/registry.py``.
@@ -29,6 +30,7 @@ class WorkerStats:
     instance_id: str
     node_id: str = ""
     node_ip: str = ""
+    rank_pids: list[int] = field(default_factory=list)
     num_requests_running: int = 0
     num_requests_waiting: int = 0
     num_requests: int = 0

@@ -261,6 +261,7 @@ class EngineHost:
             instance_id=self.instance_id,
             node_id=self.node_id,
             node_ip=self.node_ip,
+            rank_pids=[os.getpid(), *engine.rank_pids],
             num_requests_running=engine.num_running,
             num_requests_waiting=engine.num_waiting,
             num_requests=stats.num_requests,

@@ -104,6 +104,8 @@ PICKED: dict[str, tuple[Any, dict[str, Any]]] = {
     "model": ("smollm2", {}),
     "served_model_name": ("my-model", {}),
     "device": ("cpu", {}),
+    # A worker reserves its CPUs for every rank.
+    "prefill_tensor_parallel_size": (2, {"num_cpus_per_worker": 0.5}),
     "host": ("127.0.0.2", {}),
     "app_name": ("other-app", {}),
     "route_prefix": ("/pd", {}),
@@ -215,6 +217,14 @@ OWN_SETTINGS_ARRIVE = {
     "hash_seed": lambda v, b: all(w.spec.engine.hash_seed == v for w in b.workers),
     "prefill_cpus": lambda v, b: [w.spec.cpus for w in b.role("producer")] == [tuple(v)],
     "decode_cpus": lambda v, b: [w.spec.cpus for w in b.role("consumer")] == [tuple(v)],
+    "prefill_tensor_parallel_size": lambda v, b: (
+        [w.spec.engine.tensor_parallel_size for w in b.role("producer")] == [v]
+        and [w.actor_options["num_cpus"] for w in b.role("producer")]
+        == [v * b.config.num_cpus_per_worker]
+    ),
+    "decode_tensor_parallel_size": lambda v, b: (
+        [w.spec.engine.tensor_parallel_size for w in b.role("consumer")] == [v]
+    ),
     "ucx_tls": lambda v, b: all(_env(w)["UCX_TLS"] == v for w in b.workers),
     "gateway_resources": lambda v, b: b.app.gateway_options["resources"] == v,
     "prefill_resources": lambda v, b: (

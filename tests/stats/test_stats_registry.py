@@ -17,7 +17,7 @@ from pdserve.stats.latency import (
 from pdserve.stats.registry import GATEWAY_STATS, WORKER_STATS, Kind, Total
 from pdserve.stats.views import totals
 
-IDENTITY = ("worker_id", "role", "instance_id", "node_id", "node_ip")
+IDENTITY = ("worker_id", "role", "instance_id", "node_id", "node_ip", "rank_pids")
 
 
 def test_worker_stats_fields_are_the_registry_in_order():

@@ -1,0 +1,128 @@
+"""Tensor-parallel workers on a real Ray cluster: a hand-off between unequal degrees gives the
+colocated engine's tokens and moves a TP=1 worker's bytes, ``/stats`` names every rank, and
+a rank SIGKILLed mid-generation takes its worker down whole: the requests replay, the worker
+comes back with all its ranks, nothing leaks and no process is left.
+
+Two shapes: prefill TP=2 → decode TP=1 over gRPC, prefill TP=1 → decode TP=2 over NIXL (over
+gRPC where NIXL does not load). Each rank is a process of its worker
+(``engine/tensor_parallel_peers.py``); the KV pages are one shared mapping, so a block is
+one page whatever the degree on either side.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from pdserve.kvconnector.transport.nixl_transport import nixl_available
+from pdserve.messages.sampling_params import SamplingParams
+from tests.service.service_apps import (
+    StreamClient,
+    assert_completions_equal_colocated,
+    assert_drained,
+    expected_text,
+    get_json,
+    openai_client,
+    run_all,
+    running_app,
+    wait_until_ready,
+    wait_until_restarted,
+    worker_rows,
+)
+
+PROMPTS = [
+    "A shared preamble for tensor-parallel workers, long enough for a few blocks: one",
+    "A shared preamble for tensor-parallel workers, long enough for a few blocks: two",
+]
+SHAPES = [
+    pytest.param((2, 1, "grpc"), id="prefill-tp2-to-decode-tp1-grpc"),
+    pytest.param((1, 2, "nixl" if nixl_available() else "grpc"), id="prefill-tp1-to-decode-tp2"),
+]
+
+
+@pytest.fixture(scope="module", params=SHAPES)
+def shape(request, ray_cluster):
+    prefill_tp, decode_tp, transport = request.param
+    with running_app(
+        app_name="tp",
+        route_prefix="/tp",
+        num_prefill=1,
+        num_decode=1,
+        transport=transport,
+        prefill_tensor_parallel_size=prefill_tp,
+        decode_tensor_parallel_size=decode_tp,
+        worker_timeout_s=2.0,
+    ) as config:
+        assert wait_until_ready(config)["ready"]
+        yield config
+
+
+def test_a_hand_off_between_degrees_gives_colocated_tokens_and_moves_tp1_bytes(shape, colocated):
+    rows = worker_rows(shape)
+    for worker_id, degree in (
+        ("prefill-0", shape.prefill_tensor_parallel_size),
+        ("decode-0", shape.decode_tensor_parallel_size),
+    ):
+        assert len(rows[worker_id]["rank_pids"]) == degree, rows[worker_id]
+        assert len(set(rows[worker_id]["rank_pids"])) == degree
+    before = rows["decode-0"]
+    client = openai_client(shape)
+    for sampling in (dict(temperature=0.0), dict(temperature=0.8, seed=5)):
+        assert_completions_equal_colocated(client, colocated, PROMPTS, 12, sampling)
+    after = worker_rows(shape)["decode-0"]
+    blocks = after["num_blocks_received"] - before["num_blocks_received"]
+    assert blocks > 0
+    page_bytes = colocated.runner.kv_cache[0].nbytes  # a TP=1 worker's block
+    assert after["num_bytes_received"] - before["num_bytes_received"] == blocks * page_bytes
+    assert_drained(shape)
+
+
+def test_a_rank_killed_mid_generation_restarts_its_worker_whole_and_loses_nothing(shape, colocated):
+    """The victim is rank 1 of whichever side is tensor-parallel. A decode rank dies while
+    every stream is mid-generation there (each is replayed with its seed on the restarted
+    worker); a prefill rank dies just before the requests arrive (prefill of tiny is too
+    quick to hit mid-way), so they meet a worker going down and coming back."""
+    decode_victim = shape.decode_tensor_parallel_size > 1
+    victim = "decode-0" if decode_victim else "prefill-0"
+    row = worker_rows(shape)[victim]
+    prompts = [f"Request {i}: tell a long story about tensor ranks, part {i}." for i in range(4)]
+    sampling = [dict(temperature=0.0), dict(temperature=0.8, seed=21)] * 2
+    clients = [StreamClient(shape, p, 48, s) for p, s in zip(prompts, sampling)]
+    if not decode_victim:
+        os.kill(row["rank_pids"][1], signal.SIGKILL)
+    for client in clients:
+        client.start()
+    if decode_victim:
+        deadline = time.time() + 30
+        while min(c.events for c in clients) < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        assert worker_rows(shape)[victim]["num_requests_running"] > 0
+        os.kill(row["rank_pids"][1], signal.SIGKILL)
+    run_all(clients, timeout_s=120)
+    for client, prompt, params in zip(clients, prompts, sampling):
+        assert client.error is None, client.error
+        assert client.text == expected_text(
+            colocated, prompt, SamplingParams(max_tokens=48, **params)
+        )
+    restarted = wait_until_restarted(shape, victim, row["instance_id"], timeout_s=90)
+    assert len(restarted["rank_pids"]) == len(row["rank_pids"])
+    assert not set(restarted["rank_pids"]) & set(row["rank_pids"])
+    for pid in row["rank_pids"]:  # the old worker's ranks are all gone, none left hanging
+        _wait_gone(pid)
+    if decode_victim:
+        assert get_json(shape, "/stats")["gateway"]["num_retries"] >= 1
+    assert_drained(shape)
+
+
+def _wait_gone(pid: int, timeout_s: float = 20.0) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"process {pid} of the killed worker is still running")
