@@ -7,6 +7,7 @@ rank that dies fails the engine at once, naming it, with no process left behind.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import threading
 from pathlib import Path
@@ -16,7 +17,9 @@ import transformers
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.tensor_parallel_peers import TensorParallelGroupLost
+from pdserve.kvconnector.tier.tier_connector import TierConnector
 from pdserve.messages.engine_config import EngineConfig
+from pdserve.messages.kv_tier_config import KVTierConfig
 from pdserve.messages.sampling_params import SamplingParams
 from tests.engine.hf_models import save_hf_model
 
@@ -84,6 +87,27 @@ def test_a_tensor_parallel_engine_gives_a_single_process_engines_outputs(
             assert got.token_id == want.token_id
             assert [token for token, _ in got.top] == [token for token, _ in want.top]
             assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+
+
+def test_a_tensor_parallel_engine_loads_evicted_prefixes_back_from_a_kv_tier() -> None:
+    """The tier stores and loads whole pages of the shared KV tensor (every rank's heads),
+    so a TP=2 engine whose pool holds one request at a time, four system prompts taking
+    turns, gives the tokens of a TP=1 engine without a tier."""
+    rng = random.Random(0)
+    systems = [[rng.randrange(2, 500) for _ in range(64)] for _ in range(4)]
+    prompts = [systems[i % 4] + [rng.randrange(2, 500) for _ in range(8)] for i in range(8)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    kwargs = dict(num_kv_blocks=12, max_num_seqs=1, max_num_batched_tokens=32)
+    plain = LLMEngine.from_pretrained("tiny", **kwargs)
+    expected = [plain.generate([prompt], params)[0].output_token_ids for prompt in prompts]
+    tier = TierConnector(KVTierConfig(cpu_bytes=1 << 22), "worker-0")
+    engine = LLMEngine.from_pretrained("tiny", connector=tier, tensor_parallel_size=2, **kwargs)
+    try:
+        assert [engine.generate([p], params)[0].output_token_ids for p in prompts] == expected
+        (stats,) = engine.stats().tiers
+    finally:
+        engine.shutdown()
+    assert stats.blocks_loaded == 4 * 4 and stats.load_failures == 0  # 4 system blocks, 4 times
 
 
 def test_a_rank_that_dies_fails_the_engine_naming_it_and_leaves_no_process() -> None:

@@ -1,5 +1,6 @@
 """Tensor-parallel workers on a real Ray cluster: a hand-off between unequal degrees gives the
-colocated engine's tokens and moves a TP=1 worker's bytes, ``/stats`` names every rank, and
+colocated engine's tokens and moves a TP=1 worker's bytes, n choices and logprobs cross it,
+``/stats`` names every rank, and
 a rank SIGKILLed mid-generation takes its worker down whole: the requests replay, the worker
 comes back with all its ranks, nothing leaks and no process is left.
 
@@ -77,6 +78,25 @@ def test_a_hand_off_between_degrees_gives_colocated_tokens_and_moves_tp1_bytes(s
     assert blocks > 0
     page_bytes = colocated.runner.kv_cache[0].nbytes  # a TP=1 worker's block
     assert after["num_bytes_received"] - before["num_bytes_received"] == blocks * page_bytes
+    assert_drained(shape)
+
+
+def test_n_choices_and_logprobs_cross_the_degrees_as_colocated(shape, colocated):
+    """Choice 0 is prefilled on one degree and decoded on the other (its first logprob the
+    prefill's); choice 1 runs wholly on the decode worker, a local prefix hit there."""
+    prompt = PROMPTS[0] + ", with two choices"
+    sampling = dict(max_tokens=8, temperature=0.9, logprobs=2)
+    reply = openai_client(shape).completions.create(
+        model="tiny", prompt=prompt, n=2, seed=9, **sampling
+    )
+    expected = [
+        colocated.generate([prompt], SamplingParams(seed=seed, **sampling))[0] for seed in (9, 10)
+    ]
+    assert [choice.text for choice in reply.choices] == [output.text for output in expected]
+    for choice, output in zip(reply.choices, expected):
+        assert choice.logprobs.token_logprobs == pytest.approx(
+            [entry.logprob for entry in output.output_logprobs], abs=1e-4
+        )
     assert_drained(shape)
 
 
