@@ -21,7 +21,8 @@ replica that sees a new one pushes its recent records again. Until every replica
 to the new board, a replica answers with the rows it last read for the replicas the board
 does not know yet (each reads the rows after every push, not only when asked for
 ``/stats``), so no counter of ``/stats`` goes backwards; a failed push keeps its records for
-the next.
+the next. A request's record, asked of another replica before its own has refilled the new
+board, is 404 for up to a push interval.
 """
 
 from __future__ import annotations
