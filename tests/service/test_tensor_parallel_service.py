@@ -1,6 +1,6 @@
 """Tensor-parallel workers on a real Ray cluster: a hand-off between unequal degrees gives the
 colocated engine's tokens and moves a TP=1 worker's bytes, n choices and logprobs cross it,
-``/stats`` names every rank, and
+``/stats`` names every rank, ``pdserve scale`` starts and stops whole workers, and
 a rank SIGKILLed mid-generation takes its worker down whole: the requests replay, the worker
 comes back with all its ranks, nothing leaks and no process is left.
 
@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from pdserve.deploy.cluster import scale
 from pdserve.kvconnector.transport.nixl_transport import nixl_available
 from pdserve.messages.sampling_params import SamplingParams
 from tests.service.service_apps import (
@@ -97,6 +98,42 @@ def test_n_choices_and_logprobs_cross_the_degrees_as_colocated(shape, colocated)
         assert choice.logprobs.token_logprobs == pytest.approx(
             [entry.logprob for entry in output.output_logprobs], abs=1e-4
         )
+    assert_drained(shape)
+
+
+def test_scaling_tensor_parallel_workers_up_and_down_starts_and_stops_all_their_ranks(
+    shape, colocated
+):
+    """``pdserve scale`` keeps the app's degrees: the decode worker it adds has as many
+    ranks as the first, serves as colocated, and scaling down stops every one of them."""
+    if shape.decode_tensor_parallel_size == 1:
+        pytest.skip("scaled in the shape whose decode workers are tensor-parallel")
+    scale(shape.app_name, 1, 2)
+    try:
+        wait_until_ready(shape, timeout_s=120)
+        added = worker_rows(shape)["decode-1"]
+        assert len(added["rank_pids"]) == shape.decode_tensor_parallel_size
+        params = SamplingParams(max_tokens=16, temperature=0.0)
+        for round_index in range(3):  # concurrent streams, until the router spread them to it
+            prompts = [
+                f"Scaled tensor-parallel decode, round {round_index}, {i}." for i in range(4)
+            ]
+            clients = [StreamClient(shape, p, 16, dict(temperature=0.0)) for p in prompts]
+            for client in clients:
+                client.start()
+            run_all(clients)
+            for client, prompt in zip(clients, prompts):
+                assert client.error is None, client.error
+                assert client.text == expected_text(colocated, prompt, params)
+            if worker_rows(shape)["decode-1"]["num_requests"] > 0:
+                break
+        assert worker_rows(shape)["decode-1"]["num_requests"] > 0  # the new worker served
+    finally:
+        scale(shape.app_name, 1, 1)
+    wait_until_ready(shape, timeout_s=120)
+    assert sorted(worker_rows(shape)) == ["decode-0", "prefill-0"]
+    for pid in added["rank_pids"]:
+        _wait_gone(pid)
     assert_drained(shape)
 
 
