@@ -33,6 +33,7 @@ import multiprocessing.connection
 import threading
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -123,10 +124,12 @@ class TensorParallelPeers:
         threading.Thread(target=self._watch, name="tp-peer-watchdog", daemon=True).start()
 
     def send(self, chunks: list[ScheduledChunk]) -> None:
-        """Give every peer this step's chunks (before rank 0 runs its own forward)."""
+        """Give every peer this step's chunks (before rank 0 runs its own forward), pickled
+        once for all of them (``recv`` on the other end unpickles what ``send`` would)."""
+        payload = ForkingPickler.dumps(chunks)
         for rank, pipe in enumerate(self._pipes, start=1):
             try:
-                pipe.send(chunks)
+                pipe.send_bytes(payload)
             except OSError as error:  # a broken pipe: the peer is gone
                 reason = self.failure() or f"rank {rank} is gone: {error}"
                 raise TensorParallelGroupLost(reason) from error

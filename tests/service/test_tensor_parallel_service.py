@@ -104,19 +104,24 @@ def test_n_choices_and_logprobs_cross_the_degrees_as_colocated(shape, colocated)
 def test_scaling_tensor_parallel_workers_up_and_down_starts_and_stops_all_their_ranks(
     shape, colocated
 ):
-    """``pdserve scale`` keeps the app's degrees: the decode worker it adds has as many
-    ranks as the first, serves as colocated, and scaling down stops every one of them."""
-    if shape.decode_tensor_parallel_size == 1:
-        pytest.skip("scaled in the shape whose decode workers are tensor-parallel")
-    scale(shape.app_name, 1, 2)
+    """``pdserve scale`` keeps the app's degrees: a second worker of the tensor-parallel
+    role has as many ranks as the first, serves as colocated, and scaling down stops every
+    one of them."""
+    prefill_scaled = shape.prefill_tensor_parallel_size > 1
+    added_id, degree = (
+        ("prefill-1", shape.prefill_tensor_parallel_size)
+        if prefill_scaled
+        else ("decode-1", shape.decode_tensor_parallel_size)
+    )
+    scale(shape.app_name, 1 + prefill_scaled, 2 - prefill_scaled)
     try:
         wait_until_ready(shape, timeout_s=120)
-        added = worker_rows(shape)["decode-1"]
-        assert len(added["rank_pids"]) == shape.decode_tensor_parallel_size
+        added = worker_rows(shape)[added_id]
+        assert len(added["rank_pids"]) == degree
         params = SamplingParams(max_tokens=16, temperature=0.0)
         for round_index in range(3):  # concurrent streams, until the router spread them to it
             prompts = [
-                f"Scaled tensor-parallel decode, round {round_index}, {i}." for i in range(4)
+                f"Scaled tensor-parallel worker, round {round_index}, {i}." for i in range(4)
             ]
             clients = [StreamClient(shape, p, 16, dict(temperature=0.0)) for p in prompts]
             for client in clients:
@@ -125,9 +130,9 @@ def test_scaling_tensor_parallel_workers_up_and_down_starts_and_stops_all_their_
             for client, prompt in zip(clients, prompts):
                 assert client.error is None, client.error
                 assert client.text == expected_text(colocated, prompt, params)
-            if worker_rows(shape)["decode-1"]["num_requests"] > 0:
+            if worker_rows(shape)[added_id]["num_requests"] > 0:
                 break
-        assert worker_rows(shape)["decode-1"]["num_requests"] > 0  # the new worker served
+        assert worker_rows(shape)[added_id]["num_requests"] > 0  # the new worker served
     finally:
         scale(shape.app_name, 1, 1)
     wait_until_ready(shape, timeout_s=120)
