@@ -1,6 +1,7 @@
 """Tensor-parallel workers on a real Ray cluster: a hand-off between unequal degrees gives the
 colocated engine's tokens and moves a TP=1 worker's bytes, n choices and logprobs cross it,
-``/stats`` names every rank, ``pdserve scale`` starts and stops whole workers, and
+``/stats`` names every rank, a short prompt under the disaggregation threshold runs whole on
+a TP decode worker, ``pdserve scale`` starts and stops whole workers, and
 a rank SIGKILLed mid-generation takes its worker down whole: the requests replay, the worker
 comes back with all its ranks, nothing leaks and no process is left.
 
@@ -18,7 +19,7 @@ import time
 
 import pytest
 
-from pdserve.deploy.cluster import scale
+from pdserve.deploy.cluster import deploy, scale
 from pdserve.kvconnector.transport.nixl_transport import nixl_available
 from pdserve.messages.sampling_params import SamplingParams
 from tests.service.service_apps import (
@@ -98,6 +99,35 @@ def test_n_choices_and_logprobs_cross_the_degrees_as_colocated(shape, colocated)
         assert choice.logprobs.token_logprobs == pytest.approx(
             [entry.logprob for entry in output.output_logprobs], abs=1e-4
         )
+    assert_drained(shape)
+
+
+def test_a_short_prompt_runs_whole_on_a_tensor_parallel_decode_worker_under_the_threshold(
+    shape, colocated
+):
+    """Conditional disaggregation: the gateway alone is redeployed with a threshold (Serve
+    keeps the workers); a short new prompt then runs on the decode worker, whatever its
+    degree, with no KV moved, and gives the colocated engine's tokens."""
+    deploy(shape.model_copy(update={"disagg_min_uncached_tokens": 48}))
+    try:
+        wait_until_ready(shape)
+        before = get_json(shape, "/stats")
+        prompt = "short, tensor-parallel"
+        reply = openai_client(shape).completions.create(
+            model="tiny", prompt=prompt, max_tokens=8, temperature=0
+        )
+        assert reply.choices[0].text == expected_text(
+            colocated, prompt, SamplingParams(max_tokens=8, temperature=0)
+        )
+        after = get_json(shape, "/stats")
+        assert (
+            after["gateway"]["num_requests_prefilled_on_decode"]
+            == before["gateway"]["num_requests_prefilled_on_decode"] + 1
+        )
+        assert after["totals"]["num_blocks_received"] == before["totals"]["num_blocks_received"]
+    finally:
+        deploy(shape)
+    wait_until_ready(shape)
     assert_drained(shape)
 
 
