@@ -161,7 +161,10 @@ def test_each_replica_admits_its_share_under_real_load_and_grpc_needs_one_replic
             body = {
                 "model": "tiny",
                 "prompt": f"stream {i}",
-                "max_tokens": 160,
+                # Long enough that the watcher's /stats (which waits on every worker's
+                # reading) samples the streams mid-way: at 160 tokens a quiet CI machine
+                # finished them between two samples ("no replica was full").
+                "max_tokens": 480,
                 "temperature": 0,
                 "ignore_eos": True,
             }
