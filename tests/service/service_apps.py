@@ -339,7 +339,12 @@ class StreamClient(threading.Thread):
                 ):
                     self.dropped = True
                     return
-                event = read_event(response)
+                try:
+                    event = read_event(response)
+                except Exception:  # a read cut by drop()'s shutdown of the socket
+                    if not self.drop_now.is_set():
+                        raise
+                    event = None
                 if event is None:
                     self.dropped = self.drop_now.is_set()
                     return
