@@ -238,8 +238,6 @@ class ModelRunner:
             hidden = self.model.forward(
                 input_ids.to(self.device), metadata.positions, self.attention_kv, metadata
             )
-            if (
-                len(sample_rows) != input_ids.shape[0]
-            ):  # else every token is a sampled decode, in order
+            if sample_rows != list(range(input_ids.shape[0])):  # else every row, in order
                 hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
             return self.model.compute_logits(hidden).float()

@@ -9,6 +9,7 @@ so a correct result proves the paging.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -212,3 +213,24 @@ def test_greedy_generation_equals_transformers_generate(tmp_path, config_class):
                 pad_token_id=1,
             )
         assert output == generated[0, len(prompt) :].tolist()
+
+
+def test_decode_before_an_all_logits_prefill_gets_its_own_row(tmp_path):
+    """A decode ahead of a prompt-logprobs prefill: the runner moves the prefill first, and
+    every token is a logit row, so the row count matches the token count but their order
+    does not (main returned the prefill's first row as the decode's)."""
+    reference = save_hf_model(tmp_path, transformers.LlamaConfig)
+    runner = make_runner(tmp_path)
+    decoding, echoed = random_tokens(9, seed=7), random_tokens(6, seed=8)
+    paged = PagedRequests(runner, seed=9)
+    runner.execute([paged.chunk("a", decoding[:-1], 0)])
+    logits = runner.execute(
+        [
+            paged.chunk("a", decoding[-1:], len(decoding) - 1),
+            replace(paged.chunk("b", echoed, 0), all_logits=True),
+        ]
+    )
+    torch.testing.assert_close(
+        logits[0], reference_logits(reference, decoding)[-1], atol=ATOL, rtol=0
+    )
+    torch.testing.assert_close(logits[1:], reference_logits(reference, echoed), atol=ATOL, rtol=0)
