@@ -17,7 +17,7 @@ def requests() -> list[tuple[str, list[int], SamplingParams]]:
     rng = random.Random(4)
     kinds = [
         SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2),
-        SamplingParams(max_tokens=30, temperature=0.8, seed=7, stop=["4/", "T"]),
+        SamplingParams(max_tokens=30, temperature=0.8, seed=7, stop=["4/", "*"]),
         SamplingParams(max_tokens=20, temperature=0.0, prompt_logprobs=1, logprobs=0),
         SamplingParams(max_tokens=25, temperature=1.0, seed=3, top_p=0.9),
     ]
