@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.cache import KVCacheManager
 from pdserve.engine.request import Request
+from pdserve.engine.spec_decode import SpecDecodeStats
 from pdserve.grammar import CompilerStats
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ class EngineStats:
     num_constrained_rows: int = 0
     num_masked_tokens: int = 0
     grammar: CompilerStats = field(default_factory=CompilerStats)
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     transfer: TransferStatsSnapshot | None = None
     tiers: list[TierStatsSnapshot] = field(default_factory=list)
 

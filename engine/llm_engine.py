@@ -31,6 +31,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.request_output import RequestOutput
 from pdserve.engine.sampler import sample, token_logprobs
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.spec_decode import NgramProposer, SpecDecodeStats, accepted_tokens
 from pdserve.engine.tensor_parallel_peers import TensorParallelPeers
 from pdserve.engine.token_bitmask import fill_token_bitmask, num_masked_tokens
 from pdserve.grammar import GrammarCompiler
@@ -143,8 +144,11 @@ class LLMEngine:
             connector=connector,
             failure_policy=connector.failure_policy if connector else "recompute",
             long_prefill_token_threshold=config.long_prefill_token_threshold,
+            proposer=_proposer(config),
         )
         self._stats = EngineStats(num_blocks=num_blocks)
+        if config.speculative_method != "off":  # a series per draft position from the start
+            self._stats.spec_decode = SpecDecodeStats.for_positions(config.num_speculative_tokens)
         self._finished_on_arrival: list[Request] = []
         self._kv_events: list[KVCacheEvent] = []
         self._tracked: dict[str, _Tracked] = {}
@@ -341,17 +345,23 @@ class LLMEngine:
         changed, self._finished_on_arrival = self._finished_on_arrival, []
         if output.chunks:
             logits = self._sampled_rows(self.runner.execute(output.chunks), output)
-            sampled = [r for c, r in zip(output.chunks, output.requests) if c.sample]
+            sampled = [(c, r) for c, r in zip(output.chunks, output.requests) if c.sample]
+            # One row per sampled position: a chunk's last token, then each of its drafts.
+            rows = [
+                (r, r.num_output_tokens + j) for c, r in sampled for j in range(c.num_sample_rows)
+            ]
             token_ids = sample(
                 logits,
-                [r.sampling_params for r in sampled],
-                [r.sampling_seed for r in sampled],
-                [r.num_output_tokens for r in sampled],
+                [r.sampling_params for r, _ in rows],
+                [r.sampling_seed for r, _ in rows],
+                [position for _, position in rows],
                 self._token_bitmask(sampled, logits.shape[1]),
             )
-            _record_logprobs(logits, sampled, token_ids)
-            changed += scheduler.update_from_output(output, token_ids)
-            self._stats.record_step(output.num_scheduled_tokens, len(token_ids))
+            new_token_ids = self._verify(sampled, token_ids)
+            num_before = [r.num_output_tokens for _, r in sampled]
+            changed += scheduler.update_from_output(output, new_token_ids)
+            _record_logprobs(logits, sampled, num_before)
+            self._stats.record_step(output.num_scheduled_tokens, sum(map(len, new_token_ids)))
         if self.connector is not None:
             self.connector.wait_for_save()
             if not output.chunks and self.connector.has_pending_loads():
@@ -360,14 +370,45 @@ class LLMEngine:
         self._stats.num_evictions += self._collect_kv_events()
         return [self._make_output(request, delta) for request in changed]
 
-    def _token_bitmask(self, sampled: list[Request], vocab_size: int) -> torch.Tensor | None:
-        """The tokens each sampled row's grammar allows (None: no row has a grammar)."""
-        bitmask = fill_token_bitmask([r.grammar for r in sampled], vocab_size)
+    def _token_bitmask(
+        self, sampled: list[tuple[ScheduledChunk, Request]], vocab_size: int
+    ) -> torch.Tensor | None:
+        """The tokens each sampled row's grammar allows, a draft's row in the state after
+        the drafts before it (None: no row has a grammar)."""
+        bitmask = fill_token_bitmask(
+            [(r.grammar, c.draft_token_ids) for c, r in sampled], vocab_size
+        )
         if bitmask is not None:
-            rows = [row for row, r in enumerate(sampled) if r.grammar is not None]
+            rows: list[int] = []
+            first = 0
+            for chunk, request in sampled:
+                if request.grammar is not None:
+                    rows += range(first, first + chunk.num_sample_rows)
+                first += chunk.num_sample_rows
             self._stats.num_constrained_rows += len(rows)
             self._stats.num_masked_tokens += num_masked_tokens(bitmask, rows, vocab_size)
         return bitmask
+
+    def _verify(
+        self, sampled: list[tuple[ScheduledChunk, Request]], token_ids: list[int]
+    ) -> list[list[int]]:
+        """Each sampling chunk's new tokens: its one sample, or its drafts' verified run
+        (``spec_decode/verification.py``), counted in the stats and the request's
+        acceptance."""
+        runs, first = [], 0
+        for chunk, request in sampled:
+            rows = token_ids[first : first + chunk.num_sample_rows]
+            first += chunk.num_sample_rows
+            if not chunk.num_draft_tokens:
+                runs.append(rows)
+                continue
+            run = accepted_tokens(chunk.draft_token_ids, rows)
+            num_accepted = len(run) - 1
+            self._stats.spec_decode.record(chunk.num_draft_tokens, num_accepted)
+            if request.drafts is not None:
+                request.drafts.acceptance.record(chunk.num_draft_tokens, num_accepted)
+            runs.append(run)
+        return runs
 
     @staticmethod
     def _sampled_rows(logits: torch.Tensor, output: SchedulerOutput) -> torch.Tensor:
@@ -376,13 +417,13 @@ class LLMEngine:
         position ``p`` predicts the token at ``p + k + 1``)."""
         if not any(chunk.all_logits for chunk in output.chunks):
             return logits
-        rows, offset = [], 0
+        rows: list[int] = []
+        offset = 0
         for chunk, request in zip(output.chunks, output.requests):
             count = chunk.num_logit_rows
             if chunk.all_logits:
                 _record_prompt_logprobs(logits[offset : offset + count], chunk, request)
-            if chunk.sample:
-                rows.append(offset + count - 1)
+            rows += range(offset + count - chunk.num_sample_rows, offset + count)
             offset += count
         return logits[rows]
 
@@ -412,10 +453,19 @@ class LLMEngine:
     def _make_output(self, request: Request, delta: bool = False) -> RequestOutput:
         tracked = self._tracked.get(request.request_id)
         if tracked is not None:
-            stop = tracked.detokenizer.update(request.output_token_ids)
-            if stop is not None and not request.is_finished:
-                request.stop_reason = stop
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+            detokenizer = tracked.detokenizer
+            stop = detokenizer.update(request.output_token_ids)
+            cut = detokenizer.num_tokens_at_stop
+            if stop is not None and cut is not None:
+                # Inside a speculative run, the tokens after the stop string's are not
+                # output: the request ends where a token-by-token decode would have.
+                if not request.is_finished:
+                    request.stop_reason = stop
+                    self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+                elif cut < request.num_output_tokens:
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    request.stop_reason = stop
+                request.truncate_output(cut)
         if request.is_finished:
             self._tracked.pop(request.request_id, None)
             request.finish_time = request.finish_time or time.time()
@@ -491,23 +541,30 @@ class LLMEngine:
             self.runner.peers.close()
 
 
-def _record_logprobs(logits: torch.Tensor, sampled: list[Request], token_ids: list[int]) -> None:
-    """Appends each sampled token's logprobs to the requests that ask for them."""
-    asked = [
-        (r, num_top)
-        for r, request in enumerate(sampled)
-        if (num_top := request.sampling_params.logprobs) is not None
-    ]
-    if not asked:
+def _record_logprobs(
+    logits: torch.Tensor, sampled: list[tuple[ScheduledChunk, Request]], num_before: list[int]
+) -> None:
+    """Appends the logprobs of the tokens each request gained this step (its output past
+    ``num_before``; row ``j`` of a chunk's sample rows gave its ``j``-th new token), for the
+    requests that ask for them."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    num_tops: list[int] = []
+    owners: list[Request] = []
+    first = 0
+    for (chunk, request), before in zip(sampled, num_before):
+        num_top = request.sampling_params.logprobs
+        new_tokens = request.output_token_ids[before:]
+        if num_top is not None:
+            rows += range(first, first + len(new_tokens))
+            tokens += new_tokens
+            num_tops += [num_top] * len(new_tokens)
+            owners += [request] * len(new_tokens)
+        first += chunk.num_sample_rows
+    if not rows:
         return
-    rows = [r for r, _ in asked]
-    results = token_logprobs(
-        logits[rows],
-        [token_ids[r] for r in rows],
-        [num_top for _, num_top in asked],
-    )
-    for row, result in zip(rows, results):
-        sampled[row].output_logprobs.append(result)
+    for owner, result in zip(owners, token_logprobs(logits[rows], tokens, num_tops)):
+        owner.output_logprobs.append(result)
 
 
 def _record_prompt_logprobs(logits: torch.Tensor, chunk: ScheduledChunk, request: Request) -> None:
@@ -522,6 +579,18 @@ def _record_prompt_logprobs(logits: torch.Tensor, chunk: ScheduledChunk, request
         return
     request.prompt_logprobs.extend(
         token_logprobs(logits[: len(targets)], targets, [k] * len(targets))
+    )
+
+
+def _proposer(config: EngineConfig) -> NgramProposer | None:
+    """The drafter ``config.speculative_method`` names (None: speculation is off)."""
+    if config.speculative_method == "off":
+        return None
+    return NgramProposer(
+        config.num_speculative_tokens,
+        config.prompt_lookup_min,
+        config.prompt_lookup_max,
+        config.speculative_min_acceptance,
     )
 
 

@@ -22,6 +22,12 @@ class ScheduledChunk:
 
     ``block_ids`` is the first KV group's table (the only one for most models);
     ``other_block_ids`` the other groups' (Gemma 3's windowed layers), in group order.
+
+    A speculative decode step ends in ``num_draft_tokens`` drafts, written into the
+    request's lookahead slots; each of its ``1 + num_draft_tokens`` rows is sampled
+    (``engine/spec_decode/verification.py``)::
+
+        token_ids:  | last token | d_0 | d_1 | d_2 |     logit rows: one per token
     """
 
     request_id: str
@@ -31,6 +37,16 @@ class ScheduledChunk:
     sample: bool
     all_logits: bool = False
     other_block_ids: tuple[list[int], ...] = ()
+    num_draft_tokens: int = 0
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens :]
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Rows sampled: the last token's and each draft's (0 when the chunk samples none)."""
+        return 1 + self.num_draft_tokens if self.sample else 0
 
     @property
     def block_tables(self) -> tuple[list[int], ...]:
@@ -39,5 +55,6 @@ class ScheduledChunk:
 
     @property
     def num_logit_rows(self) -> int:
-        """Rows of the step's logits this chunk gets: all its tokens, its last, or none."""
-        return len(self.token_ids) if self.all_logits else int(self.sample)
+        """Rows of the step's logits this chunk gets: all its tokens, its sampled ones
+        (its last, and its drafts), or none."""
+        return len(self.token_ids) if self.all_logits else self.num_sample_rows

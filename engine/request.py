@@ -16,6 +16,7 @@ from pdserve.messages.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.engine.kv_connector_base import PullSummary
+    from pdserve.engine.spec_decode.ngram_proposer import NgramDrafts
     from pdserve.messages.kv_transfer_params import KVTransferParams
 
 
@@ -128,6 +129,8 @@ class Request:
         )
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        # Speculative decoding's state for this request (made at its first drafting step).
+        self.drafts: NgramDrafts | None = None
         self.status = RequestStatus.WAITING
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
@@ -193,6 +196,18 @@ class Request:
         if self.grammar is not None:
             self.grammar.accept(token_id)
         self._update_block_hashes()
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drops the output tokens after the first ``num_output_tokens`` (a stop string
+        found inside a speculative step's run: the tokens after it were never output).
+        Only for a request that has finished; its blocks are already released."""
+        cut = self.num_output_tokens - num_output_tokens
+        if cut <= 0:
+            return
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[len(self.all_token_ids) - cut :]
+        del self.output_logprobs[num_output_tokens:]
+        del self.block_hashes[len(self.all_token_ids) // self._block_hasher.block_size :]
 
     def _update_block_hashes(self) -> None:
         """Hash the blocks that just filled; a token that completes none costs one check."""

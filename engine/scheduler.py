@@ -30,6 +30,7 @@ from pdserve.engine.kv_connector_base import (
 )
 from pdserve.engine.model_input import ScheduledChunk
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.spec_decode import NgramProposer
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class Scheduler:
         connector: KVConnectorBase | None = None,
         failure_policy: str = "recompute",
         long_prefill_token_threshold: int = 0,
+        proposer: NgramProposer | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.block_size = block_size
@@ -80,6 +82,7 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.connector = connector
         self.failure_policy = failure_policy
+        self.proposer = proposer  # speculative decoding's drafts (None: off)
         self.counters = SchedulerCounters()
 
         self.requests: dict[str, Request] = {}
@@ -146,15 +149,24 @@ class Scheduler:
             num_new_tokens = self._chunk_size(
                 request.num_tokens - request.num_computed_tokens, budget
             )
-            while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
+            drafts = self._drafts(request, num_new_tokens, budget)
+            while (
+                self.kv_cache_manager.allocate_slots(
+                    request, num_new_tokens, num_lookahead_tokens=len(drafts)
+                )
+                is None
+            ):
+                if drafts:  # room for the step without speculation, before preempting anyone
+                    drafts = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
             else:
-                self._schedule_chunk(output, request, num_new_tokens)
-                budget -= num_new_tokens
+                self._schedule_chunk(output, request, num_new_tokens, drafts)
+                budget -= num_new_tokens + len(drafts)
                 index += 1
 
         while self.waiting and budget > 0 and not preempted:
@@ -219,12 +231,22 @@ class Scheduler:
         num_new_tokens = self._chunk_size(
             request.num_tokens - request.num_computed_tokens - num_local, budget
         )
+        drafts = self._drafts(request, num_new_tokens, budget, num_local)
         blocks = manager.allocate_slots(
             request,
             num_new_tokens,
             num_new_computed_tokens=num_local,
             new_computed_blocks=computed_blocks,
+            num_lookahead_tokens=len(drafts),
         )
+        if blocks is None and drafts:  # room without speculation, perhaps
+            drafts = []
+            blocks = manager.allocate_slots(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens=num_local,
+                new_computed_blocks=computed_blocks,
+            )
         if blocks is None:
             return None
         if computed_blocks is not None:  # a lookup ran: count it once, now it is admitted
@@ -234,8 +256,8 @@ class Scheduler:
         request.record_first_admission(num_local)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        self._schedule_chunk(output, request, num_new_tokens)
-        return num_new_tokens
+        self._schedule_chunk(output, request, num_new_tokens, drafts)
+        return num_new_tokens + len(drafts)
 
     def _chunk_size(self, num_remaining_tokens: int, budget: int) -> int:
         """This step's tokens of a request with ``num_remaining_tokens`` left to compute."""
@@ -244,19 +266,59 @@ class Scheduler:
             num_tokens = min(num_tokens, self.long_prefill_token_threshold)
         return num_tokens
 
-    def _schedule_chunk(self, output: SchedulerOutput, request: Request, num_tokens: int) -> None:
+    def _drafts(
+        self, request: Request, num_new_tokens: int, budget: int, num_new_computed: int = 0
+    ) -> list[int]:
+        """Draft tokens to verify after this step's token, when the step is a request's
+        single last token (a decode, or a prompt's last token) and a proposer is set.
+
+        At most as many as leave room for every emitted token (``1 + drafts``) under
+        ``max_tokens``, ``max_model_len`` and the step's token budget; a prompt-logprobs
+        request never drafts (its rows are the prompt's)."""
+        proposer = self.proposer
+        if (
+            proposer is None
+            or num_new_tokens != 1
+            or request.num_computed_tokens + num_new_computed + 1 != request.num_tokens
+            or request.needs_prompt_logprobs
+        ):
+            return []
+        room = min(
+            request.sampling_params.max_tokens - request.num_output_tokens,
+            self.max_model_len - request.num_tokens,
+            budget,
+        )
+        if request.drafts is None:
+            request.drafts = proposer.new_state()
+        drafts = proposer.propose(request.drafts, request.all_token_ids, room - 1)
+        grammar = request.grammar
+        if drafts and grammar is not None:  # only drafts the grammar allows, in order
+            drafts = drafts[: grammar.num_valid_tokens(drafts)]
+        return drafts
+
+    def _schedule_chunk(
+        self,
+        output: SchedulerOutput,
+        request: Request,
+        num_tokens: int,
+        drafts: list[int] | None = None,
+    ) -> None:
+        """Schedules the request's next ``num_tokens``, and ``drafts`` in its lookahead
+        slots after them (counted as computed only once verified)."""
         start = request.num_computed_tokens
         end = start + num_tokens
         first, *others = self.kv_cache_manager.get_block_ids(request)
+        drafts = drafts or []
         output.chunks.append(
             ScheduledChunk(
                 request_id=request.request_id,
-                token_ids=request.all_token_ids[start:end],
+                token_ids=request.all_token_ids[start:end] + drafts,
                 start_position=start,
                 block_ids=first,
                 sample=end == request.num_tokens,
                 all_logits=request.needs_prompt_logprobs,
                 other_block_ids=tuple(others),
+                num_draft_tokens=len(drafts),
             )
         )
         output.requests.append(request)
@@ -272,24 +334,34 @@ class Scheduler:
 
     # ---- applying results -----------------------------------------------------------
     def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: list[int]
+        self, output: SchedulerOutput, new_token_ids: list[list[int]]
     ) -> list[Request]:
-        """Appends each sampled token, checks stop conditions; returns requests that changed."""
+        """Appends each sampling chunk's new tokens (one, or a verified run of drafts and
+        its bonus token), checking the stop conditions after each: a run stops at its first
+        stop. Returns the requests that changed.
+
+        The K/V of every appended token but the last was written by this step (the last
+        token, and each accepted draft), so they count as computed; rejected drafts' slots
+        are simply written again later."""
         changed: list[Request] = []
-        tokens = iter(sampled_token_ids)
+        tokens = iter(new_token_ids)
         sampled_at = time.perf_counter()
         for chunk, request in zip(output.chunks, output.requests):
             if not chunk.sample:
                 continue
-            token_id = next(tokens)
+            run = next(tokens)
             if request.is_finished:  # aborted while the step ran
                 continue
             request.stamps.first_token_at = request.stamps.first_token_at or sampled_at
-            request.append_output_token(token_id)
             changed.append(request)
-            status = self.check_stop(request)
-            if status is not None:
-                self.finish_request(request, status)
+            for token_id in run:
+                request.append_output_token(token_id)
+                status = self.check_stop(request)
+                if status is not None:
+                    self.finish_request(request, status)
+                    break
+            else:
+                request.num_computed_tokens += len(run) - 1
         return changed
 
     def check_stop(self, request: Request) -> RequestStatus | None:

@@ -29,18 +29,36 @@ _EXECUTOR: llguidance.LLExecutor | None = None
 
 
 def fill_token_bitmask(
-    matchers: Sequence[GrammarMatcher | None], vocab_size: int
+    rows: Sequence[tuple[GrammarMatcher | None, list[int]]], vocab_size: int
 ) -> torch.Tensor | None:
-    """The bitmask of the rows' next tokens; None when no row has a grammar."""
-    constrained = [(m.llmatcher, row) for row, m in enumerate(matchers) if m is not None]
-    if not constrained:
+    """The bitmask of each sampling chunk's rows; None when no chunk has a grammar.
+
+    A chunk is ``(its grammar, its draft tokens)`` and gets ``1 + len(drafts)`` rows: the
+    next token's mask, then each draft's, in the state after the drafts before it
+    (llguidance advances through the drafts and rolls back; the scheduler drafted only
+    tokens the grammar allows)."""
+    if all(matcher is None for matcher, _ in rows):
         return None
     global _EXECUTOR
     if _EXECUTOR is None:
         _EXECUTOR = llguidance.LLExecutor()
     words = (vocab_size + 31) // 32
-    bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)
-    _EXECUTOR.unsafe_compute_mask_ptr(constrained, bitmask.data_ptr(), words * 4, len(matchers))
+    num_rows = sum(1 + len(drafts) for _, drafts in rows)
+    bitmask = torch.full((num_rows, words), -1, dtype=torch.int32)
+    constrained, first = [], 0
+    for matcher, drafts in rows:
+        if matcher is not None:
+            constrained.append((matcher.llmatcher, first, drafts))
+        first += 1 + len(drafts)
+    # llguidance takes drafted rows and plain rows in separate calls (drafts never empty).
+    drafted = [entry for entry in constrained if entry[2]]
+    if drafted:
+        _EXECUTOR.unsafe_compute_mask_ptr_with_draft_token(
+            drafted, bitmask.data_ptr(), words * 4, num_rows
+        )
+    plain = [(llmatcher, row) for llmatcher, row, drafts in constrained if not drafts]
+    if plain:
+        _EXECUTOR.unsafe_compute_mask_ptr(plain, bitmask.data_ptr(), words * 4, num_rows)
     return bitmask
 
 

@@ -27,6 +27,13 @@ class GrammarMatcher:
         if not self._matcher.consume_token(token_id):
             self._rejected = token_id
 
+    def num_valid_tokens(self, token_ids: list[int]) -> int:
+        """How many of ``token_ids``, in order, the grammar allows from here (the state does
+        not move): a speculative step drafts only those."""
+        if self.finished or self.error is not None:
+            return 0
+        return int(self._matcher.validate_tokens(token_ids))
+
     @property
     def finished(self) -> bool:
         """The grammar is complete and admits no further token (only EOS)."""

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]
+SpeculativeMethod = Literal["off", "ngram"]
+# More drafts than this per step cost more verification than a run of them ever saves.
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(slots=True)
@@ -61,6 +64,20 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     """Ranks the model is split over (heads, MLP features and vocabulary), each a process
     of the worker's node (engine/tensor_parallel_peers.py); CPU only for now."""
+    speculative_method: SpeculativeMethod = "off"
+    """Speculative decoding: off, or ngram (prompt lookup: a decode step drafts the tokens
+    that followed the latest earlier occurrence of its context's last n tokens, and one
+    forward verifies them; engine/spec_decode/)."""
+    num_speculative_tokens: int = 4
+    """Draft tokens proposed per decode step (vLLM's name), 1 to 16."""
+    prompt_lookup_min: int = 2
+    """ngram: the shortest context suffix to look up (vLLM's name)."""
+    prompt_lookup_max: int = 4
+    """ngram: the longest context suffix to look up, tried first (vLLM's name)."""
+    speculative_min_acceptance: float = 0.25
+    """A request whose recent drafts were accepted less often than this pauses drafting
+    (for 16 steps, then twice as long each time it falls low again): speculation must not
+    slow free text down. 0: never pause."""
     publish_kv_events: bool = False
     """Record KV events (blocks stored, removed) for the router to poll."""
     engine_id: str = "engine-0"
@@ -101,6 +118,26 @@ class EngineConfig:
             )
         if self.torch_threads < 1:
             raise ValueError(f"torch_threads must be at least 1, got {self.torch_threads}")
+        if self.speculative_method not in get_args(SpeculativeMethod):
+            raise ValueError(
+                f"speculative_method must be one of {', '.join(get_args(SpeculativeMethod))}, "
+                f"got {self.speculative_method!r}"
+            )
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, "
+                f"got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max <= {MAX_SPECULATIVE_TOKENS}, "
+                f"got {self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if not 0.0 <= self.speculative_min_acceptance <= 1.0:
+            raise ValueError(
+                "speculative_min_acceptance must be between 0 and 1, "
+                f"got {self.speculative_min_acceptance}"
+            )
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"

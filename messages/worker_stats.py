@@ -65,6 +65,12 @@ class WorkerStats:
     num_grammar_compiles: int = 0
     num_grammar_cache_hits: int = 0
     grammar_compile_seconds: float = 0.0
+    num_spec_decode_drafts: int = 0
+    num_spec_decode_draft_tokens: int = 0
+    num_spec_decode_accepted_tokens: int = 0
+    spec_decode_accepted_tokens_per_pos: dict[str, int] = field(default_factory=dict)
+    spec_decode_acceptance_rate: float = 0.0
+    spec_decode_mean_accepted_length: float = 0.0
     kv_tier_bytes_used: dict[str, float] = field(default_factory=per_tier)
     kv_tier_pinned_bytes: dict[str, float] = field(default_factory=per_tier)
     kv_tier_blocks_stored: dict[str, float] = field(default_factory=per_tier)
@@ -83,3 +89,11 @@ class WorkerStats:
             self.prefix_cache_hit_rate = self.prefix_cache_hits / self.prefix_cache_queries
         if self.num_constrained_rows:
             self.masked_tokens_per_row = self.num_masked_tokens / self.num_constrained_rows
+        if self.num_spec_decode_draft_tokens:
+            self.spec_decode_acceptance_rate = (
+                self.num_spec_decode_accepted_tokens / self.num_spec_decode_draft_tokens
+            )
+        if self.num_spec_decode_drafts:
+            self.spec_decode_mean_accepted_length = (
+                1 + self.num_spec_decode_accepted_tokens / self.num_spec_decode_drafts
+            )

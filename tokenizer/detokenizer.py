@@ -39,6 +39,7 @@ class IncrementalDetokenizer:
         self._max_stop_len = max((len(s) for s in stop), default=0)
         self._num_stepped = 0
         self.text = ""
+        self.num_tokens_at_stop: int | None = None
 
     @property
     def stable_length(self) -> int:
@@ -58,21 +59,22 @@ class IncrementalDetokenizer:
         """Extends ``text`` with the tokens added since the last call; returns the stop
         string that appeared, if one did.
 
-        On a stop the text is cut just before the stop string, as OpenAI's API does.
+        On a stop the text is cut just before the stop string, as OpenAI's API does, and
+        ``num_tokens_at_stop`` says which token completed it: tokens are checked one at a
+        time, so a run of several new tokens (a speculative step's) stops where a run of
+        single steps would have.
         """
-        pieces = []
-        for token_id in token_ids[self._num_stepped :]:
-            piece = self._stream.step(self._backend, token_id)
-            if piece is not None:
-                pieces.append(piece)
-        self._num_stepped = len(token_ids)
-        if not pieces:
-            return None
-        search_from = max(0, len(self.text) - self._max_stop_len + 1)
-        self.text += "".join(pieces)
-        for stop in self._stop:
-            index = self.text.find(stop, search_from)
-            if index != -1:
-                self.text = self.text[:index]
-                return stop
+        for index in range(self._num_stepped, len(token_ids)):
+            piece = self._stream.step(self._backend, token_ids[index])
+            self._num_stepped = index + 1
+            if piece is None:
+                continue
+            search_from = max(0, len(self.text) - self._max_stop_len + 1)
+            self.text += piece
+            for stop in self._stop:
+                found = self.text.find(stop, search_from)
+                if found != -1:
+                    self.text = self.text[:found]
+                    self.num_tokens_at_stop = index + 1
+                    return stop
         return None

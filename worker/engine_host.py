@@ -282,6 +282,13 @@ class EngineHost:
             num_grammar_compiles=stats.grammar.num_compiled,
             num_grammar_cache_hits=stats.grammar.num_cache_hits,
             grammar_compile_seconds=stats.grammar.compile_s,
+            num_spec_decode_drafts=stats.spec_decode.num_drafts,
+            num_spec_decode_draft_tokens=stats.spec_decode.num_draft_tokens,
+            num_spec_decode_accepted_tokens=stats.spec_decode.num_accepted_tokens,
+            spec_decode_accepted_tokens_per_pos={
+                str(position): count
+                for position, count in enumerate(stats.spec_decode.num_accepted_tokens_per_pos)
+            },
             **values,
         )
 

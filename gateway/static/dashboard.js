@@ -138,7 +138,8 @@ function workerRow(w) {
     w.num_lease_expiries, w.num_recompute_fallbacks, ms(w.transfer_latency_p50_s),
     ms(w.transfer_latency_p99_s), w.num_structured_requests,
     Math.round(w.masked_tokens_per_row), `${w.num_grammar_compiles}/${w.num_grammar_cache_hits}`,
-    ms(w.grammar_compile_seconds)];
+    ms(w.grammar_compile_seconds), w.num_spec_decode_drafts, pct(w.spec_decode_acceptance_rate),
+    w.spec_decode_mean_accepted_length.toFixed(2)];
   const row = element("tr");
   cells.forEach((cell) => row.appendChild(element("td", String(cell))));
   return row;

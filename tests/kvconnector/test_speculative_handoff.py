@@ -1,0 +1,52 @@
+"""Speculative decoding on the decode side of a P/D pair: a real prefill engine in its own
+process, the KV pulled over real gRPC and NIXL, drafts proposed from the pulled prompt and
+the prefill's first token.
+
+The decode engine's outputs equal a colocated speculation-off engine's token for token,
+greedy and seeded, and its computed tokens add up exactly: one per verified step plus its
+drafts, none of the prompt (it arrived over the wire, and drafts never cover it).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine import LLMEngine, SamplingParams
+from tests.engine.test_speculative_decoding import GROUNDED_PROMPTS
+from tests.kvconnector.disaggregation import assert_decode_idle, disaggregate, make_decode_engine
+from tests.kvconnector.kv_peer import TRANSPORTS
+from tests.kvconnector.prefill_engine_process import ENGINE_KWARGS
+
+
+@pytest.fixture(scope="module")
+def colocated(smollm2_gguf) -> LLMEngine:
+    """Speculation off, in this process: the reference."""
+    return LLMEngine.from_pretrained("smollm2", **ENGINE_KWARGS)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_speculative_decode_after_a_pull_equals_colocated(
+    transport: str, colocated: LLMEngine, prefill_factory
+) -> None:
+    prefill = prefill_factory(transport=transport, model="smollm2")
+    decode = make_decode_engine(transport, model="smollm2", speculative_method="ngram")
+    prompts = [colocated.tokenizer.encode(p) for p in GROUNDED_PROMPTS] * 2
+    params = [
+        SamplingParams(max_tokens=32, temperature=t, seed=i, ignore_eos=True)
+        for i, t in enumerate([0.0, 0.0, 0.0, 0.7, 1.0, 0.5])
+    ]
+    expected = [o.output_token_ids for o in colocated.generate(prompts, params)]
+    outputs = disaggregate(prefill, decode, prompts, params)
+    assert [o.output_token_ids for o in outputs] == expected
+    stats = decode.stats()
+    spec = stats.spec_decode
+    assert spec.num_accepted_tokens > 20, spec
+    # Each verified step computes its last token and its drafts, and emits 1 + accepted
+    # tokens; the prefill sampled the first. Any prompt token computed here would add.
+    emitted_here = sum(len(o.output_token_ids) - 1 for o in outputs)
+    num_steps = emitted_here - spec.num_accepted_tokens
+    assert stats.num_scheduled_tokens == num_steps + spec.num_draft_tokens
+    assert stats.transfer.num_failed_transfers == 0 and stats.transfer.num_blocks_received > 0
+    assert_decode_idle(decode)
+    prefill.wait_until_idle()
+    decode.shutdown()
