@@ -70,14 +70,19 @@ class EngineConfig:
     forward verifies them; engine/spec_decode/)."""
     num_speculative_tokens: int = 4
     """Draft tokens proposed per decode step (vLLM's name), 1 to 16."""
-    prompt_lookup_min: int = 2
-    """ngram: the shortest context suffix to look up (vLLM's name)."""
+    prompt_lookup_min: int = 3
+    """ngram: the shortest context suffix to look up (vLLM's name). Two-token matches
+    ("of the") are mostly chance in free text: three is the default."""
     prompt_lookup_max: int = 4
     """ngram: the longest context suffix to look up, tried first (vLLM's name)."""
-    speculative_min_acceptance: float = 0.25
-    """A request whose recent drafts were accepted less often than this pauses drafting
-    (for 16 steps, then twice as long each time it falls low again): speculation must not
-    slow free text down. 0: never pause."""
+    speculative_min_acceptance: float = 0.3
+    """What one draft costs, as a fraction of a decode step, so the acceptance a draft needs
+    to pay: each step drafts as many tokens as the request's recent acceptance pays for,
+    and a request accepted less often than this pauses drafting (16 steps, then twice as
+    long each time it falls low again; engine/spec_decode/draft_acceptance.py). On CPU a
+    verification over 1 + 4 tokens costs about two decode steps (0.25-0.3 a draft,
+    bench/bench_spec_decode.py); on a GPU far less, so a lower value pays there. 0: always
+    draft the most."""
     publish_kv_events: bool = False
     """Record KV events (blocks stored, removed) for the router to poll."""
     engine_id: str = "engine-0"

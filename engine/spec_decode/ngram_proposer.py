@@ -86,10 +86,11 @@ class NgramProposer:
         return NgramDrafts(self.min_acceptance)
 
     def propose(self, state: NgramDrafts, token_ids: list[int], max_num_tokens: int) -> list[int]:
-        """Drafts to follow ``token_ids`` (at most ``max_num_tokens``, the request's room),
-        or [] when the request pauses drafting or its suffix never occurred before."""
-        limit = min(self.num_speculative_tokens, max_num_tokens)
-        if limit <= 0 or not state.acceptance.should_draft():
+        """Drafts to follow ``token_ids`` (at most ``max_num_tokens``, the request's room,
+        and as many as its acceptance pays for), or [] when the request pauses drafting or
+        its suffix never occurred before."""
+        limit = state.acceptance.num_drafts(min(self.num_speculative_tokens, max_num_tokens))
+        if limit <= 0:
             return []
         tokens = state.tokens.sync(token_ids)
         return lookup_drafts(tokens, self.prompt_lookup_min, self.prompt_lookup_max, limit)

@@ -338,6 +338,8 @@ def test_the_flags_and_keys_users_have_still_work(monkeypatch, tmp_path: Path):
         ({"lease_ttl_s": 0}, "kv connector settings: lease_ttl_s"),
         ({"max_attempts": 0}, "gateway settings: max_attempts must be at least 1"),
         ({"transport": "tcp"}, "Input should be 'grpc' or 'nixl'"),
+        ({"speculative_method": "eagle"}, "Input should be 'off' or 'ngram'"),
+        ({"num_speculative_tokens": 1000}, "num_speculative_tokens must be between 1 and 16"),
         ({"max_num_seqs": "many"}, "valid integer"),
         ({"num_prefill": 0}, "greater than or equal to 1"),
         ({"no_such_setting": 1}, "Extra inputs are not permitted"),

@@ -260,9 +260,11 @@ def test_preemption_in_a_small_pool_keeps_speculative_outputs_exact(smollm2) -> 
 
 
 def test_free_text_pauses_drafting_when_drafts_keep_failing(tiny) -> None:
-    """tiny's random weights never continue its prompt's pattern: after a few rejected
-    verifications a request pauses, so most of its steps carry no drafts."""
-    off, on = tiny
+    """tiny's random weights rarely continue their context: with one-token lookups every
+    step finds a draft, but after a few rejected verifications the request pauses, so most
+    of its steps carry none."""
+    off, _ = tiny
+    on = make_engine("tiny", speculative_method="ngram", prompt_lookup_min=1)
     rng = random.Random(5)
     prompt = [rng.randrange(1, 256) for _ in range(6)] * 8
     params = SamplingParams(max_tokens=200, temperature=1.0, seed=1, ignore_eos=True)

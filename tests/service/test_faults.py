@@ -1,6 +1,9 @@
 """Faults: workers killed mid-request, clients that walk away, overload. Nothing is lost,
 nothing leaks, and no completed reply differs from the colocated engine's.
 
+The workers decode speculatively (ngram): a replay after a lost decode worker, skipping
+the tokens already sent, must match speculation-off's tokens as every reply must.
+
 Each test ends on the same invariant: every worker drained (no running or waiting request,
 no lease, ``kv_cache_usage`` 0). A worker is killed with SIGKILL of its replica's process;
 Serve starts a new replica, which reports a new ``instance_id``.
@@ -39,7 +42,10 @@ LONG_PROMPT = "A long shared preamble that spans several KV blocks, so a pull ha
 
 @pytest.fixture(scope="module")
 def faults(ray_cluster):
-    with running_app(num_prefill=2, num_decode=2, worker_timeout_s=2.0) as config:
+    # Decoding speculatively: a replay's tokens must still equal speculation-off's.
+    with running_app(
+        num_prefill=2, num_decode=2, worker_timeout_s=2.0, speculative_method="ngram"
+    ) as config:
         yield config
 
 

@@ -1,7 +1,7 @@
 """The built-in real model, SmolLM2-135M-Instruct (GGUF), served disaggregated.
 
 Greedy chat replies through the gateway equal the colocated engine's token for token, on
-1 + 1 and 2 + 2 apps, over gRPC and NIXL; the official OpenAI client gets "Paris" for the
+1 + 1 and 2 + 2 apps, over gRPC and NIXL (the 2 + 2 one decoding speculatively); the official OpenAI client gets "Paris" for the
 capital of France, streamed and not; a repeated long system prompt shows cached tokens.
 Each smollm2 worker holds ≈ 0.55 GB of fp32 weights, so the shapes run one at a time and
 every request of a shape runs concurrently; the Paris and JSON tests reuse the 1 + 1 gRPC
@@ -16,10 +16,12 @@ import contextlib
 import json
 from collections.abc import Callable, Iterator
 
+import httpx
 import jsonschema
 import pytest
 
 from bench.load_driver import is_drained, wait_until_drained
+from pdserve.deploy.cluster import base_url
 from pdserve.deploy.config import PDServeConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.grammar import GrammarSpec
@@ -30,6 +32,7 @@ from tests.service.service_apps import (
     running_app,
     skip_without,
     wait_until_ready,
+    worker_rows,
 )
 
 NUM_KV_BLOCKS = 160  # ≈ 0.7 MiB a block for this model
@@ -45,10 +48,13 @@ CONVERSATIONS = [
         {"role": "assistant", "content": "1, 2, 3, 4, 5"},
         {"role": "user", "content": "Now count backwards from five."},
     ],
+    [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog."}],
 ]
 # 1+1 gRPC last: the Paris and JSON tests after it run on the same app (from 2+2 gRPC, Serve
-# keeps prefill-0 and decode-0). 2+2 over NIXL: tiny's suites.
+# keeps prefill-0 and decode-0). 2+2 over NIXL: tiny's suites. The 2+2 app decodes with
+# speculative decoding (ngram): its replies must equal the colocated engine's all the same.
 SHAPES = [(1, 1, "nixl"), (2, 2, "grpc"), (1, 1, "grpc")]
+SPECULATIVE_SHAPE = (2, 2, "grpc")
 Shape = tuple[int, int, str]
 
 
@@ -70,6 +76,7 @@ def smollm2_app(ray_cluster, smollm2_gguf) -> Iterator[Callable[[Shape], PDServe
                         num_decode=num_decode,
                         transport=transport,
                         num_kv_blocks=NUM_KV_BLOCKS,
+                        speculative_method="ngram" if shape == SPECULATIVE_SHAPE else "off",
                     )
                 )
             return deployed[shape]
@@ -121,6 +128,11 @@ def test_greedy_chat_replies_equal_the_colocated_engine(
     assert replies == expected_replies
     assert "<|im_end|>" not in "".join(text for text, _ in replies)
     assert all(is_drained(w) for w in wait_until_drained(config))
+    if (num_prefill, num_decode, transport) == SPECULATIVE_SHAPE:
+        decode_rows = [w for w in worker_rows(config).values() if w["role"] == "consumer"]
+        assert sum(w["num_spec_decode_accepted_tokens"] for w in decode_rows) > 0
+        metrics = httpx.get(base_url(config) + "/metrics", timeout=30).text
+        assert "vllm:spec_decode_num_accepted_tokens_per_pos_total{" in metrics
 
 
 def test_openai_chat_answers_paris_and_reports_cached_tokens(smollm2_app):
