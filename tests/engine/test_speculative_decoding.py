@@ -189,7 +189,7 @@ def test_stop_string_eos_and_max_tokens_inside_an_accepted_run(smollm2) -> None:
     base = off.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0))[0]
     stop_word = base.text.split()[8]  # a word deep inside the copied passage
     cases = [
-        SamplingParams(max_tokens=40, temperature=0.0, stop=[stop_word]),
+        SamplingParams(max_tokens=40, temperature=0.0, stop=[stop_word], logprobs=1),
         SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[base.output_token_ids[12]]),
         SamplingParams(max_tokens=11, temperature=0.0),
         SamplingParams(max_tokens=1, temperature=0.0),
@@ -198,6 +198,7 @@ def test_stop_string_eos_and_max_tokens_inside_an_accepted_run(smollm2) -> None:
         [expected] = off.generate([prompt], params)
         [got] = on.generate([prompt], params)
         assert got.output_token_ids == expected.output_token_ids, params
+        assert len(got.output_logprobs) == len(expected.output_logprobs), params
         assert (got.text, got.finish_reason, got.stop_reason) == (
             expected.text,
             expected.finish_reason,
