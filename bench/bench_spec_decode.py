@@ -15,6 +15,10 @@ benchmark counts it); p50 / p99 over every gap. Repetitions alternate which side
 first; medians print, with the median of the repetitions' on / off ratios. Aims (issue
 28): >= 1.8x decode tokens/s at batch 1 input-grounded, >= 0.97x on free text.
 
+Then one verification forward (a last token and 4 drafts) at long contexts, on the
+runner: read in place as decode rows (what the engine runs) against the same 5 tokens as
+a prefill continuation (which gathers the context per layer), and one plain decode.
+
 Run: python bench/bench_spec_decode.py [--tokens 128] [--repeat 3] [--model smollm2]
 """
 
@@ -26,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.engine.model_input import ScheduledChunk
 
 PASSAGES = [
     "The river town of Alder Ford grew up around a wooden bridge built in 1820 by a miller "
@@ -120,7 +125,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--workloads", nargs="+", default=["input-grounded", "free text"])
+    parser.add_argument("--workloads", nargs="*", default=["input-grounded", "free text"])
+    parser.add_argument("--contexts", type=int, nargs="*", default=[512, 4096, 8000])
     parser.add_argument(
         "--set",
         nargs="*",
@@ -182,6 +188,36 @@ def main() -> None:
                 f"{accepted / drafted if drafted else 0:>7.0%} "
                 f"{1 + accepted / steps if steps else 1:>8.2f}"
             )
+    verification_at_long_context(args.model, args.contexts, args.repeat)
+
+
+def verification_at_long_context(model: str, contexts: list[int], repeat: int) -> None:
+    """Median ms of one forward at each context: 5 tokens read in place, the same 5 tokens
+    gathered, one token."""
+    print(f"\none forward at a long context ({model}, ms, median of {repeat})")
+    print(f"{'context':>8} {'verify 1+4':>11} {'gathered':>9} {'ratio':>6} {'one decode':>11}")
+    engine = LLMEngine.from_pretrained(model, num_kv_blocks=max(contexts) // 16 + 8)
+    runner = engine.runner
+    table = list(range(max(contexts) // 16 + 2))
+
+    def median_ms(chunk: ScheduledChunk) -> float:
+        runner.execute([chunk])  # warm
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            runner.execute([chunk])
+            times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times)
+
+    tokens = [5, 6, 7, 8, 9]
+    for context in contexts:
+        verify = median_ms(ScheduledChunk("v", tokens, context, table, True, num_draft_tokens=4))
+        gathered = median_ms(ScheduledChunk("g", tokens, context, table, True, all_logits=True))
+        one = median_ms(ScheduledChunk("d", tokens[:1], context, table, True))
+        print(
+            f"{context:>8} {verify:>11.1f} {gathered:>9.1f} {gathered / verify:>5.2f}x {one:>11.1f}"
+        )
+    engine.shutdown()
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ tensor"); the scheduler owns which blocks each request uses. A step is a list of
 :class:`ScheduledChunk`; the runner flattens their tokens (multi-token chunks first,
 then the single-token ones, so the decodes form one contiguous batch), builds the
 slot and block-table indices once, runs the model, and returns logits for the chunks
-that sample, in the order the scheduler gave them.
+that sample, in the order the scheduler gave them. A speculative verification (a last
+token and its drafts) goes with the decodes: its tokens read their pages in place, each
+page once for all of them (``model/paged_decode.py``), where a multi-token chunk would
+gather its whole context per layer.
 """
 
 from __future__ import annotations
@@ -174,11 +177,13 @@ class ModelRunner:
         for chunk in chunks:
             if not chunk.token_ids:
                 raise ValueError(f"chunk of request {chunk.request_id!r} has no tokens")
-        # Multi-token chunks first, decodes last (stable, so each group keeps its order).
+        # Prefills first, decode rows last (stable, so each group keeps its order).
         counts = [len(c.token_ids) for c in chunks]
-        order = [i for i, count in enumerate(counts) if count > 1]
+        is_prefill = [count > 1 and not c.num_draft_tokens for c, count in zip(chunks, counts)]
+        order = [i for i, prefill in enumerate(is_prefill) if prefill]
+        num_prefills = len(order)
         if order:
-            order += [i for i, count in enumerate(counts) if count == 1]
+            order += [i for i, prefill in enumerate(is_prefill) if not prefill]
             ordered = [chunks[i] for i in order]
             counts = [counts[i] for i in order]
         else:  # a decode-only step keeps the caller's order
@@ -197,6 +202,7 @@ class ModelRunner:
                     self.dtype,
                     self.decode_chunk_keys,
                     self.model_config.kv_token_shape[0],
+                    num_prefills,
                 )
                 for group, window in enumerate(self.group_windows)
             ],

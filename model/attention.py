@@ -3,9 +3,10 @@
 The KV tensor is ``[num_blocks, num_layers, entries, block_size, heads, head_size]``
 (docs/architecture.md): ``entries`` is 2 (K and V of each KV head) or, for latent attention
 (``architectures/mla.py``), 1 (one latent row, no heads). A step's tokens arrive flattened,
-multi-token chunks (prefills) first, then single-token chunks (decodes):
+multi-token chunks (prefills) first, then single-token chunks (decodes) and speculative
+verifications (a last token and its drafts, which read their pages as decodes do):
 
-    tokens:  | prefill A (n_A) | prefill B (n_B) | d0 | d1 | d2 |
+    tokens:  | prefill A (n_A) | prefill B (n_B) | d0 | v1 v1' v1'' | d2 |
               └ one SDPA each ┘                   └ split-KV over the pages (paged_decode) ┘
 
 Per layer: every token's K and V go to their rows of the KV tensor seen as
@@ -94,10 +95,13 @@ def build_attention_metadata(
     dtype: torch.dtype = torch.float32,
     decode_chunk_keys: int | None = None,
     kv_entries: int = 2,
+    num_prefills: int | None = None,
 ) -> AttentionMetadata:
     """Index tensors and masks for a step whose chunks are ordered prefills-then-decodes.
 
-    ``token_counts[i] > 1`` for every prefill, ``== 1`` for every decode; decodes come last.
+    The first ``num_prefills`` chunks are prefills, the rest decode rows: a single token, or
+    a speculative verification (a last token and its drafts, read as decode rows read:
+    ``model/paged_decode.py``). ``None``: every chunk of more than one token is a prefill.
     ``block_ids[i]`` must cover the chunk's end position. ``dtype`` is the query's (the
     decode masks are additive); ``decode_chunk_keys`` how many keys one decode chunk gathers
     over the batch (``model/paged_decode.py``; ``None``: the whole table at once);
@@ -111,9 +115,11 @@ def build_attention_metadata(
                 f"chunk {i} ends at position {ends[i]} but has only "
                 f"{len(ids)} blocks of {block_size} tokens"
             )
-    num_prefills = sum(1 for count in token_counts if count > 1)
+    if num_prefills is None:
+        num_prefills = sum(1 for count in token_counts if count > 1)
     rows_per_block = num_layers * kv_entries * block_size
-    if num_prefills == 0:  # decode-only step: one token per chunk, plain Python lists
+    if num_prefills == 0 and sum(token_counts) == len(token_counts):
+        # decode-only step, one token per chunk: plain Python lists
         positions = torch.tensor(start_positions, dtype=torch.long)
         base_rows = torch.tensor(
             [
@@ -166,6 +172,7 @@ def build_attention_metadata(
             dtype,
             sliding_window,
             decode_chunk_keys,
+            token_counts[num_prefills:],
         )
 
     return AttentionMetadata(

@@ -15,6 +15,13 @@ partial outputs are combined with their log-sum-exps (flash-decoding's merge):
                             (out_0, lse_0)  (out_1, lse_1)  (out_2, lse_2)
     out = sum_i out_i * softmax_i(lse_i)          (* the null block, masked)
 
+A row may hold several queries: a speculative verification (a request's last token and its
+drafts, ``query_len`` of them, rows padded to the longest) reads each page once for all of
+them, each query seeing the keys up to its own position::
+
+    row 0  t d0 d1 at p..p+2   query j sees keys < p + j + 1      (a causal mask per query)
+    row 1  t       at q        padded: its extra queries repeat t's and are dropped
+
 A sliding window's table starts at the block holding the window's first key, so a decode
 reads O(window), not O(context). Everything that is the same for all layers (tables, masks,
 which rows see nothing of a chunk) is planned once per step by :func:`plan_decode`.
@@ -46,10 +53,11 @@ class KeyChunk:
 
     ``blocks`` is those columns flattened row-major (``[batch * num_blocks]``). Only the first
     ``num_keys`` gathered keys are attended (trailing ones no row sees are dropped).
-    ``attn_mask`` ``[batch, 1, 1, num_keys]`` is additive (0 / -inf, the query's dtype), or
-    ``None`` when every row sees every kept key. ``empty_rows`` ``[batch, 1, 1]`` is -inf for a
-    row that sees no key of this chunk (torch's kernel returns a log-sum-exp of 0 for such a
-    row, which would weigh its zero output into the merge), else ``None``.
+    ``attn_mask`` ``[batch, 1, query_len, num_keys]`` is additive (0 / -inf, the query's
+    dtype), or ``None`` when every query sees every kept key. ``empty_rows``
+    ``[batch, 1, query_len]`` is -inf for a query that sees no key of this chunk (torch's
+    kernel returns a log-sum-exp of 0 for such a query, which would weigh its zero output into
+    the merge), else ``None``.
     """
 
     blocks: torch.Tensor
@@ -61,14 +69,22 @@ class KeyChunk:
 
 @dataclass(slots=True)
 class DecodeAttention:
-    """All single-token chunks of a step: rows ``query_start ..`` of its tokens, read in
-    ``chunks`` (one, or several on CPU). ``buffers`` holds the gather buffers, allocated by
-    the step's first layer and reused by the others."""
+    """The step's decode rows (single tokens, and verification rows of several): tokens
+    ``query_start ..`` of the step, read in ``chunks`` (one, or several on CPU).
+
+    With ``query_len > 1`` the tokens are laid out as ``[batch, query_len]`` queries:
+    ``query_slots[i]`` is the token padded query ``i`` reads, ``token_slots[t]`` the padded
+    query of token ``t`` (both ``None`` when every row is one token). ``buffers`` holds the
+    gather buffers and the masks widened to the query heads, made by the step's first layer
+    and reused by the others."""
 
     query_start: int
     batch: int
     block_size: int
     chunks: list[KeyChunk]
+    query_len: int = 1
+    query_slots: torch.Tensor | None = None
+    token_slots: torch.Tensor | None = None
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -81,20 +97,25 @@ def plan_decode(
     dtype: torch.dtype,
     sliding_window: int | None,
     chunk_keys: int | None,
+    query_lens: list[int] | None = None,
 ) -> DecodeAttention:
-    """Tables and masks for decodes at ``positions`` (the position of each row's one token).
+    """Tables and masks for decode rows whose first query is at ``positions`` and which hold
+    ``query_lens`` consecutive queries each (``None``: one each).
 
     ``chunk_keys`` is how many keys one chunk gathers over the whole batch (``None``: one
     chunk); each chunk holds at least one block per row.
     """
     batch = len(positions)
-    # Row b reads blocks [first[b], last[b]) of its table; its visible keys, counted from its
-    # first read block, are [low[b], high[b]).
+    lens = query_lens or [1] * batch
+    query_len = max(lens)
+    # Row b reads blocks [first[b], last[b]) of its table; query j of it sees the keys
+    # [low[b, j], high[b, j]), counted from its first read block (padded queries repeat the
+    # row's last one).
     first = [
         0 if sliding_window is None else max(0, p - sliding_window + 1) // block_size
         for p in positions
     ]
-    last = [p // block_size + 1 for p in positions]
+    last = [(p + n - 1) // block_size + 1 for p, n in zip(positions, lens)]
     width = max(end - start for start, end in zip(first, last))
     table = torch.tensor(
         [
@@ -103,33 +124,47 @@ def plan_decode(
         ],
         dtype=torch.long,
     )
-    high = [p + 1 - start * block_size for p, start in zip(positions, first)]
-    low = [
-        0 if sliding_window is None else max(0, p - sliding_window + 1) - start * block_size
-        for p, start in zip(positions, first)
-    ]
+    steps = torch.arange(query_len)
+    query_pos = torch.tensor(positions)[:, None] + torch.minimum(
+        steps, torch.tensor(lens)[:, None] - 1
+    )
+    table_start = torch.tensor(first)[:, None] * block_size
+    high = query_pos + 1 - table_start
+    low = (
+        torch.zeros_like(high)
+        if sliding_window is None
+        else (query_pos - sliding_window + 1).clamp(min=0) - table_start
+    )
     blocks_per_chunk = width if chunk_keys is None else max(1, chunk_keys // (batch * block_size))
     chunks = []
     for column in range(0, width, blocks_per_chunk):
         num_blocks = min(blocks_per_chunk, width - column)
         offset = column * block_size
         span = num_blocks * block_size
-        seen_low = [min(max(lo - offset, 0), span) for lo in low]
-        seen_high = [min(max(hi - offset, 0), span) for hi in high]
-        num_keys = max(seen_high)
+        seen_low = (low - offset).clamp(0, span)
+        seen_high = (high - offset).clamp(0, span)
+        num_keys = int(seen_high.max())
         attn_mask = empty_rows = None
-        if any(lo > 0 or hi < num_keys for lo, hi in zip(seen_low, seen_high)):
+        if bool((seen_low > 0).any()) or bool((seen_high < num_keys).any()):
             keys = torch.arange(num_keys)
-            visible = (keys >= torch.tensor(seen_low)[:, None]) & (
-                keys < torch.tensor(seen_high)[:, None]
-            )
-            attn_mask = _additive(visible, dtype)[:, None, None, :].to(device)
-            empty = torch.tensor([lo >= hi for lo, hi in zip(seen_low, seen_high)])
+            visible = (keys >= seen_low[..., None]) & (keys < seen_high[..., None])
+            attn_mask = _additive(visible, dtype)[:, None].to(device)
+            empty = seen_low >= seen_high
             if bool(empty.any()):
-                empty_rows = _additive(~empty, dtype)[:, None, None].to(device)
+                empty_rows = _additive(~empty, dtype)[:, None].to(device)
         blocks = table[:, column : column + num_blocks].flatten().to(device)
         chunks.append(KeyChunk(blocks, num_blocks, num_keys, attn_mask, empty_rows))
-    return DecodeAttention(query_start, batch, block_size, chunks)
+    decode = DecodeAttention(query_start, batch, block_size, chunks, query_len)
+    if query_len > 1:
+        counts = torch.tensor(lens)
+        token_start = torch.cumsum(counts, 0) - counts
+        decode.query_slots = (token_start[:, None] + (query_pos - query_pos[:, :1])).flatten()
+        row_of_token = torch.repeat_interleave(torch.arange(batch), counts)
+        step_of_token = torch.arange(int(counts.sum())) - token_start[row_of_token]
+        decode.token_slots = row_of_token * query_len + step_of_token
+        decode.query_slots = decode.query_slots.to(device)
+        decode.token_slots = decode.token_slots.to(device)
+    return decode
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -143,37 +178,74 @@ def decode_attention(
     decode: DecodeAttention,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Attend single-token queries ``[batch, num_heads, head_size]`` over their pages.
+    """Attend the decode rows' queries ``[num_tokens, num_heads, head_size]`` over their pages.
 
     ``layer_cache`` is one layer's ``[num_blocks, entries, block_size, num_kv_heads, head_size]``
     (a one-entry cache of latent rows serves as its own values: MLA's absorbed form).
     The query heads that share a K/V head are passed as that head's queries
-    (``[batch, kv_heads, group, head_size]``), so no K/V is expanded per query head: a single
-    token attends to every visible key, hence no causal mask among them. ``scale``: the
-    softmax scale (``None``: ``1/sqrt(head_size)``).
+    (``[batch, kv_heads, query_len * group, head_size]``), so no K/V is expanded per query
+    head; a row's queries differ only in how far they see (``KeyChunk.attn_mask``).
+    ``scale``: the softmax scale (``None``: ``1/sqrt(head_size)``).
     """
-    batch, num_heads, head_size = query.shape
+    num_heads, head_size = query.shape[1:]
+    batch, query_len = decode.batch, decode.query_len
     num_kv_heads = layer_cache.shape[3]
-    grouped = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_size)
+    group = num_heads // num_kv_heads
+    if decode.query_slots is not None:
+        query = query[decode.query_slots]
+    grouped = (
+        query.view(batch, query_len, num_kv_heads, group, head_size)
+        .transpose(1, 2)
+        .reshape(batch, num_kv_heads, query_len * group, head_size)
+    )
     if len(decode.chunks) == 1:
         keys, values = _gather(layer_cache, decode, decode.chunks[0], query.dtype)
         attended = F.scaled_dot_product_attention(
-            grouped, keys, values, attn_mask=decode.chunks[0].attn_mask, scale=scale
+            grouped, keys, values, attn_mask=_per_head(decode, 0, "attn_mask", group), scale=scale
         )
-        return attended.reshape(batch, num_heads, head_size)
+        return _ungrouped(attended, decode, num_heads, head_size)
     outputs = query.new_empty(len(decode.chunks), *grouped.shape)
     log_sum_exps = query.new_empty(len(decode.chunks), *grouped.shape[:-1])
     for index, chunk in enumerate(decode.chunks):
         keys, values = _gather(layer_cache, decode, chunk, query.dtype)
         output, log_sum_exp = _flash_for_cpu(
-            grouped, keys, values, attn_mask=chunk.attn_mask, scale=scale
+            grouped,
+            keys,
+            values,
+            attn_mask=_per_head(decode, index, "attn_mask", group),
+            scale=scale,
         )
         outputs[index] = output
-        log_sum_exps[index] = (
-            log_sum_exp if chunk.empty_rows is None else log_sum_exp + chunk.empty_rows
-        )
+        empty_rows = _per_head(decode, index, "empty_rows", group)
+        log_sum_exps[index] = log_sum_exp if empty_rows is None else log_sum_exp + empty_rows
     weights = torch.softmax(log_sum_exps, dim=0).unsqueeze(-1)
-    return (outputs * weights).sum(0).reshape(batch, num_heads, head_size)
+    return _ungrouped((outputs * weights).sum(0), decode, num_heads, head_size)
+
+
+def _per_head(decode: DecodeAttention, index: int, name: str, group: int) -> torch.Tensor | None:
+    """Chunk ``index``'s mask (or empty rows) for the grouped queries: as planned for one
+    query per row (it broadcasts over the group), else each query's widened to its group's
+    heads, once per step."""
+    planned = getattr(decode.chunks[index], name)
+    if planned is None or decode.query_len == 1:
+        return planned
+    key = f"{name}{index}"
+    if key not in decode.buffers:
+        decode.buffers[key] = planned.repeat_interleave(group, dim=2)
+    return decode.buffers[key]
+
+
+def _ungrouped(
+    attended: torch.Tensor, decode: DecodeAttention, num_heads: int, head_size: int
+) -> torch.Tensor:
+    """``[batch, kv_heads, query_len * group, head_size]`` back to the tokens' rows."""
+    batch, num_kv_heads = attended.shape[:2]
+    rows = (
+        attended.view(batch, num_kv_heads, decode.query_len, -1, head_size)
+        .transpose(1, 2)
+        .reshape(batch * decode.query_len, num_heads, head_size)
+    )
+    return rows if decode.token_slots is None else rows[decode.token_slots]
 
 
 def _gather(

@@ -104,6 +104,7 @@ PICKED: dict[str, tuple[Any, dict[str, Any]]] = {
     "model": ("smollm2", {}),
     "served_model_name": ("my-model", {}),
     "device": ("cpu", {}),
+    "prompt_lookup_min": (4, {}),  # twice the default passes prompt_lookup_max
     # A worker reserves its CPUs for every rank.
     "prefill_tensor_parallel_size": (2, {"num_cpus_per_worker": 0.5}),
     "host": ("127.0.0.2", {}),

@@ -234,3 +234,39 @@ def test_decode_before_an_all_logits_prefill_gets_its_own_row(tmp_path):
         logits[0], reference_logits(reference, decoding)[-1], atol=ATOL, rtol=0
     )
     torch.testing.assert_close(logits[1:], reference_logits(reference, echoed), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "config_class, overrides",
+    [
+        pytest.param(transformers.LlamaConfig, {}, id="llama"),
+        pytest.param(
+            transformers.MistralConfig, {"sliding_window": 6}, id="mistral-sliding-window"
+        ),
+    ],
+)
+def test_verification_rows_beside_a_prefill_and_a_decode_equal_transformers(
+    tmp_path, config_class, overrides
+):
+    """A speculative verification (a last token and three drafts) goes with the decodes,
+    reading its pages in place: each of its rows equals transformers' logits at its
+    position, beside a prefill and a plain decode in the same step."""
+    reference = save_hf_model(tmp_path, config_class, **overrides)
+    runner = make_runner(tmp_path)
+    verified, decoding, fresh = (random_tokens(n, seed=s) for n, s in ((23, 1), (11, 2), (7, 3)))
+    paged = PagedRequests(runner, seed=4)
+    runner.execute([paged.chunk("v", verified[:-4], 0), paged.chunk("d", decoding[:-1], 0)])
+    chunks = [
+        paged.chunk("d", decoding[-1:], len(decoding) - 1),
+        replace(paged.chunk("v", verified[-4:], len(verified) - 4), num_draft_tokens=3),
+        paged.chunk("p", fresh, 0),
+    ]
+    logits = runner.execute(chunks)
+    assert logits.shape[0] == 1 + 4 + 1
+    torch.testing.assert_close(
+        logits[0], reference_logits(reference, decoding)[-1], atol=ATOL, rtol=0
+    )
+    torch.testing.assert_close(
+        logits[1:5], reference_logits(reference, verified)[-4:], atol=ATOL, rtol=0
+    )
+    torch.testing.assert_close(logits[5], reference_logits(reference, fresh)[-1], atol=ATOL, rtol=0)

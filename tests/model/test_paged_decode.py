@@ -1,5 +1,8 @@
 """Split-KV decode over pages equals dense attention over each row's visible keys.
 
+Rows hold one query (a decode) or several (a speculative verification: each query sees the
+keys up to its own position).
+
 Random block tables (shuffled, never contiguous), rows of unequal lengths, sliding windows
 and chunk budgets down to one block per row, so that chunks hold padded rows, rows that see
 nothing of a chunk, and windows that start mid-block. The reference is float64 softmax
@@ -69,6 +72,54 @@ def test_split_kv_decode_equals_dense_attention(positions, block_size, window, c
         values = layer_cache[table, 1].flatten(0, 1)
         expected = dense_reference(query[row], keys, values, position, window)
         torch.testing.assert_close(attended[row].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(st.tuples(st.integers(0, 90), st.integers(1, 6)), min_size=1, max_size=4),
+    block_size=st.sampled_from([1, 4, 16]),
+    window=st.one_of(st.none(), st.integers(1, 40)),
+    chunk_keys=st.one_of(st.none(), st.integers(1, 200)),
+    seed=st.integers(0, 2**16),
+)
+def test_verification_rows_of_several_queries_equal_dense_causal_attention(
+    rows, block_size, window, chunk_keys, seed
+):
+    """Rows of 1 to 6 queries (a last token and its drafts) at positions ``p .. p+n-1``:
+    query ``j`` equals dense attention over the keys up to ``p + j``."""
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    tables_needed = [(p + n - 1) // block_size + 1 for p, n in rows]
+    num_blocks = sum(tables_needed) + 1
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(need)] for need in tables_needed]
+    layer_cache = torch.randn(
+        num_blocks, 2, block_size, NUM_KV_HEADS, HEAD_SIZE, generator=generator
+    )
+    num_tokens = sum(n for _, n in rows)
+    query = torch.randn(num_tokens, NUM_HEADS, HEAD_SIZE, generator=generator)
+    decode = plan_decode(
+        0,
+        [p for p, _ in rows],
+        tables,
+        block_size,
+        torch.device("cpu"),
+        torch.float32,
+        window,
+        chunk_keys,
+        [n for _, n in rows],
+    )
+    attended = decode_attention(query, layer_cache, decode)
+    assert attended.shape == query.shape
+    token = 0
+    for table, (position, count) in zip(tables, rows):
+        keys = layer_cache[table, 0].flatten(0, 1)
+        values = layer_cache[table, 1].flatten(0, 1)
+        for step in range(count):
+            expected = dense_reference(query[token], keys, values, position + step, window)
+            torch.testing.assert_close(attended[token].double(), expected, atol=1e-5, rtol=1e-5)
+            token += 1
 
 
 def test_a_windowed_decode_reads_only_the_windows_blocks():
