@@ -30,11 +30,9 @@ def test_misses_shrink_the_drafts_then_pause_and_the_pause_doubles() -> None:
 
 def test_a_probe_that_lands_resumes_drafting_and_good_runs_reset_the_pause() -> None:
     acceptance = DraftAcceptance(min_acceptance=0.3)
-    acceptance.record(4, 0)
-    acceptance.record(4, 0)
-    acceptance.record(4, 0)  # paused for 16
-    while acceptance.num_drafts(4) == 0:
-        pass
+    for _ in range(4):  # the rate falls 1.0, 0.7, 0.49, 0.34, 0.24: under 0.3, a pause
+        acceptance.record(4, 0)
+    assert [acceptance.num_drafts(4) for _ in range(17)] == [0] * 16 + [1]  # pause, probe
     acceptance.record(1, 1)
     assert acceptance.num_drafts(4) >= 1
     for _ in range(5):
