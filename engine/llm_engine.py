@@ -379,12 +379,12 @@ class LLMEngine:
             [(r.grammar, c.draft_token_ids) for c, r in sampled], vocab_size
         )
         if bitmask is not None:
-            rows: list[int] = []
-            first = 0
-            for chunk, request in sampled:
-                if request.grammar is not None:
-                    rows += range(first, first + chunk.num_sample_rows)
-                first += chunk.num_sample_rows
+            rows = [
+                row
+                for (_, request), span in zip(sampled, _sample_spans(sampled))
+                if request.grammar is not None
+                for row in span
+            ]
             self._stats.num_constrained_rows += len(rows)
             self._stats.num_masked_tokens += num_masked_tokens(bitmask, rows, vocab_size)
         return bitmask
@@ -395,10 +395,9 @@ class LLMEngine:
         """Each sampling chunk's new tokens: its one sample, or its drafts' verified run
         (``spec_decode/verification.py``), counted in the stats and the request's
         acceptance."""
-        runs, first = [], 0
-        for chunk, request in sampled:
-            rows = token_ids[first : first + chunk.num_sample_rows]
-            first += chunk.num_sample_rows
+        runs = []
+        for (chunk, request), span in zip(sampled, _sample_spans(sampled)):
+            rows = token_ids[span.start : span.stop]
             if not chunk.num_draft_tokens:
                 runs.append(rows)
                 continue
@@ -551,16 +550,14 @@ def _record_logprobs(
     tokens: list[int] = []
     num_tops: list[int] = []
     owners: list[Request] = []
-    first = 0
-    for (chunk, request), before in zip(sampled, num_before):
+    for (_, request), before, span in zip(sampled, num_before, _sample_spans(sampled)):
         num_top = request.sampling_params.logprobs
         new_tokens = request.output_token_ids[before:]
         if num_top is not None:
-            rows += range(first, first + len(new_tokens))
+            rows += span[: len(new_tokens)]
             tokens += new_tokens
             num_tops += [num_top] * len(new_tokens)
             owners += [request] * len(new_tokens)
-        first += chunk.num_sample_rows
     if not rows:
         return
     for owner, result in zip(owners, token_logprobs(logits[rows], tokens, num_tops)):
@@ -580,6 +577,16 @@ def _record_prompt_logprobs(logits: torch.Tensor, chunk: ScheduledChunk, request
     request.prompt_logprobs.extend(
         token_logprobs(logits[: len(targets)], targets, [k] * len(targets))
     )
+
+
+def _sample_spans(sampled: list[tuple[ScheduledChunk, Request]]) -> list[range]:
+    """Each sampling chunk's rows of the step's sampled logits (its last token's, then each
+    draft's), in chunk order."""
+    spans, first = [], 0
+    for chunk, _ in sampled:
+        spans.append(range(first, first + chunk.num_sample_rows))
+        first += chunk.num_sample_rows
+    return spans
 
 
 def _proposer(config: EngineConfig) -> NgramProposer | None:
