@@ -13,6 +13,7 @@ each method has one job:
     update_state_after_alloc(req, ids) ─┴─▶ build_connector_meta() ─▶ start_load_kv(meta)
     ...steps go on...                                                get_finished() ─▶ done ids
     cache_blocks(req, n); join decode batch ◀────────────────────────┘
+    offer_computed_blocks(req, ids) ─▶ an offer, after each prefill chunk (prefill side)
     request_finished(req, ids) ─▶ (delay_free, KVTransferParams)   (prefill side: lease)
 
 The engine owns this seam: the scheduler and runner call only what is declared here, and
@@ -99,6 +100,7 @@ class TransferStatsSnapshot:
     num_blocks_received: int
     num_bytes_received: int
     num_dedup_skipped_blocks: int
+    num_blocks_received_early: int
     num_successful_transfers: int
     num_failed_transfers: int
     num_failed_blocks: int
@@ -163,6 +165,14 @@ class KVConnectorBase(ABC):
     ) -> tuple[bool, KVTransferParams | None]:
         """``(delay_free, params)``: True keeps the blocks (the request's table per KV group)
         until the worker side says they are freeable (a lease held for a decode worker)."""
+
+    def offer_computed_blocks(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> KVTransferParams | None:
+        """After a prefill chunk of a request that hands off: an offer of the prompt's full
+        blocks computed so far (``KVTransferParams.final`` False), for the decode side to
+        pull while later chunks compute; None (the default) offers nothing."""
+        return None
 
     def complete_transfer_params(self, params: KVTransferParams) -> KVTransferParams:
         """The hand-off ``request_finished`` returned, made whole before it leaves the worker.

@@ -209,13 +209,22 @@ class LLMEngine:
     ) -> None:
         """Queues a request. ``remote_decode`` (prefill worker): lease the prompt's blocks for
         a decode worker when it finishes. ``kv_transfer_params`` (decode worker): the prompt's
-        KV and first token come from that prefill worker."""
+        KV and first token come from that prefill worker; an offer (``final`` False) makes
+        the request KV-only: it pulls the offered blocks into the prefix cache and ends."""
         params = params or SamplingParams()
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_token_ids = self._validate_prompt(prompt)
         if kv_transfer_params is not None and self.connector is None:
             raise ValueError("kv_transfer_params given, but this engine has no KV connector")
+        kv_only = kv_transfer_params is not None and not kv_transfer_params.final
+        if kv_transfer_params is not None and kv_only and (
+            kv_transfer_params.num_tokens != len(prompt_token_ids)
+        ):
+            raise ValueError(
+                f"an offer of {kv_transfer_params.num_tokens} tokens comes with a prompt of "
+                f"{len(prompt_token_ids)}: send the offered tokens only"
+            )
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         if kv_transfer_params is not None:
             seed = kv_transfer_params.sampling_seed
@@ -232,9 +241,13 @@ class LLMEngine:
             remote_decode=remote_decode,
             kv_transfer_params=kv_transfer_params,
             grammar=grammar,
+            kv_only=kv_only,
         )
         tracked = _Tracked(request, IncrementalDetokenizer(self.tokenizer, params.stop))
         self._tracked[request_id] = tracked
+        if kv_only:  # no request of a user's: counted in the transfer stats only
+            self.scheduler.add_request(request)
+            return
         self._stats.num_requests += 1
         self._stats.num_structured_requests += grammar is not None
         if kv_transfer_params is not None:
@@ -343,6 +356,8 @@ class LLMEngine:
         if self.connector is not None and output.connector_metadata is not None:
             self.connector.start_load_kv(output.connector_metadata)
         changed, self._finished_on_arrival = self._finished_on_arrival, []
+        changed += scheduler.take_ended_at_admission()
+        offers: list[tuple[Request, KVTransferParams]] = []
         if output.chunks:
             logits = self._sampled_rows(self.runner.execute(output.chunks), output)
             sampled = [(c, r) for c, r in zip(output.chunks, output.requests) if c.sample]
@@ -362,13 +377,31 @@ class LLMEngine:
             changed += scheduler.update_from_output(output, new_token_ids)
             _record_logprobs(logits, sampled, num_before)
             self._stats.record_step(output.num_scheduled_tokens, sum(map(len, new_token_ids)))
+            offers = self._offers(output)
         if self.connector is not None:
             self.connector.wait_for_save()
             if not output.chunks and self.connector.has_pending_loads():
                 self.connector.wait_for_progress(_IDLE_WAIT_S)
             changed += scheduler.update_from_kv_xfer_finished(self.connector.get_finished())
         self._stats.num_evictions += self._collect_kv_events()
-        return [self._make_output(request, delta) for request in changed]
+        outputs = [self._make_output(request, delta) for request in changed]
+        return outputs + [self._make_output(r, delta, offer=offer) for r, offer in offers]
+
+    def _offers(self, output: SchedulerOutput) -> list[tuple[Request, KVTransferParams]]:
+        """A chunk-wise hand-off's offers: after this step's prefill chunks (of requests
+        that hand off and are still prefilling), the blocks they filled."""
+        if self.connector is None:
+            return []
+        offers = []
+        for chunk, request in zip(output.chunks, output.requests):
+            if chunk.sample or not request.remote_decode or request.is_finished:
+                continue
+            offer = self.connector.offer_computed_blocks(
+                request, self.kv_cache_manager.get_block_ids(request)
+            )
+            if offer is not None:
+                offers.append((request, offer))
+        return offers
 
     def _token_bitmask(
         self, sampled: list[tuple[ScheduledChunk, Request]], vocab_size: int
@@ -449,7 +482,11 @@ class LLMEngine:
         self._stats.grammar = dataclasses.replace(self.grammar_compiler.stats)
         return self._stats.snapshot(self.connector)
 
-    def _make_output(self, request: Request, delta: bool = False) -> RequestOutput:
+    def _make_output(
+        self, request: Request, delta: bool = False, offer: KVTransferParams | None = None
+    ) -> RequestOutput:
+        """The request's output; ``offer``: a chunk-wise hand-off's offer it carries (no
+        tokens: the request is still prefilling)."""
         tracked = self._tracked.get(request.request_id)
         if tracked is not None:
             detokenizer = tracked.detokenizer
@@ -468,7 +505,8 @@ class LLMEngine:
         if request.is_finished:
             self._tracked.pop(request.request_id, None)
             request.finish_time = request.finish_time or time.time()
-            self._stats.record_finished(request)
+            if not request.kv_only:
+                self._stats.record_finished(request)
         num_output_tokens = len(request.output_token_ids)
         first_token = first_char = text_end = 0
         prompt_logprobs = request.prompt_logprobs if not request.needs_prompt_logprobs else []
@@ -499,7 +537,7 @@ class LLMEngine:
             finish_time=request.finish_time,
             num_cached_tokens=request.num_cached_tokens,
             error=request.error,
-            kv_transfer_params=request.kv_transfer_params_out,
+            kv_transfer_params=offer or request.kv_transfer_params_out,
             kv_provenance=request.kv_provenance() if request.is_finished else None,
             stamps=request.stamps,
         )

@@ -83,6 +83,7 @@ class Request:
         kv_transfer_params: KVTransferParams | None = None,
         arrival_time: float | None = None,
         grammar: GrammarMatcher | None = None,
+        kv_only: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -92,6 +93,9 @@ class Request:
         self.lora_id = lora_id
         self.remote_decode = remote_decode
         self.kv_transfer_params = kv_transfer_params
+        # A decode worker's pull of a chunk-wise hand-off's offer: it loads the offered blocks
+        # into the prefix cache and ends, computing and sampling nothing.
+        self.kv_only = kv_only
         # Structured outputs: where the output is in its grammar; advances with every token.
         self.grammar = grammar
         self.arrival_time = time.time() if arrival_time is None else arrival_time

@@ -60,5 +60,12 @@ class RequestOutput:
             output_logprobs=self.output_logprobs + later.output_logprobs,
             prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
             text=self.text + later.text,
-            kv_transfer_params=later.kv_transfer_params or self.kv_transfer_params,
+            # An offer is superseded by anything later: the next offer, or the hand-off (or
+            # its absence, when the first token ended the request).
+            kv_transfer_params=later.kv_transfer_params
+            or (self.kv_transfer_params if _final(self.kv_transfer_params) else None),
         )
+
+
+def _final(params: KVTransferParams | None) -> bool:
+    return params is not None and params.final

@@ -12,7 +12,11 @@ prefix cache), so a full pool slows requests down but never deadlocks.
 
 A request carrying ``KVTransferParams`` (a decode worker's request) is admitted with its
 prompt's blocks allocated as *external*: it waits in ``WAITING_FOR_REMOTE_KVS`` while the
-connector pulls them, then joins the batch as if its prompt had been computed here.
+connector pulls them, then joins the batch as if its prompt had been computed here. A
+*KV-only* request (``Request.kv_only``: a chunk-wise hand-off's offer) takes the same way
+but ends where the others join the batch: its loaded blocks stay in the prefix cache for
+the hand-off that follows. It never waits for room (a full pool drops it: the hand-off
+then pulls those blocks itself) and never fails a request.
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ class Scheduler:
         self.running: list[Request] = []
         # Decode side: blocks allocated, bytes arriving from a prefill worker.
         self.waiting_for_remote_kvs: dict[str, Request] = {}
+        self.ended_at_admission: list[Request] = []
         # Prefill side: finished, blocks held under a lease until the decode side is done.
         self.held_for_transfer: dict[str, Request] = {}
 
@@ -201,6 +206,11 @@ class Scheduler:
         if self.connector is not None and may_reuse_kv:
             # Past the pool's hit: what a KV tier or a prefill worker holds (ext_comp).
             num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+            if request.kv_only and not load_async:  # every offered block is here already
+                request.record_first_admission(num_local)
+                self._end_kv_only(request)
+                self.ended_at_admission.append(request)
+                return 0
             if load_async:
                 blocks = manager.allocate_slots(
                     request,
@@ -210,6 +220,12 @@ class Scheduler:
                     num_external_computed_tokens=num_external,
                     delay_cache_blocks=True,
                 )
+                if blocks is None and request.kv_only:  # no room: the hand-off pulls it
+                    self.connector.request_aborted(request)
+                    request.record_first_admission(num_local)
+                    self._end_kv_only(request)
+                    self.ended_at_admission.append(request)
+                    return 0
                 if blocks is None:
                     return None
                 # A sliding window reads none of the blocks it will have left once the load
@@ -258,6 +274,18 @@ class Scheduler:
         self.running.append(request)
         self._schedule_chunk(output, request, num_new_tokens, drafts)
         return num_new_tokens + len(drafts)
+
+    def _end_kv_only(self, request: Request) -> None:
+        """Ends a KV-only request: what it loaded stays cached, free for the hand-off."""
+        request.status = RequestStatus.FINISHED_STOPPED
+        self.kv_cache_manager.free(request)
+        self.requests.pop(request.request_id, None)
+
+    def take_ended_at_admission(self) -> list[Request]:
+        """KV-only requests that ended at admission since the last call (the engine reports
+        them; one that ended after its load is among ``update_from_kv_xfer_finished``'s)."""
+        ended, self.ended_at_admission = self.ended_at_admission, []
+        return ended
 
     def _chunk_size(self, num_remaining_tokens: int, budget: int) -> int:
         """This step's tokens of a request with ``num_remaining_tokens`` left to compute."""
@@ -454,7 +482,7 @@ class Scheduler:
                     break
         if num_loaded < num_target:
             self.counters.num_load_failures += 1
-            if self.failure_policy == "fail":
+            if self.failure_policy == "fail" and not request.kv_only:
                 source = params.engine_id if params is not None else "the KV tier"
                 request.error = (
                     f"KV transfer from {source} failed for request "
@@ -487,9 +515,13 @@ class Scheduler:
         )
         request.kv_transfer_params = None  # the lease is released; a preemption recomputes
         request.stamps.record_load(request.kv_pull)
+        request.num_computed_tokens = max(request.num_computed_tokens, num_loaded)
+        if request.kv_only:
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            self._end_kv_only(request)
+            return
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
-        request.num_computed_tokens = max(request.num_computed_tokens, num_loaded)
         if request.num_computed_tokens == 0:
             # Nothing usable arrived: start over like a new request (prefix lookup included).
             self.kv_cache_manager.free(request)

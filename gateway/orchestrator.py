@@ -4,7 +4,10 @@
     (429)    (503)    PrefillWorker,           KVTransferParams   DecodeWorker, user's params:
                       max_tokens=1:            to the decode      the rest of the tokens
                       first token streamed     request
-                      at once
+                      at once; offers of each
+                      chunk's blocks relayed
+                      to the decode worker
+                      meanwhile (OfferRelay)
 
     retry policy: a worker lost before it answered is routed around; a decode worker lost
     mid-stream is replayed (same seed) and the replay's first tokens are checked, not resent.
@@ -43,6 +46,7 @@ from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.kv_event_poller import KVEventPoller
 from pdserve.gateway.metrics import GatewayMetrics, stats_report
 from pdserve.gateway.off_loop import call_by_size
+from pdserve.gateway.offer_relay import OfferRelay
 from pdserve.gateway.openai_schema import (
     APIError,
     ParsedCompletion,
@@ -112,6 +116,8 @@ class RequestRun:
     last_prefill_chunk: GenerationChunk | None = None
     last_decode_chunk: GenerationChunk | None = None
     kv_transfer_params: KVTransferParams | None = field(default=None, repr=False)
+    # A chunk-wise hand-off's offers, on their way to ``decode_id`` while the prompt prefills.
+    offers: OfferRelay | None = field(default=None, repr=False)
     # A lease went to the decode worker (kept after a replay). Its id is a capability: it
     # stays inside the deployment, never in a reply or /v1/requests.
     handed_off: bool = False
@@ -295,7 +301,7 @@ class RequestOrchestrator:
                 run.started_final_stream(run.prefill_id)  # it ended at its first token
                 completed = True
                 return
-            self.hand_off(run)
+            await self.hand_off(run)
             async for delta in self.decode_stream(run):
                 yield self.account(run, delta)
             completed = True
@@ -344,6 +350,10 @@ class RequestOrchestrator:
             run.timeline.called("prefill", run.prefill_id)
             try:
                 async for chunk in self.worker_stream(run.prefill_id, request, first=True):
+                    offer = chunk.kv_transfer_params
+                    if offer is not None and not offer.final:  # the prompt is still prefilling
+                        self.relay_offer(run, offer)
+                        continue
                     run.timeline.answered("prefill", chunk)
                     run.last_prefill_chunk = chunk
                     # The lease the prefill granted: held from here, released if unused.
@@ -360,8 +370,21 @@ class RequestOrchestrator:
                     lost, "prefill", run, attempt, retryable=not run.emitter.sent_tokens
                 )
 
-    def hand_off(self, run: RequestRun) -> None:
-        """The prefill's ``KVTransferParams`` (None: the decode side recomputes) go to decode."""
+    def relay_offer(self, run: RequestRun, offer: KVTransferParams) -> None:
+        """Passes an offer on to the decode worker the request is routed to (a retried
+        prefill may have routed it to another: its offers start a relay of their own)."""
+        if run.offers is None or run.offers.decode_id != run.decode_id:
+            run.offers = OfferRelay(
+                self.workers, run.decode_id, run.request_id, run.token_ids, run.cache_salt
+            )
+        run.offers.offer(offer)
+
+    async def hand_off(self, run: RequestRun) -> None:
+        """The prefill's ``KVTransferParams`` (None: the decode side recomputes) go to decode,
+        once the offer in flight (if any) has landed there: the hand-off then finds its
+        blocks cached and pulls only the rest."""
+        if run.offers is not None:
+            await run.offers.settle(self.config.worker_timeout_s)
         run.handed_off = run.kv_transfer_params is not None
 
     async def decode_stream(self, run: RequestRun) -> AsyncIterator[StreamDelta]:
@@ -372,7 +395,8 @@ class RequestOrchestrator:
             # Once the first token is out, a decode worker that answered a moment ago (or the
             # one just lost, which Serve restarts) is tried rather than failing the stream
             # because the router's view flickered (polls slowed while workers start).
-            run.decode_id = self.route("decode", run.block_hashes, fallback=run.decode_id)
+            if attempt or not self.holds_offers(run):
+                run.decode_id = self.route("decode", run.block_hashes, fallback=run.decode_id)
             # The prompt's logprobs (if asked) came from the prefill worker.
             request = WorkerRequest(
                 run.request_id,
@@ -407,6 +431,18 @@ class RequestOrchestrator:
                 self.release_lease(run)
                 run.kv_transfer_params = None
 
+    def holds_offers(self, run: RequestRun) -> bool:
+        """Whether the decode worker the offers went to holds their blocks and is up: the
+        request then stays with it rather than routing again (the router's index may not
+        have seen those blocks yet)."""
+        offers = run.offers
+        return (
+            offers is not None
+            and offers.totals.num_blocks > 0
+            and offers.decode_id == run.decode_id
+            and self.router.is_available(run.decode_id)
+        )
+
     def account(self, run: RequestRun, delta: StreamDelta) -> StreamDelta:
         """On the request's last delta: where its KV came from (both workers' accounts and
         the gateway's timing), kept in ``recent``, counted, and carried to the client."""
@@ -424,6 +460,7 @@ class RequestOrchestrator:
             prefill=run.last_prefill_chunk.kv_provenance if run.last_prefill_chunk else None,
             decode=decode.kv_provenance if decode is not None else None,
             handed_off=run.handed_off,
+            offers=run.offers.totals if run.offers is not None else None,
             ttft_s=emitter.ttft_s(),
             itl_s=emitter.mean_itl_s(),
             e2e_s=time.perf_counter() - emitter.start,

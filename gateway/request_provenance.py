@@ -8,9 +8,13 @@ A request's prompt is accounted twice, once per worker, and each account adds up
 prompt's tokens::
 
     prefill worker:  | prefill_cache_hit | prefill_computed |
-    decode worker:   | decode_cache_hit | pulled | decode_recomputed | decode_prefilled |
-                       held already       from     after a failed     no KV was offered
-                       (dedup)            prefill  or skipped pull
+    decode worker:   | decode_cache_hit | pulled_early | pulled | decode_recomputed | decode_prefilled |
+                       held already       offers, while  from     after a failed     no KV was
+                       (dedup)            the prompt     the      or skipped pull    offered
+                                          prefilled      hand-off
+
+``pulled_early`` is what a chunk-wise hand-off's offers brought to the decode worker's cache
+before the prefill finished (``KVProvenance.num_pulled_early_tokens``).
 
 A request answered whole by the prefill worker (colocated, or ended by its first token) has
 no decode account. vLLM's three sources describe the engine that replied: the decode worker
@@ -24,6 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.gateway.offer_relay import OfferTotals
 from pdserve.messages.kv_provenance import KVProvenance
 
 KV_SOURCES = (
@@ -32,6 +37,7 @@ KV_SOURCES = (
     "prefill_computed",
     "decode_cache_hit",
     "decode_tier_hit",
+    "pulled_early",
     "pulled",
     "decode_recomputed",
     "decode_prefilled",
@@ -54,6 +60,7 @@ class RequestProvenance:
     prefill: KVProvenance | None
     decode: KVProvenance | None
     handed_off: bool  # the decode worker was handed the prefill's lease (never its id)
+    offers: OfferTotals | None  # a chunk-wise hand-off's pulls before the prefill finished
     ttft_s: float
     itl_s: float  # mean time between output tokens after the first
     e2e_s: float
@@ -73,6 +80,7 @@ class RequestProvenance:
         if self.decode is not None:
             skipped = self.decode.num_computed_tokens if self.handed_off else 0
             counts["decode_cache_hit"] = self.decode.num_cache_hit_tokens
+            counts["pulled_early"] = self.decode.num_pulled_early_tokens
             counts["decode_tier_hit"] = self.decode.num_tier_tokens
             counts["pulled"] = self.decode.num_pulled_tokens
             counts["decode_recomputed"] = self.decode.num_recomputed_tokens + skipped
@@ -88,12 +96,12 @@ class RequestProvenance:
             "local_compute": replying.num_computed_tokens + replying.num_recomputed_tokens,
             "local_cache_hit": replying.num_cache_hit_tokens,
             "local_kv_tier": replying.num_tier_tokens,
-            "external_kv_transfer": replying.num_pulled_tokens,
+            "external_kv_transfer": replying.num_pulled_tokens + replying.num_pulled_early_tokens,
         }
 
     def to_json(self) -> dict[str, Any]:
         """The response's ``kv_provenance`` object and a ``/v1/requests`` entry."""
-        decode = self.decode
+        decode, offers = self.decode, self.offers or OfferTotals()
         return {
             "request_id": self.request_id,
             "created": self.created,
@@ -109,6 +117,12 @@ class RequestProvenance:
                 "num_blocks": decode.num_blocks_pulled if decode else 0,
                 "num_bytes": decode.num_bytes_pulled if decode else 0,
                 "seconds": decode.transfer_s if decode else 0.0,
+                # Pulled by a chunk-wise hand-off's offers, before the prefill finished (the
+                # three above: by the hand-off, after it).
+                "num_offers": offers.num_offers,
+                "num_blocks_early": offers.num_blocks,
+                "num_bytes_early": offers.num_bytes,
+                "seconds_early": offers.transfer_s,
             },
             "ttft_s": self.ttft_s,
             "itl_s": self.itl_s,

@@ -128,6 +128,11 @@ class TieredConnector(KVConnectorBase):
     ) -> tuple[bool, KVTransferParams | None]:
         return self.pd.request_finished(request, block_ids)
 
+    def offer_computed_blocks(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> KVTransferParams | None:
+        return self.pd.offer_computed_blocks(request, block_ids)
+
     def complete_transfer_params(self, params: KVTransferParams) -> KVTransferParams:
         return self.pd.complete_transfer_params(params)
 

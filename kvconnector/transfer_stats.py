@@ -25,6 +25,9 @@ class TransferStats:
     num_blocks_received: int = 0
     num_bytes_received: int = 0
     num_dedup_skipped_blocks: int = 0
+    # Receiver: the part of num_blocks_received a chunk-wise hand-off's offers pulled, while
+    # the prompt was still being prefilled.
+    num_blocks_received_early: int = 0
     num_successful_transfers: int = 0
     num_failed_transfers: int = 0
     num_failed_blocks: int = 0
@@ -70,6 +73,10 @@ class TransferStats:
         self.transfer_latency.observe(duration_s)
         self.recent_latency.add(duration_s)
 
+    def record_received_early(self, num_blocks: int) -> None:
+        with self._lock:
+            self.num_blocks_received_early += num_blocks
+
     def record_dedup_skipped(self, num_blocks: int) -> None:
         with self._lock:
             self.num_dedup_skipped_blocks += num_blocks
@@ -90,6 +97,7 @@ class TransferStats:
                 num_blocks_received=self.num_blocks_received,
                 num_bytes_received=self.num_bytes_received,
                 num_dedup_skipped_blocks=self.num_dedup_skipped_blocks,
+                num_blocks_received_early=self.num_blocks_received_early,
                 num_successful_transfers=self.num_successful_transfers,
                 num_failed_transfers=self.num_failed_transfers,
                 num_failed_blocks=self.num_failed_blocks,

@@ -48,6 +48,10 @@ class KVConnectorConfig:
     the size, so a long prompt on a large model is not failed by a fixed one."""
     failure_policy: FailurePolicy = "recompute"
     """recompute: compute what did not arrive intact; fail: end the request with an error."""
+    chunked_handoff: bool = True
+    """A producer offers each prefill chunk's full blocks as soon as they are computed, so the
+    consumer pulls them while later chunks compute; the final hand-off then moves only the
+    last chunk's. Off: every block moves after the whole prompt is prefilled."""
 
     def __post_init__(self) -> None:
         if self.role not in ("producer", "consumer"):

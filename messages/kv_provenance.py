@@ -9,15 +9,20 @@ from dataclasses import dataclass
 class KVProvenance:
     """One worker's account of a request's prompt tokens, by where their KV came from.
 
-    The five token counts add up to ``num_prompt_tokens``; they lie in this order along the
+    The six token counts add up to ``num_prompt_tokens``; they lie in this order along the
     prompt::
 
-        prompt: | cache hit | tier hit | pulled | recomputed | computed |
-                  held in     loaded     arrived   the peer     no peer offered
-                  the pool    intact     intact    offered it,  any: computed
-                  (dedup)     from this  from the  its pull     here from scratch
-                              worker's   peer      failed
-                              KV tier
+        prompt: | cache hit | tier hit | pulled early | pulled | recomputed | computed |
+                  held in     loaded     pulled by      arrived   the peer     no peer offered
+                  the pool    intact     offers while   intact    offered it,  any: computed
+                  (dedup)     from this  the prompt     from the  its pull     here from scratch
+                              worker's   prefilled      peer      failed
+                              KV tier    (chunk-wise
+                                         hand-off)
+
+    *Pulled early* blocks were in the pool when the hand-off came (its pull skipped them), so
+    the engine counts them as a cache hit; the decode worker's host, which relayed the
+    offers, moves them out of it (``EngineHost.generate``).
 
     A prefill (or colocated) worker only hits (pool or tier) and computes. ``num_blocks_pulled`` and
     ``num_bytes_pulled`` count what landed, as the worker's transfer counters do, so the
@@ -29,6 +34,7 @@ class KVProvenance:
     num_prompt_tokens: int
     num_cache_hit_tokens: int = 0
     num_tier_tokens: int = 0
+    num_pulled_early_tokens: int = 0
     num_pulled_tokens: int = 0
     num_recomputed_tokens: int = 0
     num_computed_tokens: int = 0

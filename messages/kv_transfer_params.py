@@ -28,6 +28,16 @@ class KVTransferParams:
     table in turn, ``num_kv_groups`` tables of one id per prompt block, by position::
 
         block_ids:     | g0: 7 3 12 5 | g1: 0 0 9 4 | g2: 0 0 14 8 |     (0: left the window)
+
+    A chunk-wise hand-off (``KVConnectorConfig.chunked_handoff``) also sends *offers*
+    (``final=False``) while the prompt is still being prefilled: the full blocks computed so
+    far, under the lease the final hand-off will carry too. An offer has no first token
+    (``first_token_id`` is -1) and its ``num_tokens`` is a whole number of blocks; the
+    decode side pulls it into its prefix cache and never releases the lease for it::
+
+        chunk 1 done ─▶ offer  [7 3]          (decode pulls 7 3 while chunk 2 computes)
+        chunk 2 done ─▶ offer  [7 3 12]
+        prompt done  ─▶ final  [7 3 12 5] + first token   (decode pulls only 5)
     """
 
     engine_id: str
@@ -41,3 +51,4 @@ class KVTransferParams:
     sampling_seed: int
     lease_expires_at: float
     num_kv_groups: int = 1
+    final: bool = True

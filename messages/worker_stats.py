@@ -46,6 +46,7 @@ class WorkerStats:
     num_leases_held: int = 0
     num_blocks_sent: int = 0
     num_blocks_received: int = 0
+    num_blocks_received_early: int = 0
     num_bytes_sent: int = 0
     num_bytes_received: int = 0
     num_dedup_skipped_blocks: int = 0

@@ -163,6 +163,15 @@ WORKER_STATS: tuple[Stat, ...] = (
         "pdserve:kv_transfer_blocks_received",
         "recv",
     ),
+    Stat(
+        "num_blocks_received_early",
+        C,
+        "blocks",
+        "KV blocks pulled by chunk-wise hand-off offers, while the prompt was still being "
+        "prefilled (part of the blocks received).",
+        "pdserve:kv_transfer_blocks_received_early",
+        "early",
+    ),
     Stat("num_bytes_sent", C, "bytes", "KV bytes served.", "pdserve:kv_transfer_bytes_sent"),
     Stat(
         "num_bytes_received", C, "bytes", "KV bytes pulled.", "pdserve:kv_transfer_bytes_received"

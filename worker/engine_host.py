@@ -28,6 +28,7 @@ import os
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -50,6 +51,10 @@ from pdserve.worker.kv_event_log import KVEventLog
 
 logger = logging.getLogger(__name__)
 
+# The id a chunk-wise hand-off's offer runs under on a decode worker: the request's, with this.
+OFFER_SUFFIX = "#offer"
+# Requests whose offers' counts a decode worker keeps for their hand-off (oldest dropped).
+_MAX_OFFERED_REQUESTS = 4096
 # While only leased blocks remain, step this often so released leases free their blocks.
 _LEASE_POLL_S = 0.02
 T = TypeVar("T")
@@ -98,6 +103,8 @@ class EngineHost:
         self._ops: list[Callable[[], object]] = []
         self._ops_lock = threading.Lock()
         self._streams: dict[str, asyncio.Queue] = {}
+        # Decode side: prompt tokens each request's offers pulled, until its hand-off comes.
+        self._offered_tokens: OrderedDict[str, int] = OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
@@ -147,6 +154,8 @@ class EngineHost:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         self._submit(lambda: self._add(request))
+        # Blocks the request's offers brought were cache hits to the engine; not to a client.
+        offered_tokens = self._offered_tokens.pop(request_id, 0)
         finished = False
         first_chunk = True
         try:
@@ -168,8 +177,10 @@ class EngineHost:
                     started = time.perf_counter()
                     transfer_params = await self._complete(transfer_params)
                     checksum_s = time.perf_counter() - started
+                num_early = min(offered_tokens, output.num_cached_tokens)
                 timing = None
-                if first_chunk:  # where the time to it went
+                is_offer = transfer_params is not None and not transfer_params.final
+                if first_chunk and not is_offer:  # where the time to the first token went
                     timing = output.stamps.timing(entered_at, time.perf_counter(), checksum_s)
                     first_chunk = False
                 yield GenerationChunk(
@@ -179,11 +190,11 @@ class EngineHost:
                     num_output_tokens=output.num_output_tokens,
                     finished=output.finished,
                     finish_reason=output.finish_reason,
-                    num_cached_tokens=output.num_cached_tokens,
+                    num_cached_tokens=output.num_cached_tokens - num_early,
                     kv_transfer_params=transfer_params,
                     error=output.error,
                     stop_reason=output.stop_reason,
-                    kv_provenance=self._signed(output.kv_provenance),
+                    kv_provenance=self._signed(_pulled_early(output.kv_provenance, offered_tokens)),
                     new_logprobs=output.output_logprobs,
                     prompt_logprobs=output.prompt_logprobs,
                     timing=timing,
@@ -203,6 +214,39 @@ class EngineHost:
         if connector.completes_inline(params):
             return connector.complete_transfer_params(params)
         return await asyncio.to_thread(connector.complete_transfer_params, params)
+
+    async def pull_offer(self, request: WorkerRequest) -> KVProvenance | None:
+        """Pulls a chunk-wise hand-off's offer into this (decode) worker's prefix cache and
+        answers when it is there (or was dropped): what it pulled, or None when it was
+        refused. The request's own hand-off follows and pulls only what is still missing.
+
+        The offer runs as a KV-only request under its own id (``…#offer``), so it never
+        meets the request's stream; the gateway sends one offer of a request at a time."""
+        self._ensure_loop()
+        offer_id = request.request_id + OFFER_SUFFIX
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[offer_id] = queue
+        self._submit(lambda: self._add(dataclasses.replace(request, request_id=offer_id)))
+        finished = False
+        try:
+            while not finished:
+                output = await queue.get()
+                if isinstance(output, GenerationChunk):  # refused, or the engine step failed
+                    finished = True
+                    return None
+                finished = output.finished
+            pulled = self._signed(output.kv_provenance)
+            if pulled is not None:
+                self._offered_tokens[request.request_id] = (
+                    self._offered_tokens.pop(request.request_id, 0) + pulled.num_pulled_tokens
+                )
+                while len(self._offered_tokens) > _MAX_OFFERED_REQUESTS:  # hand-offs never came
+                    self._offered_tokens.popitem(last=False)
+            return pulled
+        finally:
+            self._streams.pop(offer_id, None)
+            if not finished:  # the gateway went away: the pull is not wanted any more
+                self._submit(lambda: self.engine.abort(offer_id))
 
     async def abort(self, request_id: str) -> None:
         """Aborts a request, or releases the lease a finished prefill still holds for it."""
@@ -393,6 +437,16 @@ class EngineHost:
         queue = self._streams.get(output.request_id)
         if queue is not None and self._loop is not None:  # a stream exists once the loop does
             self._loop.call_soon_threadsafe(queue.put_nowait, output)
+
+
+def _pulled_early(provenance: KVProvenance | None, num_tokens: int) -> KVProvenance | None:
+    """A decode worker's account with ``num_tokens`` of its cache hit moved to *pulled
+    early*: the request's offers had brought them (``KVProvenance``'s layout)."""
+    if provenance is not None:
+        moved = min(num_tokens, provenance.num_cache_hit_tokens)  # fewer: some were evicted
+        provenance.num_cache_hit_tokens -= moved
+        provenance.num_pulled_early_tokens += moved
+    return provenance
 
 
 def _node_identity() -> tuple[str, str]:

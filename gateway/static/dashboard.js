@@ -15,6 +15,7 @@ const SOURCES = {
   prefill_computed: ["P", "#ff7f0e", "computed by prefill"],
   decode_cache_hit: ["D", "#17becf", "held by decode (dedup)"],
   decode_tier_hit: ["D", "#bcbd22", "decode KV tier hit"],
+  pulled_early: ["D", "#aec7e8", "pulled while prefilling (offers)"],
   pulled: ["D", "#1f77b4", "pulled from prefill"],
   decode_recomputed: ["D", "#d62728", "recomputed on decode"],
   decode_prefilled: ["D", "#9467bd", "prefilled on decode"],
@@ -133,7 +134,7 @@ function drawTransferHistogram(histogram) {
 function workerRow(w) {
   const cells = [w.worker_id, w.role, w.num_requests_running, w.num_requests_waiting,
     pct(w.kv_cache_usage), pct(w.prefix_cache_hit_rate), w.num_blocks_sent,
-    w.num_blocks_received, byteString(w.num_bytes_sent), byteString(w.num_bytes_received),
+    w.num_blocks_received, w.num_blocks_received_early, byteString(w.num_bytes_sent), byteString(w.num_bytes_received),
     w.num_dedup_skipped_blocks, w.num_leases_held, w.num_failed_transfers,
     w.num_lease_expiries, w.num_recompute_fallbacks, ms(w.transfer_latency_p50_s),
     ms(w.transfer_latency_p99_s), w.num_structured_requests,
@@ -177,7 +178,8 @@ function requestRow(record, now) {
   const transfer = record.transfer;
   const cells = [record.request_id.slice(0, 17), `${Math.max(0, now - record.created).toFixed(0)} s`,
     record.num_prompt_tokens, record.num_output_tokens, bars, workerCell(record.prefill),
-    workerCell(record.decode), transfer.num_blocks, byteString(transfer.num_bytes),
+    workerCell(record.decode), `${transfer.num_blocks_early} + ${transfer.num_blocks}`,
+    byteString(transfer.num_bytes_early + transfer.num_bytes),
     ms(transfer.seconds), transfer.handed_off ? "yes" : "–",
     ms(record.ttft_s), ms(record.itl_s), record.finish_reason || "–"];
   cells.forEach((cell) => row.appendChild(cell instanceof Node ? cell : element("td", String(cell))));

@@ -16,8 +16,18 @@ requests' blocks. One lock guards it all; no call scans every lease.
 
 A lease may be granted before its checksums exist (the engine thread does not hash a whole
 prompt; the worker's stream does, ``attach_checksums``, before the hand-off leaves the
-worker). Until then ``begin_read`` refuses it: no read is served under a lease whose pages
-nobody can verify.
+worker). Until a block has its checksum ``begin_read`` refuses it: no read is served of a
+page nobody can verify.
+
+A chunk-wise hand-off grows one lease while its prompt is still being prefilled: each
+chunk's newly full blocks join it (``reshape``), so a decode worker reads them while later
+chunks compute. A preempted prefill recomputes into other blocks; ``reshape`` then names
+the new ones and forgets the old ones' checksums, so no read is served from a block the
+request no longer holds::
+
+    chunk 1 done: reshape [7 3]          checksums {7, 3}      reads of 7, 3 served
+    chunk 2 done: reshape [7 3 12 5]     checksums {7, 3} + {12, 5} once attached
+    preempted, recomputed: reshape [9 2 4 8]   the old ids leave the lease
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ import heapq
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -55,7 +65,7 @@ class RepeatedBlockError(LeaseError):
 
 
 class LeaseNotReadyError(LeaseError):
-    """The lease's checksums are not attached yet: its hand-off has not left the worker."""
+    """A block's checksum is not attached yet: its hand-off has not left the worker."""
 
 
 class LeaseState(Enum):
@@ -66,13 +76,13 @@ class LeaseState(Enum):
 
 @dataclass(frozen=True, slots=True)
 class Lease:
-    """What was granted: handed to the decode side inside ``KVTransferParams``."""
+    """What was granted (or last reshaped): handed to the decode side inside
+    ``KVTransferParams``."""
 
     lease_id: str
     request_id: str
     block_ids: tuple[int, ...]
     block_hashes: tuple[bytes, ...]
-    checksums: tuple[int, ...]
     expires_at: float
 
 
@@ -82,9 +92,9 @@ class _LeaseEntry:
     block_id_set: frozenset[int]
     ttl_s: float
     expires_at: float
+    checksum_of: dict[int, int]
     state: LeaseState = LeaseState.ACTIVE
     reads_in_flight: int = 0
-    checksummed: bool = True
 
 
 class LeaseTable:
@@ -125,7 +135,6 @@ class LeaseTable:
                 request_id=request_id,
                 block_ids=tuple(block_ids),
                 block_hashes=tuple(block_hashes),
-                checksums=tuple(checksums or ()),
                 expires_at=expires_at,
             )
             self._entries[lease.lease_id] = _LeaseEntry(
@@ -133,21 +142,60 @@ class LeaseTable:
                 block_id_set=frozenset(lease.block_ids),
                 ttl_s=ttl,
                 expires_at=expires_at,
-                checksummed=checksums is not None,
+                checksum_of=dict(zip(block_ids, checksums or ())),
             )
             heapq.heappush(self._expiry_heap, (expires_at, lease.lease_id))
             return lease
 
-    def attach_checksums(self, lease_id: str, checksums: Sequence[int]) -> None:
-        """Completes a lease granted without checksums; reads are served from now on.
-        A lease that ended meanwhile (its request aborted) is left as it is."""
+    def reshape(
+        self, lease_id: str, block_ids: Sequence[int], block_hashes: Sequence[bytes]
+    ) -> Lease:
+        """Makes the lease hold ``block_ids`` (a chunk-wise hand-off's blocks so far, or the
+        whole prompt's at its end) and renews it. Checksums of blocks it still holds are
+        kept; the new blocks' come with ``attach_checksums``. Raises ``LeaseError`` for a
+        lease that ended (the caller then hands off without it)."""
+        with self._lock:
+            now = self._clock()
+            entry = self._active_entry(lease_id, now)
+            kept = frozenset(block_ids)
+            entry.checksum_of = {b: c for b, c in entry.checksum_of.items() if b in kept}
+            entry.block_id_set = kept
+            entry.expires_at = now + entry.ttl_s
+            entry.lease = dataclasses.replace(
+                entry.lease,
+                block_ids=tuple(block_ids),
+                block_hashes=tuple(block_hashes),
+                expires_at=entry.expires_at,
+            )
+            heapq.heappush(self._expiry_heap, (entry.expires_at, lease_id))
+            return entry.lease
+
+    def unchecksummed(self, lease_id: str) -> list[int]:
+        """The lease's blocks that have no checksum yet (none for a lease that ended)."""
+        with self._lock:
+            entry = self._entries.get(lease_id)
+            if entry is None or entry.state is not LeaseState.ACTIVE:
+                return []
+            return [b for b in entry.lease.block_ids if b not in entry.checksum_of]
+
+    def attach_checksums(self, lease_id: str, checksum_of: Mapping[int, int]) -> None:
+        """Attaches checksums of leased blocks; reads of them are served from now on.
+        A lease that ended meanwhile (its request aborted) is left as it is; a block the
+        lease no longer holds (reshaped away meanwhile) is skipped."""
         with self._lock:
             entry = self._entries.get(lease_id)
             if entry is None or entry.state is not LeaseState.ACTIVE:
                 return
-            _check_one_checksum_per_block(entry.lease.block_ids, checksums)
-            entry.lease = dataclasses.replace(entry.lease, checksums=tuple(checksums))
-            entry.checksummed = True
+            entry.checksum_of.update(
+                (b, c) for b, c in checksum_of.items() if b in entry.block_id_set
+            )
+
+    def checksums(self, lease_id: str, block_ids: Sequence[int]) -> list[int]:
+        """The attached checksum of each of ``block_ids`` (0 where there is none)."""
+        with self._lock:
+            entry = self._entries.get(lease_id)
+            checksum_of = entry.checksum_of if entry is not None else {}
+            return [checksum_of.get(b, 0) for b in block_ids]
 
     def renew(self, lease_id: str) -> float:
         """Push the expiry ``ttl_s`` past now; returns the new ``expires_at``."""
@@ -172,16 +220,17 @@ class LeaseTable:
         """Start serving a read of ``block_ids``; they stay allocated until ``end_read``."""
         with self._lock:
             entry = self._active_entry(lease_id, self._clock())
-            if not entry.checksummed:
-                raise LeaseNotReadyError(
-                    f"lease {lease_id!r} has no checksums yet; its hand-off has not left the "
-                    f"prefill worker, so no one should hold its id"
-                )
             outside = [b for b in block_ids if b not in entry.block_id_set]
             if outside:
                 raise BlockNotLeasedError(
                     f"block ids {outside[:8]} are not under lease {lease_id!r} "
                     f"(it holds {len(entry.block_id_set)} blocks)"
+                )
+            unverifiable = [b for b in block_ids if b not in entry.checksum_of]
+            if unverifiable:
+                raise LeaseNotReadyError(
+                    f"blocks {unverifiable[:8]} of lease {lease_id!r} have no checksums yet; "
+                    f"their hand-off has not left the prefill worker, so no one should read them"
                 )
             if len(set(block_ids)) != len(block_ids):
                 raise RepeatedBlockError(

@@ -2,10 +2,14 @@
 
 Prefill side (``producer``)::
 
-    request finishes by length ─▶ request_finished (engine thread): grant a lease, return
-    KVTransferParams (address, lease, block ids, hashes, first token), no checksums yet
+    a prefill chunk computed ─▶ offer_computed_blocks (engine thread, ``chunked_handoff``):
+    the request's lease grows by the chunk's newly full blocks; an offer (final=False) goes
+    out, so the decode side pulls them while later chunks compute
+    request finishes by length ─▶ request_finished (engine thread): the lease (granted now,
+    or the offers' one, reshaped to the whole prompt), KVTransferParams (address, lease,
+    block ids, hashes, first token), no checksums yet
     the worker's stream ─▶ complete_transfer_params (off the step path): checksum each
-    prompt block, attach them to the lease (reads are refused until then) and the params
+    block not checksummed yet, attach them to the lease (reads are refused until then)
     lease released by the decode side, or expired ─▶ get_finished().freeable ─▶ blocks freed
 
 Decode side (``consumer``)::
@@ -16,19 +20,24 @@ Decode side (``consumer``)::
     start_load_kv              ─▶ a transfer thread: handshake (once per peer), read, release
     get_finished().loaded      ─▶ the scheduler caches the good blocks, recomputes the rest
 
+An offer is pulled by a KV-only request (``Request.kv_only``) into the decode worker's prefix
+cache; the final hand-off finds those blocks there (same hashes) and pulls only the rest.
+Only the final hand-off's pull releases the lease.
+
 Transfers run on a small thread pool, so the engine's step loop never blocks on the network;
 every transport call has a deadline, so a dead peer becomes failed blocks, not a hang.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from pdserve.cache import NULL_BLOCK_ID, cdiv
+from pdserve.cache import NULL_BLOCK_ID, BlockHash, cdiv
 from pdserve.engine.kv_connector_base import (
     FinishedTransfers,
     KVConnectorBase,
@@ -40,7 +49,7 @@ from pdserve.engine.kv_connector_base import (
 from pdserve.engine.request import RequestStatus
 from pdserve.kvconnector.checksum import block_checksums
 from pdserve.kvconnector.load_tracker import LoadTracker
-from pdserve.kvconnector.pd.lease import LeaseTable
+from pdserve.kvconnector.pd.lease import Lease, LeaseError, LeaseTable
 from pdserve.kvconnector.transfer_stats import TransferStats
 from pdserve.kvconnector.transport.base import (
     KVTransferClient,
@@ -96,6 +105,7 @@ class PDConnector(KVConnectorBase):
         # producer
         self.leases = LeaseTable(default_ttl_s=config.lease_ttl_s, stats=self.stats)
         self._lease_of_request: dict[str, str] = {}
+        self._offered: dict[str, list[int]] = {}  # lease id -> blocks its last offer named
         self._server: KVTransferServer | None = None
         # consumer
         self._client: KVTransferClient | None = None
@@ -160,8 +170,9 @@ class PDConnector(KVConnectorBase):
             return 0, False
         num_external = params.num_tokens - num_computed_tokens
         if num_external <= 0:  # every prompt block is already here: nothing to pull
-            self.stats.record_dedup_skipped(len(params.block_ids))
-            self._pending.releases.append(params)
+            if params.final:  # an offer's lease is the final hand-off's to release
+                self.stats.record_dedup_skipped(len(params.block_ids))
+                self._pending.releases.append(params)
             return 0, False
         return num_external, True
 
@@ -201,14 +212,51 @@ class PDConnector(KVConnectorBase):
         return metadata
 
     # ---- scheduler side: prefill ----------------------------------------------------
+    def offer_computed_blocks(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> KVTransferParams | None:
+        """A chunk-wise hand-off's offer after a prefill chunk: the prompt's full blocks
+        computed so far, under the request's lease (granted at the first offer, reshaped at
+        each later one), or None when there is nothing new to offer.
+
+        Only a full block is offered: its tokens are all computed and no later chunk writes
+        it again. A model of several KV groups hands off at the end only: a sliding window
+        frees its blocks while the prompt is still prefilling."""
+        if (
+            self.config.role != "producer"
+            or not self.config.chunked_handoff
+            or not request.remote_decode
+            or len(block_ids) != 1
+            or request.num_computed_tokens >= request.num_prompt_tokens
+        ):
+            return None
+        assert self._server is not None
+        num_blocks = request.num_computed_tokens // self._block_size
+        offered = block_ids[0][:num_blocks]
+        lease_id = self._lease_of_request.get(request.request_id)
+        if not offered or (lease_id is not None and self._offered.get(lease_id) == offered):
+            return None
+        hashes = request.block_hashes[:num_blocks]
+        try:
+            lease = self._lease_for(request.request_id, lease_id, offered, hashes)
+        except LeaseError:  # it ended (expired between two chunks): offer nothing more
+            return None
+        self._offered[lease.lease_id] = list(offered)
+        return self._params(
+            lease, offered, hashes, num_blocks * self._block_size, request, num_kv_groups=1
+        )
+
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, KVTransferParams | None]:
+        lease_id = self._lease_of_request.get(request.request_id)
         if (
             self.config.role != "producer"
             or not request.remote_decode
             or request.status != RequestStatus.FINISHED_LENGTH_CAPPED
         ):
+            if lease_id is not None:  # offers went out, but there is no hand-off
+                self._end_lease(lease_id)
             return False, None
         assert self._kv_cache is not None and self._server is not None
         num_tokens = request.num_prompt_tokens
@@ -216,35 +264,85 @@ class PDConnector(KVConnectorBase):
         # Each group's table by position, nulls too, group after group.
         prompt_ids = [block_id for table in block_ids for block_id in table[:num_blocks]]
         hashes = request.block_hashes[: num_tokens // self._block_size]
-        lease = self.leases.grant(request.request_id, _held(prompt_ids), hashes, checksums=None)
-        self._lease_of_request[request.request_id] = lease.lease_id
-        return True, KVTransferParams(
+        try:
+            lease = self._lease_for(request.request_id, lease_id, _held(prompt_ids), hashes)
+        except LeaseError:
+            # The offers' lease ended (it expired between two chunks): its request id may
+            # still be reported freeable, so no second lease is granted under it. The
+            # decode side recomputes what its offers did not bring.
+            self._end_lease(lease_id)
+            return False, None
+        self._offered.pop(lease.lease_id, None)
+        return True, self._params(
+            lease,
+            prompt_ids,
+            hashes,
+            num_tokens,
+            request,
+            num_kv_groups=len(block_ids),
+            first_token_id=request.output_token_ids[0],
+        )
+
+    def _lease_for(
+        self, request_id: str, lease_id: str | None, block_ids: list[int], hashes: list[BlockHash]
+    ) -> Lease:
+        """The request's lease, granted now or reshaped to ``block_ids``."""
+        if lease_id is not None:
+            return self.leases.reshape(lease_id, block_ids, hashes)
+        lease = self.leases.grant(request_id, block_ids, hashes, checksums=None)
+        self._lease_of_request[request_id] = lease.lease_id
+        return lease
+
+    def _end_lease(self, lease_id: str | None) -> None:
+        if lease_id is None:
+            return
+        self._offered.pop(lease_id, None)
+        with contextlib.suppress(LeaseError):  # freed already
+            self.leases.release(lease_id)
+
+    def _params(
+        self,
+        lease: Lease,
+        block_ids: list[int],
+        hashes: list[BlockHash],
+        num_tokens: int,
+        request: Request,
+        num_kv_groups: int,
+        first_token_id: int | None = None,
+    ) -> KVTransferParams:
+        """A hand-off (``first_token_id`` given) or an offer (None: the prompt is still
+        being prefilled)."""
+        assert self._server is not None
+        return KVTransferParams(
             engine_id=self.engine_id,
             transfer_address=self._server.address,
             lease_id=lease.lease_id,
-            block_ids=list(prompt_ids),
+            block_ids=list(block_ids),
             block_hashes=list(hashes),
             block_checksums=[],  # complete_transfer_params, off the step path
             num_tokens=num_tokens,
-            first_token_id=request.output_token_ids[0],
+            first_token_id=-1 if first_token_id is None else first_token_id,
             sampling_seed=request.sampling_seed,
             lease_expires_at=lease.expires_at,
-            num_kv_groups=len(block_ids),
+            num_kv_groups=num_kv_groups,
+            final=first_token_id is not None,
         )
 
     def complete_transfer_params(self, params: KVTransferParams) -> KVTransferParams:
-        """Checksums the leased pages (a whole prompt: milliseconds per thousand blocks, on
-        the worker's stream thread, not the engine's) and attaches them to the lease.
+        """Checksums the leased pages not checksummed yet (a whole prompt: milliseconds per
+        thousand blocks; an offer, or a final hand-off after offers, only its new blocks), on
+        the worker's stream thread, not the engine's, and attaches them to the lease.
 
-        The leased blocks are pinned and no longer written (the prompt is computed), so
+        The leased blocks are full and no longer written (their tokens are computed), so
         their pages are what the decode side will read."""
         if self.config.role != "producer" or params.block_checksums or not params.block_ids:
             return params
         assert self._kv_cache is not None
-        held = _held(params.block_ids)
-        checksum_of = dict(zip(held, block_checksums(self._kv_cache, held)))
-        self.leases.attach_checksums(params.lease_id, [checksum_of[b] for b in held])
-        params.block_checksums = [checksum_of.get(b, 0) for b in params.block_ids]
+        missing = self.leases.unchecksummed(params.lease_id)
+        if missing:
+            checksum_of = dict(zip(missing, block_checksums(self._kv_cache, missing)))
+            self.leases.attach_checksums(params.lease_id, checksum_of)
+        params.block_checksums = self.leases.checksums(params.lease_id, params.block_ids)
         return params
 
     def completes_inline(self, params: KVTransferParams) -> bool:
@@ -255,13 +353,13 @@ class PDConnector(KVConnectorBase):
             return True  # nothing to read
         if self._kv_cache.device.type != "cpu":
             return False
-        num_bytes = len(_held(params.block_ids)) * self._kv_cache[0].nbytes
+        num_bytes = len(self.leases.unchecksummed(params.lease_id)) * self._kv_cache[0].nbytes
         return num_bytes <= INLINE_COMPLETION_BYTES
 
     def request_aborted(self, request: Request) -> None:
         lease_id = self._lease_of_request.get(request.request_id)
         if lease_id is not None:  # prefill: the decode side will never read; free on release
-            self.leases.release(lease_id)
+            self._end_lease(lease_id)
             return
         params = request.kv_transfer_params
         if params is None:
@@ -274,7 +372,8 @@ class PDConnector(KVConnectorBase):
         for load in queued:  # never started: reported loaded, so its blocks are freed
             self._pending.loads.remove(load)
             self._loads.finish(request.request_id)
-        self._pending.releases.append(params)
+        if params.final:  # an offer's lease is the final hand-off's to release
+            self._pending.releases.append(params)
 
     # ---- worker side: transfers -----------------------------------------------------
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
@@ -317,6 +416,8 @@ class PDConnector(KVConnectorBase):
                 load.expected_checksums,
             )
             failed = result.failed_block_ids
+            if not load.params.final:
+                self.stats.record_received_early(len(result.ok_block_ids))
             summary = PullSummary(
                 len(result.ok_block_ids), result.num_bytes, result.duration_s, handshake_s
             )
@@ -342,7 +443,7 @@ class PDConnector(KVConnectorBase):
                 error_message,
                 summary or PullSummary(0, 0, time.perf_counter() - started),
             )
-            if peer is not None:  # a peer that never answered the handshake holds no read
+            if peer is not None and load.params.final:  # an unanswered handshake holds no read
                 self._release_remote(load.params, peer)
 
     def _renew_if_expiring(self, peer: PeerInfo, params: KVTransferParams) -> None:
@@ -415,7 +516,8 @@ class PDConnector(KVConnectorBase):
         finished = self._loads.take()
         if self.config.role == "producer":
             for request_id in self.leases.take_freeable():
-                self._lease_of_request.pop(request_id, None)
+                lease_id = self._lease_of_request.pop(request_id, None)
+                self._offered.pop(lease_id or "", None)
                 finished.freeable_request_ids.add(request_id)
         return finished
 

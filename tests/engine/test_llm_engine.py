@@ -177,7 +177,7 @@ def test_max_model_len_caps_output() -> None:
         ([], SamplingParams(), "empty"),
         ([1, 2, 100_000], SamplingParams(), "outside the vocabulary"),
         ([1, -1], SamplingParams(), "outside the vocabulary"),
-        ([1] * 5000, SamplingParams(), "max_model_len"),
+        ([1] * 40_000, SamplingParams(), "max_model_len"),
     ],
 )
 def test_bad_prompts_raise_clear_errors(engine: LLMEngine, prompt, params, message) -> None:

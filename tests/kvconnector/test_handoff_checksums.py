@@ -96,9 +96,15 @@ def test_a_lease_granted_without_checksums_serves_no_read_until_they_are_attache
     lease = leases.grant("r0", [3, 4], [b"h"], checksums=None)
     with pytest.raises(LeaseNotReadyError):
         leases.begin_read(lease.lease_id, [3, 4])
-    leases.attach_checksums(lease.lease_id, [11, 12])
-    assert leases.begin_read(lease.lease_id, [3, 4]).checksums == (11, 12)
+    leases.attach_checksums(lease.lease_id, {3: 11})
+    with pytest.raises(LeaseNotReadyError):  # block 4 still has none
+        leases.begin_read(lease.lease_id, [3, 4])
+    leases.begin_read(lease.lease_id, [3])  # block 3 is verifiable now
     leases.end_read(lease.lease_id)
+    leases.attach_checksums(lease.lease_id, {4: 12})
+    leases.begin_read(lease.lease_id, [3, 4])
+    leases.end_read(lease.lease_id)
+    assert leases.checksums(lease.lease_id, [4, 3]) == [12, 11]
 
 
 def test_a_page_changed_after_the_hand_off_is_still_caught_and_recomputed() -> None:

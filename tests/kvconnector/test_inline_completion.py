@@ -28,10 +28,14 @@ def producer_with(kv_cache: torch.Tensor) -> PDConnector:
     return connector
 
 
-def lease_of(num_blocks: int) -> KVTransferParams:
+def lease_of(connector: PDConnector, num_blocks: int, checksummed: int = 0) -> KVTransferParams:
+    """A hand-off of ``num_blocks`` blocks, the first ``checksummed`` of them checksummed
+    already (by an earlier offer of a chunk-wise hand-off)."""
     ids = list(range(1, num_blocks + 1))
+    lease = connector.leases.grant("r", ids, [], checksums=None)
+    connector.leases.attach_checksums(lease.lease_id, dict.fromkeys(ids[:checksummed], 7))
     return KVTransferParams(
-        "prefill-0", "127.0.0.1:1", "lease", ids, [], [], 16 * num_blocks, 1, 1, 0.0
+        "prefill-0", "127.0.0.1:1", lease.lease_id, ids, [], [], 16 * num_blocks, 1, 1, 0.0
     )
 
 
@@ -39,7 +43,9 @@ def test_small_leases_on_a_cpu_cache_complete_inline_and_none_on_a_device_cache(
     page_bytes = torch.empty(PAGE_SHAPE).nbytes
     fits = INLINE_COMPLETION_BYTES // page_bytes
     cpu = producer_with(torch.zeros(64, *PAGE_SHAPE))
-    assert cpu.completes_inline(lease_of(fits))
-    assert not cpu.completes_inline(lease_of(fits + 1))
+    assert cpu.completes_inline(lease_of(cpu, fits))
+    assert not cpu.completes_inline(lease_of(cpu, fits + 1))
+    # After offers, only the blocks still to checksum count.
+    assert cpu.completes_inline(lease_of(cpu, fits + 8, checksummed=8))
     device = producer_with(torch.empty(64, *PAGE_SHAPE, device="meta"))
-    assert not device.completes_inline(lease_of(1))
+    assert not device.completes_inline(lease_of(device, 1))

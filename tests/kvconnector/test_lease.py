@@ -5,6 +5,7 @@ import pytest
 from pdserve.kvconnector.pd.lease import (
     BlockNotLeasedError,
     LeaseEndedError,
+    LeaseNotReadyError,
     LeaseTable,
     UnknownLeaseError,
 )
@@ -117,3 +118,43 @@ def test_concurrent_reads_and_releases_free_every_request_exactly_once() -> None
     freed.extend(table.take_freeable())
     assert sorted(freed) == sorted(lease.request_id for lease in leases)
     assert len(table) == 0
+
+
+def test_a_lease_grows_with_each_chunk_and_serves_only_checksummed_blocks() -> None:
+    """A chunk-wise hand-off: one lease, reshaped to each chunk's blocks so far; a block is
+    readable once its checksum is attached, and each reshape renews the lease."""
+    table, clock, _ = make_table(ttl_s=5.0)
+    lease = table.grant("req-1", [7, 3], [b"h0", b"h1"], checksums=None)
+    table.attach_checksums(lease.lease_id, {7: 70, 3: 30})
+    clock.now += 4.0
+    grown = table.reshape(lease.lease_id, [7, 3, 12], [b"h0", b"h1", b"h2"])
+    assert grown.lease_id == lease.lease_id and grown.expires_at == clock.now + 5.0
+    assert table.unchecksummed(lease.lease_id) == [12]
+    table.begin_read(lease.lease_id, [7, 3])  # the first chunk's blocks stay readable
+    table.end_read(lease.lease_id)
+    with pytest.raises(LeaseNotReadyError):
+        table.begin_read(lease.lease_id, [12])
+    table.attach_checksums(lease.lease_id, {12: 120})
+    assert table.checksums(lease.lease_id, [12, 7, 3]) == [120, 70, 30]
+    clock.now += 4.0  # past the grant's expiry, not the reshape's
+    assert table.take_freeable() == []
+
+
+def test_a_reshape_after_a_preemption_forgets_the_blocks_the_request_left() -> None:
+    table, _, _ = make_table()
+    lease = table.grant("req-1", [7, 3], [b"h0", b"h1"], checksums=[70, 30])
+    table.reshape(lease.lease_id, [9, 3], [b"h0", b"h1"])  # block 7 was freed and recomputed
+    with pytest.raises(BlockNotLeasedError):
+        table.begin_read(lease.lease_id, [7])
+    assert table.unchecksummed(lease.lease_id) == [9]
+    table.attach_checksums(lease.lease_id, {7: 1, 9: 90})  # 7 is skipped: no longer held
+    assert table.checksums(lease.lease_id, [9, 3, 7]) == [90, 30, 0]
+
+
+def test_an_ended_lease_is_not_reshaped() -> None:
+    table, _, _ = make_table()
+    lease = table.grant("req-1", [1], [], [11])
+    table.release(lease.lease_id)
+    with pytest.raises(LeaseEndedError):
+        table.reshape(lease.lease_id, [1, 2], [])
+    assert table.unchecksummed(lease.lease_id) == []

@@ -349,6 +349,76 @@ def test_a_prefill_killed_right_after_its_hand_off_leaves_no_request_hanging(app
     _assert_clean(row, app)
 
 
+# ---------------------------------------------------------------- chunk-wise hand-off
+
+# The prefill computes 16 tokens a step, slowly: a prompt's offers go out chunk by chunk.
+CHUNKED = (lambda s: slow_steps(s, chunk_tokens=16), 0.25, 0.0)
+
+
+def test_a_streamed_hand_off_pulls_its_offers_before_the_first_token(app, colocated):
+    """Offers are pulled while the prompt prefills; the hand-off then moves only the rest,
+    and the reply equals the colocated engine's (greedy and seeded)."""
+    prompts = [f"{word} streams its KV: {PREAMBLE}" for word in ("Basalt", "Cobalt")]
+    replies = []
+    with injected(app, PREFILLS, *CHUNKED):
+        for index, prompt in enumerate(prompts):
+            body = dict(model="tiny", prompt=prompt, max_tokens=8, **_sampling(index))
+            status, _, reply = post_completion(app, body)
+            assert status == 200, reply
+            replies.append(reply)
+    wrong = sum(
+        1
+        for index, (reply, prompt) in enumerate(zip(replies, prompts))
+        if reply["choices"][0]["text"]
+        != expected_text(colocated, prompt, SamplingParams(max_tokens=8, **_sampling(index)))
+    )
+    leaked = sum(sum(v) for v in leftovers(wait_until_drained(app)).values())
+    row = MatrixRow("streamed hand-off", _shape(app), len(replies), 0, wrong, leaked)
+    MATRIX.append(row)
+    block_size = app.block_size
+    for reply in replies:
+        provenance = reply["kv_provenance"]
+        transfer, sources = provenance["transfer"], provenance["prompt_tokens_by_source"]
+        num_blocks = -(-provenance["num_prompt_tokens"] // block_size)
+        assert transfer["num_offers"] >= 2 and transfer["num_blocks_early"] >= 2, provenance
+        # Only what the offers had not brought is left for the hand-off: the last chunk's
+        # (16 tokens: at most two blocks) and the block of the prompt's tail.
+        assert transfer["num_blocks_early"] + transfer["num_blocks"] == num_blocks, provenance
+        assert transfer["num_blocks"] <= 16 // block_size + 1, provenance
+        assert sources["pulled_early"] == transfer["num_blocks_early"] * block_size
+        assert sources["decode_cache_hit"] == 0  # a fresh prompt: nothing was cached before
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    _assert_clean(row, app)
+
+
+def test_a_prefill_killed_between_two_chunks_of_a_streamed_hand_off_loses_nothing(app, colocated):
+    """The prefill worker dies once a decode worker has pulled an offer and before the
+    first token: the gateway prefills again on the other one (no token was sent), the decode
+    worker keeps what the offers brought (checksummed, so cached rightly), and nothing is
+    left held anywhere."""
+    before = worker_rows(app)
+    early = "num_blocks_received_early"
+    with injected(app, PREFILLS, *CHUNKED):
+        clients = [
+            StreamClient(app, p, 12, _sampling(i))
+            for i, p in enumerate(_prompts("killed between chunks " * 3, 2))
+        ]
+        for client in clients:
+            client.start()
+        _wait_for(
+            lambda: _sum(worker_rows(app), DECODES, early) > _sum(before, DECODES, early),
+            "a decode worker pulling an offer",
+        )
+        rows = worker_rows(app)
+        victim = max(PREFILLS, key=lambda w: rows[w]["num_requests_running"])
+        assert rows[victim]["num_requests_running"] > 0 and not any(c.events for c in clients)
+        kill_worker(app, victim)
+        run_all(clients, CLIENT_DEADLINE_S)
+    row = _record(app, "prefill killed between two chunks", clients, colocated, must_complete=True)
+    wait_until_restarted(app, victim, before[victim]["instance_id"], timeout_s=120)
+    _assert_clean(row, app)
+
+
 # ---------------------------------------------------------------- leaks on cancel
 
 

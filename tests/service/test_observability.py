@@ -37,6 +37,7 @@ PREFILL_SOURCES = ("prefill_cache_hit", "prefill_tier_hit", "prefill_computed")
 DECODE_SOURCES = (
     "decode_cache_hit",
     "decode_tier_hit",
+    "pulled_early",
     "pulled",
     "decode_recomputed",
     "decode_prefilled",

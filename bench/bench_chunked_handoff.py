@@ -1,0 +1,261 @@
+"""The chunk-wise hand-off's gain: how long a long prompt's hand-off keeps the second token
+waiting, with offers (``chunked_handoff``) against without, in the same run.
+
+1 + 1: a prefill engine (producer) in a child process and a decode engine (consumer) in
+this one, one CPU thread each, the KV over gRPC on 127.0.0.1. The prompt is prefilled in
+chunks of ``--chunk`` tokens. With offers, each chunk's full blocks are pulled by the decode
+engine (as ``DecodeWorker.pull_offer``, one offer at a time, the latest waiting) while the
+next chunk computes; without, every block moves after the last chunk.
+
+Per prompt length and side (interleaved, ``--repeat`` times, medians print):
+
+- *tail*: from the end of the prefill's last chunk (its step returned the first token) to
+  the start of the decode engine's first step of the request: checksumming the final
+  blocks, the hop, the offer still in flight, admission and the hand-off's pull;
+- *blocks after*: the blocks the hand-off pulled after the prefill finished (aim: at most
+  one chunk's), and one chunk's pull time, measured from the offers;
+- *2nd token*: from the end of the last chunk to the decode engine's first token (the
+  request's second), against the decode ITL at that context (the mean gap between its
+  later tokens, which a colocated engine's decode steps match): aim <= 1.5x at 8k.
+
+The outputs of both sides are checked equal.
+
+Run: python bench/bench_chunked_handoff.py [--model tiny] [--lengths 2048 8192 16384]
+(smollm2 serves 8,192 positions: --model smollm2 --lengths 2048 8064)
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.kvconnector.pd.pd_connector import PDConnector
+from pdserve.messages.connector_config import KVConnectorConfig
+from pdserve.messages.kv_transfer_params import KVTransferParams
+
+BLOCK_SIZE = 16
+
+
+def _engine_kwargs(args: dict[str, Any], max_len: int) -> dict[str, Any]:
+    return dict(
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=max_len // BLOCK_SIZE + 64,
+        max_num_batched_tokens=max(args["chunk"], 2048),
+        long_prefill_token_threshold=args["chunk"],
+        max_model_len=max_len + 64,
+        hash_seed=0,
+    )
+
+
+def _prefill_main(args: dict[str, Any], conn: Any) -> None:
+    """The prefill worker: prefills on command, sends each offer and the hand-off."""
+    import torch
+
+    torch.set_num_threads(1)
+    connector = PDConnector(
+        KVConnectorConfig(role="producer", allow_insecure=True),  # loopback benchmark
+        engine_id="prefill-0",
+        hash_algorithm="xxh3_128",
+        hash_seed=0,
+    )
+    engine = LLMEngine.from_pretrained(
+        args["model"],
+        connector=connector,
+        engine_id="prefill-0",
+        **_engine_kwargs(args, args["max_len"]),
+    )
+    conn.send(connector.address)
+    while True:
+        if not conn.poll(0.001):
+            if engine.num_leases_held:
+                engine.step()  # frees released leases
+            continue
+        command, *rest = conn.recv()
+        if command == "stop":
+            engine.shutdown()
+            return
+        request_id, prompt, chunked = rest
+        while not engine.kv_cache_manager.reset_prefix_cache():  # each run starts cold
+            engine.step()  # a lease the decode side released frees its blocks
+        connector.config.chunked_handoff = chunked
+        greedy = SamplingParams(max_tokens=1, temperature=0.0)  # as the decode side samples
+        engine.add_request(request_id, prompt, greedy, remote_decode=True)
+        done = False
+        while not done:
+            for output in engine.step():
+                ended_at = time.perf_counter()  # the process clocks agree (CLOCK_MONOTONIC)
+                params = output.kv_transfer_params
+                if params is not None:
+                    connector.complete_transfer_params(params)
+                if params is not None and not params.final:
+                    conn.send(("offer", params, ended_at))
+                elif output.finished:
+                    conn.send(("final", params, ended_at))
+                    done = True
+
+
+@dataclass
+class Run:
+    tail_s: float
+    second_token_s: float
+    itl_s: float
+    blocks_after: int
+    num_offers: int
+    offer_pull_s: float  # mean pull time of one offer (one chunk's blocks)
+    tokens: list[int]
+
+
+def _run_one(
+    conn: Any,
+    child: Any,
+    decode: LLMEngine,
+    request_id: str,
+    prompt: list[int],
+    chunked: bool,
+    num_tokens: int,
+) -> Run:
+    assert decode.kv_cache_manager.reset_prefix_cache()  # each run starts cold
+    conn.send(("prefill", request_id, prompt, chunked))
+    in_flight: str | None = None
+    waiting: KVTransferParams | None = None
+    offer_pulls: list[float] = []
+    num_offers = 0
+    final: tuple[KVTransferParams, float] | None = None
+    while final is None or in_flight is not None:
+        if not child.is_alive():
+            raise RuntimeError(f"the prefill process died (exit code {child.exitcode})")
+        while final is None and conn.poll(
+            0 if (in_flight or decode.has_unfinished_requests()) else 0.001
+        ):
+            kind, params, ended_at = conn.recv()
+            if kind == "final":
+                final = (params, ended_at)
+                waiting = None  # the hand-off names its blocks too
+            else:
+                waiting = params
+        if waiting is not None and in_flight is None:
+            in_flight = f"{request_id}#offer{num_offers}"
+            num_offers += 1
+            decode.add_request(
+                in_flight,
+                prompt[: waiting.num_tokens],
+                SamplingParams(max_tokens=1),
+                kv_transfer_params=waiting,
+            )
+            waiting = None
+        if decode.has_unfinished_requests():
+            for output in decode.step():
+                if output.request_id == in_flight and output.finished:
+                    in_flight = None
+                    if output.kv_provenance and output.kv_provenance.num_blocks_pulled:
+                        offer_pulls.append(output.kv_provenance.transfer_s)
+    params, ended_at = final
+    sampling = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    decode.add_request(request_id, prompt, sampling, kv_transfer_params=params)
+    emitted: list[float] = []
+    first_step_at: float | None = None
+    output = None
+    while output is None or not output.finished:
+        loading = decode.scheduler.requests[request_id].num_computed_tokens < len(prompt)
+        started = time.perf_counter()
+        for out in decode.step():
+            if out.request_id == request_id:
+                output = out
+                emitted.append(time.perf_counter())
+        if first_step_at is None and not loading and emitted:
+            first_step_at = started
+    gaps = [b - a for a, b in zip(emitted[1:], emitted[2:])]
+    assert output.kv_provenance is not None and first_step_at is not None
+    return Run(
+        tail_s=first_step_at - ended_at,
+        second_token_s=emitted[0] - ended_at,
+        itl_s=statistics.mean(gaps),
+        blocks_after=output.kv_provenance.num_blocks_pulled,
+        num_offers=num_offers,
+        offer_pull_s=statistics.mean(offer_pulls) if offer_pulls else 0.0,
+        tokens=output.output_token_ids,
+    )
+
+
+def _row(length: int, chunked: bool, runs: list[Run]) -> str:
+    def median(figure) -> float:
+        return statistics.median(figure(run) for run in runs)
+
+    return (
+        f"{length:>7} {'offers' if chunked else 'at end':>9} "
+        f"{1e3 * median(lambda r: r.tail_s):>9.1f} "
+        f"{1e3 * median(lambda r: r.second_token_s):>10.1f} "
+        f"{1e3 * median(lambda r: r.itl_s):>7.1f} "
+        f"{median(lambda r: r.second_token_s / r.itl_s):>7.2f} "
+        f"{median(lambda r: r.blocks_after):>12.0f} "
+        f"{1e3 * median(lambda r: r.offer_pull_s):>13.1f} {median(lambda r: r.num_offers):>6.0f}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384])
+    parser.add_argument("--chunk", type=int, default=512, help="prefill tokens per step")
+    parser.add_argument("--tokens", type=int, default=12)
+    parser.add_argument("--repeat", type=int, default=2)
+    cli = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    args = dict(model=cli.model, chunk=cli.chunk, max_len=max(cli.lengths))
+    context = mp.get_context("spawn")
+    conn, child_conn = context.Pipe()
+    child = context.Process(target=_prefill_main, args=(args, child_conn), daemon=True)
+    child.start()
+    conn.recv()
+    decode = LLMEngine.from_pretrained(
+        cli.model,
+        connector=PDConnector(
+            KVConnectorConfig(role="consumer", transfer_timeout_s=120.0),
+            engine_id="decode-0",
+            hash_algorithm="xxh3_128",
+            hash_seed=0,
+        ),
+        engine_id="decode-0",
+        **_engine_kwargs(args, args["max_len"]),
+    )
+    vocab = decode.tokenizer.vocab_size
+    print(
+        f"model {cli.model}, chunks of {cli.chunk} tokens, {BLOCK_SIZE}-token blocks, gRPC, 1 thread per engine"
+    )
+    print(
+        f"{'prompt':>7} {'side':>9} {'tail ms':>9} {'2nd tok ms':>10} {'ITL ms':>7} {'2nd/ITL':>7} "
+        f"{'blocks after':>12} {'chunk pull ms':>13} {'offers':>6}"
+    )
+    serial = 0
+    for length in cli.lengths:
+        runs: dict[bool, list[Run]] = {True: [], False: []}
+        for repetition in range(cli.repeat):
+            prompt = [(repetition * 7919 + 31 * i) % (vocab - 1) + 1 for i in range(length)]
+            for chunked in (True, False) if repetition % 2 == 0 else (False, True):
+                serial += 1
+                runs[chunked].append(
+                    _run_one(conn, child, decode, f"r{serial}", prompt, chunked, cli.tokens)
+                )
+            # The same prompt both ways, each from a cold cache: the same tokens.
+            assert runs[True][-1].tokens == runs[False][-1].tokens, (
+                runs[True][-1].tokens,
+                runs[False][-1].tokens,
+            )
+        for chunked in (False, True):
+            print(_row(length, chunked, runs[chunked]))
+        ratio = statistics.median(a.tail_s / b.tail_s for a, b in zip(runs[True], runs[False]))
+        print(f"{length:>7} tail with offers / at end: {ratio:.2f}x")
+    conn.send(("stop",))
+    child.join(30)
+    decode.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,295 @@
+"""The chunk-wise hand-off between two real engines: a prefill engine (producer, its
+transfer service on 127.0.0.1) whose prompt is prefilled in chunks, and a decode engine
+(consumer) that pulls each chunk's offer while the later chunks compute, over real gRPC
+and NIXL.
+
+What it proves: the decode engine's output equals a colocated engine's token for token
+(greedy and seeded); the final hand-off pulls only the blocks no offer brought; a prefill
+preempted after its offers (it recomputes into other blocks) still hands off correctly; a
+prompt that ends at its first token, or a full decode pool, leaves nothing held on either
+side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+from pdserve.engine import LLMEngine, RequestOutput, SamplingParams
+from pdserve.kvconnector.pd.pd_connector import PDConnector
+from pdserve.messages.connector_config import KVConnectorConfig
+from pdserve.messages.kv_transfer_params import KVTransferParams
+from tests.kvconnector.disaggregation import (
+    assert_decode_idle,
+    make_decode_engine,
+    run_to_completion,
+)
+from tests.kvconnector.kv_peer import TRANSPORTS
+from tests.kvconnector.prefill_engine_process import ENGINE_KWARGS
+
+BLOCK_SIZE = ENGINE_KWARGS["block_size"]
+CHUNK = 64  # tokens per prefill step: a 200-token prompt takes four
+
+
+def make_prefill_engine(transport: str, **overrides: object) -> LLMEngine:
+    connector = PDConnector(
+        KVConnectorConfig(role="producer", transport=transport, allow_insecure=True),
+        engine_id="prefill-0",
+        hash_algorithm="xxh3_128",
+        hash_seed=0,
+    )
+    kwargs = {**ENGINE_KWARGS, "max_num_batched_tokens": CHUNK, **overrides}
+    return LLMEngine.from_pretrained(
+        "tiny", connector=connector, hash_seed=0, engine_id="prefill-0", **kwargs
+    )
+
+
+@dataclasses.dataclass
+class HandOff:
+    first: RequestOutput  # the prefill's last output: the first token, the hand-off
+    offers: list[KVTransferParams]
+    offer_outputs: list[RequestOutput]  # the decode side's KV-only requests, as they ended
+
+
+def prefill_chunkwise(
+    prefill: LLMEngine,
+    decode: LLMEngine,
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+    between_steps=None,
+) -> HandOff:
+    """Prefills ``prompt`` in chunks; each offer goes to ``decode`` as a KV-only request,
+    one at a time (as the gateway sends them to ``DecodeWorker.pull_offer``)."""
+    producer = prefill.connector
+    prefill.add_request(
+        request_id, prompt, dataclasses.replace(params, max_tokens=1), remote_decode=True
+    )
+    offers: list[KVTransferParams] = []
+    ended: list[RequestOutput] = []
+    first: RequestOutput | None = None
+    pending: KVTransferParams | None = None  # the latest offer not sent yet
+    in_flight: str | None = None
+
+    def send_pending() -> None:
+        nonlocal pending, in_flight
+        if pending is not None and in_flight is None:  # one offer at a time, the latest
+            in_flight = f"{request_id}#offer{len(offers)}"
+            offers.append(pending)
+            decode.add_request(
+                in_flight,
+                prompt[: pending.num_tokens],
+                SamplingParams(max_tokens=1),
+                kv_transfer_params=pending,
+            )
+            pending = None
+
+    while first is None or in_flight is not None:
+        # A chunk computes for far longer than its blocks take to pull: the prefill steps on
+        # once the offer in flight has landed, so each chunk's offer is its own.
+        if first is None and in_flight is None:
+            for output in prefill.step():
+                params_out = output.kv_transfer_params
+                if params_out is not None:
+                    producer.complete_transfer_params(params_out)  # the worker's stream does
+                if params_out is not None and not params_out.final:
+                    pending = params_out
+                elif output.finished:
+                    first = output
+            if between_steps is not None:
+                between_steps()
+        send_pending()
+        for output in decode.step():
+            if output.request_id == in_flight and output.finished:
+                ended.append(output)
+                in_flight = None
+        if first is None:
+            send_pending()
+    assert first is not None
+    return HandOff(first, offers, ended)
+
+
+def wait_prefill_idle(prefill: LLMEngine, timeout_s: float = 10.0) -> None:
+    """Steps the prefill engine (a release arrives over gRPC) until it holds nothing."""
+    deadline = time.monotonic() + timeout_s
+    while prefill.num_leases_held or prefill.kv_cache_manager.usage:
+        assert time.monotonic() < deadline, "the prefill engine still holds blocks or leases"
+        prefill.step()
+        time.sleep(0.005)
+
+
+@pytest.fixture(scope="module")
+def colocated() -> LLMEngine:
+    return LLMEngine.from_pretrained("tiny", **{**ENGINE_KWARGS, "max_num_batched_tokens": CHUNK})
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_offers_are_pulled_while_prefilling_and_the_output_equals_colocated(
+    transport: str, colocated: LLMEngine
+) -> None:
+    prefill = make_prefill_engine(transport)
+    decode = make_decode_engine(transport)
+    try:
+        prompt = [(7 * i + 3) % 256 for i in range(200)]
+        for index, params in enumerate(
+            [
+                SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                SamplingParams(max_tokens=12, temperature=0.9, seed=5, ignore_eos=True),
+            ]
+        ):
+            # Another prompt each time, so no block is in the decode cache beforehand.
+            prompt = [(token + 31 * index) % 256 for token in prompt]
+            (expected,) = colocated.generate([prompt], [params])
+            request_id = f"r{index}"
+            handoff = prefill_chunkwise(prefill, decode, request_id, prompt, params)
+            # Three chunks end mid-prompt: offers of 4, 8 and 12 blocks, in one lease.
+            assert [o.num_tokens for o in handoff.offers] == [64, 128, 192]
+            assert len({o.lease_id for o in handoff.offers}) == 1
+            assert [len(o.block_ids) for o in handoff.offers] == [4, 8, 12]
+            pulled = [o.kv_provenance.num_blocks_pulled for o in handoff.offer_outputs]
+            assert pulled == [4, 4, 4], pulled  # each offer pulled only its new blocks
+            final = handoff.first.kv_transfer_params
+            assert final is not None and final.final
+            assert final.lease_id == handoff.offers[0].lease_id
+            assert final.block_ids[:12] == handoff.offers[-1].block_ids
+            decode.add_request(request_id, prompt, params, kv_transfer_params=final)
+            (output,) = run_to_completion(decode, [request_id])
+            assert output.output_token_ids == expected.output_token_ids
+            provenance = output.kv_provenance
+            # The offers' 192 tokens were in the decode cache; only the last block moved.
+            assert provenance.num_cache_hit_tokens == 192
+            assert provenance.num_blocks_pulled == 1
+            assert provenance.num_pulled_tokens == 200 - 192
+        transfer = decode.stats().transfer
+        assert transfer.num_failed_transfers == 0
+        wait_prefill_idle(prefill)
+        assert_decode_idle(decode)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_offers_off_hand_off_the_whole_prompt_at_the_end(colocated: LLMEngine) -> None:
+    prefill = LLMEngine.from_pretrained(
+        "tiny",
+        connector=PDConnector(
+            KVConnectorConfig(role="producer", allow_insecure=True, chunked_handoff=False),
+            engine_id="prefill-0",
+            hash_algorithm="xxh3_128",
+            hash_seed=0,
+        ),
+        hash_seed=0,
+        engine_id="prefill-0",
+        **{**ENGINE_KWARGS, "max_num_batched_tokens": CHUNK},
+    )
+    decode = make_decode_engine()
+    try:
+        prompt = [(5 * i + 1) % 256 for i in range(200)]
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        handoff = prefill_chunkwise(prefill, decode, "r0", prompt, params)
+        assert handoff.offers == []
+        decode.add_request(
+            "r0", prompt, params, kv_transfer_params=handoff.first.kv_transfer_params
+        )
+        (output,) = run_to_completion(decode, ["r0"])
+        (expected,) = colocated.generate([prompt], [params])
+        assert output.output_token_ids == expected.output_token_ids
+        assert output.kv_provenance.num_blocks_pulled == 13
+        wait_prefill_idle(prefill)
+        assert_decode_idle(decode)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_a_prefill_preempted_after_its_offers_still_hands_off_correctly(
+    colocated: LLMEngine,
+) -> None:
+    """The prefill is preempted after its first offer and its cache reset, so it recomputes
+    into other blocks: the lease is reshaped to them (the offered ids leave it), and the
+    output is exact."""
+    prefill = make_prefill_engine("grpc")
+    decode = make_decode_engine()
+    try:
+        prompt = [(11 * i + 2) % 256 for i in range(200)]
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        scheduler = prefill.scheduler
+        preempted: list[list[int]] = []
+
+        def preempt_once() -> None:
+            request = scheduler.requests.get("r0")
+            if preempted or request is None or request.num_computed_tokens < 2 * CHUNK:
+                return
+            preempted.append(list(prefill.kv_cache_manager.get_block_ids(request)[0]))
+            scheduler.running.remove(request)
+            scheduler._preempt(request)  # as a full pool would (the scheduler's own path)
+            assert prefill.kv_cache_manager.reset_prefix_cache()
+
+        handoff = prefill_chunkwise(prefill, decode, "r0", prompt, params, preempt_once)
+        assert preempted and prefill.stats().num_preemptions == 1
+        final = handoff.first.kv_transfer_params
+        assert not set(final.block_ids) & set(preempted[0][:8])  # recomputed elsewhere
+        assert final.lease_id == handoff.offers[0].lease_id  # the same lease, reshaped
+        decode.add_request("r0", prompt, params, kv_transfer_params=final)
+        (output,) = run_to_completion(decode, ["r0"])
+        (expected,) = colocated.generate([prompt], [params])
+        assert output.output_token_ids == expected.output_token_ids
+        wait_prefill_idle(prefill)
+        assert_decode_idle(decode)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_a_prompt_ended_by_its_first_token_releases_the_offers_lease(
+    colocated: LLMEngine,
+) -> None:
+    """Offers went out, then the first token is a stop: there is no hand-off, and the lease
+    the offers were under ends with the prefill (the decode side keeps only cache)."""
+    prefill = make_prefill_engine("grpc")
+    decode = make_decode_engine()
+    try:
+        prompt = [(3 * i + 4) % 256 for i in range(200)]
+        greedy = SamplingParams(max_tokens=1, temperature=0.0)
+        (first_token,) = colocated.generate([prompt], [greedy])[0].output_token_ids
+        stopping = dataclasses.replace(greedy, max_tokens=8, stop_token_ids=[first_token])
+        handoff = prefill_chunkwise(prefill, decode, "r0", prompt, stopping)
+        assert handoff.offers and handoff.first.finish_reason == "stop"
+        assert handoff.first.kv_transfer_params is None
+        wait_prefill_idle(prefill)
+        assert_decode_idle(decode)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_an_offer_the_decode_pool_cannot_hold_is_dropped_and_the_hand_off_pulls_it(
+    colocated: LLMEngine,
+) -> None:
+    """A decode pool of 16 blocks, 6 of them held, holds no offer of 12: the KV-only request ends at once
+    (nothing waits for room), and the final hand-off pulls what is missing."""
+    prefill = make_prefill_engine("grpc")
+    decode = make_decode_engine(num_kv_blocks=16)
+    try:
+        prompt = [(9 * i + 5) % 256 for i in range(200)]
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        occupant = [(17 * i + 1) % 256 for i in range(90)]  # 6 blocks held while r0 prefills
+        decode.add_request("occupant", occupant, SamplingParams(max_tokens=200, ignore_eos=True))
+        decode.step()
+        handoff = prefill_chunkwise(prefill, decode, "r0", prompt, params)
+        dropped = [o for o in handoff.offer_outputs if o.kv_provenance.num_blocks_pulled == 0]
+        assert dropped, [o.kv_provenance for o in handoff.offer_outputs]
+        decode.abort("occupant")
+        decode.add_request(
+            "r0", prompt, params, kv_transfer_params=handoff.first.kv_transfer_params
+        )
+        (output,) = run_to_completion(decode, ["r0"])
+        (expected,) = colocated.generate([prompt], [params])
+        assert output.output_token_ids == expected.output_token_ids
+        wait_prefill_idle(prefill)
+        assert_decode_idle(decode)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
