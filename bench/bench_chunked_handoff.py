@@ -16,7 +16,8 @@ Per prompt length and side (interleaved, ``--repeat`` times, medians print):
   one chunk's), and one chunk's pull time, measured from the offers;
 - *2nd token*: from the end of the last chunk to the decode engine's first token (the
   request's second), against the decode ITL at that context (the mean gap between its
-  later tokens, which a colocated engine's decode steps match): aim <= 1.5x at 8k.
+  later tokens, which a colocated engine's decode steps match): aim <= 1.5x at 8k. It is
+  the tail plus the first decode step (*1st step*).
 
 The outputs of both sides are checked equal.
 
@@ -103,6 +104,7 @@ def _prefill_main(args: dict[str, Any], conn: Any) -> None:
 class Run:
     tail_s: float
     second_token_s: float
+    first_step_s: float  # the decode step that emits the second token
     itl_s: float
     blocks_after: int
     num_offers: int
@@ -159,6 +161,7 @@ def _run_one(
     decode.add_request(request_id, prompt, sampling, kv_transfer_params=params)
     emitted: list[float] = []
     first_step_at: float | None = None
+    first_step_s = 0.0
     output = None
     while output is None or not output.finished:
         loading = decode.scheduler.requests[request_id].num_computed_tokens < len(prompt)
@@ -169,11 +172,13 @@ def _run_one(
                 emitted.append(time.perf_counter())
         if first_step_at is None and not loading and emitted:
             first_step_at = started
+            first_step_s = emitted[-1] - started
     gaps = [b - a for a, b in zip(emitted[1:], emitted[2:])]
     assert output.kv_provenance is not None and first_step_at is not None
     return Run(
         tail_s=first_step_at - ended_at,
         second_token_s=emitted[0] - ended_at,
+        first_step_s=first_step_s,
         itl_s=statistics.mean(gaps),
         blocks_after=output.kv_provenance.num_blocks_pulled,
         num_offers=num_offers,
@@ -190,6 +195,7 @@ def _row(length: int, chunked: bool, runs: list[Run]) -> str:
         f"{length:>7} {'offers' if chunked else 'at end':>9} "
         f"{1e3 * median(lambda r: r.tail_s):>9.1f} "
         f"{1e3 * median(lambda r: r.second_token_s):>10.1f} "
+        f"{1e3 * median(lambda r: r.first_step_s):>10.1f} "
         f"{1e3 * median(lambda r: r.itl_s):>7.1f} "
         f"{median(lambda r: r.second_token_s / r.itl_s):>7.2f} "
         f"{median(lambda r: r.blocks_after):>12.0f} "
@@ -230,7 +236,7 @@ def main() -> None:
         f"model {cli.model}, chunks of {cli.chunk} tokens, {BLOCK_SIZE}-token blocks, gRPC, 1 thread per engine"
     )
     print(
-        f"{'prompt':>7} {'side':>9} {'tail ms':>9} {'2nd tok ms':>10} {'ITL ms':>7} {'2nd/ITL':>7} "
+        f"{'prompt':>7} {'side':>9} {'tail ms':>9} {'2nd tok ms':>10} {'1st step':>10} {'ITL ms':>7} {'2nd/ITL':>7} "
         f"{'blocks after':>12} {'chunk pull ms':>13} {'offers':>6}"
     )
     serial = 0

@@ -218,8 +218,10 @@ class LLMEngine:
         if kv_transfer_params is not None and self.connector is None:
             raise ValueError("kv_transfer_params given, but this engine has no KV connector")
         kv_only = kv_transfer_params is not None and not kv_transfer_params.final
-        if kv_transfer_params is not None and kv_only and (
-            kv_transfer_params.num_tokens != len(prompt_token_ids)
+        if (
+            kv_transfer_params is not None
+            and kv_only
+            and (kv_transfer_params.num_tokens != len(prompt_token_ids))
         ):
             raise ValueError(
                 f"an offer of {kv_transfer_params.num_tokens} tokens comes with a prompt of "

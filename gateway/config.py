@@ -51,6 +51,12 @@ class GatewayConfig:
     disagg_min_uncached_tokens: int = DEFAULT_DISAGG_MIN_UNCACHED_TOKENS
     """A prompt whose uncached part on the best decode worker is shorter runs whole there,
     with no KV hand-off (conditional disaggregation); 0: always disaggregate."""
+    decode_reuse_min_tokens: int = 128
+    """A conversation's next turn runs whole on the decode worker that holds its history
+    when that worker has cached at least this many more of its prompt tokens than the best
+    prefill worker (the last answer, which only the decode worker computed), so only the
+    new message is computed (bench/bench_multi_turn.py: 1.2-1.3x lower TTFT at turns 2-4);
+    0: off (the prefill worker recomputes the answer)."""
     num_recent_requests: int = 256
     """Finished requests whose KV provenance GET /v1/requests and the dashboard keep."""
     app_name: str = "pdserve"
@@ -86,9 +92,10 @@ class GatewayConfig:
             raise ValueError("retry_after_s must be >= 0 and worker_timeout_s positive")
         if self.max_load_imbalance < 0:
             raise ValueError(f"max_load_imbalance must be >= 0, got {self.max_load_imbalance}")
-        if self.disagg_min_uncached_tokens < 0:
+        if self.disagg_min_uncached_tokens < 0 or self.decode_reuse_min_tokens < 0:
             raise ValueError(
-                f"disagg_min_uncached_tokens must be >= 0, got {self.disagg_min_uncached_tokens}"
+                f"disagg_min_uncached_tokens and decode_reuse_min_tokens must be >= 0, got "
+                f"{self.disagg_min_uncached_tokens} and {self.decode_reuse_min_tokens}"
             )
         if self.max_attempts < 1 or self.retry_backoff_s < 0:
             raise ValueError(

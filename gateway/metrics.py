@@ -39,6 +39,7 @@ class GatewayMetrics:
         self.rejected_by_status: Counter[str] = Counter()
         self.num_retries = 0
         self.num_requests_prefilled_on_decode = 0
+        self.num_turns_run_where_kv_is = 0
         self.num_prompt_tokens = 0
         # Every source from the start, at 0: a dashboard's query finds each series.
         self.prompt_tokens_by_source: Counter[str] = Counter(dict.fromkeys(VLLM_SOURCES, 0))

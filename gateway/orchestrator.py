@@ -311,18 +311,39 @@ class RequestOrchestrator:
                 self.release_lease(run)
 
     def decide_disaggregation(self, run: RequestRun) -> None:
-        """Runs a request whole on a decode worker when what that worker would compute
-        (the prompt minus its cached prefix, per the router's index) is shorter than
-        ``disagg_min_uncached_tokens``: the hand-off would cost more than it saves."""
+        """Runs a request whole on a decode worker (no KV hand-off) when, per the router's
+        index of that worker's cached prefix:
+
+        - what it would compute is shorter than ``disagg_min_uncached_tokens``: the hand-off
+          would cost more than it saves; or
+        - it holds at least ``decode_reuse_min_tokens`` more of the prompt than the best
+          prefill worker: a conversation's next turn, whose history (the last answer
+          above all) only that decode worker computed. The prefill worker would recompute
+          it; here only the new message is computed, where the history's KV already is::
+
+              turn 2 prompt:  | turn 1 prompt | answer 1 | new message |
+              prefill holds:  |###############|
+              decode holds:   |###############|##########|               → runs there
+        """
         threshold = self.config.disagg_min_uncached_tokens
-        if not run.remote_decode or not threshold:
+        reuse = self.config.decode_reuse_min_tokens
+        if not run.remote_decode or not (threshold or reuse):
             return
+        block_size = self.model_info.block_size
         try:
             choice = self.router.pick_decode_by_prefix(run.block_hashes)
         except NoWorkerAvailable:
             return  # the prefill phase answers 503 with the usual message
-        cached_tokens = choice.num_matched_blocks * self.model_info.block_size
-        if len(run.token_ids) - cached_tokens < threshold:
+        cached_tokens = choice.num_matched_blocks * block_size
+        run_there = len(run.token_ids) - cached_tokens < threshold
+        if not run_there and reuse:
+            try:
+                prefill_blocks = self.router.pick_prefill(run.block_hashes).num_matched_blocks
+            except NoWorkerAvailable:
+                return  # the prefill phase answers 503 with the usual message
+            run_there = cached_tokens - prefill_blocks * block_size >= reuse
+            self.metrics.num_turns_run_where_kv_is += run_there
+        if run_there:
             run.remote_decode = False
             run.local_decode_id = choice.worker_id
             self.metrics.num_requests_prefilled_on_decode += 1

@@ -494,6 +494,14 @@ GATEWAY_STATS: tuple[Stat, ...] = (
         "pdserve:requests_prefilled_on_decode",
     ),
     Stat(
+        "num_turns_run_where_kv_is",
+        C,
+        "requests",
+        "Of those, requests run on the decode worker because it held more of their prompt "
+        "than any prefill worker (a conversation's next turn: decode_reuse_min_tokens).",
+        "pdserve:turns_run_where_kv_is",
+    ),
+    Stat(
         "num_prompt_tokens",
         C,
         "tokens",

@@ -46,7 +46,8 @@ def running_app(num_kv_blocks: int = NUM_KV_BLOCKS, **fields) -> Iterator[PDServ
     An ``app_name``, or a block inside another one, gets an app of its own, deleted after.
 
     ``num_kv_blocks`` below the default makes a pool that fills up on purpose; every
-    request is disaggregated unless ``disagg_min_uncached_tokens`` is given."""
+    request is disaggregated unless ``disagg_min_uncached_tokens`` (or
+    ``decode_reuse_min_tokens``) is given."""
     shared = "app_name" not in fields and not _entered
     if shared:
         fields = {**fields, "app_name": SHARED_APP, "route_prefix": f"/{SHARED_APP}"}
@@ -57,6 +58,7 @@ def running_app(num_kv_blocks: int = NUM_KV_BLOCKS, **fields) -> Iterator[PDServ
             "port": SERVE_PORT,
             "num_kv_blocks": num_kv_blocks,
             "disagg_min_uncached_tokens": 0,
+            "decode_reuse_min_tokens": 0,
             **SHARED_SECRETS,
             **fields,
         }

@@ -1,6 +1,8 @@
 """Conditional disaggregation on a 1 + 1 app: a prompt whose uncached part on the decode
 worker is under ``disagg_min_uncached_tokens`` runs whole on the decode worker, with no KV
-moved; a longer one is disaggregated. Both give the colocated engine's tokens."""
+moved; a longer one is disaggregated. A conversation's next turn, whose history's answer
+only the decode worker holds, runs there (``decode_reuse_min_tokens``) and computes only its
+new message. All give the colocated engine's tokens."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pdserve.messages.sampling_params import SamplingParams
 from tests.service.service_apps import expected_text, openai_client, running_app
 
 THRESHOLD = 48
+REUSE = 64
 LONG = "A long shared preamble about caches, blocks and leases, " * 4  # ≈ 220 tokens
 
 
@@ -20,6 +23,7 @@ def service(ray_cluster):
         num_prefill=1,
         num_decode=1,
         disagg_min_uncached_tokens=THRESHOLD,
+        decode_reuse_min_tokens=REUSE,
     ) as config:
         yield config
 
@@ -64,4 +68,38 @@ def test_short_prompts_run_on_the_decode_worker_and_long_ones_disaggregate(servi
     assert timeline["prefill"]["worker_id"] == "decode-0" and timeline["decode"] is None
     assert timeline["prefill"]["load_s"] == 0 and timeline["hand_off_s"] is None
     assert moved_and_local(service) == (moved_after, local_after + 2)
+    assert all(is_drained(w) for w in wait_until_drained(service))
+
+
+def test_a_conversations_next_turn_runs_where_its_history_is_and_computes_only_the_new_message(
+    service, colocated
+):
+    """Turn 1 is disaggregated (long and new); its answer's KV exists only on the decode
+    worker. Turn 2 (turn 1's prompt, its answer, a new message longer than the threshold)
+    runs whole there: the history is a cache hit, only the new message is computed."""
+    params = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)
+    client = openai_client(service)
+    first = [(13 * i + 5) % 250 + 1 for i in range(260)]  # token ids: the history is exact
+    reply = client.completions.create(
+        model="tiny", prompt=first, max_tokens=96, temperature=0, extra_body={"ignore_eos": True}
+    )
+    (expected_first,) = colocated.generate([first], [params])
+    assert reply.choices[0].text == expected_first.text
+    wait_until_drained(service)  # the decode worker's KV events reached the router
+    message = [(7 * i + 3) % 250 + 1 for i in range(120)]  # > THRESHOLD: not short
+    second = first + expected_first.output_token_ids + message
+    before = get_json(service, "/stats")["gateway"]["num_turns_run_where_kv_is"]
+    reply = client.completions.create(model="tiny", prompt=second, max_tokens=8, temperature=0)
+    assert reply.choices[0].text == expected_text(
+        colocated, second, SamplingParams(max_tokens=8, temperature=0)
+    )
+    record = get_json(service, "/v1/requests?limit=1")["data"][0]
+    sources = record["prompt_tokens_by_source"]
+    assert record["prefill"]["worker_id"] == "decode-0" and record["decode"] is None
+    # The decode worker held turn 1's prompt and answer in full blocks: computed is the
+    # new message and the history's last partial block.
+    computed = sources["prefill_computed"]
+    assert len(message) <= computed < len(message) + 16, sources
+    assert sources["prefill_cache_hit"] == len(second) - computed
+    assert get_json(service, "/stats")["gateway"]["num_turns_run_where_kv_is"] == before + 1
     assert all(is_drained(w) for w in wait_until_drained(service))
