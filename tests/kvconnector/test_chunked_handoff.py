@@ -120,6 +120,26 @@ def wait_prefill_idle(prefill: LLMEngine, timeout_s: float = 10.0) -> None:
         time.sleep(0.005)
 
 
+def decode_equals_colocated(
+    prefill: LLMEngine,
+    decode: LLMEngine,
+    colocated: LLMEngine,
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+    handoff: KVTransferParams | None,
+) -> RequestOutput:
+    """Decodes the handed-off request, checks its tokens against the colocated engine's,
+    and checks that neither side holds a block or a lease afterwards."""
+    decode.add_request(request_id, prompt, params, kv_transfer_params=handoff)
+    (output,) = run_to_completion(decode, [request_id])
+    (expected,) = colocated.generate([prompt], [params])
+    assert output.output_token_ids == expected.output_token_ids
+    wait_prefill_idle(prefill)
+    assert_decode_idle(decode)
+    return output
+
+
 @pytest.fixture(scope="module")
 def colocated() -> LLMEngine:
     return LLMEngine.from_pretrained("tiny", **{**ENGINE_KWARGS, "max_num_batched_tokens": CHUNK})
@@ -190,15 +210,10 @@ def test_offers_off_hand_off_the_whole_prompt_at_the_end(colocated: LLMEngine) -
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         handoff = prefill_chunkwise(prefill, decode, "r0", prompt, params)
         assert handoff.offers == []
-        decode.add_request(
-            "r0", prompt, params, kv_transfer_params=handoff.first.kv_transfer_params
+        output = decode_equals_colocated(
+            prefill, decode, colocated, "r0", prompt, params, handoff.first.kv_transfer_params
         )
-        (output,) = run_to_completion(decode, ["r0"])
-        (expected,) = colocated.generate([prompt], [params])
-        assert output.output_token_ids == expected.output_token_ids
-        assert output.kv_provenance.num_blocks_pulled == 13
-        wait_prefill_idle(prefill)
-        assert_decode_idle(decode)
+        assert output.kv_provenance.num_blocks_pulled == 13  # the whole prompt, at the end
     finally:
         prefill.shutdown()
         decode.shutdown()
@@ -232,12 +247,7 @@ def test_a_prefill_preempted_after_its_offers_still_hands_off_correctly(
         final = handoff.first.kv_transfer_params
         assert not set(final.block_ids) & set(preempted[0][:8])  # recomputed elsewhere
         assert final.lease_id == handoff.offers[0].lease_id  # the same lease, reshaped
-        decode.add_request("r0", prompt, params, kv_transfer_params=final)
-        (output,) = run_to_completion(decode, ["r0"])
-        (expected,) = colocated.generate([prompt], [params])
-        assert output.output_token_ids == expected.output_token_ids
-        wait_prefill_idle(prefill)
-        assert_decode_idle(decode)
+        decode_equals_colocated(prefill, decode, colocated, "r0", prompt, params, final)
     finally:
         prefill.shutdown()
         decode.shutdown()
@@ -268,8 +278,9 @@ def test_a_prompt_ended_by_its_first_token_releases_the_offers_lease(
 def test_an_offer_the_decode_pool_cannot_hold_is_dropped_and_the_hand_off_pulls_it(
     colocated: LLMEngine,
 ) -> None:
-    """A decode pool of 16 blocks, 6 of them held, holds no offer of 12: the KV-only request ends at once
-    (nothing waits for room), and the final hand-off pulls what is missing."""
+    """A decode pool of 16 blocks, 6 of them held, holds no offer of 12: the KV-only
+    request ends at once (nothing waits for room), and the final hand-off pulls what is
+    missing."""
     prefill = make_prefill_engine("grpc")
     decode = make_decode_engine(num_kv_blocks=16)
     try:
@@ -282,14 +293,9 @@ def test_an_offer_the_decode_pool_cannot_hold_is_dropped_and_the_hand_off_pulls_
         dropped = [o for o in handoff.offer_outputs if o.kv_provenance.num_blocks_pulled == 0]
         assert dropped, [o.kv_provenance for o in handoff.offer_outputs]
         decode.abort("occupant")
-        decode.add_request(
-            "r0", prompt, params, kv_transfer_params=handoff.first.kv_transfer_params
+        decode_equals_colocated(
+            prefill, decode, colocated, "r0", prompt, params, handoff.first.kv_transfer_params
         )
-        (output,) = run_to_completion(decode, ["r0"])
-        (expected,) = colocated.generate([prompt], [params])
-        assert output.output_token_ids == expected.output_token_ids
-        wait_prefill_idle(prefill)
-        assert_decode_idle(decode)
     finally:
         prefill.shutdown()
         decode.shutdown()
