@@ -21,7 +21,10 @@ greedy, EOS ignored, one torch thread, in the same process:
    its own cache (``DynamicCache`` holding the same context) and (c) the floor: the bytes
    that step must read (weights + K/V once) at the read bandwidth measured in the run;
    then the same steps with a float16 KV cache under the float32 model.
-5. The engine's per-step overhead at batch 16: the share of ``step()`` spent outside the
+5. ``smollm2``: one layer's attention for a prefill chunk of ``CONTINUATION_QUERIES`` tokens
+   continuing a 2k and an 8k prefix: read in place from the pages (split-KV) against the
+   former way (gather the chunk's blocks, then one SDPA) and SDPA over a contiguous cache.
+6. The engine's per-step overhead at batch 16: the share of ``step()`` spent outside the
    model runner's ``execute`` (scheduling, sampling, outputs), tiny and smollm2.
 
 Run: python bench/bench_engine.py   (about 15 s for tiny on 2 idle cores, 4 min with smollm2;
@@ -57,6 +60,8 @@ LONG_CONTEXT_SHAPES = ((1, 2048), (8, 2048), (1, 8192), (8, 8192))  # (batch, co
 LONG_CONTEXT_BLOCK_SIZE = 16
 LONG_CONTEXT_ROUNDS = 3
 OVERHEAD_BATCH = 16
+CONTINUATION_QUERIES = 512
+CONTINUATION_PREFIXES = (2048, 8192)
 
 
 def hf_model(engine: LLMEngine) -> HFLlamaForCausalLM:
@@ -287,7 +292,7 @@ def long_context_step(
         config.num_layers,
         runner.device,
         dtype=runner.dtype,
-        decode_chunk_keys=runner.decode_chunk_keys,
+        split_kv_keys=runner.split_kv_keys,
     )
     query = torch.randn(batch, config.num_heads, config.head_dim)
     key_value = torch.randn(batch, 2, config.num_kv_heads, config.head_dim)
@@ -329,6 +334,68 @@ def reference_runs(
         "hf": hf_step,
         "contiguous": lambda: F.scaled_dot_product_attention(grouped, contiguous[0], contiguous[1]),
     }
+
+
+def bench_prefill_continuation(engine: LLMEngine) -> None:
+    """One layer's attention for a prefill chunk continuing a long prefix, three ways."""
+    print(
+        f"  prefill chunk of {CONTINUATION_QUERIES} tokens continuing a prefix, one layer, "
+        f"best of {LONG_CONTEXT_ROUNDS}:"
+    )
+    generator = torch.Generator().manual_seed(0)
+    for prefix in CONTINUATION_PREFIXES:
+        best = best_of(LONG_CONTEXT_ROUNDS, continuation_runs(engine, prefix, generator))
+        print(
+            f"  prefix {prefix:5d}: in place {best['paged'] * 1e3:7.2f} ms   "
+            f"gathered {best['gathered'] * 1e3:7.2f} ms ({best['gathered'] / best['paged']:4.2f}x slower)   "
+            f"contiguous {best['contiguous'] * 1e3:7.2f} ms (in place {best['paged'] / best['contiguous']:4.2f}x)"
+        )
+
+
+def continuation_runs(
+    engine: LLMEngine, prefix: int, generator: torch.Generator
+) -> dict[str, Callable[[], object]]:
+    """A chunk of ``CONTINUATION_QUERIES`` at ``prefix`` over shuffled pages: read in place
+    (``paged_attention``), the former path (its blocks gathered, then one SDPA), and SDPA
+    over a contiguous cache of the same keys."""
+    config, runner = engine.model_config, engine.runner
+    count, end = CONTINUATION_QUERIES, prefix + CONTINUATION_QUERIES
+    num_blocks = end // LONG_CONTEXT_BLOCK_SIZE
+    blocks = torch.randperm(runner.num_blocks - 1, generator=generator)[:num_blocks] + 1
+    metadata = build_attention_metadata(
+        [count],
+        [prefix],
+        [blocks.tolist()],
+        LONG_CONTEXT_BLOCK_SIZE,
+        config.num_layers,
+        runner.device,
+        dtype=runner.dtype,
+        split_kv_keys=runner.split_kv_keys,
+    )
+    query = torch.randn(count, config.num_heads, config.head_dim)
+    key_value = torch.randn(count, 2, config.num_kv_heads, config.head_dim)
+    visible = torch.arange(end)[None, :] <= torch.arange(prefix, end)[:, None]
+    heads_first = query.transpose(0, 1)[None]
+    contiguous = torch.randn(2, 1, config.num_kv_heads, end, config.head_dim)
+    layer_cache = runner.kv_cache[:, 0]
+
+    def paged() -> None:
+        with torch.inference_mode():
+            paged_attention(query, key_value, runner.kv_cache, 0, metadata)
+
+    def gathered() -> None:
+        keys = layer_cache[:, 0].index_select(0, blocks).flatten(0, 1).transpose(0, 1)
+        values = layer_cache[:, 1].index_select(0, blocks).flatten(0, 1).transpose(0, 1)
+        F.scaled_dot_product_attention(
+            heads_first, keys[None], values[None], attn_mask=visible, enable_gqa=True
+        )
+
+    def over_contiguous() -> None:
+        F.scaled_dot_product_attention(
+            heads_first, contiguous[0], contiguous[1], attn_mask=visible, enable_gqa=True
+        )
+
+    return {"paged": paged, "gathered": gathered, "contiguous": over_contiguous}
 
 
 def bench_step_overhead(engine: LLMEngine, name: str, vocab: int, rng: random.Random) -> None:
@@ -390,6 +457,7 @@ def bench_smollm2() -> None:
     bench_decode_bandwidth(engine, prompts_of_batch(1)[0])
     bench_step_overhead(engine, "smollm2", vocab, rng)
     wide = bench_long_context(engine, model)
+    bench_prefill_continuation(engine)
     del engine, model  # their 3 GiB of caches and weights, before the float16-KV engine's
     half = LLMEngine.from_pretrained(
         "smollm2",

@@ -7,8 +7,8 @@ then the single-token ones, so the decodes form one contiguous batch), builds th
 slot and block-table indices once, runs the model, and returns logits for the chunks
 that sample, in the order the scheduler gave them. A speculative verification (a last
 token and its drafts) goes with the decodes: its tokens read their pages in place, each
-page once for all of them (``model/paged_decode.py``), where a multi-token chunk would
-gather its whole context per layer.
+page once for all of them (``model/split_kv.py``), padded to the batch's longest row,
+where a prefill chunk continuing a prefix reads its pages alone (no padding).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pdserve.engine.tensor_parallel_peers import TensorParallelGroupLost
 from pdserve.model.architectures import CausalLM
 from pdserve.model.attention import StepAttention, build_attention_metadata
 from pdserve.model.model_config import ModelConfig, resolve_dtype
-from pdserve.model.paged_decode import SPLIT_KV_BYTES
+from pdserve.model.split_kv import SPLIT_KV_BYTES
 from pdserve.model.tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -136,10 +136,10 @@ class ModelRunner:
         if tensor_parallel is not None:
             start, end = tensor_parallel.kv_head_range(model_config.num_kv_heads)
             self.attention_kv = kv_pages[..., start:end, :]
-        # Decode reads its pages in chunks of SPLIT_KV_BYTES on CPU (model/paged_decode.py);
-        # elsewhere the whole table at once.
+        # Pages are read in chunks of SPLIT_KV_BYTES on CPU (model/split_kv.py); elsewhere
+        # the whole table at once.
         key_value_bytes = self.attention_kv[0, 0, :, 0].nbytes
-        self.decode_chunk_keys = (
+        self.split_kv_keys = (
             max(1, SPLIT_KV_BYTES // key_value_bytes) if self.device.type == "cpu" else None
         )
 
@@ -200,7 +200,7 @@ class ModelRunner:
                     self.device,
                     window,
                     self.dtype,
-                    self.decode_chunk_keys,
+                    self.split_kv_keys,
                     self.model_config.kv_token_shape[0],
                     num_prefills,
                 )

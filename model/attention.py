@@ -6,16 +6,18 @@ The KV tensor is ``[num_blocks, num_layers, entries, block_size, heads, head_siz
 multi-token chunks (prefills) first, then single-token chunks (decodes) and speculative
 verifications (a last token and its drafts, which read their pages as decodes do):
 
-    tokens:  | prefill A (n_A) | prefill B (n_B) | d0 | v1 v1' v1'' | d2 |
-              └ one SDPA each ┘                   └ split-KV over the pages (paged_decode) ┘
+    tokens:  | prefill A from 0 | prefill B at 4,096 | d0 | v1 v1' v1'' | d2 |
+              └ SDPA over its    └ split-KV, its own   └ split-KV over the pages, one plan ┘
+                fresh K/V          plan (one row)        for the batch (split_kv.py)
 
 Per layer: every token's K and V go to their rows of the KV tensor seen as
 ``[num_blocks * num_layers * entries * block_size, heads * head_size]`` (one
 ``index_put`` for K and V of all tokens), where the row of slot ``(block, offset)``
 of ``layer`` is ``((block * num_layers + layer) * entries + kv) * block_size + offset``.
-A prefill chunk that starts at position 0 attends to its own fresh K/V (no gather);
-one that continues a prefix gathers its blocks (from the window's first block, under a
-sliding window). The decodes read their pages chunk by chunk (``model/paged_decode.py``).
+A prefill chunk that starts at position 0 attends to its own fresh K/V (no pages read);
+one that continues a prefix reads its pages where they lie, as one split-KV row of
+``count`` queries (``model/split_kv.py``; from the window's first block under a sliding
+window), so no chunk copies its whole context out of the pages per layer.
 Everything that is the same for all layers (rows, tables, masks) is built once per
 step in :func:`build_attention_metadata`, with O(batch) Python.
 """
@@ -30,25 +32,23 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.cache import cdiv
-from pdserve.model.paged_decode import DecodeAttention, decode_attention, plan_decode
+from pdserve.model.split_kv import SplitKVPlan, plan_split_kv, split_kv_attention
 
 
 @dataclass(slots=True)
 class PrefillAttention:
-    """One multi-token chunk: its query rows, its blocks and its mask.
+    """One multi-token chunk: its query rows and how it reads its keys.
 
-    ``block_table`` is ``None`` for a chunk starting at position 0 (it attends to its own
-    fresh K/V); else the blocks it reads, from the sliding window's first one. ``seq_len``
-    is how many keys it attends, counted from the table's first block. ``attn_mask`` is
-    ``None`` for plain causal attention from position 0 (SDPA's ``is_causal`` serves); else
-    ``[1, 1, num_queries, seq_len]`` bool.
+    ``paged`` is ``None`` for a chunk starting at position 0: it attends to its own fresh
+    K/V, with ``attn_mask`` ``None`` for plain causal attention (SDPA's ``is_causal``) or,
+    under a sliding window, ``[1, 1, num_queries, num_queries]`` bool. A chunk continuing a
+    prefix reads its pages in place through ``paged``, one split-KV row of its queries.
     """
 
     query_start: int
     query_end: int
-    block_table: torch.Tensor | None  # [num_blocks_needed] long
-    seq_len: int
     attn_mask: torch.Tensor | None
+    paged: SplitKVPlan | None
 
 
 @dataclass(slots=True)
@@ -59,7 +59,7 @@ class AttentionMetadata:
     write_rows: torch.Tensor  # [num_layers, num_tokens, entries] long: K and V rows (module doc)
     max_position: int  # the largest position in the step, plus one
     prefills: list[PrefillAttention]
-    decode: DecodeAttention | None
+    decode: SplitKVPlan | None
 
 
 @dataclass(slots=True)
@@ -93,7 +93,7 @@ def build_attention_metadata(
     device: torch.device,
     sliding_window: int | None = None,
     dtype: torch.dtype = torch.float32,
-    decode_chunk_keys: int | None = None,
+    split_kv_keys: int | None = None,
     kv_entries: int = 2,
     num_prefills: int | None = None,
 ) -> AttentionMetadata:
@@ -101,10 +101,10 @@ def build_attention_metadata(
 
     The first ``num_prefills`` chunks are prefills, the rest decode rows: a single token, or
     a speculative verification (a last token and its drafts, read as decode rows read:
-    ``model/paged_decode.py``). ``None``: every chunk of more than one token is a prefill.
+    ``model/split_kv.py``). ``None``: every chunk of more than one token is a prefill.
     ``block_ids[i]`` must cover the chunk's end position. ``dtype`` is the query's (the
-    decode masks are additive); ``decode_chunk_keys`` how many keys one decode chunk gathers
-    over the batch (``model/paged_decode.py``; ``None``: the whole table at once);
+    split-KV masks are additive); ``split_kv_keys`` how many keys one split-KV chunk gathers
+    over its rows (``model/split_kv.py``; ``None``: the whole table at once);
     ``kv_entries`` the KV tensor's entries per token (2: K and V; 1: a latent row).
     """
     ends = [start + count for start, count in zip(start_positions, token_counts)]
@@ -138,32 +138,29 @@ def build_attention_metadata(
     query_start = 0
     for i in range(num_prefills):
         start, count = start_positions[i], token_counts[i]
-        # A window's first query reads from `start - window + 1` on: blocks before it are
-        # neither gathered nor masked (they may be the null block already).
-        first_block = (
-            0 if sliding_window is None else max(0, start - sliding_window + 1) // block_size
-        )
-        key_start = first_block * block_size
-        table = None
+        mask = paged = None
         if start > 0:
-            table = torch.tensor(
-                block_ids[i][first_block : blocks_needed[i]], dtype=torch.long, device=device
+            paged = plan_split_kv(
+                query_start,
+                [start],
+                [block_ids[i]],
+                block_size,
+                device,
+                dtype,
+                sliding_window,
+                split_kv_keys,
+                [count],
             )
-        mask = None
-        if start > 0 or sliding_window is not None:
-            query_pos = torch.arange(start, start + count)[:, None]
-            key_pos = torch.arange(key_start, start + count)[None, :]
-            mask = _visible(query_pos, key_pos, sliding_window)[None, None].to(device)
-        prefills.append(
-            PrefillAttention(
-                query_start, query_start + count, table, start + count - key_start, mask
-            )
-        )
+        elif sliding_window is not None:
+            query_pos = torch.arange(count)
+            mask = _visible(query_pos[:, None], query_pos[None, :], sliding_window)
+            mask = mask[None, None].to(device)
+        prefills.append(PrefillAttention(query_start, query_start + count, mask, paged))
         query_start += count
 
     decode = None
     if num_prefills < len(token_counts):
-        decode = plan_decode(
+        decode = plan_split_kv(
             query_start,
             start_positions[num_prefills:],
             block_ids[num_prefills:],
@@ -171,7 +168,7 @@ def build_attention_metadata(
             device,
             dtype,
             sliding_window,
-            decode_chunk_keys,
+            split_kv_keys,
             token_counts[num_prefills:],
         )
 
@@ -235,24 +232,6 @@ def as_stored(fresh: torch.Tensor, kv_cache_dtype: torch.dtype) -> torch.Tensor:
     return fresh.to(kv_cache_dtype).to(fresh.dtype)
 
 
-def _gather(
-    layer_cache: torch.Tensor, block_table: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of the blocks in ``block_table`` ``[*table]``, as ``[*table[:-1], tokens, kv_heads, head]``.
-
-    K and V are gathered apart (one ``index_select`` each from the strided views): the
-    results are contiguous per block, so the block and offset dims merge without a copy.
-    A one-entry cache (latent rows) gives its rows as both.
-    """
-    shape = (*block_table.shape[:-1], -1, *layer_cache.shape[3:])
-    flat = block_table.flatten()
-    keys = layer_cache[:, 0].index_select(0, flat).view(shape)
-    if layer_cache.shape[1] == 1:
-        return keys, keys
-    values = layer_cache[:, 1].index_select(0, flat).view(shape)
-    return keys, values
-
-
 def store_kv(
     key_value: torch.Tensor, kv_cache: torch.Tensor, layer: int, metadata: AttentionMetadata
 ) -> None:
@@ -262,23 +241,15 @@ def store_kv(
     rows[metadata.write_rows[layer]] = key_value.to(kv_cache.dtype)
 
 
-def prefill_keys_values(
-    chunk: PrefillAttention,
-    key_value: torch.Tensor,
-    layer_cache: torch.Tensor,
-    dtype: torch.dtype,
+def fresh_keys_values(
+    chunk: PrefillAttention, key_value: torch.Tensor, cache_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys and values a prefill chunk attends, ``[seq_len, heads, head_size]`` each, at
-    the cache's precision: its own fresh rows (``key_value``, the step's) when it starts the
-    prompt, else its blocks gathered from the pages."""
-    if chunk.block_table is None:
-        fresh = key_value[chunk.query_start : chunk.query_end]
-        last = fresh.shape[1] - 1  # a one-entry cache: the latent row is both
-        return as_stored(fresh[:, 0], layer_cache.dtype), as_stored(
-            fresh[:, last], layer_cache.dtype
-        )
-    keys, values = _gather(layer_cache, chunk.block_table)
-    return keys[: chunk.seq_len].to(dtype), values[: chunk.seq_len].to(dtype)
+    """The keys and values a chunk starting the prompt attends, ``[count, heads, head_size]``
+    each: its own rows of the step's ``key_value``, at the cache's precision (as a later
+    chunk reading them from the pages sees them). A one-entry cache's latent row is both."""
+    fresh = key_value[chunk.query_start : chunk.query_end]
+    last = fresh.shape[1] - 1
+    return as_stored(fresh[:, 0], cache_dtype), as_stored(fresh[:, last], cache_dtype)
 
 
 def paged_attention(
@@ -301,12 +272,16 @@ def paged_attention(
     layer_cache = kv_cache[:, layer]
     decode = metadata.decode
     if not metadata.prefills and decode is not None:  # decode-only: no output copy
-        return decode_attention(query, layer_cache, decode, scale)
+        return split_kv_attention(query, layer_cache, decode, scale)
     output = torch.empty_like(query)
     for chunk in metadata.prefills:
-        keys, values = prefill_keys_values(chunk, key_value, layer_cache, query.dtype)
+        span = slice(chunk.query_start, chunk.query_end)
+        if chunk.paged is not None:
+            output[span] = split_kv_attention(query[span], layer_cache, chunk.paged, scale)
+            continue
+        keys, values = fresh_keys_values(chunk, key_value, layer_cache.dtype)
         attended = F.scaled_dot_product_attention(
-            query[chunk.query_start : chunk.query_end].transpose(0, 1)[None],
+            query[span].transpose(0, 1)[None],
             keys.transpose(0, 1)[None],
             values.transpose(0, 1)[None],
             attn_mask=chunk.attn_mask,
@@ -314,9 +289,9 @@ def paged_attention(
             enable_gqa=True,
             scale=scale,
         )
-        output[chunk.query_start : chunk.query_end] = attended[0].transpose(0, 1)
+        output[span] = attended[0].transpose(0, 1)
     if decode is not None:
-        output[decode.query_start :] = decode_attention(
+        output[decode.query_start :] = split_kv_attention(
             query[decode.query_start : num_tokens], layer_cache, decode, scale
         )
     return output

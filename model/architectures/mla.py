@@ -13,14 +13,15 @@ Queries: ``q_proj`` (V2-Lite) or ``q_a_proj → RMSNorm → q_b_proj``; each hea
 
 Two forms of the same attention, as DeepSeek serves it:
 
-* **Prefill, expanded.** A chunk's latents (its own, or gathered from the pages after a
-  prefix) go through ``kv_b_proj`` into each head's ``k_nope`` and ``v``; keys are
-  ``| k_nope | k_rope |``; one SDPA per chunk. Many queries share each expansion.
-* **Decode, absorbed.** ``kv_b_proj`` splits per head into ``W_UK [nope, latent]`` and
-  ``W_UV [v, latent]``. Since ``q_nope · (W_UK c) = (W_UKᵀ q_nope) · c``, each head's query
-  becomes ``| W_UKᵀ q_nope | q_rope |`` and attends the cached rows directly, as one
-  shared KV head (MQA); the output, a latent, leaves through ``W_UV``. Nothing is
-  expanded per key, so a decode reads the pages and no more.
+* **A chunk starting the prompt, expanded.** Its own latents go through ``kv_b_proj`` into
+  each head's ``k_nope`` and ``v``; keys are ``| k_nope | k_rope |``; one SDPA per chunk.
+  Many queries share each expansion, and nothing is read from the pages.
+* **Every query over cached rows (decodes, and chunks continuing a prefix), absorbed.**
+  ``kv_b_proj`` splits per head into ``W_UK [nope, latent]`` and ``W_UV [v, latent]``.
+  Since ``q_nope · (W_UK c) = (W_UKᵀ q_nope) · c``, each head's query becomes
+  ``| W_UKᵀ q_nope | q_rope |`` and attends the cached rows in place (``split_kv.py``), as
+  one shared KV head (MQA); the output, a latent, leaves through ``W_UV``. Nothing is
+  copied out of the pages or expanded per key.
 
 The softmax scale is ``1/sqrt(qk_nope + qk_rope)`` in both forms, times YaRN's
 ``mscale_all_dim`` correction squared when the context is stretched (DeepSeek's checkpoints).
@@ -39,13 +40,9 @@ from pdserve.model.architectures.rotary import (
     yarn_factor,
     yarn_mscale,
 )
-from pdserve.model.attention import (
-    AttentionMetadata,
-    prefill_keys_values,
-    store_kv,
-)
+from pdserve.model.attention import AttentionMetadata, fresh_keys_values, store_kv
 from pdserve.model.model_config import ModelConfig
-from pdserve.model.paged_decode import decode_attention
+from pdserve.model.split_kv import SplitKVPlan, split_kv_attention
 
 
 class MLAttention(nn.Module):
@@ -123,28 +120,42 @@ class MLAttention(nn.Module):
         layer_cache = kv_cache[:, layer]
         output = hidden.new_empty(num_tokens, self.num_heads, mla.v_head_dim)
         for chunk in metadata.prefills:
-            rows, _ = prefill_keys_values(chunk, latent, layer_cache, hidden.dtype)
             span = slice(chunk.query_start, chunk.query_end)
-            output[span] = self._expanded(
-                torch.cat((q_nope[span], q_rope[span]), dim=-1), rows[:, 0], chunk.attn_mask
-            )
+            if chunk.paged is None:
+                rows, _ = fresh_keys_values(chunk, latent, layer_cache.dtype)
+                output[span] = self._expanded(
+                    torch.cat((q_nope[span], q_rope[span]), dim=-1), rows[:, 0], chunk.attn_mask
+                )
+            else:
+                output[span] = self._absorbed(q_nope[span], q_rope[span], layer_cache, chunk.paged)
         decode = metadata.decode
         if decode is not None:
             span = slice(decode.query_start, num_tokens)
-            absorbed = torch.cat(
-                (torch.bmm(q_nope[span].transpose(0, 1), self.w_uk).transpose(0, 1), q_rope[span]),
-                dim=-1,
-            )
-            attended = decode_attention(absorbed, layer_cache, decode, self.scale)
-            latent_out = attended[..., : mla.kv_lora_rank].transpose(0, 1)
-            output[span] = torch.bmm(latent_out, self.w_uv_t).transpose(0, 1)
+            output[span] = self._absorbed(q_nope[span], q_rope[span], layer_cache, decode)
         return project(output.reshape(num_tokens, -1), self.o_weight, self.o_bias)
+
+    def _absorbed(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        layer_cache: torch.Tensor,
+        plan: SplitKVPlan,
+    ) -> torch.Tensor:
+        """Queries over latent rows read in place from the pages (a decode batch, or a chunk
+        continuing a prefix): ``w_uk`` folded into the query, ``w_uv`` applied to the
+        attended latent, so no cached row is expanded per head; ``[q, heads, v]``."""
+        absorbed = torch.cat(
+            (torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1), q_rope), dim=-1
+        )
+        attended = split_kv_attention(absorbed, layer_cache, plan, self.scale)
+        latent_out = attended[..., : self.mla.kv_lora_rank].transpose(0, 1)
+        return torch.bmm(latent_out, self.w_uv_t).transpose(0, 1)
 
     def _expanded(
         self, query: torch.Tensor, rows: torch.Tensor, attn_mask: torch.Tensor | None
     ) -> torch.Tensor:
-        """Prefill: the chunk's queries ``[q, heads, qk]`` over keys and values expanded from
-        its latent rows ``[seq, latent_size]``; ``[q, heads, v]``."""
+        """A chunk starting the prompt: its queries ``[q, heads, qk]`` over keys and values
+        expanded from its own latent rows ``[q, latent_size]``; ``[q, heads, v]``."""
         mla = self.mla
         expanded = torch.mm(rows[:, : mla.kv_lora_rank], self.kv_b_weight).view(
             rows.shape[0], self.num_heads, -1

@@ -2,7 +2,7 @@
 transformers token for token.
 
 The prompts run as one batch of unequal lengths, so the decode reads its pages in several
-chunks (the CPU budget of model/paged_decode.py over these heads is 12,288 keys for the
+chunks (the CPU budget of model/split_kv.py over these heads is 12,288 keys for the
 whole batch: 256 blocks per row at batch 3), with padded rows and rows that see nothing of
 the last chunks. A windowed model checks that the window still holds 8k tokens on.
 """

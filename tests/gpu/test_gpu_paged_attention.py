@@ -1,8 +1,8 @@
-"""Paged decode attention on CUDA equals float64 dense attention, float32 and 16-bit KV.
+"""Paged attention on CUDA equals float64 dense attention, float32 and 16-bit KV.
 
-On CUDA the decode reads its table in one chunk (model/paged_decode.py); the pages live in
-a CUDA KV tensor with shuffled block ids, rows of unequal lengths, with and without a
-sliding window. Needs torch with CUDA only (no Ray): tests/gpu/run_gpu_checks.sh.
+On CUDA a step's rows read their table in one chunk (model/split_kv.py): decodes of unequal
+lengths and a prefill chunk continuing a prefix; the pages live in a CUDA KV tensor with
+shuffled block ids, with and without a sliding window. Needs torch with CUDA only (no Ray): tests/gpu/run_gpu_checks.sh.
 """
 
 from __future__ import annotations
@@ -20,20 +20,21 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 8, 2, 64, 16
 
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_cuda_paged_decode_equals_dense_attention(window, kv_dtype):
+def test_cuda_paged_decode_and_prefix_continuation_equal_dense_attention(window, kv_dtype):
     generator = torch.Generator().manual_seed(3)
-    positions = [2047, 300, 1000, 17]
-    needs = [p // BLOCK_SIZE + 1 for p in positions]
+    positions, counts = [1500, 2047, 300, 1000, 17], [64, 1, 1, 1, 1]
+    needs = [(p + n - 1) // BLOCK_SIZE + 1 for p, n in zip(positions, counts)]
     order = torch.randperm(sum(needs) + 1, generator=generator)
     order = order[order != 0].tolist()  # block 0 is the null block
     tables = [[order.pop() for _ in range(need)] for need in needs]
     kv_cache = torch.randn(
         sum(needs) + 1, 1, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, generator=generator
     ).to("cuda", kv_dtype)
-    query = torch.randn(len(positions), NUM_HEADS, HEAD_SIZE, generator=generator)
-    key_value = torch.randn(len(positions), 2, NUM_KV_HEADS, HEAD_SIZE, generator=generator)
+    num_tokens = sum(counts)
+    query = torch.randn(num_tokens, NUM_HEADS, HEAD_SIZE, generator=generator)
+    key_value = torch.randn(num_tokens, 2, NUM_KV_HEADS, HEAD_SIZE, generator=generator)
     metadata = build_attention_metadata(
-        [1] * len(positions),
+        counts,
         positions,
         tables,
         BLOCK_SIZE,
@@ -46,7 +47,9 @@ def test_cuda_paged_decode_equals_dense_attention(window, kv_dtype):
         attended = paged_attention(query.cuda(), key_value.cuda(), kv_cache, 0, metadata).cpu()
     layer = kv_cache[:, 0].double().cpu()
     group = NUM_HEADS // NUM_KV_HEADS
-    for row, (table, position) in enumerate(zip(tables, positions)):
+    assert metadata.prefills[0].paged is not None  # read in place, not gathered
+    tokens = [(t, p + j) for t, p, n in zip(tables, positions, counts) for j in range(n)]
+    for row, (table, position) in enumerate(tokens):
         first = 0 if window is None else max(0, position - window + 1)
         keys = layer[table, 0].flatten(0, 1)[first : position + 1].repeat_interleave(group, 1)
         values = layer[table, 1].flatten(0, 1)[first : position + 1].repeat_interleave(group, 1)

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.model.attention import build_attention_metadata, paged_attention
-from pdserve.model.paged_decode import decode_attention, plan_decode
+from pdserve.model.split_kv import plan_split_kv, split_kv_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 4, 2, 8
 
@@ -57,7 +57,7 @@ def test_split_kv_decode_equals_dense_attention(positions, block_size, window, c
             for index in range(max(0, position - window + 1) // block_size):
                 table[index] = 0
     query = torch.randn(len(positions), NUM_HEADS, HEAD_SIZE, generator=generator)
-    decode = plan_decode(
+    decode = plan_split_kv(
         0, positions, tables, block_size, torch.device("cpu"), torch.float32, window, chunk_keys
     )
     first_blocks = [
@@ -66,7 +66,7 @@ def test_split_kv_decode_equals_dense_attention(positions, block_size, window, c
     width = max(need - first for need, first in zip(tables_needed, first_blocks))
     per_chunk = width if chunk_keys is None else max(1, chunk_keys // (len(positions) * block_size))
     assert len(decode.chunks) == -(-width // per_chunk)
-    attended = decode_attention(query, layer_cache, decode)
+    attended = split_kv_attention(query, layer_cache, decode)
     for row, (table, position) in enumerate(zip(tables, positions)):
         keys = layer_cache[table, 0].flatten(0, 1)
         values = layer_cache[table, 1].flatten(0, 1)
@@ -99,7 +99,7 @@ def test_verification_rows_of_several_queries_equal_dense_causal_attention(
     )
     num_tokens = sum(n for _, n in rows)
     query = torch.randn(num_tokens, NUM_HEADS, HEAD_SIZE, generator=generator)
-    decode = plan_decode(
+    decode = plan_split_kv(
         0,
         [p for p, _ in rows],
         tables,
@@ -110,7 +110,7 @@ def test_verification_rows_of_several_queries_equal_dense_causal_attention(
         chunk_keys,
         [n for _, n in rows],
     )
-    attended = decode_attention(query, layer_cache, decode)
+    attended = split_kv_attention(query, layer_cache, decode)
     assert attended.shape == query.shape
     token = 0
     for table, (position, count) in zip(tables, rows):
@@ -124,7 +124,7 @@ def test_verification_rows_of_several_queries_equal_dense_causal_attention(
 
 def test_a_windowed_decode_reads_only_the_windows_blocks():
     """A row at position 1,000 with a window of 64 reads 5 blocks of 16, not 63."""
-    decode = plan_decode(
+    decode = plan_split_kv(
         0, [1000], [list(range(1, 64))], 16, torch.device("cpu"), torch.float32, 64, None
     )
     [chunk] = decode.chunks
@@ -143,7 +143,7 @@ def test_a_step_mixing_prefills_and_chunked_decodes_writes_then_reads_every_toke
     counts = [6, 1, 1]
     starts = [0, *positions]
     metadata = build_attention_metadata(
-        counts, starts, tables, block_size, 1, torch.device("cpu"), decode_chunk_keys=2 * 4
+        counts, starts, tables, block_size, 1, torch.device("cpu"), split_kv_keys=2 * 4
     )
     assert metadata.decode is not None and len(metadata.decode.chunks) == 8
     query = torch.randn(8, NUM_HEADS, HEAD_SIZE, generator=generator)
@@ -179,11 +179,67 @@ def test_a_latent_cache_serves_as_its_own_values_at_the_given_scale(
         next_block += need
     layer_cache = torch.randn(next_block, 1, block_size, 1, latent, generator=generator)
     query = torch.randn(len(positions), NUM_HEADS, latent, generator=generator)
-    decode = plan_decode(
+    decode = plan_split_kv(
         0, positions, tables, block_size, torch.device("cpu"), torch.float32, None, chunk_keys
     )
-    attended = decode_attention(query, layer_cache, decode, scale)
+    attended = split_kv_attention(query, layer_cache, decode, scale)
     for row, (table, position) in enumerate(zip(tables, positions)):
         rows = layer_cache[table, 0, :, 0].flatten(0, 1)[: position + 1].double()
         weights = (query[row].double() @ rows.T * scale).softmax(-1)
         torch.testing.assert_close(attended[row].double(), weights @ rows, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    start=st.integers(1, 90),
+    count=st.integers(2, 40),
+    block_size=st.sampled_from([1, 4, 16]),
+    window=st.one_of(st.none(), st.integers(1, 40)),
+    split_kv_keys=st.one_of(st.none(), st.integers(1, 200)),
+    seed=st.integers(0, 2**16),
+)
+def test_a_prefill_chunk_continuing_a_prefix_reads_its_pages_as_dense_causal_attention(
+    start, count, block_size, window, split_kv_keys, seed
+):
+    """A step of a chunk from position 0, a chunk continuing a prefix at ``start`` and a
+    decode: the continuing chunk's query ``j`` equals dense attention over the keys up to
+    ``start + j`` (its prefix from the pages, its own K/V written this step), and only the
+    split-KV chunks that hold its own positions are masked (the prefix is seen whole)."""
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    counts, starts = [3, count, 1], [0, start, 50]
+    needed = [(s + n - 1) // block_size + 1 for s, n in zip(starts, counts)]
+    free = list(range(1, sum(needed) + 1))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(need)] for need in needed]
+    kv_cache = torch.randn(
+        sum(needed) + 1, 1, 2, block_size, NUM_KV_HEADS, HEAD_SIZE, generator=generator
+    )
+    metadata = build_attention_metadata(
+        counts,
+        starts,
+        tables,
+        block_size,
+        1,
+        torch.device("cpu"),
+        sliding_window=window,
+        split_kv_keys=split_kv_keys,
+    )
+    fresh, continuing = metadata.prefills
+    assert fresh.paged is None and continuing.paged is not None
+    num_tokens = sum(counts)
+    query = torch.randn(num_tokens, NUM_HEADS, HEAD_SIZE, generator=generator)
+    key_value = torch.randn(num_tokens, 2, NUM_KV_HEADS, HEAD_SIZE, generator=generator)
+    attended = paged_attention(query, key_value, kv_cache, 0, metadata)
+    keys = kv_cache[tables[1], 0, 0].flatten(0, 1)
+    values = kv_cache[tables[1], 0, 1].flatten(0, 1)
+    torch.testing.assert_close(keys[start : start + count], key_value[3 : 3 + count, 0])
+    for step in range(count):
+        expected = dense_reference(query[3 + step], keys, values, start + step, window)
+        torch.testing.assert_close(attended[3 + step].double(), expected, atol=1e-5, rtol=1e-5)
+    if window is None:
+        read_keys = 0
+        for chunk in continuing.paged.chunks:
+            if read_keys + chunk.num_blocks * block_size <= start:
+                assert chunk.attn_mask is None
+            read_keys += chunk.num_blocks * block_size

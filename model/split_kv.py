@@ -1,4 +1,8 @@
-"""Decode attention that reads the KV pages chunk by chunk (split-KV, merged by log-sum-exp).
+"""Attention that reads the KV pages chunk by chunk (split-KV, merged by log-sum-exp).
+
+It serves every query that attends cached keys: a decode batch's rows (one query each, or a
+speculative verification's few), and a prefill chunk continuing a prefix (one row of its
+``count`` queries, planned alone so that nothing pads it).
 
 Why not one gather: copying every sequence's whole context out of the pages before one
 SDPA writes and re-reads the context once more per layer, and a fresh 100 MB copy (batch 8
@@ -16,15 +20,18 @@ partial outputs are combined with their log-sum-exps (flash-decoding's merge):
     out = sum_i out_i * softmax_i(lse_i)          (* the null block, masked)
 
 A row may hold several queries: a speculative verification (a request's last token and its
-drafts, ``query_len`` of them, rows padded to the longest) reads each page once for all of
-them, each query seeing the keys up to its own position::
+drafts, ``query_len`` of them, rows padded to the longest) or a prefill chunk reads each page
+once for all of them, each query seeing the keys up to its own position::
 
     row 0  t d0 d1 at p..p+2   query j sees keys < p + j + 1      (a causal mask per query)
     row 1  t       at q        padded: its extra queries repeat t's and are dropped
 
-A sliding window's table starts at the block holding the window's first key, so a decode
+Only the chunks holding a row's own positions need a mask; the prefix before them is seen
+whole by every query.
+
+A sliding window's table starts at the block holding the window's first key, so a row
 reads O(window), not O(context). Everything that is the same for all layers (tables, masks,
-which rows see nothing of a chunk) is planned once per step by :func:`plan_decode`.
+which rows see nothing of a chunk) is planned once per step by :func:`plan_split_kv`.
 
 On CPU the per-chunk attention is torch's flash kernel for CPU, which returns the
 log-sum-exp the merge needs; other devices get one chunk (their gather runs at device
@@ -49,7 +56,7 @@ _flash_for_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 @dataclass(slots=True)
 class KeyChunk:
-    """Columns ``[first_block, first_block + num_blocks)`` of the decode batch's table.
+    """Columns ``[first_block, first_block + num_blocks)`` of the rows' table.
 
     ``blocks`` is those columns flattened row-major (``[batch * num_blocks]``). Only the first
     ``num_keys`` gathered keys are attended (trailing ones no row sees are dropped).
@@ -68,13 +75,13 @@ class KeyChunk:
 
 
 @dataclass(slots=True)
-class DecodeAttention:
-    """The step's decode rows (single tokens, and verification rows of several): tokens
-    ``query_start ..`` of the step, read in ``chunks`` (one, or several on CPU).
+class SplitKVPlan:
+    """Rows of consecutive queries over their pages (decodes, verifications, or one prefill
+    chunk): tokens ``query_start ..`` of the step, read in ``chunks`` (one, or several on CPU).
 
-    With ``query_len > 1`` the tokens are laid out as ``[batch, query_len]`` queries:
-    ``query_slots[i]`` is the token padded query ``i`` reads, ``token_slots[t]`` the padded
-    query of token ``t`` (both ``None`` when every row is one token). ``buffers`` holds the
+    The tokens are laid out as ``[batch, query_len]`` queries: ``query_slots[i]`` is the
+    token padded query ``i`` reads, ``token_slots[t]`` the padded query of token ``t`` (both
+    ``None`` when every row holds ``query_len`` tokens: nothing is padded). ``buffers`` holds the
     gather buffers and the masks widened to the query heads, made by the step's first layer
     and reused by the others."""
 
@@ -88,7 +95,7 @@ class DecodeAttention:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def plan_decode(
+def plan_split_kv(
     query_start: int,
     positions: list[int],
     block_ids: list[list[int]],
@@ -98,8 +105,8 @@ def plan_decode(
     sliding_window: int | None,
     chunk_keys: int | None,
     query_lens: list[int] | None = None,
-) -> DecodeAttention:
-    """Tables and masks for decode rows whose first query is at ``positions`` and which hold
+) -> SplitKVPlan:
+    """Tables and masks for rows whose first query is at ``positions`` and which hold
     ``query_lens`` consecutive queries each (``None``: one each).
 
     ``chunk_keys`` is how many keys one chunk gathers over the whole batch (``None``: one
@@ -154,17 +161,17 @@ def plan_decode(
                 empty_rows = _additive(~empty, dtype)[:, None].to(device)
         blocks = table[:, column : column + num_blocks].flatten().to(device)
         chunks.append(KeyChunk(blocks, num_blocks, num_keys, attn_mask, empty_rows))
-    decode = DecodeAttention(query_start, batch, block_size, chunks, query_len)
-    if query_len > 1:
+    plan = SplitKVPlan(query_start, batch, block_size, chunks, query_len)
+    if min(lens) < query_len:
         counts = torch.tensor(lens)
         token_start = torch.cumsum(counts, 0) - counts
-        decode.query_slots = (token_start[:, None] + (query_pos - query_pos[:, :1])).flatten()
+        plan.query_slots = (token_start[:, None] + (query_pos - query_pos[:, :1])).flatten()
         row_of_token = torch.repeat_interleave(torch.arange(batch), counts)
         step_of_token = torch.arange(int(counts.sum())) - token_start[row_of_token]
-        decode.token_slots = row_of_token * query_len + step_of_token
-        decode.query_slots = decode.query_slots.to(device)
-        decode.token_slots = decode.token_slots.to(device)
-    return decode
+        plan.token_slots = row_of_token * query_len + step_of_token
+        plan.query_slots = plan.query_slots.to(device)
+        plan.token_slots = plan.token_slots.to(device)
+    return plan
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -172,13 +179,13 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
 
 
-def decode_attention(
+def split_kv_attention(
     query: torch.Tensor,
     layer_cache: torch.Tensor,
-    decode: DecodeAttention,
+    plan: SplitKVPlan,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Attend the decode rows' queries ``[num_tokens, num_heads, head_size]`` over their pages.
+    """Attend the rows' queries ``[num_tokens, num_heads, head_size]`` over their pages.
 
     ``layer_cache`` is one layer's ``[num_blocks, entries, block_size, num_kv_heads, head_size]``
     (a one-entry cache of latent rows serves as its own values: MLA's absorbed form).
@@ -188,84 +195,84 @@ def decode_attention(
     ``scale``: the softmax scale (``None``: ``1/sqrt(head_size)``).
     """
     num_heads, head_size = query.shape[1:]
-    batch, query_len = decode.batch, decode.query_len
+    batch, query_len = plan.batch, plan.query_len
     num_kv_heads = layer_cache.shape[3]
     group = num_heads // num_kv_heads
-    if decode.query_slots is not None:
-        query = query[decode.query_slots]
+    if plan.query_slots is not None:
+        query = query[plan.query_slots]
     grouped = (
         query.view(batch, query_len, num_kv_heads, group, head_size)
         .transpose(1, 2)
         .reshape(batch, num_kv_heads, query_len * group, head_size)
     )
-    if len(decode.chunks) == 1:
-        keys, values = _gather(layer_cache, decode, decode.chunks[0], query.dtype)
+    if len(plan.chunks) == 1:
+        keys, values = _gather(layer_cache, plan, plan.chunks[0], query.dtype)
         attended = F.scaled_dot_product_attention(
-            grouped, keys, values, attn_mask=_per_head(decode, 0, "attn_mask", group), scale=scale
+            grouped, keys, values, attn_mask=_per_head(plan, 0, "attn_mask", group), scale=scale
         )
-        return _ungrouped(attended, decode, num_heads, head_size)
-    outputs = query.new_empty(len(decode.chunks), *grouped.shape)
-    log_sum_exps = query.new_empty(len(decode.chunks), *grouped.shape[:-1])
-    for index, chunk in enumerate(decode.chunks):
-        keys, values = _gather(layer_cache, decode, chunk, query.dtype)
+        return _ungrouped(attended, plan, num_heads, head_size)
+    outputs = query.new_empty(len(plan.chunks), *grouped.shape)
+    log_sum_exps = query.new_empty(len(plan.chunks), *grouped.shape[:-1])
+    for index, chunk in enumerate(plan.chunks):
+        keys, values = _gather(layer_cache, plan, chunk, query.dtype)
         output, log_sum_exp = _flash_for_cpu(
             grouped,
             keys,
             values,
-            attn_mask=_per_head(decode, index, "attn_mask", group),
+            attn_mask=_per_head(plan, index, "attn_mask", group),
             scale=scale,
         )
         outputs[index] = output
-        empty_rows = _per_head(decode, index, "empty_rows", group)
+        empty_rows = _per_head(plan, index, "empty_rows", group)
         log_sum_exps[index] = log_sum_exp if empty_rows is None else log_sum_exp + empty_rows
     weights = torch.softmax(log_sum_exps, dim=0).unsqueeze(-1)
-    return _ungrouped((outputs * weights).sum(0), decode, num_heads, head_size)
+    return _ungrouped((outputs * weights).sum(0), plan, num_heads, head_size)
 
 
-def _per_head(decode: DecodeAttention, index: int, name: str, group: int) -> torch.Tensor | None:
+def _per_head(plan: SplitKVPlan, index: int, name: str, group: int) -> torch.Tensor | None:
     """Chunk ``index``'s mask (or empty rows) for the grouped queries: as planned for one
     query per row (it broadcasts over the group), else each query's widened to its group's
     heads, once per step."""
-    planned = getattr(decode.chunks[index], name)
-    if planned is None or decode.query_len == 1:
+    planned = getattr(plan.chunks[index], name)
+    if planned is None or plan.query_len == 1:
         return planned
     key = f"{name}{index}"
-    if key not in decode.buffers:
-        decode.buffers[key] = planned.repeat_interleave(group, dim=2)
-    return decode.buffers[key]
+    if key not in plan.buffers:
+        plan.buffers[key] = planned.repeat_interleave(group, dim=2)
+    return plan.buffers[key]
 
 
 def _ungrouped(
-    attended: torch.Tensor, decode: DecodeAttention, num_heads: int, head_size: int
+    attended: torch.Tensor, plan: SplitKVPlan, num_heads: int, head_size: int
 ) -> torch.Tensor:
     """``[batch, kv_heads, query_len * group, head_size]`` back to the tokens' rows."""
     batch, num_kv_heads = attended.shape[:2]
     rows = (
-        attended.view(batch, num_kv_heads, decode.query_len, -1, head_size)
+        attended.view(batch, num_kv_heads, plan.query_len, -1, head_size)
         .transpose(1, 2)
-        .reshape(batch * decode.query_len, num_heads, head_size)
+        .reshape(batch * plan.query_len, num_heads, head_size)
     )
-    return rows if decode.token_slots is None else rows[decode.token_slots]
+    return rows if plan.token_slots is None else rows[plan.token_slots]
 
 
 def _gather(
-    layer_cache: torch.Tensor, decode: DecodeAttention, chunk: KeyChunk, dtype: torch.dtype
+    layer_cache: torch.Tensor, plan: SplitKVPlan, chunk: KeyChunk, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunk's keys and values as ``[batch, kv_heads, num_keys, head_size]`` views of the
     step's reused gather buffers (one ``index_select`` each from the strided K and V views;
     each block's rows are contiguous, so the block and offset dims merge without a copy),
     widened to the query's ``dtype`` when the cache is narrower (the chunk is in cache).
     A one-entry cache's rows are gathered once and serve as both."""
-    rows = decode.batch * chunk.num_blocks
+    rows = plan.batch * chunk.num_blocks
     entries = (("keys", 0), ("values", 1))[: layer_cache.shape[1]]
-    if "keys" not in decode.buffers:
+    if "keys" not in plan.buffers:
         shape = (rows, *layer_cache.shape[2:])
         for name, _ in entries:
-            decode.buffers[name] = layer_cache.new_empty(shape)
-    shape = (decode.batch, chunk.num_blocks * decode.block_size, *layer_cache.shape[3:])
+            plan.buffers[name] = layer_cache.new_empty(shape)
+    shape = (plan.batch, chunk.num_blocks * plan.block_size, *layer_cache.shape[3:])
     gathered = []
     for name, kv in entries:
-        buffer = decode.buffers[name][:rows]
+        buffer = plan.buffers[name][:rows]
         torch.index_select(layer_cache[:, kv], 0, chunk.blocks, out=buffer)
         gathered.append(buffer.view(shape)[:, : chunk.num_keys].transpose(1, 2).to(dtype))
     return gathered[0], gathered[-1]
