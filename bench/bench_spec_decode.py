@@ -1,5 +1,6 @@
-"""Speculative decoding's gain: decode tokens/s and inter-token latency with ngram
-speculation on against off, on smollm2, at batch 1 and 8, in the same run.
+"""Speculative decoding's gain: decode tokens/s and inter-token latency with speculation
+on against off, on smollm2, at batch 1 and 8, in the same run: ngram (prompt lookup) by
+default, or a draft model (``--speculative-model PATH``, named as ``--model`` is).
 
 Two workloads. *Input-grounded*: the answer quotes a passage the prompt gives (copy it,
 rewrite one name in it, extract its sentences), greedy, as summaries, edits and
@@ -15,19 +16,29 @@ benchmark counts it); p50 / p99 over every gap. Repetitions alternate which side
 first; medians print, with the median of the repetitions' on / off ratios. Aims (issue
 28): >= 1.8x decode tokens/s at batch 1 input-grounded, >= 0.97x on free text.
 
+With ``--early-exit-draft N`` the draft is the model's own first ``N`` layers (with its
+embeddings, final norm and head), written to a temporary directory: an untrained draft,
+which shows what drafting costs when its guesses are poor (the adaptive pause's job).
+
 Then one verification forward (a last token and 4 drafts) at long contexts, on the
 runner: read in place as decode rows (what the engine runs) against the same 5 tokens as
-a prefill continuation (which gathers the context per layer), and one plain decode.
+a prefill chunk continuing the context (its own split-KV plan, every row a logits row),
+and one plain decode.
 
 Run: python bench/bench_spec_decode.py [--tokens 128] [--repeat 3] [--model smollm2]
+         [--speculative-model PATH | --early-exit-draft N] [--set FIELD=VALUE ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench_engine import hf_model
 
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.engine.model_input import ScheduledChunk
@@ -127,6 +138,13 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--workloads", nargs="*", default=["input-grounded", "free text"])
     parser.add_argument("--contexts", type=int, nargs="*", default=[512, 4096, 8000])
+    parser.add_argument("--speculative-model", help="a draft model (default: ngram drafts)")
+    parser.add_argument(
+        "--early-exit-draft",
+        type=int,
+        metavar="N",
+        help="draft with the model's first N layers (written to a temporary directory)",
+    )
     parser.add_argument(
         "--set",
         nargs="*",
@@ -141,7 +159,19 @@ def main() -> None:
         key: float(value) if "." in value else int(value)
         for key, value in (item.split("=") for item in args.set)
     }
-    on = LLMEngine.from_pretrained(args.model, speculative_method="ngram", **engine_args, **tuning)
+    with tempfile.TemporaryDirectory() as directory:
+        draft = args.speculative_model
+        if args.early_exit_draft is not None:
+            draft = write_early_exit_draft(off, args.early_exit_draft, Path(directory))
+        if draft is not None:
+            tuning |= dict(speculative_method="draft_model", speculative_model=draft)
+        on = LLMEngine.from_pretrained(
+            args.model, **{"speculative_method": "ngram", **engine_args, **tuning}
+        )
+    label = f"a draft model, {draft}" if draft else "ngram"
+    if args.early_exit_draft is not None:
+        label = f"a draft model, {args.model}'s first {args.early_exit_draft} layers"
+    print(f"speculation: {label}")
     workloads = {
         "input-grounded": (grounded_prompts, dict(temperature=0.0)),
         "free text": (free_text_prompts, dict(temperature=0.8)),
@@ -188,14 +218,27 @@ def main() -> None:
                 f"{accepted / drafted if drafted else 0:>7.0%} "
                 f"{1 + accepted / steps if steps else 1:>8.2f}"
             )
-    verification_at_long_context(args.model, args.contexts, args.repeat)
+    if args.contexts:
+        verification_at_long_context(args.model, args.contexts, args.repeat)
+
+
+def write_early_exit_draft(engine: LLMEngine, num_layers: int, directory: Path) -> str:
+    """The engine's model cut to its first ``num_layers`` layers, saved as a Hugging Face
+    directory (safetensors, config, tokenizer.json) that ``--speculative-model`` loads."""
+    model = hf_model(engine)
+    model.model.layers = model.model.layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    model.config.eos_token_id = list(engine.model_config.eos_token_ids)
+    model.save_pretrained(directory)
+    engine.tokenizer.backend.save(str(directory / "tokenizer.json"))
+    return str(directory)
 
 
 def verification_at_long_context(model: str, contexts: list[int], repeat: int) -> None:
-    """Median ms of one forward at each context: 5 tokens read in place, the same 5 tokens
-    gathered, one token."""
+    """Median ms of one forward at each context: 5 tokens as decode rows, the same 5 tokens
+    as a prefill chunk, one token."""
     print(f"\none forward at a long context ({model}, ms, median of {repeat})")
-    print(f"{'context':>8} {'verify 1+4':>11} {'gathered':>9} {'ratio':>6} {'one decode':>11}")
+    print(f"{'context':>8} {'verify 1+4':>11} {'prefill':>9} {'ratio':>6} {'one decode':>11}")
     engine = LLMEngine.from_pretrained(model, num_kv_blocks=max(contexts) // 16 + 8)
     runner = engine.runner
     table = list(range(max(contexts) // 16 + 2))
@@ -212,10 +255,10 @@ def verification_at_long_context(model: str, contexts: list[int], repeat: int) -
     tokens = [5, 6, 7, 8, 9]
     for context in contexts:
         verify = median_ms(ScheduledChunk("v", tokens, context, table, True, num_draft_tokens=4))
-        gathered = median_ms(ScheduledChunk("g", tokens, context, table, True, all_logits=True))
+        prefill = median_ms(ScheduledChunk("p", tokens, context, table, True, all_logits=True))
         one = median_ms(ScheduledChunk("d", tokens[:1], context, table, True))
         print(
-            f"{context:>8} {verify:>11.1f} {gathered:>9.1f} {gathered / verify:>5.2f}x {one:>11.1f}"
+            f"{context:>8} {verify:>11.1f} {prefill:>9.1f} {prefill / verify:>5.2f}x {one:>11.1f}"
         )
     engine.shutdown()
 

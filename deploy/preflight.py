@@ -29,10 +29,13 @@ def preflight_problems(config: PDServeConfig) -> list[str]:
                 f"here ({error}): pip install 'pdserve[nixl]', or use "
                 f"--transport grpc"
             )
-    try:
-        resolve_model(config.model)
-    except (FileNotFoundError, ValueError) as error:
-        problems.append(f"--model {config.model!r}: {error}")
+    models = [("--model", config.model), ("--speculative-model", config.speculative_model)]
+    for flag, name in models:
+        try:
+            if name is not None:
+                resolve_model(name)
+        except (FileNotFoundError, ValueError) as error:
+            problems.append(f"{flag} {name!r}: {error}")
     if not config.ray_address:
         problems += [
             f"{what} {host}:{port} is in use: stop what listens there, or choose "

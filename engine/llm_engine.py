@@ -31,7 +31,13 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.request_output import RequestOutput
 from pdserve.engine.sampler import sample, token_logprobs
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
-from pdserve.engine.spec_decode import NgramProposer, SpecDecodeStats, accepted_tokens
+from pdserve.engine.spec_decode import (
+    DraftModelProposer,
+    NgramProposer,
+    Proposer,
+    SpecDecodeStats,
+    accepted_tokens,
+)
 from pdserve.engine.tensor_parallel_peers import TensorParallelPeers
 from pdserve.engine.token_bitmask import fill_token_bitmask, num_masked_tokens
 from pdserve.grammar import GrammarCompiler
@@ -144,7 +150,7 @@ class LLMEngine:
             connector=connector,
             failure_policy=connector.failure_policy if connector else "recompute",
             long_prefill_token_threshold=config.long_prefill_token_threshold,
-            proposer=_proposer(config),
+            proposer=_proposer(config, self.model_config, num_blocks),
         )
         self._stats = EngineStats(num_blocks=num_blocks)
         if config.speculative_method != "off":  # a series per draft position from the start
@@ -629,10 +635,15 @@ def _sample_spans(sampled: list[tuple[ScheduledChunk, Request]]) -> list[range]:
     return spans
 
 
-def _proposer(config: EngineConfig) -> NgramProposer | None:
-    """The drafter ``config.speculative_method`` names (None: speculation is off)."""
+def _proposer(
+    config: EngineConfig, model_config: ModelConfig, num_blocks: int
+) -> Proposer[Any] | None:
+    """The drafter ``config.speculative_method`` names (None: speculation is off); a draft
+    model gets a pool of ``num_blocks`` pages, as many tokens as the engine's."""
     if config.speculative_method == "off":
         return None
+    if config.speculative_method == "draft_model":
+        return DraftModelProposer.load(config, model_config, num_blocks)
     return NgramProposer(
         config.num_speculative_tokens,
         config.prompt_lookup_min,

@@ -16,7 +16,7 @@ from pdserve.messages.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.engine.kv_connector_base import PullSummary
-    from pdserve.engine.spec_decode.ngram_proposer import NgramDrafts
+    from pdserve.engine.spec_decode.proposer import DraftState
     from pdserve.messages.kv_transfer_params import KVTransferParams
 
 
@@ -134,7 +134,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         # Speculative decoding's state for this request (made at its first drafting step).
-        self.drafts: NgramDrafts | None = None
+        self.drafts: DraftState | None = None
         self.status = RequestStatus.WAITING
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher

@@ -25,6 +25,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.cache import NULL_BLOCK_ID, KVCacheManager
 from pdserve.engine.kv_connector_base import (
@@ -34,7 +35,7 @@ from pdserve.engine.kv_connector_base import (
 )
 from pdserve.engine.model_input import ScheduledChunk
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.spec_decode import NgramProposer
+from pdserve.engine.spec_decode import Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class Scheduler:
         connector: KVConnectorBase | None = None,
         failure_policy: str = "recompute",
         long_prefill_token_threshold: int = 0,
-        proposer: NgramProposer | None = None,
+        proposer: Proposer[Any] | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.block_size = block_size
@@ -137,6 +138,7 @@ class Scheduler:
             ):
                 self.waiting_for_remote_kvs.pop(request_id, None)
                 self.kv_cache_manager.free(request)
+                self._release_drafts(request)
                 self.requests.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -148,13 +150,27 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         preempted = False
 
+        # The running decodes' drafts, proposed together; each is cut below to the room the
+        # step has left for it when its turn comes.
+        planned = self._propose(
+            [
+                (
+                    request,
+                    self._draft_room(
+                        request, request.num_tokens - request.num_computed_tokens, budget
+                    ),
+                )
+                for request in self.running
+            ]
+        )
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new_tokens = self._chunk_size(
                 request.num_tokens - request.num_computed_tokens, budget
             )
-            drafts = self._drafts(request, num_new_tokens, budget)
+            room = self._draft_room(request, num_new_tokens, budget)
+            drafts = planned.get(request.request_id, [])[:room]
             while (
                 self.kv_cache_manager.allocate_slots(
                     request, num_new_tokens, num_lookahead_tokens=len(drafts)
@@ -247,7 +263,8 @@ class Scheduler:
         num_new_tokens = self._chunk_size(
             request.num_tokens - request.num_computed_tokens - num_local, budget
         )
-        drafts = self._drafts(request, num_new_tokens, budget, num_local)
+        room = self._draft_room(request, num_new_tokens, budget, num_local)
+        drafts = self._propose([(request, room)]).get(request.request_id, [])
         blocks = manager.allocate_slots(
             request,
             num_new_tokens,
@@ -294,34 +311,48 @@ class Scheduler:
             num_tokens = min(num_tokens, self.long_prefill_token_threshold)
         return num_tokens
 
-    def _drafts(
+    def _draft_room(
         self, request: Request, num_new_tokens: int, budget: int, num_new_computed: int = 0
-    ) -> list[int]:
-        """Draft tokens to verify after this step's token, when the step is a request's
-        single last token (a decode, or a prompt's last token) and a proposer is set.
-
-        At most as many as leave room for every emitted token (``1 + drafts``) under
-        ``max_tokens``, ``max_model_len`` and the step's token budget; a prompt-logprobs
+    ) -> int:
+        """How many drafts may follow this step's token: none unless a proposer is set and
+        the step is the request's single last token (a decode, or a prompt's last token);
+        else as many as leave room for every emitted token (``1 + drafts``) under
+        ``max_tokens``, ``max_model_len`` and the step's token ``budget``. A prompt-logprobs
         request never drafts (its rows are the prompt's)."""
-        proposer = self.proposer
         if (
-            proposer is None
+            self.proposer is None
             or num_new_tokens != 1
             or request.num_computed_tokens + num_new_computed + 1 != request.num_tokens
             or request.needs_prompt_logprobs
         ):
-            return []
+            return 0
         room = min(
             request.sampling_params.max_tokens - request.num_output_tokens,
             self.max_model_len - request.num_tokens,
             budget,
         )
-        if request.drafts is None:
-            request.drafts = proposer.new_state()
-        drafts = proposer.propose(request.drafts, request.all_token_ids, room - 1)
-        grammar = request.grammar
-        if drafts and grammar is not None:  # only drafts the grammar allows, in order
-            drafts = drafts[: grammar.num_valid_tokens(drafts)]
+        return max(0, room - 1)
+
+    def _propose(self, asks: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        """Drafts for each ``(request, room)`` with room, from one call to the proposer (a
+        draft model runs its forwards for all of them together), each cut to what its
+        request's grammar allows, in order."""
+        proposer = self.proposer
+        asks = [(request, room) for request, room in asks if room > 0]
+        if proposer is None or not asks:
+            return {}
+        for request, _ in asks:
+            if request.drafts is None:
+                request.drafts = proposer.new_state()
+        proposals = proposer.propose(
+            [(request.drafts, request.all_token_ids, room) for request, room in asks]
+        )
+        drafts = {}
+        for (request, _), proposal in zip(asks, proposals):
+            grammar = request.grammar
+            if proposal and grammar is not None:
+                proposal = proposal[: grammar.num_valid_tokens(proposal)]
+            drafts[request.request_id] = proposal
         return drafts
 
     def _schedule_chunk(
@@ -354,6 +385,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self._release_drafts(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -425,6 +457,7 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         """Frees a finished request's blocks, or hands them to the connector's lease."""
+        self._release_drafts(request)
         delay_free = False
         if self.connector is not None and request.status != RequestStatus.FINISHED_ABORTED:
             block_ids = self.kv_cache_manager.get_block_ids(request)
@@ -435,6 +468,11 @@ class Scheduler:
         else:
             self.kv_cache_manager.free(request)
             self.requests.pop(request.request_id, None)
+
+    def _release_drafts(self, request: Request) -> None:
+        """What the drafter holds for a request leaving the running batch goes back."""
+        if self.proposer is not None and request.drafts is not None:
+            self.proposer.release(request.drafts)
 
     def update_from_kv_xfer_finished(self, finished: FinishedTransfers) -> list[Request]:
         """Frees leased blocks whose transfer is over; moves loaded requests on.

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]
-SpeculativeMethod = Literal["off", "ngram"]
+SpeculativeMethod = Literal["off", "ngram", "draft_model"]
 # More drafts than this per step cost more verification than a run of them ever saves.
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -65,9 +65,13 @@ class EngineConfig:
     """Ranks the model is split over (heads, MLP features and vocabulary), each a process
     of the worker's node (engine/tensor_parallel_peers.py); CPU only for now."""
     speculative_method: SpeculativeMethod = "off"
-    """Speculative decoding: off, or ngram (prompt lookup: a decode step drafts the tokens
-    that followed the latest earlier occurrence of its context's last n tokens, and one
-    forward verifies them; engine/spec_decode/)."""
+    """Speculative decoding: off; ngram (prompt lookup: a decode step drafts the tokens
+    that followed the latest earlier occurrence of its context's last n tokens); or
+    draft_model (speculative_model guesses them, over its own KV pages). One forward of the
+    model verifies the drafts (engine/spec_decode/)."""
+    speculative_model: str | None = None
+    """draft_model: the draft, named as model is ('tiny', a local HF directory or a .gguf
+    file), with the model's vocabulary and one KV group; it runs in the worker's process."""
     num_speculative_tokens: int = 4
     """Draft tokens proposed per decode step (vLLM's name), 1 to 16."""
     prompt_lookup_min: int = 3
@@ -127,6 +131,12 @@ class EngineConfig:
             raise ValueError(
                 f"speculative_method must be one of {', '.join(get_args(SpeculativeMethod))}, "
                 f"got {self.speculative_method!r}"
+            )
+        if (self.speculative_method == "draft_model") != (self.speculative_model is not None):
+            raise ValueError(
+                "speculative_model names the draft of speculative_method draft_model, and "
+                f"only that: got speculative_method {self.speculative_method!r} and "
+                f"speculative_model {self.speculative_model!r}"
             )
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(

@@ -85,12 +85,21 @@ class NgramProposer:
     def new_state(self) -> NgramDrafts:
         return NgramDrafts(self.min_acceptance)
 
-    def propose(self, state: NgramDrafts, token_ids: list[int], max_num_tokens: int) -> list[int]:
-        """Drafts to follow ``token_ids`` (at most ``max_num_tokens``, the request's room,
-        and as many as its acceptance pays for), or [] when the request pauses drafting or
-        its suffix never occurred before."""
-        limit = state.acceptance.num_drafts(min(self.num_speculative_tokens, max_num_tokens))
-        if limit <= 0:
-            return []
-        tokens = state.tokens.sync(token_ids)
-        return lookup_drafts(tokens, self.prompt_lookup_min, self.prompt_lookup_max, limit)
+    def propose(self, asks: list[tuple[NgramDrafts, list[int], int]]) -> list[list[int]]:
+        """For each ``(state, token_ids, max_num_tokens)``: drafts to follow ``token_ids``
+        (at most ``max_num_tokens``, the request's room, and as many as its acceptance pays
+        for), or [] when it pauses drafting or its suffix never occurred before."""
+        drafts: list[list[int]] = []
+        for state, token_ids, max_num_tokens in asks:
+            limit = state.acceptance.num_drafts(min(self.num_speculative_tokens, max_num_tokens))
+            if limit <= 0:
+                drafts.append([])
+                continue
+            tokens = state.tokens.sync(token_ids)
+            drafts.append(
+                lookup_drafts(tokens, self.prompt_lookup_min, self.prompt_lookup_max, limit)
+            )
+        return drafts
+
+    def release(self, state: NgramDrafts) -> None:
+        """Nothing to give back: the token array is the request's own."""

@@ -99,12 +99,15 @@ def pdserve_up(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> Deployed:
 DISK_TIER = {"kv_tier_disk_path": "/tmp/pdserve-tier-a", "kv_tier_disk_bytes": 1 << 20}
 # A value of each setting whose type alone does not give one (str, dict, list), and the
 # other settings it needs to take effect (in both apps): {key: (value, companions)}.
+DRAFT_MODEL = {"speculative_method": "draft_model", "speculative_model": "/models/draft-b"}
 GATEWAY_TLS = {"ssl_certfile": "/etc/pdserve/a.crt", "ssl_keyfile": "/etc/pdserve/a.key"}
 PICKED: dict[str, tuple[Any, dict[str, Any]]] = {
     "model": ("smollm2", {}),
     "served_model_name": ("my-model", {}),
     "device": ("cpu", {}),
     "prompt_lookup_min": (4, {}),  # twice the default passes prompt_lookup_max
+    # A draft model needs its method: the app without the value drafts with another one.
+    "speculative_model": ("tiny", DRAFT_MODEL),
     # A worker reserves its CPUs for every rank.
     "prefill_tensor_parallel_size": (2, {"num_cpus_per_worker": 0.5}),
     "host": ("127.0.0.2", {}),
@@ -339,7 +342,8 @@ def test_the_flags_and_keys_users_have_still_work(monkeypatch, tmp_path: Path):
         ({"lease_ttl_s": 0}, "kv connector settings: lease_ttl_s"),
         ({"max_attempts": 0}, "gateway settings: max_attempts must be at least 1"),
         ({"transport": "tcp"}, "Input should be 'grpc' or 'nixl'"),
-        ({"speculative_method": "eagle"}, "Input should be 'off' or 'ngram'"),
+        ({"speculative_method": "eagle"}, "Input should be 'off', 'ngram' or 'draft_model'"),
+        ({"speculative_model": "tiny"}, "speculative_model names the draft"),
         ({"num_speculative_tokens": 1000}, "num_speculative_tokens must be between 1 and 16"),
         ({"max_num_seqs": "many"}, "valid integer"),
         ({"num_prefill": 0}, "greater than or equal to 1"),
