@@ -147,8 +147,9 @@ def _serve(shape: dict[str, Any], num_blocks: int, cert_dir: str, conn: Any) -> 
             mtls_server.stop(0)
             raw_grpc.stop(0)
             return
-        lease = leases.grant("bench", block_ids, [], block_checksums(kv_cache, block_ids))
-        conn.send((lease.lease_id, list(lease.checksums)))
+        checksums = block_checksums(kv_cache, block_ids)
+        lease = leases.grant("bench", block_ids, [], checksums)
+        conn.send((lease.lease_id, list(checksums)))
 
 
 def best_mib_s(
@@ -193,7 +194,15 @@ def bench_layout(name: str, shape: dict[str, Any], mib: int, repeats: int) -> li
         target=_serve, args=(shape, num_blocks, str(cert_dir), child_conn), daemon=True
     )
     server.start()
-    address, mtls_address, raw_grpc_address, raw_tcp_port = conn.recv()
+
+    def from_server() -> Any:
+        """The server process's next answer; its death ends the bench instead of a hang."""
+        while not conn.poll(1.0):
+            if not server.is_alive():
+                raise SystemExit(f"the serving process died (exit code {server.exitcode})")
+        return conn.recv()
+
+    address, mtls_address, raw_grpc_address, raw_tcp_port = from_server()
 
     local = make_kv_cache(num_blocks, seed=2, **shape)
     layout = KVLayout.from_kv_cache(local, "xxh3_128", 0)
@@ -205,7 +214,7 @@ def bench_layout(name: str, shape: dict[str, Any], mib: int, repeats: int) -> li
 
     def grant() -> tuple[str, list[int]]:
         conn.send(("grant", remote_ids))
-        return conn.recv()
+        return from_server()
 
     def pull(client: Any, at: str = address) -> Callable[[tuple[str, list[int]]], None]:
         peer = client.handshake(at)

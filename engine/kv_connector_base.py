@@ -106,6 +106,7 @@ class TransferStatsSnapshot:
     num_failed_blocks: int
     num_lease_expiries: int
     num_lease_renewals: int
+    num_tls_connections_refused: int
     num_bytes_received_by_peer: dict[str, int]
     transfer_latency: HistogramSnapshot
     transfer_latency_p50_s: float

@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from pdserve.engine.kv_connector_base import TransferStatsSnapshot
 from pdserve.stats.latency import TRANSFER_BUCKETS_S, LatencyHistogram, LatencyWindow
 
+# Peer addresses remembered to count each TLS connection once: far more than the KV
+# connections a worker holds open at once (one per peer and client).
+_SERVED_PEERS_KEPT = 4096
+
 
 @dataclass(slots=True)
 class TransferStats:
@@ -33,6 +37,12 @@ class TransferStats:
     num_failed_blocks: int = 0
     num_lease_expiries: int = 0
     num_lease_renewals: int = 0
+    # Server, under mutual TLS: connections peers opened, and those that reached a call
+    # (their peer addresses, the latest _SERVED_PEERS_KEPT of them to tell a connection's
+    # first call from its next ones; kvconnector/transport/tls_server_credentials.py).
+    num_tls_connections: int = 0
+    num_tls_connections_served: int = 0
+    _served_peers: dict[str, None] = field(default_factory=dict, repr=False, compare=False)
     # Receiver: bytes landed per peer host (the prefill worker's advertised IP), so a
     # multi-node deployment shows which node's KV reached which.
     num_bytes_received_by_peer: dict[str, int] = field(default_factory=dict)
@@ -85,6 +95,20 @@ class TransferStats:
         with self._lock:
             self.num_lease_expiries += 1
 
+    def record_tls_connection(self) -> None:
+        with self._lock:
+            self.num_tls_connections += 1
+
+    def record_tls_call(self, peer: str) -> None:
+        """A call over TLS from ``peer`` (``ipv4:host:port``, one per connection)."""
+        with self._lock:
+            if peer in self._served_peers:
+                return
+            self._served_peers[peer] = None
+            self.num_tls_connections_served += 1
+            if len(self._served_peers) > _SERVED_PEERS_KEPT:  # the oldest connection's
+                del self._served_peers[next(iter(self._served_peers))]
+
     def record_lease_renewal(self) -> None:
         with self._lock:
             self.num_lease_renewals += 1
@@ -103,6 +127,9 @@ class TransferStats:
                 num_failed_blocks=self.num_failed_blocks,
                 num_lease_expiries=self.num_lease_expiries,
                 num_lease_renewals=self.num_lease_renewals,
+                num_tls_connections_refused=max(
+                    0, self.num_tls_connections - self.num_tls_connections_served
+                ),
                 num_bytes_received_by_peer=dict(self.num_bytes_received_by_peer),
                 transfer_latency=self.transfer_latency.snapshot(),
                 transfer_latency_p50_s=self.recent_latency.percentile(50),

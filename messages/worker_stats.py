@@ -58,6 +58,7 @@ class WorkerStats:
     transfer_latency_p99_s: float = 0.0
     num_failed_transfers: int = 0
     num_lease_expiries: int = 0
+    num_tls_connections_refused: int = 0
     num_recompute_fallbacks: int = 0
     num_structured_requests: int = 0
     num_constrained_rows: int = 0

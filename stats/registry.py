@@ -238,6 +238,13 @@ WORKER_STATS: tuple[Stat, ...] = (
         "expired",
     ),
     Stat(
+        "num_tls_connections_refused",
+        C,
+        "connections",
+        "KV connections refused by the mutual-TLS handshake (or closed before a call).",
+        "pdserve:kv_tls_connections_refused",
+    ),
+    Stat(
         "num_recompute_fallbacks",
         C,
         "requests",

@@ -78,10 +78,9 @@ class GrpcTransferClient(KVTransferClient):
         self._layout = layout
         self._engine_id = engine_id
         self._metadata = ((SECRET_METADATA_KEY, secret),) if secret else ()
-        self._credentials = None
+        self._tls = tls
         if tls is not None:
-            ca, cert, key = tls.read()
-            self._credentials = grpc.ssl_channel_credentials(ca, key, cert)
+            tls.read()  # files that cannot be read fail here, not at the first pull
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, pb_grpc.KvTransferStub] = {}
         self._lock = threading.Lock()
@@ -315,12 +314,14 @@ class GrpcTransferClient(KVTransferClient):
     def _channel(self, address: str) -> grpc.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            if self._credentials is None:
+            if self._tls is None:
                 channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-            else:  # the peer's certificate names KV_PEER_NAME, not its node's address
+            else:  # the files as they are now (a rotation reaches each new peer's channel);
+                # the peer's certificate names KV_PEER_NAME, not its node's address
+                ca, cert, key = self._tls.read()
                 channel = grpc.secure_channel(
                     address,
-                    self._credentials,
+                    grpc.ssl_channel_credentials(ca, key, cert),
                     options=[*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", KV_PEER_NAME)],
                 )
             self._channels[address] = channel

@@ -56,6 +56,7 @@ from pdserve.kvconnector.transport.base import (
 )
 from pdserve.kvconnector.transport.block_chunk import encode_block_chunk
 from pdserve.kvconnector.transport.layout import KVLayout
+from pdserve.kvconnector.transport.tls_server_credentials import TLSServerCredentials
 from pdserve.messages.kv_plane_tls import KVPlaneTLS
 from pdserve.proto import kv_transfer_pb2 as pb
 from pdserve.proto import kv_transfer_pb2_grpc as pb_grpc
@@ -121,7 +122,9 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
         fault_injector: FaultInjector | None,
         max_data_calls: int,
         activity: threading.Event,
+        over_tls: bool,
     ) -> None:
+        self._over_tls = over_tls
         self._blocks_per_message = max(1, max_message_bytes // layout.page_bytes)
         # A CPU tensor is read in place; a CUDA one through a pinned buffer (pinned_staging).
         on_host = kv_cache.device.type == "cpu"
@@ -274,6 +277,10 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
             context.abort(_LEASE_ERROR_CODES[type(error)], str(error))
 
     def _authorize(self, context: grpc.ServicerContext) -> None:
+        """Every call starts here: its connection counted as served (under TLS), then the
+        deployment secret checked."""
+        if self._over_tls:
+            self._stats.record_tls_call(context.peer())
         if self._secret is None:
             return
         provided = dict(context.invocation_metadata()).get(SECRET_METADATA_KEY, "")
@@ -383,15 +390,13 @@ class GrpcTransferServer(KVTransferServer):
             fault_injector,
             max_workers - CONTROL_THREADS,
             self.activity,
+            over_tls=tls is not None,
         )
         self._server.add_generic_rpc_handlers([_method_handlers(servicer)])
         if tls is None:
             bound_port = self._server.add_insecure_port(f"{host}:{port}")
         else:  # a client without a certificate of the deployment's CA never gets a message in
-            ca, cert, key = tls.read()
-            credentials = grpc.ssl_server_credentials(
-                [(key, cert)], root_certificates=ca, require_client_auth=True
-            )
+            credentials = TLSServerCredentials(tls, self.stats).credentials
             bound_port = self._server.add_secure_port(f"{host}:{port}", credentials)
         if bound_port == 0:
             raise OSError(f"could not bind the KV transfer service to {host}:{port}")

@@ -1,5 +1,6 @@
 """Mutual TLS on the KV plane: a decode worker pulls over it, a peer without the deployment's
-certificate is refused by the TLS layer before any message is read.
+certificate is refused by the TLS layer before any message is read (and counted), and the
+server's files rotate live: new connections get the new ones.
 
 Certificates come from ``pdserve certs``' own functions (``deploy/certs.py``): the
 deployment's CA and worker certificate, a foreign CA's worker certificate, an expired one of
@@ -9,6 +10,8 @@ the deployment's CA. Everything runs in one process on loopback, over real gRPC 
 from __future__ import annotations
 
 import datetime
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -104,13 +107,18 @@ def test_a_peer_without_the_deployments_certificate_is_refused_before_any_messag
             client.handshake(server.address)
         client.close()
         assert not server.activity.is_set(), "the server read a message from the peer"
-        # The same server still serves a peer with the deployment's certificate.
+        refused = server.stats.snapshot().num_tls_connections_refused
+        assert refused >= 1
+        # The same server still serves a peer with the deployment's certificate, which is
+        # not counted as refused.
         good = GrpcTransferClient(
             torch.zeros_like(kv_cache), layout, secret=SECRET, tls=certs["deployment"]
         )
         good.handshake(server.address)
+        good.handshake(server.address)  # the same connection: still one served
         good.close()
         assert server.activity.is_set()
+        assert server.stats.snapshot().num_tls_connections_refused == refused
     finally:
         server.stop()
 
@@ -127,3 +135,44 @@ def test_a_deployment_hands_every_worker_its_tls_files(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="cannot read the KV plane's TLS files"):
         KVPlaneTLS.in_directory(tmp_path / "missing").read()
+
+
+def test_the_servers_files_rotate_for_new_connections(certs, tmp_path: Path) -> None:
+    """The server's directory is rewritten with another deployment's CA and certificate
+    while it runs: a new client of the new deployment is served, a new client of the old
+    one is refused; the server was never restarted."""
+    deployment = Path(certs["deployment"].ca_file).parent
+    rotated = Path(certs["foreign"].cert_file).parent  # another CA's whole deployment
+    served = tmp_path / "served"
+    served.mkdir()
+    for name in ("ca.crt", "worker.crt", "worker.key"):
+        shutil.copy(deployment / name, served / name)
+    server, kv_cache = _server(KVPlaneTLS.in_directory(served))
+    layout = KVLayout.from_kv_cache(kv_cache, "xxh3_128", 0)
+
+    def handshake(files: Path) -> None:
+        client = GrpcTransferClient(
+            torch.zeros_like(kv_cache),
+            layout,
+            secret=SECRET,
+            tls=KVPlaneTLS.in_directory(files),
+            timeout_s=5.0,
+        )
+        try:
+            client.handshake(server.address)
+        finally:
+            client.close()
+
+    try:
+        handshake(deployment)
+        with pytest.raises(TransferError):
+            handshake(rotated)
+        for name in ("ca.crt", "worker.crt", "worker.key"):  # as a Secret's update lands
+            shutil.copy(rotated / name, served / f".{name}.new")
+            os.replace(served / f".{name}.new", served / name)
+        handshake(rotated)
+        with pytest.raises(TransferError):
+            handshake(deployment)
+        assert server.stats.snapshot().num_tls_connections_refused >= 2
+    finally:
+        server.stop()
