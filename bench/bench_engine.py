@@ -45,7 +45,7 @@ from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 from pdserve.checkpoint.model_source import builtin_gguf_path
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.engine.model_input import ScheduledChunk
-from pdserve.model.attention import build_attention_metadata, paged_attention
+from pdserve.model.attention import AttentionMetadata, build_attention_metadata, paged_attention
 from pdserve.model.model_config import ModelConfig
 
 OUTPUT_TOKENS = 64
@@ -261,6 +261,24 @@ def bench_half_kv(engine: LLMEngine, wide: dict[tuple[int, int], dict[str, float
         )
 
 
+def step_metadata(
+    engine: LLMEngine, token_counts: list[int], start_positions: list[int], tables: list[list[int]]
+) -> AttentionMetadata:
+    """One layer's attention metadata for chunks over ``tables``, as the engine's runner
+    builds it (its split-KV budget, its dtype)."""
+    runner = engine.runner
+    return build_attention_metadata(
+        token_counts,
+        start_positions,
+        tables,
+        LONG_CONTEXT_BLOCK_SIZE,
+        engine.model_config.num_layers,
+        runner.device,
+        dtype=runner.dtype,
+        split_kv_keys=runner.split_kv_keys,
+    )
+
+
 def long_context_step(
     engine: LLMEngine,
     batch: int,
@@ -284,16 +302,7 @@ def long_context_step(
         ScheduledChunk(f"r{row}", [row + 3], position, table, True)
         for row, table in enumerate(tables)
     ]
-    metadata = build_attention_metadata(
-        [1] * batch,
-        [position] * batch,
-        tables,
-        LONG_CONTEXT_BLOCK_SIZE,
-        config.num_layers,
-        runner.device,
-        dtype=runner.dtype,
-        split_kv_keys=runner.split_kv_keys,
-    )
+    metadata = step_metadata(engine, [1] * batch, [position] * batch, tables)
     query = torch.randn(batch, config.num_heads, config.head_dim)
     key_value = torch.randn(batch, 2, config.num_kv_heads, config.head_dim)
 
@@ -362,16 +371,7 @@ def continuation_runs(
     count, end = CONTINUATION_QUERIES, prefix + CONTINUATION_QUERIES
     num_blocks = end // LONG_CONTEXT_BLOCK_SIZE
     blocks = torch.randperm(runner.num_blocks - 1, generator=generator)[:num_blocks] + 1
-    metadata = build_attention_metadata(
-        [count],
-        [prefix],
-        [blocks.tolist()],
-        LONG_CONTEXT_BLOCK_SIZE,
-        config.num_layers,
-        runner.device,
-        dtype=runner.dtype,
-        split_kv_keys=runner.split_kv_keys,
-    )
+    metadata = step_metadata(engine, [count], [prefix], [blocks.tolist()])
     query = torch.randn(count, config.num_heads, config.head_dim)
     key_value = torch.randn(count, 2, config.num_kv_heads, config.head_dim)
     visible = torch.arange(end)[None, :] <= torch.arange(prefix, end)[:, None]

@@ -85,15 +85,7 @@ class DraftModelProposer:
                 f"group (no interleaved sliding-window layers), it has "
                 f"{len(model_config.kv_layer_groups)}"
             )
-        self.runner = ModelRunner(
-            model,
-            model_config,
-            num_blocks,
-            config.block_size,
-            config.device,
-            config.dtype,
-            config.resolved_kv_cache_dtype,
-        )
+        self.runner = ModelRunner.for_engine(config, model, model_config, num_blocks)
         self.block_size = config.block_size
         self.max_positions = model_config.max_position_embeddings
         self.num_speculative_tokens = config.num_speculative_tokens
