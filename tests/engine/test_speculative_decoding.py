@@ -5,7 +5,8 @@ Every row of a verification is sampled as a plain decode samples that position (
 same position, same logits up to float noise), so the proof is token-for-token equality
 with a speculation-off engine of the same model: greedy and seeded, batched, with prefix
 hits, ``n > 1``, logprobs, stops inside an accepted run, ``max_tokens``, grammars and
-preemption. Each comparison also asserts that drafts were accepted, so it cannot pass by
+preemption; the logprobs, stop and grammar cases also with a draft model (smollm2 drafting
+for itself). Each comparison also asserts that drafts were accepted, so it cannot pass by
 never speculating. smollm2 quotes its prompt (drafts get accepted); the random ``tiny``
 model rarely does, which tests the rejection paths and the adaptive pause.
 """
@@ -25,6 +26,7 @@ from hypothesis import strategies as st
 from pdserve.cache import BlockStored
 from pdserve.cache.kv_cache_block import get_block_hash
 from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.engine.spec_decode import DraftModelProposer
 from pdserve.grammar import GrammarSpec
 
 BLOCK_SIZE = 16
@@ -54,6 +56,17 @@ def smollm2(smollm2_gguf) -> tuple[LLMEngine, LLMEngine]:
     return make_engine("smollm2"), make_engine("smollm2", speculative_method="ngram")
 
 
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def drafters(request, smollm2) -> tuple[LLMEngine, LLMEngine]:
+    """(speculation off, speculation on) for both drafters: smollm2's ngram engine, and
+    smollm2 drafting for itself (its greedy drafts are always right, its sampled ones not)."""
+    if request.param == "ngram":
+        return smollm2
+    return smollm2[0], make_engine(
+        "smollm2", speculative_method="draft_model", speculative_model="smollm2"
+    )
+
+
 @pytest.fixture(scope="module")
 def tiny() -> tuple[LLMEngine, LLMEngine]:
     return make_engine("tiny"), make_engine("tiny", speculative_method="ngram")
@@ -78,8 +91,12 @@ def repetitive_prompts(seed: int, count: int) -> list[list[int]]:
 
 
 def assert_all_blocks_free(engine: LLMEngine) -> None:
+    """The engine's pool, and a draft model's, hold nothing."""
     assert not engine.has_unfinished_requests()
     assert engine.kv_cache_manager.usage == 0.0
+    proposer = engine.scheduler.proposer
+    if isinstance(proposer, DraftModelProposer):
+        assert proposer.num_free_blocks == engine.runner.num_blocks - 1
 
 
 def test_greedy_smollm2_equals_speculation_off_batched_and_alone(smollm2) -> None:
@@ -166,10 +183,10 @@ def chi_square_two_sample(a: Counter, b: Counter) -> tuple[float, int]:
     return statistic, max(len(rows) - 1, 0)
 
 
-def test_logprobs_and_n_choices_with_prefix_hits_equal_speculation_off(smollm2) -> None:
+def test_logprobs_and_n_choices_with_prefix_hits_equal_speculation_off(drafters) -> None:
     """n > 1 is several seeded requests of one prompt (the gateway's choices), run after
     one another here so that all but the first hit the prefix cache."""
-    off, on = smollm2
+    off, on = drafters
     prompt = GROUNDED_PROMPTS[1]
     params = [SamplingParams(max_tokens=24, temperature=0.8, seed=s, logprobs=2) for s in range(4)]
     expected = off.generate([prompt] * 4, params)
@@ -186,8 +203,8 @@ def test_logprobs_and_n_choices_with_prefix_hits_equal_speculation_off(smollm2) 
     assert on.stats().prefix_cache_hits > hits
 
 
-def test_stop_string_eos_and_max_tokens_inside_an_accepted_run(smollm2) -> None:
-    off, on = smollm2
+def test_stop_string_eos_and_max_tokens_inside_an_accepted_run(drafters) -> None:
+    off, on = drafters
     prompt = GROUNDED_PROMPTS[0]
     base = off.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0))[0]
     stop_word = base.text.split()[8]  # a word deep inside the copied passage
@@ -211,8 +228,8 @@ def test_stop_string_eos_and_max_tokens_inside_an_accepted_run(smollm2) -> None:
     assert_all_blocks_free(on)
 
 
-def test_structured_output_checks_each_draft_against_the_grammar(smollm2) -> None:
-    off, on = smollm2
+def test_structured_output_checks_each_draft_against_the_grammar(drafters) -> None:
+    off, on = drafters
     schema = {
         "type": "object",
         "properties": {"city": {"type": "string"}, "ships": {"type": "integer"}},
