@@ -171,6 +171,9 @@ def main() -> None:
     label = f"a draft model, {draft}" if draft else "ngram"
     if args.early_exit_draft is not None:
         label = f"a draft model, {args.model}'s first {args.early_exit_draft} layers"
+    draft_cost = getattr(on.scheduler.proposer, "draft_cost", None)
+    if draft_cost is not None:
+        label += f" (a draft forward costs {draft_cost:.2f} of a decode step)"
     print(f"speculation: {label}")
     workloads = {
         "input-grounded": (grounded_prompts, dict(temperature=0.0)),

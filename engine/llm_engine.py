@@ -150,7 +150,7 @@ class LLMEngine:
             connector=connector,
             failure_policy=connector.failure_policy if connector else "recompute",
             long_prefill_token_threshold=config.long_prefill_token_threshold,
-            proposer=_proposer(config, self.model_config, num_blocks),
+            proposer=_proposer(config, self.model_config, num_blocks, self.runner),
         )
         self._stats = EngineStats(num_blocks=num_blocks)
         if config.speculative_method != "off":  # a series per draft position from the start
@@ -636,14 +636,14 @@ def _sample_spans(sampled: list[tuple[ScheduledChunk, Request]]) -> list[range]:
 
 
 def _proposer(
-    config: EngineConfig, model_config: ModelConfig, num_blocks: int
+    config: EngineConfig, model_config: ModelConfig, num_blocks: int, runner: ModelRunner
 ) -> Proposer[Any] | None:
     """The drafter ``config.speculative_method`` names (None: speculation is off); a draft
     model gets a pool of ``num_blocks`` pages, as many tokens as the engine's."""
     if config.speculative_method == "off":
         return None
     if config.speculative_method == "draft_model":
-        return DraftModelProposer.load(config, model_config, num_blocks)
+        return DraftModelProposer.load(config, model_config, num_blocks, runner)
     return NgramProposer(
         config.num_speculative_tokens,
         config.prompt_lookup_min,

@@ -87,6 +87,11 @@ class EngineConfig:
     verification over 1 + 4 tokens costs about two decode steps (0.25-0.3 a draft,
     bench/bench_spec_decode.py); on a GPU far less, so a lower value pays there. 0: always
     draft the most."""
+    speculative_draft_cost: float | None = None
+    """draft_model: what one forward of the draft costs, as a fraction of the model's decode
+    step, added to speculative_min_acceptance in each step's trade (a draft as dear as the
+    model never pays, so never drafts); None: measured at start-up, one-token forwards of
+    both side by side."""
     publish_kv_events: bool = False
     """Record KV events (blocks stored, removed) for the router to poll."""
     engine_id: str = "engine-0"
@@ -152,6 +157,10 @@ class EngineConfig:
             raise ValueError(
                 "speculative_min_acceptance must be between 0 and 1, "
                 f"got {self.speculative_min_acceptance}"
+            )
+        if self.speculative_draft_cost is not None and self.speculative_draft_cost < 0:
+            raise ValueError(
+                f"speculative_draft_cost must be at least 0, got {self.speculative_draft_cost}"
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(

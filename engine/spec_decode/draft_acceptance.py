@@ -16,6 +16,10 @@ text rarely repeats its context, and speculation must not slow it down::
     a    1.0 ─ good runs: k = max ─ ... ─ misses: k shrinks ─▶ a < c: pause 16 steps
          ─▶ probe with one draft at a = c (one bad probe pauses again, for 32, 64, ...)
 
+A draft model adds its own forward to each draft's cost (``draft_model_proposer.py``):
+its ``c`` is ``min_acceptance`` plus that forward's share of a decode step, and a draft as
+dear as the model (``c >= 1``) never drafts.
+
 ``a`` is an exponential moving average (weight ``_WEIGHT``) of each verified step's
 accepted / tried drafts, where a step tried its accepted drafts and, if it stopped short,
 the one rejected: the estimate of a chain's per-draft acceptance.
@@ -42,6 +46,8 @@ class DraftAcceptance:
         request counts its pause down)."""
         if self.num_paused_steps:
             self.num_paused_steps -= 1
+            return 0
+        if self.min_acceptance >= 1.0:  # a draft costs a step or more: none ever pays
             return 0
         if self.rate <= self.min_acceptance:  # a probe after a pause
             return min(1, max_num_drafts)

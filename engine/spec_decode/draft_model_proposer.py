@@ -23,6 +23,12 @@ coupling (``verification.py``) keeps the target's distribution exactly and a see
 reproducible whatever was drafted. The price: a sampled request accepts less often than
 rejection sampling against the draft's own distribution would let it.
 
+**What a draft costs.** Each draft is a forward of the draft model on top of its row in the
+verification, so the request's drafting trade (``draft_acceptance.py``) weighs
+``speculative_min_acceptance`` plus the draft forward's share of the model's decode step
+(``speculative_draft_cost``, else measured at start-up: one-token forwards of both, side by
+side, the median of a few). A draft as dear as the model never drafts.
+
 **Its own pool, not the target's ledger.** The draft's pages have its own shape (its layers
 and heads), so they cannot be the target's blocks; they hold nothing a peer, the router or
 the tier may read (no hashes, no KV events, no transfer); and when the pool is full the
@@ -33,6 +39,8 @@ is preempted.
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -44,6 +52,9 @@ from pdserve.messages.engine_config import EngineConfig
 from pdserve.model.architectures import CausalLM
 from pdserve.model.loader import load_model
 from pdserve.model.model_config import ModelConfig
+
+# One-token forwards of each model timed at start-up (the first is a warm-up, dropped).
+_COST_ROUNDS = 6
 
 
 @dataclass(slots=True)
@@ -78,6 +89,7 @@ class DraftModelProposer:
         model_config: ModelConfig,
         config: EngineConfig,
         num_blocks: int,
+        target: ModelRunner,
     ) -> None:
         if len(model_config.kv_layer_groups) != 1:
             raise ValueError(
@@ -89,11 +101,16 @@ class DraftModelProposer:
         self.block_size = config.block_size
         self.max_positions = model_config.max_position_embeddings
         self.num_speculative_tokens = config.num_speculative_tokens
-        self.min_acceptance = config.speculative_min_acceptance
         self._free_block_ids = list(range(num_blocks - 1, 0, -1))  # block 0: the null block
+        self.draft_cost = config.speculative_draft_cost
+        if self.draft_cost is None:
+            self.draft_cost = self._measured_cost(target)
+        self.min_acceptance = config.speculative_min_acceptance + self.draft_cost
 
     @classmethod
-    def load(cls, config: EngineConfig, target: ModelConfig, num_blocks: int) -> DraftModelProposer:
+    def load(
+        cls, config: EngineConfig, target: ModelConfig, num_blocks: int, target_runner: ModelRunner
+    ) -> DraftModelProposer:
         """The draft ``config.speculative_model`` names, refused unless it shares the
         target's vocabulary."""
         assert config.speculative_model is not None  # EngineConfig checks it
@@ -106,14 +123,41 @@ class DraftModelProposer:
                 f"{model_config.vocab_size} tokens and the model {config.model} one of "
                 f"{target.vocab_size}: a draft model must share the model's tokenizer"
             )
-        return cls(model, model_config, config, num_blocks)
+        return cls(model, model_config, config, num_blocks, target_runner)
+
+    def _measured_cost(self, target: ModelRunner) -> float:
+        """The draft's one-token forward over the model's, medians of alternate runs (at
+        start-up, into a free page of each pool: nothing reads it before it is allocated)."""
+        chunks = {  # the model's other KV groups (Gemma 3's windowed layers) too
+            runner: ScheduledChunk(
+                "cost",
+                [1],
+                0,
+                [1],
+                True,
+                other_block_ids=tuple([1] for _ in runner.group_windows[1:]),
+            )
+            for runner in (self.runner, target)
+        }
+        times: dict[ModelRunner, list[float]] = {runner: [] for runner in chunks}
+        for _ in range(_COST_ROUNDS):
+            for runner, chunk in chunks.items():
+                started = time.perf_counter()
+                runner.execute([chunk])
+                times[runner].append(time.perf_counter() - started)
+        draft, model = (statistics.median(measured[1:]) for measured in times.values())
+        return draft / model
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free_block_ids)
 
     def new_state(self) -> DraftModelState:
-        return DraftModelState(DraftAcceptance(self.min_acceptance))
+        """A request starts with a probe (one draft), not a full run as prompt lookup does:
+        here every draft costs a forward, and most of a useless draft's cost is in the
+        steps before its acceptance falls. At no cost (0) every step drafts the most."""
+        cost = self.min_acceptance
+        return DraftModelState(DraftAcceptance(cost, rate=cost if cost > 0 else 1.0))
 
     def propose(self, asks: list[tuple[DraftModelState, list[int], int]]) -> list[list[int]]:
         """For each ``(state, token_ids, max_num_tokens)``: drafts to follow ``token_ids``

@@ -8,6 +8,7 @@ The proofs:
   in the engine every one of its greedy drafts is accepted;
 * verification keeps the output: with an identical draft and with an unrelated one, greedy
   and seeded outputs equal a speculation-off engine's token for token;
+* a draft that costs as much as the model never drafts (its forward is in the trade);
 * nothing leaks: the draft's pool is whole again after requests finish, are aborted or
   preempted, and a full draft pool skips drafting rather than preempting;
 * bad settings are refused at start-up with a message naming them.
@@ -33,7 +34,10 @@ def make_engine(**config: object) -> LLMEngine:
 
 
 def drafted(draft: str, **config: object) -> LLMEngine:
-    return make_engine(speculative_method="draft_model", speculative_model=draft, **config)
+    """A drafting engine; its draft's cost taken as nothing (an identical draft costs a whole
+    step, and the trade would rightly never draft), unless ``config`` says otherwise."""
+    settings = {"speculative_draft_cost": 0.0, **config}
+    return make_engine(speculative_method="draft_model", speculative_model=draft, **settings)
 
 
 def proposer_of(engine: LLMEngine) -> DraftModelProposer:
@@ -148,11 +152,27 @@ def test_a_full_draft_pool_skips_drafting_and_takes_nothing():
     assert len(drafts) == 4
 
 
+def test_a_draft_as_dear_as_the_model_never_drafts():
+    """The trade weighs each draft's forward: at a measured cost (tiny drafting for tiny
+    costs about a step) or a stated one of a whole step, no request drafts, and the output
+    is speculation-off's."""
+    assert proposer_of(drafted("tiny", speculative_draft_cost=None)).draft_cost > 0
+    off, on = make_engine(), drafted("tiny", speculative_draft_cost=1.0)
+    batch = prompts(8, 3)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = [o.output_token_ids for o in off.generate(batch, params)]
+    assert [o.output_token_ids for o in on.generate(batch, params)] == expected
+    assert on.stats().spec_decode.num_draft_tokens == 0
+    assert proposer_of(on).num_free_blocks == on.runner.num_blocks - 1
+
+
 def test_bad_draft_settings_are_refused_at_start_up(tmp_path):
     with pytest.raises(ValueError, match="speculative_model names the draft"):
         make_engine(speculative_method="draft_model")
     with pytest.raises(ValueError, match="speculative_model names the draft"):
         make_engine(speculative_method="ngram", speculative_model="tiny")
+    with pytest.raises(ValueError, match="speculative_draft_cost must be at least 0"):
+        drafted("tiny", speculative_draft_cost=-0.5)
     with pytest.raises(FileNotFoundError, match="no-such-draft"):
         drafted(str(tmp_path / "no-such-draft"))
     other_vocabulary = tmp_path / "other-vocabulary"

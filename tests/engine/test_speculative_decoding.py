@@ -63,7 +63,10 @@ def drafters(request, smollm2) -> tuple[LLMEngine, LLMEngine]:
     if request.param == "ngram":
         return smollm2
     return smollm2[0], make_engine(
-        "smollm2", speculative_method="draft_model", speculative_model="smollm2"
+        "smollm2",
+        speculative_method="draft_model",
+        speculative_model="smollm2",
+        speculative_draft_cost=0.0,  # it costs a step: it would rightly never draft
     )
 
 

@@ -61,7 +61,10 @@ def test_speculative_decode_after_a_pull_equals_colocated(
 def test_a_draft_model_drafts_from_the_pulled_prompt(transport: str, prefill_factory) -> None:
     prefill = prefill_factory(transport=transport)
     decode = make_decode_engine(
-        transport, speculative_method="draft_model", speculative_model="tiny"
+        transport,
+        speculative_method="draft_model",
+        speculative_model="tiny",
+        speculative_draft_cost=0.0,  # an identical draft costs a step: it would never draft
     )
     colocated = LLMEngine.from_pretrained("tiny", **ENGINE_KWARGS)
     prompts = tiny_prompts(7, 4)
