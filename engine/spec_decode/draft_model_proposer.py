@@ -105,7 +105,8 @@ class DraftModelProposer:
         self.draft_cost = config.speculative_draft_cost
         if self.draft_cost is None:
             self.draft_cost = self._measured_cost(target)
-        self.min_acceptance = config.speculative_min_acceptance + self.draft_cost
+        # A draft's cost in decode steps: its verification row and its own forward.
+        self.cost_per_draft = config.speculative_min_acceptance + self.draft_cost
 
     @classmethod
     def load(
@@ -156,7 +157,7 @@ class DraftModelProposer:
         """A request starts with a probe (one draft), not a full run as prompt lookup does:
         here every draft costs a forward, and most of a useless draft's cost is in the
         steps before its acceptance falls. At no cost (0) every step drafts the most."""
-        cost = self.min_acceptance
+        cost = self.cost_per_draft
         return DraftModelState(DraftAcceptance(cost, rate=cost if cost > 0 else 1.0))
 
     def propose(self, asks: list[tuple[DraftModelState, list[int], int]]) -> list[list[int]]:
