@@ -360,12 +360,16 @@ class RequestOrchestrator:
             cache_salt=run.cache_salt,
         )
         for attempt in range(self.config.max_attempts):
+            # A retry follows a loss: the router has marked the lost worker down, and it may
+            # have been its role's only one. It is tried again (Serve restarts it) rather
+            # than failing with 503 a request no token of which was sent yet.
+            lost_id = run.prefill_id if attempt else None
+            if attempt:
+                await asyncio.sleep(self.config.retry_backoff_s)  # let Serve see the dead replica
             if run.local_decode_id is not None:
-                run.prefill_id = self.route(
-                    "decode", run.block_hashes, fallback=run.local_decode_id if attempt else None
-                )
+                run.prefill_id = self.route("decode", run.block_hashes, fallback=lost_id)
             else:
-                run.prefill_id = self.route("prefill", run.block_hashes)
+                run.prefill_id = self.route("prefill", run.block_hashes, fallback=lost_id)
             if run.remote_decode:  # 503 now, before any token, when none is up
                 run.decode_id = self.route("decode", run.block_hashes)
             run.timeline.called("prefill", run.prefill_id)

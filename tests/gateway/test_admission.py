@@ -138,6 +138,32 @@ def test_a_prefill_worker_that_dies_mid_call_gets_503_and_leaves_routing():
     asyncio.run(scenario())
 
 
+def test_the_only_prefill_worker_lost_before_answering_is_tried_again_once_restarted():
+    """Its role's only worker: the router marks it down at the loss, and the retry must not
+    answer 503 for that (it used to, when the kill raced the request's arrival); it tries
+    the worker again after the backoff, as Serve restarts it, and the reply comes whole."""
+
+    class RestartedAfterOneLoss(FakeWorker):
+        calls = 0
+
+        async def generate(self, request: WorkerRequest) -> AsyncIterator[GenerationChunk]:
+            self.calls += 1
+            self.down = self.calls == 1  # the first call meets the dying replica
+            async for chunk in super().generate(request):
+                yield chunk
+
+    async def scenario() -> None:
+        pool = FakePool(["prefill-0"], [])
+        worker = pool.prefill["prefill-0"] = pool.all["prefill-0"] = RestartedAfterOneLoss(
+            "prefill-0"
+        )
+        service = make_service(pool, retry_backoff_s=0.0)
+        assert await run(service) == "AAAA"
+        assert worker.calls == 2 and service.metrics.num_retries == 1
+
+    asyncio.run(scenario())
+
+
 def test_a_prefill_worker_that_dies_before_answering_is_routed_around_unseen():
     async def scenario() -> None:
         pool = FakePool(["prefill-0", "prefill-1"], [])
