@@ -122,12 +122,8 @@ class LLMEngine:
         kv_cache_config = KVCacheConfig(num_blocks, groups)
         self.runner = self._make_runner(num_blocks, on_rank_lost)
         self.block_hasher = BlockHasher(config.hash_algorithm, config.hash_seed)
-        # One request must always fit alone in the pool, or preemption could loop forever.
-        pool_capacity_tokens = (num_blocks - 1) * config.block_size
-        self.max_model_len = min(
-            config.max_model_len or self.model_config.max_position_embeddings,
-            self.model_config.max_position_embeddings,
-            pool_capacity_tokens,
+        self.max_model_len = config.max_model_len_for(
+            self.model_config.max_position_embeddings, num_blocks
         )
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config,

@@ -102,6 +102,18 @@ class EngineConfig:
         """The KV cache's dtype, ``auto`` resolved to ``dtype``."""
         return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
+    def max_model_len_for(self, max_position_embeddings: int, num_blocks: int) -> int:
+        """The longest sequence an engine of this config serves: ``max_model_len`` (unset:
+        the model's limit), capped by the model's positions and by the pool, since one
+        request must always fit alone in it (block 0 is the null block) or preemption could
+        loop forever."""
+        pool_capacity_tokens = (num_blocks - 1) * self.block_size
+        return min(
+            self.max_model_len or max_position_embeddings,
+            max_position_embeddings,
+            pool_capacity_tokens,
+        )
+
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")

@@ -133,10 +133,14 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, max_position: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``, ``signed sin`` ``[num_tokens, 1, head_dim]``; ``max_position`` bounds ``positions``."""
-        if self._table.shape[0] < max_position or self._table.device != self.inv_freq.device:
-            self._table = self._build_table(max(max_position, 2 * self._table.shape[0], 256))
+        self.reserve(max_position)
         rows = self._table.index_select(0, positions).to(dtype)
         return rows[:, 0:1], rows[:, 1:2]
+
+    def reserve(self, num_positions: int) -> None:
+        """Holds rows for at least ``num_positions`` (positions ``0 .. num_positions - 1``)."""
+        if self._table.shape[0] < num_positions or self._table.device != self.inv_freq.device:
+            self._table = self._build_table(max(num_positions, 2 * self._table.shape[0], 256))
 
     def _build_table(self, num_positions: int) -> torch.Tensor:
         positions = torch.arange(num_positions, device=self.inv_freq.device, dtype=torch.float32)

@@ -270,3 +270,23 @@ def test_verification_rows_beside_a_prefill_and_a_decode_equal_transformers(
         logits[1:5], reference_logits(reference, verified)[-4:], atol=ATOL, rtol=0
     )
     torch.testing.assert_close(logits[5], reference_logits(reference, fresh)[-1], atol=ATOL, rtol=0)
+
+
+def test_an_engines_rope_tables_are_built_for_every_position_it_serves_at_start():
+    """A decode worker first reaches a long prompt's positions at its first decode after the
+    pull; the table built then would cost that step. Built at start-up, a forward at the
+    engine's last position finds it whole, and its rows equal a table grown on demand."""
+    from pdserve.engine import LLMEngine
+    from pdserve.model.architectures.rotary import RotaryEmbedding
+
+    engine = LLMEngine.from_pretrained("tiny", num_kv_blocks=80, block_size=16)
+    assert engine.max_model_len == 79 * 16  # the pool bounds it
+    rotary = next(m for m in engine.model.modules() if isinstance(m, RotaryEmbedding))
+    grown = RotaryEmbedding(engine.model_config)
+    last = torch.tensor([0, engine.max_model_len - 1])
+    table = rotary._table
+    reserved = rotary.forward(last, engine.max_model_len, torch.float32)
+    assert rotary._table is table  # nothing was built by the step
+    for built, on_demand in zip(reserved, grown.forward(last, engine.max_model_len, torch.float32)):
+        assert torch.equal(built, on_demand)
+    engine.shutdown()
