@@ -178,16 +178,23 @@ class KVCacheConfig:
         return _bytes_per_block(self.kv_cache_groups)
 
 
-def num_blocks_for_memory(budget_bytes: int, groups: Sequence[KVCacheGroupSpec]) -> int:
-    """How many blocks (null block included) a memory budget holds for these groups.
+def num_blocks_for_memory(
+    budget_bytes: int,
+    groups: Sequence[KVCacheGroupSpec],
+    beside: Sequence[Sequence[KVCacheGroupSpec]] = (),
+) -> int:
+    """How many blocks (null block included) a memory budget holds for these groups, and
+    for the pools ``beside`` them that get as many blocks out of the same budget (a draft
+    model's, which holds as many tokens as the model's).
 
     Raises ValueError when the budget holds fewer than 2 blocks: the null block plus
     one usable block is the least a pool can work with.
     """
-    _check_groups(groups)
+    for pool in (groups, *beside):
+        _check_groups(pool)
     if budget_bytes < 0:
         raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
-    bytes_per_block = _bytes_per_block(groups)
+    bytes_per_block = sum(_bytes_per_block(pool) for pool in (groups, *beside))
     num_blocks = budget_bytes // bytes_per_block
     if num_blocks < 2:
         raise ValueError(

@@ -32,11 +32,13 @@ from pdserve.engine.request_output import RequestOutput
 from pdserve.engine.sampler import sample, token_logprobs
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.spec_decode import (
+    DraftModel,
     DraftModelProposer,
     NgramProposer,
     Proposer,
     SpecDecodeStats,
     accepted_tokens,
+    load_draft_model,
 )
 from pdserve.engine.tensor_parallel_peers import TensorParallelPeers
 from pdserve.engine.token_bitmask import fill_token_bitmask, num_masked_tokens
@@ -116,8 +118,15 @@ class LLMEngine:
             config.model, dtype=config.dtype, device=config.device
         )
         groups = kv_cache_groups(self.model_config, config)
+        draft = (
+            load_draft_model(config, self.model_config)
+            if config.speculative_method == "draft_model"
+            else None
+        )
+        # A draft model's pool holds as many blocks as the model's, out of the same budget.
+        beside = [] if draft is None else [kv_cache_groups(draft.model_config, config)]
         num_blocks = config.num_kv_blocks or num_blocks_for_memory(
-            config.kv_cache_memory_bytes, groups
+            config.kv_cache_memory_bytes, groups, beside
         )
         kv_cache_config = KVCacheConfig(num_blocks, groups)
         self.runner = self._make_runner(num_blocks, on_rank_lost)
@@ -146,7 +155,7 @@ class LLMEngine:
             connector=connector,
             failure_policy=connector.failure_policy if connector else "recompute",
             long_prefill_token_threshold=config.long_prefill_token_threshold,
-            proposer=_proposer(config, self.model_config, num_blocks, self.runner),
+            proposer=_proposer(config, num_blocks, self.runner, draft),
         )
         self._stats = EngineStats(num_blocks=num_blocks)
         if config.speculative_method != "off":  # a series per draft position from the start
@@ -632,14 +641,14 @@ def _sample_spans(sampled: list[tuple[ScheduledChunk, Request]]) -> list[range]:
 
 
 def _proposer(
-    config: EngineConfig, model_config: ModelConfig, num_blocks: int, runner: ModelRunner
+    config: EngineConfig, num_blocks: int, runner: ModelRunner, draft: DraftModel | None
 ) -> Proposer[Any] | None:
     """The drafter ``config.speculative_method`` names (None: speculation is off); a draft
     model gets a pool of ``num_blocks`` pages, as many tokens as the engine's."""
     if config.speculative_method == "off":
         return None
-    if config.speculative_method == "draft_model":
-        return DraftModelProposer.load(config, model_config, num_blocks, runner)
+    if draft is not None:
+        return DraftModelProposer(draft.model, draft.model_config, config, num_blocks, runner)
     return NgramProposer(
         config.num_speculative_tokens,
         config.prompt_lookup_min,

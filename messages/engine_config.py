@@ -43,7 +43,8 @@ class EngineConfig:
     """Blocks in the KV pool, the null block included; unset: as many as
     kv_cache_memory_bytes holds."""
     kv_cache_memory_bytes: int = 256 * 1024 * 1024
-    """The KV pool's memory budget when num_kv_blocks is unset."""
+    """The KV pool's memory budget when num_kv_blocks is unset (a draft model's pool, as
+    many blocks, is paid from it too)."""
     max_model_len: int | None = None
     """Longest prompt plus output, in tokens; unset: the model's own limit."""
     max_num_seqs: int = 64

@@ -9,7 +9,11 @@ spec_decode_stats.py drafted / accepted counters, per position (vLLM's metrics)
 """
 
 from pdserve.engine.spec_decode.draft_acceptance import DraftAcceptance
-from pdserve.engine.spec_decode.draft_model_proposer import DraftModelProposer
+from pdserve.engine.spec_decode.draft_model_proposer import (
+    DraftModel,
+    DraftModelProposer,
+    load_draft_model,
+)
 from pdserve.engine.spec_decode.ngram_proposer import NgramProposer
 from pdserve.engine.spec_decode.proposer import DraftState, Proposer
 from pdserve.engine.spec_decode.spec_decode_stats import SpecDecodeStats
@@ -17,10 +21,12 @@ from pdserve.engine.spec_decode.verification import accepted_tokens
 
 __all__ = [
     "DraftAcceptance",
+    "DraftModel",
     "DraftModelProposer",
     "DraftState",
     "NgramProposer",
     "Proposer",
     "SpecDecodeStats",
     "accepted_tokens",
+    "load_draft_model",
 ]

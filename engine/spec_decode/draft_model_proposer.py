@@ -80,6 +80,29 @@ class _Plan(NamedTuple):
     num_drafts: int
 
 
+class DraftModel(NamedTuple):
+    """A loaded draft model: the engine sizes its pool beside the model's before building it."""
+
+    model: CausalLM
+    model_config: ModelConfig
+
+
+def load_draft_model(config: EngineConfig, target: ModelConfig) -> DraftModel:
+    """The draft ``config.speculative_model`` names, refused unless it shares the target's
+    vocabulary."""
+    assert config.speculative_model is not None  # EngineConfig checks it
+    model, model_config, _ = load_model(
+        config.speculative_model, dtype=config.dtype, device=config.device
+    )
+    if model_config.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"speculative_model {config.speculative_model} has a vocabulary of "
+            f"{model_config.vocab_size} tokens and the model {config.model} one of "
+            f"{target.vocab_size}: a draft model must share the model's tokenizer"
+        )
+    return DraftModel(model, model_config)
+
+
 class DraftModelProposer:
     """Proposes up to ``num_speculative_tokens`` drafts with a draft model."""
 
@@ -107,24 +130,6 @@ class DraftModelProposer:
             self.draft_cost = self._measured_cost(target)
         # A draft's cost in decode steps: its verification row and its own forward.
         self.cost_per_draft = config.speculative_min_acceptance + self.draft_cost
-
-    @classmethod
-    def load(
-        cls, config: EngineConfig, target: ModelConfig, num_blocks: int, target_runner: ModelRunner
-    ) -> DraftModelProposer:
-        """The draft ``config.speculative_model`` names, refused unless it shares the
-        target's vocabulary."""
-        assert config.speculative_model is not None  # EngineConfig checks it
-        model, model_config, _ = load_model(
-            config.speculative_model, dtype=config.dtype, device=config.device
-        )
-        if model_config.vocab_size != target.vocab_size:
-            raise ValueError(
-                f"speculative_model {config.speculative_model} has a vocabulary of "
-                f"{model_config.vocab_size} tokens and the model {config.model} one of "
-                f"{target.vocab_size}: a draft model must share the model's tokenizer"
-            )
-        return cls(model, model_config, config, num_blocks, target_runner)
 
     def _measured_cost(self, target: ModelRunner) -> float:
         """The draft's one-token forward over the model's, medians of alternate runs (at

@@ -26,6 +26,16 @@ def test_a_block_is_one_page_of_the_largest_groups_layers():
     assert KVCacheConfig(100, groups).bytes_per_block == bytes_per_block
 
 
+def test_pools_beside_share_the_budget_block_for_block():
+    """A draft model's pool gets as many blocks as the model's: a block costs both pages."""
+    model = [KVCacheGroupSpec(["l0", "l1"], FullAttentionSpec(16, 2, 8, "float16"))]
+    draft = [KVCacheGroupSpec(["d0"], FullAttentionSpec(16, 1, 8, "float16"))]
+    pair = model[0].page_size_bytes + draft[0].page_size_bytes
+    assert num_blocks_for_memory(50 * pair + pair - 1, model, [draft]) == 50
+    with pytest.raises(ValueError, match=f"holds 1 block.*of {pair} bytes"):
+        num_blocks_for_memory(pair, model, [draft])
+
+
 def test_a_budget_below_two_blocks_is_a_clear_error():
     groups = [KVCacheGroupSpec(["l0"], FullAttentionSpec(16, 2, 8, "float16"))]
     with pytest.raises(ValueError, match="holds 1 block"):

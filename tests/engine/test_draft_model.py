@@ -152,6 +152,28 @@ def test_a_full_draft_pool_skips_drafting_and_takes_nothing():
     assert len(drafts) == 4
 
 
+def test_the_drafts_pages_are_paid_from_the_kv_memory_budget(unrelated_draft):
+    """Both pools, the model's and the draft's, as many blocks each, fit the budget
+    together (the draft's used to come on top of it)."""
+    budget = 4 << 20
+    plain = LLMEngine.from_pretrained("tiny", block_size=16, kv_cache_memory_bytes=budget)
+    engine = LLMEngine.from_pretrained(
+        "tiny",
+        block_size=16,
+        kv_cache_memory_bytes=budget,
+        speculative_method="draft_model",
+        speculative_model=unrelated_draft,
+        speculative_draft_cost=0.0,
+    )
+    draft_pages = proposer_of(engine).runner.kv_cache
+    assert draft_pages.shape[0] == engine.runner.num_blocks < plain.runner.num_blocks
+    used = engine.runner.kv_cache.nbytes + draft_pages.nbytes
+    page_pair = (engine.runner.kv_cache.nbytes + draft_pages.nbytes) // engine.runner.num_blocks
+    assert budget - page_pair < used <= budget  # the budget, to the last pair of pages
+    plain.shutdown()
+    engine.shutdown()
+
+
 def test_a_draft_as_dear_as_the_model_never_drafts():
     """The trade weighs each draft's forward: at a measured cost (tiny drafting for tiny
     costs about a step) or a stated one of a whole step, no request drafts, and the output
