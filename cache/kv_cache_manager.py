@@ -274,6 +274,26 @@ class KVCacheManager:
         if self.enable_caching:
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
+    def mark_pulled_early(self, request: CacheRequest, start_token: int, end_token: int) -> None:
+        """Marks the request's cached blocks of positions ``start_token`` to ``end_token``
+        as pulled for a request yet to come (a KV-only request's landed offer): that
+        request's hit on them is counted as an early pull, not a cache hit."""
+        first, last = start_token // self.block_size, end_token // self.block_size
+        for group in self.coordinator.get_blocks(request.request_id):
+            for block in group[first:last]:
+                if block.block_hash is not None and not block.is_null:
+                    block.pulled_early = True
+
+    def take_pulled_early(self, blocks: KVCacheBlocks) -> int:
+        """The tokens of an admitted request's prefix hit ``blocks`` that earlier pulls
+        brought for it (``mark_pulled_early``); their flags go, so a later request's hit
+        on them is a cache hit like any."""
+        num_blocks = sum(block.pulled_early for block in blocks.blocks[0])
+        for group in blocks.blocks:
+            for block in group:
+                block.pulled_early = False
+        return num_blocks * self.block_size
+
     def remove_skipped_blocks(self, request: CacheRequest, num_computed_tokens: int) -> None:
         """Release the blocks no token after the first `num_computed_tokens` reads (a sliding
         window's; the null block takes their place). Before a load, it keeps the blocks the

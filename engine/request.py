@@ -114,6 +114,7 @@ class Request:
         # (a preemption's recompute, mostly from the prefix cache, does not change it).
         self.kv_offered = kv_transfer_params is not None
         self.num_prompt_cache_hit_tokens: int | None = None
+        self.num_pulled_early_tokens = 0  # its offers brought them: in the pool, not hits
         self.num_pulled_tokens = 0
         self.num_tier_tokens = 0  # loaded intact from this worker's KV tier
         # While in WAITING_FOR_REMOTE_KVS: the computed tokens once its load lands, and how
@@ -162,12 +163,16 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.finished
 
-    def record_first_admission(self, num_cache_hit_tokens: int) -> None:
-        """The prefix-cache hit the request was first admitted with (later admissions, after
-        a preemption or a failed pull, keep the first)."""
+    def record_first_admission(
+        self, num_cache_hit_tokens: int, num_pulled_early_tokens: int = 0
+    ) -> None:
+        """The prefix-cache hit the request was first admitted with, and the tokens its
+        offers had pulled into the pool before it (later admissions, after a preemption or
+        a failed pull, keep the first)."""
         if self.num_prompt_cache_hit_tokens is None:
             self.stamps.admitted_at = time.perf_counter()
             self.num_prompt_cache_hit_tokens = min(num_cache_hit_tokens, self.num_prompt_tokens)
+            self.num_pulled_early_tokens = num_pulled_early_tokens
 
     def kv_provenance(self) -> KVProvenance | None:
         """Where this engine got the prompt's KV; None if it never needed it (never admitted,
@@ -178,12 +183,14 @@ class Request:
         hit = self.num_prompt_cache_hit_tokens
         if hit is None:
             return None
-        rest = self.num_prompt_tokens - hit - self.num_tier_tokens - self.num_pulled_tokens
+        early = self.num_pulled_early_tokens
+        rest = self.num_prompt_tokens - hit - self.num_tier_tokens - early - self.num_pulled_tokens
         pull = self.kv_pull
         return KVProvenance(
             num_prompt_tokens=self.num_prompt_tokens,
             num_cache_hit_tokens=hit,
             num_tier_tokens=self.num_tier_tokens,
+            num_pulled_early_tokens=early,
             num_pulled_tokens=self.num_pulled_tokens,
             num_recomputed_tokens=rest if self.kv_offered else 0,
             num_computed_tokens=0 if self.kv_offered else rest,

@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.cache import NULL_BLOCK_ID, KVCacheManager
+from pdserve.cache import NULL_BLOCK_ID, KVCacheBlocks, KVCacheManager
 from pdserve.engine.kv_connector_base import (
     FinishedTransfers,
     KVConnectorBase,
@@ -247,11 +247,12 @@ class Scheduler:
                 # A sliding window reads none of the blocks it will have left once the load
                 # lands: they become the null block now, neither loaded nor cached.
                 manager.remove_skipped_blocks(request, num_local + num_external)
-                manager.record_prefix_cache_stats(request, num_local)
+                num_early = self._count_prefix_hit(request, computed_blocks, num_local)
                 request.num_computed_tokens = num_local
                 request.num_tokens_after_load = num_local + num_external
-                request.num_cached_tokens = num_local  # pulled tokens are not cache hits
-                request.record_first_admission(num_local)
+                # Pulled tokens are not cache hits, nor those its offers pulled early.
+                request.num_cached_tokens = num_local - num_early
+                request.record_first_admission(num_local - num_early, num_early)
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 self.waiting_for_remote_kvs[request.request_id] = request
                 self.connector.update_state_after_alloc(
@@ -282,15 +283,26 @@ class Scheduler:
             )
         if blocks is None:
             return None
-        if computed_blocks is not None:  # a lookup ran: count it once, now it is admitted
-            manager.record_prefix_cache_stats(request, num_local)
+        num_early = self._count_prefix_hit(request, computed_blocks, num_local)
         request.num_computed_tokens += num_local
-        request.num_cached_tokens = max(request.num_cached_tokens, num_local)
-        request.record_first_admission(num_local)
+        request.num_cached_tokens = max(request.num_cached_tokens, num_local - num_early)
+        request.record_first_admission(num_local - num_early, num_early)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self._schedule_chunk(output, request, num_new_tokens, drafts)
         return num_new_tokens + len(drafts)
+
+    def _count_prefix_hit(
+        self, request: Request, computed_blocks: KVCacheBlocks | None, num_local: int
+    ) -> int:
+        """Counts an admitted request's prefix lookup, once (a KV-only request's is no
+        client's lookup), and returns how much of its hit its own offers had pulled into
+        the pool before it came: a transfer made early, not a reuse of the cache."""
+        if computed_blocks is None or request.kv_only:
+            return 0
+        num_early = self.kv_cache_manager.take_pulled_early(computed_blocks)
+        self.kv_cache_manager.record_prefix_cache_stats(request, num_local - num_early)
+        return num_early
 
     def _end_kv_only(self, request: Request) -> None:
         """Ends a KV-only request: what it loaded stays cached, free for the hand-off."""
@@ -511,7 +523,8 @@ class Scheduler:
         num_target = request.num_tokens_after_load
         tables = self.kv_cache_manager.get_block_ids(request)
         num_loaded = num_target
-        first_block = request.num_computed_tokens // self.block_size
+        num_before_load = request.num_computed_tokens
+        first_block = num_before_load // self.block_size
         for block_ids in tables:  # the first bad position of any group
             end = min(len(block_ids), -(-num_target // self.block_size))
             for index in range(first_block, end):
@@ -549,13 +562,17 @@ class Scheduler:
         request.num_pulled_tokens = num_landed - request.num_tier_tokens
         # A tier hit is a cache hit (vLLM's cached_tokens counts it); a pull is not.
         request.num_cached_tokens = max(
-            request.num_cached_tokens, request.num_computed_tokens + request.num_tier_tokens
+            request.num_cached_tokens,
+            request.num_computed_tokens - request.num_pulled_early_tokens + request.num_tier_tokens,
         )
         request.kv_transfer_params = None  # the lease is released; a preemption recomputes
         request.stamps.record_load(request.kv_pull)
         request.num_computed_tokens = max(request.num_computed_tokens, num_loaded)
         if request.kv_only:
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            self.kv_cache_manager.mark_pulled_early(  # the peer's part, past the tier's
+                request, num_before_load + request.num_tier_tokens, request.num_computed_tokens
+            )
             self._end_kv_only(request)
             return
         request.status = RequestStatus.WAITING

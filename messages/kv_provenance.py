@@ -20,9 +20,10 @@ class KVProvenance:
                               KV tier    (chunk-wise
                                          hand-off)
 
-    *Pulled early* blocks were in the pool when the hand-off came (its pull skipped them), so
-    the engine counts them as a cache hit; the decode worker's host, which relayed the
-    offers, moves them out of it (``EngineHost.generate``).
+    *Pulled early* blocks were in the pool when the hand-off came (its pull skipped them):
+    the request's offers had landed them there. The ledger marks such blocks
+    (``KVCacheBlock.pulled_early``), so the engine counts them apart from its cache hits,
+    here and in its prefix-cache stats.
 
     A prefill (or colocated) worker only hits (pool or tier) and computes. ``num_blocks_pulled`` and
     ``num_bytes_pulled`` count what landed, as the worker's transfer counters do, so the

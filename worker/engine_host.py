@@ -28,7 +28,6 @@ import os
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -53,8 +52,6 @@ logger = logging.getLogger(__name__)
 
 # The id a chunk-wise hand-off's offer runs under on a decode worker: the request's, with this.
 OFFER_SUFFIX = "#offer"
-# Requests whose offers' counts a decode worker keeps for their hand-off (oldest dropped).
-_MAX_OFFERED_REQUESTS = 4096
 # While only leased blocks remain, step this often so released leases free their blocks.
 _LEASE_POLL_S = 0.02
 T = TypeVar("T")
@@ -103,8 +100,6 @@ class EngineHost:
         self._ops: list[Callable[[], object]] = []
         self._ops_lock = threading.Lock()
         self._streams: dict[str, asyncio.Queue] = {}
-        # Decode side: prompt tokens each request's offers pulled, until its hand-off comes.
-        self._offered_tokens: OrderedDict[str, int] = OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
@@ -154,8 +149,6 @@ class EngineHost:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         self._submit(lambda: self._add(request))
-        # Blocks the request's offers brought were cache hits to the engine; not to a client.
-        offered_tokens = self._offered_tokens.pop(request_id, 0)
         finished = False
         first_chunk = True
         try:
@@ -177,7 +170,6 @@ class EngineHost:
                     started = time.perf_counter()
                     transfer_params = await self._complete(transfer_params)
                     checksum_s = time.perf_counter() - started
-                num_early = min(offered_tokens, output.num_cached_tokens)
                 timing = None
                 is_offer = transfer_params is not None and not transfer_params.final
                 if first_chunk and not is_offer:  # where the time to the first token went
@@ -190,11 +182,11 @@ class EngineHost:
                     num_output_tokens=output.num_output_tokens,
                     finished=output.finished,
                     finish_reason=output.finish_reason,
-                    num_cached_tokens=output.num_cached_tokens - num_early,
+                    num_cached_tokens=output.num_cached_tokens,
                     kv_transfer_params=transfer_params,
                     error=output.error,
                     stop_reason=output.stop_reason,
-                    kv_provenance=self._signed(_pulled_early(output.kv_provenance, offered_tokens)),
+                    kv_provenance=self._signed(output.kv_provenance),
                     new_logprobs=output.output_logprobs,
                     prompt_logprobs=output.prompt_logprobs,
                     timing=timing,
@@ -235,14 +227,7 @@ class EngineHost:
                     finished = True
                     return None
                 finished = output.finished
-            pulled = self._signed(output.kv_provenance)
-            if pulled is not None:
-                self._offered_tokens[request.request_id] = (
-                    self._offered_tokens.pop(request.request_id, 0) + pulled.num_pulled_tokens
-                )
-                while len(self._offered_tokens) > _MAX_OFFERED_REQUESTS:  # hand-offs never came
-                    self._offered_tokens.popitem(last=False)
-            return pulled
+            return self._signed(output.kv_provenance)
         finally:
             self._streams.pop(offer_id, None)
             if not finished:  # the gateway went away: the pull is not wanted any more
@@ -437,16 +422,6 @@ class EngineHost:
         queue = self._streams.get(output.request_id)
         if queue is not None and self._loop is not None:  # a stream exists once the loop does
             self._loop.call_soon_threadsafe(queue.put_nowait, output)
-
-
-def _pulled_early(provenance: KVProvenance | None, num_tokens: int) -> KVProvenance | None:
-    """A decode worker's account with ``num_tokens`` of its cache hit moved to *pulled
-    early*: the request's offers had brought them (``KVProvenance``'s layout)."""
-    if provenance is not None:
-        moved = min(num_tokens, provenance.num_cache_hit_tokens)  # fewer: some were evicted
-        provenance.num_cache_hit_tokens -= moved
-        provenance.num_pulled_early_tokens += moved
-    return provenance
 
 
 def _node_identity() -> tuple[str, str]:

@@ -179,9 +179,17 @@ def test_offers_are_pulled_while_prefilling_and_the_output_equals_colocated(
             assert output.output_token_ids == expected.output_token_ids
             provenance = output.kv_provenance
             # The offers' 192 tokens were in the decode cache; only the last block moved.
-            assert provenance.num_cache_hit_tokens == 192
+            # They are a transfer made early, not a reuse of the cache: no cache hit, for
+            # the client (cached_tokens) nor for the prefix-cache stats.
+            assert provenance.num_pulled_early_tokens == 192
+            assert provenance.num_cache_hit_tokens == 0 and output.num_cached_tokens == 0
             assert provenance.num_blocks_pulled == 1
             assert provenance.num_pulled_tokens == 200 - 192
+        stats = decode.stats()
+        assert stats.prefix_cache_queries > 0 and stats.prefix_cache_hits == 0
+        # A later request on the same prompt reuses those blocks: a cache hit like any.
+        (again,) = decode.generate([prompt], [SamplingParams(max_tokens=1)])
+        assert again.num_cached_tokens == 192 and again.kv_provenance.num_pulled_early_tokens == 0
         transfer = decode.stats().transfer
         assert transfer.num_failed_transfers == 0
         wait_prefill_idle(prefill)
