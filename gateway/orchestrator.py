@@ -9,8 +9,9 @@
                       to the decode worker
                       meanwhile (OfferRelay)
 
-    retry policy: a worker lost before it answered is routed around; a decode worker lost
-    mid-stream is replayed (same seed) and the replay's first tokens are checked, not resent.
+    retry policy: a worker lost before it answered is routed around; a worker lost
+    mid-stream (decode, or one running the request whole) is replayed (same seed) and the
+    replay's first tokens are checked, not resent.
 
 A colocated deployment (no decode workers), or a request that ends at its first token,
 runs whole on the prefill worker. ``generate`` reads top to bottom as those phases; each is
@@ -18,11 +19,16 @@ a method named after it. Worker loss (the actor's process died; Serve restarts i
 new ``instance_id``):
 
     prefill lost before its first token   → nothing was sent: the request is routed again
+                                            (its role's only worker: that one, restarted)
     prefill lost after it (mid-transfer)  → the decode pull fails; the decode side recomputes
     decode lost mid-generation            → run again on another (or the restarted) decode
                                             worker; a replay that differs, or a worker lost
                                             too often, ends the stream with an error event:
                                             never a silent wrong answer
+    worker running it whole lost mid-stream → replayed as a decode is (colocated, or run on a
+                                            decode worker: conditional disaggregation or a
+                                            conversation's next turn, whose history's KV
+                                            is recomputed)
 """
 
 from __future__ import annotations
@@ -373,6 +379,7 @@ class RequestOrchestrator:
             if run.remote_decode:  # 503 now, before any token, when none is up
                 run.decode_id = self.route("decode", run.block_hashes)
             run.timeline.called("prefill", run.prefill_id)
+            run.emitter.restart_stream()
             try:
                 async for chunk in self.worker_stream(run.prefill_id, request, first=True):
                     offer = chunk.kv_transfer_params
@@ -390,10 +397,14 @@ class RequestOrchestrator:
                     if delta is not None:
                         yield delta
                 return
+            except ReplayDiverged as error:
+                raise self.replay_diverged(run, error) from None
             except WorkerLost as lost:
-                self.retry_or_fail(
-                    lost, "prefill", run, attempt, retryable=not run.emitter.sent_tokens
-                )
+                # A request run whole (colocated, or on a decode worker) that had sent tokens
+                # is replayed as a decode stream is: same seed, the replay's first tokens
+                # checked against those sent and not sent again.
+                retryable = not run.remote_decode or not run.emitter.sent_tokens
+                self.retry_or_fail(lost, "prefill", run, attempt, retryable=retryable)
 
     def relay_offer(self, run: RequestRun, offer: KVTransferParams) -> None:
         """Passes an offer on to the decode worker the request is routed to (a retried
@@ -442,14 +453,7 @@ class RequestOrchestrator:
                         yield delta
                 return
             except ReplayDiverged as error:
-                raise APIError(
-                    500,
-                    f"request {run.request_id} was lost with its decode worker "
-                    f"and its replay diverged ({error}); the reply is cut short "
-                    f"after {run.emitter.sent_tokens} tokens",
-                    type="server_error",
-                    code="replay_diverged",
-                ) from None
+                raise self.replay_diverged(run, error) from None
             except WorkerLost as lost:
                 self.retry_or_fail(lost, "decode", run, attempt, retryable=True)
                 # The replay recomputes the prompt: the lease may be gone with the pull.
@@ -539,6 +543,18 @@ class RequestOrchestrator:
             f"cut short after {run.emitter.sent_tokens} tokens: retry the request",
             type="server_error",
             code="worker_lost",
+        )
+
+    @staticmethod
+    def replay_diverged(run: RequestRun, error: ReplayDiverged) -> APIError:
+        """A replay after a lost worker sampled other tokens than those already sent: the
+        stream ends with an error event, never a silently different reply."""
+        return APIError(
+            500,
+            f"request {run.request_id} was lost with its worker and its replay diverged "
+            f"({error}); the reply is cut short after {run.emitter.sent_tokens} tokens",
+            type="server_error",
+            code="replay_diverged",
         )
 
     def release_lease(self, run: RequestRun) -> None:

@@ -8,6 +8,7 @@ The workers are fakes behind the same ``WorkerPool`` surface the gateway uses (`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -160,6 +161,52 @@ def test_the_only_prefill_worker_lost_before_answering_is_tried_again_once_resta
         service = make_service(pool, retry_backoff_s=0.0)
         assert await run(service) == "AAAA"
         assert worker.calls == 2 and service.metrics.num_retries == 1
+
+    asyncio.run(scenario())
+
+
+class DiesMidStream(FakeWorker):
+    """Runs requests whole (colocated): its first stream sends two tokens and dies; the
+    next streams the whole reply, from the first token (``replayed`` in its place)."""
+
+    def __init__(self, worker_id: str, replayed: int = 65) -> None:
+        super().__init__(worker_id)
+        self.replayed = replayed
+        self.calls = 0
+
+    async def generate(self, request: WorkerRequest) -> AsyncIterator[GenerationChunk]:
+        self.calls += 1
+        rid = request.request_id
+        if self.calls == 1:
+            yield GenerationChunk(rid, [65, 65], "AA", 2, False, None)
+            raise ConnectionError(f"{self.worker_id} died mid-stream")
+        tokens = [self.replayed] + [65] * 3
+        yield GenerationChunk(rid, tokens, "".join(map(chr, tokens)), 4, True, "length")
+
+
+@pytest.mark.parametrize("replayed", [65, 66], ids=["same-tokens", "diverged"])
+def test_a_request_run_whole_is_replayed_after_its_worker_dies_mid_stream(replayed):
+    """Colocated (or run whole on a decode worker), the stream's worker dies after two
+    tokens were sent: the request runs again with its seed and only the tokens after the
+    two sent ones go out (it used to end with an error); a replay whose first tokens differ
+    from those sent ends with an error, never a different reply."""
+
+    async def scenario() -> None:
+        pool = FakePool(["prefill-0"], [])
+        worker = pool.prefill["prefill-0"] = pool.all["prefill-0"] = DiesMidStream(
+            "prefill-0", replayed
+        )
+        service = make_service(pool, retry_backoff_s=0.0)
+        deltas = []
+        with pytest.raises(APIError) if replayed != 65 else contextlib.nullcontext() as caught:
+            async for delta in service.generate("r", service.tokenizer.encode("hi"), PARAMS):
+                deltas.append(delta.text)
+        assert worker.calls == 2 and service.metrics.num_retries == 1
+        if replayed == 65:
+            assert deltas == ["AA", "AA"]  # every token once
+        else:
+            assert deltas == ["AA"] and caught.value.status == 500
+            assert caught.value.code == "replay_diverged"
 
     asyncio.run(scenario())
 

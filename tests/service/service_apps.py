@@ -195,6 +195,30 @@ def on_worker(config: PDServeConfig, worker_id: str, action: Callable[[Any], T])
     return ray.get(_replica_actor(config, worker_id).__ray_call__.remote(run), timeout=60)
 
 
+def slow_steps(seconds: float, chunk_tokens: int = 0) -> Callable:
+    """Every engine step sleeps ``seconds`` first, and a prompt computes ``chunk_tokens`` a
+    step (0: the configured cap): a prefill that takes a while; 0 s restores both."""
+
+    def install(worker) -> None:
+        import time as worker_time
+
+        engine = worker.engine
+        engine.__dict__.pop("step", None)
+        engine.scheduler.long_prefill_token_threshold = (
+            chunk_tokens if seconds else worker.spec.engine.long_prefill_token_threshold
+        )
+        if seconds:
+            step = type(engine).step
+
+            def slow_step(*args, **kwargs):
+                worker_time.sleep(seconds)
+                return step(engine, *args, **kwargs)
+
+            engine.step = slow_step
+
+    return install
+
+
 def delay_reads(seconds: float) -> Callable:
     """Prefill side: every read (gRPC stream or NIXL hold) waits ``seconds`` before it
     starts, as a stalled transfer thread would; 0 removes the delay."""
@@ -291,7 +315,7 @@ class StreamClient(threading.Thread):
     def __init__(
         self,
         config: PDServeConfig,
-        prompt: str,
+        prompt: str | list[int],
         max_tokens: int,
         sampling: dict,
         drop_after_events: int | None = None,

@@ -6,11 +6,25 @@ new message. All give the colocated engine's tokens."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from bench.load_driver import get_json, is_drained, wait_until_drained
 from pdserve.messages.sampling_params import SamplingParams
-from tests.service.service_apps import expected_text, openai_client, running_app
+from tests.service.service_apps import (
+    StreamClient,
+    assert_drained,
+    expected_text,
+    kill_worker,
+    on_worker,
+    openai_client,
+    run_all,
+    running_app,
+    slow_steps,
+    wait_until_restarted,
+    worker_rows,
+)
 
 THRESHOLD = 48
 REUSE = 64
@@ -103,3 +117,43 @@ def test_a_conversations_next_turn_runs_where_its_history_is_and_computes_only_t
     assert sources["prefill_cache_hit"] == len(second) - computed
     assert get_json(service, "/stats")["gateway"]["num_turns_run_where_kv_is"] == before + 1
     assert all(is_drained(w) for w in wait_until_drained(service))
+
+
+def test_a_turn_run_where_its_history_is_is_replayed_when_that_decode_worker_dies_mid_answer(
+    service, colocated
+):
+    """The fault row of a conversation's reuse: turn 2 runs whole on the decode worker that
+    holds turn 1's answer, and that worker is SIGKILLed mid-answer. The gateway runs the turn
+    again on the restarted worker (the history's KV died with it: recomputed) with the same
+    seed; the client's one stream is the colocated engine's tokens, each once, and nothing
+    is left held."""
+    client = openai_client(service)
+    first = [(11 * i + 7) % 250 + 1 for i in range(260)]
+    answer_params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    (answer,) = colocated.generate([first], [answer_params])
+    reply = client.completions.create(
+        model="tiny", prompt=first, max_tokens=64, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert reply.choices[0].text == answer.text
+    wait_until_drained(service)  # the decode worker's KV events reached the router
+    second = first + answer.output_token_ids + [(5 * i + 1) % 250 + 1 for i in range(120)]
+    sampling = dict(temperature=0.8, seed=11, ignore_eos=True)
+    before = get_json(service, "/stats")["gateway"]
+    victim = worker_rows(service)["decode-0"]
+    on_worker(service, "decode-0", slow_steps(0.05))  # ≈ 20 tokens a second: time to kill
+    stream = StreamClient(service, second, 48, sampling)
+    stream.start()
+    while stream.events < 2 and stream.is_alive():
+        time.sleep(0.01)
+    assert get_json(service, "/stats")["gateway"]["num_turns_run_where_kv_is"] == (
+        before["num_turns_run_where_kv_is"] + 1
+    )
+    kill_worker(service, "decode-0")
+    run_all([stream], timeout_s=120)
+    assert stream.error is None, stream.error
+    assert stream.text == expected_text(
+        colocated, second, SamplingParams(max_tokens=48, **sampling)
+    )
+    assert get_json(service, "/stats")["gateway"]["num_retries"] > before["num_retries"]
+    wait_until_restarted(service, "decode-0", victim["instance_id"], timeout_s=120)
+    assert_drained(service)

@@ -47,6 +47,7 @@ from tests.service.service_apps import (
     post_completion,
     run_all,
     running_app,
+    slow_steps,
     wait_until_ready,
     wait_until_restarted,
     worker_rows,
@@ -173,30 +174,6 @@ def corrupt_landed_pages(every_nth: int) -> Callable:
             return checksum.verify_pages(pages, local_block_ids, expected_checksums)
 
         client_module.verify_pages = corrupting
-
-    return install
-
-
-def slow_steps(seconds: float, chunk_tokens: int = 0) -> Callable:
-    """Every engine step sleeps ``seconds`` first, and a prompt computes ``chunk_tokens`` a
-    step (0: the configured cap): a prefill that takes a while; 0 s restores both."""
-
-    def install(worker) -> None:
-        import time as worker_time
-
-        engine = worker.engine
-        engine.__dict__.pop("step", None)
-        engine.scheduler.long_prefill_token_threshold = (
-            chunk_tokens if seconds else worker.spec.engine.long_prefill_token_threshold
-        )
-        if seconds:
-            step = type(engine).step
-
-            def slow_step(*args, **kwargs):
-                worker_time.sleep(seconds)
-                return step(engine, *args, **kwargs)
-
-            engine.step = slow_step
 
     return install
 
