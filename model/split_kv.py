@@ -35,7 +35,9 @@ which rows see nothing of a chunk) is planned once per step by :func:`plan_split
 
 On CPU the per-chunk attention is torch's flash kernel for CPU, which returns the
 log-sum-exp the merge needs; other devices get one chunk (their gather runs at device
-bandwidth) and plain SDPA.
+bandwidth) and plain SDPA. Decode rows of float32 pages on CPU skip the chunks where the C++
+kernel is built (``model/paged_decode_kernel.py``): it reads the same table and key ranges
+(``SplitKVPlan.key_ranges``) in place.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.model import paged_decode_kernel
 
 # K and V bytes one chunk gathers for the whole batch: small enough to stay in the L2/L3
 # caches between the gather and the attention. Measured on one EPYC thread with smollm2's
@@ -83,7 +87,9 @@ class SplitKVPlan:
     token padded query ``i`` reads, ``token_slots[t]`` the padded query of token ``t`` (both
     ``None`` when every row holds ``query_len`` tokens: nothing is padded). ``buffers`` holds the
     gather buffers and the masks widened to the query heads, made by the step's first layer
-    and reused by the others."""
+    and reused by the others. ``key_ranges``, for rows of one query each: the table and each
+    row's keys ``[low, high)`` in it, which the CPU's paged decode kernel reads in place
+    (``model/paged_decode_kernel.py``) instead of the chunks."""
 
     query_start: int
     batch: int
@@ -93,6 +99,7 @@ class SplitKVPlan:
     query_slots: torch.Tensor | None = None
     token_slots: torch.Tensor | None = None
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    key_ranges: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def plan_split_kv(
@@ -162,6 +169,8 @@ def plan_split_kv(
         blocks = table[:, column : column + num_blocks].flatten().to(device)
         chunks.append(KeyChunk(blocks, num_blocks, num_keys, attn_mask, empty_rows))
     plan = SplitKVPlan(query_start, batch, block_size, chunks, query_len)
+    if query_len == 1 and device.type == "cpu":
+        plan.key_ranges = (table, low[:, 0].contiguous(), high[:, 0].contiguous())
     if min(lens) < query_len:
         counts = torch.tensor(lens)
         token_start = torch.cumsum(counts, 0) - counts
@@ -194,6 +203,8 @@ def split_kv_attention(
     head; a row's queries differ only in how far they see (``KeyChunk.attn_mask``).
     ``scale``: the softmax scale (``None``: ``1/sqrt(head_size)``).
     """
+    if plan.key_ranges is not None and paged_decode_kernel.serves(query, layer_cache):
+        return paged_decode_kernel.paged_decode(query, layer_cache, *plan.key_ranges, scale)
     num_heads, head_size = query.shape[1:]
     batch, query_len = plan.batch, plan.query_len
     num_kv_heads = layer_cache.shape[3]

@@ -1,7 +1,9 @@
 """Split-KV decode over pages equals dense attention over each row's visible keys.
 
 Rows hold one query (a decode) or several (a speculative verification: each query sees the
-keys up to its own position).
+keys up to its own position). Decode rows are served by the CPU's paged decode kernel
+(``model/paged_decode_kernel.py``) where it is built, else by the chunked torch path: the
+decode tests run both.
 
 Random block tables (shuffled, never contiguous), rows of unequal lengths, sliding windows
 and chunk budgets down to one block per row, so that chunks hold padded rows, rows that see
@@ -11,16 +13,34 @@ attention over exactly the keys a row may see.
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
+from unittest import mock
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdserve.model import paged_decode_kernel
 from pdserve.model.attention import build_attention_metadata, paged_attention
 from pdserve.model.split_kv import plan_split_kv, split_kv_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 4, 2, 8
+DECODE_PATHS = pytest.mark.parametrize("path", ["kernel", "chunks"])
+
+
+@contextlib.contextmanager
+def decode_path(path: str) -> Iterator[None]:
+    """Decode rows read by the kernel (skipped where it cannot be built), or by the chunks."""
+    if path == "kernel":
+        if paged_decode_kernel.build() is None:
+            pytest.skip("the paged decode kernel cannot be built here (no C++ compiler)")
+        yield
+        return
+    with mock.patch.object(paged_decode_kernel, "serves", return_value=False):
+        yield
 
 
 def dense_reference(query, keys, values, position, window):
@@ -41,7 +61,10 @@ def dense_reference(query, keys, values, position, window):
     chunk_keys=st.one_of(st.none(), st.integers(1, 200)),
     seed=st.integers(0, 2**16),
 )
-def test_split_kv_decode_equals_dense_attention(positions, block_size, window, chunk_keys, seed):
+@DECODE_PATHS
+def test_split_kv_decode_equals_dense_attention(
+    path, positions, block_size, window, chunk_keys, seed
+):
     rng = random.Random(seed)
     generator = torch.Generator().manual_seed(seed)
     tables_needed = [p // block_size + 1 for p in positions]
@@ -66,7 +89,8 @@ def test_split_kv_decode_equals_dense_attention(positions, block_size, window, c
     width = max(need - first for need, first in zip(tables_needed, first_blocks))
     per_chunk = width if chunk_keys is None else max(1, chunk_keys // (len(positions) * block_size))
     assert len(decode.chunks) == -(-width // per_chunk)
-    attended = split_kv_attention(query, layer_cache, decode)
+    with decode_path(path):
+        attended = split_kv_attention(query, layer_cache, decode)
     for row, (table, position) in enumerate(zip(tables, positions)):
         keys = layer_cache[table, 0].flatten(0, 1)
         values = layer_cache[table, 1].flatten(0, 1)
@@ -134,7 +158,8 @@ def test_a_windowed_decode_reads_only_the_windows_blocks():
     assert chunk.attn_mask[0, 0, 0].isinf().tolist() == [True] * 9 + [False] * 64
 
 
-def test_a_step_mixing_prefills_and_chunked_decodes_writes_then_reads_every_token():
+@DECODE_PATHS
+def test_a_step_mixing_prefills_and_chunked_decodes_writes_then_reads_every_token(path):
     """paged_attention on a prefill-then-decodes step: the decodes see this step's own K/V."""
     generator = torch.Generator().manual_seed(7)
     block_size, positions = 4, [9, 30]
@@ -148,7 +173,8 @@ def test_a_step_mixing_prefills_and_chunked_decodes_writes_then_reads_every_toke
     assert metadata.decode is not None and len(metadata.decode.chunks) == 8
     query = torch.randn(8, NUM_HEADS, HEAD_SIZE, generator=generator)
     key_value = torch.randn(8, 2, NUM_KV_HEADS, HEAD_SIZE, generator=generator)
-    attended = paged_attention(query, key_value, kv_cache, 0, metadata)
+    with decode_path(path):
+        attended = paged_attention(query, key_value, kv_cache, 0, metadata)
     layer_cache = kv_cache[:, 0]
     for row, (table, position) in enumerate(zip(tables[1:], positions)):
         keys = layer_cache[table, 0].flatten(0, 1)
@@ -165,8 +191,9 @@ def test_a_step_mixing_prefills_and_chunked_decodes_writes_then_reads_every_toke
     chunk_keys=st.one_of(st.none(), st.integers(1, 200)),
     seed=st.integers(0, 2**16),
 )
+@DECODE_PATHS
 def test_a_latent_cache_serves_as_its_own_values_at_the_given_scale(
-    positions, block_size, chunk_keys, seed
+    path, positions, block_size, chunk_keys, seed
 ):
     """MLA's absorbed decode: one-entry pages of latent rows, every query head over the one
     shared row (MQA), a softmax scale that is not 1/sqrt(row size)."""
@@ -182,7 +209,8 @@ def test_a_latent_cache_serves_as_its_own_values_at_the_given_scale(
     decode = plan_split_kv(
         0, positions, tables, block_size, torch.device("cpu"), torch.float32, None, chunk_keys
     )
-    attended = split_kv_attention(query, layer_cache, decode, scale)
+    with decode_path(path):
+        attended = split_kv_attention(query, layer_cache, decode, scale)
     for row, (table, position) in enumerate(zip(tables, positions)):
         rows = layer_cache[table, 0, :, 0].flatten(0, 1)[: position + 1].double()
         weights = (query[row].double() @ rows.T * scale).softmax(-1)
@@ -243,3 +271,47 @@ def test_a_prefill_chunk_continuing_a_prefix_reads_its_pages_as_dense_causal_att
             if read_keys + chunk.num_blocks * block_size <= start:
                 assert chunk.attn_mask is None
             read_keys += chunk.num_blocks * block_size
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    positions=st.lists(st.integers(0, 600), min_size=1, max_size=4),
+    head_size=st.sampled_from([64, 128, 48]),
+    group=st.integers(1, 9),
+    num_kv_heads=st.integers(1, 3),
+    window=st.one_of(st.none(), st.integers(1, 300)),
+    seed=st.integers(0, 2**16),
+)
+def test_the_kernels_compiled_shapes_read_one_layer_of_the_pool_as_dense_attention(
+    positions, head_size, group, num_kv_heads, window, seed
+):
+    """The kernel's sizes fixed at compile time (head sizes 64 and 128, groups 1 to 8) and
+    its general loop (48, a group of 9), over one layer of a three-layer pool (a strided
+    view, as the engine passes it), rows longer than a span of 128 keys, windows."""
+    with decode_path("kernel"):
+        rng = random.Random(seed)
+        generator = torch.Generator().manual_seed(seed)
+        block_size, num_heads = 16, group * num_kv_heads
+        tables_needed = [p // block_size + 1 for p in positions]
+        num_blocks = sum(tables_needed) + 1
+        free = list(range(1, num_blocks))
+        rng.shuffle(free)
+        tables = [[free.pop() for _ in range(need)] for need in tables_needed]
+        pool = torch.randn(
+            num_blocks, 3, 2, block_size, num_kv_heads, head_size, generator=generator
+        )
+        layer_cache = pool[:, 1]
+        query = torch.randn(len(positions), num_heads, head_size, generator=generator)
+        decode = plan_split_kv(
+            0, positions, tables, block_size, torch.device("cpu"), torch.float32, window, None
+        )
+        attended = split_kv_attention(query, layer_cache, decode)
+        for row, (table, position) in enumerate(zip(tables, positions)):
+            first = 0 if window is None else max(0, position - window + 1)
+            keys = layer_cache[table, 0].flatten(0, 1)[first : position + 1].double()
+            values = layer_cache[table, 1].flatten(0, 1)[first : position + 1].double()
+            keys = keys.repeat_interleave(group, dim=1)
+            values = values.repeat_interleave(group, dim=1)
+            scores = torch.einsum("hd,thd->ht", query[row].double(), keys) / head_size**0.5
+            expected = torch.einsum("ht,thd->hd", scores.softmax(-1), values)
+            torch.testing.assert_close(attended[row].double(), expected, atol=2e-5, rtol=2e-5)

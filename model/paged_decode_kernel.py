@@ -1,0 +1,120 @@
+"""Decode attention on CPU that reads the KV pages in place: a small C++ kernel, built once
+per machine with torch's extension builder.
+
+Why a kernel: torch has no operation that reads rows at arbitrary page ids without copying
+them, so the split-KV path (``model/split_kv.py``) gathers each chunk of pages into a buffer
+before attending, and that copy costs as much as the attention's own read. Measured on one
+thread with smollm2's heads (``bench/bench_flex_attention.py`` runs all three side by side):
+the split-KV path took 1.5–3.5x the time of SDPA over a contiguous cache, PyTorch's
+FlexAttention over the same pages (a block mask naming them) 3.2–5.7x at 16-token pages;
+this kernel takes 1.05–1.3x.
+
+It serves decode rows (one query each) of float32 pages and queries; everything else
+(verifications, prefill chunks, 16-bit caches, other devices) keeps the split-KV path, as
+does every row when the kernel cannot be built (no C++ compiler: a warning says so once).
+
+The build (≈ 20 s) happens at the first engine start on a machine, or at ``make setup``
+(``python -m pdserve.model.paged_decode_kernel``); later starts load it from torch's
+extension cache. It is built for the CPU it runs on (``-march=native``), so the build's
+name carries a digest of the CPU's flags: a cache shared with another kind of machine never
+hands it a build it cannot run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_suffix(".cpp")
+# -ffast-math lets the compiler vectorize exp (glibc's vector math) and the reductions. It is
+# a compile flag only: torch links the module without it, so GCC does not add crtfastmath,
+# which would flush denormals to zero in the whole process.
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"]
+_lock = threading.Lock()
+_built: ModuleType | None = None
+_failed = False
+
+
+def _cpu_digest() -> str:
+    """A digest of what this CPU can run (its model and instruction-set flags)."""
+    try:
+        described = Path("/proc/cpuinfo").read_text()
+        lines = sorted(
+            {line for line in described.splitlines() if line.startswith(("flags", "model name"))}
+        )
+        description = "\n".join(lines)
+    except OSError:
+        description = platform.processor() or platform.machine()
+    return hashlib.sha256(description.encode()).hexdigest()[:12]
+
+
+def build() -> ModuleType | None:
+    """The kernel, built (or loaded from the cache) on first call; None when it cannot be
+    built here, after one warning saying why."""
+    global _built, _failed
+    if _built is not None or _failed:  # every layer of every step asks: no lock then
+        return _built
+    with _lock:
+        if _built is None and not _failed:
+            from torch.utils.cpp_extension import load
+
+            try:
+                _built = load(
+                    name=f"pdserve_paged_decode_{_cpu_digest()}",
+                    sources=[str(_SOURCE)],
+                    extra_cflags=_FLAGS,
+                    verbose=False,
+                )
+            except Exception as error:  # noqa: BLE001 - any build failure: the torch path serves
+                _failed = True
+                logger.warning(
+                    "the paged decode kernel could not be built (%s); decode attention "
+                    "gathers the pages first (model/split_kv.py)",
+                    error,
+                )
+        return _built
+
+
+def serves(query: torch.Tensor, layer_cache: torch.Tensor) -> bool:
+    """Whether the kernel takes these decode rows: float32 on the CPU, and built."""
+    return (
+        query.device.type == "cpu"
+        and query.dtype == torch.float32
+        and layer_cache.dtype == torch.float32
+        and query.stride(-1) == 1
+        and layer_cache.stride(-1) == 1
+        and build() is not None
+    )
+
+
+def paged_decode(
+    query: torch.Tensor,
+    layer_cache: torch.Tensor,
+    tables: torch.Tensor,
+    low: torch.Tensor,
+    high: torch.Tensor,
+    scale: float | None,
+) -> torch.Tensor:
+    """``query`` ``[batch, num_heads, head_size]`` attended over ``layer_cache`` ``[blocks,
+    entries, block_size, kv_heads, head_size]``: row ``b`` sees keys ``[low[b], high[b])`` of
+    the pages ``tables[b]`` (counted from its first page). Call only where ``serves``."""
+    kernel = build()
+    assert kernel is not None, "paged_decode called where serves() is False"
+    head_size = query.shape[-1]
+    return kernel.paged_decode(
+        query, layer_cache, tables, low, high, head_size**-0.5 if scale is None else scale
+    )
+
+
+if __name__ == "__main__":  # make setup: build it now, not at the first engine start
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if build() is not None:
+        logger.info("paged decode kernel: built for this CPU")
