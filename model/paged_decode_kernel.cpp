@@ -4,7 +4,8 @@
 //   query        [batch, num_heads, head_size]                 float32, head_size contiguous
 //   layer_cache  [num_blocks, entries, block_size, kv_heads, head_size]   one layer's view of
 //                the KV tensor, any strides but the last (entries 2: K then V; 1: latent rows,
-//                the values are the keys: MLA's absorbed form)
+//                the values are the keys: MLA's absorbed form); float32, or float16 /
+//                bfloat16 (a 16-bit kv_cache_dtype), widened to float32 as it is read
 //   tables       [batch, width] int64   the row's pages, from the first one it reads
 //   low, high    [batch] int64          the row sees keys [low, high), counted from tables[b][0]
 //
@@ -20,7 +21,9 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -28,10 +31,25 @@ namespace {
 
 constexpr int64_t kSpan = 128;
 
+// How a page's element becomes a float: float32 pages as they are; 16-bit pages (a
+// kv_cache_dtype of float16 or bfloat16 under a float32 model) widened as they are read.
+struct Float32 {
+  using Element = float;
+  static float widen(float x) { return x; }
+};
+struct BFloat16 {
+  using Element = uint16_t;
+  static float widen(uint16_t x) { return std::bit_cast<float>(static_cast<uint32_t>(x) << 16); }
+};
+struct Float16 {
+  using Element = _Float16;
+  static float widen(_Float16 x) { return static_cast<float>(x); }
+};
+
 struct Pages {
   const float* query;
   int64_t query_row, query_head;
-  const float* cache;
+  const void* cache;
   int64_t block_stride, entry_stride, slot_stride, head_stride, value_entry;
   const int64_t* tables;
   int64_t width, block_size;
@@ -43,12 +61,14 @@ struct Pages {
 };
 
 // The pointers to the key rows of keys [start, start + n) of row b, KV head h.
+template <typename T>
 inline void key_rows(const Pages& p, int64_t b, int64_t h, int64_t start, int64_t n,
-                     const float** rows) {
+                     const T** rows) {
   const int64_t* table = p.tables + b * p.width;
+  const T* cache = static_cast<const T*>(p.cache);
   for (int64_t j = 0; j < n; ++j) {
     const int64_t key = start + j;
-    rows[j] = p.cache + table[key / p.block_size] * p.block_stride +
+    rows[j] = cache + table[key / p.block_size] * p.block_stride +
               (key % p.block_size) * p.slot_stride + h * p.head_stride;
   }
 }
@@ -75,9 +95,11 @@ inline float softmax_update(float* scores, int64_t n, float& running_max, float&
 // Sizes fixed at compile time: D the head size, G the query heads per KV head. A span's
 // pages are read by every KV head before the next span's (they are still in the cache), and
 // a head's accumulators live in registers for the span, in `state` between spans.
-template <int D, int G>
-void attend_fixed(const Pages& p, int64_t b, float* scores, const float** rows,
+template <typename E, int D, int G>
+void attend_fixed(const Pages& p, int64_t b, float* scores, const void** untyped_rows,
                   float* state) {
+  using T = typename E::Element;
+  const T** rows = reinterpret_cast<const T**>(untyped_rows);
   float* running_max = state;                         // [kv_heads, G]
   float* running_sum = running_max + p.kv_heads * G;  // [kv_heads, G]
   float* accumulated = running_sum + p.kv_heads * G;  // [kv_heads, G, D]
@@ -95,11 +117,11 @@ void attend_fixed(const Pages& p, int64_t b, float* scores, const float** rows,
       }
       key_rows(p, b, h, start, n, rows);
       for (int64_t j = 0; j < n; ++j) {
-        const float* key = rows[j];
+        const T* key = rows[j];
         for (int g = 0; g < G; ++g) {
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int d = 0; d < D; ++d) dot += q[g][d] * key[d];
+          for (int d = 0; d < D; ++d) dot += q[g][d] * E::widen(key[d]);
           scores[g * kSpan + j] = dot * p.scale;
         }
       }
@@ -109,11 +131,11 @@ void attend_fixed(const Pages& p, int64_t b, float* scores, const float** rows,
         for (int d = 0; d < D; ++d) acc[g][d] *= rescale;
       }
       for (int64_t j = 0; j < n; ++j) {
-        const float* value = rows[j] + p.value_entry * p.entry_stride;
+        const T* value = rows[j] + p.value_entry * p.entry_stride;
         for (int g = 0; g < G; ++g) {
           const float weight = scores[g * kSpan + j];
 #pragma omp simd
-          for (int d = 0; d < D; ++d) acc[g][d] += weight * value[d];
+          for (int d = 0; d < D; ++d) acc[g][d] += weight * E::widen(value[d]);
         }
       }
       for (int g = 0; g < G; ++g) {
@@ -134,8 +156,11 @@ void attend_fixed(const Pages& p, int64_t b, float* scores, const float** rows,
 }
 
 // The same loop, sizes known at run time (MLA's latent rows, unusual head sizes or groups).
+template <typename E>
 void attend_any(const Pages& p, int64_t b, int64_t head_size, int64_t group, float* scores,
-                const float** rows) {
+                const void** untyped_rows) {
+  using T = typename E::Element;
+  const T** rows = reinterpret_cast<const T**>(untyped_rows);
   std::vector<float> acc(group * head_size), running_max(group), running_sum(group);
   for (int64_t h = 0; h < p.kv_heads; ++h) {
     std::fill(acc.begin(), acc.end(), 0.f);
@@ -150,7 +175,7 @@ void attend_any(const Pages& p, int64_t b, int64_t head_size, int64_t group, flo
           const float* query = q + g * p.query_head;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_size; ++d) dot += query[d] * rows[j][d];
+          for (int64_t d = 0; d < head_size; ++d) dot += query[d] * E::widen(rows[j][d]);
           scores[g * kSpan + j] = dot * p.scale;
         }
       }
@@ -162,12 +187,12 @@ void attend_any(const Pages& p, int64_t b, int64_t head_size, int64_t group, flo
         for (int64_t d = 0; d < head_size; ++d) a[d] *= rescale;
       }
       for (int64_t j = 0; j < n; ++j) {
-        const float* value = rows[j] + p.value_entry * p.entry_stride;
+        const T* value = rows[j] + p.value_entry * p.entry_stride;
         for (int64_t g = 0; g < group; ++g) {
           const float weight = scores[g * kSpan + j];
           float* a = acc.data() + g * head_size;
 #pragma omp simd
-          for (int64_t d = 0; d < head_size; ++d) a[d] += weight * value[d];
+          for (int64_t d = 0; d < head_size; ++d) a[d] += weight * E::widen(value[d]);
         }
       }
     }
@@ -179,21 +204,29 @@ void attend_any(const Pages& p, int64_t b, int64_t head_size, int64_t group, flo
   }
 }
 
-using RowFn = void (*)(const Pages&, int64_t, float*, const float**, float*);
+using FixedFn = void (*)(const Pages&, int64_t, float*, const void**, float*);
+using AnyFn = void (*)(const Pages&, int64_t, int64_t, int64_t, float*, const void**);
 
-template <int D>
-RowFn fixed_for_group(int64_t group) {
+template <typename E, int D>
+FixedFn fixed_for_group(int64_t group) {
   switch (group) {
-    case 1: return attend_fixed<D, 1>;
-    case 2: return attend_fixed<D, 2>;
-    case 3: return attend_fixed<D, 3>;
-    case 4: return attend_fixed<D, 4>;
-    case 5: return attend_fixed<D, 5>;
-    case 6: return attend_fixed<D, 6>;
-    case 7: return attend_fixed<D, 7>;
-    case 8: return attend_fixed<D, 8>;
+    case 1: return attend_fixed<E, D, 1>;
+    case 2: return attend_fixed<E, D, 2>;
+    case 3: return attend_fixed<E, D, 3>;
+    case 4: return attend_fixed<E, D, 4>;
+    case 5: return attend_fixed<E, D, 5>;
+    case 6: return attend_fixed<E, D, 6>;
+    case 7: return attend_fixed<E, D, 7>;
+    case 8: return attend_fixed<E, D, 8>;
     default: return nullptr;
   }
+}
+
+template <typename E>
+FixedFn fixed_for(int64_t head_size, int64_t group) {
+  return head_size == 64 ? fixed_for_group<E, 64>(group)
+         : head_size == 128 ? fixed_for_group<E, 128>(group)
+                            : nullptr;
 }
 
 }  // namespace
@@ -201,8 +234,11 @@ RowFn fixed_for_group(int64_t group) {
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor layer_cache, torch::Tensor tables,
                            torch::Tensor low, torch::Tensor high, double scale) {
   TORCH_CHECK(query.dim() == 3 && layer_cache.dim() == 5, "query 3-d, layer_cache 5-d");
-  TORCH_CHECK(query.scalar_type() == torch::kFloat && layer_cache.scalar_type() == torch::kFloat,
-              "float32 query and pages");
+  const auto page_type = layer_cache.scalar_type();
+  TORCH_CHECK(query.scalar_type() == torch::kFloat &&
+                  (page_type == torch::kFloat || page_type == torch::kHalf ||
+                   page_type == torch::kBFloat16),
+              "a float32 query over float32, float16 or bfloat16 pages");
   TORCH_CHECK(query.stride(2) == 1 && layer_cache.stride(4) == 1, "head_size contiguous");
   TORCH_CHECK(tables.scalar_type() == torch::kLong && tables.is_contiguous() &&
                   low.is_contiguous() && high.is_contiguous(),
@@ -216,7 +252,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor layer_cache, torch
   const int64_t group = num_heads / kv_heads;
   auto out = torch::empty({batch, num_heads, head_size}, query.options());
   const Pages pages{query.data_ptr<float>(),       query.stride(0),
-                    query.stride(1),               layer_cache.data_ptr<float>(),
+                    query.stride(1),               layer_cache.data_ptr(),
                     layer_cache.stride(0),         layer_cache.stride(1),
                     layer_cache.stride(2),         layer_cache.stride(3),
                     layer_cache.size(1) > 1 ? 1 : 0, tables.data_ptr<int64_t>(),
@@ -224,18 +260,24 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor layer_cache, torch
                     low.data_ptr<int64_t>(),       high.data_ptr<int64_t>(),
                     out.data_ptr<float>(),         num_heads,
                     kv_heads,                      static_cast<float>(scale)};
-  RowFn fixed = head_size == 64 ? fixed_for_group<64>(group)
-                : head_size == 128 ? fixed_for_group<128>(group)
-                                   : nullptr;
+  FixedFn fixed;
+  AnyFn any;
+  if (page_type == torch::kFloat) {
+    fixed = fixed_for<Float32>(head_size, group), any = attend_any<Float32>;
+  } else if (page_type == torch::kHalf) {
+    fixed = fixed_for<Float16>(head_size, group), any = attend_any<Float16>;
+  } else {
+    fixed = fixed_for<BFloat16>(head_size, group), any = attend_any<BFloat16>;
+  }
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(group * kSpan);
-    std::vector<const float*> rows(kSpan);
+    std::vector<const void*> rows(kSpan);
     std::vector<float> state(num_heads * (head_size + 2));  // a row's running max, sum, sums
     for (int64_t b = begin; b < end; ++b) {
       if (fixed != nullptr) {
         fixed(pages, b, scores.data(), rows.data(), state.data());
       } else {
-        attend_any(pages, b, head_size, group, scores.data(), rows.data());
+        any(pages, b, head_size, group, scores.data(), rows.data());
       }
     }
   });

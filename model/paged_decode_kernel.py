@@ -5,13 +5,15 @@ Why a kernel: torch has no operation that reads rows at arbitrary page ids witho
 them, so the split-KV path (``model/split_kv.py``) gathers each chunk of pages into a buffer
 before attending, and that copy costs as much as the attention's own read. Measured on one
 thread with smollm2's heads (``bench/bench_flex_attention.py`` runs all three side by side):
-the split-KV path took 1.5–3.5x the time of SDPA over a contiguous cache, PyTorch's
-FlexAttention over the same pages (a block mask naming them) 3.2–5.7x at 16-token pages;
-this kernel takes 1.05–1.3x.
+the split-KV path took 1.6–3.2x the time of SDPA over a contiguous cache, PyTorch's
+FlexAttention over the same pages (a block mask naming them) 3.5–5.9x at 16-token pages;
+this kernel takes 1.1–1.2x.
 
-It serves decode rows (one query each) of float32 pages and queries; everything else
-(verifications, prefill chunks, 16-bit caches, other devices) keeps the split-KV path, as
-does every row when the kernel cannot be built (no C++ compiler: a warning says so once).
+It serves decode rows (one query each) of a float32 model, over float32 pages or 16-bit
+ones (``kv_cache_dtype``: widened as they are read, so the halved bytes are halved reads);
+everything else (verifications, prefill chunks, 16-bit models, other devices) keeps the
+split-KV path, as does every row when the kernel cannot be built (no C++ compiler: a
+warning says so once).
 
 The build (≈ 20 s) happens at the first engine start on a machine, or at ``make setup``
 (``python -m pdserve.model.paged_decode_kernel``); later starts load it from torch's
@@ -38,6 +40,7 @@ _SOURCE = Path(__file__).with_suffix(".cpp")
 # a compile flag only: torch links the module without it, so GCC does not add crtfastmath,
 # which would flush denormals to zero in the whole process.
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"]
+_PAGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # widened to float32 as read
 _lock = threading.Lock()
 _built: ModuleType | None = None
 _failed = False
@@ -84,11 +87,12 @@ def build() -> ModuleType | None:
 
 
 def serves(query: torch.Tensor, layer_cache: torch.Tensor) -> bool:
-    """Whether the kernel takes these decode rows: float32 on the CPU, and built."""
+    """Whether the kernel takes these decode rows: a float32 query on the CPU (over float32
+    or 16-bit pages), and the kernel built."""
     return (
         query.device.type == "cpu"
         and query.dtype == torch.float32
-        and layer_cache.dtype == torch.float32
+        and layer_cache.dtype in _PAGE_DTYPES
         and query.stride(-1) == 1
         and layer_cache.stride(-1) == 1
         and build() is not None

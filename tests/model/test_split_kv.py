@@ -280,14 +280,16 @@ def test_a_prefill_chunk_continuing_a_prefix_reads_its_pages_as_dense_causal_att
     group=st.integers(1, 9),
     num_kv_heads=st.integers(1, 3),
     window=st.one_of(st.none(), st.integers(1, 300)),
+    page_dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
     seed=st.integers(0, 2**16),
 )
 def test_the_kernels_compiled_shapes_read_one_layer_of_the_pool_as_dense_attention(
-    positions, head_size, group, num_kv_heads, window, seed
+    positions, head_size, group, num_kv_heads, window, page_dtype, seed
 ):
     """The kernel's sizes fixed at compile time (head sizes 64 and 128, groups 1 to 8) and
     its general loop (48, a group of 9), over one layer of a three-layer pool (a strided
-    view, as the engine passes it), rows longer than a span of 128 keys, windows."""
+    view, as the engine passes it), rows longer than a span of 128 keys, windows, and
+    16-bit pages (a float32 query: widened as read; the reference reads the same values)."""
     with decode_path("kernel"):
         rng = random.Random(seed)
         generator = torch.Generator().manual_seed(seed)
@@ -299,7 +301,7 @@ def test_the_kernels_compiled_shapes_read_one_layer_of_the_pool_as_dense_attenti
         tables = [[free.pop() for _ in range(need)] for need in tables_needed]
         pool = torch.randn(
             num_blocks, 3, 2, block_size, num_kv_heads, head_size, generator=generator
-        )
+        ).to(page_dtype)
         layer_cache = pool[:, 1]
         query = torch.randn(len(positions), num_heads, head_size, generator=generator)
         decode = plan_split_kv(
