@@ -41,9 +41,22 @@ struct BFloat16 {
   using Element = uint16_t;
   static float widen(uint16_t x) { return std::bit_cast<float>(static_cast<uint32_t>(x) << 16); }
 };
+// IEEE half to float in integer and float operations the compiler vectorizes (a conversion
+// of _Float16 is a library call per element without AVX512-FP16: 20x slower here). The
+// exponent is rebased; infinities and NaNs keep an all-ones exponent, and subnormal halves
+// are renormalised by one float subtraction.
 struct Float16 {
-  using Element = _Float16;
-  static float widen(_Float16 x) { return static_cast<float>(x); }
+  using Element = uint16_t;
+  static float widen(uint16_t half) {
+    const uint32_t magnitude = static_cast<uint32_t>(half & 0x7fff) << 13;
+    const uint32_t exponent = magnitude & (0x7c00u << 13);
+    uint32_t bits = magnitude + ((127 - 15) << 23);
+    bits += exponent == (0x7c00u << 13) ? ((128 - 16) << 23) : 0;  // inf, NaN
+    float value = std::bit_cast<float>(bits + (exponent == 0 ? (1u << 23) : 0));
+    value -= exponent == 0 ? std::bit_cast<float>(113u << 23) : 0.f;  // subnormal, zero
+    const uint32_t sign = static_cast<uint32_t>(half & 0x8000) << 16;
+    return std::bit_cast<float>(std::bit_cast<uint32_t>(value) | sign);
+  }
 };
 
 struct Pages {

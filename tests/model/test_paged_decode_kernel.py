@@ -38,3 +38,29 @@ def test_without_a_compiler_one_warning_says_so_and_the_torch_path_serves(monkey
     if paged_decode_kernel.build() is None:
         pytest.skip("no C++ compiler here: the kernel's side of the comparison cannot run")
     torch.testing.assert_close(split_kv_attention(query, layer_cache, plan), attended)
+
+
+@pytest.mark.parametrize("page_dtype", [torch.float16, torch.bfloat16])
+def test_every_finite_16_bit_value_is_widened_exactly(page_dtype):
+    """A row that sees one key returns that key's value row as read: every finite float16 or
+    bfloat16 bit pattern (subnormals and signed zeros too), 64 to a row, equals torch's
+    widening of it."""
+    if paged_decode_kernel.build() is None:
+        pytest.skip("the paged decode kernel cannot be built here (no C++ compiler)")
+    patterns = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    values = patterns.view(page_dtype)
+    values = values[torch.isfinite(values.float())]
+    values = torch.cat([values, values[: (-len(values)) % 64]])  # whole rows of 64
+    rows = values.view(-1, 64)
+    batch = rows.shape[0]
+    pages = torch.zeros(batch + 1, 2, 1, 1, 64, dtype=page_dtype)  # one-slot pages, one head
+    pages[1:, 1, 0, 0] = rows
+    attended = paged_decode_kernel.paged_decode(
+        torch.zeros(batch, 1, 64),
+        pages,
+        torch.arange(1, batch + 1).view(batch, 1),
+        torch.zeros(batch, dtype=torch.long),
+        torch.ones(batch, dtype=torch.long),
+        None,
+    )
+    assert torch.equal(attended[:, 0], rows.float())
