@@ -35,9 +35,10 @@ which rows see nothing of a chunk) is planned once per step by :func:`plan_split
 
 On CPU the per-chunk attention is torch's flash kernel for CPU, which returns the
 log-sum-exp the merge needs; other devices get one chunk (their gather runs at device
-bandwidth) and plain SDPA. Decode rows of float32 pages on CPU skip the chunks where the C++
-kernel is built (``model/paged_decode_kernel.py``): it reads the same table and key ranges
-(``SplitKVPlan.key_ranges``) in place.
+bandwidth) and plain SDPA. Rows of a few queries (decodes, verifications) on CPU skip the
+chunks where the C++ kernel is built (``model/paged_decode_kernel.py``): it reads the same
+table and key ranges (``SplitKVPlan.key_ranges``) in place. A prefill chunk's hundreds of
+queries keep the chunks, whose SDPA multiplies them as matrices.
 """
 
 from __future__ import annotations
@@ -87,8 +88,9 @@ class SplitKVPlan:
     token padded query ``i`` reads, ``token_slots[t]`` the padded query of token ``t`` (both
     ``None`` when every row holds ``query_len`` tokens: nothing is padded). ``buffers`` holds the
     gather buffers and the masks widened to the query heads, made by the step's first layer
-    and reused by the others. ``key_ranges``, for rows of one query each: the table and each
-    row's keys ``[low, high)`` in it, which the CPU's paged decode kernel reads in place
+    and reused by the others. ``key_ranges``, for rows of a few queries (decodes and
+    verifications) on CPU: the table, where each row's tokens start, and each token's keys
+    ``[low, high)`` in its row, which the CPU's paged decode kernel reads in place
     (``model/paged_decode_kernel.py``) instead of the chunks."""
 
     query_start: int
@@ -99,7 +101,7 @@ class SplitKVPlan:
     query_slots: torch.Tensor | None = None
     token_slots: torch.Tensor | None = None
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    key_ranges: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    key_ranges: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def plan_split_kv(
@@ -169,8 +171,11 @@ def plan_split_kv(
         blocks = table[:, column : column + num_blocks].flatten().to(device)
         chunks.append(KeyChunk(blocks, num_blocks, num_keys, attn_mask, empty_rows))
     plan = SplitKVPlan(query_start, batch, block_size, chunks, query_len)
-    if query_len == 1 and device.type == "cpu":
-        plan.key_ranges = (table, low[:, 0].contiguous(), high[:, 0].contiguous())
+    if query_len <= paged_decode_kernel.MAX_QUERIES_PER_ROW and device.type == "cpu":
+        counts = torch.tensor(lens)
+        row_starts = torch.cat((torch.zeros(1, dtype=torch.long), torch.cumsum(counts, 0)))
+        real = steps[None, :] < counts[:, None]  # the rows' own queries, in token order
+        plan.key_ranges = (table, row_starts, low[real].contiguous(), high[real].contiguous())
     if min(lens) < query_len:
         counts = torch.tensor(lens)
         token_start = torch.cumsum(counts, 0) - counts

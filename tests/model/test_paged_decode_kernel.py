@@ -59,6 +59,7 @@ def test_every_finite_16_bit_value_is_widened_exactly(page_dtype):
         torch.zeros(batch, 1, 64),
         pages,
         torch.arange(1, batch + 1).view(batch, 1),
+        torch.arange(batch + 1),  # a token per row
         torch.zeros(batch, dtype=torch.long),
         torch.ones(batch, dtype=torch.long),
         None,

@@ -106,8 +106,9 @@ def test_split_kv_decode_equals_dense_attention(
     chunk_keys=st.one_of(st.none(), st.integers(1, 200)),
     seed=st.integers(0, 2**16),
 )
+@DECODE_PATHS
 def test_verification_rows_of_several_queries_equal_dense_causal_attention(
-    rows, block_size, window, chunk_keys, seed
+    path, rows, block_size, window, chunk_keys, seed
 ):
     """Rows of 1 to 6 queries (a last token and its drafts) at positions ``p .. p+n-1``:
     query ``j`` equals dense attention over the keys up to ``p + j``."""
@@ -134,7 +135,8 @@ def test_verification_rows_of_several_queries_equal_dense_causal_attention(
         chunk_keys,
         [n for _, n in rows],
     )
-    attended = split_kv_attention(query, layer_cache, decode)
+    with decode_path(path):
+        attended = split_kv_attention(query, layer_cache, decode)
     assert attended.shape == query.shape
     token = 0
     for table, (position, count) in zip(tables, rows):
