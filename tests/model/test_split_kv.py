@@ -28,6 +28,10 @@ from pdserve.model.attention import build_attention_metadata, paged_attention
 from pdserve.model.split_kv import plan_split_kv, split_kv_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 4, 2, 8
+BLOCK_SIZES = st.sampled_from([1, 4, 16])
+WINDOWS = st.one_of(st.none(), st.integers(1, 40))
+CHUNK_KEYS = st.one_of(st.none(), st.integers(1, 200))  # also split_kv_keys: keys per chunk
+SEEDS = st.integers(0, 2**16)
 DECODE_PATHS = pytest.mark.parametrize("path", ["kernel", "chunks"])
 
 
@@ -56,10 +60,10 @@ def dense_reference(query, keys, values, position, window):
 @settings(max_examples=60, deadline=None)
 @given(
     positions=st.lists(st.integers(0, 90), min_size=1, max_size=5),
-    block_size=st.sampled_from([1, 4, 16]),
-    window=st.one_of(st.none(), st.integers(1, 40)),
-    chunk_keys=st.one_of(st.none(), st.integers(1, 200)),
-    seed=st.integers(0, 2**16),
+    block_size=BLOCK_SIZES,
+    window=WINDOWS,
+    chunk_keys=CHUNK_KEYS,
+    seed=SEEDS,
 )
 @DECODE_PATHS
 def test_split_kv_decode_equals_dense_attention(
@@ -101,10 +105,10 @@ def test_split_kv_decode_equals_dense_attention(
 @settings(max_examples=60, deadline=None)
 @given(
     rows=st.lists(st.tuples(st.integers(0, 90), st.integers(1, 6)), min_size=1, max_size=4),
-    block_size=st.sampled_from([1, 4, 16]),
-    window=st.one_of(st.none(), st.integers(1, 40)),
-    chunk_keys=st.one_of(st.none(), st.integers(1, 200)),
-    seed=st.integers(0, 2**16),
+    block_size=BLOCK_SIZES,
+    window=WINDOWS,
+    chunk_keys=CHUNK_KEYS,
+    seed=SEEDS,
 )
 @DECODE_PATHS
 def test_verification_rows_of_several_queries_equal_dense_causal_attention(
@@ -189,9 +193,9 @@ def test_a_step_mixing_prefills_and_chunked_decodes_writes_then_reads_every_toke
 @settings(max_examples=30, deadline=None)
 @given(
     positions=st.lists(st.integers(0, 90), min_size=1, max_size=5),
-    block_size=st.sampled_from([1, 4, 16]),
-    chunk_keys=st.one_of(st.none(), st.integers(1, 200)),
-    seed=st.integers(0, 2**16),
+    block_size=BLOCK_SIZES,
+    chunk_keys=CHUNK_KEYS,
+    seed=SEEDS,
 )
 @DECODE_PATHS
 def test_a_latent_cache_serves_as_its_own_values_at_the_given_scale(
@@ -223,10 +227,10 @@ def test_a_latent_cache_serves_as_its_own_values_at_the_given_scale(
 @given(
     start=st.integers(1, 90),
     count=st.integers(2, 40),
-    block_size=st.sampled_from([1, 4, 16]),
-    window=st.one_of(st.none(), st.integers(1, 40)),
-    split_kv_keys=st.one_of(st.none(), st.integers(1, 200)),
-    seed=st.integers(0, 2**16),
+    block_size=BLOCK_SIZES,
+    window=WINDOWS,
+    split_kv_keys=CHUNK_KEYS,
+    seed=SEEDS,
 )
 def test_a_prefill_chunk_continuing_a_prefix_reads_its_pages_as_dense_causal_attention(
     start, count, block_size, window, split_kv_keys, seed
@@ -283,7 +287,7 @@ def test_a_prefill_chunk_continuing_a_prefix_reads_its_pages_as_dense_causal_att
     num_kv_heads=st.integers(1, 3),
     window=st.one_of(st.none(), st.integers(1, 300)),
     page_dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
-    seed=st.integers(0, 2**16),
+    seed=SEEDS,
 )
 def test_the_kernels_compiled_shapes_read_one_layer_of_the_pool_as_dense_attention(
     positions, head_size, group, num_kv_heads, window, page_dtype, seed
