@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from pdserve.cache.block_pool import NULL_BLOCK_ID
 from pdserve.cache.cache_request import CacheRequest
 from pdserve.cache.hashing import BlockHash
 from pdserve.cache.kv_cache_block import KVCacheBlock
@@ -81,6 +82,7 @@ class KVCacheManager:
             tuple(() for _ in range(self.num_kv_cache_groups))
         )
         self._num_evicted_blocks_reported = 0
+        self._pinned: dict[str, list[KVCacheBlock]] = {}  # by lease owner (a request id)
 
     @property
     def usage(self) -> float:
@@ -313,6 +315,26 @@ class KVCacheManager:
         """Release the request's blocks, tail first, so its chain's tail is evicted first."""
         self.coordinator.free(request.request_id)
 
+    def pin_blocks(self, owner: str, block_ids: Sequence[int]) -> None:
+        """Holds ``block_ids`` for ``owner`` (a request whose blocks a lease offers while it
+        is still prefilling), in place of what it held before: one reference each, so no
+        other request is handed them even after their own request lets them go (preempted,
+        or a sliding window moved past them), and their pages keep the K/V the lease
+        vouches for until ``unpin_blocks``. Null ids (a window's dropped blocks) are skipped.
+
+        The new set is taken before the old one is dropped, so a block in both never
+        reaches the free queue in between."""
+        blocks = [self.block_pool.blocks[i] for i in block_ids if i != NULL_BLOCK_ID]
+        self.block_pool.touch(blocks)
+        self.unpin_blocks(owner)
+        self._pinned[owner] = blocks
+
+    def unpin_blocks(self, owner: str) -> None:
+        """Drops what ``pin_blocks`` holds for ``owner`` (nothing: a no-op)."""
+        blocks = self._pinned.pop(owner, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
     def evict_blocks(self, block_hashes: Iterable[BlockHash]) -> int:
         """Drop unreferenced cached blocks with these hashes; returns how many were dropped."""
         return self.block_pool.evict_blocks(block_hashes, self.coordinator.kv_cache_group_ids)
@@ -349,6 +371,28 @@ class KVCacheManager:
     def get_block_ids(self, request: CacheRequest) -> tuple[list[int], ...]:
         """The request's block table per group."""
         return self.get_blocks(request.request_id).get_block_ids()
+
+    def get_computed_block_ids_for_peer(self, request: CacheRequest) -> tuple[list[int], ...]:
+        """The request's full computed blocks, per group, as a peer that continues from
+        their end reads them (a chunk-wise hand-off's offer): the null id where a group
+        reads nothing, as a sliding window before that end. Empty tables when some group no
+        longer holds a block that peer would read (a chunk shorter than a block moved the
+        window past the last full block's):
+
+            computed: 70 tokens, block size 16 → 4 full blocks (64 tokens)
+            full attention       b3  b8  b5  b1
+            sliding window (20)  -   -   b6  b2     the 19 tokens before token 64
+        """
+        num_blocks = request.num_computed_tokens // self.block_size
+        tables = self.get_block_ids(request)
+        offered = []
+        for manager, table in zip(self.coordinator.single_type_managers, tables):
+            first_read = min(manager.num_skipped_blocks(num_blocks * self.block_size), num_blocks)
+            read = table[first_read:num_blocks]
+            if len(table) < num_blocks or NULL_BLOCK_ID in read:
+                return tuple([] for _ in tables)
+            offered.append([NULL_BLOCK_ID] * first_read + read)
+        return tuple(offered)
 
     def get_num_cached_blocks(self, request_id: str) -> int:
         """Leading blocks of the request already in the prefix cache (first group)."""

@@ -172,7 +172,10 @@ class KVConnectorBase(ABC):
     ) -> KVTransferParams | None:
         """After a prefill chunk of a request that hands off: an offer of the prompt's full
         blocks computed so far (``KVTransferParams.final`` False), for the decode side to
-        pull while later chunks compute; None (the default) offers nothing."""
+        pull while later chunks compute; None (the default) offers nothing. ``block_ids``
+        are those blocks per KV group, as a peer continuing from their end reads them
+        (``KVCacheManager.get_computed_block_ids_for_peer``: null where a window reads
+        nothing); the scheduler pins the offer's blocks while its lease names them."""
         return None
 
     def complete_transfer_params(self, params: KVTransferParams) -> KVTransferParams:

@@ -390,7 +390,7 @@ class LLMEngine:
             changed += scheduler.update_from_output(output, new_token_ids)
             _record_logprobs(logits, sampled, num_before)
             self._stats.record_step(output.num_scheduled_tokens, sum(map(len, new_token_ids)))
-            offers = self._offers(output)
+            offers = scheduler.offer_computed_blocks(output)
         if self.connector is not None:
             self.connector.wait_for_save()
             if not output.chunks and self.connector.has_pending_loads():
@@ -399,22 +399,6 @@ class LLMEngine:
         self._stats.num_evictions += self._collect_kv_events()
         outputs = [self._make_output(request, delta) for request in changed]
         return outputs + [self._make_output(r, delta, offer=offer) for r, offer in offers]
-
-    def _offers(self, output: SchedulerOutput) -> list[tuple[Request, KVTransferParams]]:
-        """A chunk-wise hand-off's offers: after this step's prefill chunks (of requests
-        that hand off and are still prefilling), the blocks they filled."""
-        if self.connector is None:
-            return []
-        offers = []
-        for chunk, request in zip(output.chunks, output.requests):
-            if chunk.sample or not request.remote_decode or request.is_finished:
-                continue
-            offer = self.connector.offer_computed_blocks(
-                request, self.kv_cache_manager.get_block_ids(request)
-            )
-            if offer is not None:
-                offers.append((request, offer))
-        return offers
 
     def _token_bitmask(
         self, sampled: list[tuple[ScheduledChunk, Request]], vocab_size: int

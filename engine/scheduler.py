@@ -36,6 +36,7 @@ from pdserve.engine.kv_connector_base import (
 from pdserve.engine.model_input import ScheduledChunk
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.spec_decode import Proposer
+from pdserve.messages.kv_transfer_params import KVTransferParams
 
 logger = logging.getLogger(__name__)
 
@@ -467,14 +468,43 @@ class Scheduler:
             self.running.remove(request)
         self._release(request)
 
+    def offer_computed_blocks(
+        self, output: SchedulerOutput
+    ) -> list[tuple[Request, KVTransferParams]]:
+        """A chunk-wise hand-off's offers: after this step's prefill chunks (of requests
+        that hand off and are still prefilling), the blocks they filled.
+
+        An offer's blocks are pinned (``KVCacheManager.pin_blocks``) while the lease names
+        them: its checksums are taken later, off the engine thread (the worker's stream), and
+        a block reused by another request meanwhile (its own was preempted, or its window
+        moved on) would be vouched for with that request's K/V. The final hand-off (or the
+        lease's end) lets the pins go: the request's own blocks are held from then on."""
+        if self.connector is None:
+            return []
+        offers = []
+        for chunk, request in zip(output.chunks, output.requests):
+            if chunk.sample or not request.remote_decode or request.is_finished:
+                continue
+            offer = self.connector.offer_computed_blocks(
+                request, self.kv_cache_manager.get_computed_block_ids_for_peer(request)
+            )
+            if offer is not None:
+                self.kv_cache_manager.pin_blocks(request.request_id, offer.block_ids)
+                offers.append((request, offer))
+        return offers
+
     def _release(self, request: Request) -> None:
-        """Frees a finished request's blocks, or hands them to the connector's lease."""
+        """Frees a finished request's blocks, or hands them to the connector's lease.
+
+        Its offers' pins go either way: a hand-off's lease names only blocks the request
+        still holds (until it is freeable), and a lease that ended serves no more reads."""
         self._release_drafts(request)
         delay_free = False
         if self.connector is not None and request.status != RequestStatus.FINISHED_ABORTED:
             block_ids = self.kv_cache_manager.get_block_ids(request)
             delay_free, params = self.connector.request_finished(request, block_ids)
             request.kv_transfer_params_out = params
+        self.kv_cache_manager.unpin_blocks(request.request_id)
         if delay_free:
             self.held_for_transfer[request.request_id] = request
         else:
@@ -495,6 +525,7 @@ class Scheduler:
         """
         changed: list[Request] = []
         for request_id in finished.freeable_request_ids:
+            self.kv_cache_manager.unpin_blocks(request_id)  # a lease that ended mid-prefill
             request = self.held_for_transfer.pop(request_id, None)
             if request is not None:
                 self.kv_cache_manager.free(request)

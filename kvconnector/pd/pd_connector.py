@@ -3,8 +3,9 @@
 Prefill side (``producer``)::
 
     a prefill chunk computed ─▶ offer_computed_blocks (engine thread, ``chunked_handoff``):
-    the request's lease grows by the chunk's newly full blocks; an offer (final=False) goes
-    out, so the decode side pulls them while later chunks compute
+    the request's lease grows by the chunk's newly full blocks (a window's group: moves to
+    the blocks the next token reads); an offer (final=False) goes out, so the decode side
+    pulls them while later chunks compute
     request finishes by length ─▶ request_finished (engine thread): the lease (granted now,
     or the offers' one, reshaped to the whole prompt), KVTransferParams (address, lease,
     block ids, hashes, first token), no checksums yet
@@ -215,35 +216,35 @@ class PDConnector(KVConnectorBase):
     def offer_computed_blocks(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> KVTransferParams | None:
-        """A chunk-wise hand-off's offer after a prefill chunk: the prompt's full blocks
-        computed so far, under the request's lease (granted at the first offer, reshaped at
-        each later one), or None when there is nothing new to offer.
+        """A chunk-wise hand-off's offer after a prefill chunk: ``block_ids``, the prompt's
+        full blocks computed so far per KV group, under the request's lease (granted at the
+        first offer, reshaped at each later one), or None when there is nothing new.
 
-        Only a full block is offered: its tokens are all computed and no later chunk writes
-        it again. A model of several KV groups hands off at the end only: a sliding window
-        frees its blocks while the prompt is still prefilling."""
+        Only full blocks are offered: their tokens are all computed and no later chunk
+        writes them again. A sliding-window group offers only the blocks the next token
+        reads (null before them); the ones it leaves behind leave the lease at the next
+        offer, as the window moves on."""
         if (
             self.config.role != "producer"
             or not self.config.chunked_handoff
             or not request.remote_decode
-            or len(block_ids) != 1
             or request.num_computed_tokens >= request.num_prompt_tokens
         ):
             return None
         assert self._server is not None
-        num_blocks = request.num_computed_tokens // self._block_size
-        offered = block_ids[0][:num_blocks]
+        num_blocks = len(block_ids[0])
+        offered = [block_id for table in block_ids for block_id in table]  # group after group
         lease_id = self._lease_of_request.get(request.request_id)
-        if not offered or (lease_id is not None and self._offered.get(lease_id) == offered):
+        if not num_blocks or (lease_id is not None and self._offered.get(lease_id) == offered):
             return None
         hashes = request.block_hashes[:num_blocks]
         try:
-            lease = self._lease_for(request.request_id, lease_id, offered, hashes)
+            lease = self._lease_for(request.request_id, lease_id, _held(offered), hashes)
         except LeaseError:  # it ended (expired between two chunks): offer nothing more
             return None
-        self._offered[lease.lease_id] = list(offered)
+        self._offered[lease.lease_id] = offered
         return self._params(
-            lease, offered, hashes, num_blocks * self._block_size, request, num_kv_groups=1
+            lease, offered, hashes, num_blocks * self._block_size, request, len(block_ids)
         )
 
     def request_finished(

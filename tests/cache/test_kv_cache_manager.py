@@ -234,3 +234,29 @@ def test_blocks_pulled_early_are_taken_once_and_forgotten_on_reuse():
     taker = request("fresh", list(range(200, 216)))  # takes every free block: evicts them all
     assert manager.allocate_slots(taker, 16) is not None
     assert not any(block.pulled_early for block in manager.get_blocks("fresh").blocks[0])
+
+
+def test_pinned_blocks_outlive_their_request_until_unpinned_and_are_never_handed_out():
+    """A lease's pins (an offer's blocks): the request frees its blocks, but the pinned ones
+    stay out of the free queue, keep their hash, are never given to another request, and
+    a new pin set replaces the old without dropping a block in both."""
+    manager = make_manager(num_blocks=9)  # 8 usable
+    a = request("a", list(range(16)))  # 4 blocks, 4 tokens each
+    admit(manager, a)
+    ids = manager.get_block_ids(a)[0]
+    manager.pin_blocks("a", ids[:2])
+    manager.pin_blocks("a", [0, *ids[1:3]])  # the null id is skipped; ids[1] stays pinned
+    pinned = manager.block_pool.blocks
+    assert [pinned[i].ref_cnt for i in ids] == [1, 2, 2, 1]
+    manager.free(a)
+    assert manager.get_num_free_blocks() == 6
+    b = request("b", list(range(100, 124)))  # 6 blocks: every free one
+    admit(manager, b)
+    assert not set(manager.get_block_ids(b)[0]) & set(ids[1:3])
+    assert all(pinned[i].block_hash is not None for i in ids[1:3])
+    manager.free(b)
+    hit, num_hit_tokens = manager.get_computed_blocks(request("again", list(range(16))))
+    assert num_hit_tokens == 0  # block 0 of a was handed to b: the chain starts there
+    manager.unpin_blocks("a")
+    manager.unpin_blocks("a")  # nothing left: a no-op
+    assert manager.get_num_free_blocks() == 8 and manager.usage == 0.0

@@ -5,7 +5,7 @@ and NIXL.
 
 What it proves: the decode engine's output equals a colocated engine's token for token
 (greedy and seeded); the final hand-off pulls only the blocks no offer brought; a prefill
-preempted after its offers (it recomputes into other blocks) still hands off correctly; a
+preempted after its offers resumes from the blocks they named (the lease pins them), also when its offer is checksummed late; a
 prompt that ends at its first token, or a full decode pool, leaves nothing held on either
 side.
 """
@@ -16,11 +16,14 @@ import dataclasses
 import time
 
 import pytest
+import transformers
 
+from pdserve.cache import NULL_BLOCK_ID
 from pdserve.engine import LLMEngine, RequestOutput, SamplingParams
 from pdserve.kvconnector.pd.pd_connector import PDConnector
 from pdserve.messages.connector_config import KVConnectorConfig
 from pdserve.messages.kv_transfer_params import KVTransferParams
+from tests.engine.hf_models import GEMMA3, save_hf_model
 from tests.kvconnector.disaggregation import (
     assert_decode_idle,
     make_decode_engine,
@@ -33,7 +36,7 @@ BLOCK_SIZE = ENGINE_KWARGS["block_size"]
 CHUNK = 64  # tokens per prefill step: a 200-token prompt takes four
 
 
-def make_prefill_engine(transport: str, **overrides: object) -> LLMEngine:
+def make_prefill_engine(transport: str, model: str = "tiny", **overrides: object) -> LLMEngine:
     connector = PDConnector(
         KVConnectorConfig(role="producer", transport=transport, allow_insecure=True),
         engine_id="prefill-0",
@@ -42,7 +45,7 @@ def make_prefill_engine(transport: str, **overrides: object) -> LLMEngine:
     )
     kwargs = {**ENGINE_KWARGS, "max_num_batched_tokens": CHUNK, **overrides}
     return LLMEngine.from_pretrained(
-        "tiny", connector=connector, hash_seed=0, engine_id="prefill-0", **kwargs
+        model, connector=connector, hash_seed=0, engine_id="prefill-0", **kwargs
     )
 
 
@@ -227,12 +230,12 @@ def test_offers_off_hand_off_the_whole_prompt_at_the_end(colocated: LLMEngine) -
         decode.shutdown()
 
 
-def test_a_prefill_preempted_after_its_offers_still_hands_off_correctly(
+def test_a_prefill_preempted_after_its_offers_resumes_from_the_offered_blocks(
     colocated: LLMEngine,
 ) -> None:
-    """The prefill is preempted after its first offer and its cache reset, so it recomputes
-    into other blocks: the lease is reshaped to them (the offered ids leave it), and the
-    output is exact."""
+    """The prefill is preempted after two offers, as a full pool would. The lease pins the
+    offered blocks, so the request's prefix hit when it is admitted again is those very
+    blocks: nothing offered is computed twice, the lease is the same, the output is exact."""
     prefill = make_prefill_engine("grpc")
     decode = make_decode_engine()
     try:
@@ -248,13 +251,14 @@ def test_a_prefill_preempted_after_its_offers_still_hands_off_correctly(
             preempted.append(list(prefill.kv_cache_manager.get_block_ids(request)[0]))
             scheduler.running.remove(request)
             scheduler._preempt(request)  # as a full pool would (the scheduler's own path)
-            assert prefill.kv_cache_manager.reset_prefix_cache()
+            # The pins hold the 8 offered blocks: the cache cannot be reset under them.
+            assert not prefill.kv_cache_manager.reset_prefix_cache()
 
         handoff = prefill_chunkwise(prefill, decode, "r0", prompt, params, preempt_once)
         assert preempted and prefill.stats().num_preemptions == 1
         final = handoff.first.kv_transfer_params
-        assert not set(final.block_ids) & set(preempted[0][:8])  # recomputed elsewhere
-        assert final.lease_id == handoff.offers[0].lease_id  # the same lease, reshaped
+        assert final.block_ids[:8] == preempted[0][:8]  # its prefix hit: the pinned blocks
+        assert final.lease_id == handoff.offers[0].lease_id
         decode_equals_colocated(prefill, decode, colocated, "r0", prompt, params, final)
     finally:
         prefill.shutdown()
@@ -304,6 +308,116 @@ def test_an_offer_the_decode_pool_cannot_hold_is_dropped_and_the_hand_off_pulls_
         decode_equals_colocated(
             prefill, decode, colocated, "r0", prompt, params, handoff.first.kv_transfer_params
         )
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_an_offer_checksummed_after_its_prefill_was_preempted_still_lands_its_own_kv(
+    colocated: LLMEngine,
+) -> None:
+    """The worker's stream checksums an offer off the engine thread, so the engine may step
+    on first: here it preempts the prefill after its first offer, and two other prompts
+    run before it is admitted again (the test holds it out of the waiting queue meanwhile,
+    as a scheduler admitting others first would). The offered blocks are pinned by the
+    lease, so the second prompt cannot take them: the late checksums are of the prompt's
+    own KV, and the decode side never caches another prompt's KV under its hashes.
+
+    Before the pins, the second prompt wrote into three of the four offered blocks, the
+    late checksums vouched for its KV, and the decode output differed from colocated."""
+    prefill = make_prefill_engine("grpc", num_kv_blocks=32)  # 31 usable blocks
+    decode = make_decode_engine()
+    try:
+        prompt = [(13 * i + 6) % 256 for i in range(200)]
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        prefill.add_request(
+            "r0", prompt, dataclasses.replace(params, max_tokens=1), remote_decode=True
+        )
+        (offer_output,) = prefill.step()
+        offer = offer_output.kv_transfer_params
+        assert offer is not None and not offer.final and len(offer.block_ids) == 4
+        scheduler = prefill.scheduler
+        request = scheduler.requests["r0"]
+        scheduler.running.remove(request)
+        scheduler._preempt(request)  # as a full pool would (the scheduler's own path)
+        scheduler.waiting.remove(request)
+        # 27 blocks, then 4: without the pins, the second prompt takes three offered blocks.
+        others = [[(5 * i + k) % 256 for i in range(n)] for k, n in ((1, 431), (2, 63))]
+        for other in others:
+            prefill.generate([other], [SamplingParams(max_tokens=1)])
+        producer = prefill.connector
+        producer.complete_transfer_params(offer)  # the stream, late
+        decode.add_request(
+            "r0#offer0",
+            prompt[: offer.num_tokens],
+            SamplingParams(max_tokens=1),
+            kv_transfer_params=offer,
+        )
+        (landed,) = run_to_completion(decode, ["r0#offer0"])
+        assert landed.kv_provenance.num_blocks_pulled == 4
+        scheduler.waiting.appendleft(request)
+        final = None
+        while final is None:
+            for output in prefill.step():
+                params_out = output.kv_transfer_params
+                if params_out is not None:
+                    producer.complete_transfer_params(params_out)
+                    if params_out.final:
+                        final = params_out
+        decode_equals_colocated(prefill, decode, colocated, "r0", prompt, params, final)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_windowed_model_offers_each_window_and_decodes_as_colocated(transport, tmp_path):
+    """Gemma 3 (windowed and global layers: two KV groups) streams its hand-off too. Each
+    offer names every global block so far but only the blocks the window still reads (a
+    40-token window: the last three), the blocks the window left leave the lease and their
+    pins, and the decode side's tokens equal a colocated engine's, greedy and seeded."""
+    save_hf_model(tmp_path, transformers.Gemma3TextConfig, **{**GEMMA3, "sliding_window": 40})
+    model = str(tmp_path)
+    prefill = make_prefill_engine(transport, model=model)
+    decode = make_decode_engine(transport, model=tmp_path)
+    colocated = LLMEngine.from_pretrained(
+        model, **{**ENGINE_KWARGS, "max_num_batched_tokens": CHUNK}
+    )
+    try:
+        for index, params in enumerate(
+            [
+                SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                SamplingParams(max_tokens=12, temperature=0.9, seed=5, ignore_eos=True),
+            ]
+        ):
+            prompt = [(7 * i + 3 + 31 * index) % 90 + 2 for i in range(200)]
+            handoff = prefill_chunkwise(prefill, decode, f"r{index}", prompt, params)
+            assert [o.num_tokens for o in handoff.offers] == [64, 128, 192]
+            assert len({o.lease_id for o in handoff.offers}) == 1
+            for offer in handoff.offers:
+                num_blocks = offer.num_tokens // BLOCK_SIZE
+                tables = [
+                    offer.block_ids[g * num_blocks : (g + 1) * num_blocks]
+                    for g in range(offer.num_kv_groups)
+                ]
+                # One global group (4 layers in 2 groups of 2) whole, two windows' last 3.
+                held = sorted(sum(b != NULL_BLOCK_ID for b in table) for table in tables)
+                assert held == [3, 3, num_blocks], held
+                assert all(NULL_BLOCK_ID not in table[-3:] for table in tables)
+            # Both windows' three blocks of the first offer left the lease with the second.
+            first, second = (set(o.block_ids) - {NULL_BLOCK_ID} for o in handoff.offers[:2])
+            assert len(first - second) == 6
+            output = decode_equals_colocated(
+                prefill,
+                decode,
+                colocated,
+                f"r{index}",
+                prompt,
+                params,
+                handoff.first.kv_transfer_params,
+            )
+            assert output.kv_provenance.num_pulled_early_tokens == 192
+        assert decode.stats().transfer.num_failed_transfers == 0
     finally:
         prefill.shutdown()
         decode.shutdown()
