@@ -19,7 +19,8 @@ dynamic shapes: the first call compiles, a new batch size compiles once more).
 
 Per page size and shape: the times (best of ``--rounds``), their ratios to contiguous SDPA,
 and the kernel's and flex's largest difference from SDPA's output. The aim is <= 1.3x
-contiguous.
+contiguous. Last, the kernel over the same pages stored in float16 and bfloat16 (a 16-bit
+``kv_cache_dtype``, widened as read), as a ratio to its time over the float32 pages.
 
 Run: python bench/bench_paged_attention.py   (≈ 2 minutes, 1.5 GiB of pages)
 """
@@ -98,25 +99,28 @@ def main() -> None:
     print(
         f"{'page':>4} {'shape':>9} {'kernel':>7} {'chunks':>7} {'flex':>7} {'SDPA':>6} "
         f"{'kernel/SDPA':>11} {'chunks/SDPA':>11} {'flex/SDPA':>9} {'kernel err':>10} "
-        f"{'flex err':>8} {'compile s':>9}"
+        f"{'flex err':>8} {'compile s':>9} {'f16/f32':>7} {'bf16/f32':>8}"
     )
     for block_size in args.page_sizes:
         num_blocks = max(b * c for b, c in SHAPES) // block_size + 1
         pool = torch.zeros(num_blocks, LAYERS, 2, block_size, KV_HEADS, HEAD_DIM)
         pool.uniform_(-1, 1, generator=generator)
+        narrow = [pool.to(torch.float16), pool.to(torch.bfloat16)]
         for batch, context in SHAPES:
-            print(shape_row(pool, batch, context, compiled, generator, args.rounds))
+            print(shape_row(pool, narrow, batch, context, compiled, generator, args.rounds))
 
 
 def shape_row(
     pool: torch.Tensor,
+    narrow: list[torch.Tensor],
     batch: int,
     context: int,
     compiled: Callable,
     generator: torch.Generator,
     rounds: int,
 ) -> str:
-    """The candidates at ``batch`` rows of ``context`` keys over shuffled pages of ``pool``."""
+    """The candidates at ``batch`` rows of ``context`` keys over shuffled pages of ``pool``,
+    and the kernel over the same pages in each 16-bit dtype of ``narrow``."""
     block_size = pool.shape[3]
     rows = pool.view(-1, KV_HEADS, HEAD_DIM)
     keys = rows[:-block_size].permute(1, 0, 2).unsqueeze(0)  # [1, heads, rows, dim]
@@ -165,15 +169,25 @@ def shape_row(
     reference = sdpa()
     flex_error = (flex_out - reference).abs().max().item()
     kernel_error = (kernel() - reference).abs().max().item()
+
+    def kernel_over(pages: torch.Tensor) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            with torch.inference_mode():
+                return split_kv_attention(query, pages[:, LAYER], decode)
+
+        return run
+
     runs = {"kernel": kernel, "chunks": chunks, "flex": flex, "sdpa": sdpa}
+    runs |= {str(pages.dtype): kernel_over(pages) for pages in narrow}
     times = {name: best_of(rounds, run) for name, run in runs.items()}
+    widened = "".join(f" {times[str(pages.dtype)] / times['kernel']:>7.2f}x" for pages in narrow)
     sdpa_s = times["sdpa"]
     return (
         f"{block_size:>4} {batch:>2} x {context:<5} {times['kernel'] * 1e3:6.2f}m "
         f"{times['chunks'] * 1e3:6.2f}m {times['flex'] * 1e3:6.2f}m {sdpa_s * 1e3:5.2f}m "
         f"{times['kernel'] / sdpa_s:>10.2f}x {times['chunks'] / sdpa_s:>10.2f}x "
         f"{times['flex'] / sdpa_s:>8.2f}x {kernel_error:10.1e} {flex_error:8.1e} "
-        f"{compile_s:9.1f}"
+        f"{compile_s:9.1f}{widened}"
     )
 
 

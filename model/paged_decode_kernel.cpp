@@ -30,25 +30,38 @@
 #include <limits>
 #include <vector>
 
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int64_t kSpan = 128;
 constexpr float kLowest = -std::numeric_limits<float>::max();  // finite: -ffast-math
 
-// How a page's element becomes a float: float32 pages as they are; 16-bit pages (a
-// kv_cache_dtype of float16 or bfloat16 under a float32 model) widened as they are read.
+// How a page's row becomes floats: float32 pages read as they are; 16-bit pages (a
+// kv_cache_dtype of float16 or bfloat16 under a float32 model) widened once per row into a
+// buffer, which every query head of the row's group then reads (widening element by element
+// inside each head's dot product did it once per head: 3x for smollm2's group of 3).
 struct Float32 {
   using Element = float;
-  static float widen(float x) { return x; }
+  static const float* widened(const float* row, int64_t, float*) { return row; }
 };
 struct BFloat16 {
   using Element = uint16_t;
   static float widen(uint16_t x) { return std::bit_cast<float>(static_cast<uint32_t>(x) << 16); }
+  static const float* widened(const uint16_t* row, int64_t n, float* buffer) {
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) buffer[d] = widen(row[d]);
+    return buffer;
+  }
 };
-// IEEE half to float in integer and float operations the compiler vectorizes (a conversion
-// of _Float16 is a library call per element without AVX512-FP16: 20x slower here). The
-// exponent is rebased; infinities and NaNs keep an all-ones exponent, and subnormal halves
-// are renormalised by one float subtraction.
+// IEEE half to float: sixteen at a time with AVX-512's vcvtph2ps, then eight with F16C's
+// (exact for every half, subnormals, infinities and NaNs included: 0.61x the time of widening
+// in software at 1 x 8k, bench/bench_paged_attention.py's shape); elsewhere, and for a row's
+// last few, in integer and float operations the compiler vectorizes (a conversion of _Float16 is a library call per element
+// without AVX512-FP16: 20x slower). The exponent is rebased; infinities and NaNs keep an
+// all-ones exponent, and subnormal halves are renormalised by one float subtraction.
 struct Float16 {
   using Element = uint16_t;
   static float widen(uint16_t half) {
@@ -60,6 +73,24 @@ struct Float16 {
     value -= exponent == 0 ? std::bit_cast<float>(113u << 23) : 0.f;  // subnormal, zero
     const uint32_t sign = static_cast<uint32_t>(half & 0x8000) << 16;
     return std::bit_cast<float>(std::bit_cast<uint32_t>(value) | sign);
+  }
+  static const float* widened(const uint16_t* row, int64_t n, float* buffer) {
+    int64_t d = 0;
+#ifdef __AVX512F__
+    for (; d + 16 <= n; d += 16) {
+      const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + d));
+      _mm512_storeu_ps(buffer + d, _mm512_cvtph_ps(halves));
+    }
+#endif
+#ifdef __F16C__
+    for (; d + 8 <= n; d += 8) {
+      const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d));
+      _mm256_storeu_ps(buffer + d, _mm256_cvtph_ps(halves));
+    }
+#endif
+#pragma omp simd
+    for (int64_t e = d; e < n; ++e) buffer[e] = widen(row[e]);
+    return buffer;
   }
 };
 
@@ -81,7 +112,7 @@ struct Pages {
 // One thread's buffers: a span's scores and key rows, and the running state of a row's
 // tokens (max, sum and accumulated values per token, KV head and query head).
 struct Scratch {
-  std::vector<float> scores, running_max, running_sum, accumulated, query, values;
+  std::vector<float> scores, running_max, running_sum, accumulated, query, values, row;
   std::vector<const void*> rows;
   Scratch(const Pages& p, int64_t max_tokens)
       : scores(p.group * kSpan),
@@ -90,6 +121,7 @@ struct Scratch {
         accumulated(max_tokens * p.num_heads * p.head_size),
         query(p.group * p.head_size),
         values(p.group * p.head_size),
+        row(p.head_size),
         rows(kSpan) {}
 };
 
@@ -136,9 +168,10 @@ void attend_row(const Pages& p, int64_t b, Scratch& s) {
   const T** rows = reinterpret_cast<const T**>(s.rows.data());
   float* scores = s.scores.data();
   // A group's queries and accumulators for one token and span: registers when fixed.
-  float query_fixed[fixed ? G * D : 1], acc_fixed[fixed ? G * D : 1];
+  float query_fixed[fixed ? G * D : 1], acc_fixed[fixed ? G * D : 1], row_fixed[fixed ? D : 1];
   float* q = fixed ? query_fixed : s.query.data();
   float* acc = fixed ? acc_fixed : s.values.data();
+  float* row = fixed ? row_fixed : s.row.data();  // a 16-bit row, widened
   const int64_t first_token = p.row_starts[b], num_tokens = p.row_starts[b + 1] - first_token;
   int64_t row_low = p.low[first_token], row_high = p.high[first_token];
   for (int64_t i = 1; i < num_tokens; ++i) {
@@ -166,12 +199,12 @@ void attend_row(const Pages& p, int64_t b, Scratch& s) {
           for (int64_t d = 0; d < head_size; ++d) acc[g * head_size + d] = held[g * head_size + d];
         }
         for (int64_t j = j0; j < j1; ++j) {
-          const T* key = rows[j];
+          const float* key = E::widened(rows[j], head_size, row);
           for (int64_t g = 0; g < group; ++g) {
             const float* qg = q + g * head_size;
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_size; ++d) dot += qg[d] * E::widen(key[d]);
+            for (int64_t d = 0; d < head_size; ++d) dot += qg[d] * key[d];
             scores[g * kSpan + j] = dot * p.scale;
           }
         }
@@ -183,12 +216,12 @@ void attend_row(const Pages& p, int64_t b, Scratch& s) {
           for (int64_t d = 0; d < head_size; ++d) ag[d] *= rescale;
         }
         for (int64_t j = j0; j < j1; ++j) {
-          const T* value = rows[j] + p.value_entry * p.entry_stride;
+          const float* value = E::widened(rows[j] + p.value_entry * p.entry_stride, head_size, row);
           for (int64_t g = 0; g < group; ++g) {
             const float weight = scores[g * kSpan + j];
             float* ag = acc + g * head_size;
 #pragma omp simd
-            for (int64_t d = 0; d < head_size; ++d) ag[d] += weight * E::widen(value[d]);
+            for (int64_t d = 0; d < head_size; ++d) ag[d] += weight * value[d];
           }
         }
         for (int64_t d = 0; d < group * head_size; ++d) held[d] = acc[d];

@@ -40,23 +40,26 @@ def test_without_a_compiler_one_warning_says_so_and_the_torch_path_serves(monkey
     torch.testing.assert_close(split_kv_attention(query, layer_cache, plan), attended)
 
 
+@pytest.mark.parametrize("width", [64, 24, 7], ids=["rows-of-64", "rows-of-24", "rows-of-7"])
 @pytest.mark.parametrize("page_dtype", [torch.float16, torch.bfloat16])
-def test_every_finite_16_bit_value_is_widened_exactly(page_dtype):
+def test_every_finite_16_bit_value_is_widened_exactly(page_dtype, width):
     """A row that sees one key returns that key's value row as read: every finite float16 or
-    bfloat16 bit pattern (subnormals and signed zeros too), 64 to a row, equals torch's
-    widening of it."""
+    bfloat16 bit pattern (subnormals and signed zeros too) equals torch's widening of it.
+    float16 rows are converted 16 at a time where the CPU has AVX-512 (rows of 64), then 8
+    at a time with F16C (rows of 24: 16 + 8), and the rest element by element in portable
+    operations (rows of 7, a head size the kernel knows only at run time)."""
     if paged_decode_kernel.build() is None:
         pytest.skip("the paged decode kernel cannot be built here (no C++ compiler)")
     patterns = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
     values = patterns.view(page_dtype)
     values = values[torch.isfinite(values.float())]
-    values = torch.cat([values, values[: (-len(values)) % 64]])  # whole rows of 64
-    rows = values.view(-1, 64)
+    values = torch.cat([values, values[: (-len(values)) % width]])  # whole rows
+    rows = values.view(-1, width)
     batch = rows.shape[0]
-    pages = torch.zeros(batch + 1, 2, 1, 1, 64, dtype=page_dtype)  # one-slot pages, one head
+    pages = torch.zeros(batch + 1, 2, 1, 1, width, dtype=page_dtype)  # one-slot pages, one head
     pages[1:, 1, 0, 0] = rows
     attended = paged_decode_kernel.paged_decode(
-        torch.zeros(batch, 1, 64),
+        torch.zeros(batch, 1, width),
         pages,
         torch.arange(1, batch + 1).view(batch, 1),
         torch.arange(batch + 1),  # a token per row
