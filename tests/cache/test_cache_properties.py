@@ -1,6 +1,7 @@
 """Random interleavings of admit / chunked prefill / decode / external load / free / evict /
-reset over many requests with shared prefixes and a small pool, checking the ledger's
-invariants after every step against a shadow of what each block holds."""
+reset / pin (a lease offering a prefilling request's blocks) / unpin over many requests with
+shared prefixes and a small pool, checking the ledger's invariants after every step against
+a shadow of what each block holds."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ class LedgerMachine(RuleBasedStateMachine):
         self.hash_tokens: dict[bytes, tuple[int, ...]] = {}  # block hash -> its block's tokens
         # Free blocks whose hash an explicit evict / reset dropped: they stay where they sat.
         self.unhashed_in_place: set[int] = set()
+        # Owner -> its pinned blocks and what each held when pinned (a lease vouches for it).
+        self.pinned: dict[str, dict[int, list[int | None]]] = {}
         self.next_id = 0
 
     # helpers
@@ -73,7 +76,12 @@ class LedgerMachine(RuleBasedStateMachine):
             return False
         handed_out = {b for group in new.get_block_ids() for b in group}
         assert not handed_out & others, "a live request's block was handed out"
+        fresh = {b.block_id for group in new.blocks for b in group if not b.is_null}
+        assert not fresh & self._pinned_ids(), "a pinned block was handed out"
         return True
+
+    def _pinned_ids(self) -> set[int]:
+        return {block_id for blocks in self.pinned.values() for block_id in blocks}
 
     def _drop_hashes(self, drop) -> None:
         """Run an explicit evict / reset, remembering free blocks it left unhashed in place."""
@@ -182,9 +190,31 @@ class LedgerMachine(RuleBasedStateMachine):
         block_hash = data.draw(st.sampled_from(sorted(self.hash_tokens)))
         self._drop_hashes(lambda: self.manager.evict_blocks([block_hash]))
 
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def pin(self, data):
+        """A lease offers (or re-offers) a request's computed full blocks."""
+        req = self.running[data.draw(st.sampled_from(sorted(self.running)))]
+        tables = self.manager.get_computed_block_ids_for_peer(req)
+        ids = [block_id for table in tables for block_id in table]
+        for table in tables:  # only blocks whose tokens are all computed, null where unread
+            for index, block_id in enumerate(table):
+                if block_id != 0:
+                    expected = req.all_token_ids[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE]
+                    assert self.shadow[block_id] == expected
+        self.manager.pin_blocks(req.request_id, ids)
+        self.pinned[req.request_id] = {b: list(self.shadow[b]) for b in ids if b != 0}
+
+    @precondition(lambda self: self.pinned)
+    @rule(data=st.data())
+    def unpin(self, data):
+        owner = data.draw(st.sampled_from(sorted(self.pinned)))
+        self.manager.unpin_blocks(owner)
+        del self.pinned[owner]
+
     @rule()
     def reset(self):
-        anything_held = any(
+        anything_held = bool(self._pinned_ids()) or any(
             any(t) for r in self.running.values() for t in self.manager.get_block_ids(r)
         )
         reset: list[bool] = []
@@ -207,6 +237,8 @@ class LedgerMachine(RuleBasedStateMachine):
             for block_id in t
         )
         held.pop(0, None)
+        for blocks in self.pinned.values():  # a reference per owner that pins the block
+            held.update(blocks.keys())
         for block in self.pool.blocks[1:]:
             assert block.ref_cnt == held.get(block.block_id, 0), (
                 f"block {block.block_id} ref_cnt is off"
@@ -240,6 +272,12 @@ class LedgerMachine(RuleBasedStateMachine):
         assert indexed == sum(1 for b in self.pool.blocks if b.block_hash is not None)
 
     @invariant()
+    def pinned_blocks_keep_what_they_held_when_pinned(self):
+        for blocks in self.pinned.values():
+            for block_id, tokens in blocks.items():
+                assert self.shadow[block_id] == tokens, f"pinned block {block_id} was rewritten"
+
+    @invariant()
     def live_requests_still_hold_their_tokens(self):
         for req in self.running.values():
             for table in self.manager.get_block_ids(req):
@@ -251,6 +289,8 @@ class LedgerMachine(RuleBasedStateMachine):
     def teardown(self):
         for req in list(self.running.values()):
             self.manager.free(req)
+        for owner in self.pinned:
+            self.manager.unpin_blocks(owner)
         assert self.manager.get_num_free_blocks() == self.pool.num_blocks - 1
         assert self.manager.usage == 0.0
 
