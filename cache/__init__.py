@@ -39,6 +39,7 @@ from pdserve.cache.kv_cache_spec import (
     KVCacheSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
+    longest_request_in_pool,
     num_blocks_for_memory,
 )
 from pdserve.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -90,5 +91,6 @@ __all__ = [
     "hash_block_tokens",
     "make_block_hash_with_group_id",
     "none_hash",
+    "longest_request_in_pool",
     "num_blocks_for_memory",
 ]

@@ -78,6 +78,11 @@ class KVCacheSpec:
         """(kind, sliding window in tokens or None), what a `BlockStored` carries."""
         return self.kind, None
 
+    def max_num_blocks(self, num_tokens: int, max_chunk_tokens: int) -> int:
+        """The most blocks one request of `num_tokens` holds in this group at once, computed
+        in chunks of at most `max_chunk_tokens`: all of them, here."""
+        return -(-num_tokens // self.block_size)
+
 
 @dataclass(frozen=True, slots=True)
 class FullAttentionSpec(KVCacheSpec):
@@ -111,6 +116,12 @@ class SlidingWindowSpec(KVCacheSpec):
 
     def event_metadata(self) -> tuple[str, int | None]:
         return self.kind, self.sliding_window
+
+    def max_num_blocks(self, num_tokens: int, max_chunk_tokens: int) -> int:
+        """A chunk's queries read the `sliding_window - 1` tokens before them: the window
+        and the chunk, plus one block where the window starts mid-block (vLLM's bound)."""
+        window = -(-(self.sliding_window - 1 + max_chunk_tokens) // self.block_size) + 1
+        return min(-(-num_tokens // self.block_size), window)
 
 
 @dataclass(slots=True)
@@ -176,6 +187,34 @@ class KVCacheConfig:
     def bytes_per_block(self) -> int:
         """Bytes of one block id: a page of the largest group's layers."""
         return _bytes_per_block(self.kv_cache_groups)
+
+
+def longest_request_in_pool(
+    groups: Sequence[KVCacheGroupSpec], num_blocks: int, max_chunk_tokens: int
+) -> int:
+    """The most tokens one request can hold alone in a pool of `num_blocks` (block 0 is the
+    null block) serving these groups, computed in chunks of at most `max_chunk_tokens`.
+
+    Each group takes its own blocks from the pool: a model of one full-attention group fits
+    `(num_blocks - 1) * block_size` tokens, Gemma 3's one global group and five windowed
+    ones fewer. A request longer than this could never be scheduled (it would preempt
+    itself for ever), so an engine serves no longer one (`EngineConfig.max_model_len_for`).
+    """
+    _check_groups(groups)
+    block_size = groups[0].kv_cache_spec.block_size
+
+    def fits(num_tokens: int) -> bool:
+        needed = sum(g.kv_cache_spec.max_num_blocks(num_tokens, max_chunk_tokens) for g in groups)
+        return needed <= num_blocks - 1
+
+    low, high = 0, (num_blocks - 1) * block_size  # fits(low); more than high never does
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def num_blocks_for_memory(

@@ -12,18 +12,14 @@ from typing import TYPE_CHECKING, Any
 from pdserve.cache import (
     BlockHasher,
     BlockRemoved,
-    FullAttentionSpec,
     KVCacheConfig,
     KVCacheEvent,
-    KVCacheGroupSpec,
     KVCacheManager,
-    KVCacheSpec,
-    MLAAttentionSpec,
     RequestBlockHasher,
-    SlidingWindowSpec,
     num_blocks_for_memory,
 )
 from pdserve.engine.engine_stats import EngineStats
+from pdserve.engine.kv_cache_groups import kv_cache_groups
 from pdserve.engine.kv_connector_base import KVConnectorBase
 from pdserve.engine.model_input import ScheduledChunk
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_pages, configure_torch_threads
@@ -47,7 +43,7 @@ from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.kv_transfer_params import KVTransferParams
 from pdserve.messages.sampling_params import SamplingParams
 from pdserve.model.loader import load_model
-from pdserve.model.model_config import ModelConfig, resolve_dtype
+from pdserve.model.model_config import resolve_dtype
 from pdserve.tokenizer.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -65,28 +61,6 @@ class _Tracked:
     reported_tokens: int = 0
     reported_chars: int = 0
     reported_prompt_logprobs: bool = False
-
-
-def kv_cache_groups(model_config: ModelConfig, config: EngineConfig) -> list[KVCacheGroupSpec]:
-    """The ledger's groups for the model's layers (``ModelConfig.kv_layer_groups``): windowed
-    layers get sliding-window groups, whose blocks leave the request (null block 0 in their
-    place) once no token can attend to them; attention masks those positions anyway. Latent
-    attention pages hold one latent row per token."""
-    _, heads, head_size = model_config.kv_token_shape
-    dtype = config.resolved_kv_cache_dtype
-    groups = []
-    for layers in model_config.kv_layer_groups:
-        spec: KVCacheSpec
-        if model_config.is_windowed(layers[0]):
-            window = model_config.sliding_window
-            assert window is not None  # is_windowed says so
-            spec = SlidingWindowSpec(config.block_size, heads, head_size, dtype, window)
-        elif model_config.mla is not None:
-            spec = MLAAttentionSpec(config.block_size, heads, head_size, dtype)
-        else:
-            spec = FullAttentionSpec(config.block_size, heads, head_size, dtype)
-        groups.append(KVCacheGroupSpec([f"layers.{i}" for i in layers], spec))
-    return groups
 
 
 class LLMEngine:
@@ -132,7 +106,7 @@ class LLMEngine:
         self.runner = self._make_runner(num_blocks, on_rank_lost)
         self.block_hasher = BlockHasher(config.hash_algorithm, config.hash_seed)
         self.max_model_len = config.max_model_len_for(
-            self.model_config.max_position_embeddings, num_blocks
+            self.model_config.max_position_embeddings, num_blocks, groups
         )
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config,

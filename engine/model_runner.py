@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.engine.kv_cache_groups import kv_cache_groups
 from pdserve.engine.model_input import ScheduledChunk
 from pdserve.engine.tensor_parallel_peers import TensorParallelGroupLost
 from pdserve.model import paged_decode_kernel
@@ -173,7 +174,11 @@ class ModelRunner:
             peers,
         )
         runner.reserve_positions(
-            config.max_model_len_for(model_config.max_position_embeddings, num_blocks)
+            config.max_model_len_for(
+                model_config.max_position_embeddings,
+                num_blocks,
+                kv_cache_groups(model_config, config),
+            )
         )
         return runner
 

@@ -6,8 +6,11 @@ Each field's docstring (the string under it) is its description everywhere: a de
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
+
+from pdserve.cache.kv_cache_spec import KVCacheGroupSpec, longest_request_in_pool
 
 KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]
 SpeculativeMethod = Literal["off", "ngram", "draft_model"]
@@ -46,7 +49,8 @@ class EngineConfig:
     """The KV pool's memory budget when num_kv_blocks is unset (a draft model's pool, as
     many blocks, is paid from it too)."""
     max_model_len: int | None = None
-    """Longest prompt plus output, in tokens; unset: the model's own limit."""
+    """Longest prompt plus output, in tokens; unset: the model's own limit. Capped by what
+    one request can hold alone in the pool, every KV group counted (max_model_len_for)."""
     max_num_seqs: int = 64
     """Requests running at once."""
     max_num_batched_tokens: int = 2048
@@ -103,16 +107,24 @@ class EngineConfig:
         """The KV cache's dtype, ``auto`` resolved to ``dtype``."""
         return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
-    def max_model_len_for(self, max_position_embeddings: int, num_blocks: int) -> int:
+    def max_model_len_for(
+        self,
+        max_position_embeddings: int,
+        num_blocks: int,
+        groups: Sequence[KVCacheGroupSpec],
+    ) -> int:
         """The longest sequence an engine of this config serves: ``max_model_len`` (unset:
         the model's limit), capped by the model's positions and by the pool, since one
-        request must always fit alone in it (block 0 is the null block) or preemption could
-        loop forever."""
-        pool_capacity_tokens = (num_blocks - 1) * self.block_size
+        request must always fit alone in it or preemption could loop forever: with every
+        KV group's blocks counted (``longest_request_in_pool``), a sliding window's as
+        much of it as one chunk reads."""
+        max_chunk_tokens = self.max_num_batched_tokens
+        if self.long_prefill_token_threshold:
+            max_chunk_tokens = min(max_chunk_tokens, self.long_prefill_token_threshold)
         return min(
             self.max_model_len or max_position_embeddings,
             max_position_embeddings,
-            pool_capacity_tokens,
+            longest_request_in_pool(groups, num_blocks, max_chunk_tokens),
         )
 
     def __post_init__(self) -> None:

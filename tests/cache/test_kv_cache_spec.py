@@ -1,10 +1,13 @@
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pdserve.cache import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     SlidingWindowSpec,
+    longest_request_in_pool,
     num_blocks_for_memory,
 )
 
@@ -68,3 +71,39 @@ def test_groups_must_share_one_block_size():
 def test_bad_specs_are_value_errors(make):
     with pytest.raises(ValueError):
         make()
+
+
+@given(
+    num_full=st.integers(0, 2),
+    windows=st.lists(st.integers(1, 80), max_size=5),
+    block_size=st.sampled_from([4, 16]),
+    num_blocks=st.integers(2, 200),
+    max_chunk_tokens=st.integers(1, 96),
+)
+def test_the_longest_request_is_the_last_length_whose_blocks_fit(
+    num_full, windows, block_size, num_blocks, max_chunk_tokens
+):
+    """Every group takes its own blocks: all of a full-attention group's, at most a window
+    and a chunk of a windowed one's. The longest request is the last length whose blocks
+    all fit beside the null block (counted here length by length)."""
+    full = FullAttentionSpec(block_size, 2, 8, "float16")
+    specs = [full] * num_full + [
+        SlidingWindowSpec(block_size, 2, 8, "float16", sliding_window=w) for w in windows
+    ] or [full]
+    groups = [KVCacheGroupSpec([f"l{i}"], spec) for i, spec in enumerate(specs)]
+
+    def needed(num_tokens: int) -> int:
+        total = 0
+        for spec in specs:
+            blocks = -(-num_tokens // block_size)
+            if isinstance(spec, SlidingWindowSpec):
+                chunk = -(-(spec.sliding_window - 1 + max_chunk_tokens) // block_size) + 1
+                blocks = min(blocks, chunk)
+            total += blocks
+        return total
+
+    longest = longest_request_in_pool(groups, num_blocks, max_chunk_tokens)
+    assert needed(longest) <= num_blocks - 1
+    assert longest == (num_blocks - 1) * block_size or needed(longest + 1) > num_blocks - 1
+    if specs == [full]:  # one full-attention group: the whole pool
+        assert longest == (num_blocks - 1) * block_size

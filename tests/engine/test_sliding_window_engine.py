@@ -15,7 +15,7 @@ import transformers
 from pdserve.cache import SlidingWindowSpec
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.model.model_config import ModelConfig
-from tests.engine.hf_models import save_hf_model
+from tests.engine.hf_models import GEMMA3, save_hf_model
 
 WINDOW = 8
 BLOCK_SIZE = 4
@@ -88,3 +88,29 @@ def test_qwen2_without_use_sliding_window_is_full_attention():
         architectures=["Qwen2ForCausalLM"],
     )
     assert ModelConfig.from_hf_config(config.to_dict()).sliding_window is None
+
+
+def test_a_windowed_models_longest_prompt_fits_its_pool_and_a_longer_one_is_refused(tmp_path):
+    """Gemma 3's global and windowed layers take blocks from one pool, each group its own:
+    max_model_len counts them all (a window's as much as one chunk reads), so a prompt of
+    max_model_len tokens runs to its end, and a longer one is refused at once. Counted by
+    the single group's blocks alone, 250 tokens were accepted into a 20-block pool and
+    preempted themselves for ever."""
+    save_hf_model(tmp_path, transformers.Gemma3TextConfig, **GEMMA3)
+    engine = LLMEngine.from_pretrained(
+        str(tmp_path), block_size=16, num_kv_blocks=20, max_num_batched_tokens=64
+    )
+    assert len(engine.kv_cache_manager.coordinator.single_type_managers) == 3
+    assert engine.max_model_len < 19 * 16
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    with pytest.raises(ValueError, match="more than max_model_len"):
+        engine.add_request("long", [2] * (engine.max_model_len + 1), params)
+    prompt = [random.Random(7).randrange(2, 90) for _ in range(engine.max_model_len)]
+    engine.add_request("fits", prompt, params)
+    for _ in range(64):  # 112 tokens in 64-token chunks: a few steps, never a loop
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    assert not engine.has_unfinished_requests()
+    assert engine.stats().num_preemptions == 0
+    assert engine.kv_cache_manager.usage == 0.0
