@@ -22,7 +22,9 @@ Per prompt length and side (interleaved, ``--repeat`` times, medians print):
 The outputs of both sides are checked equal.
 
 Run: python bench/bench_chunked_handoff.py [--model tiny] [--lengths 2048 8192 16384]
-(smollm2 serves 8,192 positions: --model smollm2 --lengths 2048 8064)
+(smollm2 serves 8,192 positions: --model smollm2 --lengths 2048 8064). ``--model gemma3``
+is a random Gemma 3 saved by transformers (tiny's width; five windowed layers of 512 tokens
+to one global, as Gemma 3 has): its windowed groups offer only the window's blocks.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pdserve.engine import LLMEngine, SamplingParams
@@ -40,12 +44,40 @@ from pdserve.messages.connector_config import KVConnectorConfig
 from pdserve.messages.kv_transfer_params import KVTransferParams
 
 BLOCK_SIZE = 16
+GEMMA3_WINDOW = 512
+
+
+def save_gemma3(directory: Path, max_len: int) -> str:
+    """A random Gemma 3 text model (local and global layers, 5:1) with a word per id."""
+    import tokenizers
+    import transformers
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        sliding_window=GEMMA3_WINDOW,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        max_position_embeddings=max_len + 64,
+        initializer_range=0.02,
+    )
+    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(directory)
+    vocab = {f"w{i}": i for i in range(config.vocab_size)}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w2"))
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return str(directory)
 
 
 def _engine_kwargs(args: dict[str, Any], max_len: int) -> dict[str, Any]:
+    """One prompt's blocks and some room; a windowed group's a window and a chunk more."""
+    window_blocks = -(-(GEMMA3_WINDOW - 1 + args["chunk"]) // BLOCK_SIZE) + 1
     return dict(
         block_size=BLOCK_SIZE,
-        num_kv_blocks=max_len // BLOCK_SIZE + 64,
+        num_kv_blocks=max_len // BLOCK_SIZE + 64 + args["windowed_groups"] * window_blocks,
         max_num_batched_tokens=max(args["chunk"], 2048),
         long_prefill_token_threshold=args["chunk"],
         max_model_len=max_len + 64,
@@ -214,14 +246,20 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    args = dict(model=cli.model, chunk=cli.chunk, max_len=max(cli.lengths))
+    model = cli.model
+    if model == "gemma3":
+        model = save_gemma3(Path(tempfile.mkdtemp(prefix="bench-gemma3-")), max(cli.lengths))
+    windowed_groups = 5 if cli.model == "gemma3" else 0
+    args = dict(
+        model=model, chunk=cli.chunk, max_len=max(cli.lengths), windowed_groups=windowed_groups
+    )
     context = mp.get_context("spawn")
     conn, child_conn = context.Pipe()
     child = context.Process(target=_prefill_main, args=(args, child_conn), daemon=True)
     child.start()
     conn.recv()
     decode = LLMEngine.from_pretrained(
-        cli.model,
+        model,
         connector=PDConnector(
             KVConnectorConfig(role="consumer", transfer_timeout_s=120.0),
             engine_id="decode-0",
