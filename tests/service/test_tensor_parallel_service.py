@@ -150,8 +150,12 @@ def test_scaling_tensor_parallel_workers_up_and_down_starts_and_stops_all_their_
         assert len(added["rank_pids"]) == degree
         params = SamplingParams(max_tokens=16, temperature=0.0)
         for round_index in range(3):  # concurrent streams, until the router spread them to it
+            # Each prompt's first block its own: a decode worker is picked by the hashes it
+            # holds, so prompts that shared a first block all went to the worker that had
+            # served the first of them, never to the new one (a CI flake).
             prompts = [
-                f"Scaled tensor-parallel worker, round {round_index}, {i}." for i in range(4)
+                f"{round_index}.{i} Scaled tensor-parallel worker, round {round_index}."
+                for i in range(4)
             ]
             clients = [StreamClient(shape, p, 16, dict(temperature=0.0)) for p in prompts]
             for client in clients:
