@@ -5,7 +5,8 @@ holds a KV tensor and serves it; this process pulls a shuffled set of at least 6
 blocks into shuffled destination blocks, verified, through:
 
     grpc      GrpcTransferClient.read_blocks      vs  raw gRPC stream of the same bytes
-    grpc mTLS the same pull over mutual TLS (kv_tls_dir)  vs  the plaintext pull
+    grpc mTLS the same pull over mutual TLS (kv_tls_dir)  vs  the plaintext pull, with the
+              CPU time each side spends per MiB (both sides share this machine's cores)
     nixl      NixlTransferClient.read_blocks      vs  raw NIXL READ of the same descriptors
     nixl unverified: the same pull without its checksums (hold + READ), to show what
               integrity costs; a bench-only path, not a transport option
@@ -147,6 +148,9 @@ def _serve(shape: dict[str, Any], num_blocks: int, cert_dir: str, conn: Any) -> 
             mtls_server.stop(0)
             raw_grpc.stop(0)
             return
+        if command == "cpu":  # this process's CPU seconds, every thread's
+            conn.send(time.process_time())
+            continue
         checksums = block_checksums(kv_cache, block_ids)
         lease = leases.grant("bench", block_ids, [], checksums)
         conn.send((lease.lease_id, list(checksums)))
@@ -183,7 +187,9 @@ def paired_mib_s(
     return path_mib_s, ceiling_mib_s
 
 
-def bench_layout(name: str, shape: dict[str, Any], mib: int, repeats: int) -> list[tuple]:
+def bench_layout(
+    name: str, shape: dict[str, Any], mib: int, repeats: int, cpu_notes: list[str]
+) -> list[tuple]:
     page_bytes = KVLayout.from_kv_cache(make_kv_cache(1, seed=0, **shape), "xxh3_128", 0).page_bytes
     num_blocks = max(1, (mib << 20) // page_bytes)
     total = num_blocks * page_bytes
@@ -238,20 +244,42 @@ def bench_layout(name: str, shape: dict[str, Any], mib: int, repeats: int) -> li
     grpc_client.close()
     rows.append((name, "grpc", grpc_mib_s, "raw gRPC stream", raw_grpc_mib_s))
 
-    # Mutual TLS against plaintext, alternately (the grant's checksums stay untimed).
+    # Mutual TLS against plaintext, alternately (the grant's checksums stay untimed), with
+    # each side's CPU seconds over the fastest pull of each.
     plain_client = GrpcTransferClient(local, layout, timeout_s=60)
     mtls_client = GrpcTransferClient(
         local, layout, timeout_s=60, tls=KVPlaneTLS.in_directory(cert_dir)
     )
     plain, mtls = pull(plain_client), pull(mtls_client, mtls_address)
-    plain_mib_s = mtls_mib_s = 0.0
+
+    def with_cpu(run: Callable[[tuple[str, list[int]]], None]) -> tuple[float, float, float]:
+        """(seconds, this side's CPU seconds, the serving side's) of one pull."""
+        lease = grant()
+        conn.send(("cpu", None))
+        server_cpu, client_cpu = from_server(), time.process_time()
+        started = time.perf_counter()
+        run(lease)
+        elapsed = time.perf_counter() - started
+        client_cpu = time.process_time() - client_cpu
+        conn.send(("cpu", None))
+        return elapsed, client_cpu, from_server() - server_cpu
+
+    best = {"plaintext": (float("inf"), 0.0, 0.0), "mTLS": (float("inf"), 0.0, 0.0)}
     for _ in range(repeats):
-        mtls_mib_s = max(mtls_mib_s, best_mib_s(total, 1, mtls, grant))
-        plain_mib_s = max(plain_mib_s, best_mib_s(total, 1, plain, grant))
+        for side, run in (("mTLS", mtls), ("plaintext", plain)):
+            best[side] = min(best[side], with_cpu(run))
     plain_client.close()
     mtls_client.close()
     shutil.rmtree(cert_dir)
-    rows.append((name, "grpc mTLS", mtls_mib_s, "grpc plaintext", plain_mib_s))
+    mib = total / 2**20
+    rows.append(
+        (name, "grpc mTLS", mib / best["mTLS"][0], "grpc plaintext", mib / best["plaintext"][0])
+    )
+    for side, (_, client_cpu, server_cpu) in best.items():
+        cpu_notes.append(
+            f"{name}, grpc {side}: CPU ms per MiB, pulling side {1e3 * client_cpu / mib:.2f}, "
+            f"serving side {1e3 * server_cpu / mib:.2f}"
+        )
 
     def raw_tcp() -> None:
         buffer = bytearray(DEFAULT_MESSAGE_BYTES)
@@ -319,15 +347,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=8, help="pulls per path; best counts")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = []
+    rows, cpu_notes = [], []
     for name, shape in LAYOUTS.items():
-        rows += bench_layout(name, shape, args.mib, args.repeats)
+        rows += bench_layout(name, shape, args.mib, args.repeats, cpu_notes)
     print(f"\n{'layout':34} {'path':16} {'MiB/s':>8}   {'ceiling':16} {'MiB/s':>8}  ratio")
     for name, path, mib_s, ceiling, ceiling_mib_s in rows:
         print(
             f"{name:34} {path:16} {mib_s:8.0f}   {ceiling:16} {ceiling_mib_s:8.0f}  "
             f"{mib_s / ceiling_mib_s:5.2f}"
         )
+    print()
+    print("\n".join(cpu_notes))
 
 
 if __name__ == "__main__":
