@@ -27,9 +27,9 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import tokenizers
 import torch
 import transformers
+from random_checkpoint import save_random_checkpoint
 
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.kvconnector.pd.pd_connector import PDConnector
@@ -68,12 +68,7 @@ def save(directory: Path, config_class: type, overrides: dict) -> str:
     config = config_class(**WIDTH, **overrides)
     torch.manual_seed(0)
     architecture = getattr(transformers, config_class.__name__.replace("Config", "ForCausalLM"))
-    architecture(config).float().save_pretrained(directory)
-    vocab = {f"w{i}": i for i in range(WIDTH["vocab_size"])}
-    tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0")).save(
-        str(directory / "tokenizer.json")
-    )
-    return str(directory)
+    return save_random_checkpoint(architecture(config), directory)
 
 
 def connector(role: str, engine_id: str) -> PDConnector:

@@ -19,9 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import tokenizers
 import torch
 import transformers
+from random_checkpoint import save_random_checkpoint
 
 from pdserve.engine import LLMEngine, SamplingParams
 
@@ -54,11 +54,7 @@ def save(directory: Path, moe: bool) -> str:
     else:
         config = transformers.Qwen3Config(**SHAPE, intermediate_size=TOP_K * EXPERT_WIDTH)
         model = transformers.Qwen3ForCausalLM(config)
-    model.float().save_pretrained(directory)
-    vocab = {f"w{i}": i for i in range(SHAPE["vocab_size"])}  # ids only: a word per id
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
-    tokenizer.save(str(directory / "tokenizer.json"))
-    return str(directory)
+    return save_random_checkpoint(model, directory)
 
 
 def step_times(engine: LLMEngine) -> tuple[float, float]:
