@@ -35,9 +35,10 @@ which rows see nothing of a chunk) is planned once per step by :func:`plan_split
 
 On CPU the per-chunk attention is torch's flash kernel for CPU, which returns the
 log-sum-exp the merge needs; other devices get one chunk (their gather runs at device
-bandwidth) and plain SDPA. Rows of a few queries (decodes, verifications) on CPU skip the
-chunks where the C++ kernel is built (``model/paged_decode_kernel.py``): it reads the same
-table and key ranges (``SplitKVPlan.key_ranges``) in place. A prefill chunk's hundreds of
+bandwidth) and plain SDPA. Rows of a few queries (decodes, verifications) skip the chunks
+where a kernel reads the same table and key ranges in place: on CPU the C++ kernel
+(``model/paged_decode_kernel.py``, ``SplitKVPlan.key_ranges``), on CUDA the Triton one
+(``model/paged_decode_triton.py``, ``SplitKVPlan.device_key_ranges``). A prefill chunk's hundreds of
 queries keep the chunks, whose SDPA multiplies them as matrices.
 """
 
@@ -48,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pdserve.model import paged_decode_kernel
+from pdserve.model import paged_decode_kernel, paged_decode_triton
 
 # K and V bytes one chunk gathers for the whole batch: small enough to stay in the L2/L3
 # caches between the gather and the attention. Measured on one EPYC thread with smollm2's
@@ -91,7 +92,9 @@ class SplitKVPlan:
     and reused by the others. ``key_ranges``, for rows of a few queries (decodes and
     verifications) on CPU: the table, where each row's tokens start, and each token's keys
     ``[low, high)`` in its row, which the CPU's paged decode kernel reads in place
-    (``model/paged_decode_kernel.py``) instead of the chunks."""
+    (``model/paged_decode_kernel.py``) instead of the chunks. ``device_key_ranges``, the same
+    rows on CUDA where Triton imports: the table, each token's row, and its keys ``[low,
+    high)``, on the device, for the Triton kernel (``model/paged_decode_triton.py``)."""
 
     query_start: int
     batch: int
@@ -102,6 +105,7 @@ class SplitKVPlan:
     token_slots: torch.Tensor | None = None
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     key_ranges: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    device_key_ranges: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def plan_split_kv(
@@ -171,11 +175,21 @@ def plan_split_kv(
         blocks = table[:, column : column + num_blocks].flatten().to(device)
         chunks.append(KeyChunk(blocks, num_blocks, num_keys, attn_mask, empty_rows))
     plan = SplitKVPlan(query_start, batch, block_size, chunks, query_len)
-    if query_len <= paged_decode_kernel.MAX_QUERIES_PER_ROW and device.type == "cpu":
+    if query_len <= paged_decode_kernel.MAX_QUERIES_PER_ROW:
         counts = torch.tensor(lens)
-        row_starts = torch.cat((torch.zeros(1, dtype=torch.long), torch.cumsum(counts, 0)))
         real = steps[None, :] < counts[:, None]  # the rows' own queries, in token order
-        plan.key_ranges = (table, row_starts, low[real].contiguous(), high[real].contiguous())
+        token_low, token_high = low[real].contiguous(), high[real].contiguous()
+        if device.type == "cpu":
+            row_starts = torch.cat((torch.zeros(1, dtype=torch.long), torch.cumsum(counts, 0)))
+            plan.key_ranges = (table, row_starts, token_low, token_high)
+        elif paged_decode_triton.triton_available():
+            token_rows = torch.repeat_interleave(torch.arange(batch), counts)
+            plan.device_key_ranges = (
+                table.to(device),
+                token_rows.to(device),
+                token_low.to(device),
+                token_high.to(device),
+            )
     if min(lens) < query_len:
         counts = torch.tensor(lens)
         token_start = torch.cumsum(counts, 0) - counts
@@ -210,6 +224,8 @@ def split_kv_attention(
     """
     if plan.key_ranges is not None and paged_decode_kernel.serves(query, layer_cache):
         return paged_decode_kernel.paged_decode(query, layer_cache, *plan.key_ranges, scale)
+    if plan.device_key_ranges is not None and paged_decode_triton.serves(query, layer_cache):
+        return paged_decode_triton.paged_decode(query, layer_cache, *plan.device_key_ranges, scale)
     num_heads, head_size = query.shape[1:]
     batch, query_len = plan.batch, plan.query_len
     num_kv_heads = layer_cache.shape[3]

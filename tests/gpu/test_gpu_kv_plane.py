@@ -109,7 +109,9 @@ def test_disaggregated_engines_on_cuda_equal_colocated(transport) -> None:
     finished = None
     while finished is None:
         finished = next((o for o in prefill.step() if o.finished), None)
-    decode.add_request("g0", prompt, params, kv_transfer_params=finished.kv_transfer_params)
+    # The worker's stream checksums a hand-off off the engine's thread; here, in line.
+    handoff = producer.complete_transfer_params(finished.kv_transfer_params)
+    decode.add_request("g0", prompt, params, kv_transfer_params=handoff)
     output = None
     while output is None:
         output = next((o for o in decode.step() if o.finished), None)

@@ -1,8 +1,9 @@
 """Paged attention on CUDA equals float64 dense attention, float32 and 16-bit KV.
 
-On CUDA a step's rows read their table in one chunk (model/split_kv.py): decodes of unequal
-lengths and a prefill chunk continuing a prefix; the pages live in a CUDA KV tensor with
-shuffled block ids, with and without a sliding window. Needs torch with CUDA only (no Ray): tests/gpu/run_gpu_checks.sh.
+On CUDA decodes read their pages in place through the Triton kernel
+(model/paged_decode_triton.py) and a prefill chunk continuing a prefix reads its table in one
+chunk (model/split_kv.py); the pages live in a CUDA KV tensor with shuffled block ids, with
+and without a sliding window. Needs torch with CUDA only (no Ray): tests/gpu/run_gpu_checks.sh.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.model import paged_decode_triton
 from pdserve.model.attention import build_attention_metadata, paged_attention
+from pdserve.model.split_kv import plan_split_kv, split_kv_attention
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is False)"
@@ -48,6 +51,7 @@ def test_cuda_paged_decode_and_prefix_continuation_equal_dense_attention(window,
     layer = kv_cache[:, 0].double().cpu()
     group = NUM_HEADS // NUM_KV_HEADS
     assert metadata.prefills[0].paged is not None  # read in place, not gathered
+    assert metadata.decode is not None and metadata.decode.device_key_ranges is not None
     tokens = [(t, p + j) for t, p, n in zip(tables, positions, counts) for j in range(n)]
     for row, (table, position) in enumerate(tokens):
         first = 0 if window is None else max(0, position - window + 1)
@@ -56,3 +60,34 @@ def test_cuda_paged_decode_and_prefix_continuation_equal_dense_attention(window,
         scores = torch.einsum("hd,thd->ht", query[row].double(), keys) / HEAD_SIZE**0.5
         expected = torch.einsum("ht,thd->hd", scores.softmax(-1), values)
         torch.testing.assert_close(attended[row].double(), expected, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("target_programs", [1, paged_decode_triton.TARGET_PROGRAMS])
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_decode_kernel_equals_the_gather_path_on_verification_rows(
+    window, dtype, target_programs, monkeypatch
+):
+    """Rows of several queries (a speculative verification's last token and drafts, each with
+    its own causal limit), rows of one, a window: the kernel's output equals the gathered
+    pages' SDPA, the path it replaces; with one split per row (no merge) and with many."""
+    monkeypatch.setattr(paged_decode_triton, "TARGET_PROGRAMS", target_programs)
+    generator = torch.Generator().manual_seed(5)
+    positions, lens = [700, 33, 1200, 5], [3, 1, 4, 2]
+    needs = [(p + n - 1) // BLOCK_SIZE + 1 for p, n in zip(positions, lens)]
+    order = (torch.randperm(sum(needs), generator=generator) + 1).tolist()
+    tables = [[order.pop() for _ in range(need)] for need in needs]
+    layer_cache = torch.randn(
+        sum(needs) + 1, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, generator=generator
+    ).to("cuda", dtype)
+    query = torch.randn(sum(lens), NUM_HEADS, HEAD_SIZE, generator=generator).to("cuda", dtype)
+    plan = plan_split_kv(
+        0, positions, tables, BLOCK_SIZE, torch.device("cuda"), dtype, window, None, lens
+    )
+    assert plan.device_key_ranges is not None
+    with torch.inference_mode():
+        in_place = split_kv_attention(query, layer_cache, plan)
+        plan.device_key_ranges = None
+        gathered = split_kv_attention(query, layer_cache, plan)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(in_place, gathered, atol=tolerance, rtol=tolerance)
