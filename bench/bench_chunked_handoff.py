@@ -2,7 +2,7 @@
 waiting, with offers (``chunked_handoff``) against without, in the same run.
 
 1 + 1: a prefill engine (producer) in a child process and a decode engine (consumer) in
-this one, one CPU thread each, the KV over gRPC on 127.0.0.1. The prompt is prefilled in
+this one, one CPU thread each, the KV over gRPC (or ``--transport nixl``) on 127.0.0.1. The prompt is prefilled in
 chunks of ``--chunk`` tokens. With offers, each chunk's full blocks are pulled by the decode
 engine (as ``DecodeWorker.pull_offer``, one offer at a time, the latest waiting) while the
 next chunk computes; without, every block moves after the last chunk.
@@ -22,6 +22,7 @@ Per prompt length and side (interleaved, ``--repeat`` times, medians print):
 The outputs of both sides are checked equal.
 
 Run: python bench/bench_chunked_handoff.py [--model tiny] [--lengths 2048 8192 16384]
+[--transport grpc]
 (smollm2 serves 8,192 positions: --model smollm2 --lengths 2048 8064). ``--model gemma3``
 is a random Gemma 3 saved by transformers (tiny's width; five windowed layers of 512 tokens
 to one global, as Gemma 3 has): its windowed groups offer only the window's blocks.
@@ -38,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from random_checkpoint import save_random_checkpoint
+
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.kvconnector.pd.pd_connector import PDConnector
 from pdserve.messages.connector_config import KVConnectorConfig
@@ -49,7 +52,6 @@ GEMMA3_WINDOW = 512
 
 def save_gemma3(directory: Path, max_len: int) -> str:
     """A random Gemma 3 text model (local and global layers, 5:1) with a word per id."""
-    import tokenizers
     import transformers
 
     config = transformers.Gemma3TextConfig(
@@ -65,11 +67,7 @@ def save_gemma3(directory: Path, max_len: int) -> str:
         max_position_embeddings=max_len + 64,
         initializer_range=0.02,
     )
-    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(directory)
-    vocab = {f"w{i}": i for i in range(config.vocab_size)}
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w2"))
-    tokenizer.save(str(directory / "tokenizer.json"))
-    return str(directory)
+    return save_random_checkpoint(transformers.AutoModelForCausalLM.from_config(config), directory)
 
 
 def _engine_kwargs(args: dict[str, Any], max_len: int) -> dict[str, Any]:
@@ -91,7 +89,8 @@ def _prefill_main(args: dict[str, Any], conn: Any) -> None:
 
     torch.set_num_threads(1)
     connector = PDConnector(
-        KVConnectorConfig(role="producer", allow_insecure=True),  # loopback benchmark
+        # loopback benchmark: no secret
+        KVConnectorConfig(role="producer", transport=args["transport"], allow_insecure=True),
         engine_id="prefill-0",
         hash_algorithm="xxh3_128",
         hash_seed=0,
@@ -242,6 +241,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=512, help="prefill tokens per step")
     parser.add_argument("--tokens", type=int, default=12)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--transport", choices=["grpc", "nixl"], default="grpc")
     cli = parser.parse_args()
     import torch
 
@@ -251,7 +251,11 @@ def main() -> None:
         model = save_gemma3(Path(tempfile.mkdtemp(prefix="bench-gemma3-")), max(cli.lengths))
     windowed_groups = 5 if cli.model == "gemma3" else 0
     args = dict(
-        model=model, chunk=cli.chunk, max_len=max(cli.lengths), windowed_groups=windowed_groups
+        model=model,
+        chunk=cli.chunk,
+        max_len=max(cli.lengths),
+        windowed_groups=windowed_groups,
+        transport=cli.transport,
     )
     context = mp.get_context("spawn")
     conn, child_conn = context.Pipe()
@@ -261,7 +265,7 @@ def main() -> None:
     decode = LLMEngine.from_pretrained(
         model,
         connector=PDConnector(
-            KVConnectorConfig(role="consumer", transfer_timeout_s=120.0),
+            KVConnectorConfig(role="consumer", transport=cli.transport, transfer_timeout_s=120.0),
             engine_id="decode-0",
             hash_algorithm="xxh3_128",
             hash_seed=0,
@@ -271,7 +275,7 @@ def main() -> None:
     )
     vocab = decode.tokenizer.vocab_size
     print(
-        f"model {cli.model}, chunks of {cli.chunk} tokens, {BLOCK_SIZE}-token blocks, gRPC, 1 thread per engine"
+        f"model {cli.model}, chunks of {cli.chunk} tokens, {BLOCK_SIZE}-token blocks, {cli.transport}, 1 thread per engine"
     )
     print(
         f"{'prompt':>7} {'side':>9} {'tail ms':>9} {'2nd tok ms':>10} {'1st step':>10} {'ITL ms':>7} {'2nd/ITL':>7} "

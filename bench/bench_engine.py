@@ -27,18 +27,26 @@ greedy, EOS ignored, one torch thread, in the same process:
 6. The engine's per-step overhead at batch 16: the share of ``step()`` spent outside the
    model runner's ``execute`` (scheduling, sampling, outputs), tiny and smollm2.
 
+On a GPU, ``--device cuda`` runs 4 and 6 for a bfloat16 model of smollm2's shape with random
+weights, where decodes read their pages through the Triton kernel; the long-context rows add
+that kernel against the gather-then-SDPA path it replaces.
+
 Run: python bench/bench_engine.py   (about 15 s for tiny on 2 idle cores, 4 min with smollm2;
 6 GiB of memory for the 8 x 8k caches)
 """
 
 from __future__ import annotations
 
+import argparse
 import random
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from random_checkpoint import save_random_checkpoint
 from transformers import DynamicCache, LlamaConfig
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
@@ -58,6 +66,20 @@ SMOLLM2_OUTPUT_TOKENS = 32
 SMOLLM2_ROUNDS = 2
 LONG_CONTEXT_SHAPES = ((1, 2048), (8, 2048), (1, 8192), (8, 8192))  # (batch, context tokens)
 LONG_CONTEXT_BLOCK_SIZE = 16
+# SmolLM2-135M's shape, for the GPU run's random weights.
+SMOLLM2_SHAPE = LlamaConfig(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=8192 + LONG_CONTEXT_BLOCK_SIZE,
+    tie_word_embeddings=True,
+)
 LONG_CONTEXT_ROUNDS = 3
 OVERHEAD_BATCH = 16
 CONTINUATION_QUERIES = 512
@@ -86,7 +108,7 @@ def hf_model(engine: LLMEngine) -> HFLlamaForCausalLM:
     model = HFLlamaForCausalLM(hf_config).eval()
     # The engine fused its projections at load, but its state_dict keeps the HF names.
     model.load_state_dict(engine.model.state_dict(), strict=True)
-    return model
+    return model.to(engine.runner.device, engine.runner.dtype)
 
 
 def hf_generate(
@@ -126,6 +148,8 @@ def best_of(rounds: int, runs: dict[str, Callable[[], object]]) -> dict[str, flo
         for name, run in runs.items():
             start = time.perf_counter()
             run()
+            if torch.cuda.is_initialized():  # CUDA runs asynchronously: time the work itself
+                torch.cuda.synchronize()
             best[name] = min(best[name], time.perf_counter() - start)
     return best
 
@@ -180,14 +204,13 @@ def bench_prefix(engine: LLMEngine, rng: random.Random) -> None:
     )
 
 
-def read_bandwidth(num_bytes: int = 512 * 2**20, rounds: int = 5) -> float:
-    """Bytes read per second by one thread summing a tensor much larger than the caches."""
-    source = torch.ones(num_bytes // 4)
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        source.sum()
-        best = min(best, time.perf_counter() - start)
+def read_bandwidth(
+    device: torch.device | str = "cpu", num_bytes: int = 512 * 2**20, rounds: int = 5
+) -> float:
+    """Bytes read per second summing a tensor much larger than the caches (one thread on CPU,
+    the whole device on CUDA)."""
+    source = torch.ones(num_bytes // 4, device=device)
+    best = best_of(rounds, {"sum": source.sum})["sum"]
     return num_bytes / best
 
 
@@ -222,11 +245,14 @@ def bench_long_context(
     returns the best times by shape."""
     config, runner = engine.model_config, engine.runner
     runner.kv_cache.uniform_(-1, 1)  # any K/V: the step's cost does not depend on the values
-    bandwidth, weights = read_bandwidth(), weight_bytes(engine)
-    kv_token_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
+    bandwidth, weights = read_bandwidth(runner.device), weight_bytes(engine)
+    kv_token_bytes = (
+        2 * config.num_layers * config.num_kv_heads * config.head_dim * runner.kv_cache.itemsize
+    )
+    where = "1 torch thread" if runner.device.type == "cpu" else str(runner.device)
     print(
-        f"smollm2 long-context decode step, {LONG_CONTEXT_BLOCK_SIZE}-token pages shuffled, "
-        f"1 torch thread, best of {LONG_CONTEXT_ROUNDS}; floor = (weights + K/V) / "
+        f"smollm2 long-context decode step, {runner.dtype} model, {LONG_CONTEXT_BLOCK_SIZE}-token "
+        f"pages shuffled, {where}, best of {LONG_CONTEXT_ROUNDS}; floor = (weights + K/V) / "
         f"{bandwidth / 2**30:.1f} GiB/s"
     )
     generator = torch.Generator().manual_seed(0)
@@ -241,6 +267,21 @@ def bench_long_context(
             f"paged {best['paged'] * 1e3:6.2f} ms vs contiguous {best['contiguous'] * 1e3:6.2f} ms "
             f"({best['paged'] / best['contiguous']:4.2f}x)"
         )
+        if "gathered" in best:
+            print(
+                f"           in place vs gathered then SDPA (the path it replaces on "
+                f"{runner.device.type}): {best['paged'] * 1e3:6.3f} vs {best['gathered'] * 1e3:6.3f} "
+                f"ms ({best['gathered'] / best['paged']:4.2f}x faster)"
+            )
+        if all(f"{name} on the GPU" in best for name in ("paged", "gathered", "contiguous")):
+            paged, gathered, contiguous = (
+                best[f"{name} on the GPU"] for name in ("paged", "gathered", "contiguous")
+            )
+            print(
+                f"           GPU time per layer (CUDA graph replays): in place {paged * 1e6:6.1f} us, "
+                f"gathered {gathered * 1e6:6.1f} us ({gathered / paged:4.2f}x), contiguous SDPA "
+                f"{contiguous * 1e6:6.1f} us (in place {paged / contiguous:4.2f}x)"
+            )
     return results
 
 
@@ -303,20 +344,57 @@ def long_context_step(
         for row, table in enumerate(tables)
     ]
     metadata = step_metadata(engine, [1] * batch, [position] * batch, tables)
-    query = torch.randn(batch, config.num_heads, config.head_dim)
-    key_value = torch.randn(batch, 2, config.num_kv_heads, config.head_dim)
+    tensor = dict(device=runner.device, dtype=runner.dtype)
+    query = torch.randn(batch, config.num_heads, config.head_dim, **tensor)
+    key_value = torch.randn(batch, 2, config.num_kv_heads, config.head_dim, **tensor)
 
-    def paged_layer() -> None:
-        with torch.inference_mode():
-            paged_attention(query, key_value, runner.kv_cache, 0, metadata)
+    def layer(metadata: AttentionMetadata) -> Callable[[], object]:
+        def attend() -> None:
+            with torch.inference_mode():
+                paged_attention(query, key_value, runner.kv_cache, 0, metadata)
+
+        return attend
 
     runs: dict[str, Callable[[], object]] = {
         "engine": lambda: runner.execute(chunks),
-        "paged": paged_layer,
+        "paged": layer(metadata),
     }
+    if metadata.decode is not None and metadata.decode.device_key_ranges is not None:
+        gathered = step_metadata(engine, [1] * batch, [position] * batch, tables)
+        assert gathered.decode is not None
+        gathered.decode.device_key_ranges = None  # the gather-then-SDPA path
+        runs["gathered"] = layer(gathered)
     if model is not None:
         runs |= reference_runs(model, config, batch, context, query)
-    return best_of(LONG_CONTEXT_ROUNDS, runs)
+    best = best_of(LONG_CONTEXT_ROUNDS, runs)
+    if runner.device.type == "cuda":  # the layer's GPU time alone, launches left out
+        for name in ("paged", "gathered", "contiguous"):
+            try:
+                best[f"{name} on the GPU"] = gpu_time(runs[name])
+            except (KeyError, RuntimeError) as error:  # not run here, or not capturable
+                print(f"  {name}: no GPU time ({error!r})")
+    return best
+
+
+def gpu_time(run: Callable[[], object], replays: int = 50) -> float:
+    """Seconds one call of ``run`` keeps the GPU busy: captured in a CUDA graph and replayed,
+    so the host's launch overhead, which dominates a small model's step, is left out."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # first call's allocations happen outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / replays
 
 
 def reference_runs(
@@ -327,10 +405,11 @@ def reference_runs(
     position = context - 1
     hf_cache = DynamicCache()
     shape = (batch, config.num_kv_heads, position, config.head_dim)
+    tensor = dict(device=query.device, dtype=query.dtype)
     for layer in range(config.num_layers):
-        hf_cache.update(torch.randn(shape), torch.randn(shape), layer)
-    input_ids = torch.arange(3, 3 + batch)[:, None]
-    position_ids = torch.full((batch, 1), position)
+        hf_cache.update(torch.randn(shape, **tensor), torch.randn(shape, **tensor), layer)
+    input_ids = torch.arange(3, 3 + batch, device=query.device)[:, None]
+    position_ids = torch.full((batch, 1), position, device=query.device)
 
     def hf_step() -> None:
         with torch.inference_mode():
@@ -338,7 +417,7 @@ def reference_runs(
         hf_cache.crop(-1)  # the next round sees the same context
 
     grouped = query.view(batch, config.num_kv_heads, -1, config.head_dim)
-    contiguous = torch.randn(2, batch, config.num_kv_heads, context, config.head_dim)
+    contiguous = torch.randn(2, batch, config.num_kv_heads, context, config.head_dim, **tensor)
     return {
         "hf": hf_step,
         "contiguous": lambda: F.scaled_dot_product_attention(grouped, contiguous[0], contiguous[1]),
@@ -469,7 +548,40 @@ def bench_smollm2() -> None:
     bench_half_kv(half, wide)
 
 
+def bench_cuda(device: str) -> None:
+    """Sections 4 and 6 on a GPU: smollm2's shape in bfloat16 with random weights (its GGUF
+    is not installed there; a step's time does not depend on the weights' values)."""
+    longest = max(batch * context for batch, context in LONG_CONTEXT_SHAPES)
+    with tempfile.TemporaryDirectory() as directory:
+        torch.manual_seed(0)
+        checkpoint = save_random_checkpoint(HFLlamaForCausalLM(SMOLLM2_SHAPE), Path(directory))
+        engine = LLMEngine.from_pretrained(
+            checkpoint,
+            device=device,
+            dtype="bfloat16",
+            max_num_batched_tokens=4096,
+            block_size=LONG_CONTEXT_BLOCK_SIZE,
+            num_kv_blocks=longest // LONG_CONTEXT_BLOCK_SIZE + 1,
+        )
+    if engine.runner.device.type == "cuda":
+        print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+    model = hf_model(engine)
+    engine_generate(engine, [[1, 2, 3]], 2)  # warm up (and compile the Triton kernel)
+    bench_long_context(engine, model)
+    vocab = engine.model_config.vocab_size
+    bench_step_overhead(engine, "smollm2-shaped, bfloat16", vocab, random.Random(1))
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu: every section; cuda: the long-context steps and the step overhead on a GPU",
+    )
+    if parser.parse_args().device != "cpu":
+        bench_cuda(parser.parse_args().device)
+        return
     torch.set_num_threads(1)
     rng = random.Random(0)
     engine = LLMEngine.from_pretrained("tiny", torch_threads=1, max_num_batched_tokens=4096)
