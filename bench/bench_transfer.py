@@ -6,13 +6,15 @@ blocks into shuffled destination blocks, verified, through:
 
     grpc      GrpcTransferClient.read_blocks      vs  raw gRPC stream of the same bytes
     grpc mTLS the same pull over mutual TLS (kv_tls_dir)  vs  the plaintext pull, with the
-              CPU time each side spends per MiB (both sides share this machine's cores)
+              CPU time each side spends per MiB (both sides share this machine's cores);
+              then both striped over ``--streams`` connections (``grpc_streams``), and the
+              striped plaintext pull against the one-stream one
     nixl      NixlTransferClient.read_blocks      vs  raw NIXL READ of the same descriptors
     nixl unverified: the same pull without its checksums (hold + READ), to show what
               integrity costs; a bench-only path, not a transport option
     and, for scale, a raw TCP loopback socket and an in-process memcpy (np.copyto).
 
-    python bench/bench_transfer.py [--mib 64] [--repeats 3]
+    python bench/bench_transfer.py [--mib 64] [--repeats 3] [--streams 4]
 """
 
 from __future__ import annotations
@@ -188,7 +190,7 @@ def paired_mib_s(
 
 
 def bench_layout(
-    name: str, shape: dict[str, Any], mib: int, repeats: int, cpu_notes: list[str]
+    name: str, shape: dict[str, Any], mib: int, repeats: int, streams: int, cpu_notes: list[str]
 ) -> list[tuple]:
     page_bytes = KVLayout.from_kv_cache(make_kv_cache(1, seed=0, **shape), "xxh3_128", 0).page_bytes
     num_blocks = max(1, (mib << 20) // page_bytes)
@@ -245,13 +247,7 @@ def bench_layout(
     rows.append((name, "grpc", grpc_mib_s, "raw gRPC stream", raw_grpc_mib_s))
 
     # Mutual TLS against plaintext, alternately (the grant's checksums stay untimed), with
-    # each side's CPU seconds over the fastest pull of each.
-    plain_client = GrpcTransferClient(local, layout, timeout_s=60)
-    mtls_client = GrpcTransferClient(
-        local, layout, timeout_s=60, tls=KVPlaneTLS.in_directory(cert_dir)
-    )
-    plain, mtls = pull(plain_client), pull(mtls_client, mtls_address)
-
+    # each side's CPU seconds over the fastest pull of each; on one stream, then striped.
     def with_cpu(run: Callable[[tuple[str, list[int]]], None]) -> tuple[float, float, float]:
         """(seconds, this side's CPU seconds, the serving side's) of one pull."""
         lease = grant()
@@ -264,22 +260,49 @@ def bench_layout(
         conn.send(("cpu", None))
         return elapsed, client_cpu, from_server() - server_cpu
 
-    best = {"plaintext": (float("inf"), 0.0, 0.0), "mTLS": (float("inf"), 0.0, 0.0)}
-    for _ in range(repeats):
-        for side, run in (("mTLS", mtls), ("plaintext", plain)):
-            best[side] = min(best[side], with_cpu(run))
-    plain_client.close()
-    mtls_client.close()
-    shutil.rmtree(cert_dir)
     mib = total / 2**20
-    rows.append(
-        (name, "grpc mTLS", mib / best["mTLS"][0], "grpc plaintext", mib / best["plaintext"][0])
-    )
-    for side, (_, client_cpu, server_cpu) in best.items():
-        cpu_notes.append(
-            f"{name}, grpc {side}: CPU ms per MiB, pulling side {1e3 * client_cpu / mib:.2f}, "
-            f"serving side {1e3 * server_cpu / mib:.2f}"
+    plaintext_one_stream = 0.0
+    for count in sorted({1, streams}):
+        plain_client = GrpcTransferClient(local, layout, timeout_s=60, streams=count)
+        mtls_client = GrpcTransferClient(
+            local, layout, timeout_s=60, tls=KVPlaneTLS.in_directory(cert_dir), streams=count
         )
+        plain, mtls = pull(plain_client), pull(mtls_client, mtls_address)
+        best = {"plaintext": (float("inf"), 0.0, 0.0), "mTLS": (float("inf"), 0.0, 0.0)}
+        for _ in range(repeats):
+            for side, run in (("mTLS", mtls), ("plaintext", plain)):
+                best[side] = min(best[side], with_cpu(run))
+        plain_client.close()
+        mtls_client.close()
+        plain_mib_s = mib / best["plaintext"][0]
+        label = "" if count == 1 else f" x{count}"
+        rows.append(
+            (
+                name,
+                f"grpc mTLS{label}",
+                mib / best["mTLS"][0],
+                f"grpc plaintext{label}",
+                plain_mib_s,
+            )
+        )
+        if count == 1:
+            plaintext_one_stream = plain_mib_s
+        else:
+            rows.append(
+                (
+                    name,
+                    f"grpc plaintext{label}",
+                    plain_mib_s,
+                    "grpc plaintext",
+                    plaintext_one_stream,
+                )
+            )
+        for side, (_, client_cpu, server_cpu) in best.items():
+            cpu_notes.append(
+                f"{name}, grpc {side}{label}: CPU ms per MiB, pulling side "
+                f"{1e3 * client_cpu / mib:.2f}, serving side {1e3 * server_cpu / mib:.2f}"
+            )
+    shutil.rmtree(cert_dir)
 
     def raw_tcp() -> None:
         buffer = bytearray(DEFAULT_MESSAGE_BYTES)
@@ -345,11 +368,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=64, help="MiB moved per pull")
     parser.add_argument("--repeats", type=int, default=8, help="pulls per path; best counts")
+    parser.add_argument(
+        "--streams", type=int, default=4, help="gRPC streams of the striped pulls (1: none)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows, cpu_notes = [], []
     for name, shape in LAYOUTS.items():
-        rows += bench_layout(name, shape, args.mib, args.repeats, cpu_notes)
+        rows += bench_layout(name, shape, args.mib, args.repeats, args.streams, cpu_notes)
     print(f"\n{'layout':34} {'path':16} {'MiB/s':>8}   {'ceiling':16} {'MiB/s':>8}  ratio")
     for name, path, mib_s, ceiling, ceiling_mib_s in rows:
         print(

@@ -3,6 +3,7 @@ deployment flag's help, ``deploy/part_settings.py``)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -46,6 +47,10 @@ class KVConnectorConfig:
     min_transfer_rate_bytes_per_s: float = 64 * 2**20
     """A pull may take transfer_timeout_s plus its bytes at this rate: the deadline follows
     the size, so a long prompt on a large model is not failed by a fixed one."""
+    grpc_streams: int = 0
+    """gRPC streams a consumer stripes a pull of 8 MiB or more over, each on its own
+    connection, so that receiving (and, with TLS, decrypting) spreads over cores; 0: one per
+    two cores of this machine, at most 8 (so 1 on 2 cores, where stripes only compete)."""
     failure_policy: FailurePolicy = "recompute"
     """recompute: compute what did not arrive intact; fail: end the request with an error."""
     chunked_handoff: bool = True
@@ -68,6 +73,15 @@ class KVConnectorConfig:
             raise ValueError("lease_ttl_s and transfer_timeout_s must be positive")
         if self.min_transfer_rate_bytes_per_s <= 0:
             raise ValueError("min_transfer_rate_bytes_per_s must be positive")
+        if self.grpc_streams < 0:
+            raise ValueError(f"grpc_streams must be >= 0 (0: by cores), got {self.grpc_streams}")
+
+    @property
+    def resolved_grpc_streams(self) -> int:
+        """``grpc_streams``, or for 0 one per two cores this process may run on, 1 to 8."""
+        if self.grpc_streams:
+            return self.grpc_streams
+        return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
 
     def check_secure(self) -> None:
         """Refuses a producer with no secret unless ``allow_insecure`` (tests, benchmarks)."""

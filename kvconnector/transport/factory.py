@@ -6,7 +6,7 @@ NIXL's UCX data path is pinned to the interface that carries it (``node_network`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve.kvconnector.pd.lease import LeaseTable
 from pdserve.kvconnector.transfer_stats import TransferStats
@@ -62,23 +62,19 @@ def make_client(
     engine_id: str,
     stats: TransferStats,
 ) -> KVTransferClient:
-    if config.transport == "nixl":
-        from pdserve.kvconnector.transport.nixl_transport import NixlTransferClient
-
-        pin_ucx_to(config.host)
-
-        client_type: type[KVTransferClient] = NixlTransferClient
-    else:
-        from pdserve.kvconnector.transport.grpc_client import GrpcTransferClient
-
-        client_type = GrpcTransferClient
-    return client_type(
-        kv_cache,
-        layout,
-        engine_id=engine_id,  # type: ignore[call-arg]  # both transports take it; the ABC has no __init__
+    common: dict[str, Any] = dict(
+        engine_id=engine_id,
         secret=config.secret,
         tls=config.tls,
         timeout_s=config.transfer_timeout_s,
         stats=stats,
         min_rate_bytes_per_s=config.min_transfer_rate_bytes_per_s,
     )
+    if config.transport == "nixl":
+        from pdserve.kvconnector.transport.nixl_transport import NixlTransferClient
+
+        pin_ucx_to(config.host)
+        return NixlTransferClient(kv_cache, layout, **common)
+    from pdserve.kvconnector.transport.grpc_client import GrpcTransferClient
+
+    return GrpcTransferClient(kv_cache, layout, streams=config.resolved_grpc_streams, **common)

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
@@ -44,12 +45,24 @@ from pdserve.proto import kv_transfer_pb2_grpc as pb_grpc
 T = TypeVar("T")
 # A pull slower than this is a stalled peer (gRPC moves about 0.5-0.9 GiB/s on loopback).
 DEFAULT_MIN_TRANSFER_RATE = 64 << 20  # KVConnectorConfig.min_transfer_rate_bytes_per_s
+# A pull of fewer bytes stays on one stream: a stripe's own call costs more than it saves.
+STRIPE_MIN_BYTES = 8 << 20
 
 
 class GrpcTransferClient(KVTransferClient):
     """The decode side's puller over gRPC; also the control plane of ``NixlTransferClient``.
 
     ``timeout_s`` bounds every control call; a pull gets ``transfer_deadline_s`` of its bytes.
+
+    ``streams`` > 1 stripes a large pull (``STRIPE_MIN_BYTES`` or more, into host pages) over
+    that many concurrent ``ReadBlocks`` streams, each on its own connection::
+
+        blocks  | 7 2 9 4 | 1 8 3 6 | 5 0 11 10 |
+                  stream 0  stream 1  stream 2     one TCP (and TLS) connection each
+
+    One connection's bytes are received, decrypted and landed by one thread after another,
+    so one stream is bound by a core: over mutual TLS that core decrypts as well. Stripes
+    spread that over cores; each lands its own pages, and a pull ends when all have.
     """
 
     def __init__(
@@ -62,9 +75,12 @@ class GrpcTransferClient(KVTransferClient):
         timeout_s: float = 30.0,
         stats: TransferStats | None = None,
         min_rate_bytes_per_s: float = DEFAULT_MIN_TRANSFER_RATE,
+        streams: int = 1,
     ) -> None:
         if min_rate_bytes_per_s <= 0:
             raise ValueError(f"min_rate_bytes_per_s must be positive, got {min_rate_bytes_per_s}")
+        if streams < 1:
+            raise ValueError(f"streams must be >= 1, got {streams}")
         self.stats = stats if stats is not None else TransferStats()
         self.timeout_s = timeout_s
         self.min_rate_bytes_per_s = min_rate_bytes_per_s
@@ -81,10 +97,16 @@ class GrpcTransferClient(KVTransferClient):
         self._tls = tls
         if tls is not None:
             tls.read()  # files that cannot be read fail here, not at the first pull
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels: dict[tuple[str, int], grpc.Channel] = {}  # by (address, stripe)
         self._stubs: dict[str, pb_grpc.KvTransferStub] = {}
         self._lock = threading.Lock()
         self._hold_opener = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-hold")
+        self.streams = streams
+        self._stripe_pullers = (
+            futures.ThreadPoolExecutor(max_workers=streams - 1, thread_name_prefix="kv-stripe")
+            if streams > 1
+            else None
+        )
 
     def handshake(self, address: str, nixl_info: pb.NixlAgentInfo | None = None) -> PeerInfo:
         request = pb.HandshakeRequest(
@@ -124,23 +146,26 @@ class GrpcTransferClient(KVTransferClient):
         )
         started = time.perf_counter()
         local_of_remote = dict(zip(remote_block_ids, local_block_ids))
-        landed: set[int] = set()
-        request = pb.ReadBlocksRequest(lease_id=lease_id, block_ids=remote_block_ids)
-
-        ok: list[int] = []
-        failed: list[int] = []
         expected_of_local = dict(zip(local_block_ids, expected_checksums))
-
-        def pull(_: pb_grpc.KvTransferStub) -> None:
-            stream = self._read_blocks_stream(peer.address)
-            deadline_s = self.transfer_deadline_s(len(remote_block_ids))
-            for raw in stream(request, timeout=deadline_s, metadata=self._metadata):
-                local_ids = self._land(raw, local_of_remote, expected_of_local, ok, failed)
-                landed.update(local_ids)
-
-        try:
-            self._call(peer.address, "ReadBlocks", pull)
-        except TransferError:
+        deadline_s = self.transfer_deadline_s(len(remote_block_ids))
+        stripes = [
+            (index, {block: local_of_remote[block] for block in ids})
+            for index, ids in enumerate(self._stripes(remote_block_ids))
+        ]
+        pending = [
+            self._stripe_pullers.submit(
+                self._pull_stripe, peer.address, lease_id, *stripe, expected_of_local, deadline_s
+            )
+            for stripe in stripes[1:]
+            if self._stripe_pullers is not None
+        ]
+        pulls = [
+            self._pull_stripe(peer.address, lease_id, *stripes[0], expected_of_local, deadline_s)
+        ]
+        pulls += [stripe.result() for stripe in pending]  # none writes pages once this returns
+        landed = set().union(*(pull.landed for pull in pulls))
+        error = next((pull.error for pull in pulls if pull.error is not None), None)
+        if error is not None:
             self.stats.record_transfer(
                 0,
                 len(local_block_ids),
@@ -148,7 +173,9 @@ class GrpcTransferClient(KVTransferClient):
                 time.perf_counter() - started,
                 peer.address,
             )
-            raise
+            raise error
+        ok = [block for pull in pulls for block in pull.ok]
+        failed = [block for pull in pulls for block in pull.failed]
         failed += [b for b in local_block_ids if b not in landed]
         duration_s = time.perf_counter() - started
         num_bytes = len(landed) * self._layout.page_bytes
@@ -156,6 +183,48 @@ class GrpcTransferClient(KVTransferClient):
         return ReadResult(
             ok_block_ids=ok, failed_block_ids=failed, num_bytes=num_bytes, duration_s=duration_s
         )
+
+    def _pull_stripe(
+        self,
+        address: str,
+        lease_id: str,
+        stripe: int,
+        local_of_remote: dict[int, int],
+        expected_of_local: dict[int, int],
+        deadline_s: float,
+    ) -> _Stripe:
+        """Pulls the blocks of ``local_of_remote`` (remote id to local id) on the stream of
+        ``stripe``, landing and verifying each message as it arrives."""
+        result = _Stripe()
+        request = pb.ReadBlocksRequest(lease_id=lease_id, block_ids=list(local_of_remote))
+
+        def pull(_: pb_grpc.KvTransferStub) -> None:
+            stream = self._read_blocks_stream(address, stripe)
+            for raw in stream(request, timeout=deadline_s, metadata=self._metadata):
+                landed = self._land(
+                    raw, local_of_remote, expected_of_local, result.ok, result.failed
+                )
+                result.landed.update(landed)
+
+        try:
+            self._call(address, "ReadBlocks", pull)
+        except TransferError as error:
+            result.error = error
+        return result
+
+    def _stripes(self, remote_block_ids: Sequence[int]) -> list[Sequence[int]]:
+        """The pull's blocks cut into consecutive stripes, one per stream: several only for a
+        pull of ``STRIPE_MIN_BYTES`` or more into host pages (CUDA pages land through one
+        pinned staging buffer)."""
+        num_bytes = len(remote_block_ids) * self._layout.page_bytes
+        if self.streams == 1 or self._staging is not None or num_bytes < STRIPE_MIN_BYTES:
+            return [remote_block_ids]
+        count = min(self.streams, len(remote_block_ids))
+        size = -(-len(remote_block_ids) // count)
+        return [
+            remote_block_ids[start : start + size]
+            for start in range(0, len(remote_block_ids), size)
+        ]
 
     def renew(self, peer: PeerInfo, lease_id: str) -> float:
         return self._call(
@@ -233,6 +302,8 @@ class GrpcTransferClient(KVTransferClient):
             self._channels.clear()
             self._stubs.clear()
         self._hold_opener.shutdown(wait=False)
+        if self._stripe_pullers is not None:
+            self._stripe_pullers.shutdown(wait=False)
 
     def _land(
         self,
@@ -292,7 +363,8 @@ class GrpcTransferClient(KVTransferClient):
         would be refused, and its hand-offs recomputed, long after it is back. Calls still
         running on the old channel keep it alive until they end."""
         with self._lock:
-            self._channels.pop(address, None)
+            for key in [key for key in self._channels if key[0] == address]:
+                del self._channels[key]
             self._stubs.pop(address, None)
 
     def _stub(self, address: str) -> pb_grpc.KvTransferStub:
@@ -302,30 +374,45 @@ class GrpcTransferClient(KVTransferClient):
                 stub = self._stubs[address] = pb_grpc.KvTransferStub(self._channel(address))
             return stub
 
-    def _read_blocks_stream(self, address: str) -> grpc.UnaryStreamMultiCallable:
-        """``ReadBlocks`` yielding raw encoded messages, for ``decode_block_chunk``."""
+    def _read_blocks_stream(self, address: str, stripe: int) -> grpc.UnaryStreamMultiCallable:
+        """``ReadBlocks`` yielding raw encoded messages, for ``decode_block_chunk``, on the
+        connection of ``stripe``."""
         with self._lock:
-            return self._channel(address).unary_stream(
+            return self._channel(address, stripe).unary_stream(
                 READ_BLOCKS_METHOD,
                 request_serializer=pb.ReadBlocksRequest.SerializeToString,
                 response_deserializer=identity,
             )
 
-    def _channel(self, address: str) -> grpc.Channel:
-        channel = self._channels.get(address)
+    def _channel(self, address: str, stripe: int = 0) -> grpc.Channel:
+        """The channel of ``stripe`` to ``address`` (stripe 0 also carries the control
+        calls). Each has a subchannel pool of its own: gRPC otherwise shares one connection
+        between channels of the same target and options, and stripes would share a thread."""
+        channel = self._channels.get((address, stripe))
         if channel is None:
+            options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
             if self._tls is None:
-                channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                channel = grpc.insecure_channel(address, options=options)
             else:  # the files as they are now (a rotation reaches each new peer's channel);
                 # the peer's certificate names KV_PEER_NAME, not its node's address
                 ca, cert, key = self._tls.read()
                 channel = grpc.secure_channel(
                     address,
                     grpc.ssl_channel_credentials(ca, key, cert),
-                    options=[*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", KV_PEER_NAME)],
+                    options=[*options, ("grpc.ssl_target_name_override", KV_PEER_NAME)],
                 )
-            self._channels[address] = channel
+            self._channels[address, stripe] = channel
         return channel
+
+
+@dataclass(slots=True)
+class _Stripe:
+    """What one stream of a pull landed, verified or failed, or why it stopped."""
+
+    landed: set[int] = field(default_factory=set)
+    ok: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+    error: TransferError | None = None
 
 
 def _transfer_error(method: str, address: str, error: grpc.RpcError) -> TransferError:

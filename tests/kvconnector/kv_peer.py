@@ -195,10 +195,17 @@ def make_client(
     secret: str | None = None,
     timeout_s: float = 10.0,
     hash_seed: int | None = None,
+    streams: int = 1,
 ) -> KVTransferClient:
-    """A transfer client of ``spec``'s transport over the local KV tensor ``local``."""
+    """A transfer client of ``spec``'s transport over the local KV tensor ``local`` (gRPC:
+    striping large pulls over ``streams`` connections)."""
     layout = KVLayout.from_kv_cache(
         local, spec.hash_algorithm, spec.hash_seed if hash_seed is None else hash_seed
     )
-    client_type = NixlTransferClient if spec.transport == "nixl" else GrpcTransferClient
-    return client_type(local, layout, engine_id="decode-0", secret=secret, timeout_s=timeout_s)
+    if spec.transport == "nixl":
+        return NixlTransferClient(
+            local, layout, engine_id="decode-0", secret=secret, timeout_s=timeout_s
+        )
+    return GrpcTransferClient(
+        local, layout, engine_id="decode-0", secret=secret, timeout_s=timeout_s, streams=streams
+    )
