@@ -22,6 +22,7 @@ from pdserve.deploy.config import PDServeConfig
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.kvconnector.pd.lease import LeaseTable
 from pdserve.kvconnector.pd.pd_connector import PDConnector
+from pdserve.kvconnector.transport import grpc_client
 from pdserve.kvconnector.transport.base import TransferError
 from pdserve.kvconnector.transport.grpc_client import GrpcTransferClient
 from pdserve.kvconnector.transport.grpc_server import GrpcTransferServer
@@ -57,9 +58,9 @@ def certs(tmp_path_factory) -> dict[str, KVPlaneTLS]:
     }
 
 
-def engine(role: str, tls: KVPlaneTLS) -> LLMEngine:
+def engine(role: str, tls: KVPlaneTLS, grpc_streams: int = 0) -> LLMEngine:
     connector = PDConnector(
-        KVConnectorConfig(role=role, secret=SECRET, tls=tls),
+        KVConnectorConfig(role=role, secret=SECRET, tls=tls, grpc_streams=grpc_streams),
         engine_id=f"{role}-0",
         hash_algorithm="xxh3_128",
         hash_seed=0,
@@ -67,11 +68,22 @@ def engine(role: str, tls: KVPlaneTLS) -> LLMEngine:
     return LLMEngine.from_pretrained("tiny", connector=connector, **ENGINE_KWARGS)
 
 
-def test_a_pull_over_mutual_tls_equals_the_colocated_engine(certs) -> None:
+@pytest.mark.parametrize("streams", [1, 3])
+def test_a_pull_over_mutual_tls_equals_the_colocated_engine(certs, streams, monkeypatch) -> None:
+    """On one connection, and striped over three (each its own TLS session)."""
+    monkeypatch.setattr(grpc_client, "STRIPE_MIN_BYTES", 0)  # tiny's pull: stripe anyway
+    stripes_pulled: list[int] = []
+    pull_stripe = grpc_client.GrpcTransferClient._pull_stripe
+
+    def counted(client, address, lease_id, stripe, *rest):
+        stripes_pulled.append(stripe)
+        return pull_stripe(client, address, lease_id, stripe, *rest)
+
+    monkeypatch.setattr(grpc_client.GrpcTransferClient, "_pull_stripe", counted)
     expected = LLMEngine.from_pretrained("tiny", **ENGINE_KWARGS).generate([PROMPT], PARAMS)[0]
     prefill, decode = (
         engine("producer", certs["deployment"]),
-        engine("consumer", certs["deployment"]),
+        engine("consumer", certs["deployment"], grpc_streams=streams),
     )
     try:
         first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -80,6 +92,7 @@ def test_a_pull_over_mutual_tls_equals_the_colocated_engine(certs) -> None:
         out = run(decode, "m0", PROMPT, PARAMS, kv_transfer_params=handed)
         assert out.output_token_ids == expected.output_token_ids
         assert decode.stats().transfer.num_blocks_received == len(handed.block_ids)
+        assert sorted(set(stripes_pulled)) == list(range(streams))  # every stream pulled
     finally:
         decode.connector.shutdown()
         prefill.connector.shutdown()
