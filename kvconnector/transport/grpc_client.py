@@ -102,10 +102,9 @@ class GrpcTransferClient(KVTransferClient):
         self._lock = threading.Lock()
         self._hold_opener = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-hold")
         self.streams = streams
-        self._stripe_pullers = (
-            futures.ThreadPoolExecutor(max_workers=streams - 1, thread_name_prefix="kv-stripe")
-            if streams > 1
-            else None
+        # Stripe 0 runs on the caller's thread; threads start only when a pull stripes.
+        self._stripe_pullers = futures.ThreadPoolExecutor(
+            max_workers=max(1, streams - 1), thread_name_prefix="kv-stripe"
         )
 
     def handshake(self, address: str, nixl_info: pb.NixlAgentInfo | None = None) -> PeerInfo:
@@ -157,7 +156,6 @@ class GrpcTransferClient(KVTransferClient):
                 self._pull_stripe, peer.address, lease_id, *stripe, expected_of_local, deadline_s
             )
             for stripe in stripes[1:]
-            if self._stripe_pullers is not None
         ]
         pulls = [
             self._pull_stripe(peer.address, lease_id, *stripes[0], expected_of_local, deadline_s)
@@ -302,8 +300,7 @@ class GrpcTransferClient(KVTransferClient):
             self._channels.clear()
             self._stubs.clear()
         self._hold_opener.shutdown(wait=False)
-        if self._stripe_pullers is not None:
-            self._stripe_pullers.shutdown(wait=False)
+        self._stripe_pullers.shutdown(wait=False)
 
     def _land(
         self,
