@@ -18,8 +18,9 @@ warning says so once).
 The build (≈ 20 s) happens at the first engine start on a machine, or at ``make setup``
 (``python -m pdserve.model.paged_decode_kernel``); later starts load it from torch's
 extension cache. It is built for the CPU it runs on (``-march=native``), so the build's
-name carries a digest of the CPU's flags: a cache shared with another kind of machine never
-hands it a build it cannot run.
+name carries a digest of the CPU's flags, and of the source and compiler flags: a cache
+shared with another kind of machine never hands it a build it cannot run, and two checkouts
+of different sources on one machine keep a build each instead of rebuilding in turn.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ _built: ModuleType | None = None
 _failed = False
 
 
-def _cpu_digest() -> str:
-    """A digest of what this CPU can run (its model and instruction-set flags)."""
+def _build_digest() -> str:
+    """A digest of what the build depends on: what this CPU can run (its model and
+    instruction-set flags), the kernel's source and the compiler flags."""
     try:
         described = Path("/proc/cpuinfo").read_text()
         lines = sorted(
@@ -60,7 +62,8 @@ def _cpu_digest() -> str:
         description = "\n".join(lines)
     except OSError:
         description = platform.processor() or platform.machine()
-    return hashlib.sha256(description.encode()).hexdigest()[:12]
+    built_from = "\n".join([description, _SOURCE.read_text(), *_FLAGS])
+    return hashlib.sha256(built_from.encode()).hexdigest()[:12]
 
 
 def build() -> ModuleType | None:
@@ -75,7 +78,7 @@ def build() -> ModuleType | None:
 
             try:
                 _built = load(
-                    name=f"pdserve_paged_decode_{_cpu_digest()}",
+                    name=f"pdserve_paged_decode_{_build_digest()}",
                     sources=[str(_SOURCE)],
                     extra_cflags=_FLAGS,
                     verbose=False,
