@@ -579,8 +579,9 @@ def main() -> None:
         default="cpu",
         help="cpu: every section; cuda: the long-context steps and the step overhead on a GPU",
     )
-    if parser.parse_args().device != "cpu":
-        bench_cuda(parser.parse_args().device)
+    device = parser.parse_args().device
+    if device != "cpu":
+        bench_cuda(device)
         return
     torch.set_num_threads(1)
     rng = random.Random(0)

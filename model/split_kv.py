@@ -38,8 +38,8 @@ log-sum-exp the merge needs; other devices get one chunk (their gather runs at d
 bandwidth) and plain SDPA. Rows of a few queries (decodes, verifications) skip the chunks
 where a kernel reads the same table and key ranges in place: on CPU the C++ kernel
 (``model/paged_decode_kernel.py``, ``SplitKVPlan.key_ranges``), on CUDA the Triton one
-(``model/paged_decode_triton.py``, ``SplitKVPlan.device_key_ranges``). A prefill chunk's hundreds of
-queries keep the chunks, whose SDPA multiplies them as matrices.
+(``model/paged_decode_triton.py``, ``SplitKVPlan.device_key_ranges``). A prefill chunk's
+hundreds of queries keep the chunks, whose SDPA multiplies them as matrices.
 """
 
 from __future__ import annotations
