@@ -16,7 +16,8 @@ written and read again. Here each program reads its keys once, where they lie:
 A token sees the keys ``[low, high)`` of its row's table (counted from the table's first
 page, as the CPU kernel's ``key_ranges``): a decode's causal limit, a speculative draft's
 own limit, a sliding window's start. Splits are sized so that about ``TARGET_PROGRAMS``
-programs run at once: batch 1 at 8k tokens gets many short splits, batch 64 one each.
+programs run at once (at most ``MAX_SPLITS`` per row): batch 1 at 8k tokens gets 64 short
+splits per KV head, a large batch few.
 
 Serves any query dtype over float32 or 16-bit pages, summing in float32; a 16-bit model over
 pages of its own dtype multiplies on the tensor cores. Used only where Triton imports and the

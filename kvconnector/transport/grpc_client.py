@@ -147,10 +147,15 @@ class GrpcTransferClient(KVTransferClient):
         local_of_remote = dict(zip(remote_block_ids, local_block_ids))
         expected_of_local = dict(zip(local_block_ids, expected_checksums))
         deadline_s = self.transfer_deadline_s(len(remote_block_ids))
-        stripes = [
-            (index, {block: local_of_remote[block] for block in ids})
-            for index, ids in enumerate(self._stripes(remote_block_ids))
-        ]
+        cuts = self._stripes(remote_block_ids)
+        stripes = (  # (stripe, its remote id -> local id); one stripe takes the whole map
+            [(0, local_of_remote)]
+            if len(cuts) == 1
+            else [
+                (index, {block: local_of_remote[block] for block in ids})
+                for index, ids in enumerate(cuts)
+            ]
+        )
         pending = [
             self._stripe_pullers.submit(
                 self._pull_stripe, peer.address, lease_id, *stripe, expected_of_local, deadline_s
