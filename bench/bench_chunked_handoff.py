@@ -1,14 +1,19 @@
 """The chunk-wise hand-off's gain: how long a long prompt's hand-off keeps the second token
-waiting, with offers (``chunked_handoff``) against without, in the same run.
+waiting, with offers (``chunked_handoff``) against without, and with the prompt's last chunk
+cut short (``final_chunk_tokens``) against the scheduler's own, in the same run.
 
 1 + 1: a prefill engine (producer) in a child process and a decode engine (consumer) in
 this one, one CPU thread each, the KV over gRPC (or ``--transport nixl``) on 127.0.0.1. The prompt is prefilled in
 chunks of ``--chunk`` tokens. With offers, each chunk's full blocks are pulled by the decode
 engine (as ``DecodeWorker.pull_offer``, one offer at a time, the latest waiting) while the
-next chunk computes; without, every block moves after the last chunk.
+next chunk computes; without, every block moves after the last chunk. Three sides: *at end*
+(no offers), *offers* (the last chunk as the scheduler cuts it, up to ``--chunk`` tokens)
+and *short end* (offers, and a last chunk of at most ``--final-chunk`` tokens, the default).
 
 Per prompt length and side (interleaved, ``--repeat`` times, medians print):
 
+- *prefill*: from the prefill's command to the end of its last chunk (TTFT's share here;
+  a short last chunk costs one more step);
 - *tail*: from the end of the prefill's last chunk (its step returned the first token) to
   the start of the decode engine's first step of the request: checksumming the final
   blocks, the hop, the offer still in flight, admission and the hand-off's pull;
@@ -19,10 +24,10 @@ Per prompt length and side (interleaved, ``--repeat`` times, medians print):
   later tokens, which a colocated engine's decode steps match): aim <= 1.5x at 8k. It is
   the tail plus the first decode step (*1st step*).
 
-The outputs of both sides are checked equal.
+The outputs of every side are checked equal.
 
 Run: python bench/bench_chunked_handoff.py [--model tiny] [--lengths 2048 8192 16384]
-[--transport grpc]
+[--transport grpc] [--final-chunk 64]
 (smollm2 serves 8,192 positions: --model smollm2 --lengths 2048 8064). ``--model gemma3``
 is a random Gemma 3 saved by transformers (tiny's width; five windowed layers of 512 tokens
 to one global, as Gemma 3 has): its windowed groups offer only the window's blocks.
@@ -111,10 +116,11 @@ def _prefill_main(args: dict[str, Any], conn: Any) -> None:
         if command == "stop":
             engine.shutdown()
             return
-        request_id, prompt, chunked = rest
+        request_id, prompt, (chunked, final_chunk_tokens) = rest
         while not engine.kv_cache_manager.reset_prefix_cache():  # each run starts cold
             engine.step()  # a lease the decode side released frees its blocks
         connector.config.chunked_handoff = chunked
+        connector.config.final_chunk_tokens = final_chunk_tokens
         greedy = SamplingParams(max_tokens=1, temperature=0.0)  # as the decode side samples
         engine.add_request(request_id, prompt, greedy, remote_decode=True)
         done = False
@@ -133,6 +139,7 @@ def _prefill_main(args: dict[str, Any], conn: Any) -> None:
 
 @dataclass
 class Run:
+    prefill_s: float  # from the prefill's command to its last chunk's end (TTFT's part)
     tail_s: float
     second_token_s: float
     first_step_s: float  # the decode step that emits the second token
@@ -143,17 +150,27 @@ class Run:
     tokens: list[int]
 
 
+@dataclass(frozen=True)
+class Side:
+    """One way to hand a prompt off: offers or not, and how short its last chunk is."""
+
+    name: str
+    chunked: bool
+    final_chunk_tokens: int = 0
+
+
 def _run_one(
     conn: Any,
     child: Any,
     decode: LLMEngine,
     request_id: str,
     prompt: list[int],
-    chunked: bool,
+    side: Side,
     num_tokens: int,
 ) -> Run:
     assert decode.kv_cache_manager.reset_prefix_cache()  # each run starts cold
-    conn.send(("prefill", request_id, prompt, chunked))
+    sent_at = time.perf_counter()
+    conn.send(("prefill", request_id, prompt, (side.chunked, side.final_chunk_tokens)))
     in_flight: str | None = None
     waiting: KVTransferParams | None = None
     offer_pulls: list[float] = []
@@ -207,6 +224,7 @@ def _run_one(
     gaps = [b - a for a, b in zip(emitted[1:], emitted[2:])]
     assert output.kv_provenance is not None and first_step_at is not None
     return Run(
+        prefill_s=ended_at - sent_at,
         tail_s=first_step_at - ended_at,
         second_token_s=emitted[0] - ended_at,
         first_step_s=first_step_s,
@@ -218,12 +236,13 @@ def _run_one(
     )
 
 
-def _row(length: int, chunked: bool, runs: list[Run]) -> str:
+def _row(length: int, side: Side, runs: list[Run]) -> str:
     def median(figure) -> float:
         return statistics.median(figure(run) for run in runs)
 
     return (
-        f"{length:>7} {'offers' if chunked else 'at end':>9} "
+        f"{length:>7} {side.name:>10} "
+        f"{1e3 * median(lambda r: r.prefill_s):>10.1f} "
         f"{1e3 * median(lambda r: r.tail_s):>9.1f} "
         f"{1e3 * median(lambda r: r.second_token_s):>10.1f} "
         f"{1e3 * median(lambda r: r.first_step_s):>10.1f} "
@@ -242,6 +261,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=12)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--transport", choices=["grpc", "nixl"], default="grpc")
+    parser.add_argument(
+        "--final-chunk",
+        type=int,
+        default=KVConnectorConfig(role="producer").final_chunk_tokens,
+        help="the short last chunk's tokens (final_chunk_tokens) of the third side",
+    )
     cli = parser.parse_args()
     import torch
 
@@ -278,28 +303,37 @@ def main() -> None:
         f"model {cli.model}, chunks of {cli.chunk} tokens, {BLOCK_SIZE}-token blocks, {cli.transport}, 1 thread per engine"
     )
     print(
-        f"{'prompt':>7} {'side':>9} {'tail ms':>9} {'2nd tok ms':>10} {'1st step':>10} {'ITL ms':>7} {'2nd/ITL':>7} "
+        f"{'prompt':>7} {'side':>10} {'prefill ms':>10} {'tail ms':>9} {'2nd tok ms':>10} {'1st step':>10} {'ITL ms':>7} {'2nd/ITL':>7} "
         f"{'blocks after':>12} {'chunk pull ms':>13} {'offers':>6}"
+    )
+    sides = (
+        Side("at end", chunked=False),
+        Side("offers", chunked=True),
+        Side("short end", chunked=True, final_chunk_tokens=cli.final_chunk),
     )
     serial = 0
     for length in cli.lengths:
-        runs: dict[bool, list[Run]] = {True: [], False: []}
+        runs: dict[Side, list[Run]] = {side: [] for side in sides}
         for repetition in range(cli.repeat):
             prompt = [(repetition * 7919 + 31 * i) % (vocab - 1) + 1 for i in range(length)]
-            for chunked in (True, False) if repetition % 2 == 0 else (False, True):
+            for side in sides if repetition % 2 == 0 else sides[::-1]:
                 serial += 1
-                runs[chunked].append(
-                    _run_one(conn, child, decode, f"r{serial}", prompt, chunked, cli.tokens)
+                runs[side].append(
+                    _run_one(conn, child, decode, f"r{serial}", prompt, side, cli.tokens)
                 )
-            # The same prompt both ways, each from a cold cache: the same tokens.
-            assert runs[True][-1].tokens == runs[False][-1].tokens, (
-                runs[True][-1].tokens,
-                runs[False][-1].tokens,
-            )
-        for chunked in (False, True):
-            print(_row(length, chunked, runs[chunked]))
-        ratio = statistics.median(a.tail_s / b.tail_s for a, b in zip(runs[True], runs[False]))
-        print(f"{length:>7} tail with offers / at end: {ratio:.2f}x")
+            # The same prompt every way, each from a cold cache: the same tokens.
+            tokens = {side.name: runs[side][-1].tokens for side in sides}
+            assert len({tuple(t) for t in tokens.values()}) == 1, tokens
+        for side in sides:
+            print(_row(length, side, runs[side]))
+        at_end, offers, short_end = (runs[side] for side in sides)
+        for name, after, before in (
+            ("offers / at end", offers, at_end),
+            ("short end / offers", short_end, offers),
+        ):
+            tail = statistics.median(a.tail_s / b.tail_s for a, b in zip(after, before))
+            prefill = statistics.median(a.prefill_s / b.prefill_s for a, b in zip(after, before))
+            print(f"{length:>7} {name}: tail {tail:.2f}x, prefill {prefill:.3f}x")
     conn.send(("stop",))
     child.join(30)
     decode.shutdown()

@@ -178,6 +178,12 @@ class KVConnectorBase(ABC):
         nothing); the scheduler pins the offer's blocks while its lease names them."""
         return None
 
+    def final_chunk_tokens(self, request: Request) -> int:
+        """The most tokens the last chunk of ``request``'s prompt may hold when the prompt
+        runs in several chunks, so the hand-off after it is short; 0 (the default): the
+        scheduler's usual chunk."""
+        return 0
+
     def complete_transfer_params(self, params: KVTransferParams) -> KVTransferParams:
         """The hand-off ``request_finished`` returned, made whole before it leaves the worker.
 

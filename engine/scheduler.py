@@ -167,8 +167,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new_tokens = self._chunk_size(
-                request.num_tokens - request.num_computed_tokens, budget
+            num_new_tokens = self._leave_final_chunk(
+                request,
+                self._chunk_size(request.num_tokens - request.num_computed_tokens, budget),
             )
             room = self._draft_room(request, num_new_tokens, budget)
             drafts = planned.get(request.request_id, [])[:room]
@@ -323,6 +324,25 @@ class Scheduler:
         if self.long_prefill_token_threshold:
             num_tokens = min(num_tokens, self.long_prefill_token_threshold)
         return num_tokens
+
+    def _leave_final_chunk(self, request: Request, num_new_tokens: int) -> int:
+        """This step's tokens of a prompt already running in chunks, cut short of its end
+        where the connector wants a short last chunk (a chunk-wise hand-off's tail):
+
+            prompt:  | computed | this step ........ | final chunk |
+                                ^ num_computed      ^ boundary    ^ num_prompt_tokens
+
+        ``boundary`` is a block edge at most ``final_chunk_tokens`` from the prompt's end,
+        so every block before it is full, offered and pulled while the final chunk computes,
+        and the hand-off after it moves only the final chunk's blocks. A prompt admitted
+        whole (its rest fit one chunk) is never cut: the cut pays off only where the chunk
+        before it has a pull to hide."""
+        final = self.connector.final_chunk_tokens(request) if self.connector else 0
+        num_computed = request.num_computed_tokens
+        if not final or num_computed + num_new_tokens < request.num_prompt_tokens:
+            return num_new_tokens
+        boundary = -(-(request.num_prompt_tokens - final) // self.block_size) * self.block_size
+        return boundary - num_computed if boundary > num_computed else num_new_tokens
 
     def _draft_room(
         self, request: Request, num_new_tokens: int, budget: int, num_new_computed: int = 0

@@ -133,6 +133,9 @@ class TieredConnector(KVConnectorBase):
     ) -> KVTransferParams | None:
         return self.pd.offer_computed_blocks(request, block_ids)
 
+    def final_chunk_tokens(self, request: Request) -> int:
+        return self.pd.final_chunk_tokens(request)
+
     def complete_transfer_params(self, params: KVTransferParams) -> KVTransferParams:
         return self.pd.complete_transfer_params(params)
 

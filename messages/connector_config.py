@@ -57,6 +57,11 @@ class KVConnectorConfig:
     """A producer offers each prefill chunk's full blocks as soon as they are computed, so the
     consumer pulls them while later chunks compute; the final hand-off then moves only the
     last chunk's. Off: every block moves after the whole prompt is prefilled."""
+    final_chunk_tokens: int = 64
+    """With chunked_handoff, a producer ends a prompt that runs in several chunks with a
+    chunk of at most this many tokens (its whole blocks and the partial one): the hand-off
+    after it pulls only those blocks, and the chunk before it moves while it computes. It
+    costs the prefill one more (short) step; 0 keeps the scheduler's last chunk."""
 
     def __post_init__(self) -> None:
         if self.role not in ("producer", "consumer"):
@@ -73,6 +78,11 @@ class KVConnectorConfig:
             raise ValueError("lease_ttl_s and transfer_timeout_s must be positive")
         if self.min_transfer_rate_bytes_per_s <= 0:
             raise ValueError("min_transfer_rate_bytes_per_s must be positive")
+        if self.final_chunk_tokens < 0:
+            raise ValueError(
+                f"final_chunk_tokens must be >= 0 (0: no short last chunk), "
+                f"got {self.final_chunk_tokens}"
+            )
         if self.grpc_streams < 0:
             raise ValueError(f"grpc_streams must be >= 0 (0: by cores), got {self.grpc_streams}")
 

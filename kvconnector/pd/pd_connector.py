@@ -247,6 +247,13 @@ class PDConnector(KVConnectorBase):
             lease, offered, hashes, num_blocks * self._block_size, request, len(block_ids)
         )
 
+    def final_chunk_tokens(self, request: Request) -> int:
+        """A prompt handed off chunk-wise ends with a short chunk: the blocks before it move
+        while it computes, and only its own are left for the hand-off's tail."""
+        if self.config.role != "producer" or not self.config.chunked_handoff:
+            return 0
+        return self.config.final_chunk_tokens if request.remote_decode else 0
+
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, KVTransferParams | None]:

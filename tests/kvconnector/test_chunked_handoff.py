@@ -4,7 +4,8 @@ transfer service on 127.0.0.1) whose prompt is prefilled in chunks, and a decode
 and NIXL.
 
 What it proves: the decode engine's output equals a colocated engine's token for token
-(greedy and seeded); the final hand-off pulls only the blocks no offer brought; a prefill
+(greedy and seeded); the final hand-off pulls only the blocks no offer brought, one block
+where the prompt's last chunk is cut short (``final_chunk_tokens``); a prefill
 preempted after its offers resumes from the blocks they named (the lease pins them), also when its offer is checksummed late; a
 prompt that ends at its first token, or a full decode pool, leaves nothing held on either
 side.
@@ -36,9 +37,16 @@ BLOCK_SIZE = ENGINE_KWARGS["block_size"]
 CHUNK = 64  # tokens per prefill step: a 200-token prompt takes four
 
 
-def make_prefill_engine(transport: str, model: str = "tiny", **overrides: object) -> LLMEngine:
+def make_prefill_engine(
+    transport: str, model: str = "tiny", final_chunk_tokens: int = 64, **overrides: object
+) -> LLMEngine:
     connector = PDConnector(
-        KVConnectorConfig(role="producer", transport=transport, allow_insecure=True),
+        KVConnectorConfig(
+            role="producer",
+            transport=transport,
+            allow_insecure=True,
+            final_chunk_tokens=final_chunk_tokens,
+        ),
         engine_id="prefill-0",
         hash_algorithm="xxh3_128",
         hash_seed=0,
@@ -197,6 +205,52 @@ def test_offers_are_pulled_while_prefilling_and_the_output_equals_colocated(
         assert transfer.num_failed_transfers == 0
         wait_prefill_idle(prefill)
         assert_decode_idle(decode)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_short_final_chunk_leaves_one_block_for_the_hand_off(
+    transport: str, colocated: LLMEngine
+) -> None:
+    """240 tokens in chunks of 64 would end with a 48-token chunk (three blocks after the
+    prefill); ``final_chunk_tokens=16`` cuts it at token 224, so the chunk before moves as an
+    offer and the hand-off pulls one block. The colocated engine's chunks end at 240 and
+    the tokens are the same."""
+    prefill = make_prefill_engine(transport, final_chunk_tokens=16)
+    decode = make_decode_engine(transport)
+    try:
+        prompt = [(11 * i + 2) % 256 for i in range(240)]
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        handoff = prefill_chunkwise(prefill, decode, "r0", prompt, params)
+        assert [o.num_tokens for o in handoff.offers] == [64, 128, 192, 224]
+        final = handoff.first.kv_transfer_params
+        assert final is not None and final.final and final.num_tokens == 240
+        output = decode_equals_colocated(prefill, decode, colocated, "r0", prompt, params, final)
+        assert output.kv_provenance.num_pulled_early_tokens == 224
+        assert output.kv_provenance.num_blocks_pulled == 1
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_a_prompt_admitted_whole_is_not_cut(colocated: LLMEngine) -> None:
+    """A prompt whose rest fits one chunk runs in one step: no offer, no extra step. (A
+    negative ``final_chunk_tokens`` is refused.)"""
+    with pytest.raises(ValueError, match="final_chunk_tokens"):
+        KVConnectorConfig(role="producer", final_chunk_tokens=-1)
+    prefill = make_prefill_engine("grpc", final_chunk_tokens=16, max_num_batched_tokens=256)
+    decode = make_decode_engine()
+    try:
+        prompt = [(3 * i + 5) % 256 for i in range(200)]
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        handoff = prefill_chunkwise(prefill, decode, "r0", prompt, params)
+        assert handoff.offers == []
+        output = decode_equals_colocated(
+            prefill, decode, colocated, "r0", prompt, params, handoff.first.kv_transfer_params
+        )
+        assert output.kv_provenance.num_blocks_pulled == 13
     finally:
         prefill.shutdown()
         decode.shutdown()
