@@ -38,14 +38,14 @@ CHUNK = 64  # tokens per prefill step: a 200-token prompt takes four
 
 
 def make_prefill_engine(
-    transport: str, model: str = "tiny", final_chunk_tokens: int = 64, **overrides: object
+    transport: str = "grpc",
+    model: str = "tiny",
+    connector_options: dict[str, object] | None = None,
+    **overrides: object,
 ) -> LLMEngine:
     connector = PDConnector(
         KVConnectorConfig(
-            role="producer",
-            transport=transport,
-            allow_insecure=True,
-            final_chunk_tokens=final_chunk_tokens,
+            role="producer", transport=transport, allow_insecure=True, **(connector_options or {})
         ),
         engine_id="prefill-0",
         hash_algorithm="xxh3_128",
@@ -217,8 +217,10 @@ def test_a_short_final_chunk_leaves_one_block_for_the_hand_off(
     """240 tokens in chunks of 64 would end with a 48-token chunk (three blocks after the
     prefill); ``final_chunk_tokens=16`` cuts it at token 224, so the chunk before moves as an
     offer and the hand-off pulls one block. The colocated engine's chunks end at 240 and
-    the tokens are the same."""
-    prefill = make_prefill_engine(transport, final_chunk_tokens=16)
+    the tokens are the same. (A negative ``final_chunk_tokens`` is refused.)"""
+    with pytest.raises(ValueError, match="final_chunk_tokens"):
+        KVConnectorConfig(role="producer", final_chunk_tokens=-1)
+    prefill = make_prefill_engine(transport, connector_options={"final_chunk_tokens": 16})
     decode = make_decode_engine(transport)
     try:
         prompt = [(11 * i + 2) % 256 for i in range(240)]
@@ -235,40 +237,19 @@ def test_a_short_final_chunk_leaves_one_block_for_the_hand_off(
         decode.shutdown()
 
 
-def test_a_prompt_admitted_whole_is_not_cut(colocated: LLMEngine) -> None:
-    """A prompt whose rest fits one chunk runs in one step: no offer, no extra step. (A
-    negative ``final_chunk_tokens`` is refused.)"""
-    with pytest.raises(ValueError, match="final_chunk_tokens"):
-        KVConnectorConfig(role="producer", final_chunk_tokens=-1)
-    prefill = make_prefill_engine("grpc", final_chunk_tokens=16, max_num_batched_tokens=256)
-    decode = make_decode_engine()
-    try:
-        prompt = [(3 * i + 5) % 256 for i in range(200)]
-        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-        handoff = prefill_chunkwise(prefill, decode, "r0", prompt, params)
-        assert handoff.offers == []
-        output = decode_equals_colocated(
-            prefill, decode, colocated, "r0", prompt, params, handoff.first.kv_transfer_params
-        )
-        assert output.kv_provenance.num_blocks_pulled == 13
-    finally:
-        prefill.shutdown()
-        decode.shutdown()
-
-
-def test_offers_off_hand_off_the_whole_prompt_at_the_end(colocated: LLMEngine) -> None:
-    prefill = LLMEngine.from_pretrained(
-        "tiny",
-        connector=PDConnector(
-            KVConnectorConfig(role="producer", allow_insecure=True, chunked_handoff=False),
-            engine_id="prefill-0",
-            hash_algorithm="xxh3_128",
-            hash_seed=0,
-        ),
-        hash_seed=0,
-        engine_id="prefill-0",
-        **{**ENGINE_KWARGS, "max_num_batched_tokens": CHUNK},
-    )
+@pytest.mark.parametrize(
+    ("connector_options", "engine_options"),
+    [
+        ({"chunked_handoff": False}, {}),
+        # The prompt's rest fits one chunk when it is admitted: one step, never cut.
+        ({"final_chunk_tokens": 16}, {"max_num_batched_tokens": 256}),
+    ],
+    ids=["offers-off", "admitted-whole"],
+)
+def test_without_offers_the_whole_prompt_is_handed_off_at_the_end(
+    connector_options: dict[str, object], engine_options: dict[str, object], colocated: LLMEngine
+) -> None:
+    prefill = make_prefill_engine(connector_options=connector_options, **engine_options)
     decode = make_decode_engine()
     try:
         prompt = [(5 * i + 1) % 256 for i in range(200)]
