@@ -5,8 +5,10 @@ Each step has a token budget (``max_num_batched_tokens``) and a cap on running r
 cut into chunks that fit the budget, and into chunks of at most
 ``long_prefill_token_threshold`` tokens when that is set, vLLM's knob: one long prompt, such
 as a recompute fallback on a decode worker, then takes several short steps instead of one
-long one that stalls every running decode); then waiting requests are admitted in arrival order,
-each starting from its longest prefix-cache hit. When the pool runs out, the most recently
+long one that stalls every running decode; a prompt handed off chunk-wise ends with a
+chunk of at most the connector's ``final_chunk_tokens``, so the pull after it is short);
+then waiting requests are admitted in arrival order, each starting from its longest
+prefix-cache hit. When the pool runs out, the most recently
 admitted running request is preempted (its blocks freed, recomputed later mostly from the
 prefix cache), so a full pool slows requests down but never deadlocks.
 
