@@ -10,6 +10,10 @@ Worker-to-worker KV plane: a decode worker pulls KV blocks from a prefill worker
   ── RenewLease(lease) ──────────────────▶  pushes the lease's expiry out
   ── Release(lease) ─────────────────────▶  blocks may be freed once no read holds them
 
+A hand-off's last read sets `release_lease` instead of calling Release after it: the
+lease is released as the read begins and its blocks are freed when the read ends, with no
+round trip left over to run beside the decode worker's first step.
+
 The deployment secret, when configured, travels as the `x-pdserve-secret` metadata entry
 of every call, and the server compares it in constant time.
 """
@@ -188,7 +192,10 @@ class ReadBlocksRequest(_message.Message):
 
     LEASE_ID_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    RELEASE_LEASE_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
+    release_lease: _builtins.bool
+    """the lease's last read: release it once this read is served"""
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -196,10 +203,11 @@ class ReadBlocksRequest(_message.Message):
         *,
         lease_id: _builtins.str = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        release_lease: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "lease_id", b"lease_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "lease_id", b"lease_id", "release_lease", b"release_lease"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -236,8 +244,11 @@ class HoldRequest(_message.Message):
 
     LEASE_ID_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    RELEASE_LEASE_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
     """read from the first request only"""
+    release_lease: _builtins.bool
+    """the lease's last read: release it once the hold ends"""
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -245,10 +256,11 @@ class HoldRequest(_message.Message):
         *,
         lease_id: _builtins.str = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        release_lease: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "lease_id", b"lease_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "lease_id", b"lease_id", "release_lease", b"release_lease"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -10,6 +10,10 @@ Worker-to-worker KV plane: a decode worker pulls KV blocks from a prefill worker
   ── RenewLease(lease) ──────────────────▶  pushes the lease's expiry out
   ── Release(lease) ─────────────────────▶  blocks may be freed once no read holds them
 
+A hand-off's last read sets `release_lease` instead of calling Release after it: the
+lease is released as the read begins and its blocks are freed when the read ends, with no
+round trip left over to run beside the decode worker's first step.
+
 The deployment secret, when configured, travels as the `x-pdserve-secret` metadata entry
 of every call, and the server compares it in constant time.
 """

@@ -3,7 +3,8 @@
 A lease pins a request's blocks until the decode side releases it or it expires (the decode
 side renews it while pulling). Whatever happens to the lease, a block is never freed while a
 transfer still reads it: reads in flight are counted, and a released or expired lease becomes
-freeable only when that count drops to zero.
+freeable only when that count drops to zero. A hand-off's last read releases the lease
+as it begins (``begin_read(release=True)``), so its blocks are freed as that read ends.
 
     grant ──▶ ACTIVE ──release──▶ RELEASED ─┐
                 │ ▲                          ├─ reads_in_flight == 0 ──▶ take_freeable() → freed
@@ -213,11 +214,13 @@ class LeaseTable:
             if entry is None:
                 raise UnknownLeaseError(f"lease {lease_id!r} is unknown or already freed")
             if entry.state is LeaseState.ACTIVE:
-                entry.state = LeaseState.RELEASED
-                self._ended.add(lease_id)
+                self._release(lease_id, entry)
 
-    def begin_read(self, lease_id: str, block_ids: Sequence[int]) -> Lease:
-        """Start serving a read of ``block_ids``; they stay allocated until ``end_read``."""
+    def begin_read(self, lease_id: str, block_ids: Sequence[int], release: bool = False) -> Lease:
+        """Start serving a read of ``block_ids``; they stay allocated until ``end_read``.
+
+        ``release``: the lease's last read (a hand-off's final pull) releases it here, so its
+        blocks are freed as this read ends, without a separate release round trip."""
         with self._lock:
             entry = self._active_entry(lease_id, self._clock())
             outside = [b for b in block_ids if b not in entry.block_id_set]
@@ -238,6 +241,8 @@ class LeaseTable:
                     f"{len(set(block_ids))} distinct ones; name each block once"
                 )
             entry.reads_in_flight += 1
+            if release:
+                self._release(lease_id, entry)
             return entry.lease
 
     def end_read(self, lease_id: str) -> None:
@@ -285,6 +290,10 @@ class LeaseTable:
                 "its blocks may already be freed, recompute them"
             )
         return entry
+
+    def _release(self, lease_id: str, entry: _LeaseEntry) -> None:
+        entry.state = LeaseState.RELEASED
+        self._ended.add(lease_id)
 
     def _expire(self, lease_id: str, entry: _LeaseEntry) -> None:
         entry.state = LeaseState.EXPIRED

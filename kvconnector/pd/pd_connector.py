@@ -397,14 +397,17 @@ class PDConnector(KVConnectorBase):
     def _pull(self, load: LoadSpec) -> None:
         """One request's pull on a transfer thread; always reports the load done.
 
-        The load is reported before the lease is released: the release is a round trip the
-        engine need not wait for (a lost release only lets the lease expire).
+        A hand-off's read releases its lease itself where the transport can (one stream, or
+        a NIXL hold). Otherwise the load is reported before the lease is released: the
+        release is a round trip the engine need not wait for (a lost release only lets the
+        lease expire), though it runs beside the engine's next step.
         """
         failed: list[int] = list(load.local_block_ids)
         error_message: str | None = None
         started = time.perf_counter()
         summary: PullSummary | None = None
         peer: PeerInfo | None = None
+        released = False
         try:
             peer = self._peer(load.params)
             handshake_s = time.perf_counter() - started
@@ -422,7 +425,9 @@ class PDConnector(KVConnectorBase):
                 load.remote_block_ids,
                 load.local_block_ids,
                 load.expected_checksums,
+                release_lease=load.params.final,
             )
+            released = result.lease_released
             failed = result.failed_block_ids
             if not load.params.final:
                 self.stats.record_received_early(len(result.ok_block_ids))
@@ -451,7 +456,8 @@ class PDConnector(KVConnectorBase):
                 error_message,
                 summary or PullSummary(0, 0, time.perf_counter() - started),
             )
-            if peer is not None and load.params.final:  # an unanswered handshake holds no read
+            # An unanswered handshake holds no read; a final read released its lease itself.
+            if peer is not None and load.params.final and not released:
                 self._release_remote(load.params, peer)
 
     def _renew_if_expiring(self, peer: PeerInfo, params: KVTransferParams) -> None:

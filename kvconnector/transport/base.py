@@ -5,9 +5,9 @@ runs a client over its own KV tensor and pulls pages into blocks it has allocate
 
     decode client                                prefill server
     handshake(address) ───── layouts, agent ───▶ (refuses nothing; the client checks layouts)
-    read_blocks(peer, lease, remote ids, local ids, checksums)
+    read_blocks(peer, lease, remote ids, local ids, checksums[, release_lease])
                        ◀──── pages of remote ids land in local ids, then are verified
-    renew(peer, lease) / release(peer, lease)
+    renew(peer, lease) / release(peer, lease)   (a last read's release_lease saves the latter)
 
 Every call carries a deadline, so a dead or stalled peer ends in ``TransferError`` instead of
 a hang. A page is used only if its xxh3_64 equals the checksum the prefill side gave at lease
@@ -49,6 +49,7 @@ class ReadResult:
     failed_block_ids: list[int]
     num_bytes: int
     duration_s: float
+    lease_released: bool = False  # the read released its lease (``release_lease``)
 
 
 class KVTransferServer(ABC):
@@ -79,8 +80,13 @@ class KVTransferClient(ABC):
         remote_block_ids: Sequence[int],
         local_block_ids: Sequence[int],
         expected_checksums: Sequence[int],
+        release_lease: bool = False,
     ) -> ReadResult:
-        """Copy remote page ``remote_block_ids[i]`` into local ``local_block_ids[i]``."""
+        """Copy remote page ``remote_block_ids[i]`` into local ``local_block_ids[i]``.
+
+        ``release_lease``: this is the lease's last read (a hand-off's final pull); the
+        read releases the lease where one call carries it all (``lease_released`` says),
+        so no ``release`` round trip runs beside the decode worker's next step."""
 
     @abstractmethod
     def renew(self, peer: PeerInfo, lease_id: str) -> float:

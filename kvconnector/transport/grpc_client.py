@@ -139,6 +139,7 @@ class GrpcTransferClient(KVTransferClient):
         remote_block_ids: Sequence[int],
         local_block_ids: Sequence[int],
         expected_checksums: Sequence[int],
+        release_lease: bool = False,
     ) -> ReadResult:
         check_read_arguments(
             remote_block_ids, local_block_ids, expected_checksums, self._num_blocks
@@ -156,14 +157,30 @@ class GrpcTransferClient(KVTransferClient):
                 for index, ids in enumerate(cuts)
             ]
         )
+        # One stream releases the lease with its read. Stripes are reads of their own (one
+        # could begin after another ended and freed the blocks): the caller releases then.
+        release_with_read = release_lease and len(stripes) == 1
         pending = [
             self._stripe_pullers.submit(
-                self._pull_stripe, peer.address, lease_id, *stripe, expected_of_local, deadline_s
+                self._pull_stripe,
+                peer.address,
+                lease_id,
+                *stripe,
+                expected_of_local,
+                deadline_s,
+                release_with_read,
             )
             for stripe in stripes[1:]
         ]
         pulls = [
-            self._pull_stripe(peer.address, lease_id, *stripes[0], expected_of_local, deadline_s)
+            self._pull_stripe(
+                peer.address,
+                lease_id,
+                *stripes[0],
+                expected_of_local,
+                deadline_s,
+                release_with_read,
+            )
         ]
         pulls += [stripe.result() for stripe in pending]  # none writes pages once this returns
         landed = set().union(*(pull.landed for pull in pulls))
@@ -184,7 +201,11 @@ class GrpcTransferClient(KVTransferClient):
         num_bytes = len(landed) * self._layout.page_bytes
         self.stats.record_transfer(len(ok), len(failed), num_bytes, duration_s, peer.address)
         return ReadResult(
-            ok_block_ids=ok, failed_block_ids=failed, num_bytes=num_bytes, duration_s=duration_s
+            ok_block_ids=ok,
+            failed_block_ids=failed,
+            num_bytes=num_bytes,
+            duration_s=duration_s,
+            lease_released=release_with_read,
         )
 
     def _pull_stripe(
@@ -195,11 +216,14 @@ class GrpcTransferClient(KVTransferClient):
         local_of_remote: dict[int, int],
         expected_of_local: dict[int, int],
         deadline_s: float,
+        release_lease: bool,
     ) -> _Stripe:
         """Pulls the blocks of ``local_of_remote`` (remote id to local id) on the stream of
         ``stripe``, landing and verifying each message as it arrives."""
         result = _Stripe()
-        request = pb.ReadBlocksRequest(lease_id=lease_id, block_ids=list(local_of_remote))
+        request = pb.ReadBlocksRequest(
+            lease_id=lease_id, block_ids=list(local_of_remote), release_lease=release_lease
+        )
 
         def pull(_: pb_grpc.KvTransferStub) -> None:
             stream = self._read_blocks_stream(address, stripe)
@@ -249,7 +273,7 @@ class GrpcTransferClient(KVTransferClient):
 
     @contextlib.contextmanager
     def hold_blocks(
-        self, peer: PeerInfo, lease_id: str, block_ids: Sequence[int]
+        self, peer: PeerInfo, lease_id: str, block_ids: Sequence[int], release_lease: bool = False
     ) -> Iterator[Callable[[], None]]:
         """Keep the peer from freeing ``block_ids`` until the ``with`` body exits.
 
@@ -260,14 +284,17 @@ class GrpcTransferClient(KVTransferClient):
         not under it). Data read before ``confirm()`` returns is good only if it does
         return: a lease never becomes active again once ended, so a hold granted after a
         read began means the blocks were never freed during it. The hold ends when the body
-        exits, or when this process dies (the call breaks).
+        exits, or when this process dies (the call breaks). ``release_lease``: the lease's
+        last read; the peer releases it as the hold begins and frees its blocks as it ends.
         """
         done = threading.Event()
         opened: list[grpc.Call] = []
         abandoned = threading.Lock()  # taken by the body's exit; checked before opening
 
         def requests() -> Iterator[pb.HoldRequest]:
-            yield pb.HoldRequest(lease_id=lease_id, block_ids=block_ids)
+            yield pb.HoldRequest(
+                lease_id=lease_id, block_ids=block_ids, release_lease=release_lease
+            )
             done.wait()
 
         def open_and_await_held() -> None:

@@ -12,6 +12,9 @@ message into its destination page with numpy (twice as fast as ``Tensor.copy_``)
             ◀── BlockChunk([3 4],   pages 3, 4)
     copy into local pages, verify xxh3   end_read(lease)           blocks freeable again
 
+A hand-off's last read sets ``release_lease``: ``begin_read`` releases the lease, so its
+blocks are freed as the read ends, and no ``Release`` call follows it.
+
 ``ReadBlocks`` messages are encoded and decoded by ``block_chunk`` rather than by protobuf,
 which would copy each message's pages three more times; the wire format is the proto's.
 
@@ -161,14 +164,14 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
     ) -> Iterator[bytes]:
         """Yields encoded ``BlockChunk`` messages (see ``block_chunk``)."""
         self._authorize(context)
-        block_ids = list(request.block_ids)
         with self._data_call(context):
-            yield from self._stream_pages(request.lease_id, block_ids, context)
+            yield from self._stream_pages(request, context)
 
     def _stream_pages(
-        self, lease_id: str, block_ids: list[int], context: grpc.ServicerContext
+        self, request: pb.ReadBlocksRequest, context: grpc.ServicerContext
     ) -> Iterator[bytes]:
-        self._begin_read(lease_id, block_ids, context)
+        lease_id, block_ids = request.lease_id, list(request.block_ids)
+        self._begin_read(lease_id, block_ids, request.release_lease, context)
         try:
             for start in range(0, len(block_ids), self._blocks_per_message):
                 chunk_ids = block_ids[start : start + self._blocks_per_message]
@@ -191,7 +194,7 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
         first = next(request_iterator, None)
         if first is None:
             return
-        self._begin_read(first.lease_id, list(first.block_ids), context)
+        self._begin_read(first.lease_id, list(first.block_ids), first.release_lease, context)
         # A hold lasts until the client half-closes, is cancelled, dies or passes its deadline,
         # and never longer than a lease's TTL: a peer that sets no deadline and never
         # half-closes would otherwise pin the blocks for good.
@@ -258,10 +261,14 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
         return encode_block_chunk(block_ids, pages)
 
     def _begin_read(
-        self, lease_id: str, block_ids: list[int], context: grpc.ServicerContext
+        self,
+        lease_id: str,
+        block_ids: list[int],
+        release_lease: bool,
+        context: grpc.ServicerContext,
     ) -> None:
         with self._lease_errors_to_status(context, lease_id):
-            self._leases.begin_read(lease_id, block_ids)
+            self._leases.begin_read(lease_id, block_ids, release=release_lease)
 
     @staticmethod
     @contextlib.contextmanager

@@ -367,6 +367,7 @@ class NixlTransferClient(KVTransferClient):
         remote_block_ids: Sequence[int],
         local_block_ids: Sequence[int],
         expected_checksums: Sequence[int],
+        release_lease: bool = False,
     ) -> ReadResult:
         check_read_arguments(
             remote_block_ids, local_block_ids, expected_checksums, self.endpoint.num_blocks
@@ -383,7 +384,9 @@ class NixlTransferClient(KVTransferClient):
         ok: list[int] = []
         failed: list[int] = []
         try:
-            with self.control.hold_blocks(peer, lease_id, remote_block_ids) as confirm_held:
+            with self.control.hold_blocks(
+                peer, lease_id, remote_block_ids, release_lease
+            ) as confirm_held:
                 for start in range(0, len(local_block_ids), self._blocks_per_segment):
                     end = start + self._blocks_per_segment
                     self._read(
@@ -408,7 +411,11 @@ class NixlTransferClient(KVTransferClient):
         num_bytes = len(local_block_ids) * self.endpoint.layout.page_bytes
         self.stats.record_transfer(len(ok), len(failed), num_bytes, duration_s, peer.address)
         return ReadResult(
-            ok_block_ids=ok, failed_block_ids=failed, num_bytes=num_bytes, duration_s=duration_s
+            ok_block_ids=ok,
+            failed_block_ids=failed,
+            num_bytes=num_bytes,
+            duration_s=duration_s,
+            lease_released=release_lease,
         )
 
     def _verify(

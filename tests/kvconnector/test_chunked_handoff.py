@@ -212,16 +212,27 @@ def test_offers_are_pulled_while_prefilling_and_the_output_equals_colocated(
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_short_final_chunk_leaves_one_block_for_the_hand_off(
-    transport: str, colocated: LLMEngine
+    transport: str, colocated: LLMEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """240 tokens in chunks of 64 would end with a 48-token chunk (three blocks after the
     prefill); ``final_chunk_tokens=16`` cuts it at token 224, so the chunk before moves as an
     offer and the hand-off pulls one block. The colocated engine's chunks end at 240 and
-    the tokens are the same. (A negative ``final_chunk_tokens`` is refused.)"""
+    the tokens are the same. The hand-off's read releases the lease itself: no release
+    call follows it, and the prefill engine frees everything. (A negative
+    ``final_chunk_tokens`` is refused.)"""
     with pytest.raises(ValueError, match="final_chunk_tokens"):
         KVConnectorConfig(role="producer", final_chunk_tokens=-1)
     prefill = make_prefill_engine(transport, connector_options={"final_chunk_tokens": 16})
     decode = make_decode_engine(transport)
+    client = decode.connector._transfer_client
+    releases: list[str] = []
+    # A spy on the real client: records each release call, then makes it.
+    real_release = client.release
+    monkeypatch.setattr(
+        client,
+        "release",
+        lambda peer, lease_id: (releases.append(lease_id), real_release(peer, lease_id)),
+    )
     try:
         prompt = [(11 * i + 2) % 256 for i in range(240)]
         params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -232,6 +243,7 @@ def test_a_short_final_chunk_leaves_one_block_for_the_hand_off(
         output = decode_equals_colocated(prefill, decode, colocated, "r0", prompt, params, final)
         assert output.kv_provenance.num_pulled_early_tokens == 224
         assert output.kv_provenance.num_blocks_pulled == 1
+        assert releases == []  # decode_equals_colocated saw the prefill engine idle
     finally:
         prefill.shutdown()
         decode.shutdown()

@@ -65,6 +65,19 @@ def test_release_while_a_read_is_in_flight_defers_freeing_until_end_read() -> No
     assert table.take_freeable() == ["req-1"]
 
 
+def test_a_last_read_releases_the_lease_as_it_begins_and_frees_it_as_it_ends() -> None:
+    table, _, _ = make_table()
+    lease = table.grant("req-1", [1, 2], [], [11, 22])
+    table.begin_read(lease.lease_id, [1, 2], release=True)
+    with pytest.raises(LeaseEndedError):
+        table.begin_read(lease.lease_id, [1])
+    assert table.take_freeable() == []
+    table.end_read(lease.lease_id)
+    assert table.take_freeable() == ["req-1"]
+    with pytest.raises(UnknownLeaseError):
+        table.release(lease.lease_id)
+
+
 def test_expiry_during_a_read_defers_freeing_until_end_read() -> None:
     table, clock, _ = make_table(ttl_s=1.0)
     lease = table.grant("req-1", [1], [], [11])

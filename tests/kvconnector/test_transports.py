@@ -62,6 +62,31 @@ def test_shuffled_blocks_land_byte_exact_in_other_local_blocks(start_peer, trans
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_last_read_releases_its_lease_itself(start_peer, transport) -> None:
+    """``release_lease``: the lease is released by the read (gRPC: its stream; NIXL: its
+    hold), freed once the read ends, and no later read is served from it."""
+    spec = PeerSpec(transport=transport)
+    peer = start_peer(spec)
+    local = torch.zeros_like(seeded_kv_cache(spec, num_blocks=NUM_LOCAL_BLOCKS))
+    client = make_client(spec, local)
+    info = client.handshake(peer.address)
+    remote_ids, local_ids = shuffled_pull(spec, 6)
+    lease_id, checksums = peer.grant(remote_ids)
+
+    result = client.read_blocks(
+        info, lease_id, remote_ids, local_ids, checksums, release_lease=True
+    )
+
+    assert result.lease_released and sorted(result.ok_block_ids) == sorted(local_ids)
+    assert torch.equal(pages(local, local_ids), pages(seeded_kv_cache(spec), remote_ids))
+    # A NIXL hold ends when the client half-closes it, which the read does not wait for.
+    assert wait_for(peer.take_freeable, deadline_s=30) == ["req-0"]
+    with pytest.raises(TransferError, match="NOT_FOUND"):
+        client.read_blocks(info, lease_id, remote_ids, local_ids, checksums)
+    client.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_block_corrupted_after_its_checksum_is_reported_failed_others_ok(
     start_peer, transport
 ) -> None:
@@ -163,7 +188,8 @@ def test_peer_killed_mid_transfer_fails_the_read_not_hangs(start_peer, transport
 
 def test_a_striped_pull_lands_each_stripe_on_its_own_connection(start_peer, monkeypatch) -> None:
     """Three streams, each its own connection, land their stripes byte-exact; a block
-    corrupted in one stripe fails alone."""
+    corrupted in one stripe fails alone. Stripes are reads of their own, so a last read
+    leaves its lease to the caller's release (one stripe must not free another's blocks)."""
     monkeypatch.setattr(grpc_client, "STRIPE_MIN_BYTES", 0)  # tiny's pages: stripe anyway
     remote_ids, local_ids = shuffled_pull(PeerSpec(), 40)
     # The second stripe (positions 14-27) holds the corrupt block.
@@ -174,7 +200,9 @@ def test_a_striped_pull_lands_each_stripe_on_its_own_connection(start_peer, monk
     info = client.handshake(peer.address)
     lease_id, checksums = peer.grant(remote_ids)
 
-    result = client.read_blocks(info, lease_id, remote_ids, local_ids, checksums)
+    result = client.read_blocks(
+        info, lease_id, remote_ids, local_ids, checksums, release_lease=True
+    )
 
     corrupt = local_ids[25]
     assert result.failed_block_ids == [corrupt]
@@ -185,6 +213,7 @@ def test_a_striped_pull_lands_each_stripe_on_its_own_connection(start_peer, monk
         pages(seeded_kv_cache(spec), [remote_ids[p] for p in intact]),
     )
     assert sorted(stripe for _, stripe in client._channels) == [0, 1, 2]
+    assert not result.lease_released and peer.take_freeable() == []
     client.release(info, lease_id)
     assert peer.take_freeable() == ["req-0"]  # every stripe's read ended on the peer
     client.close()
