@@ -372,10 +372,15 @@ class RequestOrchestrator:
             lost_id = run.prefill_id if attempt else None
             if attempt:
                 await asyncio.sleep(self.config.retry_backoff_s)  # let Serve see the dead replica
-            if run.local_decode_id is not None:
-                run.prefill_id = self.route("decode", run.block_hashes, fallback=lost_id)
-            else:
+            if run.local_decode_id is None:
                 run.prefill_id = self.route("prefill", run.block_hashes, fallback=lost_id)
+            elif attempt:  # the worker chosen was lost: the one now holding most of the prompt
+                run.local_decode_id = self.route(
+                    "decode", run.block_hashes, fallback=lost_id, by_prefix=True
+                )
+                run.prefill_id = run.local_decode_id
+            else:  # where decide_disaggregation found the prompt's KV (no await since)
+                run.prefill_id = run.local_decode_id
             if run.remote_decode:  # 503 now, before any token, when none is up
                 run.decode_id = self.route("decode", run.block_hashes)
             run.timeline.called("prefill", run.prefill_id)
@@ -505,12 +510,22 @@ class RequestOrchestrator:
 
     # ------------------------------------------------------------------ route, retry
 
-    def route(self, role: str, block_hashes: list[BlockHash], fallback: str | None = None) -> str:
+    def route(
+        self,
+        role: str,
+        block_hashes: list[BlockHash],
+        fallback: str | None = None,
+        by_prefix: bool = False,
+    ) -> str:
         """A worker of ``role`` by prefix and load; 503 when none is available, unless a
-        ``fallback`` is given: after a loss, the lost worker itself, which Serve restarts."""
+        ``fallback`` is given: after a loss, the lost worker itself, which Serve restarts.
+        A decode worker is picked by the blocks it holds (where a hand-off pulls least), or
+        ``by_prefix``, by the longest prefix it holds (where a request runs whole)."""
         try:
             if role == "prefill":
                 return self.router.pick_prefill(block_hashes).worker_id
+            if by_prefix:
+                return self.router.pick_decode_by_prefix(block_hashes).worker_id
             choice = self.router.pick_decode(block_hashes)
             if choice is None:  # a colocated deployment has no decode worker to route to
                 raise NoWorkerAvailable("decode")
