@@ -187,7 +187,7 @@ class BlockPool:
                         BlockRemoved([get_block_hash(key)], get_group_id(key))
                     )
             block.ref_cnt = 1
-            block.pulled_early = False
+            block.pulled_early_for = None
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:

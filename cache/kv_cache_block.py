@@ -31,10 +31,11 @@ class KVCacheBlock:
     `ref_cnt` is 0 (intrusive list: no node objects, O(1) removal). Equality is identity:
     comparing fields would walk the links.
 
-    `pulled_early`: its K/V was pulled for a request that has not arrived yet (a chunk-wise
-    hand-off's offer, cached under its hash). That request's hit on it is a transfer made
-    early, not a reuse of the cache; the flag goes when a request takes the block as a
-    hit, or when the block is reused.
+    `pulled_early_for`: the lease its K/V was pulled under for a request that has not
+    arrived yet (a chunk-wise hand-off's offer, cached under its hash). That request's hit
+    on it (its hand-off names the same lease) is a transfer made early, not a reuse of the
+    cache; any other request's is a hit like any. The mark goes when that request takes
+    the block, or when the block is reused.
     """
 
     block_id: int
@@ -43,7 +44,7 @@ class KVCacheBlock:
     prev_free_block: KVCacheBlock | None = None
     next_free_block: KVCacheBlock | None = None
     is_null: bool = False
-    pulled_early: bool = False
+    pulled_early_for: str | None = None
 
     def __repr__(self) -> str:
         prev_id = self.prev_free_block.block_id if self.prev_free_block else None
@@ -51,5 +52,5 @@ class KVCacheBlock:
         return (
             f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, "
             f"block_hash={self.block_hash!r}, prev_free_block={prev_id}, "
-            f"next_free_block={next_id}, is_null={self.is_null}, pulled_early={self.pulled_early})"
+            f"next_free_block={next_id}, is_null={self.is_null}, pulled_early_for={self.pulled_early_for})"
         )

@@ -276,24 +276,32 @@ class KVCacheManager:
         if self.enable_caching:
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
-    def mark_pulled_early(self, request: CacheRequest, start_token: int, end_token: int) -> None:
+    def mark_pulled_early(
+        self, request: CacheRequest, start_token: int, end_token: int, lease_id: str
+    ) -> None:
         """Marks the request's cached blocks of positions ``start_token`` to ``end_token``
-        as pulled for a request yet to come (a KV-only request's landed offer): that
-        request's hit on them is counted as an early pull, not a cache hit."""
+        as pulled under ``lease_id`` for a request yet to come (a KV-only request's landed
+        offer): the hit on them of the hand-off that names that lease is counted as an
+        early pull, not a cache hit. Keyed by the lease, not a flag: a hand-off that never
+        comes (the prompt ended at its first token, the client left, the prefill was
+        retried elsewhere) must not turn another request's hit into a transfer."""
         first, last = start_token // self.block_size, end_token // self.block_size
         for group in self.coordinator.get_blocks(request.request_id):
             for block in group[first:last]:
                 if block.block_hash is not None and not block.is_null:
-                    block.pulled_early = True
+                    block.pulled_early_for = lease_id
 
-    def take_pulled_early(self, blocks: KVCacheBlocks) -> int:
+    def take_pulled_early(self, blocks: KVCacheBlocks, lease_id: str | None) -> int:
         """The tokens of an admitted request's prefix hit ``blocks`` that earlier pulls
-        brought for it (``mark_pulled_early``); their flags go, so a later request's hit
-        on them is a cache hit like any."""
-        num_blocks = sum(block.pulled_early for block in blocks.blocks[0])
+        under its hand-off's lease ``lease_id`` brought for it (``mark_pulled_early``);
+        their marks go, so a later request's hit on them is a cache hit like any."""
+        if lease_id is None:
+            return 0
+        num_blocks = sum(block.pulled_early_for == lease_id for block in blocks.blocks[0])
         for group in blocks.blocks:
             for block in group:
-                block.pulled_early = False
+                if block.pulled_early_for == lease_id:
+                    block.pulled_early_for = None
         return num_blocks * self.block_size
 
     def remove_skipped_blocks(self, request: CacheRequest, num_computed_tokens: int) -> None:

@@ -304,7 +304,10 @@ class Scheduler:
         the pool before it came: a transfer made early, not a reuse of the cache."""
         if computed_blocks is None or request.kv_only:
             return 0
-        num_early = self.kv_cache_manager.take_pulled_early(computed_blocks)
+        params = request.kv_transfer_params
+        num_early = self.kv_cache_manager.take_pulled_early(
+            computed_blocks, params.lease_id if params is not None else None
+        )
         self.kv_cache_manager.record_prefix_cache_stats(request, num_local - num_early)
         return num_early
 
@@ -623,9 +626,13 @@ class Scheduler:
         request.num_computed_tokens = max(request.num_computed_tokens, num_loaded)
         if request.kv_only:
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-            self.kv_cache_manager.mark_pulled_early(  # the peer's part, past the tier's
-                request, num_before_load + request.num_tier_tokens, request.num_computed_tokens
-            )
+            if params is not None:  # an offer: its hand-off will name the same lease
+                self.kv_cache_manager.mark_pulled_early(  # the peer's part, past the tier's
+                    request,
+                    num_before_load + request.num_tier_tokens,
+                    request.num_computed_tokens,
+                    params.lease_id,
+                )
             self._end_kv_only(request)
             return
         request.status = RequestStatus.WAITING

@@ -204,10 +204,12 @@ def test_bad_arguments_are_value_errors():
         manager.allocate_slots(r, 1, 4, hit)
 
 
-def test_blocks_pulled_early_are_taken_once_and_forgotten_on_reuse():
-    """A KV-only request (an offer) lands 12 tokens (3 blocks) and frees them: the next
-    request's hit on them is an early pull, once; a third request's is a cache hit. A marked
-    block that is evicted and reused carries no mark."""
+def test_blocks_pulled_early_are_taken_once_by_their_hand_off_and_forgotten_on_reuse():
+    """A KV-only request (an offer under lease L1) lands 12 tokens (3 blocks) and frees
+    them. A request that names no lease, or another, hits them as a cache hit and leaves
+    the mark (the hand-off may still come); the hand-off naming L1 takes them as an early
+    pull, once; a later one is a cache hit. A marked block that is evicted and reused
+    carries no mark."""
     manager = make_manager(num_blocks=5)  # 4 usable blocks of 4 tokens
     offer = request("offer", list(range(13)))
     hit, num_hit_tokens = manager.get_computed_blocks(offer)
@@ -215,13 +217,15 @@ def test_blocks_pulled_early_are_taken_once_and_forgotten_on_reuse():
         offer, 0, num_hit_tokens, hit, num_external_computed_tokens=12, delay_cache_blocks=True
     )
     manager.cache_blocks(offer, 12)
-    manager.mark_pulled_early(offer, 0, 12)
+    manager.mark_pulled_early(offer, 0, 12, "L1")
     manager.free(offer)
-    first, second = request("hand-off", list(range(13))), request("again", list(range(13)))
-    hit, num_hit_tokens = manager.get_computed_blocks(first)
-    assert num_hit_tokens == 12 and manager.take_pulled_early(hit) == 12
-    hit, num_hit_tokens = manager.get_computed_blocks(second)
-    assert num_hit_tokens == 12 and manager.take_pulled_early(hit) == 0
+    hit, num_hit_tokens = manager.get_computed_blocks(request("local", list(range(13))))
+    assert num_hit_tokens == 12
+    assert manager.take_pulled_early(hit, None) == manager.take_pulled_early(hit, "L2") == 0
+    hit, num_hit_tokens = manager.get_computed_blocks(request("hand-off", list(range(13))))
+    assert num_hit_tokens == 12 and manager.take_pulled_early(hit, "L1") == 12
+    hit, num_hit_tokens = manager.get_computed_blocks(request("again", list(range(13))))
+    assert num_hit_tokens == 12 and manager.take_pulled_early(hit, "L1") == 0
 
     relanded = request("offer2", list(range(100, 113)))
     hit, num_hit_tokens = manager.get_computed_blocks(relanded)
@@ -229,11 +233,11 @@ def test_blocks_pulled_early_are_taken_once_and_forgotten_on_reuse():
         relanded, 0, 0, hit, num_external_computed_tokens=12, delay_cache_blocks=True
     )
     manager.cache_blocks(relanded, 12)
-    manager.mark_pulled_early(relanded, 0, 12)
+    manager.mark_pulled_early(relanded, 0, 12, "L3")
     manager.free(relanded)
     taker = request("fresh", list(range(200, 216)))  # takes every free block: evicts them all
     assert manager.allocate_slots(taker, 16) is not None
-    assert not any(block.pulled_early for block in manager.get_blocks("fresh").blocks[0])
+    assert all(block.pulled_early_for is None for block in manager.get_blocks("fresh").blocks[0])
 
 
 def test_pinned_blocks_outlive_their_request_until_unpinned_and_are_never_handed_out():

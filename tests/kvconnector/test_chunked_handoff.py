@@ -316,7 +316,9 @@ def test_a_prompt_ended_by_its_first_token_releases_the_offers_lease(
     colocated: LLMEngine,
 ) -> None:
     """Offers went out, then the first token is a stop: there is no hand-off, and the lease
-    the offers were under ends with the prefill (the decode side keeps only cache)."""
+    the offers were under ends with the prefill (the decode side keeps only cache). The
+    conversation's next turn, run whole on the decode engine, finds the offered blocks as
+    cache hits: no hand-off of its own pulled them."""
     prefill = make_prefill_engine("grpc")
     decode = make_decode_engine()
     try:
@@ -329,6 +331,14 @@ def test_a_prompt_ended_by_its_first_token_releases_the_offers_lease(
         assert handoff.first.kv_transfer_params is None
         wait_prefill_idle(prefill)
         assert_decode_idle(decode)
+        next_turn = prompt + [first_token] + [(5 * i + 1) % 256 for i in range(40)]
+        hits_before = decode.stats().prefix_cache_hits
+        (output,) = decode.generate([next_turn], [greedy])
+        offered = handoff.offers[-1].num_tokens
+        assert output.num_cached_tokens == offered
+        assert output.kv_provenance.num_cache_hit_tokens == offered
+        assert output.kv_provenance.num_pulled_early_tokens == 0
+        assert decode.stats().prefix_cache_hits - hits_before == offered
     finally:
         prefill.shutdown()
         decode.shutdown()
