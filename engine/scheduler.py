@@ -337,17 +337,19 @@ class Scheduler:
             prompt:  | computed | this step ........ | final chunk |
                                 ^ num_computed      ^ boundary    ^ num_prompt_tokens
 
-        ``boundary`` is a block edge at most ``final_chunk_tokens`` from the prompt's end,
-        so every block before it is full, offered and pulled while the final chunk computes,
-        and the hand-off after it moves only the final chunk's blocks. A prompt admitted
-        whole (its rest fit one chunk) is never cut: the cut pays off only where the chunk
-        before it has a pull to hide."""
+        ``boundary`` is the first block edge at most ``final_chunk_tokens`` from the prompt's
+        end, so every block before it is full, offered and pulled while the final chunk
+        computes, and the hand-off after it moves only the final chunk's blocks. Where no
+        edge lies that close (the prompt's partial last block is longer), or it lies in what
+        is computed already, the chunk is not cut. A prompt admitted whole (its rest fit one
+        chunk) is never cut: the cut pays off only where the chunk before it has a pull to
+        hide."""
         final = self.connector.final_chunk_tokens(request) if self.connector else 0
-        num_computed = request.num_computed_tokens
-        if not final or num_computed + num_new_tokens < request.num_prompt_tokens:
+        num_computed, num_prompt = request.num_computed_tokens, request.num_prompt_tokens
+        if not final or num_computed + num_new_tokens < num_prompt:
             return num_new_tokens
-        boundary = -(-(request.num_prompt_tokens - final) // self.block_size) * self.block_size
-        return boundary - num_computed if boundary > num_computed else num_new_tokens
+        boundary = -(-(num_prompt - final) // self.block_size) * self.block_size
+        return boundary - num_computed if num_computed < boundary < num_prompt else num_new_tokens
 
     def _draft_room(
         self, request: Request, num_new_tokens: int, budget: int, num_new_computed: int = 0

@@ -249,6 +249,27 @@ def test_a_short_final_chunk_leaves_one_block_for_the_hand_off(
         decode.shutdown()
 
 
+def test_a_last_chunk_with_no_block_edge_near_the_prompts_end_is_not_cut(
+    colocated: LLMEngine,
+) -> None:
+    """200 tokens end with a block of 8; ``final_chunk_tokens=4`` finds no block edge within
+    4 tokens of the end, so the last chunk runs as the scheduler cuts it (the first edge past
+    the end would schedule tokens the prompt does not have)."""
+    prefill = make_prefill_engine(connector_options={"final_chunk_tokens": 4})
+    decode = make_decode_engine()
+    try:
+        prompt = [(13 * i + 6) % 256 for i in range(200)]
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        handoff = prefill_chunkwise(prefill, decode, "r0", prompt, params)
+        assert [o.num_tokens for o in handoff.offers] == [64, 128, 192]
+        final = handoff.first.kv_transfer_params
+        assert final is not None and final.num_tokens == 200
+        decode_equals_colocated(prefill, decode, colocated, "r0", prompt, params, final)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
 @pytest.mark.parametrize(
     ("connector_options", "engine_options"),
     [
