@@ -19,7 +19,6 @@ lost, its pool is full) costs nothing but speed: the hand-off pulls those blocks
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -72,12 +71,14 @@ class OfferRelay:
             self._waiting = params
 
     async def settle(self, timeout_s: float) -> OfferTotals:
-        """Waits (up to ``timeout_s``) for the offer in flight; drops one still waiting."""
+        """Waits (up to ``timeout_s``) for the offer in flight; drops one still waiting.
+
+        An offer that failed costs nothing but speed (``_landed`` logs it), so its error is
+        not raised here; the caller's own cancellation (the client left) is."""
         self._waiting = None
         task = self._in_flight
         if task is not None:
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(task), timeout_s)
+            await asyncio.wait({task}, timeout=timeout_s)
         return self.totals
 
     def _send(self, params: KVTransferParams) -> None:
