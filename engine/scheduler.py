@@ -240,7 +240,11 @@ class Scheduler:
                     num_external_computed_tokens=num_external,
                     delay_cache_blocks=True,
                 )
-                if blocks is None and request.kv_only:  # no room: the hand-off pulls it
+                # An offer takes no room a running request's next block needs: it is worth
+                # no preemption (without it the hand-off pulls those blocks itself).
+                if request.kv_only and (
+                    blocks is None or manager.get_num_free_blocks() < len(self.running)
+                ):
                     self.connector.request_aborted(request)
                     request.record_first_admission(num_local)
                     self._end_kv_only(request)
@@ -591,7 +595,14 @@ class Scheduler:
                     break
         if num_loaded < num_target:
             self.counters.num_load_failures += 1
-            if self.failure_policy == "fail" and not request.kv_only:
+            if request.kv_only:  # an offer recomputes nothing: its hand-off pulls the rest
+                logger.info(
+                    "offer %s: %d of %d tokens arrived intact; the hand-off pulls the rest",
+                    request.request_id,
+                    num_loaded,
+                    num_target,
+                )
+            elif self.failure_policy == "fail":
                 source = params.engine_id if params is not None else "the KV tier"
                 request.error = (
                     f"KV transfer from {source} failed for request "
@@ -601,13 +612,14 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_ERROR
                 self._release(request)
                 return
-            self.counters.num_recompute_fallbacks += 1
-            logger.warning(
-                "request %s: %d of %d prompt tokens arrived intact; recomputing the rest",
-                request.request_id,
-                num_loaded,
-                num_target,
-            )
+            else:
+                self.counters.num_recompute_fallbacks += 1
+                logger.warning(
+                    "request %s: %d of %d prompt tokens arrived intact; recomputing the rest",
+                    request.request_id,
+                    num_loaded,
+                    num_target,
+                )
         if num_loaded < num_target and any(
             NULL_BLOCK_ID in block_ids[first_block:] for block_ids in tables
         ):

@@ -391,6 +391,56 @@ def test_an_offer_the_decode_pool_cannot_hold_is_dropped_and_the_hand_off_pulls_
         decode.shutdown()
 
 
+def test_an_offer_that_would_take_a_running_requests_next_block_is_dropped() -> None:
+    """A decode pool of 15 usable blocks, 7 held by a running decode whose next token needs
+    an eighth: an offer of 8 blocks would fit only by taking the last free ones, and that
+    decode would be preempted while the pull runs. The offer is dropped instead; the
+    running request is not preempted. Sent again after the prefill ended, its pull fails:
+    a failed load, and no recompute fallback (the hand-off would pull what it lacks)."""
+    prefill = make_prefill_engine("grpc")
+    decode = make_decode_engine(num_kv_blocks=16)
+    try:
+        prompt = [(9 * i + 5) % 256 for i in range(200)]
+        prefill.add_request("r0", prompt, SamplingParams(max_tokens=1), remote_decode=True)
+        offer: KVTransferParams | None = None
+        while offer is None or offer.num_tokens < 128:
+            for output in prefill.step():
+                if output.kv_transfer_params is not None:
+                    offer = prefill.connector.complete_transfer_params(output.kv_transfer_params)
+        occupant = [(17 * i + 1) % 256 for i in range(111)]  # 7 blocks; its 2nd token: an 8th
+        decode.add_request("occupant", occupant, SamplingParams(max_tokens=20, ignore_eos=True))
+        decode.step()
+        assert decode.kv_cache_manager.get_num_free_blocks() == len(offer.block_ids) == 8
+        decode.add_request(
+            "r0#offer",
+            prompt[: offer.num_tokens],
+            SamplingParams(max_tokens=1),
+            kv_transfer_params=offer,
+        )
+        (dropped,) = run_to_completion(decode, ["r0#offer"])
+        assert dropped.kv_provenance.num_blocks_pulled == 0
+        run_to_completion(decode, ["occupant"])
+        assert decode.stats().num_preemptions == 0
+        # The prefill is aborted: its lease ends, and a late pull of the offer fails. That is
+        # a failed load, and no recompute: an offer's hand-off pulls what it lacks.
+        prefill.abort("r0")
+        wait_prefill_idle(prefill)
+        decode.add_request(
+            "r0#offer",
+            prompt[: offer.num_tokens],
+            SamplingParams(max_tokens=1),
+            kv_transfer_params=offer,
+        )
+        (failed,) = run_to_completion(decode, ["r0#offer"])
+        assert failed.kv_provenance.num_blocks_pulled == 0
+        stats = decode.stats()
+        assert stats.num_load_failures == 1 and stats.num_recompute_fallbacks == 0
+        assert_decode_idle(decode)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
 def test_an_offer_checksummed_after_its_prefill_was_preempted_still_lands_its_own_kv(
     colocated: LLMEngine,
 ) -> None:
