@@ -337,6 +337,11 @@ class KVCacheManager:
         self.unpin_blocks(owner)
         self._pinned[owner] = blocks
 
+    @property
+    def pinned_owners(self) -> frozenset[str]:
+        """The owners ``pin_blocks`` holds blocks for."""
+        return frozenset(self._pinned)
+
     def unpin_blocks(self, owner: str) -> None:
         """Drops what ``pin_blocks`` holds for ``owner`` (nothing: a no-op)."""
         blocks = self._pinned.pop(owner, None)

@@ -316,7 +316,7 @@ class LLMEngine:
     @property
     def num_leases_held(self) -> int:
         """Finished requests whose blocks stay pinned under a lease for a decode worker."""
-        return len(self.scheduler.held_for_transfer)
+        return self.scheduler.num_held_for_leases
 
     # ---- one step -------------------------------------------------------------------
     def step(self, delta: bool = False) -> list[RequestOutput]:

@@ -102,6 +102,15 @@ class Scheduler:
         # Prefill side: finished, blocks held under a lease until the decode side is done.
         self.held_for_transfer: dict[str, Request] = {}
 
+    @property
+    def num_held_for_leases(self) -> int:
+        """Finished requests whose blocks a lease still pins: a hand-off's
+        (``held_for_transfer``), and a request whose lease ended without one while an
+        offer's read may still serve its pinned blocks (see ``_release``)."""
+        requests = self.requests
+        ended = sum(owner not in requests for owner in self.kv_cache_manager.pinned_owners)
+        return len(self.held_for_transfer) + ended
+
     # ---- requests in and out --------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -527,15 +536,15 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         """Frees a finished request's blocks, or hands them to the connector's lease.
 
-        Its offers' pins go either way: a hand-off's lease names only blocks the request
-        still holds (until it is freeable), and a lease that ended serves no more reads."""
+        Its offers' pins stay until the connector reports its lease freeable: an offer's
+        read may still be in flight (a prompt aborted, or ended by its first token, ends its
+        lease at once), and its blocks must not be handed to another request under it."""
         self._release_drafts(request)
         delay_free = False
         if self.connector is not None and request.status != RequestStatus.FINISHED_ABORTED:
             block_ids = self.kv_cache_manager.get_block_ids(request)
             delay_free, params = self.connector.request_finished(request, block_ids)
             request.kv_transfer_params_out = params
-        self.kv_cache_manager.unpin_blocks(request.request_id)
         if delay_free:
             self.held_for_transfer[request.request_id] = request
         else:
@@ -556,7 +565,7 @@ class Scheduler:
         """
         changed: list[Request] = []
         for request_id in finished.freeable_request_ids:
-            self.kv_cache_manager.unpin_blocks(request_id)  # a lease that ended mid-prefill
+            self.kv_cache_manager.unpin_blocks(request_id)  # its offers' blocks, if any
             request = self.held_for_transfer.pop(request_id, None)
             if request is not None:
                 self.kv_cache_manager.free(request)

@@ -365,6 +365,34 @@ def test_a_prompt_ended_by_its_first_token_releases_the_offers_lease(
         decode.shutdown()
 
 
+def test_a_prompt_aborted_while_its_offer_is_read_keeps_the_offered_blocks_until_the_read_ends():
+    """A prefill aborted mid-prompt ends its lease at once, but a read of its offer that the
+    transfer server began (``begin_read``, as a ``ReadBlocks`` call does) is still copying
+    the pages: the offered blocks stay pinned, and the engine counts the lease held, until
+    that read ends; then everything is freed."""
+    prefill = make_prefill_engine("grpc")
+    try:
+        prompt = [(3 * i + 8) % 256 for i in range(200)]
+        prefill.add_request("r0", prompt, SamplingParams(max_tokens=1), remote_decode=True)
+        offer: KVTransferParams | None = None
+        while offer is None:
+            for output in prefill.step():
+                offer = output.kv_transfer_params
+        offer = prefill.connector.complete_transfer_params(offer)
+        leases = prefill.connector.leases
+        leases.begin_read(offer.lease_id, offer.block_ids)
+        prefill.abort("r0")
+        for _ in range(3):
+            prefill.step()
+        assert prefill.num_leases_held == 1
+        pool = prefill.kv_cache_manager.block_pool
+        assert all(pool.blocks[block_id].ref_cnt == 1 for block_id in offer.block_ids)
+        leases.end_read(offer.lease_id)
+        wait_prefill_idle(prefill)
+    finally:
+        prefill.shutdown()
+
+
 def test_an_offer_the_decode_pool_cannot_hold_is_dropped_and_the_hand_off_pulls_it(
     colocated: LLMEngine,
 ) -> None:
