@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
+import itertools
 import logging
 import os
 import threading
@@ -50,7 +51,8 @@ from pdserve.worker.kv_event_log import KVEventLog
 
 logger = logging.getLogger(__name__)
 
-# The id a chunk-wise hand-off's offer runs under on a decode worker: the request's, with this.
+# The id a chunk-wise hand-off's offer runs under on a decode worker: the request's, this,
+# and the call's serial number.
 OFFER_SUFFIX = "#offer"
 # While only leased blocks remain, step this often so released leases free their blocks.
 _LEASE_POLL_S = 0.02
@@ -100,6 +102,7 @@ class EngineHost:
         self._ops: list[Callable[[], object]] = []
         self._ops_lock = threading.Lock()
         self._streams: dict[str, asyncio.Queue] = {}
+        self._offer_serials = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
@@ -212,10 +215,12 @@ class EngineHost:
         answers when it is there (or was dropped): what it pulled, or None when it was
         refused. The request's own hand-off follows and pulls only what is still missing.
 
-        The offer runs as a KV-only request under its own id (``…#offer``), so it never
-        meets the request's stream; the gateway sends one offer of a request at a time."""
+        The offer runs as a KV-only request under its own id (``…#offer<n>``), so it never
+        meets the request's stream. The gateway sends one offer of a request at a time, but
+        a prefill retried elsewhere and back may send another while the first still runs:
+        each call's id is its own (a shared one would leave the first call unanswered)."""
         self._ensure_loop()
-        offer_id = request.request_id + OFFER_SUFFIX
+        offer_id = f"{request.request_id}{OFFER_SUFFIX}{next(self._offer_serials)}"
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[offer_id] = queue
         self._submit(lambda: self._add(dataclasses.replace(request, request_id=offer_id)))
