@@ -232,9 +232,9 @@ def delay_reads(seconds: float) -> Callable:
         table.__dict__.pop("begin_read", None)
         if seconds:
 
-            def delayed(lease_id, block_ids):
+            def delayed(lease_id, block_ids, release=False):
                 worker_time.sleep(seconds)
-                return LeaseTable.begin_read(table, lease_id, block_ids)
+                return LeaseTable.begin_read(table, lease_id, block_ids, release)
 
             table.begin_read = delayed
 
