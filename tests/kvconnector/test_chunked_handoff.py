@@ -131,6 +131,30 @@ def wait_prefill_idle(prefill: LLMEngine, timeout_s: float = 10.0) -> None:
         time.sleep(0.005)
 
 
+def first_offer(
+    prefill: LLMEngine, request_id: str, prompt: list[int], min_tokens: int = 1
+) -> KVTransferParams:
+    """Prefills ``prompt`` (handed off) until an offer of at least ``min_tokens`` goes out,
+    checksummed as the worker's stream does; the request goes on prefilling."""
+    prefill.add_request(request_id, prompt, SamplingParams(max_tokens=1), remote_decode=True)
+    while True:
+        for output in prefill.step():
+            offer = output.kv_transfer_params
+            if offer is not None and offer.num_tokens >= min_tokens:
+                return prefill.connector.complete_transfer_params(offer)
+
+
+def pull_offer(
+    decode: LLMEngine, offer_id: str, prompt: list[int], offer: KVTransferParams
+) -> RequestOutput:
+    """Runs ``offer`` as the decode worker's KV-only request ``offer_id`` to its end."""
+    decode.add_request(
+        offer_id, prompt[: offer.num_tokens], SamplingParams(max_tokens=1), kv_transfer_params=offer
+    )
+    (output,) = run_to_completion(decode, [offer_id])
+    return output
+
+
 def decode_equals_colocated(
     prefill: LLMEngine,
     decode: LLMEngine,
@@ -372,13 +396,7 @@ def test_a_prompt_aborted_while_its_offer_is_read_keeps_the_offered_blocks_until
     that read ends; then everything is freed."""
     prefill = make_prefill_engine("grpc")
     try:
-        prompt = [(3 * i + 8) % 256 for i in range(200)]
-        prefill.add_request("r0", prompt, SamplingParams(max_tokens=1), remote_decode=True)
-        offer: KVTransferParams | None = None
-        while offer is None:
-            for output in prefill.step():
-                offer = output.kv_transfer_params
-        offer = prefill.connector.complete_transfer_params(offer)
+        offer = first_offer(prefill, "r0", [(3 * i + 8) % 256 for i in range(200)])
         leases = prefill.connector.leases
         leases.begin_read(offer.lease_id, offer.block_ids)
         prefill.abort("r0")
@@ -429,23 +447,12 @@ def test_an_offer_that_would_take_a_running_requests_next_block_is_dropped() -> 
     decode = make_decode_engine(num_kv_blocks=16)
     try:
         prompt = [(9 * i + 5) % 256 for i in range(200)]
-        prefill.add_request("r0", prompt, SamplingParams(max_tokens=1), remote_decode=True)
-        offer: KVTransferParams | None = None
-        while offer is None or offer.num_tokens < 128:
-            for output in prefill.step():
-                if output.kv_transfer_params is not None:
-                    offer = prefill.connector.complete_transfer_params(output.kv_transfer_params)
+        offer = first_offer(prefill, "r0", prompt, min_tokens=128)
         occupant = [(17 * i + 1) % 256 for i in range(111)]  # 7 blocks; its 2nd token: an 8th
         decode.add_request("occupant", occupant, SamplingParams(max_tokens=20, ignore_eos=True))
         decode.step()
         assert decode.kv_cache_manager.get_num_free_blocks() == len(offer.block_ids) == 8
-        decode.add_request(
-            "r0#offer",
-            prompt[: offer.num_tokens],
-            SamplingParams(max_tokens=1),
-            kv_transfer_params=offer,
-        )
-        (dropped,) = run_to_completion(decode, ["r0#offer"])
+        dropped = pull_offer(decode, "r0#offer", prompt, offer)
         assert dropped.kv_provenance.num_blocks_pulled == 0
         run_to_completion(decode, ["occupant"])
         assert decode.stats().num_preemptions == 0
@@ -453,13 +460,7 @@ def test_an_offer_that_would_take_a_running_requests_next_block_is_dropped() -> 
         # a failed load, and no recompute: an offer's hand-off pulls what it lacks.
         prefill.abort("r0")
         wait_prefill_idle(prefill)
-        decode.add_request(
-            "r0#offer",
-            prompt[: offer.num_tokens],
-            SamplingParams(max_tokens=1),
-            kv_transfer_params=offer,
-        )
-        (failed,) = run_to_completion(decode, ["r0#offer"])
+        failed = pull_offer(decode, "r0#offer", prompt, offer)
         assert failed.kv_provenance.num_blocks_pulled == 0
         stats = decode.stats()
         assert stats.num_load_failures == 1 and stats.num_recompute_fallbacks == 0
@@ -503,13 +504,7 @@ def test_an_offer_checksummed_after_its_prefill_was_preempted_still_lands_its_ow
             prefill.generate([other], [SamplingParams(max_tokens=1)])
         producer = prefill.connector
         producer.complete_transfer_params(offer)  # the stream, late
-        decode.add_request(
-            "r0#offer0",
-            prompt[: offer.num_tokens],
-            SamplingParams(max_tokens=1),
-            kv_transfer_params=offer,
-        )
-        (landed,) = run_to_completion(decode, ["r0#offer0"])
+        landed = pull_offer(decode, "r0#offer0", prompt, offer)
         assert landed.kv_provenance.num_blocks_pulled == 4
         scheduler.waiting.appendleft(request)
         final = None

@@ -39,8 +39,14 @@ def shuffled_pull(spec: PeerSpec, count: int) -> tuple[list[int], list[int]]:
     return rng.sample(range(spec.num_blocks), count), rng.sample(range(NUM_LOCAL_BLOCKS), count)
 
 
+@pytest.mark.parametrize("release_lease", [False, True], ids=["release-call", "last-read"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_shuffled_blocks_land_byte_exact_in_other_local_blocks(start_peer, transport) -> None:
+def test_shuffled_blocks_land_byte_exact_in_other_local_blocks(
+    start_peer, transport, release_lease
+) -> None:
+    """The lease ends by a ``release`` call after the read, or (``release_lease``: a
+    hand-off's last read) by the read itself (gRPC: its stream; NIXL: its hold). Either way
+    it is freed once the read ends, and no later read is served from it."""
     spec = PeerSpec(transport=transport)
     peer = start_peer(spec)
     local = torch.zeros_like(seeded_kv_cache(spec, num_blocks=NUM_LOCAL_BLOCKS))
@@ -49,36 +55,18 @@ def test_shuffled_blocks_land_byte_exact_in_other_local_blocks(start_peer, trans
     remote_ids, local_ids = shuffled_pull(spec, 40)
     lease_id, checksums = peer.grant(remote_ids)
 
-    result = client.read_blocks(info, lease_id, remote_ids, local_ids, checksums)
+    result = client.read_blocks(
+        info, lease_id, remote_ids, local_ids, checksums, release_lease=release_lease
+    )
 
     assert sorted(result.ok_block_ids) == sorted(local_ids) and result.failed_block_ids == []
     assert torch.equal(pages(local, local_ids), pages(seeded_kv_cache(spec), remote_ids))
     untouched = sorted(set(range(NUM_LOCAL_BLOCKS)) - set(local_ids))
     assert not pages(local, untouched).any()
     assert client.stats.snapshot().num_blocks_received == 40
-    client.release(info, lease_id)
-    assert peer.take_freeable() == ["req-0"]
-    client.close()
-
-
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_last_read_releases_its_lease_itself(start_peer, transport) -> None:
-    """``release_lease``: the lease is released by the read (gRPC: its stream; NIXL: its
-    hold), freed once the read ends, and no later read is served from it."""
-    spec = PeerSpec(transport=transport)
-    peer = start_peer(spec)
-    local = torch.zeros_like(seeded_kv_cache(spec, num_blocks=NUM_LOCAL_BLOCKS))
-    client = make_client(spec, local)
-    info = client.handshake(peer.address)
-    remote_ids, local_ids = shuffled_pull(spec, 6)
-    lease_id, checksums = peer.grant(remote_ids)
-
-    result = client.read_blocks(
-        info, lease_id, remote_ids, local_ids, checksums, release_lease=True
-    )
-
-    assert result.lease_released and sorted(result.ok_block_ids) == sorted(local_ids)
-    assert torch.equal(pages(local, local_ids), pages(seeded_kv_cache(spec), remote_ids))
+    assert result.lease_released == release_lease
+    if not release_lease:
+        client.release(info, lease_id)
     # A NIXL hold ends when the client half-closes it, which the read does not wait for.
     assert wait_for(peer.take_freeable, deadline_s=30) == ["req-0"]
     with pytest.raises(TransferError, match="NOT_FOUND"):

@@ -11,10 +11,13 @@ from pdserve.engine import SamplingParams
 from pdserve.messages.connector_config import KVConnectorConfig
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.generation import WorkerRequest
-from pdserve.messages.kv_transfer_params import KVTransferParams
 from pdserve.messages.worker_spec import WorkerSpec
 from tests.kvconnector.prefill_engine_process import ENGINE_KWARGS
-from tests.kvconnector.test_chunked_handoff import make_prefill_engine, wait_prefill_idle
+from tests.kvconnector.test_chunked_handoff import (
+    first_offer,
+    make_prefill_engine,
+    wait_prefill_idle,
+)
 
 
 def test_two_pulls_of_one_requests_offer_at_once_both_answer() -> None:
@@ -31,12 +34,7 @@ def test_two_pulls_of_one_requests_offer_at_once_both_answer() -> None:
     )
     try:
         prompt = [(7 * i + 1) % 256 for i in range(200)]
-        prefill.add_request("r0", prompt, SamplingParams(max_tokens=1), remote_decode=True)
-        offer: KVTransferParams | None = None
-        while offer is None:
-            for output in prefill.step():
-                offer = output.kv_transfer_params
-        offer = prefill.connector.complete_transfer_params(offer)
+        offer = first_offer(prefill, "r0", prompt)
         request = WorkerRequest(
             "r0",
             prompt[: offer.num_tokens],
