@@ -141,8 +141,11 @@ class KVCacheManager:
         num_lookahead_tokens: int = 0,
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
+        num_blocks_kept_free: int = 0,
     ) -> KVCacheBlocks | None:
-        """Make room for the request's next tokens; None if the pool cannot.
+        """Make room for the request's next tokens; None if the pool cannot, or only by
+        leaving fewer than ``num_blocks_kept_free`` blocks free (what an offer's pull must
+        not take from the running requests' next tokens).
 
         Blocks layout:
         ```
@@ -211,7 +214,7 @@ class KVCacheManager:
         num_blocks_to_allocate = self.coordinator.get_num_blocks_to_allocate(
             request.request_id, num_tokens_need_slot, new_computed, total_computed_tokens
         )
-        if num_blocks_to_allocate > self.block_pool.get_num_free_blocks():
+        if num_blocks_to_allocate + num_blocks_kept_free > self.block_pool.get_num_free_blocks():
             return None
 
         if new_computed_blocks is not None:

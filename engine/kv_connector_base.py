@@ -175,7 +175,9 @@ class KVConnectorBase(ABC):
         pull while later chunks compute; None (the default) offers nothing. ``block_ids``
         are those blocks per KV group, as a peer continuing from their end reads them
         (``KVCacheManager.get_computed_block_ids_for_peer``: null where a window reads
-        nothing); the scheduler pins the offer's blocks while its lease names them."""
+        nothing); the scheduler pins the offer's blocks until ``get_finished`` reports the
+        request id in ``freeable_request_ids``, which a connector that offers must do once
+        the lease has ended and no read of it is in flight."""
         return None
 
     def final_chunk_tokens(self, request: Request) -> int:

@@ -113,6 +113,9 @@ class Request:
         # Where the prompt's KV came from: fixed at the first admission and the first pull
         # (a preemption's recompute, mostly from the prefix cache, does not change it).
         self.kv_offered = kv_transfer_params is not None
+        # The hand-off's lease, kept once its params are dropped (nothing left to pull): its
+        # offers' blocks in the pool are marked with it (KVCacheBlock.pulled_early_for).
+        self.handoff_lease_id = kv_transfer_params.lease_id if kv_transfer_params else None
         self.num_prompt_cache_hit_tokens: int | None = None
         self.num_pulled_early_tokens = 0  # its offers brought them: in the pool, not hits
         self.num_pulled_tokens = 0

@@ -17,8 +17,9 @@ prompt's blocks allocated as *external*: it waits in ``WAITING_FOR_REMOTE_KVS`` 
 connector pulls them, then joins the batch as if its prompt had been computed here. A
 *KV-only* request (``Request.kv_only``: a chunk-wise hand-off's offer) takes the same way
 but ends where the others join the batch: its loaded blocks stay in the prefix cache for
-the hand-off that follows. It never waits for room (a full pool drops it: the hand-off
-then pulls those blocks itself) and never fails a request.
+the hand-off that follows. It never waits for room, nor takes the free blocks the running
+requests' next tokens need (either way it is dropped: the hand-off then pulls those blocks
+itself), and never fails a request.
 """
 
 from __future__ import annotations
@@ -248,12 +249,11 @@ class Scheduler:
                     new_computed_blocks=computed_blocks,
                     num_external_computed_tokens=num_external,
                     delay_cache_blocks=True,
+                    # An offer takes no room a running request's next block needs: it is
+                    # worth no preemption (without it the hand-off pulls those blocks).
+                    num_blocks_kept_free=len(self.running) if request.kv_only else 0,
                 )
-                # An offer takes no room a running request's next block needs: it is worth
-                # no preemption (without it the hand-off pulls those blocks itself).
-                if request.kv_only and (
-                    blocks is None or manager.get_num_free_blocks() < len(self.running)
-                ):
+                if blocks is None and request.kv_only:  # no room: the hand-off pulls it
                     self.connector.request_aborted(request)
                     request.record_first_admission(num_local)
                     self._end_kv_only(request)
@@ -317,9 +317,8 @@ class Scheduler:
         the pool before it came: a transfer made early, not a reuse of the cache."""
         if computed_blocks is None or request.kv_only:
             return 0
-        params = request.kv_transfer_params
         num_early = self.kv_cache_manager.take_pulled_early(
-            computed_blocks, params.lease_id if params is not None else None
+            computed_blocks, request.handoff_lease_id
         )
         self.kv_cache_manager.record_prefix_cache_stats(request, num_local - num_early)
         return num_early
@@ -353,16 +352,21 @@ class Scheduler:
         ``boundary`` is the first block edge at most ``final_chunk_tokens`` from the prompt's
         end, so every block before it is full, offered and pulled while the final chunk
         computes, and the hand-off after it moves only the final chunk's blocks. Where no
-        edge lies that close (the prompt's partial last block is longer), or it lies in what
-        is computed already, the chunk is not cut. A prompt admitted whole (its rest fit one
-        chunk) is never cut: the cut pays off only where the chunk before it has a pull to
-        hide."""
+        edge lies that close (the prompt's last, partial block is longer), it is the last
+        edge inside the prompt: the final chunk is that block. It is never past the prompt,
+        and a chunk is not cut where it lies in what is computed already. A prompt admitted
+        whole (its rest fit one chunk) is never cut: the cut pays off only where the chunk
+        before it has a pull to hide."""
         final = self.connector.final_chunk_tokens(request) if self.connector else 0
         num_computed, num_prompt = request.num_computed_tokens, request.num_prompt_tokens
         if not final or num_computed + num_new_tokens < num_prompt:
             return num_new_tokens
-        boundary = -(-(num_prompt - final) // self.block_size) * self.block_size
-        return boundary - num_computed if num_computed < boundary < num_prompt else num_new_tokens
+        block_size = self.block_size
+        boundary = min(
+            -(-(num_prompt - final) // block_size) * block_size,
+            (num_prompt - 1) // block_size * block_size,
+        )
+        return boundary - num_computed if boundary > num_computed else num_new_tokens
 
     def _draft_room(
         self, request: Request, num_new_tokens: int, budget: int, num_new_computed: int = 0
@@ -517,8 +521,8 @@ class Scheduler:
         An offer's blocks are pinned (``KVCacheManager.pin_blocks``) while the lease names
         them: its checksums are taken later, off the engine thread (the worker's stream), and
         a block reused by another request meanwhile (its own was preempted, or its window
-        moved on) would be vouched for with that request's K/V. The final hand-off (or the
-        lease's end) lets the pins go: the request's own blocks are held from then on."""
+        moved on) would be vouched for with that request's K/V. The pins go when the
+        connector reports the lease freeable (ended, no read in flight; see ``_release``)."""
         if self.connector is None:
             return []
         offers = []

@@ -21,9 +21,9 @@ class KVProvenance:
                                          hand-off)
 
     *Pulled early* blocks were in the pool when the hand-off came (its pull skipped them):
-    the request's offers had landed them there. The ledger marks such blocks
-    (``KVCacheBlock.pulled_early``), so the engine counts them apart from its cache hits,
-    here and in its prefix-cache stats.
+    the request's offers had landed them there. The ledger marks such blocks with the
+    offers' lease (``KVCacheBlock.pulled_early_for``), so the engine counts the hand-off's
+    hit on them apart from its cache hits, here and in its prefix-cache stats.
 
     A prefill (or colocated) worker only hits (pool or tier) and computes. ``num_blocks_pulled`` and
     ``num_bytes_pulled`` count what landed, as the worker's transfer counters do, so the

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\npdserve.kv\"\xb8\x01\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x11\n\thead_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x16\n\x0ehash_algorithm\x18\x06 \x01(\t\x12\x11\n\thash_seed\x18\x07 \x01(\x04\x12\r\n\x05model\x18\x08 \x01(\t\x12\x12\n\nkv_entries\x18\t \x01(\r\"\xa1\x01\n\rNixlAgentInfo\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62\x61se_address\x18\x03 \x01(\x04\x12\x12\n\npage_bytes\x18\x04 \x01(\x04\x12\x12\n\nnum_blocks\x18\x05 \x01(\x04\x12\x13\n\x0bmemory_type\x18\x06 \x01(\t\x12\x11\n\tdevice_id\x18\x07 \x01(\r\"t\n\x10HandshakeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.pdserve.kv.KvLayout\x12\'\n\x04nixl\x18\x03 \x01(\x0b\x32\x19.pdserve.kv.NixlAgentInfo\"\x86\x01\n\x0eHandshakeReply\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.pdserve.kv.KvLayout\x12\'\n\x04nixl\x18\x03 \x01(\x0b\x32\x19.pdserve.kv.NixlAgentInfo\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\"O\n\x11ReadBlocksRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x15\n\rrelease_lease\x18\x03 \x01(\x08\"-\n\nBlockChunk\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"I\n\x0bHoldRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x15\n\rrelease_lease\x18\x03 \x01(\x08\"\x19\n\tHoldReply\x12\x0c\n\x04held\x18\x01 \x01(\x08\" \n\x0cLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\" \n\nLeaseReply\x12\x12\n\nexpires_at\x18\x01 \x01(\x01\x32\xd9\x02\n\nKvTransfer\x12\x45\n\tHandshake\x12\x1c.pdserve.kv.HandshakeRequest\x1a\x1a.pdserve.kv.HandshakeReply\x12\x45\n\nReadBlocks\x12\x1d.pdserve.kv.ReadBlocksRequest\x1a\x16.pdserve.kv.BlockChunk0\x01\x12@\n\nHoldBlocks\x12\x17.pdserve.kv.HoldRequest\x1a\x15.pdserve.kv.HoldReply(\x01\x30\x01\x12>\n\nRenewLease\x12\x18.pdserve.kv.LeaseRequest\x1a\x16.pdserve.kv.LeaseReply\x12;\n\x07Release\x12\x18.pdserve.kv.LeaseRequest\x1a\x16.pdserve.kv.LeaseReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\npdserve.kv\"\xb8\x01\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x11\n\thead_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x16\n\x0ehash_algorithm\x18\x06 \x01(\t\x12\x11\n\thash_seed\x18\x07 \x01(\x04\x12\r\n\x05model\x18\x08 \x01(\t\x12\x12\n\nkv_entries\x18\t \x01(\r\"\xa1\x01\n\rNixlAgentInfo\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62\x61se_address\x18\x03 \x01(\x04\x12\x12\n\npage_bytes\x18\x04 \x01(\x04\x12\x12\n\nnum_blocks\x18\x05 \x01(\x04\x12\x13\n\x0bmemory_type\x18\x06 \x01(\t\x12\x11\n\tdevice_id\x18\x07 \x01(\r\"t\n\x10HandshakeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.pdserve.kv.KvLayout\x12\'\n\x04nixl\x18\x03 \x01(\x0b\x32\x19.pdserve.kv.NixlAgentInfo\"\xa2\x01\n\x0eHandshakeReply\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.pdserve.kv.KvLayout\x12\'\n\x04nixl\x18\x03 \x01(\x0b\x32\x19.pdserve.kv.NixlAgentInfo\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x1a\n\x12releases_with_read\x18\x05 \x01(\x08\"O\n\x11ReadBlocksRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x15\n\rrelease_lease\x18\x03 \x01(\x08\"-\n\nBlockChunk\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"I\n\x0bHoldRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x15\n\rrelease_lease\x18\x03 \x01(\x08\"\x19\n\tHoldReply\x12\x0c\n\x04held\x18\x01 \x01(\x08\" \n\x0cLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\" \n\nLeaseReply\x12\x12\n\nexpires_at\x18\x01 \x01(\x01\x32\xd9\x02\n\nKvTransfer\x12\x45\n\tHandshake\x12\x1c.pdserve.kv.HandshakeRequest\x1a\x1a.pdserve.kv.HandshakeReply\x12\x45\n\nReadBlocks\x12\x1d.pdserve.kv.ReadBlocksRequest\x1a\x16.pdserve.kv.BlockChunk0\x01\x12@\n\nHoldBlocks\x12\x17.pdserve.kv.HoldRequest\x1a\x15.pdserve.kv.HoldReply(\x01\x30\x01\x12>\n\nRenewLease\x12\x18.pdserve.kv.LeaseRequest\x1a\x16.pdserve.kv.LeaseReply\x12;\n\x07Release\x12\x18.pdserve.kv.LeaseRequest\x1a\x16.pdserve.kv.LeaseReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,19 +38,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HANDSHAKEREQUEST']._serialized_start=384
   _globals['_HANDSHAKEREQUEST']._serialized_end=500
   _globals['_HANDSHAKEREPLY']._serialized_start=503
-  _globals['_HANDSHAKEREPLY']._serialized_end=637
-  _globals['_READBLOCKSREQUEST']._serialized_start=639
-  _globals['_READBLOCKSREQUEST']._serialized_end=718
-  _globals['_BLOCKCHUNK']._serialized_start=720
-  _globals['_BLOCKCHUNK']._serialized_end=765
-  _globals['_HOLDREQUEST']._serialized_start=767
-  _globals['_HOLDREQUEST']._serialized_end=840
-  _globals['_HOLDREPLY']._serialized_start=842
-  _globals['_HOLDREPLY']._serialized_end=867
-  _globals['_LEASEREQUEST']._serialized_start=869
-  _globals['_LEASEREQUEST']._serialized_end=901
-  _globals['_LEASEREPLY']._serialized_start=903
-  _globals['_LEASEREPLY']._serialized_end=935
-  _globals['_KVTRANSFER']._serialized_start=938
-  _globals['_KVTRANSFER']._serialized_end=1283
+  _globals['_HANDSHAKEREPLY']._serialized_end=665
+  _globals['_READBLOCKSREQUEST']._serialized_start=667
+  _globals['_READBLOCKSREQUEST']._serialized_end=746
+  _globals['_BLOCKCHUNK']._serialized_start=748
+  _globals['_BLOCKCHUNK']._serialized_end=793
+  _globals['_HOLDREQUEST']._serialized_start=795
+  _globals['_HOLDREQUEST']._serialized_end=868
+  _globals['_HOLDREPLY']._serialized_start=870
+  _globals['_HOLDREPLY']._serialized_end=895
+  _globals['_LEASEREQUEST']._serialized_start=897
+  _globals['_LEASEREQUEST']._serialized_end=929
+  _globals['_LEASEREPLY']._serialized_start=931
+  _globals['_LEASEREPLY']._serialized_end=963
+  _globals['_KVTRANSFER']._serialized_start=966
+  _globals['_KVTRANSFER']._serialized_end=1311
 # @@protoc_insertion_point(module_scope)

@@ -162,8 +162,13 @@ class HandshakeReply(_message.Message):
     LAYOUT_FIELD_NUMBER: _builtins.int
     NIXL_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    RELEASES_WITH_READ_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     num_blocks: _builtins.int
+    releases_with_read: _builtins.bool
+    """The server honours `release_lease` (an older one ignores the field: a client then calls
+    Release, or the lease would live until it expires).
+    """
     @_builtins.property
     def layout(self) -> Global___KvLayout: ...
     @_builtins.property
@@ -177,10 +182,11 @@ class HandshakeReply(_message.Message):
         layout: Global___KvLayout | None = ...,
         nixl: Global___NixlAgentInfo | None = ...,
         num_blocks: _builtins.int = ...,
+        releases_with_read: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "nixl", b"nixl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "layout", b"layout", "nixl", b"nixl", "num_blocks", b"num_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "layout", b"layout", "nixl", b"nixl", "num_blocks", b"num_blocks", "releases_with_read", b"releases_with_read"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -195,7 +201,7 @@ class ReadBlocksRequest(_message.Message):
     RELEASE_LEASE_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
     release_lease: _builtins.bool
-    """the lease's last read: release it once this read is served"""
+    """the lease's last read: released as it begins, freed as it ends"""
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -248,7 +254,7 @@ class HoldRequest(_message.Message):
     lease_id: _builtins.str
     """read from the first request only"""
     release_lease: _builtins.bool
-    """the lease's last read: release it once the hold ends"""
+    """the lease's last read: released as it begins, freed as it ends"""
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(

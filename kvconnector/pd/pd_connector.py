@@ -481,7 +481,8 @@ class PDConnector(KVConnectorBase):
             self._transfer_client.release(peer or self._peer(params), params.lease_id)
         except (TransferError, ValueError) as error:
             logger.info(
-                "release of lease %s at %s failed (it will expire): %s",
+                "release of lease %s at %s failed (it will expire, unless a read that "
+                "failed here had released it already): %s",
                 params.lease_id,
                 params.transfer_address,
                 error,

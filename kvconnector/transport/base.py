@@ -39,6 +39,7 @@ class PeerInfo:
     layout: KVLayout
     num_blocks: int
     nixl: kv_transfer_pb2.NixlAgentInfo | None = None
+    releases_with_read: bool = False  # honours ``release_lease`` (an older peer does not)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +86,9 @@ class KVTransferClient(ABC):
         """Copy remote page ``remote_block_ids[i]`` into local ``local_block_ids[i]``.
 
         ``release_lease``: this is the lease's last read (a hand-off's final pull); the
-        read releases the lease where one call carries it all (``lease_released`` says),
-        so no ``release`` round trip runs beside the decode worker's next step."""
+        read releases the lease where one call carries it all and the peer honours it
+        (``lease_released`` says), so no ``release`` round trip runs beside the decode
+        worker's next step."""
 
     @abstractmethod
     def renew(self, peer: PeerInfo, lease_id: str) -> float:

@@ -124,6 +124,7 @@ class GrpcTransferClient(KVTransferClient):
             layout=remote_layout,
             num_blocks=reply.num_blocks,
             nixl=reply.nixl if reply.HasField("nixl") else None,
+            releases_with_read=reply.releases_with_read,
         )
 
     def transfer_deadline_s(self, num_blocks: int) -> float:
@@ -157,9 +158,10 @@ class GrpcTransferClient(KVTransferClient):
                 for index, ids in enumerate(cuts)
             ]
         )
-        # One stream releases the lease with its read. Stripes are reads of their own (one
-        # could begin after another ended and freed the blocks): the caller releases then.
-        release_with_read = release_lease and len(stripes) == 1
+        # One stream releases the lease with its read (where the peer honours it). Stripes
+        # are reads of their own (one could begin after another ended and freed the
+        # blocks): the caller releases then.
+        release_with_read = release_lease and peer.releases_with_read and len(stripes) == 1
         pending = [
             self._stripe_pullers.submit(
                 self._pull_stripe,

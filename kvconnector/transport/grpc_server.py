@@ -155,6 +155,7 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
             layout=self._layout.to_proto(),
             nixl=self._nixl_info,
             num_blocks=self._num_blocks,
+            releases_with_read=True,
         )
 
     # The generated servicer yields BlockChunk messages; this one yields them already encoded

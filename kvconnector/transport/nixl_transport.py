@@ -379,13 +379,14 @@ class NixlTransferClient(KVTransferClient):
             raise ValueError(f"remote block ids {bad[:8]} outside 0..{peer.num_blocks - 1}")
         started = time.perf_counter()
         deadline = started + self.control.transfer_deadline_s(len(remote_block_ids))
+        release_with_read = release_lease and peer.releases_with_read  # with the hold
         local_index = np.asarray(local_block_ids, dtype=np.int32)
         remote_index = np.asarray(remote_block_ids, dtype=np.int32)
         ok: list[int] = []
         failed: list[int] = []
         try:
             with self.control.hold_blocks(
-                peer, lease_id, remote_block_ids, release_lease
+                peer, lease_id, remote_block_ids, release_with_read
             ) as confirm_held:
                 for start in range(0, len(local_block_ids), self._blocks_per_segment):
                     end = start + self._blocks_per_segment
@@ -415,7 +416,7 @@ class NixlTransferClient(KVTransferClient):
             failed_block_ids=failed,
             num_bytes=num_bytes,
             duration_s=duration_s,
-            lease_released=release_lease,
+            lease_released=release_with_read,
         )
 
     def _verify(

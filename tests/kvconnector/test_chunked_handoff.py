@@ -273,22 +273,24 @@ def test_a_short_final_chunk_leaves_one_block_for_the_hand_off(
         decode.shutdown()
 
 
-def test_a_last_chunk_with_no_block_edge_near_the_prompts_end_is_not_cut(
+def test_a_last_chunk_with_no_block_edge_near_the_prompts_end_is_its_last_block(
     colocated: LLMEngine,
 ) -> None:
-    """200 tokens end with a block of 8; ``final_chunk_tokens=4`` finds no block edge within
-    4 tokens of the end, so the last chunk runs as the scheduler cuts it (the first edge past
-    the end would schedule tokens the prompt does not have)."""
+    """190 tokens end with a block of 14; ``final_chunk_tokens=4`` finds no block edge within
+    4 tokens of the end (the first edge past it, 192, would schedule tokens the prompt does
+    not have), so the last chunk is that partial block: cut at 176, offered, and the
+    hand-off pulls one block."""
     prefill = make_prefill_engine(connector_options={"final_chunk_tokens": 4})
     decode = make_decode_engine()
     try:
-        prompt = [(13 * i + 6) % 256 for i in range(200)]
+        prompt = [(13 * i + 6) % 256 for i in range(190)]
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         handoff = prefill_chunkwise(prefill, decode, "r0", prompt, params)
-        assert [o.num_tokens for o in handoff.offers] == [64, 128, 192]
+        assert [o.num_tokens for o in handoff.offers] == [64, 128, 176]
         final = handoff.first.kv_transfer_params
-        assert final is not None and final.num_tokens == 200
-        decode_equals_colocated(prefill, decode, colocated, "r0", prompt, params, final)
+        assert final is not None and final.num_tokens == 190
+        output = decode_equals_colocated(prefill, decode, colocated, "r0", prompt, params, final)
+        assert output.kv_provenance.num_blocks_pulled == 1
     finally:
         prefill.shutdown()
         decode.shutdown()
@@ -439,21 +441,25 @@ def test_an_offer_the_decode_pool_cannot_hold_is_dropped_and_the_hand_off_pulls_
 
 def test_an_offer_that_would_take_a_running_requests_next_block_is_dropped() -> None:
     """A decode pool of 15 usable blocks, 7 held by a running decode whose next token needs
-    an eighth: an offer of 8 blocks would fit only by taking the last free ones, and that
-    decode would be preempted while the pull runs. The offer is dropped instead; the
-    running request is not preempted. Sent again after the prefill ended, its pull fails:
-    a failed load, and no recompute fallback (the hand-off would pull what it lacks)."""
+    an eighth: an offer of 8 blocks would fit only by taking the last free ones (three of
+    them cached by an earlier request), and that decode would be preempted while the pull
+    runs. The offer is dropped before it takes anything: the running request is not
+    preempted, and no cached block is evicted. Sent again after the prefill ended, its pull
+    fails: a failed load, and no recompute fallback (the hand-off would pull what it
+    lacks)."""
     prefill = make_prefill_engine("grpc")
     decode = make_decode_engine(num_kv_blocks=16)
     try:
         prompt = [(9 * i + 5) % 256 for i in range(200)]
         offer = first_offer(prefill, "r0", prompt, min_tokens=128)
+        decode.generate([[(5 * i + 3) % 256 for i in range(48)]], [SamplingParams(max_tokens=1)])
         occupant = [(17 * i + 1) % 256 for i in range(111)]  # 7 blocks; its 2nd token: an 8th
         decode.add_request("occupant", occupant, SamplingParams(max_tokens=20, ignore_eos=True))
         decode.step()
         assert decode.kv_cache_manager.get_num_free_blocks() == len(offer.block_ids) == 8
         dropped = pull_offer(decode, "r0#offer", prompt, offer)
         assert dropped.kv_provenance.num_blocks_pulled == 0
+        assert decode.stats().num_evictions == 0
         run_to_completion(decode, ["occupant"])
         assert decode.stats().num_preemptions == 0
         # The prefill is aborted: its lease ends, and a late pull of the offer fails. That is

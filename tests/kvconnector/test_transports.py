@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import time
@@ -39,19 +40,28 @@ def shuffled_pull(spec: PeerSpec, count: int) -> tuple[list[int], list[int]]:
     return rng.sample(range(spec.num_blocks), count), rng.sample(range(NUM_LOCAL_BLOCKS), count)
 
 
-@pytest.mark.parametrize("release_lease", [False, True], ids=["release-call", "last-read"])
+@pytest.mark.parametrize(
+    ("release_lease", "older_peer"),
+    [(False, False), (True, False), (True, True)],
+    ids=["release-call", "last-read", "last-read-older-peer"],
+)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_shuffled_blocks_land_byte_exact_in_other_local_blocks(
-    start_peer, transport, release_lease
+    start_peer, transport, release_lease, older_peer
 ) -> None:
     """The lease ends by a ``release`` call after the read, or (``release_lease``: a
-    hand-off's last read) by the read itself (gRPC: its stream; NIXL: its hold). Either way
-    it is freed once the read ends, and no later read is served from it."""
+    hand-off's last read) by the read itself (gRPC: its stream; NIXL: its hold), where the
+    peer said at the handshake that it honours that; a peer that did not (an older one,
+    whose handshake lacks the field) is released by a call. Either way the lease is freed
+    once the read ends, and no later read is served from it."""
     spec = PeerSpec(transport=transport)
     peer = start_peer(spec)
     local = torch.zeros_like(seeded_kv_cache(spec, num_blocks=NUM_LOCAL_BLOCKS))
     client = make_client(spec, local)
     info = client.handshake(peer.address)
+    assert info.releases_with_read
+    if older_peer:
+        info = dataclasses.replace(info, releases_with_read=False)
     remote_ids, local_ids = shuffled_pull(spec, 40)
     lease_id, checksums = peer.grant(remote_ids)
 
@@ -64,8 +74,9 @@ def test_shuffled_blocks_land_byte_exact_in_other_local_blocks(
     untouched = sorted(set(range(NUM_LOCAL_BLOCKS)) - set(local_ids))
     assert not pages(local, untouched).any()
     assert client.stats.snapshot().num_blocks_received == 40
-    assert result.lease_released == release_lease
-    if not release_lease:
+    assert result.lease_released == (release_lease and not older_peer)
+    if not result.lease_released:
+        assert peer.take_freeable() == []
         client.release(info, lease_id)
     # A NIXL hold ends when the client half-closes it, which the read does not wait for.
     assert wait_for(peer.take_freeable, deadline_s=30) == ["req-0"]
