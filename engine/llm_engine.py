@@ -197,8 +197,13 @@ class LLMEngine:
         KV and first token come from that prefill worker; an offer (``final`` False) makes
         the request KV-only: it pulls the offered blocks into the prefix cache and ends."""
         params = params or SamplingParams()
-        if request_id in self._tracked:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        if request_id in self._tracked or self.scheduler.holds(request_id):
+            # Held: a finished request's blocks under its lease, which a new request of the
+            # same id would take over (and leak) through the connector's lease of that id.
+            raise ValueError(
+                f"request id {request_id!r} is already in use, or its blocks are still "
+                f"held for a decode worker"
+            )
         prompt_token_ids = self._validate_prompt(prompt)
         if kv_transfer_params is not None and self.connector is None:
             raise ValueError("kv_transfer_params given, but this engine has no KV connector")

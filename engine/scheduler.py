@@ -112,6 +112,11 @@ class Scheduler:
         ended = sum(owner not in requests for owner in self.kv_cache_manager.pinned_owners)
         return len(self.held_for_transfer) + ended
 
+    def holds(self, request_id: str) -> bool:
+        """Whether ``request_id`` still has blocks here: a request in flight or held under
+        its lease, or one whose ended lease's offered blocks are still pinned."""
+        return request_id in self.requests or request_id in self.kv_cache_manager.pinned_owners
+
     # ---- requests in and out --------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request

@@ -241,8 +241,9 @@ def test_a_short_final_chunk_leaves_one_block_for_the_hand_off(
     """240 tokens in chunks of 64 would end with a 48-token chunk (three blocks after the
     prefill); ``final_chunk_tokens=16`` cuts it at token 224, so the chunk before moves as an
     offer and the hand-off pulls one block. The colocated engine's chunks end at 240 and
-    the tokens are the same. The hand-off's read releases the lease itself: no release
-    call follows it, and the prefill engine frees everything. (A negative
+    the tokens are the same. While the lease holds the prompt, its id is not taken again.
+    The hand-off's read releases the lease itself: no release call follows it, and the
+    prefill engine frees everything. (A negative
     ``final_chunk_tokens`` is refused.)"""
     with pytest.raises(ValueError, match="final_chunk_tokens"):
         KVConnectorConfig(role="producer", final_chunk_tokens=-1)
@@ -264,6 +265,8 @@ def test_a_short_final_chunk_leaves_one_block_for_the_hand_off(
         assert [o.num_tokens for o in handoff.offers] == [64, 128, 192, 224]
         final = handoff.first.kv_transfer_params
         assert final is not None and final.final and final.num_tokens == 240
+        with pytest.raises(ValueError, match="still held for a decode worker"):
+            prefill.add_request("r0", prompt, params)  # its blocks wait under the lease
         output = decode_equals_colocated(prefill, decode, colocated, "r0", prompt, params, final)
         assert output.kv_provenance.num_pulled_early_tokens == 224
         assert output.kv_provenance.num_blocks_pulled == 1
@@ -394,8 +397,9 @@ def test_a_prompt_ended_by_its_first_token_releases_the_offers_lease(
 def test_a_prompt_aborted_while_its_offer_is_read_keeps_the_offered_blocks_until_the_read_ends():
     """A prefill aborted mid-prompt ends its lease at once, but a read of its offer that the
     transfer server began (``begin_read``, as a ``ReadBlocks`` call does) is still copying
-    the pages: the offered blocks stay pinned, and the engine counts the lease held, until
-    that read ends; then everything is freed."""
+    the pages: the offered blocks stay pinned, and the engine counts the lease held (and
+    refuses a new request of that id, which would take the lease over), until that read
+    ends; then everything is freed."""
     prefill = make_prefill_engine("grpc")
     try:
         offer = first_offer(prefill, "r0", [(3 * i + 8) % 256 for i in range(200)])
@@ -407,8 +411,12 @@ def test_a_prompt_aborted_while_its_offer_is_read_keeps_the_offered_blocks_until
         assert prefill.num_leases_held == 1
         pool = prefill.kv_cache_manager.block_pool
         assert all(pool.blocks[block_id].ref_cnt == 1 for block_id in offer.block_ids)
+        with pytest.raises(ValueError, match="still held for a decode worker"):
+            prefill.add_request("r0", [1, 2, 3], SamplingParams(max_tokens=1))
         leases.end_read(offer.lease_id)
         wait_prefill_idle(prefill)
+        prefill.add_request("r0", [1, 2, 3], SamplingParams(max_tokens=1))  # free again
+        prefill.abort("r0")
     finally:
         prefill.shutdown()
 
