@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
 
 from pdserve.cache.block_pool import NULL_BLOCK_ID
@@ -341,9 +341,9 @@ class KVCacheManager:
         self._pinned[owner] = blocks
 
     @property
-    def pinned_owners(self) -> frozenset[str]:
-        """The owners ``pin_blocks`` holds blocks for."""
-        return frozenset(self._pinned)
+    def pinned_owners(self) -> Set[str]:
+        """The owners ``pin_blocks`` holds blocks for (a live view: no copy per call)."""
+        return self._pinned.keys()
 
     def unpin_blocks(self, owner: str) -> None:
         """Drops what ``pin_blocks`` holds for ``owner`` (nothing: a no-op)."""

@@ -86,12 +86,11 @@ def run_turn(pool: StandInPool, events: dict[str, list]) -> RequestOrchestrator:
             KVEventBatch(worker_id, "i0", 0, len(worker_events), worker_events)
         )
 
-    async def turn() -> None:
+    async def turn() -> list:
         run = await orchestrator.new_run("turn-2", PROMPT, SamplingParams(max_tokens=8), None)
-        async for _ in orchestrator.run_phases(run):
-            pass
+        return [delta async for delta in orchestrator.run_phases(run)]
 
-    asyncio.run(turn())
+    assert asyncio.run(turn()), "the turn streamed nothing back"
     return orchestrator
 
 
