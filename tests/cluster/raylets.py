@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,10 @@ HEAD_SYSTEM_ENV = {
     "RAY_health_check_failure_threshold": "3",
 }
 NODE_START_TIMEOUT_S = 90.0
+# A head whose `ray start` exits while it starts is started again, on fresh ports: a CI run
+# lost the whole multi-node suite to one such exit (code 1, reason unrecorded).
+HEAD_START_ATTEMPTS = 3
+LOG_TAIL_LINES = 30
 
 
 def cluster_env() -> dict[str, str]:
@@ -116,11 +121,24 @@ class RayNode:
             env.update(HEAD_SYSTEM_ENV)
         else:
             command += ["--address", self.head_address]
-        log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"pdserve-raylet-{self.ip}.log", "w")
-        self.process = subprocess.Popen(
-            command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        with open(self.log_path, "w") as log:  # the child keeps its own descriptor
+            self.process = subprocess.Popen(
+                command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         return self
+
+    @property
+    def log_path(self) -> Path:
+        """Where the node's ``ray start`` writes (stdout and stderr together)."""
+        return Path(os.environ.get("TMPDIR", "/tmp")) / f"pdserve-raylet-{self.ip}.log"
+
+    def log_tail(self) -> str:
+        """The last lines ``ray start`` printed: why it exited, when it did."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError as error:
+            return f"(no log: {error})"
+        return "\n".join(lines[-LOG_TAIL_LINES:])
 
     def pids(self) -> list[int]:
         """The ``ray start`` process and every process below it."""
@@ -163,18 +181,43 @@ def wait_for_nodes(expected_ips: set[str], timeout_s: float = NODE_START_TIMEOUT
     raise TimeoutError(f"Ray nodes alive: {alive}, expected {expected_ips}")
 
 
+class HeadExited(RuntimeError):
+    """``ray start --head`` exited before its GCS port opened."""
+
+
 def wait_for_head(head: RayNode, timeout_s: float = NODE_START_TIMEOUT_S) -> None:
     """Until the head's GCS port accepts connections (or its process has died)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if head.process.poll() is not None:
-            raise RuntimeError(
-                f"ray start --head at {head.address} exited with {head.process.returncode}"
+            raise HeadExited(
+                f"ray start --head at {head.address} exited with {head.process.returncode}; "
+                f"its log ends:\n{head.log_tail()}"
             )
         with contextlib.suppress(OSError), socket.create_connection((head.ip, head.port), 0.5):
             return
         time.sleep(0.2)
     raise TimeoutError(f"the head at {head.address} did not open its port")
+
+
+def start_head(ip: str, resources: dict[str, float]) -> RayNode:
+    """A head at ``ip`` whose GCS accepts connections; one that exits while starting is
+    killed (its tree and temp dir) and started again on fresh ports, each exit's log tail kept
+    for the error if every attempt fails."""
+    exits: list[str] = []
+    for _ in range(HEAD_START_ATTEMPTS):
+        head = RayNode(ip, resources).start()
+        try:
+            wait_for_head(head)
+            return head
+        except HeadExited as exited:
+            exits.append(str(exited))
+            warnings.warn(f"head start failed: {exited}", stacklevel=2)  # in the run's summary
+            head.kill()
+        except BaseException:
+            head.kill()
+            raise
+    raise HeadExited("\n---\n".join(exits))
 
 
 @contextlib.contextmanager
@@ -185,11 +228,9 @@ def ray_cluster(
     the driver; every node is killed on the way out, whatever happened."""
     import ray  # this driver joins with the head's address given: no cluster flag needed here
 
-    head = RayNode(head_ip, head_resources)
+    head = start_head(head_ip, head_resources)
     started: dict[str, RayNode] = {head_ip: head}
     try:
-        head.start()
-        wait_for_head(head)
         ray.init(
             address=head.address, _node_ip_address=head_ip, namespace="pdserve", log_to_driver=False
         )
