@@ -83,6 +83,7 @@ class KVCacheManager:
         )
         self._num_evicted_blocks_reported = 0
         self._pinned: dict[str, list[KVCacheBlock]] = {}  # by lease owner (a request id)
+        self._retired: dict[str, list[KVCacheBlock]] = {}  # left a lease a read may still copy
 
     @property
     def usage(self) -> float:
@@ -333,11 +334,22 @@ class KVCacheManager:
         or a sliding window moved past them), and their pages keep the K/V the lease
         vouches for until ``unpin_blocks``. Null ids (a window's dropped blocks) are skipped.
 
-        The new set is taken before the old one is dropped, so a block in both never
-        reaches the free queue in between."""
+        A block the new set leaves out has left the lease, but a read the lease served
+        before may still be copying it: it stays held, *retired*, until
+        ``release_retired``. The new set is taken before the old one is dropped, so a block
+        in both never reaches the free queue in between::
+
+            pinned [7 3 12]  ── pin [3 12 5] ──▶  pinned [3 12 5]   retired [7]
+            no read of the lease in flight ── release_retired ──▶  7 freed
+        """
         blocks = [self.block_pool.blocks[i] for i in block_ids if i != NULL_BLOCK_ID]
         self.block_pool.touch(blocks)
-        self.unpin_blocks(owner)
+        kept = {block.block_id for block in blocks}
+        before = self._pinned.pop(owner, [])
+        self.block_pool.free_blocks(reversed([b for b in before if b.block_id in kept]))
+        left = [block for block in before if block.block_id not in kept]
+        if left:
+            self._retired.setdefault(owner, []).extend(left)
         self._pinned[owner] = blocks
 
     @property
@@ -345,8 +357,22 @@ class KVCacheManager:
         """The owners ``pin_blocks`` holds blocks for (a live view: no copy per call)."""
         return self._pinned.keys()
 
+    @property
+    def retired_owners(self) -> Set[str]:
+        """The owners holding blocks that left their lease (a live view)."""
+        return self._retired.keys()
+
+    def release_retired(self, owner: str) -> None:
+        """Frees the blocks that left ``owner``'s lease: no read that could copy them is in
+        flight any longer (a no-op where there are none)."""
+        blocks = self._retired.pop(owner, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
     def unpin_blocks(self, owner: str) -> None:
-        """Drops what ``pin_blocks`` holds for ``owner`` (nothing: a no-op)."""
+        """Drops what ``pin_blocks`` holds for ``owner``, retired blocks included (nothing:
+        a no-op)."""
+        self.release_retired(owner)
         blocks = self._pinned.pop(owner, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))

@@ -180,6 +180,12 @@ class KVConnectorBase(ABC):
         the lease has ended and no read of it is in flight."""
         return None
 
+    def is_being_read(self, request_id: str) -> bool:
+        """Whether a read of ``request_id``'s lease is in flight now (the default: there are
+        no leases). Blocks an offer named and a later one left out stay pinned while it is:
+        the read may have begun before they left."""
+        return False
+
     def final_chunk_tokens(self, request: Request) -> int:
         """The most tokens the last chunk of ``request``'s prompt may hold when the prompt
         runs in several chunks, so the hand-off after it is short; 0 (the default): the

@@ -542,6 +542,15 @@ class Scheduler:
                 offers.append((request, offer))
         return offers
 
+    def _release_retired_pins(self) -> None:
+        """Frees the blocks that left a lease at a later offer (a window moved on, a
+        preempted prefill recomputed elsewhere) once no read of that lease is in flight:
+        only a read begun before they left could still copy them."""
+        assert self.connector is not None
+        manager = self.kv_cache_manager
+        for owner in [o for o in manager.retired_owners if not self.connector.is_being_read(o)]:
+            manager.release_retired(owner)
+
     def _release(self, request: Request) -> None:
         """Frees a finished request's blocks, or hands them to the connector's lease.
 
@@ -573,6 +582,7 @@ class Scheduler:
         Returns requests whose state changed (finished or failed) for the engine to report.
         """
         changed: list[Request] = []
+        self._release_retired_pins()
         for request_id in finished.freeable_request_ids:
             self.kv_cache_manager.unpin_blocks(request_id)  # its offers' blocks, if any
             request = self.held_for_transfer.pop(request_id, None)

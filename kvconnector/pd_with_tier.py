@@ -133,6 +133,9 @@ class TieredConnector(KVConnectorBase):
     ) -> KVTransferParams | None:
         return self.pd.offer_computed_blocks(request, block_ids)
 
+    def is_being_read(self, request_id: str) -> bool:
+        return self.pd.is_being_read(request_id)
+
     def final_chunk_tokens(self, request: Request) -> int:
         return self.pd.final_chunk_tokens(request)
 

@@ -22,9 +22,10 @@ page nobody can verify.
 
 A chunk-wise hand-off grows one lease while its prompt is still being prefilled: each
 chunk's newly full blocks join it (``reshape``), so a decode worker reads them while later
-chunks compute. A preempted prefill recomputes into other blocks; ``reshape`` then names
-the new ones and forgets the old ones' checksums, so no read is served from a block the
-request no longer holds::
+chunks compute. A preempted prefill recomputes into other blocks, and a sliding window
+moves past its old ones; ``reshape`` then names the new ones and forgets the old ones'
+checksums, so no read begins on a block the request no longer holds (one that began before
+still copies it: the engine keeps such blocks until ``reads_in_flight`` is 0)::
 
     chunk 1 done: reshape [7 3]          checksums {7, 3}      reads of 7, 3 served
     chunk 2 done: reshape [7 3 12 5]     checksums {7, 3} + {12, 5} once attached
@@ -250,6 +251,12 @@ class LeaseTable:
             entry = self._entries[lease_id]  # kept while a read is in flight
             assert entry.reads_in_flight > 0, "end_read without begin_read"
             entry.reads_in_flight -= 1
+
+    def reads_in_flight(self, lease_id: str) -> int:
+        """Reads of the lease being served now (0 for a lease freed or never granted)."""
+        with self._lock:
+            entry = self._entries.get(lease_id)
+            return entry.reads_in_flight if entry is not None else 0
 
     def take_freeable(self, now: float | None = None) -> list[str]:
         """Request ids whose blocks may be freed now: lease released or expired and no read

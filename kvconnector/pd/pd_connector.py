@@ -247,6 +247,10 @@ class PDConnector(KVConnectorBase):
             lease, offered, hashes, num_blocks * self._block_size, request, len(block_ids)
         )
 
+    def is_being_read(self, request_id: str) -> bool:
+        lease_id = self._lease_of_request.get(request_id)
+        return lease_id is not None and self.leases.reads_in_flight(lease_id) > 0
+
     def final_chunk_tokens(self, request: Request) -> int:
         """A prompt handed off chunk-wise ends with a short chunk: the blocks before it move
         while it computes, and only its own are left for the hand-off's tail."""

@@ -36,6 +36,8 @@ class LedgerMachine(RuleBasedStateMachine):
         self.unhashed_in_place: set[int] = set()
         # Owner -> its pinned blocks and what each held when pinned (a lease vouches for it).
         self.pinned: dict[str, dict[int, list[int | None]]] = {}
+        # Blocks a later pin left out (a reference each time): a read may still copy them.
+        self.retired: dict[str, list[tuple[int, list[int | None]]]] = {}
         self.next_id = 0
 
     # helpers
@@ -81,7 +83,9 @@ class LedgerMachine(RuleBasedStateMachine):
         return True
 
     def _pinned_ids(self) -> set[int]:
-        return {block_id for blocks in self.pinned.values() for block_id in blocks}
+        return {block_id for blocks in self.pinned.values() for block_id in blocks} | {
+            block_id for blocks in self.retired.values() for block_id, _ in blocks
+        }
 
     def _drop_hashes(self, drop) -> None:
         """Run an explicit evict / reset, remembering free blocks it left unhashed in place."""
@@ -203,7 +207,19 @@ class LedgerMachine(RuleBasedStateMachine):
                     expected = req.all_token_ids[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE]
                     assert self.shadow[block_id] == expected
         self.manager.pin_blocks(req.request_id, ids)
+        before = self.pinned.get(req.request_id, {})
         self.pinned[req.request_id] = {b: list(self.shadow[b]) for b in ids if b != 0}
+        left = [(b, tokens) for b, tokens in before.items() if b not in self.pinned[req.request_id]]
+        if left:
+            self.retired.setdefault(req.request_id, []).extend(left)
+
+    @precondition(lambda self: self.retired)
+    @rule(data=st.data())
+    def release_retired(self, data):
+        """No read of the owner's lease is in flight any more."""
+        owner = data.draw(st.sampled_from(sorted(self.retired)))
+        self.manager.release_retired(owner)
+        del self.retired[owner]
 
     @precondition(lambda self: self.pinned)
     @rule(data=st.data())
@@ -211,6 +227,7 @@ class LedgerMachine(RuleBasedStateMachine):
         owner = data.draw(st.sampled_from(sorted(self.pinned)))
         self.manager.unpin_blocks(owner)
         del self.pinned[owner]
+        self.retired.pop(owner, None)
 
     @rule()
     def reset(self):
@@ -239,6 +256,8 @@ class LedgerMachine(RuleBasedStateMachine):
         held.pop(0, None)
         for blocks in self.pinned.values():  # a reference per owner that pins the block
             held.update(blocks.keys())
+        for retired in self.retired.values():  # and one each time a pin left it out
+            held.update(block_id for block_id, _ in retired)
         for block in self.pool.blocks[1:]:
             assert block.ref_cnt == held.get(block.block_id, 0), (
                 f"block {block.block_id} ref_cnt is off"
@@ -276,6 +295,9 @@ class LedgerMachine(RuleBasedStateMachine):
         for blocks in self.pinned.values():
             for block_id, tokens in blocks.items():
                 assert self.shadow[block_id] == tokens, f"pinned block {block_id} was rewritten"
+        for retired in self.retired.values():
+            for block_id, tokens in retired:
+                assert self.shadow[block_id] == tokens, f"retired block {block_id} was rewritten"
 
     @invariant()
     def live_requests_still_hold_their_tokens(self):

@@ -421,6 +421,36 @@ def test_a_prompt_aborted_while_its_offer_is_read_keeps_the_offered_blocks_until
         prefill.shutdown()
 
 
+def test_blocks_a_window_left_stay_held_while_a_read_begun_before_is_in_flight(tmp_path):
+    """A sliding window moves past blocks an earlier offer named: the next offer takes them
+    out of the lease (no read begins on them), but a read the transfer server began before
+    (``begin_read``, as a ``ReadBlocks`` call does) still copies their pages: they stay
+    held, never handed out, until that read ends, and are freed at the next step after."""
+    save_hf_model(tmp_path, transformers.Gemma3TextConfig, **{**GEMMA3, "sliding_window": 40})
+    prefill = make_prefill_engine("grpc", model=str(tmp_path))
+    try:
+        offer = first_offer(prefill, "r0", [(7 * i + 3) % 90 + 2 for i in range(200)])
+        read = [block_id for block_id in offer.block_ids if block_id != NULL_BLOCK_ID]
+        prefill.connector.leases.begin_read(offer.lease_id, read)
+        offered_since = []
+        for _ in range(2):  # two more chunks: the window has left the first offer's blocks
+            offered_since += [o.kv_transfer_params for o in prefill.step()]
+        later = {b for params in offered_since if params for b in params.block_ids}
+        left = set(read) - later
+        assert len(left) == 6  # each window's 3 blocks of the first offer
+        pool = prefill.kv_cache_manager.block_pool
+        assert all(pool.blocks[block_id].ref_cnt == 1 for block_id in left)
+        assert set(prefill.kv_cache_manager.retired_owners) == {"r0"}
+        prefill.connector.leases.end_read(offer.lease_id)
+        prefill.step()
+        assert all(pool.blocks[block_id].ref_cnt == 0 for block_id in left)
+        assert not prefill.kv_cache_manager.retired_owners
+        prefill.abort("r0")
+        wait_prefill_idle(prefill)
+    finally:
+        prefill.shutdown()
+
+
 def test_an_offer_the_decode_pool_cannot_hold_is_dropped_and_the_hand_off_pulls_it(
     colocated: LLMEngine,
 ) -> None:
