@@ -414,6 +414,23 @@ class KVCacheManager:
         """The request's block table per group."""
         return self.get_blocks(request.request_id).get_block_ids()
 
+    def holds_blocks_from(self, request: CacheRequest, num_tokens: int) -> bool:
+        """Whether the request holds, in every group, each block that tokens from position
+        ``num_tokens`` on read or write: none is the null block a sliding window put in the
+        place of one it had left. A load that fell short recomputes from its first bad
+        position, and that position's window may reach back into blocks given up for the
+        load (``remove_skipped_blocks`` before it, as if it would land whole)::
+
+            window 8, block 4, prefix hit 40, load to 50 fails at 40
+            before the load:  0..9 null (the window from 50 starts at 43)
+            recompute from 40 reads 33..39: blocks 8 and 9, null → False
+        """
+        tables = self.get_block_ids(request)
+        for manager, table in zip(self.coordinator.single_type_managers, tables):
+            if NULL_BLOCK_ID in table[manager.num_skipped_blocks(num_tokens) :]:
+                return False
+        return True
+
     def get_computed_block_ids_for_peer(self, request: CacheRequest) -> tuple[list[int], ...]:
         """The request's full computed blocks, per group, as a peer that continues from
         their end reads them (a chunk-wise hand-off's offer): the null id where a group

@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.cache import NULL_BLOCK_ID, KVCacheBlocks, KVCacheManager
+from pdserve.cache import KVCacheBlocks, KVCacheManager
 from pdserve.engine.kv_connector_base import (
     FinishedTransfers,
     KVConnectorBase,
@@ -648,11 +648,11 @@ class Scheduler:
                     num_loaded,
                     num_target,
                 )
-        if num_loaded < num_target and any(
-            NULL_BLOCK_ID in block_ids[first_block:] for block_ids in tables
+        if num_loaded < num_target and not self.kv_cache_manager.holds_blocks_from(
+            request, num_loaded
         ):
             # Blocks a sliding window will have left were dropped for the load; recomputing
-            # from the bad block would read them: the prompt starts over instead.
+            # from the bad position would read or write them: the prompt starts over instead.
             num_loaded = request.num_computed_tokens = 0
         # | pool hit | tier | pull |: what landed intact, the tier's part first.
         num_landed = max(0, num_loaded - request.num_computed_tokens)
