@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 from pdserve.checkpoint.gguf_file import gguf_metadata, open_gguf
 from pdserve.checkpoint.model_source import ModelSource, hf_eos_token_ids, resolve_model
+from pdserve.checkpoint.weights_digest import parameters_digest, weights_digest
 from pdserve.model.architectures import CausalLM, build_model
 from pdserve.model.gguf_loader import gguf_has_output_head, gguf_state_dict
 from pdserve.model.model_config import DTYPES, ModelConfig, resolve_dtype
@@ -42,11 +43,14 @@ def load_model(
     if source.kind == "tiny":
         config = tiny_model_config()
         config.dtype = _dtype_name(torch_dtype)
-        return build_tiny_model(torch_dtype, device), config, load_tokenizer(source)
+        model = build_tiny_model(torch_dtype, device)
+        config.weights_digest = parameters_digest(model)
+        return model, config, load_tokenizer(source)
     if source.kind == "gguf":
         return load_gguf_model(source, torch_dtype, device)
     config = load_model_config(source.file_path())
     config.dtype = _dtype_name(torch_dtype)
+    config.weights_digest = weights_digest(_weight_files(source.file_path()))
     model = load_weights(config, source.file_path(), torch_dtype, device)
     return model, config, load_tokenizer(source)
 
@@ -62,6 +66,7 @@ def load_gguf_model(
         metadata, tie_word_embeddings=not gguf_has_output_head(reader)
     )
     config.dtype = _dtype_name(dtype)
+    config.weights_digest = weights_digest([source.file_path()])
     tokenizer = tokenizer_from_gguf(metadata)
     config.eos_token_ids = list(tokenizer.eos_token_ids)
     state = gguf_state_dict(config, reader, dtype, device)

@@ -151,6 +151,9 @@ class ModelConfig:
     ``hidden_activation``: the gated MLP's (``silu``, or Gemma's ``gelu_pytorch_tanh``).
     ``moe``: the experts of a mixture-of-experts model (None: dense). ``mla``: latent
     attention (DeepSeek), whose ``head_dim`` is the RoPE part of a query head.
+    ``weights_digest``: the loader's digest of the weights (``checkpoint/weights_digest.py``;
+    "" for a config built without them), so that the fingerprint tells apart two checkpoints
+    of one config.
     """
 
     architecture: str
@@ -179,6 +182,7 @@ class ModelConfig:
     hidden_activation: str = "silu"
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
+    weights_digest: str = ""
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -234,7 +238,8 @@ class ModelConfig:
     @property
     def fingerprint(self) -> str:
         """``<architecture>:<16 hex>``: two workers whose KV pages may be exchanged run
-        models with equal fingerprints (every field but the end-of-sequence ids)."""
+        models with equal fingerprints (every field but the end-of-sequence ids, the
+        weights' digest included: one config with other weights is another model)."""
         identity = {k: v for k, v in dataclasses.asdict(self).items() if k != "eos_token_ids"}
         digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
         return f"{self.architecture}:{digest[:16]}"

@@ -57,10 +57,13 @@ COMMON = dict(
 )
 
 
-def save_hf_model(directory, config_class, **overrides) -> transformers.PreTrainedModel:
-    """A random HF model saved (with a tokenizer.json) in ``directory``; returns the reference."""
+def save_hf_model(
+    directory, config_class, seed: int = 0, **overrides
+) -> transformers.PreTrainedModel:
+    """A random HF model saved (with a tokenizer.json) in ``directory``, its weights drawn
+    from ``seed``; returns the reference."""
     config = config_class(**{**COMMON, **overrides})
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     reference = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     reference.save_pretrained(directory)
     vocab = {f"w{i}": i for i in range(config.vocab_size)}

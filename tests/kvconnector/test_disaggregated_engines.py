@@ -14,6 +14,7 @@ import transformers
 
 from pdserve.engine import LLMEngine, RequestOutput, SamplingParams
 from pdserve.engine.request import RequestStatus
+from pdserve.model.loader import load_model
 from tests.engine.hf_models import (
     DEEPSEEK_V2,
     DEEPSEEK_V3,
@@ -206,6 +207,25 @@ def test_a_peer_of_another_model_with_the_same_page_shape_is_refused(
     assert decode.runner.kv_cache[0].shape == tiny[0].shape  # the same page, byte for byte
     assert_the_pull_is_refused(
         prefill, decode, "model: local='Qwen3ForCausalLM:", "remote='LlamaForCausalLM:"
+    )
+
+
+def test_a_peer_of_the_same_config_with_other_weights_is_refused(prefill_factory, tmp_path):
+    """A fine-tune beside its base, or a rolling update to new weights: one config.json,
+    pages of one shape, K/V that mean different things (the reviewer's repro decoded the
+    other's pages into other tokens, every checksum verifying). The fingerprint covers the
+    weights' digest, so the handshake refuses the pair, naming both."""
+    for name, seed in (("a", 0), ("b", 1)):  # tiny's vocabulary: the helper's prompts
+        save_hf_model(tmp_path / name, transformers.LlamaConfig, seed=seed, vocab_size=512)
+    prefill = prefill_factory(transport="grpc", lease_ttl_s=2.0, model=str(tmp_path / "a"))
+    decode = make_decode_engine("grpc", failure_policy="fail", model=tmp_path / "b")
+    _, remote, _ = load_model(str(tmp_path / "a"), decode.model_config.dtype)
+    assert remote.fingerprint != decode.model_config.fingerprint
+    assert_the_pull_is_refused(
+        prefill,
+        decode,
+        f"model: local='{decode.model_config.fingerprint}'",
+        f"remote='{remote.fingerprint}'",
     )
 
 
