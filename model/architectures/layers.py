@@ -39,19 +39,29 @@ class RMSNorm(nn.Module):
 
 
 def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``[in, sum(out)]`` weight and ``[sum(out)]`` bias (or ``None``) of linears sharing an input.
+    """``[in, sum(out)]`` weight and ``[sum(out)]`` bias (``None`` when no linear has one) of
+    linears sharing an input; a linear without a bias adds zeros where others have one
+    (DeepSeek-V2-Lite's ``q_proj`` has none, the ``kv_a_proj_with_mqa`` fused beside it may).
 
     Each linear's parameters become views into the fused tensors, so the checkpoint
     names still reach the same numbers and memory is not doubled.
     """
     weight_t = torch.cat([linear.weight.detach() for linear in linears]).t().contiguous()
-    has_bias = linears[0].bias is not None
-    bias = torch.cat([linear.bias.detach() for linear in linears]) if has_bias else None
+    bias = None
+    if any(linear.bias is not None for linear in linears):
+        bias = torch.cat(
+            [
+                linear.weight.new_zeros(linear.out_features)
+                if linear.bias is None
+                else linear.bias.detach()
+                for linear in linears
+            ]
+        )
     start = 0
     for linear in linears:
         end = start + linear.out_features
         linear.weight = nn.Parameter(weight_t[:, start:end].t(), requires_grad=False)
-        if bias is not None:
+        if linear.bias is not None:
             linear.bias = nn.Parameter(bias[start:end], requires_grad=False)
         start = end
     return weight_t, bias

@@ -58,13 +58,19 @@ COMMON = dict(
 
 
 def save_hf_model(
-    directory, config_class, seed: int = 0, **overrides
+    directory, config_class, seed: int = 0, random_biases: bool = False, **overrides
 ) -> transformers.PreTrainedModel:
     """A random HF model saved (with a tokenizer.json) in ``directory``, its weights drawn
-    from ``seed``; returns the reference."""
+    from ``seed``; returns the reference. transformers starts every bias at zero, where a
+    bias the engine dropped changes nothing: ``random_biases`` draws them too."""
     config = config_class(**{**COMMON, **overrides})
     torch.manual_seed(seed)
     reference = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    if random_biases:
+        with torch.no_grad():
+            for name, parameter in reference.named_parameters():
+                if name.endswith("bias"):
+                    parameter.normal_(0.0, 0.5)
     reference.save_pretrained(directory)
     vocab = {f"w{i}": i for i in range(config.vocab_size)}
     tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w2"))

@@ -3,7 +3,9 @@
 A small random model of each family, saved by transformers to a temp directory, runs through
 ``LLMEngine.from_pretrained(dir)`` with a chunk budget smaller than its prompts (chunked
 prefill) and then again on the same prompts (prefix-cache hits): 32 greedy tokens each time
-equal transformers' ``generate`` with its own cache. README's architecture table points here.
+equal transformers' ``generate`` with its own cache; the families whose checkpoints carry
+biases, again with every bias drawn at random (transformers starts them at zero). README's
+architecture table points here.
 """
 
 from __future__ import annotations
@@ -82,11 +84,39 @@ FAMILIES = [
 NEW_TOKENS = 32
 
 
+# Families whose checkpoints carry biases, each drawn at random.
+BIASED = [
+    pytest.param(transformers.Qwen2Config, {}, id="qwen2-qkv"),
+    pytest.param(transformers.LlamaConfig, {"attention_bias": True}, id="llama-qkvo"),
+    # V2-Lite's q_proj has no bias and is fused with kv_a_proj_with_mqa, which has one.
+    pytest.param(
+        transformers.DeepseekV2Config,
+        {**DEEPSEEK_V2, "attention_bias": True},
+        id="deepseek-v2-lite",
+    ),
+    pytest.param(
+        transformers.DeepseekV3Config, {**DEEPSEEK_V3, "attention_bias": True}, id="deepseek-v3"
+    ),
+]
+
+
 @pytest.mark.parametrize("config_class, overrides", FAMILIES)
 def test_chunked_and_prefix_hit_greedy_tokens_equal_transformers(
     tmp_path, config_class, overrides
 ) -> None:
-    reference = save_hf_model(tmp_path, config_class, **overrides)
+    assert_greedy_tokens_equal(tmp_path, save_hf_model(tmp_path, config_class, **overrides))
+
+
+@pytest.mark.parametrize("config_class, overrides", BIASED)
+def test_every_checkpoint_bias_reaches_the_engine(tmp_path, config_class, overrides) -> None:
+    """A bias the engine dropped (V2-Lite's fused input projection lost its latent part's)
+    changes the tokens only where the checkpoint's biases are not zero."""
+    reference = save_hf_model(tmp_path, config_class, random_biases=True, **overrides)
+    assert_greedy_tokens_equal(tmp_path, reference)
+
+
+def assert_greedy_tokens_equal(tmp_path, reference) -> None:
+    """Chunked prefills, then prefix hits: 32 greedy tokens each equal transformers'."""
     engine = LLMEngine.from_pretrained(
         str(tmp_path), block_size=8, num_kv_blocks=128, max_num_batched_tokens=24
     )
