@@ -122,7 +122,9 @@ def _kernels() -> tuple[Any, Any]:
         split_first = split * keys_per_split
         split_end = tl.minimum(split_first + keys_per_split, high)
         for first_key in range(split_first, split_first + keys_per_split, KEYS):
-            if (first_key < split_end) & (first_key + KEYS > low):
+            # A tile with no visible key would take exp(-inf - -inf): NaN. A tile can be
+            # wider than its split (KEYS is at least 16), so its start alone does not say.
+            if (tl.maximum(first_key, low) < split_end) & (first_key + KEYS > low):
                 # KEYS keys over several pages at once: their loads are in flight together.
                 positions = first_key + tile
                 visible = (positions >= low) & (positions < split_end)

@@ -91,3 +91,36 @@ def test_triton_decode_kernel_equals_the_gather_path_on_verification_rows(
         gathered = split_kv_attention(query, layer_cache, plan)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(in_place, gathered, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("position", [21, 26])
+def test_triton_decode_kernel_on_small_blocks_skips_tiles_with_no_visible_key(position):
+    """Blocks of 8 under a window of 4: a split holds one block, but a tile is 16 keys wide
+    and reaches past it. A draft whose window starts past its split's end met a tile with
+    nothing visible there, whose softmax took exp(-inf - -inf): NaN in the merge (found by
+    review, under Triton's interpreter). Each row of a token and 3 drafts equals float64
+    dense attention over its window."""
+    block_size, window, lens = 8, 4, [4]
+    generator = torch.Generator().manual_seed(7)
+    table = list(range(1, 6))
+    layer_cache = torch.randn(8, 2, block_size, NUM_KV_HEADS, HEAD_SIZE, generator=generator)
+    layer_cache[0] = 0  # the null block
+    query = torch.randn(lens[0], NUM_HEADS, HEAD_SIZE, generator=generator)
+    plan = plan_split_kv(
+        0, [position], [table], block_size, torch.device("cuda"), torch.float32, window, None, lens
+    )
+    assert plan.device_key_ranges is not None
+    tables, _, low, high = (t.cpu() for t in plan.device_key_ranges)
+    with torch.inference_mode():
+        attended = split_kv_attention(query.cuda(), layer_cache.cuda(), plan).cpu()
+    group = NUM_HEADS // NUM_KV_HEADS
+    # The row's table starts at the window's first block; low and high count from there.
+    pages = layer_cache[tables[0]].double()  # [blocks, 2, slots, kv heads, head]
+    keys = pages[:, 0].reshape(-1, NUM_KV_HEADS, HEAD_SIZE).repeat_interleave(group, 1)
+    values = pages[:, 1].reshape(-1, NUM_KV_HEADS, HEAD_SIZE).repeat_interleave(group, 1)
+    for row in range(lens[0]):
+        visible = slice(int(low[row]), int(high[row]))
+        scores = torch.einsum("hd,thd->ht", query[row].double(), keys[visible]) / HEAD_SIZE**0.5
+        expected = torch.einsum("ht,thd->hd", scores.softmax(-1), values[visible])
+        assert not attended[row].isnan().any()
+        torch.testing.assert_close(attended[row].double(), expected, atol=1e-5, rtol=1e-5)
