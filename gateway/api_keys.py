@@ -54,7 +54,14 @@ def _digest(key: str) -> bytes:
 
 
 def check_api_keys(keys: Sequence[str], source: str) -> None:
-    """Configured keys must be strings long enough not to be guessed, without separators."""
+    """Configured keys must be strings long enough not to be guessed, without separators,
+    and there must be one: an empty setting (a template's unset variable) would otherwise
+    stand for "no key" and win over the key in the environment, leaving every route open."""
+    if not keys:
+        raise ValueError(
+            f"{source}: no key given; leave it unset (the key then comes from "
+            f"{API_KEY_ENV} / {ADMIN_API_KEY_ENV}, or there is none) or name at least one"
+        )
     for key in keys:
         if not isinstance(key, str) or len(key) < MIN_API_KEY_CHARS:
             raise ValueError(

@@ -349,6 +349,9 @@ def test_the_flags_and_keys_users_have_still_work(monkeypatch, tmp_path: Path):
         ({"num_prefill": 0}, "greater than or equal to 1"),
         ({"no_such_setting": 1}, "Extra inputs are not permitted"),
         ({"extra_engine_args": {"engine_id": "x"}}, "not engine settings"),
+        # Empty would mean "no key" and win over PDSERVE_API_KEY: every route open.
+        ({"api_key": ""}, "api_key: no key given"),
+        ({"admin_api_key": []}, "admin_api_key: no key given"),
     ],
 )
 def test_a_bad_value_is_refused_by_validation_naming_it(settings, message):

@@ -76,6 +76,8 @@ def test_configured_keys_are_checked_and_read_from_the_environment() -> None:
         check_api_keys(["short"], "api_key")
     with pytest.raises(ValueError, match="commas"):
         check_api_keys([f" {KEY}"], "api_key")
+    with pytest.raises(ValueError, match="no key given"):
+        check_api_keys([], "api_key")
 
 
 def _app(policy: APIKeyPolicy | None, root_path: str = "") -> TestClient:
