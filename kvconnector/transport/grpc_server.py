@@ -60,7 +60,7 @@ from pdserve.kvconnector.transport.base import (
 from pdserve.kvconnector.transport.block_chunk import encode_block_chunk
 from pdserve.kvconnector.transport.layout import KVLayout
 from pdserve.kvconnector.transport.tls_server_credentials import TLSServerCredentials
-from pdserve.messages.kv_plane_tls import KVPlaneTLS
+from pdserve.messages.kv_plane_tls import KV_PEER_NAME, KVPlaneTLS
 from pdserve.proto import kv_transfer_pb2 as pb
 from pdserve.proto import kv_transfer_pb2_grpc as pb_grpc
 
@@ -91,6 +91,8 @@ _LEASE_ERROR_CODES: dict[type[LeaseError], grpc.StatusCode] = {
 # Test hook: called with a message's block ids and its packed pages, which it may change.
 FaultInjector = Callable[[Sequence[int], bytearray], None]
 # A generated request message: each has FromString and a DESCRIPTOR.
+# gRPC's name for the peer certificate's subject alternative names in a call's auth context.
+_SAN_PROPERTY = "x509_subject_alternative_name"
 T = TypeVar("T", bound=Message)
 
 
@@ -285,10 +287,22 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
             context.abort(_LEASE_ERROR_CODES[type(error)], str(error))
 
     def _authorize(self, context: grpc.ServicerContext) -> None:
-        """Every call starts here: its connection counted as served (under TLS), then the
-        deployment secret checked."""
+        """Every call starts here: its connection counted as served (under TLS) and its
+        certificate checked for the KV plane's name, then the deployment secret checked.
+
+        The handshake already proved the client's certificate is the deployment CA's; the
+        name proves it is a worker's. The CA signs the gateway's certificate too, whose key
+        sits on every proxy node: without the name it would pass, leaving the secret alone
+        between that key and every prompt's KV."""
         if self._over_tls:
             self._stats.record_tls_call(context.peer())
+            names = context.auth_context().get(_SAN_PROPERTY, [])
+            if KV_PEER_NAME.encode() not in names:
+                context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"the client's certificate is not a KV plane worker's: it does not name "
+                    f"{KV_PEER_NAME!r} (pdserve certs issues worker.crt for the workers)",
+                )
         if self._secret is None:
             return
         provided = dict(context.invocation_metadata()).get(SECRET_METADATA_KEY, "")

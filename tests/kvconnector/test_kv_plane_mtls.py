@@ -37,7 +37,7 @@ PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> dict[str, KVPlaneTLS]:
-    """The deployment's files, and three peers that must be refused."""
+    """The deployment's files, and four peers that must be refused."""
     root = tmp_path_factory.mktemp("certs")
     deployment = write_certificates(root / "deployment", ["127.0.0.1"])
     foreign = write_certificates(root / "foreign", ["127.0.0.1"])
@@ -54,6 +54,12 @@ def certs(tmp_path_factory) -> dict[str, KVPlaneTLS]:
         ),
         "expired": KVPlaneTLS(
             str(deployment / "ca.crt"), str(expired / "worker.crt"), str(expired / "worker.key")
+        ),
+        # The deployment CA's other certificate: the gateway's, on every proxy node.
+        "gateway": KVPlaneTLS(
+            str(deployment / "ca.crt"),
+            str(deployment / "gateway.crt"),
+            str(deployment / "gateway.key"),
         ),
     }
 
@@ -132,6 +138,24 @@ def test_a_peer_without_the_deployments_certificate_is_refused_before_any_messag
         good.close()
         assert server.activity.is_set()
         assert server.stats.snapshot().num_tls_connections_refused == refused
+    finally:
+        server.stop()
+
+
+def test_the_gateways_certificate_passes_tls_but_is_refused_at_its_first_call(certs) -> None:
+    """The gateway's certificate is the deployment CA's too, so its TLS handshake succeeds;
+    with the deployment secret as well (both may sit on one proxy node), its first call is
+    still refused, naming the worker certificate's name, and nothing is served."""
+    server, kv_cache = _server(certs["deployment"])
+    layout = KVLayout.from_kv_cache(kv_cache, "xxh3_128", 0)
+    try:
+        client = GrpcTransferClient(
+            torch.zeros_like(kv_cache), layout, secret=SECRET, tls=certs["gateway"], timeout_s=5.0
+        )
+        with pytest.raises(TransferError, match=f"does not name '{KV_PEER_NAME}'"):
+            client.handshake(server.address)
+        client.close()
+        assert not server.activity.is_set(), "the server served the gateway's certificate"
     finally:
         server.stop()
 
