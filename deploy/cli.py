@@ -40,7 +40,14 @@ from pdserve.gateway.api_keys import API_KEY_ENV, keys_from_env
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from pdserve.deploy.cluster import base_url, deploy, init_ray, remember_local_cluster, shut_down
+    from pdserve.deploy.cluster import (
+        ServeOptionsError,
+        base_url,
+        deploy,
+        init_ray,
+        remember_local_cluster,
+        shut_down,
+    )
     from pdserve.deploy.placement import PlacementError
 
     config = PDServeConfig.from_cli(args)
@@ -54,7 +61,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     init_ray(config.ray_address)
     try:
         seconds = deploy(config)
-    except PlacementError as error:
+    except (PlacementError, ServeOptionsError) as error:
         print(f"pdserve: cannot deploy: {error}", file=sys.stderr)
         return 2
     if not config.ray_address:

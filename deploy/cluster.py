@@ -64,7 +64,8 @@ def deploy(
 
     The config, with the secrets resolved for this app, is kept in the cluster (Ray's
     internal KV, under ``_config_key``) so that ``scale`` can redeploy the same app later.
-    Raises ``PlacementError`` before deploying when no node can host a part of the app."""
+    Raises ``PlacementError`` before deploying when no node can host a part of the app, and
+    ``ServeOptionsError`` when Serve already runs here with other HTTP options."""
     import ray
     from ray import serve
     from ray.experimental import internal_kv
@@ -73,6 +74,7 @@ def deploy(
     from pdserve.deploy.placement import check_placement
 
     config = config.resolve_deployment_secrets()
+    check_running_serve(config)
     check_placement(resource_demands(config), ray.nodes())  # a clear error, not a hang
     start = time.perf_counter()
     serve.start(**serve_start_options(config))
@@ -92,6 +94,37 @@ def serve_start_options(config: PDServeConfig) -> dict[str, Any]:
         "http_options": http_options,
         "proxy_location": config.proxy_location,
     }
+
+
+class ServeOptionsError(RuntimeError):
+    """Serve already runs on the cluster with HTTP options other than the app asks for."""
+
+
+def check_running_serve(config: PDServeConfig) -> None:
+    """Refuses an app whose HTTP options differ from those of the Serve already running.
+
+    Serve's proxies keep the options of its first start: a later ``serve.start`` with others
+    only logs a warning. An app asking for HTTPS on a cluster whose Serve was started
+    without it would be served in plain HTTP, its API key in clear (the gRPC ingress, which
+    pdserve starts itself, would have TLS)."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:
+        return  # serve.start starts it with the app's options
+    running = client.http_config
+    wanted = serve_start_options(config)["http_options"]
+    differing = [
+        f"{name}: running {getattr(running, name, None)!r}, asked {value!r}"
+        for name, value in wanted.items()
+        if getattr(running, name, None) != value
+    ]
+    if differing:
+        raise ServeOptionsError(
+            "Serve already runs on this cluster with other HTTP options, which it would keep "
+            f"({'; '.join(differing)}): deploy with those, or stop Serve first "
+            "(`serve shutdown`, which stops every app on the cluster)"
+        )
 
 
 def serve_run_options(config: PDServeConfig) -> dict[str, Any]:

@@ -20,8 +20,10 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from ray import serve
 
-from pdserve.deploy.cluster import base_url
+from pdserve.deploy.certs import write_certificates
+from pdserve.deploy.cluster import ServeOptionsError, base_url, deploy
 from pdserve.kvconnector.transport.base import SECRET_METADATA_KEY, TransferError
 from pdserve.kvconnector.transport.grpc_client import GrpcTransferClient
 from pdserve.kvconnector.transport.layout import KVLayout
@@ -105,6 +107,26 @@ def test_every_listener_binds_loopback_by_default(service):
         ("KV transfer of prefill-0", KV_PORT),
     ]:
         assert _listening_addresses(port) == {"127.0.0.1"}, what
+
+
+def test_an_app_asking_for_https_where_serve_runs_plain_http_is_refused(service, tmp_path):
+    """Serve keeps the HTTP options of its first start (a later one only logs a warning): an
+    app asking for HTTPS on this cluster, whose Serve answers plain HTTP, would have been
+    served in plain HTTP, its API key in clear. It is refused before anything is deployed,
+    naming what differs, and the running app still answers."""
+    write_certificates(tmp_path, ["127.0.0.1"])
+    https = service.model_copy(
+        update={
+            "app_name": "https-app",
+            "route_prefix": "/https-app",
+            "ssl_certfile": str(tmp_path / "gateway.crt"),
+            "ssl_keyfile": str(tmp_path / "gateway.key"),
+        }
+    )
+    with pytest.raises(ServeOptionsError, match="ssl_certfile: running None, asked"):
+        deploy(https)
+    assert "https-app" not in serve.status().applications
+    assert get_json(service, "/health") is not None
 
 
 def test_the_kv_port_refuses_a_peer_without_the_deployment_secret(service):
