@@ -25,6 +25,7 @@ from pdserve.gateway.openai_schema import (
     ParsedCompletion,
     SamplingRequest,
     WholeChoice,
+    check_unicode,
     envelope,
     validate_request,
 )
@@ -105,11 +106,26 @@ def render_chat(
             param="messages",
             code="no_chat_template",
         )
+    _check_unicode_within(messages, "messages")
+    _check_unicode_within(tools, "tools")
     try:
         prompt = tokenizer.chat_template.render(messages, add_generation_prompt=True, tools=tools)
     except ValueError as error:
         raise APIError(400, str(error), param="messages") from None
     return tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def _check_unicode_within(value: Any, param: str) -> None:
+    """Every string in a message or tool (content, a text part, a description) must be
+    valid Unicode: the tokenizer cannot encode a lone surrogate (``check_unicode``)."""
+    if isinstance(value, str):
+        check_unicode(value, param)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _check_unicode_within(item, param)
+    elif isinstance(value, list):
+        for item in value:
+            _check_unicode_within(item, param)
 
 
 @dataclass(slots=True)
