@@ -25,6 +25,9 @@ from pdserve.tokenizer.tool_prompt import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 _DECODER = json.JSONDecoder()
+# What may follow a whole JSON number in a call's object; the end of the text so far may not
+# (more digits may come).
+_AFTER_A_NUMBER = frozenset(" \t\r\n,}")
 
 
 @dataclass(slots=True)
@@ -140,7 +143,10 @@ class HermesToolParser:
         if named is None:
             return
         if not self._in_call:  # this block's header
-            name = json.loads(f'"{named.group(1)}"')
+            try:
+                name = json.loads(f'"{named.group(1)}"')
+            except json.JSONDecodeError:  # "get\_weather", a raw newline: no readable name
+                return  # the block stays content, as one with no name does
             self._calls.append(_Call(f"call_{uuid.uuid4().hex[:24]}", name))
             call = self._calls[-1]
             delta.tool_calls.append(ToolCallDelta(len(self._calls) - 1, "", call.id, name))
@@ -148,12 +154,16 @@ class HermesToolParser:
         if call.arguments_done:
             return
         start = named.end()
+        arguments = body[start:].rstrip() if closed else body[start:]  # not whole yet
         try:
-            _, end = _DECODER.raw_decode(body, start)
+            value, end = _DECODER.raw_decode(body, start)
         except json.JSONDecodeError:  # not whole yet: every character so far is its text
-            arguments = body[start:].rstrip() if closed else body[start:]
+            pass
         else:
-            arguments, call.arguments_done = body[start:end], True
+            # A number is whole once what follows it cannot go on with it ("1" of "12",
+            # "1" of "1.5", "1.5" of "1.5e3" are not); anything else read whole is whole.
+            if closed or not _is_number(value) or body[end : end + 1] in _AFTER_A_NUMBER:
+                arguments, call.arguments_done = body[start:end], True
         if len(arguments) > len(call.arguments_sent) and arguments.startswith(call.arguments_sent):
             delta.tool_calls.append(
                 ToolCallDelta(len(self._calls) - 1, arguments[len(call.arguments_sent) :])
@@ -165,6 +175,10 @@ class HermesToolParser:
         stripped = text.rstrip()
         self._held_space = text[len(stripped) :]
         delta.content += stripped
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _partial_tag(text: str) -> int:

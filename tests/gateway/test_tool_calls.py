@@ -91,6 +91,18 @@ def test_none_shows_the_model_no_tools_and_parses_nothing(engine):
         ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools", "pattern"),
         ({"tools": [TOOLS[0], TOOLS[0]]}, "tools.1.function.name", "twice"),
         ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs tools"),
+        # A lone surrogate (JSON's "\ud800") in a message or a tool: no tokenizer encodes it.
+        ({"messages": [{"role": "user", "content": "a \ud800 b"}]}, "messages", "surrogate"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+            "messages",
+            "surrogate",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "description": "\ud800"}}]},
+            "tools",
+            "surrogate",
+        ),
         (
             {"tool_choice": "required", "response_format": {"type": "json_object"}},
             "tool_choice",
@@ -105,6 +117,9 @@ def test_none_shows_the_model_no_tools_and_parses_nothing(engine):
         "duplicate",
         "no-tools",
         "with-format",
+        "surrogate-in-content",
+        "surrogate-in-a-part",
+        "surrogate-in-a-tool",
     ],
 )
 def test_bad_tools_are_a_400_naming_the_field(engine, fields, param, reason):
@@ -148,7 +163,18 @@ REPLIES = [
     "no calls here, only a < and <tool",
     "<tool_call>not json</tool_call> and after",
     '<tool_call>\n{"name": "x", "arguments": {"a": "}"}}',  # cut off by max_tokens
+    # Arguments that are a number: "1" of "12" is no whole value until the text goes on.
+    '<tool_call>\n{"name": "n", "arguments": 12}\n</tool_call>',
+    '<tool_call>{"name": "n", "arguments": 1.5e3}</tool_call><tool_call>{"name": "t", "arguments": true}</tool_call>',
+    # A name JSON cannot read (a Markdown-escaped underscore): the block is content.
+    '<tool_call>\n{"name": "get\\_weather", "arguments": {}}\n</tool_call> after',
 ]
+
+
+def test_numbers_as_arguments_are_whole_and_an_unreadable_name_leaves_the_block_as_text():
+    assert [c["function"]["arguments"] for c in parse_whole(REPLIES[4])[1]] == ["12"]
+    assert [c["function"]["arguments"] for c in parse_whole(REPLIES[5])[1]] == ["1.5e3", "true"]
+    assert parse_whole(REPLIES[6]) == (REPLIES[6], [])
 
 
 @settings(max_examples=60, deadline=None)
