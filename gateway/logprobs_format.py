@@ -73,9 +73,8 @@ class LogprobsRenderer:
         }
 
     def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.token_text(token_id)
         return {
             "token": self.token_name(token_id),
             "logprob": logprob,
-            "bytes": list(text.encode("utf-8")),
+            "bytes": list(self._tokenizer.token_bytes(token_id)),  # a split character's too
         }

@@ -8,6 +8,8 @@ detokenizer (``tokenizers.decoders.DecodeStream`` needs a real ``tokenizers.Toke
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Sequence
 from functools import cache
 from typing import Protocol
@@ -35,6 +37,8 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
+    def token_bytes(self, token_id: int) -> bytes: ...
+
 
 class HFTokenizer:
     """A ``tokenizers.Tokenizer`` with the engine's interface.
@@ -58,6 +62,12 @@ class HFTokenizer:
         self.eos_token_id = self.eos_token_ids[0]
         self.chat_template = chat_template
         self.vocab_size = vocab_size or backend.get_vocab_size(with_added_tokens=True)
+        self._special_ids = frozenset(
+            token_id
+            for token_id, added in backend.get_added_tokens_decoder().items()
+            if added.special
+        )
+        self._spelling = _spelling(backend)
 
     @classmethod
     def from_file(
@@ -70,6 +80,29 @@ class HFTokenizer:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes the token stands for, also where they are part of one UTF-8 character
+        (which ``decode`` shows as U+FFFD): OpenAI's ``logprobs.bytes``, from which a client
+        rebuilds text that spans tokens. By the vocabulary's spelling (its decoder's kind):
+
+            byte-level (GPT-2, Llama 3, SmolLM, Qwen)   "Ġcaf" → b" caf", "Ã" → b"\xc3"
+            SentencePiece (Llama 2, Mistral, Gemma)     "▁caf" → b" caf", "<0xC3>" → b"\xc3"
+            any other, and special tokens               the decoded text's UTF-8
+        """
+        piece = self.backend.id_to_token(token_id)
+        if piece is None or token_id in self._special_ids:
+            return self.decode([token_id]).encode()
+        if self._spelling == "byte_level":
+            byte_of = _byte_of_character()
+            if all(char in byte_of for char in piece):
+                return bytes(byte_of[char] for char in piece)
+        elif self._spelling == "sentencepiece":
+            fallback = _BYTE_FALLBACK.fullmatch(piece)
+            if fallback is not None:
+                return bytes([int(fallback.group(1), 16)])
+            return piece.replace(_SENTENCEPIECE_SPACE, " ").encode()
+        return self.decode([token_id]).encode()
 
 
 class ByteTokenizer(HFTokenizer):
@@ -100,6 +133,29 @@ class ByteTokenizer(HFTokenizer):
         backend.add_special_tokens([f"<|special_{i}|>" for i in range(self.NUM_BYTES, vocab_size)])
         backend.encode_special_tokens = True
         super().__init__(backend, [self.NUM_BYTES], TINY_CHAT_TEMPLATE, vocab_size)
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_SENTENCEPIECE_SPACE = "\u2581"  # "▁"
+
+
+def _spelling(backend: tokenizers.Tokenizer) -> str:
+    """How the vocabulary spells bytes, told by its decoder: ``byte_level``,
+    ``sentencepiece`` (Metaspace, or a byte fallback), or ``other``."""
+    if backend.decoder is None:
+        return "other"
+    decoder = json.loads(backend.decoder.__getstate__())  # the decoder's own JSON only
+    kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or ()}
+    if "ByteLevel" in kinds:
+        return "byte_level"
+    if kinds & {"Metaspace", "ByteFallback"}:
+        return "sentencepiece"
+    return "other"
+
+
+@cache
+def _byte_of_character() -> dict[str, int]:
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 @cache
