@@ -524,7 +524,17 @@ class LLMEngine:
         prompts: Sequence[str | Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Runs ``prompts`` to completion; outputs in prompt order."""
+        """Runs ``prompts`` to completion; outputs in prompt order.
+
+        The offline API: it steps the engine until its own requests finish, so it refuses
+        to run beside requests added with ``add_request`` (their outputs would be consumed
+        here, never reaching whoever steps for them). A step that raises aborts its
+        requests, so none is left holding blocks."""
+        if self._tracked:
+            raise RuntimeError(
+                f"generate() needs an engine with no request in flight ({len(self._tracked)} "
+                "are): step() the engine for those, or call generate() once they finished"
+            )
         if params is None or isinstance(params, SamplingParams):
             params_list = [params or SamplingParams()] * len(prompts)
         else:
@@ -536,10 +546,15 @@ class LLMEngine:
         for request_id, prompt, request_params in zip(ids, prompts, params_list):
             self.add_request(request_id, prompt, request_params)
         finished: dict[str, RequestOutput] = {}
-        while len(finished) < len(ids):
-            for out in self.step():
-                if out.finished:
-                    finished[out.request_id] = out
+        try:
+            while len(finished) < len(ids):
+                for out in self.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+        except BaseException:
+            for request_id in ids:
+                self.abort(request_id)
+            raise
         return [finished[request_id] for request_id in ids]
 
     def shutdown(self) -> None:

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from pdserve.engine import LLMEngine, SamplingParams
+from tests.kvconnector.disaggregation import run_to_completion
 
 BLOCK_SIZE = 16
 
@@ -50,6 +51,22 @@ def test_generate_is_deterministic_and_independent_of_batching(engine: LLMEngine
     one_by_one = [token_ids(engine.generate([p], [sp]))[0] for p, sp in zip(prompts, params)]
     assert batched == one_by_one
     assert all(len(t) == 12 for t in batched)
+    assert_all_blocks_free(engine)
+
+
+def test_generate_refuses_to_run_beside_a_request_in_flight_and_leaves_it_whole(
+    engine: LLMEngine,
+) -> None:
+    """generate() steps the engine to its own requests' end: beside another request it
+    consumed that request's final output (and then failed with a KeyError, its own
+    requests left holding blocks). It refuses, and the other request finishes for its
+    caller."""
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.add_request("other", [8, 9, 10], params)
+    with pytest.raises(RuntimeError, match="no request in flight"):
+        engine.generate([[8, 9, 10]], params)
+    (other,) = run_to_completion(engine, ["other"])
+    assert other.output_token_ids == token_ids(engine.generate([[8, 9, 10]], params))[0]
     assert_all_blocks_free(engine)
 
 
