@@ -544,8 +544,9 @@ def test_an_offer_checksummed_after_its_prefill_was_preempted_still_lands_its_ow
         scheduler.waiting.remove(request)
         # 27 blocks, then 4: without the pins, the second prompt takes three offered blocks.
         others = [[(5 * i + k) % 256 for i in range(n)] for k, n in ((1, 431), (2, 63))]
-        for other in others:
-            prefill.generate([other], [SamplingParams(max_tokens=1)])
+        for index, other in enumerate(others):  # r0 is tracked: generate() would refuse
+            prefill.add_request(f"other{index}", other, SamplingParams(max_tokens=1))
+            run_to_completion(prefill, [f"other{index}"])
         producer = prefill.connector
         producer.complete_transfer_params(offer)  # the stream, late
         landed = pull_offer(decode, "r0#offer0", prompt, offer)
