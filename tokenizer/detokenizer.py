@@ -71,10 +71,17 @@ class IncrementalDetokenizer:
                 continue
             search_from = max(0, len(self.text) - self._max_stop_len + 1)
             self.text += piece
-            for stop in self._stop:
-                found = self.text.find(stop, search_from)
-                if found != -1:
-                    self.text = self.text[:found]
-                    self.num_tokens_at_stop = index + 1
-                    return stop
+            stop = self._earliest_stop(search_from)
+            if stop is not None:
+                self.text = self.text[: self.text.find(stop, search_from)]
+                self.num_tokens_at_stop = index + 1
+                return stop
         return None
+
+    def _earliest_stop(self, search_from: int) -> str | None:
+        """The stop string found first in the text (from ``search_from``), the longer one
+        where two start together: one token may complete several (" world" completes both
+        "d" and "w"), and cutting at a later one would leave the earlier in the text."""
+        found = [(self.text.find(stop, search_from), -len(stop), stop) for stop in self._stop]
+        hits = [hit for hit in found if hit[0] != -1]
+        return min(hits)[2] if hits else None

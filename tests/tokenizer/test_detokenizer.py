@@ -52,3 +52,19 @@ def test_stop_string_spanning_tokens_cuts_the_text_before_it():
 def test_specials_above_eos_decode_to_nothing_and_text_never_becomes_one():
     assert TOKENIZER.encode("<|special_300|>") == list(b"<|special_300|>")
     assert TOKENIZER.decode([72, 300, 511, 105]) == "Hi"
+
+
+def test_a_token_completing_several_stop_strings_cuts_at_the_earliest():
+    """smollm2's " world" is one token: it completes both "d" and "w"; the text is cut
+    before "w", the earlier, whatever the order of the list."""
+    from pdserve.checkpoint.model_source import resolve_model
+    from pdserve.tokenizer.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model("smollm2"))
+    ids = tokenizer.encode("Hello world", add_special_tokens=False)
+    assert tokenizer.decode(ids[-1:]) == " world"
+    # Two stops starting together: the longer is the one met.
+    for stops, met in ((["d", "w"], "w"), (["w", "d"], "w"), (["w", "wor"], "wor")):
+        detokenizer = IncrementalDetokenizer(tokenizer, stops)
+        assert detokenizer.update(ids) == met
+        assert detokenizer.text == "Hello "
