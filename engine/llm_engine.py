@@ -474,9 +474,13 @@ class LLMEngine:
                 if not request.is_finished:
                     request.stop_reason = stop
                     self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
-                elif cut < request.num_output_tokens:
-                    request.status = RequestStatus.FINISHED_STOPPED
-                    request.stop_reason = stop
+                elif (
+                    cut < request.num_output_tokens
+                    or request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+                ):
+                    # Its last allowed token completed the stop string: a stop, not a length
+                    # (a prefill worker's first token that did is not handed off).
+                    self.scheduler.stopped_after_finish(request, stop)
                 request.truncate_output(cut)
         if request.is_finished:
             self._tracked.pop(request.request_id, None)

@@ -517,6 +517,17 @@ class Scheduler:
             self.running.remove(request)
         self._release(request)
 
+    def stopped_after_finish(self, request: Request, stop: str) -> None:
+        """A finished request whose text met ``stop`` at or before the token it finished on
+        (found after the scheduler finished it: by length at that very token, or past it in
+        a speculative run): it ended by that stop string. A hand-off lease granted for its
+        length finish ends now: there is nothing left to decode."""
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = stop
+        if request.kv_transfer_params_out is not None and self.connector is not None:
+            self.connector.request_aborted(request)  # the lease: freed when no read holds it
+            request.kv_transfer_params_out = None
+
     def offer_computed_blocks(
         self, output: SchedulerOutput
     ) -> list[tuple[Request, KVTransferParams]]:

@@ -70,6 +70,20 @@ def test_generate_refuses_to_run_beside_a_request_in_flight_and_leaves_it_whole(
     assert_all_blocks_free(engine)
 
 
+def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(engine: LLMEngine) -> None:
+    """max_tokens and the stop string end the request at one token: the stop is why
+    (OpenAI's "stop"), with the text cut before it; it was reported as "length"."""
+    prompt = [(7 * i + 6) % 256 for i in range(40)]  # tiny's greedy reply: "M", then "%"
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    assert engine.generate([prompt], greedy)[0].text.startswith("M")
+    for max_tokens, stop in ((1, "M"), (3, "%")):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=[stop])
+        (output,) = engine.generate([prompt], params)
+        assert (output.finish_reason, output.stop_reason) == ("stop", stop)
+        assert stop not in output.text
+    assert_all_blocks_free(engine)
+
+
 def test_tiny_pool_preempts_but_every_request_matches_the_large_pool() -> None:
     prompts = random_prompts(1, 8, shared_prefix_len=20)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

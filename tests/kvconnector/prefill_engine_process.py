@@ -87,7 +87,8 @@ def _run(spec: PrefillSpec, conn: Any) -> None:
             while True:
                 done = [o for o in engine.step() if o.request_id == request_id and o.finished]
                 if done:  # as PrefillWorker's stream does, off the step path
-                    connector.complete_transfer_params(done[0].kv_transfer_params)
+                    if done[0].kv_transfer_params is not None:  # None: no hand-off
+                        connector.complete_transfer_params(done[0].kv_transfer_params)
                     conn.send(done[0])
                     break
         elif command == "corrupt":

@@ -210,6 +210,21 @@ def test_a_peer_of_another_model_with_the_same_page_shape_is_refused(
     )
 
 
+def test_a_first_token_that_completes_a_stop_string_ends_there_and_holds_no_lease(
+    prefill_factory,
+) -> None:
+    """The prefill's one token ("M", tiny's greedy first token here) completes the stop
+    string: the request stopped, it did not reach its length, so nothing is handed off
+    (it was reported as "length" with a lease, and the gateway sent it on to decode)."""
+    prefill = prefill_factory(transport="grpc")
+    prompt = [(7 * i + 6) % 256 for i in range(40)]
+    params = SamplingParams(max_tokens=1, temperature=0.0, stop=["M"])
+    output = prefill.prefill("s0", prompt, params)
+    assert (output.finish_reason, output.stop_reason) == ("stop", "M")
+    assert output.kv_transfer_params is None and output.text == ""
+    prefill.wait_until_idle()
+
+
 def test_a_peer_of_the_same_config_with_other_weights_is_refused(prefill_factory, tmp_path):
     """A fine-tune beside its base, or a rolling update to new weights: one config.json,
     pages of one shape, K/V that mean different things (the reviewer's repro decoded the
