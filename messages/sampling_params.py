@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from pdserve.grammar import GrammarSpec
 from pdserve.messages.logprobs import MAX_LOGPROBS
 
+# The lowest temperature above 0 that sampling uses (vLLM's _MAX_TEMP): below it, a
+# temperature is this one.
+MIN_TEMPERATURE = 1e-2
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -17,6 +21,10 @@ class SamplingParams:
     worker runs the step. That is what lets a disaggregated request (first token on a
     prefill worker, the rest on a decode worker) equal the colocated engine's output.
     A request without a ``seed`` gets one drawn at arrival, and it travels with the request.
+
+    A temperature above 0 but below ``MIN_TEMPERATURE`` is raised to it, as vLLM does:
+    logits divided by 1e-38 leave float32's range, the softmax turns to NaN, and every
+    token sampled was id 0.
     """
 
     max_tokens: int = 16
@@ -38,6 +46,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.messages.sampling_params import MIN_TEMPERATURE
 from tests.kvconnector.disaggregation import run_to_completion
 
 BLOCK_SIZE = 16
@@ -82,6 +83,22 @@ def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(engine: LLM
         assert (output.finish_reason, output.stop_reason) == ("stop", stop)
         assert stop not in output.text
     assert_all_blocks_free(engine)
+
+
+def test_a_temperature_near_zero_samples_as_the_lowest_one_not_token_zero(
+    engine: LLMEngine,
+) -> None:
+    """1e-38 took the logits past float32's range: NaN probabilities, token 0 every time.
+    Below MIN_TEMPERATURE (vLLM's floor) a temperature is that floor."""
+    prompt = [(7 * i + 6) % 256 for i in range(40)]
+    tokens = {
+        temperature: token_ids(
+            engine.generate([prompt], SamplingParams(max_tokens=8, temperature=temperature, seed=7))
+        )[0]
+        for temperature in (1e-38, MIN_TEMPERATURE)
+    }
+    assert SamplingParams(temperature=1e-38).temperature == MIN_TEMPERATURE
+    assert tokens[1e-38] == tokens[MIN_TEMPERATURE] != [0] * 8
 
 
 def test_tiny_pool_preempts_but_every_request_matches_the_large_pool() -> None:
