@@ -52,8 +52,13 @@ class LogprobsRenderer:
         return {
             "tokens": tokens,
             "token_logprobs": [e.logprob if e else None for e in entries],
+            # OpenAI's completions: the sampled token is always among them, first (so up
+            # to logprobs + 1 entries, as vLLM's). Chat's top_logprobs are exactly k.
             "top_logprobs": [
-                {self.token_name(t): lp for t, lp in e.top} if e else None for e in entries
+                {self.token_name(t): lp for t, lp in ((e.token_id, e.logprob), *e.top)}
+                if e
+                else None
+                for e in entries
             ],
             "text_offset": offsets,
         }

@@ -46,3 +46,13 @@ def test_both_endpoints_take_the_flag():
     )
     assert completion.return_tokens_as_token_ids and chat.return_tokens_as_token_ids
     assert not parse_completion({"model": "m", "prompt": "hi"}).return_tokens_as_token_ids
+
+
+def test_completions_top_logprobs_always_hold_the_sampled_token():
+    """OpenAI's completions: up to logprobs + 1 entries, the sampled token among them even
+    where it is not among the most likely (sampled at a temperature) or logprobs is 0."""
+    renderer = LogprobsRenderer(TOKENIZER, as_token_ids=True)
+    unlikely = TokenLogprobs(65, -4.0, [(66, -0.1)])
+    alone = TokenLogprobs(67, -0.2, [])
+    rendered = renderer.completion(0, [65, 67], [unlikely, alone])["top_logprobs"]
+    assert rendered == [{"token_id:65": -4.0, "token_id:66": -0.1}, {"token_id:67": -0.2}]
