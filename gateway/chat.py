@@ -21,6 +21,7 @@ from pydantic import Field
 
 from pdserve.gateway.logprobs_format import LogprobsRenderer, TokensWithLogprobs
 from pdserve.gateway.openai_schema import (
+    UNSUPPORTED_VLLM_FIELDS,
     APIError,
     ParsedCompletion,
     SamplingRequest,
@@ -46,6 +47,7 @@ _UNSUPPORTED_CHAT_FIELDS: dict[str, Any] = {
     "audio": None,
     "modalities": None,
     "prediction": None,
+    **UNSUPPORTED_VLLM_FIELDS,
 }
 
 

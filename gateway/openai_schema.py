@@ -8,9 +8,10 @@ can send wrong becomes an ``APIError`` with an OpenAI-style body and a 4xx statu
 
 Fields are checked strictly: ``"max_tokens": "5"``, ``"stream": "yes"`` or a token id of
 ``true`` or ``1.0`` are refused rather than coerced, and NaN or infinite numbers are refused.
-OpenAI fields that would change the output but that pdserve does not implement (``best_of``,
-``suffix``, ``logit_bias``, the penalties: ``_UNSUPPORTED_FIELDS``) are refused unless they
-hold their default; other unknown fields are ignored. ``echo`` and ``logprobs`` are served.
+OpenAI fields, and vLLM's sampling extensions, that would change the output but that pdserve
+does not implement (``best_of``, ``suffix``, ``logit_bias``, the penalties, ``min_p`` ...:
+``_UNSUPPORTED_FIELDS``) are refused unless they hold their default; other unknown fields
+are ignored. ``echo``, ``logprobs`` and vLLM's ``stop_token_ids`` are served.
 """
 
 from __future__ import annotations
@@ -43,15 +44,26 @@ MAX_REQUEST_BYTES = 4 << 20
 # Stop strings are searched for after every token, by the worker and by the gateway.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 # Choices per request (``n``): each decodes on its own, so a large n is a large request.
 MAX_CHOICES = 16
 # pdserve implements none of these; each is accepted only at its default value.
+# vLLM's sampling extensions pdserve does not implement (both endpoints); an ignored one
+# would change what the client gets without a word.
+UNSUPPORTED_VLLM_FIELDS: dict[str, Any] = {
+    "repetition_penalty": 1,
+    "min_p": 0,
+    "min_tokens": 0,
+    "prompt_logprobs": None,
+    "include_stop_str_in_output": False,
+}
 _UNSUPPORTED_FIELDS: dict[str, Any] = {
     "best_of": 1,
     "suffix": None,
     "logit_bias": {},
     "presence_penalty": 0,
     "frequency_penalty": 0,
+    **UNSUPPORTED_VLLM_FIELDS,
 }
 # What a field of a union type must be, for a message clearer than pydantic's per-member list.
 _UNION_FIELDS = {
@@ -148,9 +160,13 @@ class SamplingRequest(StructuredOutputFields):
     model: str
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = 1.0
-    top_k: Annotated[int, Field(ge=0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 and 0: every token (vLLM's)
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     stop: StopString | StopStrings | None = None
+    # vLLM's extension: token ids that end the reply (the id is output, its text is not).
+    stop_token_ids: (
+        Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None
+    ) = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -178,9 +194,10 @@ class SamplingRequest(StructuredOutputFields):
             max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
+            top_k=max(self.top_k or 0, 0),
             seed=self.seed,
             stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             structured=structured,

@@ -63,3 +63,11 @@ def test_the_event_log_serves_cursors_and_snapshots_after_truncation():
     router = Router(["p0"], [])
     router.apply(late)
     assert router.pick_prefill([b"b"]).num_matched_blocks == 1
+
+
+def test_vllms_stop_token_ids_and_top_k_minus_one_are_served():
+    parsed = parse_completion({"model": "m", "prompt": "hi", "stop_token_ids": [3, 5], "top_k": -1})
+    assert parsed.params.stop_token_ids == [3, 5] and parsed.params.top_k == 0
+    with pytest.raises(APIError) as refused:
+        parse_completion({"model": "m", "prompt": "hi", "stop_token_ids": [-1]})
+    assert refused.value.param == "stop_token_ids"
