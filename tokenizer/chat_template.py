@@ -19,6 +19,8 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.meta
+import jinja2.nodes
+import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pdserve.tokenizer.tool_prompt import fold_tools
@@ -26,12 +28,26 @@ from pdserve.tokenizer.tool_prompt import fold_tools
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
+class _GenerationTags(jinja2.ext.Extension):
+    """transformers' ``{% generation %}`` ... ``{% endgeneration %}``: it marks the
+    assistant's tokens for training masks; rendered, it is its body. Without it a template
+    that uses it does not compile, and the model does not load."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)  # the tag's name
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 class ChatTemplate:
     """A compiled chat template and the special-token strings it may write."""
 
     def __init__(self, source: str, bos_token: str, eos_token: str) -> None:
         environment = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=[jinja2.ext.loopcontrols, _GenerationTags],
         )
         environment.filters["tojson"] = _tojson
         environment.globals["raise_exception"] = _raise_exception
@@ -82,7 +98,7 @@ class ChatTemplate:
 
 def validate_messages(messages: object) -> list[dict[str, Any]]:
     """``messages`` as plain ``{"role", "content"}`` dicts of strings (an assistant's
-    ``tool_calls`` and a tool result's ``tool_call_id`` kept), or a ``ValueError`` that says
+    ``tool_calls``, a tool result's ``tool_call_id`` and any message's ``name`` kept), or a ``ValueError`` that says
     which message is wrong and why (``object``: it is the client's JSON, checked here, not
     yet a list of mappings)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
@@ -105,6 +121,11 @@ def validate_messages(messages: object) -> list[dict[str, Any]]:
         }
         if checked_calls is not None:
             plain_message["tool_calls"] = checked_calls
+        name = message.get("name")  # a participant's (or a tool result's function's) name
+        if name is not None:
+            if not isinstance(name, str):
+                raise ValueError(f"messages[{index}].name must be a string")
+            plain_message["name"] = name
         if role == "tool":
             call_id = message.get("tool_call_id")
             if not isinstance(call_id, str) or not call_id:

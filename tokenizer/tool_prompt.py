@@ -54,7 +54,7 @@ def fold_tools(
         definitions = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
         instructions = _INSTRUCTIONS.format(definitions=definitions)
         if folded and folded[0]["role"] == "system":
-            folded[0] = {"role": "system", "content": f"{folded[0]['content']}\n\n{instructions}"}
+            folded[0] = {**folded[0], "content": f"{folded[0]['content']}\n\n{instructions}"}
         else:
             folded.insert(0, {"role": "system", "content": instructions})
     return folded
@@ -68,7 +68,8 @@ def _as_text(message: dict[str, Any]) -> dict[str, Any]:
         }
     calls = message.get("tool_calls")
     if not calls:
-        return {"role": message["role"], "content": message["content"]}
+        return dict(message)  # a participant's name stays
     texts = [tool_call_text(c["function"]["name"], c["function"]["arguments"]) for c in calls]
     content = "\n".join(filter(None, [message["content"], *texts]))
-    return {"role": "assistant", "content": content}
+    kept = {key: value for key, value in message.items() if key != "tool_calls"}
+    return {**kept, "content": content}

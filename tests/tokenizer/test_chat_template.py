@@ -126,3 +126,30 @@ def test_a_template_that_reads_tools_gets_them_and_renders_calls_itself():
 def test_bad_tool_history_names_the_message(message, reason):
     with pytest.raises(ValueError, match=reason):
         validate_messages([{"role": "user", "content": "hi"}, message])
+
+
+def test_generation_tags_and_message_names_render_as_transformers_renders_them():
+    """transformers' ``{% generation %}`` tags (training masks) render their body, where
+    the template used to fail to compile and the model to load; a message's ``name``
+    reaches the template. The reference is transformers' own apply_chat_template."""
+    from transformers import PreTrainedTokenizerFast
+
+    source = (
+        "{% for m in messages %}<|{{ m.role }}{% if m.name %} name={{ m.name }}{% endif %}|>"
+        "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
+        "{% else %}{{ m.content }}{% endif %}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    messages = [
+        {"role": "system", "content": "Be brief.", "name": "ops"},
+        {"role": "user", "content": "hi", "name": "alice"},
+        {"role": "assistant", "content": "hello"},
+    ]
+    reference = PreTrainedTokenizerFast(tokenizer_object=ByteTokenizer().backend)
+    expected = reference.apply_chat_template(
+        messages, chat_template=source, tokenize=False, add_generation_prompt=True
+    )
+    assert ChatTemplate(source, "", "").render(messages) == expected
+    assert "name=alice" in expected and "name=ops" in expected
+    with pytest.raises(ValueError, match=r"messages\[0\].name must be a string"):
+        validate_messages([{"role": "user", "content": "hi", "name": 7}])
