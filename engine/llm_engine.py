@@ -104,6 +104,24 @@ class LLMEngine:
         )
         kv_cache_config = KVCacheConfig(num_blocks, groups)
         self.runner = self._make_runner(num_blocks, on_rank_lost)
+        try:
+            self._build_around_runner(config, connector, kv_cache_config, draft)
+        except BaseException:  # the ranks started above would outlive a failed engine
+            if self.runner.peers is not None:
+                self.runner.peers.close()
+            raise
+
+    def _build_around_runner(
+        self,
+        config: EngineConfig,
+        connector: KVConnectorBase | None,
+        kv_cache_config: KVCacheConfig,
+        draft: DraftModel | None,
+    ) -> None:
+        """The ledger, the connector's view of the KV pages, the scheduler and the
+        counters: everything after the runner (and its ranks) exists."""
+        num_blocks = kv_cache_config.num_blocks
+        groups = kv_cache_config.kv_cache_groups
         self.block_hasher = BlockHasher(config.hash_algorithm, config.hash_seed)
         self.max_model_len = config.max_model_len_for(
             self.model_config.max_position_embeddings, num_blocks, groups

@@ -109,6 +109,7 @@ class ModelRunner:
         if tensor_parallel is not None:  # before fusing: the fused matrices are the slices'
             model.shard(tensor_parallel)
         self.peers = peers
+        self._group_lost: str | None = None  # why the ranks are out of step, once they are
         if hasattr(model, "fuse_weights"):  # pack projections for inference (models/llama.py)
             model.fuse_weights()
         self.model_config = model_config
@@ -252,12 +253,16 @@ class ModelRunner:
         ]
         if self.peers is None:
             return self._forward(input_ids, metadata, sample_rows)
+        if self._group_lost is not None:  # a new step would pair with the old one's collectives
+            raise TensorParallelGroupLost(self._group_lost)
         self.peers.send(chunks)  # the peers run the same step; their collectives wait for ours
         try:
             return self._forward(input_ids, metadata, sample_rows)
-        except Exception as error:  # the ranks are out of step now: the group is done
-            reason = self.peers.failure() or f"rank 0's step failed: {error}"
-            raise TensorParallelGroupLost(reason) from error
+        except BaseException as error:  # the ranks are out of step now: the group is done
+            self._group_lost = self.peers.failure() or f"rank 0's step failed: {error!r}"
+            if not isinstance(error, Exception):  # a KeyboardInterrupt stays one
+                raise
+            raise TensorParallelGroupLost(self._group_lost) from error
 
     def _forward(
         self, input_ids: torch.Tensor, metadata: StepAttention, sample_rows: list[int]

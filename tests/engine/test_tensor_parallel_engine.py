@@ -6,6 +6,7 @@ rank that dies fails the engine at once, naming it, with no process left behind.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 import signal
@@ -17,7 +18,9 @@ import transformers
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.tensor_parallel_peers import TensorParallelGroupLost
+from pdserve.kvconnector.pd.pd_connector import PDConnector
 from pdserve.kvconnector.tier.tier_connector import TierConnector
+from pdserve.messages.connector_config import KVConnectorConfig
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.kv_tier_config import KVTierConfig
 from pdserve.messages.sampling_params import SamplingParams
@@ -122,6 +125,53 @@ def test_a_rank_that_dies_fails_the_engine_naming_it_and_leaves_no_process() -> 
         assert lost.wait(30), "the watchdog did not report the dead rank"
         engine.add_request("after", PROMPTS[1], SamplingParams(max_tokens=2))
         with pytest.raises(TensorParallelGroupLost, match=r"rank 1 \(pid \d+\) exited with -9"):
+            engine.step()
+    finally:
+        engine.shutdown()
+    with pytest.raises(ProcessLookupError):
+        os.kill(peer, 0)
+
+
+def test_an_engine_that_fails_after_its_ranks_started_leaves_no_rank_behind() -> None:
+    """The ranks start with the runner; a later part that refuses (here the connector: its
+    hash seed is no integer) used to leave them running, each with a copy of the model."""
+    connector = PDConnector(
+        KVConnectorConfig(role="producer", allow_insecure=True),
+        engine_id="prefill-0",
+        hash_algorithm="xxh3_128",
+        hash_seed="not-an-integer",
+    )
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match="integer hash_seed"):
+        LLMEngine.from_pretrained(
+            "tiny", connector=connector, num_kv_blocks=32, tensor_parallel_size=2
+        )
+    assert not set(multiprocessing.active_children()) - before
+
+
+def test_a_step_interrupted_on_rank_0_leaves_the_group_refusing_at_once(monkeypatch) -> None:
+    """A KeyboardInterrupt in rank 0's forward (Ctrl-C in a notebook) leaves rank 1 inside
+    that step's collectives: a next step would pair with them (it stalled 60 s, then blamed
+    rank 0's timeout). The interrupt stays an interrupt; the next step is refused at once,
+    naming it; shutdown reaps the rank."""
+    engine = LLMEngine(EngineConfig(model="tiny", num_kv_blocks=32, tensor_parallel_size=2))
+    (peer,) = engine.runner.peers.pids
+    forward = engine.runner._forward
+
+    def interrupted(*args):
+        monkeypatch.setattr(engine.runner, "_forward", forward)
+        raise KeyboardInterrupt
+
+    try:
+        monkeypatch.setattr(engine.runner, "_forward", interrupted)
+        engine.add_request("r0", PROMPTS[0], SamplingParams(max_tokens=2))
+        with pytest.raises(KeyboardInterrupt):
+            engine.step()
+        engine.abort_all()  # what a caller does after a step that raised
+        engine.add_request("r1", PROMPTS[1], SamplingParams(max_tokens=2))
+        with pytest.raises(
+            TensorParallelGroupLost, match="rank 0's step failed: KeyboardInterrupt"
+        ):
             engine.step()
     finally:
         engine.shutdown()
