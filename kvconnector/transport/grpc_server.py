@@ -296,7 +296,8 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
         between that key and every prompt's KV."""
         if self._over_tls:
             self._stats.record_tls_call(context.peer())
-            names = context.auth_context().get(_SAN_PROPERTY, [])
+            san = context.auth_context().get(_SAN_PROPERTY, ())
+            names = [san] if isinstance(san, bytes) else list(san)  # gRPC gives a list
             if KV_PEER_NAME.encode() not in names:
                 context.abort(
                     grpc.StatusCode.PERMISSION_DENIED,

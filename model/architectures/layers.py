@@ -61,7 +61,7 @@ def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
     for linear in linears:
         end = start + linear.out_features
         linear.weight = nn.Parameter(weight_t[:, start:end].t(), requires_grad=False)
-        if linear.bias is not None:
+        if linear.bias is not None and bias is not None:  # the one implies the other
             linear.bias = nn.Parameter(bias[start:end], requires_grad=False)
         start = end
     return weight_t, bias
