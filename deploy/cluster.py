@@ -74,10 +74,10 @@ def deploy(
     from pdserve.deploy.placement import check_placement
 
     config = config.resolve_deployment_secrets()
-    check_running_serve(config)
     check_placement(resource_demands(config), ray.nodes())  # a clear error, not a hang
     start = time.perf_counter()
-    serve.start(**serve_start_options(config))
+    serve.start(**serve_start_options(config))  # connects to a running Serve, if one is
+    check_running_serve(config)
     internal_kv._internal_kv_put(
         _config_key(config.app_name), config.model_dump_json(), overwrite=True
     )
@@ -101,7 +101,8 @@ class ServeOptionsError(RuntimeError):
 
 
 def check_running_serve(config: PDServeConfig) -> None:
-    """Refuses an app whose HTTP options differ from those of the Serve already running.
+    """Refuses an app whose HTTP options differ from those of the running Serve (called
+    after ``serve.start``, which started it with the app's options or connected to it).
 
     Serve's proxies keep the options of its first start: a later ``serve.start`` with others
     only logs a warning. An app asking for HTTPS on a cluster whose Serve was started
@@ -109,10 +110,7 @@ def check_running_serve(config: PDServeConfig) -> None:
     pdserve starts itself, would have TLS)."""
     from ray.serve.context import _get_global_client
 
-    client = _get_global_client(raise_if_no_controller_running=False)
-    if client is None:
-        return  # serve.start starts it with the app's options
-    running = client.http_config
+    running = _get_global_client().http_config  # the client serve.start left, checked alive
     wanted = serve_start_options(config)["http_options"]
     differing = [
         f"{name}: running {getattr(running, name, None)!r}, asked {value!r}"
