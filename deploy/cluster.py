@@ -110,7 +110,10 @@ def check_running_serve(config: PDServeConfig) -> None:
     pdserve starts itself, would have TLS)."""
     from ray.serve.context import _get_global_client
 
-    running = _get_global_client().http_config  # the client serve.start left, checked alive
+    client = _get_global_client()  # the one serve.start left, checked alive
+    if client is None:  # raises instead by default; for the type checker
+        raise ServeOptionsError("no Serve controller runs after serve.start")
+    running = client.http_config
     wanted = serve_start_options(config)["http_options"]
     differing = [
         f"{name}: running {getattr(running, name, None)!r}, asked {value!r}"
