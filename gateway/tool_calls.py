@@ -15,6 +15,7 @@ A parser for another model's format implements ``ToolCallParser`` (``feed`` / ``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import uuid
@@ -154,12 +155,10 @@ class HermesToolParser:
         if call.arguments_done:
             return
         start = named.end()
-        arguments = body[start:].rstrip() if closed else body[start:]  # not whole yet
-        try:
+        # Not whole yet (JSON cannot read it): every character so far is its text.
+        arguments = body[start:].rstrip() if closed else body[start:]
+        with contextlib.suppress(json.JSONDecodeError):
             value, end = _DECODER.raw_decode(body, start)
-        except json.JSONDecodeError:  # not whole yet: every character so far is its text
-            pass
-        else:
             # A number is whole once what follows it cannot go on with it ("1" of "12",
             # "1" of "1.5", "1.5" of "1.5e3" are not); anything else read whole is whole.
             if closed or not _is_number(value) or body[end : end + 1] in _AFTER_A_NUMBER:
