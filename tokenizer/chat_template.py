@@ -98,9 +98,9 @@ class ChatTemplate:
 
 def validate_messages(messages: object) -> list[dict[str, Any]]:
     """``messages`` as plain ``{"role", "content"}`` dicts of strings (an assistant's
-    ``tool_calls``, a tool result's ``tool_call_id`` and any message's ``name`` kept), or a ``ValueError`` that says
-    which message is wrong and why (``object``: it is the client's JSON, checked here, not
-    yet a list of mappings)."""
+    ``tool_calls``, a tool result's ``tool_call_id`` and any message's ``name`` kept), or
+    a ``ValueError`` that says which message is wrong and why (``object``: it is the
+    client's JSON, checked here, not yet a list of mappings)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise ValueError("messages must be a non-empty list of {role, content} objects")
     plain = []
