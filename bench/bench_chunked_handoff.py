@@ -116,11 +116,12 @@ def _prefill_main(args: dict[str, Any], conn: Any) -> None:
         if command == "stop":
             engine.shutdown()
             return
-        request_id, prompt, (chunked, final_chunk_tokens) = rest
+        request_id, prompt, (chunked, final_chunk_tokens, inline_tail_bytes) = rest
         while not engine.kv_cache_manager.reset_prefix_cache():  # each run starts cold
             engine.step()  # a lease the decode side released frees its blocks
         connector.config.chunked_handoff = chunked
         connector.config.final_chunk_tokens = final_chunk_tokens
+        connector.config.inline_tail_bytes = inline_tail_bytes
         greedy = SamplingParams(max_tokens=1, temperature=0.0)  # as the decode side samples
         engine.add_request(request_id, prompt, greedy, remote_decode=True)
         done = False
@@ -157,6 +158,7 @@ class Side:
     name: str
     chunked: bool
     final_chunk_tokens: int = 0
+    inline_tail_bytes: int = 0
 
 
 def _run_one(
@@ -170,7 +172,14 @@ def _run_one(
 ) -> Run:
     assert decode.kv_cache_manager.reset_prefix_cache()  # each run starts cold
     sent_at = time.perf_counter()
-    conn.send(("prefill", request_id, prompt, (side.chunked, side.final_chunk_tokens)))
+    conn.send(
+        (
+            "prefill",
+            request_id,
+            prompt,
+            (side.chunked, side.final_chunk_tokens, side.inline_tail_bytes),
+        )
+    )
     in_flight: str | None = None
     waiting: KVTransferParams | None = None
     offer_pulls: list[float] = []
@@ -267,6 +276,12 @@ def main() -> None:
         default=KVConnectorConfig(role="producer").final_chunk_tokens,
         help="the short last chunk's tokens (final_chunk_tokens) of the third side",
     )
+    parser.add_argument(
+        "--inline-tail",
+        type=int,
+        default=KVConnectorConfig(role="producer").inline_tail_bytes,
+        help="the fourth side's inline_tail_bytes (the default): the last chunk's pages ride in the hand-off",
+    )
     cli = parser.parse_args()
     import torch
 
@@ -310,6 +325,12 @@ def main() -> None:
         Side("at end", chunked=False),
         Side("offers", chunked=True),
         Side("short end", chunked=True, final_chunk_tokens=cli.final_chunk),
+        Side(
+            "tail in",
+            chunked=True,
+            final_chunk_tokens=cli.final_chunk,
+            inline_tail_bytes=cli.inline_tail,
+        ),
     )
     serial = 0
     for length in cli.lengths:
@@ -326,10 +347,11 @@ def main() -> None:
             assert len({tuple(t) for t in tokens.values()}) == 1, tokens
         for side in sides:
             print(_row(length, side, runs[side]))
-        at_end, offers, short_end = (runs[side] for side in sides)
+        at_end, offers, short_end, tail_in = (runs[side] for side in sides)
         for name, after, before in (
             ("offers / at end", offers, at_end),
             ("short end / offers", short_end, offers),
+            ("tail in / short end", tail_in, short_end),
         ):
             tail = statistics.median(a.tail_s / b.tail_s for a, b in zip(after, before))
             prefill = statistics.median(a.prefill_s / b.prefill_s for a, b in zip(after, before))

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 import xxhash
 
+from pdserve.kvconnector.kv_pages import KVPages
+
 
 def page_view(kv_cache: torch.Tensor) -> np.ndarray:
     """``[num_blocks, page_bytes]`` uint8 numpy view sharing ``kv_cache``'s memory."""
@@ -31,11 +33,7 @@ def block_checksums(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> list[in
     """xxh3_64 of each listed block's page, in order (a CUDA tensor's pages via the host)."""
     if kv_cache.device.type == "cpu":
         return page_checksums(page_view(kv_cache), block_ids)
-    from pdserve.kvconnector.pinned_staging import device_page_view
-
-    index = torch.as_tensor(list(block_ids), dtype=torch.long, device=kv_cache.device)
-    host_pages = device_page_view(kv_cache).index_select(0, index).cpu().numpy()
-    return page_checksums(host_pages, range(len(block_ids)))
+    return page_checksums(KVPages(kv_cache).read(block_ids), range(len(block_ids)))
 
 
 def page_checksums(pages: np.ndarray, block_ids: Sequence[int]) -> list[int]:

@@ -62,6 +62,11 @@ class KVConnectorConfig:
     chunk of at most this many tokens (its whole blocks and the partial one): the hand-off
     after it pulls only those blocks, and the chunk before it moves while it computes. It
     costs the prefill one more (short) step; 0 keeps the scheduler's last chunk."""
+    inline_tail_bytes: int = 1 << 20
+    """With chunked_handoff, a producer puts the pages its offers left (the last chunk's
+    blocks) into the hand-off itself when they come to at most this many bytes: the
+    consumer lands them at admission, with no read between the first token and the second.
+    0: the hand-off's pull reads them, as it reads every block without offers."""
 
     def __post_init__(self) -> None:
         if self.role not in ("producer", "consumer"):
@@ -82,6 +87,11 @@ class KVConnectorConfig:
             raise ValueError(
                 f"final_chunk_tokens must be >= 0 (0: no short last chunk), "
                 f"got {self.final_chunk_tokens}"
+            )
+        if self.inline_tail_bytes < 0:
+            raise ValueError(
+                f"inline_tail_bytes must be >= 0 (0: the tail is pulled), "
+                f"got {self.inline_tail_bytes}"
             )
         if self.grpc_streams < 0:
             raise ValueError(f"grpc_streams must be >= 0 (0: by cores), got {self.grpc_streams}")

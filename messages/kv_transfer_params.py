@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.cache import BlockHash
 
@@ -38,6 +38,14 @@ class KVTransferParams:
         chunk 1 done ─▶ offer  [7 3]          (decode pulls 7 3 while chunk 2 computes)
         chunk 2 done ─▶ offer  [7 3 12]
         prompt done  ─▶ final  [7 3 12 5] + first token   (decode pulls only 5)
+
+    After offers, the final hand-off may carry the pages the offers left in itself
+    (``KVConnectorConfig.inline_tail_bytes``): ``tail_block_ids`` name them (the prefill's
+    ids, as in ``block_ids``) and ``tail_pages`` holds their bytes, page after page. The
+    decode side lands them without a read (verified against ``block_checksums``, as a pull
+    is) and pulls only what they lack::
+
+        prompt done  ─▶ final  [7 3 12 5] + first token, tail [5] + its page (nothing to pull)
     """
 
     engine_id: str
@@ -52,3 +60,5 @@ class KVTransferParams:
     lease_expires_at: float
     num_kv_groups: int = 1
     final: bool = True
+    tail_block_ids: list[int] = field(default_factory=list)
+    tail_pages: bytes = field(default=b"", repr=False)

@@ -10,7 +10,8 @@ Prefill side (``producer``)::
     or the offers' one, reshaped to the whole prompt), KVTransferParams (address, lease,
     block ids, hashes, first token), no checksums yet
     the worker's stream ─▶ complete_transfer_params (off the step path): checksum each
-    block not checksummed yet, attach them to the lease (reads are refused until then)
+    block not checksummed yet, attach them to the lease (reads are refused until then);
+    after offers, a tail of up to inline_tail_bytes goes into the hand-off, pages and all
     lease released by the decode side, or expired ─▶ get_finished().freeable ─▶ blocks freed
 
 Decode side (``consumer``)::
@@ -18,7 +19,9 @@ Decode side (``consumer``)::
     prompt blocks ─▶ | local prefix hit (same hashes: not sent again) | ext_comp (pulled) |
     get_num_new_matched_tokens ─▶ ext = params.num_tokens - local hit
     update_state_after_alloc   ─▶ LoadSpec(remote ids[ext], local ids[ext], checksums[ext])
-    start_load_kv              ─▶ a transfer thread: handshake (once per peer), read, release
+    start_load_kv              ─▶ a transfer thread: handshake (once per peer), read, release;
+                                  or, a hand-off carrying its tail (handoff_tail.py), land it
+                                  here and release the lease after the next step
     get_finished().loaded      ─▶ the scheduler caches the good blocks, recomputes the rest
 
 An offer is pulled by a KV-only request (``Request.kv_only``) into the decode worker's prefix
@@ -49,7 +52,9 @@ from pdserve.engine.kv_connector_base import (
 )
 from pdserve.engine.request import RequestStatus
 from pdserve.kvconnector.checksum import block_checksums
+from pdserve.kvconnector.kv_pages import KVPages
 from pdserve.kvconnector.load_tracker import LoadTracker
+from pdserve.kvconnector.pd.handoff_tail import land_tail, read_tail, tail_holds
 from pdserve.kvconnector.pd.lease import Lease, LeaseError, LeaseTable
 from pdserve.kvconnector.transfer_stats import TransferStats
 from pdserve.kvconnector.transport.base import (
@@ -78,6 +83,10 @@ INLINE_COMPLETION_BYTES = 1 << 20
 # Renew a lease before pulling when less than this fraction of its TTL is left.
 _RENEW_BELOW_FRACTION = 0.5
 
+# A hand-off landed from its tail releases its lease at the end of the step after the one
+# that landed it (the request's first decode step), unless the request ends before.
+_TAIL_RELEASE_STEPS = 2
+
 
 class PDConnector(KVConnectorBase):
     """One worker's connector, either side of a P/D pair (``config.role``)."""
@@ -102,6 +111,7 @@ class PDConnector(KVConnectorBase):
         self._hash_seed = hash_seed
         self.stats = TransferStats()
         self._kv_cache: torch.Tensor | None = None
+        self._kv_pages: KVPages | None = None
         self._block_size = 0
         # producer
         self.leases = LeaseTable(default_ttl_s=config.lease_ttl_s, stats=self.stats)
@@ -116,6 +126,8 @@ class PDConnector(KVConnectorBase):
         self._loads = LoadTracker()
         self._foreign_lock = threading.Lock()
         self._foreign_hashes: set[str] = set()  # requests whose hashes differ from the prefill's
+        # request id -> (its hand-off, the peer, steps before its lease is released)
+        self._tail_releases: dict[str, tuple[KVTransferParams, PeerInfo, int]] = {}
         self._executor: ThreadPoolExecutor | None = None
 
     @classmethod
@@ -139,6 +151,7 @@ class PDConnector(KVConnectorBase):
     # ---- worker side: set-up --------------------------------------------------------
     def register_kv_caches(self, kv_cache: torch.Tensor, model_fingerprint: str = "") -> None:
         self._kv_cache = kv_cache
+        self._kv_pages = KVPages(kv_cache)
         if not isinstance(self._hash_seed, int):
             # The handshake compares seeds as a uint64 field (kv_transfer.proto).
             raise ValueError(
@@ -261,6 +274,7 @@ class PDConnector(KVConnectorBase):
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, KVTransferParams | None]:
+        self._release_tail_lease(request.request_id)  # a decode worker's, ending early
         lease_id = self._lease_of_request.get(request.request_id)
         if (
             self.config.role != "producer"
@@ -351,11 +365,27 @@ class PDConnector(KVConnectorBase):
             return params
         assert self._kv_cache is not None
         missing = self.leases.unchecksummed(params.lease_id)
+        if missing and self._carries_tail(params, missing):
+            assert self._kv_pages is not None  # register_kv_caches set both
+            params.tail_pages, checksums = read_tail(self._kv_pages, missing)
+            params.tail_block_ids = list(missing)
+            self.stats.record_sent(len(missing), len(params.tail_pages))
+        elif missing:
+            checksums = block_checksums(self._kv_cache, missing)
         if missing:
-            checksum_of = dict(zip(missing, block_checksums(self._kv_cache, missing)))
-            self.leases.attach_checksums(params.lease_id, checksum_of)
+            self.leases.attach_checksums(params.lease_id, dict(zip(missing, checksums)))
         params.block_checksums = self.leases.checksums(params.lease_id, params.block_ids)
         return params
+
+    def _carries_tail(self, params: KVTransferParams, missing: list[int]) -> bool:
+        """A final hand-off after offers carries the pages they left, up to
+        ``inline_tail_bytes``: the few blocks of the last chunk, whose read would otherwise
+        sit between the first token and the second. Without offers the hand-off names the
+        whole prompt, which the pull moves (its size is the prompt's, not a chunk's)."""
+        assert self._kv_cache is not None
+        after_offers = len(missing) < len(_held(params.block_ids))
+        num_bytes = len(missing) * self._kv_cache[0].nbytes
+        return params.final and after_offers and num_bytes <= self.config.inline_tail_bytes
 
     def completes_inline(self, params: KVTransferParams) -> bool:
         """A small lease on a CPU cache: its checksums take microseconds (xxh3 reads ~10
@@ -369,6 +399,7 @@ class PDConnector(KVConnectorBase):
         return num_bytes <= INLINE_COMPLETION_BYTES
 
     def request_aborted(self, request: Request) -> None:
+        self._release_tail_lease(request.request_id)
         lease_id = self._lease_of_request.get(request.request_id)
         if lease_id is not None:  # prefill: the decode side will never read; free on release
             self._end_lease(lease_id)
@@ -394,9 +425,57 @@ class PDConnector(KVConnectorBase):
         assert self._executor is not None
         self._loads.start(load.request_id for load in metadata.loads)
         for load in metadata.loads:
-            self._executor.submit(self._pull, load)
+            if not self._land_tail(load):
+                self._executor.submit(self._pull, load)
         for params in metadata.releases:
             self._executor.submit(self._release_remote, params)
+
+    def _land_tail(self, load: LoadSpec) -> bool:
+        """Lands a final hand-off whose blocks to move all came in it (``tail_pages``) on
+        the engine thread, and releases its lease on a transfer thread; False: it is pulled.
+
+        Only from a peer this worker has handshaken with (its offers' pulls did), whose
+        layout and model fingerprint were checked then, and never for a request whose block
+        hashes differ from the prefill's (``_foreign_hashes``: the pull fails those)."""
+        params = load.params
+        assert self._kv_pages is not None and self._executor is not None
+        if not params.final or not tail_holds(load, self._kv_pages.page_bytes):
+            return False
+        with self._peers_lock:
+            peer = self._peers.get(params.transfer_address)
+        with self._foreign_lock:
+            foreign = load.request_id in self._foreign_hashes
+        if peer is None or peer.engine_id != params.engine_id or foreign:
+            return False
+        started = time.perf_counter()
+        if not land_tail(self._kv_pages, load):
+            logger.warning(
+                "hand-off %s: its tail pages do not match its checksums; pulling them",
+                load.request_id,
+            )
+            return False
+        num_bytes = len(load.local_block_ids) * self._kv_pages.page_bytes
+        duration_s = time.perf_counter() - started
+        self.stats.record_transfer(
+            len(load.local_block_ids), 0, num_bytes, duration_s, params.transfer_address
+        )
+        self._loads.finish(
+            load.request_id, pull=PullSummary(len(load.local_block_ids), num_bytes, duration_s)
+        )
+        self._tail_releases[load.request_id] = (params, peer, _TAIL_RELEASE_STEPS)
+        return True
+
+    def _release_tail_lease(self, request_id: str) -> None:
+        """Releases the lease of a hand-off landed from its tail, on a transfer thread.
+
+        Not at once: the release is a round trip nothing waits for, and its Python on a
+        transfer thread, beside the request's first decode step, slowed that step by a
+        fifth (tiny at 8k, 6.5 -> 8.0 ms), the second token's latency with it. So it goes
+        after that step (``get_finished`` counts the steps), or when the request ends."""
+        entry = self._tail_releases.pop(request_id, None)
+        if entry is not None and self._executor is not None:
+            params, peer, _ = entry
+            self._executor.submit(self._release_remote, params, peer)
 
     def _pull(self, load: LoadSpec) -> None:
         """One request's pull on a transfer thread; always reports the load done.
@@ -532,6 +611,11 @@ class PDConnector(KVConnectorBase):
             self._peers.pop(address, None)
 
     def get_finished(self) -> FinishedTransfers:
+        for request_id, (params, peer, steps) in list(self._tail_releases.items()):
+            if steps > 1:
+                self._tail_releases[request_id] = (params, peer, steps - 1)
+            else:
+                self._release_tail_lease(request_id)
         finished = self._loads.take()
         if self.config.role == "producer":
             for request_id in self.leases.take_freeable():
@@ -555,6 +639,8 @@ class PDConnector(KVConnectorBase):
         return self.stats.snapshot()
 
     def shutdown(self) -> None:
+        for request_id in list(self._tail_releases):
+            self._release_tail_lease(request_id)
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=False)
         if self._client is not None:

@@ -42,8 +42,8 @@ from pdserve.engine.kv_connector_base import (
     TierStatsSnapshot,
     TransferStatsSnapshot,
 )
+from pdserve.kvconnector.kv_pages import KVPages
 from pdserve.kvconnector.load_tracker import LoadTracker
-from pdserve.kvconnector.tier.kv_pages import KVPages
 from pdserve.kvconnector.tier.tier_store import TierStore
 from pdserve.kvconnector.transfer_stats import TransferStats
 from pdserve.messages.kv_tier_config import KVTierConfig

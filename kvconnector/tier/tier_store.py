@@ -15,9 +15,9 @@ from pathlib import Path
 
 from pdserve.cache import BlockHash, KVCacheEvent
 from pdserve.engine.kv_connector_base import TierStatsSnapshot
+from pdserve.kvconnector.kv_pages import KVPages
 from pdserve.kvconnector.tier.cpu_tier import CpuTier
 from pdserve.kvconnector.tier.disk_tier import DiskTier
-from pdserve.kvconnector.tier.kv_pages import KVPages
 from pdserve.kvconnector.tier.tier_level import TierLevel
 from pdserve.messages.kv_tier_config import KVTierConfig
 

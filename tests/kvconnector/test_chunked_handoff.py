@@ -167,6 +167,18 @@ def decode_equals_colocated(
     """Decodes the handed-off request, checks its tokens against the colocated engine's,
     and checks that neither side holds a block or a lease afterwards."""
     decode.add_request(request_id, prompt, params, kv_transfer_params=handoff)
+    return finish_as_colocated(prefill, decode, colocated, request_id, prompt, params)
+
+
+def finish_as_colocated(
+    prefill: LLMEngine,
+    decode: LLMEngine,
+    colocated: LLMEngine,
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+) -> RequestOutput:
+    """``decode_equals_colocated`` for a request the decode engine has already."""
     (output,) = run_to_completion(decode, [request_id])
     (expected,) = colocated.generate([prompt], [params])
     assert output.output_token_ids == expected.output_token_ids
@@ -234,43 +246,175 @@ def test_offers_are_pulled_while_prefilling_and_the_output_equals_colocated(
         decode.shutdown()
 
 
+class ClientSpy:
+    """Records the real client's reads (whether each releases its lease) and release calls,
+    then makes them."""
+
+    def __init__(self, decode: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+        client = decode.connector._transfer_client
+        self.reads_releasing: list[bool] = []
+        self.releases: list[str] = []
+        real_read, real_release = client.read_blocks, client.release
+
+        def read_blocks(*args, release_lease: bool = False):
+            self.reads_releasing.append(release_lease)
+            return real_read(*args, release_lease=release_lease)
+
+        def release(peer, lease_id: str) -> None:
+            self.releases.append(lease_id)
+            real_release(peer, lease_id)
+
+        monkeypatch.setattr(client, "read_blocks", read_blocks)
+        monkeypatch.setattr(client, "release", release)
+
+
+def run_hand_off_step_by_step(
+    prefill: LLMEngine, decode: LLMEngine, prompt: list[int], params: SamplingParams
+) -> tuple[KVTransferParams, list[tuple[bool, int]]]:
+    """Prefills ``prompt`` chunk-wise, then decodes its hand-off one step at a time; each
+    decode step's (whether the prefill still held the lease after it, tokens so far)."""
+    handoff = prefill_chunkwise(prefill, decode, "r0", prompt, params)
+    assert [o.num_tokens for o in handoff.offers] == [64, 128, 192, 224]
+    final = handoff.first.kv_transfer_params
+    assert final is not None and final.final and final.num_tokens == 240
+    with pytest.raises(ValueError, match="still held for a decode worker"):
+        prefill.add_request("r0", prompt, params)  # its blocks wait under the lease
+    decode.add_request("r0", prompt, params, kv_transfer_params=final)
+    trace = []
+    for _ in range(2):  # the load, then the first decode step
+        outputs = decode.step()
+        time.sleep(0.05)  # a release sent in the step would reach the prefill by now
+        prefill.step()
+        tokens = sum(len(o.output_token_ids) for o in outputs if o.request_id == "r0")
+        trace.append((prefill.num_leases_held > 0, tokens))
+    return final, trace
+
+
+# A 240-token prompt in chunks of 64 would end with a 48-token chunk (three blocks after
+# the prefill); final_chunk_tokens=16 cuts it at token 224, so the chunk before moves as an
+# offer and one block is left for the hand-off.
+SHORT_END = {"final_chunk_tokens": 16}
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_short_final_chunk_leaves_one_block_for_the_hand_off(
+def test_a_short_final_chunk_leaves_one_block_for_the_hand_off_which_carries_it(
     transport: str, colocated: LLMEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """240 tokens in chunks of 64 would end with a 48-token chunk (three blocks after the
-    prefill); ``final_chunk_tokens=16`` cuts it at token 224, so the chunk before moves as an
-    offer and the hand-off pulls one block. The colocated engine's chunks end at 240 and
-    the tokens are the same. While the lease holds the prompt, its id is not taken again.
-    The hand-off's read releases the lease itself: no release call follows it, and the
-    prefill engine frees everything. (A negative
-    ``final_chunk_tokens`` is refused.)"""
-    with pytest.raises(ValueError, match="final_chunk_tokens"):
-        KVConnectorConfig(role="producer", final_chunk_tokens=-1)
-    prefill = make_prefill_engine(transport, connector_options={"final_chunk_tokens": 16})
+    """The hand-off carries the block's page (``inline_tail_bytes``): the decode engine
+    lands it at admission with no read, and the request decodes at the next step. The
+    lease is released after that step, not beside it. The colocated engine's chunks end at
+    240 and the tokens are the same. (A negative ``final_chunk_tokens`` or
+    ``inline_tail_bytes`` is refused.)"""
+    for option in ("final_chunk_tokens", "inline_tail_bytes"):
+        with pytest.raises(ValueError, match=option):
+            KVConnectorConfig(role="producer", **{option: -1})
+    prefill = make_prefill_engine(transport, connector_options=SHORT_END)
     decode = make_decode_engine(transport)
-    client = decode.connector._transfer_client
-    releases: list[str] = []
-    # A spy on the real client: records each release call, then makes it.
-    real_release = client.release
-    monkeypatch.setattr(
-        client,
-        "release",
-        lambda peer, lease_id: (releases.append(lease_id), real_release(peer, lease_id)),
-    )
+    spy = ClientSpy(decode, monkeypatch)
     try:
         prompt = [(11 * i + 2) % 256 for i in range(240)]
         params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-        handoff = prefill_chunkwise(prefill, decode, "r0", prompt, params)
-        assert [o.num_tokens for o in handoff.offers] == [64, 128, 192, 224]
-        final = handoff.first.kv_transfer_params
-        assert final is not None and final.final and final.num_tokens == 240
-        with pytest.raises(ValueError, match="still held for a decode worker"):
-            prefill.add_request("r0", prompt, params)  # its blocks wait under the lease
-        output = decode_equals_colocated(prefill, decode, colocated, "r0", prompt, params, final)
+        final, trace = run_hand_off_step_by_step(prefill, decode, prompt, params)
+        page_bytes = decode.connector._kv_pages.page_bytes
+        assert len(final.tail_block_ids) == 1 and len(final.tail_pages) == page_bytes
+        assert final.tail_block_ids == final.block_ids[14:]  # the block the offers left
+        # Landed in the first step, decoded in the second; the lease held until then.
+        assert trace == [(True, 0), (False, 2)]
+        assert spy.releases == [final.lease_id]
+        assert spy.reads_releasing == [False] * 4  # the offers' reads only
+        output = finish_as_colocated(prefill, decode, colocated, "r0", prompt, params)
         assert output.kv_provenance.num_pulled_early_tokens == 224
         assert output.kv_provenance.num_blocks_pulled == 1
-        assert releases == []  # decode_equals_colocated saw the prefill engine idle
+        assert decode.stats().transfer.num_blocks_received == 15
+        assert prefill.connector.stats.snapshot().num_blocks_sent == 15
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+@pytest.mark.parametrize(
+    "inline_tail_bytes",
+    [0, 65535],  # off; a byte under tiny's page (64 KiB): nothing fits
+    ids=["off", "over-the-bound"],
+)
+def test_a_tail_not_carried_is_pulled_by_the_read_that_releases_the_lease(
+    inline_tail_bytes: int, colocated: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hand-off's read releases the lease itself: no release call follows it, and the
+    prefill engine frees everything once the load is over."""
+    options = {**SHORT_END, "inline_tail_bytes": inline_tail_bytes}
+    prefill = make_prefill_engine(connector_options=options)
+    decode = make_decode_engine()
+    spy = ClientSpy(decode, monkeypatch)
+    try:
+        prompt = [(11 * i + 2) % 256 for i in range(240)]
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        final, trace = run_hand_off_step_by_step(prefill, decode, prompt, params)
+        assert final.tail_block_ids == [] and final.tail_pages == b""
+        assert not trace[-1][0]  # the read released the lease
+        output = finish_as_colocated(prefill, decode, colocated, "r0", prompt, params)
+        assert output.kv_provenance.num_blocks_pulled == 1
+        assert spy.reads_releasing == [False] * 4 + [True]
+        assert spy.releases == []
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_a_tail_that_fails_its_checksum_or_reaches_a_decode_engine_without_the_offers_is_pulled(
+    colocated: LLMEngine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A page changed on the way is caught where it lands and read from the lease instead;
+    a decode engine that pulled none of the offers (a retry on another worker) lacks more
+    than the tail and pulls the whole prompt. Both decode as the colocated engine does."""
+    prefill = make_prefill_engine(connector_options=SHORT_END)
+    decode = make_decode_engine()
+    other = make_decode_engine()
+    spy = ClientSpy(decode, monkeypatch)
+    try:
+        prompt = [(17 * i + 5) % 256 for i in range(240)]
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        final = prefill_chunkwise(prefill, decode, "r0", prompt, params).first.kv_transfer_params
+        assert final is not None and len(final.tail_block_ids) == 1
+        pages = bytearray(final.tail_pages)
+        pages[100] ^= 0xFF
+        corrupt = dataclasses.replace(final, tail_pages=bytes(pages))
+        output = decode_equals_colocated(prefill, decode, colocated, "r0", prompt, params, corrupt)
+        assert output.kv_provenance.num_blocks_pulled == 1
+        assert spy.reads_releasing == [False] * 4 + [True]  # the tail, read from the lease
+        assert "do not match its checksums" in caplog.text
+        assert decode.stats().transfer.num_failed_blocks == 0
+        # Another prompt's offers go to `decode`, its hand-off to `other`.
+        prompt = [(23 * i + 9) % 256 for i in range(240)]
+        final = prefill_chunkwise(prefill, decode, "r1", prompt, params).first.kv_transfer_params
+        assert final is not None and len(final.tail_block_ids) == 1
+        elsewhere = decode_equals_colocated(prefill, other, colocated, "r1", prompt, params, final)
+        assert elsewhere.kv_provenance.num_blocks_pulled == 15
+        assert_decode_idle(decode)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+        other.shutdown()
+
+
+def test_a_hand_off_aborted_after_its_tail_landed_releases_its_lease_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    prefill = make_prefill_engine(connector_options=SHORT_END)
+    decode = make_decode_engine()
+    spy = ClientSpy(decode, monkeypatch)
+    try:
+        prompt = [(19 * i + 7) % 256 for i in range(240)]
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        final = prefill_chunkwise(prefill, decode, "r0", prompt, params).first.kv_transfer_params
+        assert final is not None and final.tail_pages
+        decode.add_request("r0", prompt, params, kv_transfer_params=final)
+        decode.step()  # lands the tail
+        assert spy.releases == []
+        decode.abort("r0")
+        wait_prefill_idle(prefill)
+        assert spy.releases == [final.lease_id]
+        assert_decode_idle(decode)
     finally:
         prefill.shutdown()
         decode.shutdown()

@@ -9,9 +9,9 @@ import threading
 import numpy as np
 import torch
 
+from pdserve.kvconnector.kv_pages import KVPages
 from pdserve.kvconnector.tier.cpu_tier import CpuTier
 from pdserve.kvconnector.tier.disk_tier import DiskTier
-from pdserve.kvconnector.tier.kv_pages import KVPages
 from pdserve.kvconnector.tier.tier_store import TierStore
 
 PAGE_BYTES = 256

@@ -1,4 +1,4 @@
-"""Copies one block's page between the KV tensor and host memory, on any device.
+"""Copies block pages between the KV tensor and host memory, on any device.
 
 A page is one contiguous span of the KV tensor (docs/architecture.md, "The KV tensor"). On a
 CPU pool the page is viewed as numpy and copied with ``np.copyto`` (≈ 10 GiB/s here, twice
@@ -7,7 +7,7 @@ CPU pool the page is viewed as numpy and copied with ``np.copyto`` (≈ 10 GiB/s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -30,6 +30,14 @@ class KVPages:
             np.copyto(dst, self._host[block_id])
         else:
             torch.from_numpy(dst).copy_(self._pages[block_id])
+
+    def read(self, block_ids: Sequence[int]) -> np.ndarray:
+        """A host copy of the listed pages, ``[len(block_ids), page_bytes]``, in order (a
+        device pool's gathered there and copied to the host once)."""
+        if self._host is not None:
+            return self._host[list(block_ids)]
+        index = torch.as_tensor(list(block_ids), dtype=torch.long, device=self._pages.device)
+        return self._pages.index_select(0, index).cpu().numpy()
 
     def copy_in(self, block_id: int, load: Callable[[np.ndarray], bool]) -> bool:
         """Lets ``load`` fill a host buffer and, if it says the page is good, lands it in
