@@ -101,6 +101,7 @@ class TransferStatsSnapshot:
     num_bytes_received: int
     num_dedup_skipped_blocks: int
     num_blocks_received_early: int
+    num_blocks_received_in_handoff: int
     num_successful_transfers: int
     num_failed_transfers: int
     num_failed_blocks: int

@@ -32,6 +32,9 @@ class TransferStats:
     # Receiver: the part of num_blocks_received a chunk-wise hand-off's offers pulled, while
     # the prompt was still being prefilled.
     num_blocks_received_early: int = 0
+    # Receiver: the part of num_blocks_received a hand-off carried in itself (its tail after
+    # offers, KVTransferParams.tail_pages), landed without a read.
+    num_blocks_received_in_handoff: int = 0
     num_successful_transfers: int = 0
     num_failed_transfers: int = 0
     num_failed_blocks: int = 0
@@ -87,6 +90,10 @@ class TransferStats:
         with self._lock:
             self.num_blocks_received_early += num_blocks
 
+    def record_received_in_handoff(self, num_blocks: int) -> None:
+        with self._lock:
+            self.num_blocks_received_in_handoff += num_blocks
+
     def record_dedup_skipped(self, num_blocks: int) -> None:
         with self._lock:
             self.num_dedup_skipped_blocks += num_blocks
@@ -122,6 +129,7 @@ class TransferStats:
                 num_bytes_received=self.num_bytes_received,
                 num_dedup_skipped_blocks=self.num_dedup_skipped_blocks,
                 num_blocks_received_early=self.num_blocks_received_early,
+                num_blocks_received_in_handoff=self.num_blocks_received_in_handoff,
                 num_successful_transfers=self.num_successful_transfers,
                 num_failed_transfers=self.num_failed_transfers,
                 num_failed_blocks=self.num_failed_blocks,

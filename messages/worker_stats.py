@@ -47,6 +47,7 @@ class WorkerStats:
     num_blocks_sent: int = 0
     num_blocks_received: int = 0
     num_blocks_received_early: int = 0
+    num_blocks_received_in_handoff: int = 0
     num_bytes_sent: int = 0
     num_bytes_received: int = 0
     num_dedup_skipped_blocks: int = 0

@@ -172,6 +172,15 @@ WORKER_STATS: tuple[Stat, ...] = (
         "pdserve:kv_transfer_blocks_received_early",
         "early",
     ),
+    Stat(
+        "num_blocks_received_in_handoff",
+        C,
+        "blocks",
+        "KV blocks a hand-off carried in itself (the last chunk's, after offers), landed "
+        "without a read (part of the blocks received).",
+        "pdserve:kv_transfer_blocks_received_in_handoff",
+        "inline",
+    ),
     Stat("num_bytes_sent", C, "bytes", "KV bytes served.", "pdserve:kv_transfer_bytes_sent"),
     Stat(
         "num_bytes_received", C, "bytes", "KV bytes pulled.", "pdserve:kv_transfer_bytes_received"

@@ -134,7 +134,7 @@ function drawTransferHistogram(histogram) {
 function workerRow(w) {
   const cells = [w.worker_id, w.role, w.num_requests_running, w.num_requests_waiting,
     pct(w.kv_cache_usage), pct(w.prefix_cache_hit_rate), w.num_blocks_sent,
-    w.num_blocks_received, w.num_blocks_received_early, byteString(w.num_bytes_sent), byteString(w.num_bytes_received),
+    w.num_blocks_received, w.num_blocks_received_early, w.num_blocks_received_in_handoff, byteString(w.num_bytes_sent), byteString(w.num_bytes_received),
     w.num_dedup_skipped_blocks, w.num_leases_held, w.num_failed_transfers,
     w.num_lease_expiries, w.num_recompute_fallbacks, ms(w.transfer_latency_p50_s),
     ms(w.transfer_latency_p99_s), w.num_structured_requests,

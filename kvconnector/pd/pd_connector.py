@@ -459,6 +459,7 @@ class PDConnector(KVConnectorBase):
         self.stats.record_transfer(
             len(load.local_block_ids), 0, num_bytes, duration_s, params.transfer_address
         )
+        self.stats.record_received_in_handoff(len(load.local_block_ids))
         self._loads.finish(
             load.request_id, pull=PullSummary(len(load.local_block_ids), num_bytes, duration_s)
         )

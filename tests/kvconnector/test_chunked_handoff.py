@@ -326,6 +326,7 @@ def test_a_short_final_chunk_leaves_one_block_for_the_hand_off_which_carries_it(
         assert output.kv_provenance.num_pulled_early_tokens == 224
         assert output.kv_provenance.num_blocks_pulled == 1
         assert decode.stats().transfer.num_blocks_received == 15
+        assert decode.stats().transfer.num_blocks_received_in_handoff == 1
         assert prefill.connector.stats.snapshot().num_blocks_sent == 15
     finally:
         prefill.shutdown()
@@ -356,6 +357,7 @@ def test_a_tail_not_carried_is_pulled_by_the_read_that_releases_the_lease(
         assert output.kv_provenance.num_blocks_pulled == 1
         assert spy.reads_releasing == [False] * 4 + [True]
         assert spy.releases == []
+        assert decode.stats().transfer.num_blocks_received_in_handoff == 0
     finally:
         prefill.shutdown()
         decode.shutdown()

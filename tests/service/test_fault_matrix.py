@@ -334,9 +334,12 @@ CHUNKED = (lambda s: slow_steps(s, chunk_tokens=16), 0.25, 0.0)
 
 def test_a_streamed_hand_off_pulls_its_offers_before_the_first_token(app, colocated):
     """Offers are pulled while the prompt prefills; the hand-off then moves only the rest,
-    and the reply equals the colocated engine's (greedy and seeded)."""
+    in itself (``inline_tail_bytes``: a few of tiny's pages), and the reply equals the
+    colocated engine's (greedy and seeded)."""
     prompts = [f"{word} streams its KV: {PREAMBLE}" for word in ("Basalt", "Cobalt")]
     replies = []
+    inline = "num_blocks_received_in_handoff"
+    before = _sum(worker_rows(app), DECODES, inline)
     with injected(app, PREFILLS, *CHUNKED):
         for index, prompt in enumerate(prompts):
             body = dict(model="tiny", prompt=prompt, max_tokens=8, **_sampling(index))
@@ -365,6 +368,9 @@ def test_a_streamed_hand_off_pulls_its_offers_before_the_first_token(app, coloca
         assert sources["pulled_early"] == transfer["num_blocks_early"] * block_size
         assert sources["decode_cache_hit"] == 0  # a fresh prompt: nothing was cached before
         assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # Every block the hand-offs moved came in them, through the gateway: none was read.
+    carried = _sum(worker_rows(app), DECODES, inline) - before
+    assert carried == sum(r["kv_provenance"]["transfer"]["num_blocks"] for r in replies) > 0
     _assert_clean(row, app)
 
 
