@@ -32,8 +32,9 @@ class TransferStats:
     # Receiver: the part of num_blocks_received a chunk-wise hand-off's offers pulled, while
     # the prompt was still being prefilled.
     num_blocks_received_early: int = 0
-    # Receiver: the part of num_blocks_received a hand-off carried in itself (its tail after
-    # offers, KVTransferParams.tail_pages), landed without a read.
+    # Receiver: blocks a hand-off carried in itself (its tail after offers,
+    # KVTransferParams.tail_pages), landed without a read: not in num_blocks_received, which
+    # counts reads (as num_blocks_sent does on the server).
     num_blocks_received_in_handoff: int = 0
     num_successful_transfers: int = 0
     num_failed_transfers: int = 0

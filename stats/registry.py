@@ -177,7 +177,7 @@ WORKER_STATS: tuple[Stat, ...] = (
         C,
         "blocks",
         "KV blocks a hand-off carried in itself (the last chunk's, after offers), landed "
-        "without a read (part of the blocks received).",
+        "without a read (not among the blocks received, which counts reads).",
         "pdserve:kv_transfer_blocks_received_in_handoff",
         "inline",
     ),

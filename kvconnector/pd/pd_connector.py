@@ -367,9 +367,10 @@ class PDConnector(KVConnectorBase):
         missing = self.leases.unchecksummed(params.lease_id)
         if missing and self._carries_tail(params, missing):
             assert self._kv_pages is not None  # register_kv_caches set both
+            # Not counted as sent: the consumer may read these blocks after all (it lacks
+            # the offers, or a page fails), and then the server counts them.
             params.tail_pages, checksums = read_tail(self._kv_pages, missing)
             params.tail_block_ids = list(missing)
-            self.stats.record_sent(len(missing), len(params.tail_pages))
         elif missing:
             checksums = block_checksums(self._kv_cache, missing)
         if missing:
@@ -399,7 +400,8 @@ class PDConnector(KVConnectorBase):
         return num_bytes <= INLINE_COMPLETION_BYTES
 
     def request_aborted(self, request: Request) -> None:
-        self._release_tail_lease(request.request_id)
+        if self._release_tail_lease(request.request_id):
+            return  # its load is over (landed) and its lease released now
         lease_id = self._lease_of_request.get(request.request_id)
         if lease_id is not None:  # prefill: the decode side will never read; free on release
             self._end_lease(lease_id)
@@ -456,9 +458,7 @@ class PDConnector(KVConnectorBase):
             return False
         num_bytes = len(load.local_block_ids) * self._kv_pages.page_bytes
         duration_s = time.perf_counter() - started
-        self.stats.record_transfer(
-            len(load.local_block_ids), 0, num_bytes, duration_s, params.transfer_address
-        )
+        # Not a transfer: the KV plane's counters and latencies are its reads'.
         self.stats.record_received_in_handoff(len(load.local_block_ids))
         self._loads.finish(
             load.request_id, pull=PullSummary(len(load.local_block_ids), num_bytes, duration_s)
@@ -466,17 +466,21 @@ class PDConnector(KVConnectorBase):
         self._tail_releases[load.request_id] = (params, peer, _TAIL_RELEASE_STEPS)
         return True
 
-    def _release_tail_lease(self, request_id: str) -> None:
+    def _release_tail_lease(self, request_id: str) -> bool:
         """Releases the lease of a hand-off landed from its tail, on a transfer thread.
 
         Not at once: the release is a round trip nothing waits for, and its Python on a
         transfer thread, beside the request's first decode step, slowed that step by a
         fifth (tiny at 8k, 6.5 -> 8.0 ms), the second token's latency with it. So it goes
-        after that step (``get_finished`` counts the steps), or when the request ends."""
+        after that step (``get_finished`` counts the steps), or when the request ends.
+        Whether the request had such a lease."""
         entry = self._tail_releases.pop(request_id, None)
-        if entry is not None and self._executor is not None:
+        if entry is None:
+            return False
+        if self._executor is not None:
             params, peer, _ = entry
             self._executor.submit(self._release_remote, params, peer)
+        return True
 
     def _pull(self, load: LoadSpec) -> None:
         """One request's pull on a transfer thread; always reports the load done.

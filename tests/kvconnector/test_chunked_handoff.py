@@ -325,9 +325,11 @@ def test_a_short_final_chunk_leaves_one_block_for_the_hand_off_which_carries_it(
         output = finish_as_colocated(prefill, decode, colocated, "r0", prompt, params)
         assert output.kv_provenance.num_pulled_early_tokens == 224
         assert output.kv_provenance.num_blocks_pulled == 1
-        assert decode.stats().transfer.num_blocks_received == 15
-        assert decode.stats().transfer.num_blocks_received_in_handoff == 1
-        assert prefill.connector.stats.snapshot().num_blocks_sent == 15
+        # The offers' 14 blocks were read; the tail's one was not, and is counted apart.
+        transfer = decode.stats().transfer
+        assert transfer.num_blocks_received == 14 == prefill.stats().transfer.num_blocks_sent
+        assert transfer.num_blocks_received_in_handoff == 1
+        assert transfer.num_successful_transfers == 4  # the offers' reads only
     finally:
         prefill.shutdown()
         decode.shutdown()
@@ -399,9 +401,13 @@ def test_a_tail_that_fails_its_checksum_or_reaches_a_decode_engine_without_the_o
         other.shutdown()
 
 
-def test_a_hand_off_aborted_after_its_tail_landed_releases_its_lease_at_once(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("step_fails", [False, True], ids=["after-the-step", "in-the-step"])
+def test_a_hand_off_aborted_after_its_tail_landed_releases_its_lease_once_at_once(
+    step_fails: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Aborted after the step that landed its tail, or in it: a forward that raises after the
+    landing (another request's), and the caller aborts everything, as ``EngineHost`` does.
+    Either way one release goes out at the abort, and neither side holds anything."""
     prefill = make_prefill_engine(connector_options=SHORT_END)
     decode = make_decode_engine()
     spy = ClientSpy(decode, monkeypatch)
@@ -411,10 +417,25 @@ def test_a_hand_off_aborted_after_its_tail_landed_releases_its_lease_at_once(
         final = prefill_chunkwise(prefill, decode, "r0", prompt, params).first.kv_transfer_params
         assert final is not None and final.tail_pages
         decode.add_request("r0", prompt, params, kv_transfer_params=final)
-        decode.step()  # lands the tail
-        assert spy.releases == []
-        decode.abort("r0")
+        if step_fails:
+            decode.add_request("other", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4))
+
+            def fail(chunks):  # stands in for a forward that fails
+                raise RuntimeError("the forward failed")
+
+            decode.runner.execute = fail
+            with pytest.raises(RuntimeError, match="the forward failed"):
+                decode.step()
+            del decode.runner.execute  # the class's own again
+            decode.abort_all()
+        else:
+            decode.step()  # lands the tail
+            assert spy.releases == []
+            decode.abort("r0")
         wait_prefill_idle(prefill)
+        for _ in range(3):  # nothing more goes out in later steps
+            decode.step()
+        decode.connector._executor.submit(lambda: None).result()
         assert spy.releases == [final.lease_id]
         assert_decode_idle(decode)
     finally:
