@@ -451,6 +451,11 @@ class RequestOrchestrator:
             try:
                 async for chunk in self.worker_stream(run.decode_id, request, first=False):
                     run.timeline.answered("decode", chunk)
+                    if run.kv_transfer_params is not None:
+                        # The decode worker has the hand-off's tail pages (landed or pulled
+                        # before its first chunk): no copy of them (up to inline_tail_bytes)
+                        # stays here for the rest of the stream. A retry recomputes anyway.
+                        run.kv_transfer_params.tail_pages = b""
                     run.last_decode_chunk = chunk
                     run.started_final_stream(run.decode_id)
                     delta = run.emitter.update(chunk, final=True)

@@ -427,16 +427,20 @@ def test_a_worker_bug_fails_the_request_but_keeps_the_worker_a_lost_worker_leave
 
 
 class LeasingWorker(FakeWorker):
-    """A prefill worker whose first token comes with a lease, and that records releases."""
+    """A prefill worker whose first token comes with a lease (and a tail page), and that
+    records releases; its hand-offs are kept."""
 
     def __init__(self, worker_id: str) -> None:
         super().__init__(worker_id)
         self.released: list[str] = []
+        self.handed_off: list[KVTransferParams] = []
 
     async def generate(self, request: WorkerRequest) -> AsyncIterator[GenerationChunk]:
         params = KVTransferParams(
             "engine", "127.0.0.1:1", "lease-1", [1], [], [0], 5, 65, 1, time.time() + 30
         )
+        params.tail_block_ids, params.tail_pages = [1], bytes(64)
+        self.handed_off.append(params)
         yield GenerationChunk(
             request.request_id, [65], "A", 1, True, "length", kv_transfer_params=params
         )
@@ -486,5 +490,30 @@ def test_no_reply_and_no_recent_request_carries_the_lease_id():
         assert provenance["transfer"]["handed_off"] is True
         assert "lease-1" not in json.dumps(provenance)
         assert "lease-1" not in json.dumps([r.to_json() for r in service.recent.latest(10)])
+
+    asyncio.run(scenario())
+
+
+def test_the_gateway_keeps_no_copy_of_a_hand_offs_tail_pages_once_decode_answers():
+    """The decode worker got the pages with the hand-off; the reply's stream may last
+    minutes, and the gateway holds none of them meanwhile."""
+
+    class RecordingDecode(FakeWorker):
+        tail_sizes: list[int] = []
+
+        async def generate(self, request: WorkerRequest) -> AsyncIterator[GenerationChunk]:
+            assert request.kv_transfer_params is not None
+            self.tail_sizes.append(len(request.kv_transfer_params.tail_pages))
+            async for chunk in super().generate(request):
+                yield chunk
+
+    async def scenario() -> None:
+        service, prefill = leasing_service()
+        decode = RecordingDecode("decode-0")
+        service.workers.decode["decode-0"] = service.workers.all["decode-0"] = decode
+        await run(service)
+        assert decode.tail_sizes == [64]  # the decode call carried the page
+        (params,) = prefill.handed_off
+        assert params.tail_pages == b"" and params.lease_id == "lease-1"
 
     asyncio.run(scenario())
