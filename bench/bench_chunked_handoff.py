@@ -1,14 +1,17 @@
 """The chunk-wise hand-off's gain: how long a long prompt's hand-off keeps the second token
-waiting, with offers (``chunked_handoff``) against without, and with the prompt's last chunk
-cut short (``final_chunk_tokens``) against the scheduler's own, in the same run.
+waiting, with offers (``chunked_handoff``) against without, with the prompt's last chunk
+cut short (``final_chunk_tokens``) against the scheduler's own, and with that chunk's pages
+carried in the hand-off (``inline_tail_bytes``) against pulled, in the same run.
 
 1 + 1: a prefill engine (producer) in a child process and a decode engine (consumer) in
 this one, one CPU thread each, the KV over gRPC (or ``--transport nixl``) on 127.0.0.1. The prompt is prefilled in
 chunks of ``--chunk`` tokens. With offers, each chunk's full blocks are pulled by the decode
 engine (as ``DecodeWorker.pull_offer``, one offer at a time, the latest waiting) while the
-next chunk computes; without, every block moves after the last chunk. Three sides: *at end*
-(no offers), *offers* (the last chunk as the scheduler cuts it, up to ``--chunk`` tokens)
-and *short end* (offers, and a last chunk of at most ``--final-chunk`` tokens, the default).
+next chunk computes; without, every block moves after the last chunk. Four sides: *at end*
+(no offers), *offers* (the last chunk as the scheduler cuts it, up to ``--chunk`` tokens),
+*short end* (offers, and a last chunk of at most ``--final-chunk`` tokens, pulled) and *tail
+in* (that, its pages in the hand-off when they come to at most ``--inline-tail`` bytes, the
+default: no read after the prefill).
 
 Per prompt length and side (interleaved, ``--repeat`` times, medians print):
 
@@ -16,9 +19,10 @@ Per prompt length and side (interleaved, ``--repeat`` times, medians print):
   a short last chunk costs one more step);
 - *tail*: from the end of the prefill's last chunk (its step returned the first token) to
   the start of the decode engine's first step of the request: checksumming the final
-  blocks, the hop, the offer still in flight, admission and the hand-off's pull;
-- *blocks after*: the blocks the hand-off pulled after the prefill finished (aim: at most
-  one chunk's), and one chunk's pull time, measured from the offers;
+  blocks, the hop, the offer still in flight, admission and the hand-off's pull (or the
+  landing of the pages it carried);
+- *blocks after*: the blocks the hand-off moved after the prefill finished, pulled or carried
+  (aim: at most one chunk's), and one chunk's pull time, measured from the offers;
 - *2nd token*: from the end of the last chunk to the decode engine's first token (the
   request's second), against the decode ITL at that context (the mean gap between its
   later tokens, which a colocated engine's decode steps match): aim <= 1.5x at 8k. It is
