@@ -54,6 +54,7 @@ from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.kvconnector.pd.pd_connector import PDConnector
 from pdserve.messages.connector_config import KVConnectorConfig
 from pdserve.messages.kv_transfer_params import KVTransferParams
+from pdserve.worker.engine_host import LEASE_POLL_S
 
 BLOCK_SIZE = 16
 GEMMA3_WINDOW = 512
@@ -112,9 +113,10 @@ def _prefill_main(args: dict[str, Any], conn: Any) -> None:
     )
     conn.send(connector.address)
     while True:
-        if not conn.poll(0.001):
-            if engine.num_leases_held:
-                engine.step()  # frees released leases
+        # Waits for the next command; while a lease is held, steps as often as a prefill
+        # worker does then (a release frees its blocks at the next step).
+        if not conn.poll(LEASE_POLL_S if engine.num_leases_held else None):
+            engine.step()
             continue
         command, *rest = conn.recv()
         if command == "stop":

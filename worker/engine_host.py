@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 # and the call's serial number.
 OFFER_SUFFIX = "#offer"
 # While only leased blocks remain, step this often so released leases free their blocks.
-_LEASE_POLL_S = 0.02
+LEASE_POLL_S = 0.02
 T = TypeVar("T")
 
 
@@ -63,7 +63,7 @@ class HostState(enum.Enum):
     """What the engine thread's last step left, and so how the loop waits for the next:
 
     BUSY     requests to step          → step again at once
-    HOLDING  only leased blocks remain → wake every ``_LEASE_POLL_S`` (a release frees them)
+    HOLDING  only leased blocks remain → wake every ``LEASE_POLL_S`` (a release frees them)
     IDLE     nothing                   → sleep until an op arrives
     """
 
@@ -375,7 +375,7 @@ class EngineHost:
                         await wakeup.wait()
                     else:  # blocks held under a lease: poll for the decode side's release
                         with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(wakeup.wait(), _LEASE_POLL_S)
+                            await asyncio.wait_for(wakeup.wait(), LEASE_POLL_S)
             state = await loop.run_in_executor(self._executor, self._step)
 
     def _step(self) -> HostState:
