@@ -83,9 +83,9 @@ INLINE_COMPLETION_BYTES = 1 << 20
 # Renew a lease before pulling when less than this fraction of its TTL is left.
 _RENEW_BELOW_FRACTION = 0.5
 
-# A hand-off landed from its tail releases its lease at the end of the step after the one
-# that landed it (the request's first decode step), unless the request ends before.
-_TAIL_RELEASE_STEPS = 2
+# A hand-off landed from its tail releases its lease at the end of the request's second
+# decode step (the third step from the one that landed it), unless the request ends before.
+_TAIL_RELEASE_STEPS = 3
 
 
 class PDConnector(KVConnectorBase):
@@ -471,8 +471,10 @@ class PDConnector(KVConnectorBase):
 
         Not at once: the release is a round trip nothing waits for, and its Python on a
         transfer thread, beside the request's first decode step, slowed that step by a
-        fifth (tiny at 8k, 6.5 -> 8.0 ms), the second token's latency with it. So it goes
-        after that step (``get_finished`` counts the steps), or when the request ends.
+        fifth (tiny at 8k, 6.5 -> 8.0 ms), the second token's latency with it; sent at the
+        end of that step it still cost the step 0.4 ms (it took the interpreter before the
+        step returned). So it goes at the end of the step after (``get_finished`` counts
+        the steps), one of the request's later ones, or when the request ends.
         Whether the request had such a lease."""
         entry = self._tail_releases.pop(request_id, None)
         if entry is None:

@@ -281,7 +281,7 @@ def run_hand_off_step_by_step(
         prefill.add_request("r0", prompt, params)  # its blocks wait under the lease
     decode.add_request("r0", prompt, params, kv_transfer_params=final)
     trace = []
-    for _ in range(2):  # the load, then the first decode step
+    for _ in range(3):  # the load, then two decode steps
         outputs = decode.step()
         time.sleep(0.05)  # a release sent in the step would reach the prefill by now
         prefill.step()
@@ -302,7 +302,7 @@ def test_a_short_final_chunk_leaves_one_block_for_the_hand_off_which_carries_it(
 ) -> None:
     """The hand-off carries the block's page (``inline_tail_bytes``): the decode engine
     lands it at admission with no read, and the request decodes at the next step. The
-    lease is released after that step, not beside it. The colocated engine's chunks end at
+    lease is released after the step after that, not beside the first decode step. The colocated engine's chunks end at
     240 and the tokens are the same. (A negative ``final_chunk_tokens`` or
     ``inline_tail_bytes`` is refused.)"""
     for option in ("final_chunk_tokens", "inline_tail_bytes"):
@@ -318,8 +318,9 @@ def test_a_short_final_chunk_leaves_one_block_for_the_hand_off_which_carries_it(
         page_bytes = decode.connector._kv_pages.page_bytes
         assert len(final.tail_block_ids) == 1 and len(final.tail_pages) == page_bytes
         assert final.tail_block_ids == final.block_ids[14:]  # the block the offers left
-        # Landed in the first step, decoded in the second; the lease held until then.
-        assert trace == [(True, 0), (False, 2)]
+        # Landed in the first step, decoded in the next two; the lease held until the
+        # second decode step ended, off the second token's path.
+        assert trace == [(True, 0), (True, 2), (False, 3)]
         assert spy.releases == [final.lease_id]
         assert spy.reads_releasing == [False] * 4  # the offers' reads only
         output = finish_as_colocated(prefill, decode, colocated, "r0", prompt, params)
