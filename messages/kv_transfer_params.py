@@ -43,7 +43,7 @@ class KVTransferParams:
     (``KVConnectorConfig.inline_tail_bytes``): ``tail_block_ids`` name them (the prefill's
     ids, as in ``block_ids``) and ``tail_pages`` holds their bytes, page after page. The
     decode side lands them without a read (verified against ``block_checksums``, as a pull
-    is) and pulls only what they lack::
+    is) when they hold every block it lacks; otherwise it pulls, as without them::
 
         prompt done  ─▶ final  [7 3 12 5] + first token, tail [5] + its page (nothing to pull)
     """

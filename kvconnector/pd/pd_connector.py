@@ -21,7 +21,7 @@ Decode side (``consumer``)::
     update_state_after_alloc   ─▶ LoadSpec(remote ids[ext], local ids[ext], checksums[ext])
     start_load_kv              ─▶ a transfer thread: handshake (once per peer), read, release;
                                   or, a hand-off carrying its tail (handoff_tail.py), land it
-                                  here and release the lease after the next step
+                                  here; its lease is released two steps later
     get_finished().loaded      ─▶ the scheduler caches the good blocks, recomputes the rest
 
 An offer is pulled by a KV-only request (``Request.kv_only``) into the decode worker's prefix
@@ -434,7 +434,7 @@ class PDConnector(KVConnectorBase):
 
     def _land_tail(self, load: LoadSpec) -> bool:
         """Lands a final hand-off whose blocks to move all came in it (``tail_pages``) on
-        the engine thread, and releases its lease on a transfer thread; False: it is pulled.
+        the engine thread (its lease: ``_release_tail_lease``); False: it is pulled.
 
         Only from a peer this worker has handshaken with (its offers' pulls did), whose
         layout and model fingerprint were checked then, and never for a request whose block
