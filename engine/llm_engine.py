@@ -585,10 +585,12 @@ class LLMEngine:
         if self._shut_down:
             return
         self._shut_down = True
-        if self.connector is not None:
-            self.connector.shutdown()
-        if self.runner.peers is not None:
-            self.runner.peers.close()
+        try:
+            if self.connector is not None:
+                self.connector.shutdown()
+        finally:  # a connector that fails to stop must not leave the ranks running
+            if self.runner.peers is not None:
+                self.runner.peers.close()
 
 
 def _record_logprobs(

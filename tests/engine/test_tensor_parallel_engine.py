@@ -113,6 +113,23 @@ def test_a_tensor_parallel_engine_loads_evicted_prefixes_back_from_a_kv_tier() -
     assert stats.blocks_loaded == 4 * 4 and stats.load_failures == 0  # 4 system blocks, 4 times
 
 
+def test_a_connector_that_fails_to_shut_down_leaves_no_rank_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tier = TierConnector(KVTierConfig(cpu_bytes=1 << 22), "worker-0")
+    engine = LLMEngine.from_pretrained("tiny", connector=tier, tensor_parallel_size=2)
+    (peer,) = engine.runner.peers.pids
+
+    def fail() -> None:  # stands in for a connector whose stop raises
+        raise RuntimeError("the connector failed to stop")
+
+    monkeypatch.setattr(tier, "shutdown", fail)
+    with pytest.raises(RuntimeError, match="failed to stop"):
+        engine.shutdown()
+    with pytest.raises(ProcessLookupError):
+        os.kill(peer, 0)
+
+
 def test_a_rank_that_dies_fails_the_engine_naming_it_and_leaves_no_process() -> None:
     lost = threading.Event()
     engine = LLMEngine(
