@@ -88,22 +88,26 @@ class TensorParallelPeers:
         context = torch.multiprocessing.get_context("spawn")
         self._pipes: list[multiprocessing.connection.Connection] = []
         self._processes: list[Any] = []
-        for rank in range(1, self.world_size):
-            ours, theirs = context.Pipe()
-            process = context.Process(
-                target=run_peer,
-                args=(rank, store.port, config, num_blocks, kv_pages, theirs),
-                name=f"{config.engine_id}-tp{rank}",
-                daemon=True,
-            )
-            process.start()
-            theirs.close()
-            self._pipes.append(ours)
-            self._processes.append(process)
-        self._store = store  # the peers meet through it until the group is joined
-        self.tensor_parallel = join_group(store, 0, self.world_size, GROUP_TIMEOUT)
         self._closed = threading.Event()
         self._on_lost = on_lost
+        self._store = store  # the peers meet through it until the group is joined
+        try:
+            for rank in range(1, self.world_size):
+                ours, theirs = context.Pipe()
+                process = context.Process(
+                    target=run_peer,
+                    args=(rank, store.port, config, num_blocks, kv_pages, theirs),
+                    name=f"{config.engine_id}-tp{rank}",
+                    daemon=True,
+                )
+                process.start()
+                theirs.close()
+                self._pipes.append(ours)
+                self._processes.append(process)
+            self.tensor_parallel = join_group(store, 0, self.world_size, GROUP_TIMEOUT)
+        except BaseException:  # the ranks started so far would outlive the failed start
+            self.close()
+            raise
 
     @property
     def pids(self) -> list[int]:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import transformers
 
+from pdserve.engine import tensor_parallel_peers
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.tensor_parallel_peers import TensorParallelGroupLost
 from pdserve.kvconnector.pd.pd_connector import PDConnector
@@ -128,6 +129,17 @@ def test_a_connector_that_fails_to_shut_down_leaves_no_rank_behind(
         engine.shutdown()
     with pytest.raises(ProcessLookupError):
         os.kill(peer, 0)
+
+
+def test_a_group_that_fails_to_form_leaves_no_rank_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*args: object) -> None:  # stands in for rank 0 failing to join the group
+        raise RuntimeError("the group did not form")
+
+    monkeypatch.setattr(tensor_parallel_peers, "join_group", fail)
+    before = {child.pid for child in multiprocessing.active_children()}
+    with pytest.raises(RuntimeError, match="did not form"):
+        LLMEngine.from_pretrained("tiny", num_kv_blocks=32, tensor_parallel_size=2)
+    assert {child.pid for child in multiprocessing.active_children()} == before
 
 
 def test_a_rank_that_dies_fails_the_engine_naming_it_and_leaves_no_process() -> None:
