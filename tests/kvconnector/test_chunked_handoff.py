@@ -272,7 +272,8 @@ def run_hand_off_step_by_step(
     prefill: LLMEngine, decode: LLMEngine, prompt: list[int], params: SamplingParams
 ) -> tuple[KVTransferParams, list[tuple[bool, int]]]:
     """Prefills ``prompt`` chunk-wise, then decodes its hand-off one step at a time; each
-    decode step's (whether the prefill still held the lease after it, tokens so far)."""
+    decode step's (whether the prefill still held the lease after it, tokens so far). After
+    the last one, the lease is waited for (up to 10 s) rather than looked at once."""
     handoff = prefill_chunkwise(prefill, decode, "r0", prompt, params)
     assert [o.num_tokens for o in handoff.offers] == [64, 128, 192, 224]
     final = handoff.first.kv_transfer_params
@@ -281,10 +282,14 @@ def run_hand_off_step_by_step(
         prefill.add_request("r0", prompt, params)  # its blocks wait under the lease
     decode.add_request("r0", prompt, params, kv_transfer_params=final)
     trace = []
-    for _ in range(3):  # the load, then two decode steps
+    for step in range(3):  # the load, then two decode steps
         outputs = decode.step()
-        time.sleep(0.05)  # a release sent in the step would reach the prefill by now
-        prefill.step()
+        deadline = time.monotonic() + (10.0 if step == 2 else 0.05)
+        while True:  # a release sent in the step reaches the prefill within 50 ms here
+            prefill.step()
+            if not prefill.num_leases_held or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
         tokens = sum(len(o.output_token_ids) for o in outputs if o.request_id == "r0")
         trace.append((prefill.num_leases_held > 0, tokens))
     return final, trace
@@ -302,9 +307,9 @@ def test_a_short_final_chunk_leaves_one_block_for_the_hand_off_which_carries_it(
 ) -> None:
     """The hand-off carries the block's page (``inline_tail_bytes``): the decode engine
     lands it at admission with no read, and the request decodes at the next step. The
-    lease is released after the step after that, not beside the first decode step. The colocated engine's chunks end at
-    240 and the tokens are the same. (A negative ``final_chunk_tokens`` or
-    ``inline_tail_bytes`` is refused.)"""
+    lease is released as the second decode step ends, not beside the first. The colocated
+    engine's chunks end at 240 and the tokens are the same. (A negative
+    ``final_chunk_tokens`` or ``inline_tail_bytes`` is refused.)"""
     for option in ("final_chunk_tokens", "inline_tail_bytes"):
         with pytest.raises(ValueError, match=option):
             KVConnectorConfig(role="producer", **{option: -1})
