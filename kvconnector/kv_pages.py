@@ -39,6 +39,13 @@ class KVPages:
         index = torch.as_tensor(list(block_ids), dtype=torch.long, device=self._pages.device)
         return self._pages.index_select(0, index).cpu().numpy()
 
+    def read_bytes(self, block_ids: Sequence[int]) -> bytes:
+        """The listed pages' bytes, page after page: one copy of a CPU pool's pages (no
+        gathered array in between), a device pool's through ``read``."""
+        if self._host is not None:
+            return b"".join(self._host[block_id].data for block_id in block_ids)
+        return self.read(block_ids).tobytes()
+
     def copy_in(self, block_id: int, load: Callable[[np.ndarray], bool]) -> bool:
         """Lets ``load`` fill a host buffer and, if it says the page is good, lands it in
         ``block_id``'s page. On a CPU pool ``load`` writes the page in place (no staging)."""

@@ -26,9 +26,11 @@ from pdserve.kvconnector.kv_pages import KVPages
 
 
 def read_tail(pages: KVPages, block_ids: Sequence[int]) -> tuple[bytes, list[int]]:
-    """The listed pages' bytes, page after page, and each one's checksum: one read of them."""
-    host = pages.read(block_ids)
-    return host.tobytes(), page_checksums(host, range(len(block_ids)))
+    """The listed pages' bytes, page after page, and each one's checksum: one read of them,
+    checksummed where they were copied to."""
+    data = pages.read_bytes(block_ids)
+    copied = np.frombuffer(data, dtype=np.uint8).reshape(len(block_ids), pages.page_bytes)
+    return data, page_checksums(copied, range(len(block_ids)))
 
 
 def tail_holds(load: LoadSpec, page_bytes: int) -> bool:
