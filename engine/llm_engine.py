@@ -104,17 +104,18 @@ class LLMEngine:
         )
         kv_cache_config = KVCacheConfig(num_blocks, groups)
         self.runner = self._make_runner(num_blocks, on_rank_lost)
+        # The engine owns the connector from here on, as ``shutdown`` says.
+        self.connector = connector
+        self._shut_down = False
         try:
-            self._build_around_runner(config, connector, kv_cache_config, draft)
-        except BaseException:  # the ranks started above would outlive a failed engine
-            if self.runner.peers is not None:
-                self.runner.peers.close()
+            self._build_around_runner(config, kv_cache_config, draft)
+        except BaseException:  # the ranks started above, and whatever the connector started
+            self.shutdown()  # as it registered the pages, would outlive a failed engine
             raise
 
     def _build_around_runner(
         self,
         config: EngineConfig,
-        connector: KVConnectorBase | None,
         kv_cache_config: KVCacheConfig,
         draft: DraftModel | None,
     ) -> None:
@@ -132,8 +133,7 @@ class LLMEngine:
             enable_caching=config.enable_prefix_caching,
             enable_kv_cache_events=True,
         )
-        self.connector = connector
-        self._shut_down = False
+        connector = self.connector
         if connector is not None:
             connector.register_kv_caches(self.runner.kv_cache, self.model_config.fingerprint)
             connector.attach_kv_cache_manager(self.kv_cache_manager)

@@ -7,6 +7,10 @@ loaded, never both, so the two runs must add up exactly, and the tokens must not
 
 from __future__ import annotations
 
+import threading
+
+import pytest
+
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.kvconnector.pd.pd_connector import PDConnector
 from pdserve.kvconnector.pd_with_tier import with_tier
@@ -72,3 +76,22 @@ def test_decode_loads_from_its_tier_first_and_pulls_only_the_rest():
         assert prefill.wait_until_idle().num_leases == 0  # every lease released
     finally:
         prefill.close()
+
+
+def test_an_engine_that_fails_as_its_connector_registers_leaves_no_tier_behind(tmp_path):
+    """The tier registers before the P/D part, which refuses (its hash seed is no integer):
+    the disk tier's writer thread and run directory, started as it registered, used to outlive
+    the failed engine, its directory never deleted."""
+    pd = PDConnector(
+        KVConnectorConfig(role="consumer"),
+        engine_id="decode-0",
+        hash_algorithm="xxh3_128",
+        hash_seed="not-an-integer",
+    )
+    tier = TierConnector(KVTierConfig(disk_path=str(tmp_path), disk_bytes=64 * PAGE_BYTES), "d-0")
+    threads_before = set(threading.enumerate())
+    with pytest.raises(ValueError, match="integer hash_seed"):
+        LLMEngine.from_pretrained("tiny", connector=with_tier(pd, tier), **DECODE_KWARGS)
+    assert tier.store is not None  # it had registered: a run directory and a writer
+    assert not (tmp_path / "d-0").exists()
+    assert not {t for t in set(threading.enumerate()) - threads_before if t.is_alive()}
