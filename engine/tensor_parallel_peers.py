@@ -31,6 +31,7 @@ import contextlib
 import logging
 import multiprocessing.connection
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
@@ -55,6 +56,9 @@ GROUP_TIMEOUT = timedelta(seconds=60)
 # How long a peer may take to load its slice of the model and report ready.
 _START_TIMEOUT_S = 600.0
 _STOP_TIMEOUT_S = 5.0
+# What a starting peer sends rank 0: before it joins the group, then once its runner is built.
+_JOINING = "joining"
+_READY = "ready"
 
 
 class TensorParallelGroupLost(RuntimeError):
@@ -104,10 +108,38 @@ class TensorParallelPeers:
                 theirs.close()
                 self._pipes.append(ours)
                 self._processes.append(process)
+            self._wait_until_joining()
             self.tensor_parallel = join_group(store, 0, self.world_size, GROUP_TIMEOUT)
         except BaseException:  # the ranks started so far would outlive the failed start
             self.close()
             raise
+
+    def _wait_until_joining(self) -> None:
+        """Wait until every peer says it is joining the group. Why: gloo's join waits out the
+        group's whole timeout (60 s) for a rank that never comes, then blames the timeout;
+        a peer that fails or dies first (its interpreter did not start, it was killed) fails
+        the start here at once, with its error or its exit code."""
+        waiting = dict(enumerate(zip(self._pipes, self._processes), start=1))
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while waiting:
+            watched = [
+                end for pipe, process in waiting.values() for end in (pipe, process.sentinel)
+            ]
+            left = deadline - time.monotonic()
+            if left <= 0 or not multiprocessing.connection.wait(watched, timeout=left):
+                raise TensorParallelGroupLost(
+                    f"rank {min(waiting)} did not start in {_START_TIMEOUT_S} s"
+                )
+            for rank, (pipe, process) in list(waiting.items()):
+                if pipe.poll():
+                    message = _start_message(pipe, process)
+                    if message != _JOINING:
+                        raise TensorParallelGroupLost(f"rank {rank} failed to start: {message}")
+                    del waiting[rank]
+                elif not process.is_alive():
+                    raise TensorParallelGroupLost(
+                        f"rank {rank} failed to start: {_start_message(pipe, process)}"
+                    )
 
     @property
     def pids(self) -> list[int]:
@@ -116,14 +148,11 @@ class TensorParallelPeers:
 
     def wait_ready(self) -> None:
         """Wait until every peer has built its runner; a peer that failed raises its error."""
-        for rank, pipe in enumerate(self._pipes, start=1):
+        for rank, (pipe, process) in enumerate(zip(self._pipes, self._processes), start=1):
             if not pipe.poll(_START_TIMEOUT_S):
                 raise TensorParallelGroupLost(f"rank {rank} did not start in {_START_TIMEOUT_S} s")
-            try:
-                message = pipe.recv()
-            except EOFError:
-                message = "it exited"
-            if message != "ready":
+            message = _start_message(pipe, process)
+            if message != _READY:
                 raise TensorParallelGroupLost(f"rank {rank} failed to start: {message}")
         threading.Thread(target=self._watch, name="tp-peer-watchdog", daemon=True).start()
 
@@ -176,6 +205,18 @@ class TensorParallelPeers:
             self._on_lost()
 
 
+def _start_message(
+    pipe: multiprocessing.connection.Connection, process: multiprocessing.process.BaseProcess
+) -> str:
+    """What a starting peer sent (``_JOINING``, ``_READY`` or its error), or, where its pipe
+    closed with nothing in it, how it exited."""
+    try:
+        return str(pipe.recv())
+    except (EOFError, OSError):
+        process.join(_STOP_TIMEOUT_S)
+        return f"pid {process.pid} exited with {process.exitcode}"
+
+
 def run_peer(
     rank: int,
     port: int,
@@ -193,12 +234,13 @@ def run_peer(
     try:
         configure_torch_threads(config.torch_threads)
         store = dist.TCPStore(GROUP_HOST, port, config.tensor_parallel_size, timeout=GROUP_TIMEOUT)
+        pipe.send(_JOINING)
         tensor_parallel = join_group(store, rank, config.tensor_parallel_size, GROUP_TIMEOUT)
         model, model_config, _ = load_model(config.model, dtype=config.dtype, device=config.device)
         runner = ModelRunner.for_engine(
             config, model, model_config, num_blocks, kv_pages, tensor_parallel
         )
-        pipe.send("ready")
+        pipe.send(_READY)
         while True:
             try:
                 chunks = pipe.recv()

@@ -10,8 +10,10 @@ import multiprocessing
 import os
 import random
 import signal
+import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import transformers
@@ -139,6 +141,31 @@ def test_a_group_that_fails_to_form_leaves_no_rank_behind(monkeypatch: pytest.Mo
     before = {child.pid for child in multiprocessing.active_children()}
     with pytest.raises(RuntimeError, match="did not form"):
         LLMEngine.from_pretrained("tiny", num_kv_blocks=32, tensor_parallel_size=2)
+    assert {child.pid for child in multiprocessing.active_children()} == before
+
+
+def test_a_rank_that_dies_before_joining_fails_the_start_at_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A peer whose interpreter ends as it starts (here a ``sitecustomize`` on its path exits
+    with 3, as an import that fails or an OOM kill would end it) never joins the group: rank
+    0's join used to wait out the group's 60 s timeout, then blame the timeout."""
+    (tmp_path / "sitecustomize.py").write_text("import os\nos._exit(3)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
+    joined = []
+    join_group = tensor_parallel_peers.join_group
+
+    def join_and_record(*args: Any) -> Any:  # the real join, recorded
+        joined.append(args[1])
+        return join_group(*args)
+
+    monkeypatch.setattr(tensor_parallel_peers, "join_group", join_and_record)
+    before = {child.pid for child in multiprocessing.active_children()}
+    with pytest.raises(
+        TensorParallelGroupLost, match=r"rank 1 failed to start: pid \d+ exited with 3"
+    ):
+        LLMEngine.from_pretrained("tiny", num_kv_blocks=32, tensor_parallel_size=2)
+    assert not joined  # refused before rank 0 began to join
     assert {child.pid for child in multiprocessing.active_children()} == before
 
 
