@@ -58,6 +58,9 @@ class CpuTier(TierLevel):
             if self._index.get(block_hash) is not None:
                 return
             slot = self._free_slots.pop() if self._free_slots else self._evict_lru()
+            if slot is None:  # every page is pinned for a load: this one is not kept
+                self.counters.store_failures += 1
+                return
             started = time.perf_counter()
             page = self._slab[slot]
             fill(page)
@@ -67,9 +70,13 @@ class CpuTier(TierLevel):
             self._stored_event(block_hash)
             self.counters.record_store(self.page_bytes, time.perf_counter() - started)
 
-    def _evict_lru(self) -> int:
-        """Under the lock: frees the least recently used slot, its page handed below."""
-        victim, (slot, checksum) = self._index.pop_lru()
+    def _evict_lru(self) -> int | None:
+        """Under the lock: frees the least recently used slot not pinned, its page handed
+        below; None when every page is pinned."""
+        popped = self._index.pop_lru(self.pins)
+        if popped is None:
+            return None
+        victim, (slot, checksum) = popped
         if self.below is not None:
             self.below.store(victim, lambda dst: np.copyto(dst, self._slab[slot]), checksum)
         self.counters.evictions += 1

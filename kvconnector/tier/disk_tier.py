@@ -162,8 +162,12 @@ class DiskTier(TierLevel):
                 if not written:
                     counters.store_failures += 1
                     continue
-                while self._index.is_full:
-                    self._evict_lru()
+                while self._index.is_full and self._evict_lru():
+                    pass
+                if self._index.is_full:  # every page is pinned for a load: not kept
+                    self.path_of(block_hash).unlink(missing_ok=True)
+                    counters.store_failures += 1
+                    continue
                 self._index.put(block_hash, checksum)
                 self._stored_event(block_hash)
                 counters.record_store(self.page_bytes, time.perf_counter() - started)
@@ -184,12 +188,17 @@ class DiskTier(TierLevel):
             temporary.unlink(missing_ok=True)
             return False
 
-    def _evict_lru(self) -> None:
-        """Under the lock: deletes the least recently used page."""
-        victim, _ = self._index.pop_lru()
+    def _evict_lru(self) -> bool:
+        """Under the lock: deletes the least recently used page not pinned; False when
+        every page is pinned."""
+        popped = self._index.pop_lru(self.pins)
+        if popped is None:
+            return False
+        victim, _ = popped
         self.path_of(victim).unlink(missing_ok=True)
         self.counters.evictions += 1
         self._removed_event(victim)
+        return True
 
     # ---- reading --------------------------------------------------------------------
     def load(self, block_hash: BlockHash, dst: np.ndarray) -> bool:

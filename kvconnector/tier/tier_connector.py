@@ -86,6 +86,8 @@ class TierConnector(KVConnectorBase):
         self._write_through: dict[int, BlockHashWithGroupId] = {}  # block id → key, this step
         self._windows: list[int | None] = [None]  # each KV group's window (None: full)
         self._pending: list[TierLoad] = []  # engine thread only
+        # Pins of this step's lookups until their allocations ran (engine thread only).
+        self._admitting: dict[str, list[BlockHashWithGroupId]] = {}
         self._loads = LoadTracker()
         self._loader: ThreadPoolExecutor | None = None
         self._no_transfers = TransferStats()
@@ -169,8 +171,29 @@ class TierConnector(KVConnectorBase):
             for position in range(self._first_read_block(end, window, first), end)
         ):
             end -= 1
+        # Kept until the allocation that follows (it offloads into the tier) has run.
+        self._pin_for_admission(request.request_id, self._hit_keys(request, first, end))
         num_tokens = (end - first) * self._block_size
         return num_tokens, num_tokens > 0
+
+    def _hit_keys(self, request: Request, first: int, end: int) -> list[BlockHashWithGroupId]:
+        """The pages a hit of blocks ``[first, end)`` loads: every full group's, and each
+        windowed group's last ones (those its window still reads)."""
+        return [
+            make_block_hash_with_group_id(request.block_hashes[position], group)
+            for group, window in enumerate(self._windows)
+            for position in range(
+                first if window is None else self._first_read_block(end, window, first), end
+            )
+        ]
+
+    def _pin_for_admission(self, request_id: str, keys: list[BlockHashWithGroupId]) -> None:
+        """Pins ``keys`` for the admission under way, in place of any earlier pins of its."""
+        pins = self._store.pins
+        pins.pin(keys)
+        pins.unpin(self._admitting.pop(request_id, []))
+        if keys:
+            self._admitting[request_id] = keys
 
     def _first_read_block(self, end: int, window: int, first: int) -> int:
         """The first of the blocks before ``end`` a window still reads (the pool's rule)."""
@@ -193,9 +216,14 @@ class TierConnector(KVConnectorBase):
                     level.record_hit()
                 keys.append(key)
                 ids.append(table[position])
+        self._pin_for_admission(request.request_id, [])  # the load's pins take over:
+        self._store.pins.pin(keys)  # unpinned as it ends
         self._pending.append(TierLoad(request.request_id, keys, ids, num_external_tokens))
 
     def build_connector_meta(self) -> TierConnectorMetadata:
+        # The step's admissions are done: a lookup that no allocation followed keeps nothing.
+        for request_id in list(self._admitting):
+            self._pin_for_admission(request_id, [])
         loads, self._pending = self._pending, []
         return TierConnectorMetadata(tier_loads=loads)
 
@@ -208,6 +236,7 @@ class TierConnector(KVConnectorBase):
         queued = [load for load in self._pending if load.request_id == request.request_id]
         for load in queued:  # never started: reported loaded, so its blocks are freed
             self._pending.remove(load)
+            self._store.pins.unpin(load.keys)
             self._loads.finish(load.request_id)
 
     # ---- worker side ----------------------------------------------------------------
@@ -228,6 +257,7 @@ class TierConnector(KVConnectorBase):
         except Exception:  # a loader thread must always report back
             logger.exception("tier load of %s crashed", load.request_id)
         finally:
+            self._store.pins.unpin(load.keys)
             self._loads.finish(
                 load.request_id,
                 load.block_ids[num_loaded:],

@@ -21,6 +21,7 @@ import numpy as np
 from pdserve.cache import BlockHash, BlockRemoved, BlockStored, KVCacheEvent, get_block_hash
 from pdserve.cache.kv_cache_block import get_group_id
 from pdserve.engine.kv_connector_base import TierStatsSnapshot
+from pdserve.kvconnector.tier.tier_lru import PinnedPages
 
 FillPage = Callable[[np.ndarray], None]
 """Copies one page into the ``[page_bytes]`` uint8 buffer it is given."""
@@ -67,6 +68,8 @@ class TierLevel(ABC):
         self.page_bytes = page_bytes
         self.block_size = block_size
         self.counters = TierCounters()
+        # The pages no eviction may take; the tier store gives its levels one set to share.
+        self.pins = PinnedPages()
         self._lock = threading.Lock()
         self._events: list[KVCacheEvent] = []
 

@@ -2,15 +2,18 @@
 
 Every entry of a tier is one page of the same size, so a byte budget is a number of entries
 (``capacity = budget_bytes // page_bytes``). A hit refreshes an entry; a full tier gives up
-its least recently used one, which the tier drops or hands to the tier below:
+its least recently used one that no admission is waiting to load (``PinnedPages``), which
+the tier drops or hands to the tier below:
 
     least recent ─▶  h3  h7  h1  h9  ◀─ most recent        put(h4) when full: h3 leaves
+                     pinned                                 (h3 pinned: h7 leaves)
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterator
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Container, Iterable, Iterator
 from typing import Generic, TypeVar
 
 from pdserve.cache import BlockHash
@@ -27,6 +30,40 @@ def capacity_for_budget(medium: str, budget_bytes: int, page_bytes: int) -> int:
             f"of {page_bytes} bytes; give it at least one page"
         )
     return capacity
+
+
+class PinnedPages:
+    """The pages admitted requests were promised and have not loaded yet, which no level
+    evicts. Why: an admission's own allocation evicts pool blocks into the tier; in a tier
+    smaller than what a step moves, those offloads used to push out the very pages the
+    admission had just been promised, and the load then found them gone (recomputed).
+
+    Pinned from the lookup (``get_num_new_matched_tokens``, before the allocation) to the
+    load's end; a pin is counted, so two loads of one page each hold it. Pinned and unpinned
+    on the engine and loader threads, read by every level's eviction."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[BlockHash] = Counter()
+        self._lock = threading.Lock()
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._counts
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def pin(self, block_hashes: Iterable[BlockHash]) -> None:
+        with self._lock:
+            self._counts.update(block_hashes)
+
+    def unpin(self, block_hashes: Iterable[BlockHash]) -> None:
+        with self._lock:
+            for block_hash in block_hashes:
+                left = self._counts[block_hash] - 1
+                if left > 0:
+                    self._counts[block_hash] = left
+                else:
+                    self._counts.pop(block_hash, None)
 
 
 class TierLRU(Generic[V]):
@@ -66,9 +103,13 @@ class TierLRU(Generic[V]):
             raise OverflowError(f"the tier is full ({self.capacity} pages); pop_lru first")
         self._entries[block_hash] = value
 
-    def pop_lru(self) -> tuple[BlockHash, V]:
-        """Removes and returns the least recently used entry."""
-        return self._entries.popitem(last=False)
+    def pop_lru(self, keep: Container[BlockHash] = ()) -> tuple[BlockHash, V] | None:
+        """Removes and returns the least recently used entry not in ``keep``; None when
+        every entry is kept."""
+        for block_hash in self._entries:
+            if block_hash not in keep:
+                return block_hash, self._entries.pop(block_hash)
+        return None
 
     def pop(self, block_hash: BlockHash) -> V | None:
         return self._entries.pop(block_hash, None)

@@ -19,6 +19,7 @@ from pdserve.kvconnector.kv_pages import KVPages
 from pdserve.kvconnector.tier.cpu_tier import CpuTier
 from pdserve.kvconnector.tier.disk_tier import DiskTier
 from pdserve.kvconnector.tier.tier_level import TierLevel
+from pdserve.kvconnector.tier.tier_lru import PinnedPages
 from pdserve.messages.kv_tier_config import KVTierConfig
 
 
@@ -30,6 +31,11 @@ class TierStore:
             raise ValueError("a KV tier needs at least one level (cpu or disk)")
         self.levels = levels
         self.pages = pages
+        # One set for every level: a pinned page stays wherever it is (a level's eviction
+        # would otherwise hand it below, or drop it).
+        self.pins = PinnedPages()
+        for level in levels:
+            level.pins = self.pins
 
     @classmethod
     def from_config(

@@ -81,6 +81,23 @@ def test_evicted_prefixes_load_back_from_the_tier_with_the_same_tokens(baseline,
     engine.shutdown()
 
 
+def test_a_tier_smaller_than_a_steps_offloads_keeps_the_pages_it_promised(baseline):
+    """10 pages: an admission's allocation evicts pool blocks into the tier, and those
+    offloads used to push out pages the same admission had just been promised (the load then
+    found them gone and recomputed them: 24 hits counted, 19 blocks loaded). The promised
+    pages are pinned from the lookup to the load's end; an offload takes another page."""
+    outputs, _ = baseline
+    engine = tier_engine(KVTierConfig(cpu_bytes=10 * PAGE_BYTES))
+    try:
+        assert run(engine, workload()) == outputs
+        (tier,) = engine.stats().tiers
+        assert tier.blocks_loaded * BLOCK_SIZE == tier.hit_tokens == 24 * BLOCK_SIZE
+        assert tier.load_failures == 0
+        assert not engine.connector.store.pins  # every load ended, every pin with it
+    finally:
+        engine.shutdown()
+
+
 def test_a_corrupted_or_truncated_disk_page_is_recomputed_not_used(baseline, tmp_path):
     outputs, _ = baseline
     engine = tier_engine(tier_configs(tmp_path)["disk"])

@@ -1,5 +1,5 @@
-"""The tier levels' invariants under any sequence of operations (hypothesis), and the
-router's view of tiers.
+"""The tier levels' invariants under any sequence of operations (hypothesis), pins for
+promised loads included, and the router's view of tiers.
 
 The levels are real (a numpy slab; files in a temporary directory, written by the disk
 level's own thread); a failed write is real too: the directory is removed under the level,
@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import threading
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ from pdserve.cache import BlockRemoved, BlockStored, HeldBlocks
 from pdserve.gateway.router import Router
 from pdserve.kvconnector.tier.cpu_tier import CpuTier
 from pdserve.kvconnector.tier.disk_tier import PAGE_SUFFIX, DiskTier
-from pdserve.kvconnector.tier.tier_lru import TierLRU, capacity_for_budget
+from pdserve.kvconnector.tier.tier_lru import PinnedPages, TierLRU, capacity_for_budget
 from pdserve.messages.kv_event_batch import KVEventBatch
 
 PAGE_BYTES = 64
@@ -42,18 +43,56 @@ def flushed(disk: DiskTier) -> None:
         threading.Event().wait(0.001)
 
 
+class PinModel:
+    """The pins a test applied (counted, as ``PinnedPages`` counts them) and the pages a
+    level must therefore still hold: each pinned while the level held it."""
+
+    def __init__(self, pins: PinnedPages) -> None:
+        self.pins = pins
+        self.counts: Counter[bytes] = Counter()
+        self.must_hold: set[bytes] = set()
+
+    def apply(self, op: str, key: bytes, held: bool) -> bool:
+        """Applies a pin op (True) or returns False for any other op."""
+        if op == "pin":
+            self.pins.pin([key])
+            self.counts[key] += 1
+            if held:
+                self.must_hold.add(key)
+        elif op == "unpin" and self.counts[key]:
+            self.pins.unpin([key])
+            self.counts[key] -= 1
+            if not self.counts[key]:
+                self.must_hold.discard(key)
+        return op in ("pin", "unpin")
+
+    def stored(self, key: bytes, held: bool) -> None:
+        if held and self.counts[key]:
+            self.must_hold.add(key)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     capacity=st.integers(1, 4),
-    ops=st.lists(st.tuples(st.sampled_from(["store", "load", "discard"]), KEYS), max_size=40),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["store", "load", "discard", "pin", "unpin"]), KEYS),
+        max_size=40,
+    ),
 )
 def test_a_cpu_tier_keeps_every_slot_once_and_gives_back_the_pages_it_holds(capacity, ops):
     tier = CpuTier(capacity * PAGE_BYTES, PAGE_BYTES, block_size=16)
+    pins = PinModel(tier.pins)
     dst = np.empty(PAGE_BYTES, dtype=np.uint8)
     for op, key in ops:
-        if op == "store":
+        if pins.apply(op, key, key in tier._index):
+            pass
+        elif op == "store":
+            failures = tier.counters.store_failures
             tier.store(key, fill_with(key))
-            assert key in tier
+            # Kept, unless every page is pinned for a load (then counted as not kept).
+            every_pinned = all(held in pins.pins for held in tier._index)
+            assert key in tier or (every_pinned and tier.counters.store_failures == failures + 1)
+            pins.stored(key, key in tier._index)
         elif op == "load":
             held = key in tier
             assert tier.load(key, dst) == held
@@ -61,7 +100,9 @@ def test_a_cpu_tier_keeps_every_slot_once_and_gives_back_the_pages_it_holds(capa
                 assert np.array_equal(dst, page_of(key))
         else:
             tier.discard(key)
+            pins.must_hold.discard(key)
             assert key not in tier
+        assert pins.must_hold <= set(tier._index)  # no eviction took a pinned page
         used = [slot for slot, _ in tier._index._entries.values()]
         # Every slot is either free or holds exactly one page: none lost, none shared.
         assert sorted(used + tier._free_slots) == list(range(capacity))
@@ -72,7 +113,9 @@ def test_a_cpu_tier_keeps_every_slot_once_and_gives_back_the_pages_it_holds(capa
 @given(
     capacity=st.integers(1, 4),
     ops=st.lists(
-        st.tuples(st.sampled_from(["store", "discard", "break_disk", "mend_disk"]), KEYS),
+        st.tuples(
+            st.sampled_from(["store", "discard", "break_disk", "mend_disk", "pin", "unpin"]), KEYS
+        ),
         max_size=30,
     ),
 )
@@ -82,12 +125,18 @@ def test_a_disk_tiers_index_and_files_agree_through_stores_evictions_and_failed_
     root = Path(tempfile.mkdtemp())
     try:
         disk = DiskTier(root / "worker-0", capacity * PAGE_BYTES, PAGE_BYTES, block_size=16)
+        pins = PinModel(disk.pins)
         directory = disk.directory  # this run's pages
         for op, key in ops:
-            if op == "store":
+            if pins.apply(op, key, key in disk._index):
+                pass
+            elif op == "store":
                 disk.store(key, fill_with(key))
+                flushed(disk)
+                pins.stored(key, key in disk._index)
             elif op == "discard":
                 disk.discard(key)
+                pins.must_hold.discard(key)
             elif op == "break_disk":
                 flushed(disk)
                 shutil.rmtree(directory, ignore_errors=True)  # every write now fails
@@ -107,6 +156,7 @@ def test_a_disk_tiers_index_and_files_agree_through_stores_evictions_and_failed_
             if directory.exists() and not any(o == "break_disk" for o, _ in ops):
                 assert files == indexed
             assert disk.num_pages() <= capacity
+            assert pins.must_hold <= set(disk._index)  # no eviction took a pinned page
             dst = np.empty(PAGE_BYTES, dtype=np.uint8)
             for block_hash in list(disk._index):
                 if (directory / f"{block_hash.hex()}{PAGE_SUFFIX}").exists():
