@@ -91,6 +91,32 @@ def raised_by_worker_code(error: BaseException) -> TypeGuard[RayTaskError]:
     return isinstance(error, RayTaskError) and not isinstance(error.cause, RayActorError)
 
 
+class LeftRoutingBeforeAnswering(Exception):
+    """The worker left routing (its event poll failed) before its stream's first chunk."""
+
+
+async def first_chunk(
+    stream: AsyncIterator[GenerationChunk], left_routing: asyncio.Event
+) -> GenerationChunk:
+    """The stream's first chunk, or ``LeftRoutingBeforeAnswering`` once ``left_routing`` is
+    set first. Why: Serve queues a call made to a worker that has just died until its
+    replacement runs, and one made to a hung worker for good, so the stream neither answers
+    nor raises; the request waited out the restart (10 to 37 s measured on tiny) while a peer
+    sat idle, or hung. The event poll takes such a worker out of routing within
+    ``worker_timeout_s``; nothing was sent yet, so running the request elsewhere is safe."""
+    next_chunk = asyncio.ensure_future(anext(stream))
+    leaving = asyncio.ensure_future(left_routing.wait())
+    try:
+        done, _ = await asyncio.wait((next_chunk, leaving), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        leaving.cancel()
+        if not next_chunk.done():
+            next_chunk.cancel()
+    if next_chunk not in done:
+        raise LeftRoutingBeforeAnswering("it left routing (its event poll failed) unanswered")
+    return next_chunk.result()
+
+
 class WorkerLost(Exception):
     """A worker's stream broke (its process died or became unreachable)."""
 
@@ -604,11 +630,19 @@ class RequestOrchestrator:
         unreachable) leaves routing until its event poll answers again: ``WorkerLost``."""
         stream = self.workers.stream(worker_id, request)
         answered = finished = False
+        # A worker already out of routing (a role's only one, tried while it restarts) is
+        # waited for; one in routing is given up on if it leaves before answering.
+        left_routing = self.router.left_routing(worker_id)
+        if left_routing is not None and left_routing.is_set():
+            left_routing = None
         self.router.begin(worker_id)
         try:
             while not finished:
                 try:
-                    chunk = await anext(stream)
+                    if answered or left_routing is None:
+                        chunk = await anext(stream)
+                    else:
+                        chunk = await first_chunk(stream, left_routing)
                 except StopAsyncIteration:
                     return
                 except Exception as error:  # noqa: BLE001 — sorted below: worker bug or lost

@@ -29,6 +29,7 @@ Pure Python: no Ray, no engine; the gateway feeds it ``KVEventBatch`` messages.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,7 +51,8 @@ class WorkerIndex:
     """What the router knows of one worker: its instance, event cursor, hashes and load.
 
     ``available`` is False while the worker does not answer (dead, restarting, hung): it
-    is not picked until it answers again.
+    is not picked until it answers again. ``left_routing`` is set meanwhile, for the calls
+    already made to it to stop waiting.
     """
 
     instance_id: str | None = None
@@ -58,6 +60,7 @@ class WorkerIndex:
     held: HeldBlocks = field(default_factory=HeldBlocks)
     load: int = 0
     available: bool = True
+    left_routing: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def prefix_rank(held: HeldBlocks, block_hashes: list[BlockHash]) -> tuple[int, int]:
@@ -142,12 +145,24 @@ class Router:
 
     def set_available(self, worker_id: str, available: bool) -> None:
         """Takes a worker out of routing (it stopped answering) or puts it back."""
-        if worker_id in self._workers:
-            self._workers[worker_id].available = available
+        index = self._workers.get(worker_id)
+        if index is None:
+            return
+        index.available = available
+        if available:
+            index.left_routing.clear()
+        else:
+            index.left_routing.set()
 
     def is_available(self, worker_id: str) -> bool:
         index = self._workers.get(worker_id)
         return index is not None and index.available
+
+    def left_routing(self, worker_id: str) -> asyncio.Event | None:
+        """Set while ``worker_id`` is out of routing; None for a worker the router does not
+        know (removed)."""
+        index = self._workers.get(worker_id)
+        return index.left_routing if index is not None else None
 
     # ------------------------------------------------------------------ load
 

@@ -165,14 +165,20 @@ def _replica_actor(config: PDServeConfig, worker_id: str):
 def kill_worker(config: PDServeConfig, worker_id: str) -> int:
     """SIGKILLs the process of ``worker_id``'s Serve replica (as the OOM killer would);
     returns its pid. Serve notices the dead actor and starts a new replica."""
-    import os
     import signal
+
+    return signal_worker(config, worker_id, signal.SIGKILL)
+
+
+def signal_worker(config: PDServeConfig, worker_id: str, signum: int) -> int:
+    """Sends ``signum`` to the process of ``worker_id``'s Serve replica; returns its pid."""
+    import os
 
     import ray
 
     actor = _replica_actor(config, worker_id)
     pid = ray.get(actor.__ray_call__.remote(lambda _replica: os.getpid()), timeout=30)
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, signum)
     return pid
 
 

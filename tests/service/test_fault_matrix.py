@@ -1,7 +1,8 @@
 """The faults users of P/D systems report most, each bounded, on a 2 + 2 app per transport.
 
 - hangs waiting for KV that never comes (a read delayed past its deadline; the prefill killed
-  right after its hand-off): an error or a recompute within a deadline, never a hang;
+  right after its hand-off), or for a prefill that hangs before answering: an error, a
+  recompute or another worker within a deadline, never a hang;
 - leaks on cancel (before prefill finishes, between prefill and decode, mid-pull,
   mid-decode): every worker's blocks back to baseline, no lease, nothing in flight;
 - a 200 with wrong tokens (a lease that expires, a page that lands corrupted, under load):
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 import urllib.error
 from collections.abc import Callable, Iterator
@@ -47,6 +49,7 @@ from tests.service.service_apps import (
     post_completion,
     run_all,
     running_app,
+    signal_worker,
     slow_steps,
     wait_until_ready,
     wait_until_restarted,
@@ -323,6 +326,36 @@ def test_a_prefill_killed_right_after_its_hand_off_leaves_no_request_hanging(app
         before, DECODES, "num_recompute_fallbacks"
     )
     wait_until_restarted(app, victim, before[victim]["instance_id"], timeout_s=120)
+    _assert_clean(row, app)
+
+
+def test_a_request_sent_to_a_prefill_that_hangs_is_run_on_the_other_one(app, colocated):
+    """A prefill worker hangs (SIGSTOP: a wedged driver, a stuck syscall) holding a prompt's
+    prefix, so the router sends it the next request with that prefix before its event poll
+    notices. Serve holds such a call (made to a dead worker, until its replacement runs:
+    10 to 37 s measured; to a hung one, for good), so it neither answered nor failed: the
+    request hung. Now, once the poll takes the worker out of routing (``worker_timeout_s``),
+    the unanswered request is prefilled on the other worker; the hung one, resumed, holds
+    nothing."""
+    prompt = f"A prefill that hangs: {PREAMBLE}"
+    status, _, primed = post_completion(
+        app, dict(model="tiny", prompt=prompt + "first", max_tokens=2, temperature=0.0)
+    )
+    assert status == 200, primed
+    victim = primed["kv_provenance"]["prefill"]["worker_id"]
+    wait_until_drained(app)  # its KV events are in the router: it alone holds the prefix
+    retries = get_json(app, "/stats")["gateway"]["num_retries"]
+    pid = signal_worker(app, victim, signal.SIGSTOP)
+    try:
+        client = StreamClient(app, prompt + "second", 8, _sampling(0))
+        client.start()
+        run_all([client], CLIENT_DEADLINE_S)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    row = _record(app, "prefill hung before answering", [client], colocated, must_complete=True)
+    (record,) = get_json(app, "/v1/requests?limit=1")["data"]
+    assert record["prefill"]["worker_id"] not in (victim, None), record
+    assert get_json(app, "/stats")["gateway"]["num_retries"] == retries + 1
     _assert_clean(row, app)
 
 
