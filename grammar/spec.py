@@ -44,7 +44,13 @@ class GrammarSpec:
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
             raise GrammarError(f"unknown grammar kind {self.kind!r}; one of {GRAMMAR_KINDS}")
-        size = len(self.source.encode())
+        try:
+            size = len(self.source.encode())
+        except UnicodeEncodeError as error:  # JSON's "\ud800" decodes to a lone surrogate
+            raise GrammarError(
+                f"the {self.kind} holds an unpaired UTF-16 surrogate at character "
+                f"{error.start}; send valid Unicode"
+            ) from None
         if size > MAX_GRAMMAR_SOURCE_BYTES:
             raise GrammarError(
                 f"the {self.kind} is {size} bytes, over the limit of {MAX_GRAMMAR_SOURCE_BYTES}"

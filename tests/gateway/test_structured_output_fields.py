@@ -78,6 +78,13 @@ def test_each_form_becomes_its_grammar_spec(fields, expected):
         ({"guided_regex": "(", "guided_choice": ["a"]}, None, "one structured output at a time"),
         ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
         ({"guided_regex": "a" * (MAX_GRAMMAR_SOURCE_BYTES + 1)}, "guided_regex", "over the limit"),
+        # JSON's "\ud800" as a schema's text: a 500 before (the size check's encode raised).
+        ({"guided_json": "\ud800"}, "guided_json", "unpaired UTF-16 surrogate"),
+        (
+            {"structured_outputs": {"json": '{"type": "string", "pattern": "\ud800"}'}},
+            "structured_outputs.json",
+            "unpaired UTF-16 surrogate",
+        ),
     ],
     ids=[
         "bad-schema",
@@ -90,6 +97,8 @@ def test_each_form_becomes_its_grammar_spec(fields, expected):
         "two",
         "bad-json",
         "huge",
+        "surrogate",
+        "surrogate-in-schema-text",
     ],
 )
 def test_a_bad_structured_output_is_a_400_naming_the_field(fields, param, reason):
