@@ -484,7 +484,8 @@ class LLMEngine:
         tracked = self._tracked.get(request.request_id)
         if tracked is not None:
             detokenizer = tracked.detokenizer
-            stop = detokenizer.update(request.output_token_ids)
+            token_ids = request.output_token_ids
+            stop = detokenizer.update(token_ids[:-1] if request.stopped_on_token else token_ids)
             cut = detokenizer.num_tokens_at_stop
             if stop is not None and cut is not None:
                 # Inside a speculative run, the tokens after the stop string's are not

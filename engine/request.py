@@ -107,6 +107,9 @@ class Request:
         # id or stop string it met, or what its grammar said when no token could continue
         # it (None: EOS, or the grammar completed).
         self.stop_reason: StopReason = None
+        # Its last output token is the EOS or ``stop_token_ids`` token that ended it: that
+        # token's id is output, its text is not (vLLM's rule).
+        self.stopped_on_token = False
         # Set on a prefill worker when the request finished with its blocks leased out.
         self.kv_transfer_params_out: KVTransferParams | None = None
         self.num_cached_tokens = 0
@@ -218,6 +221,7 @@ class Request:
         cut = self.num_output_tokens - num_output_tokens
         if cut <= 0:
             return
+        self.stopped_on_token = False  # it ends on the stop string's token now
         del self.output_token_ids[num_output_tokens:]
         del self.all_token_ids[len(self.all_token_ids) - cut :]
         del self.output_logprobs[num_output_tokens:]

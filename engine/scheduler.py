@@ -492,9 +492,11 @@ class Scheduler:
         params = request.sampling_params
         last = request.output_token_ids[-1]
         if not params.ignore_eos and last in self.eos_token_ids:
+            request.stopped_on_token = True
             return RequestStatus.FINISHED_STOPPED
         if last in params.stop_token_ids:
             request.stop_reason = last
+            request.stopped_on_token = True
             return RequestStatus.FINISHED_STOPPED
         grammar = request.grammar
         if grammar is not None and grammar.finished:  # only EOS could follow

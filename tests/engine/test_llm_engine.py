@@ -145,13 +145,21 @@ def test_stop_token_ids_and_max_tokens(engine: LLMEngine) -> None:
     prompt = random_prompts(5, 1)[0]
     free_run = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0))[0]
     assert free_run.finish_reason in ("length", "stop")
-    stop_at = free_run.output_token_ids[3]
+    # A token past the first whose text shows (tiny's ids over 255 decode to nothing).
+    stop_at = next(
+        token
+        for token in free_run.output_token_ids[1:]
+        if engine.tokenizer.decode([token]) and token != free_run.output_token_ids[0]
+    )
     stopped = engine.generate(
         [prompt], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop_at])
     )[0]
     first = free_run.output_token_ids.index(stop_at)
     assert stopped.output_token_ids == free_run.output_token_ids[: first + 1]
     assert (stopped.finish_reason, stopped.stop_reason) == ("stop", stop_at)  # vLLM's field
+    # The stop token's id is output, its text is not (vLLM's rule; it was, before).
+    before_stop = engine.tokenizer.decode(free_run.output_token_ids[:first])
+    assert stopped.text == before_stop != engine.tokenizer.decode(stopped.output_token_ids)
     if free_run.finish_reason == "length":
         assert free_run.stop_reason is None
 
