@@ -249,7 +249,11 @@ class Scheduler:
             if load_async:
                 blocks = manager.allocate_slots(
                     request,
-                    0,
+                    # The rest of the prompt's room too (an offer has no rest: it ends at its
+                    # load). Why: a load that landed waits again holding its blocks; two that
+                    # each then lacked room for their rest, with nothing running to preempt,
+                    # stalled the engine for good.
+                    0 if request.kv_only else request.num_tokens - num_local - num_external,
                     num_new_computed_tokens=num_local,
                     new_computed_blocks=computed_blocks,
                     num_external_computed_tokens=num_external,
