@@ -164,11 +164,12 @@ class DiskTier(TierLevel):
                     continue
                 while self._index.is_full and self._evict_lru():
                     pass
-                if self._index.is_full:  # every page is pinned for a load: not kept
+                pinned = block_hash in self.pins  # promised while queued: kept, over budget
+                if self._index.is_full and not pinned:  # every page is pinned for a load
                     self.path_of(block_hash).unlink(missing_ok=True)
                     counters.store_failures += 1
                     continue
-                self._index.put(block_hash, checksum)
+                self._index.put(block_hash, checksum, over_capacity=pinned)
                 self._stored_event(block_hash)
                 counters.record_store(self.page_bytes, time.perf_counter() - started)
 

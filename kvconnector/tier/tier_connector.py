@@ -153,9 +153,13 @@ class TierConnector(KVConnectorBase):
         first = num_computed_tokens // self._block_size
         last = (request.num_tokens - 1) // self._block_size
         store = self._store
+        looked_up: list[BlockHashWithGroupId] = []
 
         def held(position: int, group: int) -> bool:
+            # Pinned before it is looked up: the disk writer cannot evict it in between.
             key = make_block_hash_with_group_id(request.block_hashes[position], group)
+            store.pins.pin([key])
+            looked_up.append(key)
             return store.level_holding(key) is not None
 
         full = [g for g, window in enumerate(self._windows) if window is None]
@@ -173,6 +177,7 @@ class TierConnector(KVConnectorBase):
             end -= 1
         # Kept until the allocation that follows (it offloads into the tier) has run.
         self._pin_for_admission(request.request_id, self._hit_keys(request, first, end))
+        store.pins.unpin(looked_up)
         num_tokens = (end - first) * self._block_size
         return num_tokens, num_tokens > 0
 
@@ -216,8 +221,8 @@ class TierConnector(KVConnectorBase):
                     level.record_hit()
                 keys.append(key)
                 ids.append(table[position])
-        self._pin_for_admission(request.request_id, [])  # the load's pins take over:
-        self._store.pins.pin(keys)  # unpinned as it ends
+        self._store.pins.pin(keys)  # the load's pins, unpinned as it ends, take over
+        self._pin_for_admission(request.request_id, [])  # from the lookup's
         self._pending.append(TierLoad(request.request_id, keys, ids, num_external_tokens))
 
     def build_connector_meta(self) -> TierConnectorMetadata:

@@ -95,11 +95,13 @@ class TierLRU(Generic[V]):
             self._entries.move_to_end(block_hash)
         return value
 
-    def put(self, block_hash: BlockHash, value: V) -> None:
-        """Adds a new entry as most recently used; the caller makes room first (``pop_lru``)."""
+    def put(self, block_hash: BlockHash, value: V, over_capacity: bool = False) -> None:
+        """Adds a new entry as most recently used; the caller makes room first (``pop_lru``).
+        ``over_capacity``: a pinned page a load was promised, kept though every entry is
+        pinned too (the tier is over its budget by pinned pages until they are unpinned)."""
         if block_hash in self._entries:
             raise KeyError(f"block {block_hash.hex()} is in the tier already")
-        if self.is_full:
+        if self.is_full and not over_capacity:
             raise OverflowError(f"the tier is full ({self.capacity} pages); pop_lru first")
         self._entries[block_hash] = value
 

@@ -126,11 +126,13 @@ def test_a_disk_tiers_index_and_files_agree_through_stores_evictions_and_failed_
     try:
         disk = DiskTier(root / "worker-0", capacity * PAGE_BYTES, PAGE_BYTES, block_size=16)
         pins = PinModel(disk.pins)
+        over_budget = 0  # pinned pages kept though every page was pinned (at most)
         directory = disk.directory  # this run's pages
         for op, key in ops:
             if pins.apply(op, key, key in disk._index):
                 pass
             elif op == "store":
+                over_budget += key in pins.pins and len(disk._index) >= capacity
                 disk.store(key, fill_with(key))
                 flushed(disk)
                 pins.stored(key, key in disk._index)
@@ -155,7 +157,7 @@ def test_a_disk_tiers_index_and_files_agree_through_stores_evictions_and_failed_
             assert files <= indexed
             if directory.exists() and not any(o == "break_disk" for o, _ in ops):
                 assert files == indexed
-            assert disk.num_pages() <= capacity
+            assert disk.num_pages() <= capacity + over_budget
             assert pins.must_hold <= set(disk._index)  # no eviction took a pinned page
             dst = np.empty(PAGE_BYTES, dtype=np.uint8)
             for block_hash in list(disk._index):
@@ -204,3 +206,30 @@ def test_the_router_ranks_a_pool_hit_above_an_equally_long_tier_hit():
     router.apply(KVEventBatch("pool", "i1", 1, 2, [BlockRemoved(hashes[1:], 0)]))
     assert router.pick_prefill(hashes).worker_id == "tier"
     assert router.pick_prefill(hashes).num_matched_blocks == 3
+
+
+def test_a_page_promised_while_queued_for_the_disk_is_kept_when_every_page_is_pinned(tmp_path):
+    """A lookup finds page B still queued for the writer (held) and pins it, with A, the
+    disk's one indexed page, pinned too. The writer used to drop B once written (no page to
+    evict), so the promised load found nothing; a pinned page is now kept over the budget.
+    The writer waits on an event here: a stand-in for a slow disk."""
+    disk = DiskTier(tmp_path / "worker-0", PAGE_BYTES, PAGE_BYTES, block_size=16)
+    a, b = b"A" * 16, b"B" * 16
+    disk.store(a, fill_with(a))
+    flushed(disk)
+    slow_disk = threading.Event()
+    write_file = disk._write_file
+    disk._write_file = lambda block_hash, page: slow_disk.wait() and write_file(block_hash, page)
+    disk.store(b, fill_with(b))
+    assert a in disk and b in disk  # what an admission's lookup finds, then pins
+    disk.pins.pin([a, b])
+    slow_disk.set()
+    flushed(disk)
+    dst = np.empty(PAGE_BYTES, dtype=np.uint8)
+    assert disk.load(b, dst) and np.array_equal(dst, page_of(b))
+    assert disk.load(a, dst) and disk.counters.store_failures == 0
+    disk.pins.unpin([a, b])
+    disk.store(b"C" * 16, fill_with(b"C" * 16))  # unpinned: the next store trims the excess
+    flushed(disk)
+    assert disk.num_pages() == 1
+    disk.close()
