@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +52,8 @@ if TYPE_CHECKING:
 
 # While a pull is in flight and nothing else can run, wait this long for it per step.
 _IDLE_WAIT_S = 0.005
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -110,7 +113,10 @@ class LLMEngine:
         try:
             self._build_around_runner(config, kv_cache_config, draft)
         except BaseException:  # the ranks started above, and whatever the connector started
-            self.shutdown()  # as it registered the pages, would outlive a failed engine
+            try:  # as it registered the pages, would outlive a failed engine
+                self.shutdown()
+            except Exception:  # the caller gets the error that failed the engine
+                logger.exception("stopping the parts of an engine that failed to start failed")
             raise
 
     def _build_around_runner(

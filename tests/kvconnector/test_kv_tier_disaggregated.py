@@ -95,3 +95,20 @@ def test_an_engine_that_fails_as_its_connector_registers_leaves_no_tier_behind(t
     assert tier.store is not None  # it had registered: a run directory and a writer
     assert not (tmp_path / "d-0").exists()
     assert not {t for t in set(threading.enumerate()) - threads_before if t.is_alive()}
+
+
+def test_a_failed_engine_whose_connector_also_fails_to_stop_reports_why_it_failed(monkeypatch):
+    """The stop's error is logged; the caller gets the error that failed the engine."""
+    pd = PDConnector(
+        KVConnectorConfig(role="consumer"),
+        engine_id="decode-0",
+        hash_algorithm="xxh3_128",
+        hash_seed="not-an-integer",
+    )
+
+    def fail() -> None:  # stands in for a connector whose stop raises
+        raise RuntimeError("the connector failed to stop")
+
+    monkeypatch.setattr(pd, "shutdown", fail)
+    with pytest.raises(ValueError, match="integer hash_seed"):
+        LLMEngine.from_pretrained("tiny", connector=pd, **DECODE_KWARGS)
