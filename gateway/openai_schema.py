@@ -240,6 +240,8 @@ class ParsedCompletion:
     echo: bool = False  # completions: the reply repeats the prompt first
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
     parse_tool_calls: bool = False  # chat with tools: the reply's <tool_call> blocks are calls
+    # No max_tokens (chat) or a null one: the rest of max_model_len, as vLLM (set at prepare).
+    max_tokens_to_context: bool = False
 
 
 def validate_request(
@@ -287,6 +289,7 @@ def parse_completion(body: Any) -> ParsedCompletion:
         include_usage=request.include_usage,
         n=request.n,
         return_tokens_as_token_ids=request.return_tokens_as_token_ids,
+        max_tokens_to_context=request.max_tokens is None,
     )
 
 

@@ -248,14 +248,23 @@ class RequestOrchestrator:
                 f"max_model_len of {max_len}; shorten it",
                 param="prompt",
             )
-        if len(token_ids) + parsed.params.max_tokens > max_len:
+        params = parsed.params
+        if parsed.max_tokens_to_context:
+            if len(token_ids) == max_len:
+                raise APIError(
+                    400,
+                    f"the prompt's {len(token_ids)} tokens fill this model's max_model_len: "
+                    "no room is left for an output; shorten it",
+                    param="prompt",
+                )
+            params = dataclasses.replace(params, max_tokens=max_len - len(token_ids))
+        if len(token_ids) + params.max_tokens > max_len:
             raise APIError(
                 400,
                 f"prompt ({len(token_ids)} tokens) plus max_tokens "
-                f"({parsed.params.max_tokens}) exceeds max_model_len ({max_len})",
+                f"({params.max_tokens}) exceeds max_model_len ({max_len})",
                 param="max_tokens",
             )
-        params = parsed.params
         if params.seed is None:  # both sides must sample with the same seed
             params = dataclasses.replace(params, seed=self.seed_rng.getrandbits(63))
         return token_ids, params

@@ -250,3 +250,50 @@ def test_a_conversation_past_the_context_length_is_a_400_and_the_service_still_s
     )
     assert ok.choices[0].finish_reason in ("length", "stop")
     assert all(is_drained(w) for w in wait_until_drained(service))
+
+
+def test_without_max_tokens_a_reply_may_run_to_the_end_of_the_context(service, colocated):
+    """vLLM's rule, and OpenAI's for chat: no ``max_tokens`` (chat), or a null one, leaves the
+    reply the rest of ``max_model_len``; a chat reply used to stop at 16 tokens. The prompt
+    fills all but ``room`` positions, so the rest is short; a prompt that fills them all has
+    no room for an output: a 400."""
+    tokenizer, room = colocated.tokenizer, 24
+
+    def conversation(num_chars: int) -> tuple[list[dict], list[int]]:
+        messages = [{"role": "user", "content": "a" * num_chars}]
+        rendered = tokenizer.chat_template.render(messages)
+        return messages, tokenizer.encode(rendered, add_special_tokens=False)
+
+    overhead = len(conversation(0)[1])
+    messages, prompt_ids = conversation(colocated.max_model_len - room - overhead)
+    assert len(prompt_ids) == colocated.max_model_len - room
+    greedy = SamplingParams(max_tokens=room, temperature=0.0, ignore_eos=True)
+    (reference,) = colocated.generate([prompt_ids], greedy)
+    reply = openai_client(service).chat.completions.create(
+        model="tiny", messages=messages, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert reply.usage.completion_tokens == room == len(reference.output_token_ids)
+    assert reply.choices[0].message.content == reference.text
+    assert reply.choices[0].finish_reason == "length"
+    completion = httpx.post(
+        base_url(service) + "/v1/completions",
+        timeout=60,
+        json={
+            "model": "tiny",
+            "prompt": prompt_ids,
+            "max_tokens": None,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    ).json()
+    assert completion["usage"]["completion_tokens"] == room
+    assert completion["choices"][0]["text"] == reference.text
+    full, _ = conversation(colocated.max_model_len - overhead)
+    refused = httpx.post(
+        base_url(service) + "/v1/chat/completions",
+        timeout=60,
+        json={"model": "tiny", "messages": full},
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt"
+    assert "no room" in refused.json()["error"]["message"]
+    assert all(is_drained(w) for w in wait_until_drained(service))
