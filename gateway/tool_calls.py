@@ -96,14 +96,35 @@ class HermesToolParser:
 
     def finish(self) -> ParsedDelta:
         """The end of the reply: held-back text that turned out to be plain content (as is
-        an unclosed block whose name never came)."""
+        an unclosed block whose name never came; and, in a reply with no call, its trailing
+        whitespace, kept as written)."""
         delta = ParsedDelta()
         if self._block_start is None:
             self._emit_content(delta, self._text[self._position :])
         elif not self._in_call:
             self._emit_content(delta, self._text[self._block_start - len(TOOL_CALL_OPEN) :])
+        if not self._calls:
+            delta.content += self._held_space
+            self._held_space = ""
         self._position = len(self._text)
         return delta
+
+    @property
+    def in_unfinished_call(self) -> bool:
+        """The open block's call has arguments JSON cannot read whole yet; after ``finish``,
+        the reply ended inside them (the model stopped, or was stopped, before they were
+        whole): no call a client can run."""
+        return (
+            self._block_start is not None and self._in_call and not self._calls[-1].arguments_done
+        )
+
+    @property
+    def open_block_text(self) -> str:
+        """The open block's text from its ``<tool_call>`` tag, with the whitespace held
+        before it ("" outside a block)."""
+        if self._block_start is None:
+            return ""
+        return self._held_space + self._text[self._block_start - len(TOOL_CALL_OPEN) :]
 
     @property
     def _in_call(self) -> bool:
@@ -188,15 +209,23 @@ def _partial_tag(text: str) -> int:
     return 0
 
 
-def parse_whole(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """A whole reply's content and its calls in OpenAI's ``message.tool_calls`` shape: the
-    streaming parser fed everything at once, so it equals what a stream carried."""
+def parse_whole(text: str) -> tuple[str, list[dict[str, Any]], bool]:
+    """A whole reply's content, its calls in OpenAI's ``message.tool_calls`` shape, and
+    whether it ended inside a call's arguments: the streaming parser fed everything at once,
+    so it equals what a stream carried, except such a last call, which is content here (as
+    vLLM returns a call it cannot parse; a stream had sent its deltas already)."""
     parser = HermesToolParser()
     parts = [parser.feed(text), parser.finish()]
+    content = "".join(part.content for part in parts)
+    unfinished = parser.in_unfinished_call
+    if unfinished:
+        content += parser.open_block_text
     calls: list[dict[str, Any]] = []
     for delta in (d for part in parts for d in part.tool_calls):
+        if unfinished and delta.index == parser.num_calls - 1:
+            continue
         if delta.id is not None:  # a message's call has no index (a stream's delta has)
             calls.append({k: v for k, v in delta.openai().items() if k != "index"})
         else:
             calls[delta.index]["function"]["arguments"] += delta.arguments
-    return "".join(part.content for part in parts), calls
+    return content, calls, unfinished

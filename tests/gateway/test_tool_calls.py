@@ -168,13 +168,36 @@ REPLIES = [
     '<tool_call>{"name": "n", "arguments": 1.5e3}</tool_call><tool_call>{"name": "t", "arguments": true}</tool_call>',
     # A name JSON cannot read (a Markdown-escaped underscore): the block is content.
     '<tool_call>\n{"name": "get\\_weather", "arguments": {}}\n</tool_call> after',
+    # The reply ends inside a call's arguments: no call a client can run.
+    'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
+    # Content alone keeps its trailing whitespace (it was dropped).
+    "text with trailing space   \n",
 ]
 
 
 def test_numbers_as_arguments_are_whole_and_an_unreadable_name_leaves_the_block_as_text():
     assert [c["function"]["arguments"] for c in parse_whole(REPLIES[4])[1]] == ["12"]
     assert [c["function"]["arguments"] for c in parse_whole(REPLIES[5])[1]] == ["1.5e3", "true"]
-    assert parse_whole(REPLIES[6]) == (REPLIES[6], [])
+    assert parse_whole(REPLIES[6]) == (REPLIES[6], [], False)
+
+
+def test_a_reply_that_ends_inside_a_calls_arguments_is_content_and_no_tool_calls_finish():
+    """It was a call with arguments JSON cannot read, finishing with "tool_calls"."""
+    assert parse_whole(REPLIES[7]) == (REPLIES[7], [], True)
+    chat = ChatFormat("id", "tiny", parse_tool_calls=True)
+    whole = chat.response([(REPLIES[7], "stop", None, ((), ()))], {})["choices"][0]
+    assert whole["finish_reason"] == "stop" and "tool_calls" not in whole["message"]
+    assert whole["message"]["content"] == REPLIES[7]
+    streamed = chat.chunk(REPLIES[7], "stop")["choices"][0]
+    assert streamed["finish_reason"] == "stop"  # its deltas went out: the client is told
+    # Unclosed, but its arguments are whole (max_tokens cut the closing tag): a call.
+    content, calls, unfinished = parse_whole(REPLIES[3])
+    assert (content, unfinished) == ("", False)
+    assert [c["function"]["arguments"] for c in calls] == ['{"a": "}"}']
+
+
+def test_content_alone_keeps_its_trailing_whitespace():
+    assert parse_whole(REPLIES[8]) == (REPLIES[8], [], False)
 
 
 @settings(max_examples=60, deadline=None)
@@ -190,7 +213,10 @@ def test_streamed_content_and_calls_equal_the_whole_reply_however_the_text_is_cu
             if call.id is not None:
                 calls.append({"id": call.id, "name": call.name, "arguments": ""})
             calls[call.index]["arguments"] += call.arguments
-    whole_content, whole_calls = parse_whole(text)
+    whole_content, whole_calls, unfinished = parse_whole(text)
+    if unfinished:  # a whole reply gives it as content; a stream had sent its deltas
+        whole_content = whole_content.removesuffix(parser.open_block_text)
+        calls = calls[:-1]
     assert content == whole_content
     assert [(c["name"], c["arguments"]) for c in calls] == [
         (c["function"]["name"], c["function"]["arguments"]) for c in whole_calls
