@@ -89,8 +89,11 @@ class StreamEmitter:
                 f"tokens {self.stream_tokens[checked:overlap]} at {checked}.. where "
                 f"{self.sent_token_ids[checked:overlap]} were sent"
             )
-        if chunk.num_cached_tokens:
-            self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
+        if chunk.new_token_ids and not self.sent_tokens:
+            # The stream that brings the first token computed the prompt: its prefix hit is
+            # the request's (a decode worker's own hit saved a pull, not the prompt's compute;
+            # taking the larger one counted a prompt-logprobs request's as cached).
+            self.num_cached_tokens = chunk.num_cached_tokens
         finished = chunk.finished and final
         new_tokens = self.stream_tokens[self.sent_tokens :]
         new_logprobs = self.stream_logprobs[self.sent_tokens :]

@@ -77,3 +77,32 @@ def test_a_replay_that_differs_anywhere_in_the_sent_part_is_refused(tokens, wron
     with pytest.raises(ReplayDiverged):
         for part in split(replay, replay_cuts):
             merged.update(chunk(part), final=True)
+
+
+def test_cached_tokens_are_the_prefix_hit_of_the_stream_that_brought_the_first_token():
+    """A prefill that computed the whole prompt (prompt logprobs: no cached KV used) then a
+    decode worker whose own pool held most of it: the request's cached tokens are the
+    prefill's 0, not the decode's 1248 (the larger one was taken)."""
+    merged = emitter()
+    first = GenerationChunk(
+        request_id="r",
+        new_token_ids=[5],
+        text_delta="f",
+        num_output_tokens=1,
+        finished=True,
+        finish_reason="length",
+    )
+    merged.update(first, final=False)  # the prefill's first token, handed off
+    merged.restart_stream()
+    rest = GenerationChunk(
+        request_id="r",
+        new_token_ids=[5, 6, 7],
+        text_delta="fgh",
+        num_output_tokens=3,
+        finished=True,
+        finish_reason="length",
+        num_cached_tokens=1248,
+    )
+    delta = merged.update(rest, final=True)
+    assert delta is not None and delta.token_ids == [6, 7]
+    assert merged.num_cached_tokens == 0
