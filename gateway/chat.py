@@ -47,6 +47,8 @@ _UNSUPPORTED_CHAT_FIELDS: dict[str, Any] = {
     "audio": None,
     "modalities": None,
     "prediction": None,
+    "echo": False,  # vLLM's: the reply would begin with the last message
+    "best_of": 1,
     **UNSUPPORTED_VLLM_FIELDS,
 }
 

@@ -26,6 +26,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pdserve.tokenizer.tool_prompt import fold_tools
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# OpenAI's newer name for the system role: templates know only "system", so it renders so.
+_ROLE_ALIASES = {"developer": "system"}
 
 
 class _GenerationTags(jinja2.ext.Extension):
@@ -108,9 +110,11 @@ def validate_messages(messages: object) -> list[dict[str, Any]]:
         if not isinstance(message, Mapping):
             raise ValueError(f"messages[{index}] must be an object with 'role' and 'content'")
         role = message.get("role")
+        role = _ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in CHAT_ROLES:
             raise ValueError(
-                f"messages[{index}].role is {role!r}; expected one of {', '.join(CHAT_ROLES)}"
+                f"messages[{index}].role is {message.get('role')!r}; expected one of "
+                f"{', '.join((*CHAT_ROLES, *_ROLE_ALIASES))}"
             )
         calls = message.get("tool_calls") if role == "assistant" else None
         checked_calls = None if calls is None else _tool_calls(calls, index)

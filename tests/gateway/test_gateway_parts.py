@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 
 from pdserve.cache import BlockRemoved, BlockStored
+from pdserve.gateway.chat import parse_chat
 from pdserve.gateway.openai_schema import APIError, parse_completion
 from pdserve.gateway.router import Router
 from pdserve.tokenizer.detokenizer import stop_safe_length
+from pdserve.tokenizer.tokenizer import ByteTokenizer
 from pdserve.worker.kv_event_log import KVEventLog
 
 
@@ -71,3 +73,14 @@ def test_vllms_stop_token_ids_and_top_k_minus_one_are_served():
     with pytest.raises(APIError) as refused:
         parse_completion({"model": "m", "prompt": "hi", "stop_token_ids": [-1]})
     assert refused.value.param == "stop_token_ids"
+
+
+@pytest.mark.parametrize("field, value", [("echo", True), ("best_of", 2)])
+def test_chat_refuses_fields_that_would_change_its_reply(field, value):
+    """vLLM's chat ``echo`` begins the reply with the last message; both were ignored."""
+    messages = [{"role": "user", "content": "hi"}]
+    body = {"model": "m", "messages": messages, field: value}
+    with pytest.raises(APIError) as refused:
+        parse_chat(body, ByteTokenizer())
+    assert refused.value.status == 400 and refused.value.param == field
+    parse_chat({**body, field: {"echo": False, "best_of": 1}[field]}, ByteTokenizer())

@@ -31,7 +31,8 @@ def test_chatml_render_with_text_parts_and_generation_prompt():
         (["hello"], r"messages\[0\] must be an object"),
         (
             [{"role": "wizard", "content": "hi"}],
-            r"messages\[0\].role is 'wizard'; expected one of system, user, assistant, tool",
+            r"messages\[0\].role is 'wizard'; expected one of system, user, assistant, tool, "
+            "developer",
         ),
         ([{"role": "user"}], r"messages\[0\].content must be a string"),
         (
@@ -47,6 +48,13 @@ def test_chatml_render_with_text_parts_and_generation_prompt():
 def test_bad_messages_are_clear_value_errors(messages, message):
     with pytest.raises(ValueError, match=message):
         CHATML.render(messages)
+
+
+def test_a_developer_message_renders_as_the_system_message():
+    """OpenAI's newer clients send "developer" for the system role (it was a 400)."""
+    developer = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert CHATML.render(developer) == CHATML.render(system)
 
 
 def test_template_raise_exception_becomes_a_value_error():
