@@ -87,7 +87,9 @@ class StructuredOutputFields(BaseModel):
         asked = [(param, spec) for param, spec in self._asked() if spec is not None]
         if len(asked) > 1:
             names = ", ".join(param for param, _ in asked)
-            raise StructuredOutputError(f"ask for one structured output at a time, got {names}")
+            raise StructuredOutputError(
+                f"ask for one structured output at a time, got {names}", asked[1][0]
+            )
         if not asked:
             return None
         param, spec = asked[0]

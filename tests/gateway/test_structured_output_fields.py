@@ -75,7 +75,11 @@ def test_each_form_becomes_its_grammar_spec(fields, expected):
         ({"structured_outputs": {"choice": []}}, "structured_outputs", "at least 1"),
         ({"structured_outputs": {"grammar": "start: nope"}}, "structured_outputs.grammar", "nope"),
         ({"structured_outputs": {"pattern": "x"}}, "structured_outputs", "pattern"),
-        ({"guided_regex": "(", "guided_choice": ["a"]}, None, "one structured output at a time"),
+        (
+            {"guided_regex": "(", "guided_choice": ["a"]},
+            "guided_choice",  # the second: the one to drop
+            "one structured output at a time",
+        ),
         ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
         ({"guided_regex": "a" * (MAX_GRAMMAR_SOURCE_BYTES + 1)}, "guided_regex", "over the limit"),
         # JSON's "\ud800" as a schema's text: a 500 before (the size check's encode raised).
