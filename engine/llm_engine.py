@@ -274,7 +274,7 @@ class LLMEngine:
             if params.logprobs is not None:  # its logprob is the prefill worker's to report
                 request.output_logprobs.append(None)
             status = self.scheduler.check_stop(request)
-            stop = tracked.detokenizer.update(request.output_token_ids)
+            stop = tracked.detokenizer.update(request.text_token_ids)
             if stop is not None:
                 request.stop_reason, status = stop, RequestStatus.FINISHED_STOPPED
             if status is not None:
@@ -490,8 +490,7 @@ class LLMEngine:
         tracked = self._tracked.get(request.request_id)
         if tracked is not None:
             detokenizer = tracked.detokenizer
-            token_ids = request.output_token_ids
-            stop = detokenizer.update(token_ids[:-1] if request.stopped_on_token else token_ids)
+            stop = detokenizer.update(request.text_token_ids)
             cut = detokenizer.num_tokens_at_stop
             if stop is not None and cut is not None:
                 # Inside a speculative run, the tokens after the stop string's are not

@@ -214,6 +214,11 @@ class Request:
             self.grammar.accept(token_id)
         self._update_block_hashes()
 
+    @property
+    def text_token_ids(self) -> list[int]:
+        """The output tokens whose text is output: all but the stop token that ended it."""
+        return self.output_token_ids[:-1] if self.stopped_on_token else self.output_token_ids
+
     def truncate_output(self, num_output_tokens: int) -> None:
         """Drops the output tokens after the first ``num_output_tokens`` (a stop string
         found inside a speculative step's run: the tokens after it were never output).

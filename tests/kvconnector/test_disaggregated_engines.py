@@ -225,6 +225,29 @@ def test_a_first_token_that_completes_a_stop_string_ends_there_and_holds_no_leas
     prefill.wait_until_idle()
 
 
+def test_a_first_token_that_is_a_stop_token_for_decode_ends_it_on_arrival_without_its_text(
+    prefill_factory,
+) -> None:
+    """The decode side's params stop on the token the prefill sampled first: the request
+    ends as it arrives, with the token's id and not its text (vLLM's rule for stop tokens;
+    its text was output on this path), and the lease is released unread."""
+    prefill = prefill_factory(transport="grpc")
+    decode = make_decode_engine("grpc")
+    try:
+        prompt = [(7 * i + 6) % 256 for i in range(40)]
+        first = prefill.prefill("s0", prompt, SamplingParams(max_tokens=1, temperature=0.0))
+        (first_token,) = first.output_token_ids
+        assert first_token < 256  # a byte: its text shows
+        stopping = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[first_token])
+        decode.add_request("s0", prompt, stopping, kv_transfer_params=first.kv_transfer_params)
+        (output,) = [o for o in decode.step() if o.finished]
+        assert (output.output_token_ids, output.text) == ([first_token], "")
+        assert (output.finish_reason, output.stop_reason) == ("stop", first_token)
+        prefill.wait_until_idle()  # the lease was released: nothing is held there
+    finally:
+        decode.shutdown()
+
+
 def test_a_peer_of_the_same_config_with_other_weights_is_refused(prefill_factory, tmp_path):
     """A fine-tune beside its base, or a rolling update to new weights: one config.json,
     pages of one shape, K/V that mean different things (the reviewer's repro decoded the
