@@ -183,7 +183,7 @@ class ChatFormat:
                     parsed.content + end.content, parsed.tool_calls + end.tool_calls
                 )
                 finish_reason = _tool_finish_reason(
-                    finish_reason, parser.num_calls, parser.in_unfinished_call
+                    finish_reason, parser.num_calls, parser.calls_readable
                 )
             delta = {"content": parsed.content} if parsed.content else {}
             if parsed.tool_calls:
@@ -211,11 +211,11 @@ class ChatFormat:
         for i, (text, reason, stop_reason, tokens) in enumerate(choices):
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if self.parse_tool_calls:
-                content, calls, unfinished = parse_whole(text)
+                content, calls, readable = parse_whole(text)
                 message["content"] = content or None
                 if calls:
                     message["tool_calls"] = calls
-                reason = _tool_finish_reason(reason, len(calls), unfinished)
+                reason = _tool_finish_reason(reason, len(calls), readable)
             rendered.append(
                 {
                     "index": i,
@@ -228,7 +228,7 @@ class ChatFormat:
         return envelope(self, "chat.completion", rendered, usage=usage_body)
 
 
-def _tool_finish_reason(reason: str | None, num_calls: int, unfinished: bool) -> str | None:
+def _tool_finish_reason(reason: str | None, num_calls: int, readable: bool) -> str | None:
     """A reply that called a tool and stopped finishes with "tool_calls" (OpenAI's), unless
-    it ended inside a call's arguments: a client would then run a call it cannot read."""
-    return "tool_calls" if num_calls and reason == "stop" and not unfinished else reason
+    a call's arguments were unreadable (cut off, malformed): a client would run it."""
+    return "tool_calls" if num_calls and reason == "stop" and readable else reason

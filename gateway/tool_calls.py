@@ -82,6 +82,7 @@ class HermesToolParser:
         self._held_space = ""  # whitespace not yet known to be followed by content
         self._calls: list[_Call] = []
         self._num_closed_calls = 0
+        self._unreadable = False  # a call ended with arguments JSON cannot read
 
     @property
     def num_calls(self) -> int:
@@ -103,6 +104,8 @@ class HermesToolParser:
             self._emit_content(delta, self._text[self._position :])
         elif not self._in_call:
             self._emit_content(delta, self._text[self._block_start - len(TOOL_CALL_OPEN) :])
+        elif not self._calls[-1].arguments_done:  # the reply ended inside its arguments
+            self._unreadable = True
         if not self._calls:
             delta.content += self._held_space
             self._held_space = ""
@@ -110,21 +113,11 @@ class HermesToolParser:
         return delta
 
     @property
-    def in_unfinished_call(self) -> bool:
-        """The open block's call has arguments JSON cannot read whole yet; after ``finish``,
-        the reply ended inside them (the model stopped, or was stopped, before they were
-        whole): no call a client can run."""
-        return (
-            self._block_start is not None and self._in_call and not self._calls[-1].arguments_done
-        )
-
-    @property
-    def open_block_text(self) -> str:
-        """The open block's text from its ``<tool_call>`` tag, with the whitespace held
-        before it ("" outside a block)."""
-        if self._block_start is None:
-            return ""
-        return self._held_space + self._text[self._block_start - len(TOOL_CALL_OPEN) :]
+    def calls_readable(self) -> bool:
+        """After ``finish``: every call's arguments were read whole. A call cut off (the
+        model stopped, or was stopped, inside its arguments) or malformed is none a client
+        can run."""
+        return not self._unreadable
 
     @property
     def _in_call(self) -> bool:
@@ -156,6 +149,8 @@ class HermesToolParser:
             self._emit_content(
                 delta, self._text[self._block_start - len(TOOL_CALL_OPEN) : block_end]
             )
+        elif not self._calls[-1].arguments_done:
+            self._unreadable = True
         self._num_closed_calls = len(self._calls)
         self._position, self._block_start = block_end, None
         return True
@@ -176,8 +171,12 @@ class HermesToolParser:
         if call.arguments_done:
             return
         start = named.end()
-        # Not whole yet (JSON cannot read it): every character so far is its text.
-        arguments = body[start:].rstrip() if closed else body[start:]
+        # Not whole yet (JSON cannot read it): its text so far, less what the next piece may
+        # take back (trailing whitespace, a tail that may begin the closing tag).
+        arguments = body[start:]
+        if not closed:
+            arguments = arguments[: len(arguments) - _partial_tag(arguments, TOOL_CALL_CLOSE)]
+        arguments = arguments.rstrip()
         with contextlib.suppress(json.JSONDecodeError):
             value, end = _DECODER.raw_decode(body, start)
             # A number is whole once what follows it cannot go on with it ("1" of "12",
@@ -201,31 +200,27 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _partial_tag(text: str) -> int:
-    """How many trailing characters of ``text`` could begin ``<tool_call>``."""
-    for size in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1):
-        if TOOL_CALL_OPEN.startswith(text[-size:]):
+def _partial_tag(text: str, tag: str = TOOL_CALL_OPEN) -> int:
+    """How many trailing characters of ``text`` could begin ``tag``."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
             return size
     return 0
 
 
 def parse_whole(text: str) -> tuple[str, list[dict[str, Any]], bool]:
     """A whole reply's content, its calls in OpenAI's ``message.tool_calls`` shape, and
-    whether it ended inside a call's arguments: the streaming parser fed everything at once,
-    so it equals what a stream carried, except such a last call, which is content here (as
-    vLLM returns a call it cannot parse; a stream had sent its deltas already)."""
+    whether every call was readable: the streaming parser fed everything at once, so it
+    equals what a stream carried. A reply with a call JSON cannot read (cut off, malformed)
+    is all content and no call, as vLLM returns it (a stream had sent that call's deltas)."""
     parser = HermesToolParser()
     parts = [parser.feed(text), parser.finish()]
-    content = "".join(part.content for part in parts)
-    unfinished = parser.in_unfinished_call
-    if unfinished:
-        content += parser.open_block_text
+    if not parser.calls_readable:
+        return text, [], False
     calls: list[dict[str, Any]] = []
     for delta in (d for part in parts for d in part.tool_calls):
-        if unfinished and delta.index == parser.num_calls - 1:
-            continue
         if delta.id is not None:  # a message's call has no index (a stream's delta has)
             calls.append({k: v for k, v in delta.openai().items() if k != "index"})
         else:
             calls[delta.index]["function"]["arguments"] += delta.arguments
-    return content, calls, unfinished
+    return "".join(part.content for part in parts), calls, True

@@ -172,32 +172,41 @@ REPLIES = [
     'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
     # Content alone keeps its trailing whitespace (it was dropped).
     "text with trailing space   \n",
+    # Closed, but its arguments are no JSON: no call a client can run either.
+    '<tool_call>\n{"name": "f", "arguments": {"a": 1 \n</tool_call>',
+    # A closing tag inside a string ends the block there.
+    '<tool_call>{"name": "f", "arguments": {"a": "x</tool_call>y"}}</tool_call>',
 ]
 
 
 def test_numbers_as_arguments_are_whole_and_an_unreadable_name_leaves_the_block_as_text():
     assert [c["function"]["arguments"] for c in parse_whole(REPLIES[4])[1]] == ["12"]
     assert [c["function"]["arguments"] for c in parse_whole(REPLIES[5])[1]] == ["1.5e3", "true"]
-    assert parse_whole(REPLIES[6]) == (REPLIES[6], [], False)
+    assert parse_whole(REPLIES[6]) == (REPLIES[6], [], True)
 
 
-def test_a_reply_that_ends_inside_a_calls_arguments_is_content_and_no_tool_calls_finish():
-    """It was a call with arguments JSON cannot read, finishing with "tool_calls"."""
-    assert parse_whole(REPLIES[7]) == (REPLIES[7], [], True)
+@pytest.mark.parametrize("reply", [REPLIES[7], REPLIES[9]], ids=["cut-off", "malformed"])
+def test_a_reply_with_a_call_json_cannot_read_is_content_and_no_tool_calls_finish(reply):
+    """It was a call with arguments JSON cannot read, finishing with "tool_calls"; whole, the
+    reply is content, as vLLM returns it."""
+    assert parse_whole(reply) == (reply, [], False)
     chat = ChatFormat("id", "tiny", parse_tool_calls=True)
-    whole = chat.response([(REPLIES[7], "stop", None, ((), ()))], {})["choices"][0]
+    whole = chat.response([(reply, "stop", None, ((), ()))], {})["choices"][0]
     assert whole["finish_reason"] == "stop" and "tool_calls" not in whole["message"]
-    assert whole["message"]["content"] == REPLIES[7]
-    streamed = chat.chunk(REPLIES[7], "stop")["choices"][0]
+    assert whole["message"]["content"] == reply
+    streamed = chat.chunk(reply, "stop")["choices"][0]
     assert streamed["finish_reason"] == "stop"  # its deltas went out: the client is told
-    # Unclosed, but its arguments are whole (max_tokens cut the closing tag): a call.
-    content, calls, unfinished = parse_whole(REPLIES[3])
-    assert (content, unfinished) == ("", False)
+
+
+def test_an_unclosed_block_whose_arguments_are_whole_is_a_call():
+    """max_tokens cut the closing tag after the arguments: a call, as vLLM reads it."""
+    content, calls, readable = parse_whole(REPLIES[3])
+    assert (content, readable) == ("", True)
     assert [c["function"]["arguments"] for c in calls] == ['{"a": "}"}']
 
 
 def test_content_alone_keeps_its_trailing_whitespace():
-    assert parse_whole(REPLIES[8]) == (REPLIES[8], [], False)
+    assert parse_whole(REPLIES[8]) == (REPLIES[8], [], True)
 
 
 @settings(max_examples=60, deadline=None)
@@ -213,11 +222,24 @@ def test_streamed_content_and_calls_equal_the_whole_reply_however_the_text_is_cu
             if call.id is not None:
                 calls.append({"id": call.id, "name": call.name, "arguments": ""})
             calls[call.index]["arguments"] += call.arguments
-    whole_content, whole_calls, unfinished = parse_whole(text)
-    if unfinished:  # a whole reply gives it as content; a stream had sent its deltas
-        whole_content = whole_content.removesuffix(parser.open_block_text)
-        calls = calls[:-1]
+    whole_content, whole_calls, readable = parse_whole(text)
+    if not readable:  # whole, all content; a stream had sent the calls' deltas
+        assert (whole_content, whole_calls) == (text, [])
+        whole_content, whole_calls = parse_whole_as_streamed(text)
     assert content == whole_content
     assert [(c["name"], c["arguments"]) for c in calls] == [
         (c["function"]["name"], c["function"]["arguments"]) for c in whole_calls
     ]
+
+
+def parse_whole_as_streamed(text: str) -> tuple[str, list[dict]]:
+    """What one piece holding the whole text streams: content and calls as deltas."""
+    parser = HermesToolParser()
+    content, calls = "", []
+    for delta in (parser.feed(text), parser.finish()):
+        content += delta.content
+        for call in delta.tool_calls:
+            if call.id is not None:
+                calls.append({"function": {"name": call.name, "arguments": ""}})
+            calls[call.index]["function"]["arguments"] += call.arguments
+    return content, calls
