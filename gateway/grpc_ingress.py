@@ -131,6 +131,8 @@ class GenerateServicer:
         if request.HasField("structured_outputs"):
             body["structured_outputs"] = _structured_outputs(request.structured_outputs)
         if which == "chat":
+            if not request.max_tokens:  # a chat's default, as over HTTP: the rest of the context
+                del body["max_tokens"]
             if "logprobs" in body:  # chat's shape: a flag and the number of alternatives
                 body["logprobs"], body["top_logprobs"] = True, body["logprobs"]
             body["messages"] = [

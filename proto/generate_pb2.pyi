@@ -45,7 +45,7 @@ class GenerateRequest(_message.Message):
     """must equal the served model name; empty = the served one"""
     text: _builtins.str
     max_tokens: _builtins.int
-    """0 = the default (16)"""
+    """0 = the default (16; a chat's: the rest of max_model_len)"""
     temperature: _builtins.float
     """unset = 1.0; 0 = greedy"""
     top_p: _builtins.float

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from pdserve.cache import BlockRemoved, BlockStored
 from pdserve.gateway.chat import parse_chat
+from pdserve.gateway.grpc_ingress import GenerateServicer
 from pdserve.gateway.openai_schema import APIError, parse_completion
 from pdserve.gateway.router import Router
+from pdserve.proto import generate_pb2
 from pdserve.tokenizer.detokenizer import stop_safe_length
 from pdserve.tokenizer.tokenizer import ByteTokenizer
 from pdserve.worker.kv_event_log import KVEventLog
@@ -84,3 +88,20 @@ def test_chat_refuses_fields_that_would_change_its_reply(field, value):
         parse_chat(body, ByteTokenizer())
     assert refused.value.status == 400 and refused.value.param == field
     parse_chat({**body, field: {"echo": False, "best_of": 1}[field]}, ByteTokenizer())
+
+
+def test_a_grpc_chat_without_max_tokens_may_run_to_the_end_of_the_context_as_over_http():
+    """A gRPC chat's ``max_tokens = 0`` was 16; a completion's stays 16 (the proto's word).
+    The servicer's parse needs only the served model's name and tokenizer: a plain object
+    stands in for the orchestrator (a real one needs the Ray app; running such a chat there
+    would decode thousands of tokens)."""
+    orchestrator = SimpleNamespace(model_name="tiny", tokenizer=ByteTokenizer())
+    servicer = GenerateServicer(orchestrator)  # type: ignore[arg-type]
+    chat = generate_pb2.GenerateRequest()
+    chat.chat.messages.add(role="user", content="hi")
+    assert servicer._parse(chat).max_tokens_to_context
+    chat.max_tokens = 5
+    parsed = servicer._parse(chat)
+    assert not parsed.max_tokens_to_context and parsed.params.max_tokens == 5
+    text = servicer._parse(generate_pb2.GenerateRequest(text="hi"))
+    assert not text.max_tokens_to_context and text.params.max_tokens == 16
