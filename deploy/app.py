@@ -174,6 +174,7 @@ def build(config: PDServeConfig, retiring_from: PDServeConfig | None = None) -> 
         num_replicas=app.gateway.num_replicas,
         ray_actor_options=app.gateway_options,
         graceful_shutdown_wait_loop_s=_SHUTDOWN_POLL_S,
+        graceful_shutdown_timeout_s=app.gateway.drain_timeout_s,
     )
     return gateway.bind(app.gateway, prefill, decode, retiring)
 

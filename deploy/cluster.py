@@ -134,7 +134,7 @@ def serve_run_options(config: PDServeConfig) -> dict[str, Any]:
 
 
 def scale(
-    app_name: str, num_prefill: int, num_decode: int, drain_timeout_s: float = 120.0
+    app_name: str, num_prefill: int, num_decode: int, drain_timeout_s: float | None = None
 ) -> PDServeConfig:
     """Changes the number of workers of the running app ``app_name``; returns its new config.
 
@@ -149,7 +149,8 @@ def scale(
                deploy(new)                     then Serve stops them
 
     A colocated app stays colocated and a disaggregated one disaggregated (roles differ:
-    ``pdserve down`` and ``up`` instead).
+    ``pdserve down`` and ``up`` instead). ``drain_timeout_s``: how long the removed workers
+    may stay busy; None: the old gateway's drain (``drain_timeout_s``) and a minute more.
     """
     from ray.experimental import internal_kv
 
@@ -169,6 +170,8 @@ def scale(
     removed = sorted(set(config.worker_ids()) - set(scaled.worker_ids()))
     if removed:
         deploy(scaled, retiring_from=config)
+        if drain_timeout_s is None:
+            drain_timeout_s = config.drain_timeout_s + 60.0
         _wait_until_retired(app_name, removed, scaled.num_gateway_replicas, drain_timeout_s)
     deploy(scaled)
     return scaled

@@ -48,6 +48,10 @@ class GatewayConfig:
     """Runs of a request per worker role when workers are lost (1: no retry)."""
     retry_backoff_s: float = 0.5
     """Between those runs."""
+    drain_timeout_s: float = 300.0
+    """A gateway replica being replaced (a scale step, a redeploy) or stopped lets its open
+    streams finish for up to this long before Serve stops it (Serve's default, 20 s, cut
+    longer replies off mid-stream)."""
     disagg_min_uncached_tokens: int = DEFAULT_DISAGG_MIN_UNCACHED_TOKENS
     """A prompt whose uncached part on the best decode worker is shorter runs whole there,
     with no KV hand-off (conditional disaggregation); 0: always disaggregate."""
@@ -88,8 +92,10 @@ class GatewayConfig:
             raise ValueError(
                 f"grpc_port must be 0 (none) or a port below 65536, got {self.grpc_port}"
             )
-        if self.retry_after_s < 0 or self.worker_timeout_s <= 0:
-            raise ValueError("retry_after_s must be >= 0 and worker_timeout_s positive")
+        if self.retry_after_s < 0 or self.worker_timeout_s <= 0 or self.drain_timeout_s <= 0:
+            raise ValueError(
+                "retry_after_s must be >= 0, and worker_timeout_s and drain_timeout_s positive"
+            )
         if self.max_load_imbalance < 0:
             raise ValueError(f"max_load_imbalance must be >= 0, got {self.max_load_imbalance}")
         if self.disagg_min_uncached_tokens < 0 or self.decode_reuse_min_tokens < 0:

@@ -10,6 +10,7 @@ from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve.deployment import Application
 from ray.serve.schema import ServeDeploySchema
 
+from pdserve.deploy.app import build_app
 from pdserve.deploy.config import PDServeConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -85,3 +86,13 @@ def test_every_kuberay_pod_mounts_the_certificates_and_runs_ray_with_token_auth(
         assert env["RAY_AUTH_MODE"]["value"] == "token" and "valueFrom" in env["RAY_AUTH_TOKEN"]
     head_env = {entry["name"] for entry in pods[0]["containers"][0]["env"]}
     assert "PDSERVE_API_KEY" in head_env  # the app is built on the head
+
+
+def test_a_replaced_gateway_lets_its_open_streams_run_for_drain_timeout_s():
+    """Every scale step replaces the gateway; Serve stopped the old replica after its default
+    20 s, cutting a stream still running then with no [DONE] and no error event (the
+    reviewer's repro: 90 tokens at 0.5 s a step, cut at 21 s)."""
+    for settings, drain_s in (({}, 300.0), ({"drain_timeout_s": 42.0}, 42.0)):
+        gateway = build_app({"model": "tiny", **settings})._bound_deployment
+        assert gateway.name == "gateway"
+        assert gateway._deployment_config.graceful_shutdown_timeout_s == drain_s
