@@ -103,11 +103,13 @@ class APIError(Exception):
         }
 
 
-def too_many_requests(limit: int) -> APIError:
-    """429: the gateway's in-flight queue is full; the client should retry after a pause."""
+def too_many_requests(limit: int, service_limit: int) -> APIError:
+    """429: the gateway's in-flight queue is full; the client should retry after a pause.
+    ``limit``: this replica's share of the service's ``service_limit``."""
+    share = "" if limit == service_limit else f" (this gateway replica's share of {service_limit})"
     return APIError(
         429,
-        f"the server is at its limit of {limit} requests in flight; "
+        f"the server is at its limit of {limit} requests in flight{share}; "
         f"retry after the Retry-After interval",
         type="requests",
         code="rate_limit_exceeded",

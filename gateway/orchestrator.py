@@ -289,7 +289,9 @@ class RequestOrchestrator:
     def admit(self) -> None:
         """Takes a place in the bounded in-flight queue, or refuses with 429."""
         if self.metrics.num_requests_in_flight >= self.config.max_inflight_per_replica:
-            raise too_many_requests(self.config.max_inflight_per_replica)
+            raise too_many_requests(
+                self.config.max_inflight_per_replica, self.config.max_inflight_requests
+            )
         self.metrics.num_requests_in_flight += 1
         self.metrics.num_requests += 1
 

@@ -98,6 +98,19 @@ def test_requests_over_the_inflight_limit_get_429_until_one_is_released():
     service.admit()
 
 
+def test_a_replicas_429_names_its_share_and_the_services_limit():
+    """With two gateway replicas each admits half; its 429 named only the half (2), which
+    read as a wrong setting to a client that had configured 4."""
+    service = make_service(FakePool(["prefill-0"], []), max_inflight_requests=4, num_replicas=2)
+    service.admit()
+    service.admit()
+    with pytest.raises(APIError) as caught:
+        service.admit()
+    assert "limit of 2 requests in flight (this gateway replica's share of 4)" in (
+        caught.value.message
+    )
+
+
 @pytest.mark.parametrize("failure", ["down", "hang"])
 def test_with_every_decode_worker_failing_the_poll_requests_get_503_until_one_answers(failure):
     async def scenario() -> None:
