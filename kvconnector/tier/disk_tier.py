@@ -162,10 +162,8 @@ class DiskTier(TierLevel):
                 if not written:
                     counters.store_failures += 1
                     continue
-                while self._index.is_full and self._evict_lru():
-                    pass
                 pinned = block_hash in self.pins  # promised while queued: kept, over budget
-                if self._index.is_full and not pinned:  # every page is pinned for a load
+                if not self._make_room() and not pinned:  # every page is pinned for a load
                     self.path_of(block_hash).unlink(missing_ok=True)
                     counters.store_failures += 1
                     continue
@@ -188,6 +186,13 @@ class DiskTier(TierLevel):
             )
             temporary.unlink(missing_ok=True)
             return False
+
+    def _make_room(self) -> bool:
+        """Under the lock: evicts until a page fits; False when only pinned pages are left."""
+        while self._index.is_full:
+            if not self._evict_lru():
+                return False
+        return True
 
     def _evict_lru(self) -> bool:
         """Under the lock: deletes the least recently used page not pinned; False when

@@ -52,8 +52,10 @@ class PinModel:
         self.counts: Counter[bytes] = Counter()
         self.must_hold: set[bytes] = set()
 
-    def apply(self, op: str, key: bytes, held: bool) -> bool:
-        """Applies a pin op (True) or returns False for any other op."""
+    OPS = ("pin", "unpin")
+
+    def apply(self, op: str, key: bytes, held: bool) -> None:
+        """Applies a pin op; ``held``: whether the level holds ``key`` now."""
         if op == "pin":
             self.pins.pin([key])
             self.counts[key] += 1
@@ -64,7 +66,6 @@ class PinModel:
             self.counts[key] -= 1
             if not self.counts[key]:
                 self.must_hold.discard(key)
-        return op in ("pin", "unpin")
 
     def stored(self, key: bytes, held: bool) -> None:
         if held and self.counts[key]:
@@ -84,8 +85,8 @@ def test_a_cpu_tier_keeps_every_slot_once_and_gives_back_the_pages_it_holds(capa
     pins = PinModel(tier.pins)
     dst = np.empty(PAGE_BYTES, dtype=np.uint8)
     for op, key in ops:
-        if pins.apply(op, key, key in tier._index):
-            pass
+        if op in PinModel.OPS:
+            pins.apply(op, key, key in tier._index)
         elif op == "store":
             failures = tier.counters.store_failures
             tier.store(key, fill_with(key))
@@ -129,8 +130,8 @@ def test_a_disk_tiers_index_and_files_agree_through_stores_evictions_and_failed_
         over_budget = 0  # pinned pages kept though every page was pinned (at most)
         directory = disk.directory  # this run's pages
         for op, key in ops:
-            if pins.apply(op, key, key in disk._index):
-                pass
+            if op in PinModel.OPS:
+                pins.apply(op, key, key in disk._index)
             elif op == "store":
                 over_budget += key in pins.pins and len(disk._index) >= capacity
                 disk.store(key, fill_with(key))
