@@ -20,6 +20,7 @@ export PYTHONDONTWRITEBYTECODE :=
 # machine's disk; a GPU user installs a CUDA build of torch into the venv before `make setup`.
 # The CPU's paged decode kernel is built last (≈ 20 s; model/paged_decode_kernel.py), so that
 # no engine start waits for it; without a C++ compiler it says so, and the torch path serves.
+# A build killed mid-way (Ctrl-C here) blocks no later one (model/native_build.py).
 UV := uv==0.13.9
 INSTALL := $(PY) tools/uv_install.py -q
 

@@ -15,24 +15,26 @@ ones (``kv_cache_dtype``: widened as they are read, so the halved bytes are halv
 everything else (prefill chunks, 16-bit models, other devices) keeps the split-KV path, as does every row when the kernel cannot be built (no C++ compiler: a
 warning says so once).
 
-The build (≈ 20 s) happens at the first engine start on a machine, or at ``make setup``
-(``python -m pdserve.model.paged_decode_kernel``); later starts load it from torch's
-extension cache. It is built for the CPU it runs on (``-march=native``), so the build's
-name carries a digest of the CPU's flags, and of the source and compiler flags: a cache
-shared with another kind of machine never hands it a build it cannot run, and two checkouts
-of different sources on one machine keep a build each instead of rebuilding in turn.
+The build (≈ 20 s) happens at ``make setup`` (``python -m pdserve.model.paged_decode_kernel``)
+or at the first engine start on a machine; later starts load it from the extension cache.
+``model/native_build.py`` builds it: once per machine whatever the checkout's path, in a child
+that a kill cannot leave holding a lock, waited for at most ``native_build.DEFAULT_TIMEOUT_S``
+(then decode takes the torch path, with a warning naming the cause). It is built for the CPU
+it runs on (``-march=native``), so the build's name digests the CPU's flags with the source
+and compiler flags: a cache shared with another kind of machine never hands it a build it
+cannot run.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import platform
 import threading
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from pdserve.model import native_build
 
 logger = logging.getLogger(__name__)
 
@@ -51,42 +53,20 @@ _built: ModuleType | None = None
 _failed = False
 
 
-def _build_digest() -> str:
-    """A digest of what the build depends on: what this CPU can run (its model and
-    instruction-set flags), the kernel's source and the compiler flags."""
-    try:
-        described = Path("/proc/cpuinfo").read_text()
-        lines = sorted(
-            {line for line in described.splitlines() if line.startswith(("flags", "model name"))}
-        )
-        description = "\n".join(lines)
-    except OSError:
-        description = platform.processor() or platform.machine()
-    built_from = "\n".join([description, _SOURCE.read_text(), *_FLAGS])
-    return hashlib.sha256(built_from.encode()).hexdigest()[:12]
-
-
 def build() -> ModuleType | None:
     """The kernel, built (or loaded from the cache) on first call; None when it cannot be
-    built here, after one warning saying why."""
+    built or loaded here, after one warning saying why."""
     global _built, _failed
     if _built is not None or _failed:  # every layer of every step asks: no lock then
         return _built
     with _lock:
         if _built is None and not _failed:
-            from torch.utils.cpp_extension import load
-
             try:
-                _built = load(
-                    name=f"pdserve_paged_decode_{_build_digest()}",
-                    sources=[str(_SOURCE)],
-                    extra_cflags=_FLAGS,
-                    verbose=False,
-                )
-            except Exception as error:  # noqa: BLE001 - any build failure: the torch path serves
+                _built = native_build.load_extension("pdserve_paged_decode", _SOURCE, _FLAGS)
+            except native_build.ExtensionUnavailable as error:
                 _failed = True
                 logger.warning(
-                    "the paged decode kernel could not be built (%s); decode attention "
+                    "the paged decode kernel is not available (%s); decode attention "
                     "gathers the pages first (model/split_kv.py)",
                     error,
                 )
