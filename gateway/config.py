@@ -39,6 +39,10 @@ class GatewayConfig:
     max_load_imbalance: int = 4
     """A worker more than this many requests busier than the idlest one is not a routing
     candidate, whatever prefix it holds."""
+    decode_load_weight: float = 1.0
+    """What a request in flight on a decode worker costs in routing, in the routed
+    request's own blocks, against each block that worker would have to pull: 0 routes by the
+    blocks held alone, so a newly added decode worker waits for the load cap."""
     retry_after_s: int = 1
     """The Retry-After of a 429 or 503."""
     worker_timeout_s: float = 5.0
@@ -98,6 +102,8 @@ class GatewayConfig:
             )
         if self.max_load_imbalance < 0:
             raise ValueError(f"max_load_imbalance must be >= 0, got {self.max_load_imbalance}")
+        if self.decode_load_weight < 0:
+            raise ValueError(f"decode_load_weight must be >= 0, got {self.decode_load_weight}")
         if self.disagg_min_uncached_tokens < 0 or self.decode_reuse_min_tokens < 0:
             raise ValueError(
                 f"disagg_min_uncached_tokens and decode_reuse_min_tokens must be >= 0, got "

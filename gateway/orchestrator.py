@@ -188,7 +188,12 @@ class RequestOrchestrator:
         self.tokenizer = tokenizer
         self.model_name = config.model_name
         self.hasher = BlockHasher(model_info.hash_algorithm, model_info.hash_seed)
-        self.router = Router(list(workers.prefill), list(workers.decode), config.max_load_imbalance)
+        self.router = Router(
+            list(workers.prefill),
+            list(workers.decode),
+            config.max_load_imbalance,
+            config.decode_load_weight,
+        )
         self.readiness = Readiness(workers, self.router, config.worker_timeout_s)
         self.poller = KVEventPoller(
             workers, self.router, config.worker_timeout_s, after_each_round=self.readiness.prewarm

@@ -18,11 +18,22 @@ twice a tier block (``prefix_rank``); the matched count includes both:
     worker B: pool h0 | tier h1 h2   rank 2*1 + 2 = 4
 
 For decode the connector pulls exactly the blocks the decode worker lacks, so every held
-hash saves a transfer: decode candidates are ranked by the *count* of hashes held.
+hash saves a transfer: a decode candidate's cost counts the blocks it would pull. But a held
+hash must not outweigh any load: with one shared system prompt every request would go to the
+worker that served it first, and a decode worker added by a scale step would get nothing
+until that one hit the load cap. So each request in flight on a candidate costs as much as
+the request's own blocks (times ``decode_load_weight``), as a running request of similar
+size does; the cheapest candidate wins, then the one holding more:
 
-Load (requests in flight through this gateway) breaks ties and caps hot spots: a worker more
-than ``max_load_imbalance`` requests busier than the idlest one is not a candidate, whatever
-it holds. Equal candidates are taken in turn, so a cold cluster spreads its load.
+    request of 66 blocks, 64 of them a shared system prompt
+    old worker: holds 64, 2 in flight   cost  2 + 2 * 66 = 134
+    new worker: holds  0, 0 in flight   cost 66 + 0 * 66 =  66   ← goes here, then holds them
+    (one in flight on each: 2 + 66 against 66 + 66: the holder; loads level off)
+
+Load (requests in flight through this gateway) breaks prefill's ties, and caps hot spots of
+both roles: a worker more than ``max_load_imbalance`` requests busier than the idlest one is
+not a candidate, whatever it holds. Equal candidates are taken in turn, so a cold cluster
+spreads its load.
 
 Pure Python: no Ray, no engine; the gateway feeds it ``KVEventBatch`` messages.
 """
@@ -70,10 +81,23 @@ def prefix_rank(held: HeldBlocks, block_hashes: list[BlockHash]) -> tuple[int, i
     return 2 * num_pool + num_tier, num_pool + num_tier
 
 
-def count_rank(held: HeldBlocks, block_hashes: list[BlockHash]) -> tuple[int, int]:
-    """``(rank, matched blocks)`` of a decode worker: the hashes its pool holds."""
-    num_held = held.count_held(block_hashes)
-    return num_held, num_held
+def _ranked_by_prefix(
+    index: WorkerIndex, block_hashes: list[BlockHash], _: float
+) -> tuple[tuple[float, ...], int]:
+    """A prefill worker's (or a whole run's) key: its prefix's rank, then the idler."""
+    rank, matched = prefix_rank(index.held, block_hashes)
+    return (rank, -index.load), matched
+
+
+def _ranked_by_pull_and_load(
+    index: WorkerIndex, block_hashes: list[BlockHash], load_weight: float
+) -> tuple[tuple[float, ...], int]:
+    """A decode worker's key: the fewest blocks to pull plus its load in blocks, then the
+    hashes it holds (the module's docstring draws it)."""
+    num_held = index.held.count_held(block_hashes)
+    num_missing = len(block_hashes) - num_held
+    cost = num_missing + load_weight * index.load * max(1, len(block_hashes))
+    return (-cost, num_held), num_held
 
 
 @dataclass(slots=True)
@@ -90,12 +114,16 @@ class Router:
         prefill_worker_ids: list[str],
         decode_worker_ids: list[str],
         max_load_imbalance: int = 4,
+        decode_load_weight: float = 1.0,
     ) -> None:
         if not prefill_worker_ids:
             raise ValueError("the router needs at least one prefill worker")
         if max_load_imbalance < 0:
             raise ValueError(f"max_load_imbalance must be >= 0, got {max_load_imbalance}")
+        if decode_load_weight < 0:
+            raise ValueError(f"decode_load_weight must be >= 0, got {decode_load_weight}")
         self.max_load_imbalance = max_load_imbalance
+        self.decode_load_weight = decode_load_weight
         self._workers: dict[str, WorkerIndex] = {}
         self._prefill_ids = list(prefill_worker_ids)
         self._decode_ids = list(decode_worker_ids)
@@ -182,32 +210,32 @@ class Router:
 
         Raises ``NoWorkerAvailable`` when no prefill worker is available.
         """
-        return self._pick("prefill", self._prefill_ids, block_hashes, prefix_rank)
+        return self._pick("prefill", self._prefill_ids, block_hashes, _ranked_by_prefix)
 
     def has_decode_workers(self) -> bool:
         """Whether the deployment disaggregates (False: colocated, prefill workers decode)."""
         return bool(self._decode_ids)
 
     def pick_decode(self, block_hashes: list[BlockHash]) -> RouteChoice | None:
-        """The decode worker holding most of ``block_hashes``; None when the deployment has
-        none (colocated). Raises ``NoWorkerAvailable`` when it has some but none is available.
-        """
+        """The decode worker that would pull least of ``block_hashes`` for its load; None
+        when the deployment has none (colocated). Raises ``NoWorkerAvailable`` when it has
+        some but none is available."""
         if not self._decode_ids:
             return None
-        return self._pick("decode", self._decode_ids, block_hashes, count_rank)
+        return self._pick("decode", self._decode_ids, block_hashes, _ranked_by_pull_and_load)
 
     def pick_decode_by_prefix(self, block_hashes: list[BlockHash]) -> RouteChoice:
         """The decode worker with the longest cached prefix of ``block_hashes``: where a
         request would run whole if the gateway skips the prefill worker (conditional
         disaggregation). Raises ``NoWorkerAvailable`` when none is available."""
-        return self._pick("decode", self._decode_ids, block_hashes, prefix_rank)
+        return self._pick("decode", self._decode_ids, block_hashes, _ranked_by_prefix)
 
     def _pick(
         self,
         role: str,
         all_ids: list[str],
         block_hashes: list[BlockHash],
-        score: Callable[[HeldBlocks, list[BlockHash]], tuple[int, int]],
+        ranked: Callable[[WorkerIndex, list[BlockHash], float], tuple[tuple[float, ...], int]],
     ) -> RouteChoice:
         worker_ids = [w for w in all_ids if self._workers[w].available]
         if not worker_ids:
@@ -216,7 +244,7 @@ class Router:
         ceiling = min(loads) + self.max_load_imbalance
         # Rotate the start so that equal candidates are taken in turn.
         start = next(self._turn) % len(worker_ids)
-        best: tuple[int, int] | None = None
+        best: tuple[float, ...] | None = None
         best_matched = 0
         best_id = worker_ids[start]
         for offset in range(len(worker_ids)):
@@ -224,8 +252,7 @@ class Router:
             index = self._workers[worker_id]
             if index.load > ceiling:
                 continue
-            rank, matched = score(index.held, block_hashes)
-            key = (rank, -index.load)
+            key, matched = ranked(index, block_hashes, self.decode_load_weight)
             if best is None or key > best:
                 best, best_matched, best_id = key, matched, worker_id
         assert best is not None  # the idlest worker is always under the ceiling

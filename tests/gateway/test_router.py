@@ -1,4 +1,5 @@
-"""The router: longest cached prefix for prefill, most hashes held for decode, then load."""
+"""The router: longest cached prefix for prefill; for decode, fewest blocks to pull for the
+load; then load."""
 
 from __future__ import annotations
 
@@ -41,6 +42,46 @@ def test_decode_goes_to_the_worker_holding_most_hashes():
     router.apply(batch("d1", [stored(H[1], H[2], H[3])]))
     choice = router.pick_decode(H[:4])
     assert (choice.worker_id, choice.num_matched_blocks) == ("d1", 3)
+
+
+def test_a_decode_worker_busier_by_a_request_loses_to_an_idle_one_holding_nothing():
+    """One request in flight costs the routed request's own blocks: the holder of a shared
+    prompt keeps it at equal load, and an idle newcomer takes it once the holder is busier
+    (with ``decode_load_weight`` 0, the former rule: held hashes decide up to the cap)."""
+    for weight, newcomer_when_busier in ((1.0, True), (0.0, False)):
+        router = Router(["p0"], ["old", "new"], decode_load_weight=weight)
+        router.apply(batch("old", [stored(*H[:6])]))
+        prompt = H[:7]
+        assert router.pick_decode(prompt).worker_id == "old"
+        router.begin("old")
+        picked = router.pick_decode(prompt)
+        assert (picked.worker_id == "new") == newcomer_when_busier, weight
+        router.begin("new")
+        assert router.pick_decode(prompt).worker_id == "old"
+
+
+def test_a_decode_worker_added_under_steady_load_serves_its_share_at_once():
+    """Issue 51's scale-out: every prompt shares a 64-block system prompt the old worker
+    holds, 4 requests in flight at all times. After decode 1 -> 2, the new worker serves at
+    least 30 % of the requests (it served none before, until the old one hit the cap)."""
+    system = [bytes([1, i]) * 8 for i in range(64)]
+    router = Router(["p0"], ["old", "new"])
+    router.apply(batch("old", [stored(*system)]))
+    held_by = {"old": set(system), "new": set()}
+    in_flight: list[str] = []
+    served = {"old": 0, "new": 0}
+    for request in range(200):
+        prompt = system + [bytes([2]) + request.to_bytes(15, "little")]
+        worker = router.pick_decode(prompt).worker_id
+        router.begin(worker)
+        new_blocks = [h for h in prompt if h not in held_by[worker]]
+        router.apply(batch(worker, [stored(*new_blocks)], first_seq=router.next_seq(worker)))
+        held_by[worker].update(new_blocks)
+        served[worker] += 1
+        in_flight.append(worker)
+        if len(in_flight) == 4:  # steady load: the oldest finishes as a new one arrives
+            router.end(in_flight.pop(0))
+    assert served["new"] >= 0.3 * 200, served
 
 
 def test_no_decode_workers_means_colocated():
