@@ -32,9 +32,12 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+import yaml
+from pydantic import ValidationError
+
 from pdserve.deploy.config import PDServeConfig
 from pdserve.deploy.http_client import ServiceClient, ServiceError
-from pdserve.deploy.preflight import preflight_problems
+from pdserve.deploy.preflight import preflight_problems, validation_problems
 from pdserve.deploy.stats_table import format_stats
 from pdserve.gateway.api_keys import API_KEY_ENV, keys_from_env
 
@@ -42,6 +45,7 @@ from pdserve.gateway.api_keys import API_KEY_ENV, keys_from_env
 def cmd_up(args: argparse.Namespace) -> int:
     from pdserve.deploy.cluster import (
         ServeOptionsError,
+        WorkerStartError,
         base_url,
         deploy,
         init_ray,
@@ -50,13 +54,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     )
     from pdserve.deploy.placement import PlacementError
 
-    config = PDServeConfig.from_cli(args)
-    problems = preflight_problems(config)
-    if problems:
-        print(
-            "pdserve up: this config cannot start:\n" + "\n".join(f"  - {p}" for p in problems),
-            file=sys.stderr,
-        )
+    config = _startable_config(args)
+    if config is None:
         return 2
     init_ray(config.ray_address)
     try:
@@ -64,6 +63,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     except (PlacementError, ServeOptionsError) as error:
         print(f"pdserve: cannot deploy: {error}", file=sys.stderr)
         return 2
+    except WorkerStartError as error:
+        print(f"pdserve up: {error}", file=sys.stderr)
+        if config.ray_address:
+            print(
+                f"the app stays deployed, failing: `pdserve down --app-name {config.app_name}`",
+                file=sys.stderr,
+            )
+        else:
+            shut_down(config)
+        return 1
     if not config.ray_address:
         remember_local_cluster(config)
     print(
@@ -89,6 +98,28 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
+def _startable_config(args: argparse.Namespace) -> PDServeConfig | None:
+    """The config of ``--config`` and the flags; None, once every reason it cannot start is
+    printed, each naming the flag and what it accepts: its settings (``validation_problems``,
+    not pydantic's traceback), then what a worker would refuse (``preflight_problems``)."""
+    try:
+        config = PDServeConfig.from_cli(args)
+    except ValidationError as error:
+        problems = validation_problems(error)
+    except (OSError, ValueError, yaml.YAMLError) as error:  # --config: unreadable, not a mapping
+        problems = [f"--config {args.config}: {error}"]
+    else:
+        problems = preflight_problems(config)
+        if not problems:
+            return config
+    print(
+        f"pdserve {args.command}: this config cannot start:\n"
+        + "\n".join(f"  - {problem}" for problem in problems),
+        file=sys.stderr,
+    )
+    return None
+
+
 def _join(args: argparse.Namespace) -> None:
     """Joins ``--address``, else the cluster a local ``pdserve up`` recorded, else ``auto``."""
     from pdserve.deploy.cluster import init_ray, local_cluster_address
@@ -106,7 +137,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
-    from pdserve.deploy.cluster import scale
+    from pdserve.deploy.cluster import WorkerStartError, scale
 
     _join(args)
     try:
@@ -114,6 +145,9 @@ def cmd_scale(args: argparse.Namespace) -> int:
     except (LookupError, ValueError) as error:
         print(f"pdserve scale: {error}", file=sys.stderr)
         return 2
+    except WorkerStartError as error:
+        print(f"pdserve scale: {error}", file=sys.stderr)
+        return 1
     print(
         f"pdserve: {args.app_name!r} now has {config.num_prefill} prefill + "
         f"{config.num_decode} decode workers"
@@ -242,7 +276,8 @@ def cmd_certs(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from pdserve.deploy.demo import run_demo
 
-    return run_demo(PDServeConfig.from_cli(args))
+    config = _startable_config(args)
+    return 2 if config is None else run_demo(config)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.deploy.config import PDServeConfig
+from pdserve.deploy.preflight import preflight_problems
+
+# How often a deploy asks Serve how its app is doing.
+_DEPLOY_POLL_S = 0.5
 
 
 def configure_ray_env() -> None:
@@ -57,15 +61,14 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> None:
         )
 
 
-def deploy(
-    config: PDServeConfig, blocking: bool = False, retiring_from: PDServeConfig | None = None
-) -> float:
+def deploy(config: PDServeConfig, retiring_from: PDServeConfig | None = None) -> float:
     """Runs the app on the connected cluster; returns seconds until it answered.
 
     The config, with the secrets resolved for this app, is kept in the cluster (Ray's
     internal KV, under ``_config_key``) so that ``scale`` can redeploy the same app later.
-    Raises ``PlacementError`` before deploying when no node can host a part of the app, and
-    ``ServeOptionsError`` when Serve already runs here with other HTTP options."""
+    Raises ``PlacementError`` before deploying when no node can host a part of the app,
+    ``ServeOptionsError`` when Serve already runs here with other HTTP options, and
+    ``WorkerStartError`` as soon as a part of the app fails to start (``wait_until_running``)."""
     import ray
     from ray import serve
     from ray.experimental import internal_kv
@@ -81,8 +84,55 @@ def deploy(
     internal_kv._internal_kv_put(
         _config_key(config.app_name), config.model_dump_json(), overwrite=True
     )
-    serve.run(build(config, retiring_from), **serve_run_options(config), blocking=blocking)
+    app = serve.RunTarget(build(config, retiring_from), **serve_run_options(config))
+    serve.run_many([app], wait_for_applications_running=False)  # wait_until_running waits
+    wait_until_running(config.app_name)
     return time.perf_counter() - start
+
+
+class WorkerStartError(RuntimeError):
+    """A part of the app (a worker, the gateway) raised as it started."""
+
+
+def wait_until_running(app_name: str) -> None:
+    """Waits until Serve reports ``app_name`` running; raises ``WorkerStartError`` with the
+    part's own error at the first replica that fails to start.
+
+    Serve's own wait (``serve.run``) retries a replica whose constructor raised, 3 times
+    per replica, each a whole worker start, and then reports only "Failed to update the
+    deployments ['prefill-0']": the cause was in a worker's log, 30-50 s later. A worker
+    refuses what it cannot serve (``pdserve up`` checks most of it before deploying,
+    ``deploy/preflight.py``), and a refusal does not pass on a retry."""
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    while True:
+        app = serve.status().applications.get(app_name)
+        if app is None:
+            raise WorkerStartError(f"app {app_name!r} is gone from Serve while it deployed")
+        if app.status == ApplicationStatus.RUNNING:
+            return
+        for name, deployment in app.deployments.items():
+            error = start_error(deployment.message)
+            if error is not None:
+                raise WorkerStartError(f"{name} failed to start: {error}")
+        if app.status == ApplicationStatus.DEPLOY_FAILED:
+            raise WorkerStartError(f"{app_name!r} failed to deploy: {app.message}")
+        time.sleep(_DEPLOY_POLL_S)
+
+
+def start_error(message: str) -> str | None:
+    """The error a deployment's status message reports from a replica that failed to start
+    (Serve: "A replica failed to start with exception. Retrying N more time(s). Error:"
+    then the replica's traceback), as the exception's own lines; None for any other
+    message."""
+    head, separator, error = message.partition("Error:\n")
+    if not separator or "failed to start" not in head:
+        return None
+    lines = error.rstrip().splitlines()
+    # A traceback's frames are indented; the exception's own lines follow the last one.
+    frames = [i for i, line in enumerate(lines) if line.startswith(" ")]
+    return "\n".join(lines[frames[-1] + 1 :] if frames else lines).strip() or error.strip()
 
 
 def serve_start_options(config: PDServeConfig) -> dict[str, Any]:
@@ -129,7 +179,7 @@ def check_running_serve(config: PDServeConfig) -> None:
 
 
 def serve_run_options(config: PDServeConfig) -> dict[str, Any]:
-    """``serve.run``'s arguments but the app: its name and route."""
+    """``serve.RunTarget``'s arguments but the app: its name and route."""
     return {"name": config.app_name, "route_prefix": config.route_prefix}
 
 
@@ -149,8 +199,10 @@ def scale(
                deploy(new)                     then Serve stops them
 
     A colocated app stays colocated and a disaggregated one disaggregated (roles differ:
-    ``pdserve down`` and ``up`` instead). ``drain_timeout_s``: how long the removed workers
-    may stay busy; None: the old gateway's drain (``drain_timeout_s``) and a minute more.
+    ``pdserve down`` and ``up`` instead). The new config passes ``up``'s checks first (but
+    the ports, which the app holds): a ``ValueError`` lists what fails. ``drain_timeout_s``:
+    how long the removed workers may stay busy; None: the old gateway's drain
+    (``drain_timeout_s``) and a minute more.
     """
     from ray.experimental import internal_kv
 
@@ -167,6 +219,9 @@ def scale(
     scaled = PDServeConfig.model_validate(
         {**config.model_dump(), "num_prefill": num_prefill, "num_decode": num_decode}
     )
+    problems = preflight_problems(scaled, check_ports=False)
+    if problems:  # e.g. the model's file gone since `up`: refused before a worker fails on it
+        raise ValueError("this config cannot start:\n" + "\n".join(f"  - {p}" for p in problems))
     removed = sorted(set(config.worker_ids()) - set(scaled.worker_ids()))
     if removed:
         deploy(scaled, retiring_from=config)

@@ -2,23 +2,49 @@
 with the fix named, instead of Serve restarting replicas that fail in their constructors
 until the deploy gives up.
 
+    settings         each field's type and range, each part's own checks (``PDServeConfig``:
+                     ``validation_problems`` words pydantic's errors as flags)
     nixl transport   the nixl package imports here (the workers need it)
+    model            what a worker's load would refuse, by the loader's and the engine's
+                     own checks run without the weights: the name or path (nothing is
+                     downloaded), the architecture, a GGUF's architecture and tensor types,
+                     the tokenizer, the split over each role's tensor-parallel degree, and
+                     a draft model's vocabulary and KV groups
     ports            nothing listens on the HTTP, gRPC and KV transfer ports (an embedded
                      cluster runs on this machine; a joined cluster's ports are elsewhere)
-    model            a built-in name or a local path that exists (nothing is downloaded)
+
+Each problem names the flag (a ``--config`` file's key of the same name) and what it
+accepts. ``pdserve scale`` runs the same checks but the ports (the running app holds them).
 """
 
 from __future__ import annotations
 
 import importlib
 import socket
+from typing import Literal
 
-from pdserve.checkpoint.model_source import resolve_model
+from pydantic import ValidationError
+
 from pdserve.deploy.config import PDServeConfig
 
 
-def preflight_problems(config: PDServeConfig) -> list[str]:
-    """Every reason ``config`` cannot start on this machine, each naming its fix."""
+def validation_problems(error: ValidationError) -> list[str]:
+    """pydantic's errors about a config, one line each, naming the flag, the value given
+    and what the field accepts (instead of a traceback)."""
+    problems = []
+    for entry in error.errors():
+        message = entry["msg"].removeprefix("Value error, ")
+        if entry["loc"]:  # a field's own check
+            flag = "--" + str(entry["loc"][0]).replace("_", "-")
+            problems.append(f"{flag} {entry['input']!r}: {message}")
+        else:  # a check across fields: its message names them
+            problems.append(message)
+    return problems
+
+
+def preflight_problems(config: PDServeConfig, check_ports: bool = True) -> list[str]:
+    """Every reason ``config`` cannot start on this machine, each naming its fix.
+    ``check_ports``: False for a running app, whose own servers hold them."""
     problems = []
     if config.transport == "nixl" and not config.colocated:
         try:
@@ -29,20 +55,54 @@ def preflight_problems(config: PDServeConfig) -> list[str]:
                 f"here ({error}): pip install 'pdserve[nixl]', or use "
                 f"--transport grpc"
             )
-    models = [("--model", config.model), ("--speculative-model", config.speculative_model)]
-    for flag, name in models:
-        try:
-            if name is not None:
-                resolve_model(name)
-        except (FileNotFoundError, ValueError) as error:
-            problems.append(f"{flag} {name!r}: {error}")
-    if not config.ray_address:
+    problems += _model_problems(config)
+    if check_ports and not config.ray_address:
         problems += [
             f"{what} {host}:{port} is in use: stop what listens there, or choose "
             f"another with {flag}"
             for what, host, port, flag in _ports(config)
             if not _is_free(host, port)
         ]
+    return problems
+
+
+def _model_problems(config: PDServeConfig) -> list[str]:
+    """What a worker would refuse about its model, its split and its draft: the checks its
+    load runs, on the engine config each worker gets, without reading a weight.
+
+    Imported here, not at the top: they load torch, which only ``up`` and ``scale`` need
+    (``pdserve stats`` imports this module too)."""
+    from pdserve.engine.spec_decode import check_draft_model
+    from pdserve.model.loader import check_model, check_tensor_parallel, tensor_parallel_sizes
+
+    try:  # worker_spec needs the app's seed and secret
+        resolved = config.resolve_deployment_secrets()
+    except ValueError as error:  # a secret or key from the environment: its message names it
+        return [str(error)]
+    roles: list[tuple[Literal["producer", "consumer"], str]] = [
+        ("producer", "--prefill-tensor-parallel-size")
+    ]
+    if not config.colocated:
+        roles.append(("consumer", "--decode-tensor-parallel-size"))
+    engine = resolved.worker_spec("producer", 0).engine
+    try:
+        model = check_model(engine.model, engine.dtype)
+    except (OSError, ValueError) as error:
+        return [f"--model {engine.model!r}: {error}"]
+    problems = []
+    for role, flag in roles:
+        degree = resolved.worker_spec(role, 0).engine.tensor_parallel_size
+        try:
+            check_tensor_parallel(model, degree)
+        except ValueError as error:
+            sizes = ", ".join(str(size) for size in tensor_parallel_sizes(model))
+            problems.append(f"{flag} {degree}: {error}; supported for this model: {sizes}")
+    if engine.speculative_model is not None:
+        try:
+            draft = check_model(engine.speculative_model, engine.dtype)
+            check_draft_model(engine, draft, model)
+        except (OSError, ValueError) as error:
+            problems.append(f"--speculative-model {engine.speculative_model!r}: {error}")
     return problems
 
 

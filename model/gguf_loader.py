@@ -27,7 +27,8 @@ from gguf import GGMLQuantizationType as Quant
 
 from pdserve.model.model_config import ModelConfig
 
-# Weight types loaded (the package dequantizes each); anything else is refused by name.
+# Weight types loaded (the package dequantizes each); anything else is refused by name
+# (``check_gguf_tensors``).
 SUPPORTED_QUANTIZATIONS = frozenset(
     {
         Quant.F32,
@@ -79,6 +80,7 @@ def gguf_state_dict(
     config: ModelConfig, reader: gguf.GGUFReader, dtype: torch.dtype, device: str | torch.device
 ) -> dict[str, torch.Tensor]:
     """The GGUF's tensors under our names, dequantized and un-permuted, in ``dtype`` on ``device``."""
+    check_gguf_tensors(reader)
     state = {}
     permuted = config.architecture == "LlamaForCausalLM"
     for tensor in reader.tensors:
@@ -89,6 +91,21 @@ def gguf_state_dict(
             weight = unpermute_rotary_rows(weight, config.num_kv_heads)
         state[_our_name(tensor.name)] = weight.to(device=device, dtype=dtype)
     return state
+
+
+def check_gguf_tensors(reader: gguf.GGUFReader) -> None:
+    """Refuses a file with a tensor this loader cannot load: a weight type it does not
+    dequantize, or a name with no counterpart in our models. Read from the tensor infos
+    alone, so a load refuses before it dequantizes anything, and ``pdserve up`` refuses the
+    file before it deploys a worker (``check_model``)."""
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in SUPPORTED_QUANTIZATIONS:
+            supported = ", ".join(sorted(quant.name for quant in SUPPORTED_QUANTIZATIONS))
+            raise ValueError(
+                f"GGUF tensor {tensor.name!r} is quantized as {tensor.tensor_type.name}, "
+                f"which is not supported; supported: {supported}"
+            )
+        _our_name(tensor.name)
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -115,13 +132,8 @@ def _our_name(gguf_name: str) -> str:
 
 
 def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
-    """``[rows, columns]`` float array (GGUF lists dimensions innermost first, numpy outermost first)."""
-    if tensor.tensor_type not in SUPPORTED_QUANTIZATIONS:
-        supported = ", ".join(sorted(quant.name for quant in SUPPORTED_QUANTIZATIONS))
-        raise ValueError(
-            f"GGUF tensor {tensor.name!r} is quantized as {tensor.tensor_type.name}, which is not supported; "
-            f"supported: {supported}"
-        )
+    """``[rows, columns]`` float array (GGUF lists dimensions innermost first, numpy outermost
+    first) of a tensor ``check_gguf_tensors`` accepted."""
     shape = tuple(int(dim) for dim in reversed(tensor.shape))
     array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
     # An F32 tensor comes back as a read-only view of the memory-mapped file: copy it out.

@@ -9,6 +9,8 @@ directory or ``.gguf`` file is an error.
 
 The model is built on the ``meta`` device and the checkpoint tensors are assigned
 into it, so a large model is never initialised with random weights first.
+``check_model`` and ``check_tensor_parallel`` run the same steps short of the weights, so
+``pdserve up`` refuses what a worker would refuse before it deploys one.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
 import torch
 from safetensors import safe_open
 
@@ -23,8 +26,9 @@ from pdserve.checkpoint.gguf_file import gguf_metadata, open_gguf
 from pdserve.checkpoint.model_source import ModelSource, hf_eos_token_ids, resolve_model
 from pdserve.checkpoint.weights_digest import parameters_digest, weights_digest
 from pdserve.model.architectures import CausalLM, build_model
-from pdserve.model.gguf_loader import gguf_has_output_head, gguf_state_dict
+from pdserve.model.gguf_loader import check_gguf_tensors, gguf_has_output_head, gguf_state_dict
 from pdserve.model.model_config import DTYPES, ModelConfig, resolve_dtype
+from pdserve.model.tensor_parallel import TensorParallel
 from pdserve.model.tiny_model import build_tiny_model, tiny_model_config
 from pdserve.tokenizer.gguf_tokenizer import tokenizer_from_gguf
 from pdserve.tokenizer.loading import load_tokenizer
@@ -58,20 +62,81 @@ def load_model(
 def load_gguf_model(
     source: ModelSource, dtype: torch.dtype, device: str | torch.device
 ) -> tuple[CausalLM, ModelConfig, Tokenizer]:
-    """One pass over the file: its metadata gives the config and the tokenizer (whose every
-    declared end id stops generation), its tensors the weights."""
+    """One pass over the file: its metadata gives the config and the tokenizer, its tensors
+    the weights."""
     reader = open_gguf(source.file_path())
+    config, tokenizer = _gguf_config_and_tokenizer(reader)
+    config.dtype = _dtype_name(dtype)
+    config.weights_digest = weights_digest([source.file_path()])
+    state = gguf_state_dict(config, reader, dtype, device)
+    model = build_with_weights(config, state, device, f"the tensors of {source.path}")
+    return model, config, tokenizer
+
+
+def _gguf_config_and_tokenizer(reader: gguf.GGUFReader) -> tuple[ModelConfig, Tokenizer]:
+    """The config and the tokenizer a GGUF's metadata describes (every end id the tokenizer
+    declares stops generation), refused where the architecture or the tokenizer is not
+    supported."""
     metadata = gguf_metadata(reader)
     config = ModelConfig.from_gguf_metadata(
         metadata, tie_word_embeddings=not gguf_has_output_head(reader)
     )
-    config.dtype = _dtype_name(dtype)
-    config.weights_digest = weights_digest([source.file_path()])
     tokenizer = tokenizer_from_gguf(metadata)
     config.eos_token_ids = list(tokenizer.eos_token_ids)
-    state = gguf_state_dict(config, reader, dtype, device)
-    model = build_with_weights(config, state, device, f"the tensors of {source.path}")
-    return model, config, tokenizer
+    return config, tokenizer
+
+
+def check_model(name_or_path: str, dtype: str | torch.dtype = "float32") -> ModelConfig:
+    """The shape of the model ``load_model`` would load, refused where the load would refuse
+    it, without reading a weight.
+
+    ``pdserve up`` runs it before it deploys (``deploy/preflight.py``): a model a worker
+    cannot load used to fail only inside the deployed worker, after Serve's retries. It runs
+    the load's own steps short of the weights: the dtype, the source, the config
+    (architecture, RoPE, heads), the tokenizer, a GGUF's tensor types and names, a
+    directory's weight files, and the architecture built on the ``meta`` device.
+    """
+    resolve_dtype(dtype)
+    source = resolve_model(name_or_path)
+    if source.kind == "tiny":
+        config = tiny_model_config()
+    elif source.kind == "gguf":
+        reader = open_gguf(source.file_path())
+        config, _ = _gguf_config_and_tokenizer(reader)
+        check_gguf_tensors(reader)
+    else:
+        config = load_model_config(source.file_path())
+        _weight_files(source.file_path())
+        load_tokenizer(source)
+    with torch.device("meta"):
+        build_model(config)
+    return config
+
+
+def check_tensor_parallel(config: ModelConfig, tensor_parallel_size: int) -> None:
+    """Refuses a split over ``tensor_parallel_size`` ranks that the model's heads, features
+    or layers do not allow: the model's own ``shard``, run on the ``meta`` device (no
+    memory, no weights) as rank 0, whose split is refused as every rank's is."""
+    if tensor_parallel_size == 1:  # an unsplit model is not sharded at all
+        return
+    with torch.device("meta"):
+        model = build_model(config)
+    model.shard(TensorParallel.layout_only(tensor_parallel_size))
+
+
+def tensor_parallel_sizes(config: ModelConfig) -> list[int]:
+    """Every degree ``check_tensor_parallel`` accepts for ``config``: among the divisors of
+    its query heads (each rank holds a whole number of them), those the rest allows."""
+    sizes = []
+    for size in range(1, config.num_heads + 1):
+        if config.num_heads % size:
+            continue
+        try:
+            check_tensor_parallel(config, size)
+        except ValueError:
+            continue
+        sizes.append(size)
+    return sizes
 
 
 def load_model_config(directory: str | Path) -> ModelConfig:

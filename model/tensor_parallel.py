@@ -63,6 +63,14 @@ class TensorParallel:
                 f"rank {self.rank} of world_size {self.world_size}: need 0 <= rank < world_size"
             )
 
+    @classmethod
+    def layout_only(cls, world_size: int) -> TensorParallel:
+        """Rank 0 of ``world_size`` without a group: to shard a model built on the ``meta``
+        device and learn whether the split fits (``model/loader.py: check_tensor_parallel``;
+        every rank's split is refused alike). Sharding calls no collective; a forward would,
+        so such a model never runs one."""
+        return cls(0, world_size, cast(Collectives, None))
+
     def split(self, size: int, what: str) -> tuple[int, int]:
         """This rank's ``[start, end)`` of ``size`` equal parts (``what`` names them in errors)."""
         if size % self.world_size:

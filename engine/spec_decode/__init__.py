@@ -12,6 +12,7 @@ from pdserve.engine.spec_decode.draft_acceptance import DraftAcceptance
 from pdserve.engine.spec_decode.draft_model_proposer import (
     DraftModel,
     DraftModelProposer,
+    check_draft_model,
     load_draft_model,
 )
 from pdserve.engine.spec_decode.ngram_proposer import NgramProposer
@@ -28,5 +29,6 @@ __all__ = [
     "Proposer",
     "SpecDecodeStats",
     "accepted_tokens",
+    "check_draft_model",
     "load_draft_model",
 ]

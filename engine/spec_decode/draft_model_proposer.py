@@ -88,19 +88,33 @@ class DraftModel(NamedTuple):
 
 
 def load_draft_model(config: EngineConfig, target: ModelConfig) -> DraftModel:
-    """The draft ``config.speculative_model`` names, refused unless it shares the target's
-    vocabulary."""
+    """The draft ``config.speculative_model`` names, refused where ``check_draft_model``
+    refuses it."""
     assert config.speculative_model is not None  # EngineConfig checks it
     model, model_config, _ = load_model(
         config.speculative_model, dtype=config.dtype, device=config.device
     )
-    if model_config.vocab_size != target.vocab_size:
+    check_draft_model(config, model_config, target)
+    return DraftModel(model, model_config)
+
+
+def check_draft_model(config: EngineConfig, draft: ModelConfig, target: ModelConfig) -> None:
+    """Refuses a draft that cannot run beside ``target``: another vocabulary (its guesses
+    would be other tokens) or more than one KV group (its pages are one pool's, which has no
+    sliding-window groups). ``load_draft_model`` runs it on the loaded draft; ``pdserve up``
+    on the two configs, before it deploys a worker (``deploy/preflight.py``)."""
+    if draft.vocab_size != target.vocab_size:
         raise ValueError(
             f"speculative_model {config.speculative_model} has a vocabulary of "
-            f"{model_config.vocab_size} tokens and the model {config.model} one of "
+            f"{draft.vocab_size} tokens and the model {config.model} one of "
             f"{target.vocab_size}: a draft model must share the model's tokenizer"
         )
-    return DraftModel(model, model_config)
+    if len(draft.kv_layer_groups) != 1:
+        raise ValueError(
+            f"speculative_model {config.speculative_model}: a draft model needs one KV "
+            f"group (no interleaved sliding-window layers), it has "
+            f"{len(draft.kv_layer_groups)}"
+        )
 
 
 class DraftModelProposer:
@@ -114,12 +128,6 @@ class DraftModelProposer:
         num_blocks: int,
         target: ModelRunner,
     ) -> None:
-        if len(model_config.kv_layer_groups) != 1:
-            raise ValueError(
-                f"speculative_model {config.speculative_model}: a draft model needs one KV "
-                f"group (no interleaved sliding-window layers), it has "
-                f"{len(model_config.kv_layer_groups)}"
-            )
         self.runner = ModelRunner.for_engine(config, model, model_config, num_blocks)
         self.block_size = config.block_size
         self.max_positions = model_config.max_position_embeddings

@@ -1,5 +1,8 @@
 """``pdserve up``'s checks: a port whose server just stopped is free, a listened one is not;
-a draft model that is not there is named before anything starts.
+what a worker would refuse (a missing or unsupported model, a GGUF weight type, a split the
+heads do not allow, a draft of another vocabulary, a bad setting) is named with what is
+supported before anything starts, by ``up`` and by ``scale``. No Ray: ``init_ray`` and
+``deploy`` fail the test if they are reached.
 
 The TIME_WAIT is real: a server on 127.0.0.1 accepts a connection and closes it first (the
 side that closes first keeps the TIME_WAIT), then stops listening, as a stopped
@@ -10,9 +13,18 @@ and reported that port "in use" for a minute.
 from __future__ import annotations
 
 import socket
+from typing import Any
 
+import pytest
+from gguf import GGMLQuantizationType as Quant
+
+from pdserve.deploy import cli, cluster
 from pdserve.deploy.config import PDServeConfig
 from pdserve.deploy.preflight import _is_free, preflight_problems
+from tests.deploy.small_gguf import TOKENS, write_small_gguf
+
+# An existing cluster's address: the checks probe no port (the app's ports are elsewhere).
+JOINED = "127.0.0.1:6390"
 
 
 def test_a_port_left_in_time_wait_is_free_and_a_listened_port_is_not() -> None:
@@ -41,8 +53,106 @@ def test_a_missing_draft_model_is_named_before_anything_starts(tmp_path) -> None
         {
             "speculative_method": "draft_model",
             "speculative_model": str(tmp_path / "no-draft"),
-            "ray_address": "127.0.0.1:6390",  # an existing cluster: no port probes
+            "ray_address": JOINED,
         }
     )
     [problem] = preflight_problems(config)
     assert problem.startswith(f"--speculative-model '{tmp_path / 'no-draft'}'")
+
+
+def refusals(**fields: Any) -> list[str]:
+    return preflight_problems(PDServeConfig.model_validate({"ray_address": JOINED, **fields}))
+
+
+@pytest.fixture
+def nothing_deploys(monkeypatch) -> None:
+    """Reaching Ray fails the test: the refusal must come before anything is deployed."""
+
+    def deployed(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a refused config reached Ray")
+
+    monkeypatch.setattr(cluster, "init_ray", deployed)
+    monkeypatch.setattr(cluster, "deploy", deployed)
+
+
+def test_pdserve_up_refuses_a_gguf_of_an_unsupported_architecture_before_deploying(
+    tmp_path, nothing_deploys, capsys
+) -> None:
+    """The report: a Gemma 3 GGUF was listed, answered 503 for 33-48 s, then failed with
+    "Failed to update the deployments"; the reason was only in a worker's log."""
+    gemma = write_small_gguf(tmp_path / "gemma-3-270m.gguf", architecture="gemma3")
+    assert cli.main(["up", "--model", str(gemma), "--address", JOINED]) == 2
+    assert capsys.readouterr().err == (
+        "pdserve up: this config cannot start:\n"
+        f"  - --model '{gemma}': GGUF architecture 'gemma3' is not supported; "
+        "supported: llama, qwen2, qwen3\n"
+    )
+
+
+def test_a_gguf_weight_type_the_loader_cannot_dequantize_is_refused_naming_those_it_can(
+    tmp_path,
+) -> None:
+    mxfp4 = write_small_gguf(tmp_path / "mxfp4.gguf", weight_type=Quant.MXFP4)
+    [problem] = refusals(model=str(mxfp4))
+    assert problem.startswith(
+        f"--model '{mxfp4}': GGUF tensor 'token_embd.weight' is quantized as MXFP4, which is "
+        "not supported; supported: BF16, F16, F32, Q2_K"
+    )
+
+
+def test_a_split_the_heads_do_not_allow_is_refused_naming_the_degrees_that_fit() -> None:
+    """tiny has 4 query heads over 2 KV heads: a worker of degree 3 failed as it sharded."""
+    assert refusals(model="tiny", decode_tensor_parallel_size=3) == [
+        "--decode-tensor-parallel-size 3: tensor parallel size 3 does not divide the model's "
+        "4 attention heads; supported for this model: 1, 2, 4"
+    ]
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tmp_path) -> None:
+    draft = write_small_gguf(tmp_path / "draft.gguf")
+    assert refusals(
+        model="tiny", speculative_method="draft_model", speculative_model=str(draft)
+    ) == [
+        f"--speculative-model '{draft}': speculative_model {draft} has a vocabulary of "
+        f"{len(TOKENS)} tokens and the model tiny one of 512: a draft model must share the "
+        "model's tokenizer"
+    ]
+
+
+def test_a_model_every_check_accepts_passes(tmp_path) -> None:
+    """The checks refuse only what a worker refuses: a llama GGUF split in two is served."""
+    llama = write_small_gguf(tmp_path / "llama.gguf")
+    assert refusals(model=str(llama), prefill_tensor_parallel_size=2) == []
+
+
+def test_pdserve_up_names_a_bad_setting_and_what_it_accepts_without_a_traceback(
+    tmp_path, nothing_deploys, capsys
+) -> None:
+    """A ``--config`` value pydantic refuses was a ValidationError traceback."""
+    settings = tmp_path / "app.yaml"
+    settings.write_text("kv_cache_dtype: int8\nprefill_tensor_parallel_size: 0\n")
+    assert cli.main(["up", "--config", str(settings)]) == 2
+    error = capsys.readouterr().err
+    assert (
+        "--kv-cache-dtype 'int8': Input should be 'auto', 'float32', 'bfloat16' or 'float16'"
+        in error
+    )
+    assert "--prefill-tensor-parallel-size 0: Input should be greater than or equal to 1" in error
+    assert "Traceback" not in error
+
+
+def test_pdserve_scale_refuses_what_a_new_worker_would_refuse_before_deploying(
+    tmp_path, nothing_deploys, monkeypatch
+) -> None:
+    """The app's model file went away since ``up``: the scale step is refused, naming it,
+    and nothing is redeployed."""
+    from ray.experimental import internal_kv
+
+    model = write_small_gguf(tmp_path / "llama.gguf")
+    running = PDServeConfig.model_validate({"model": str(model), "ray_address": JOINED})
+    monkeypatch.setattr(
+        internal_kv, "_internal_kv_get", lambda key: running.model_dump_json().encode()
+    )
+    model.unlink()
+    with pytest.raises(ValueError, match=f"--model '{model}': model '{model}' is neither"):
+        cluster.scale(running.app_name, 2, 1)
