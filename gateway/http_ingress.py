@@ -11,10 +11,11 @@
     GET  /v1/requests[/id] recent requests' KV provenance; GET /dashboard: the live page
                            (both in ``dashboard.py``)
 
-Refusals are OpenAI-style error bodies: 400/404 for bad input (413 for a body over
-``MAX_REQUEST_BYTES``, 415 for one that is not declared JSON), 429 with ``Retry-After``
-when ``max_inflight_requests`` are already in flight, 503 with ``Retry-After`` when no
-worker of a needed role is available. The gRPC ``Generate`` service (``grpc_ingress``)
+Refusals are OpenAI-style error bodies: 400/404 for bad input (a query parameter of the
+wrong type too; 413 for a body over ``MAX_REQUEST_BYTES``, 415 for one that is not declared
+JSON), 429 with ``Retry-After`` when ``max_inflight_requests`` are already in flight, 503
+with ``Retry-After`` when no worker of a needed role is available, or at once while the
+gateway starts. The gRPC ``Generate`` service (``grpc_ingress``)
 starts beside it when ``grpc_port`` is set; both share one ``RequestOrchestrator``.
 """
 
@@ -28,6 +29,7 @@ from typing import Any
 
 import grpc
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
@@ -72,6 +74,7 @@ from pdserve.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 _START_RETRY_S = 0.5  # between tries to reach a worker at start
+_START_DESCRIBE_S = 60.0  # a start's wait for a prefill worker to describe the model
 
 app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
 app.include_router(dashboard_router)
@@ -81,27 +84,44 @@ app.add_middleware(RequireAPIKey)  # outermost: every route, the ones added late
 
 @app.exception_handler(APIError)
 async def _api_error(request: Request, error: APIError) -> Response:
-    """An ``APIError`` no route caught (no prefill worker described the model yet: 503)."""
-    return Response(
-        json.dumps(error.body()), status_code=error.status, media_type="application/json"
+    """An ``APIError`` no route caught: the gateway is still starting (a 503 of
+    ``Gateway._get_orchestrator``); ``Gateway`` sets ``app.state.retry_after_s``."""
+    return _refusal(error, request.app.state.retry_after_s)
+
+
+@app.exception_handler(RequestValidationError)
+async def _invalid_parameter(request: Request, error: RequestValidationError) -> Response:
+    """A query or path parameter FastAPI cannot read (``/v1/requests?limit=abc``): a 400 in
+    OpenAI's error shape naming it, not FastAPI's 422 body. (Bodies are read and refused by
+    the routes themselves, ``read_json_body``.)"""
+    problems = error.errors()
+    names = [str(problem["loc"][-1]) for problem in problems]
+    message = "; ".join(
+        f"{name} {problem['input']!r}: {problem['msg']}" for name, problem in zip(names, problems)
     )
+    return _refusal(APIError(400, message, param=names[0], code="invalid_parameter"), 0)
 
 
-def _error_response(orchestrator: RequestOrchestrator, error: APIError) -> Response:
+def _refusal(error: APIError, retry_after_s: int) -> Response:
     """The error body; a refusal the client should retry (429, 503) says when.
 
     Rendered as ASCII JSON: a message may quote the client's input, lone surrogates included.
     """
-    orchestrator.metrics.record_rejected(error.status)
     headers = None
     if error.status in (429, 503):
-        headers = {"Retry-After": str(orchestrator.config.retry_after_s)}
+        headers = {"Retry-After": str(retry_after_s)}
     return Response(
         json.dumps(error.body()),
         status_code=error.status,
         headers=headers,
         media_type="application/json",
     )
+
+
+def _error_response(orchestrator: RequestOrchestrator, error: APIError) -> Response:
+    """A route's refusal, counted (``_refusal``)."""
+    orchestrator.metrics.record_rejected(error.status)
+    return _refusal(error, orchestrator.config.retry_after_s)
 
 
 async def read_json_body(request: Request) -> object:
@@ -381,9 +401,11 @@ class Gateway:
     ) -> None:
         self.config = config
         app.state.api_key_policy = APIKeyPolicy.of(config)  # the app this replica serves
+        app.state.retry_after_s = config.retry_after_s
         self.workers = WorkerPool(prefill, decode)
         self.orchestrator: RequestOrchestrator | None = None
-        self._ready = asyncio.Lock()
+        self._not_started_because = "no prefill worker has described the model yet"
+        self._described = False  # a worker has: the tokenizer loads, no worker is waited for
         self._created = int(time.time())
         self._grpc_server: grpc.aio.Server | None = None
         # Started now (Serve runs the constructor on the replica's loop), not by the first
@@ -395,32 +417,48 @@ class Gateway:
         self._starting = asyncio.get_running_loop().create_task(self._start_when_workers_answer())
 
     async def _start_when_workers_answer(self) -> None:
-        waiting = False
-        while self.orchestrator is None:
+        """Builds the orchestrator once a prefill worker describes the model; the only place
+        that asks. A request meanwhile is answered 503 at once (``_get_orchestrator``): each
+        one used to ask the workers itself and wait out ``worker_timeout_s`` to say so.
+
+        A worker still loading its model answers as soon as it is up (Serve holds the call
+        until then), so the orchestrator is built as the deploy ends; the bound only asks a
+        hung worker again."""
+        while True:
             try:
-                await self._get_orchestrator()
-            except APIError as error:  # the workers are still loading their model
-                if not waiting:  # once, not every retry of a model load
-                    logger.info("gateway up, workers not yet: %s", error.message)
-                    waiting = True
+                info = await self.workers.first_model_info(_START_DESCRIBE_S)
+                break
+            except NoModelInfo as error:  # every prefill worker failed or hangs: ask again
+                logger.info("gateway up, workers not yet: %s", error)
+                self._not_started_because = str(error)
                 await asyncio.sleep(_START_RETRY_S)
+        self._described = True
+        try:
+            tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model)
+        except (OSError, ValueError) as error:  # the model's files: no retry mends them
+            logger.error("the gateway cannot load the model's tokenizer: %s", error)
+            self._not_started_because = f"the gateway cannot load the tokenizer: {error}"
+            return
+        orchestrator = RequestOrchestrator(self.config, self.workers, info, tokenizer)
+        orchestrator.start()
+        self.orchestrator = orchestrator
+        if self.config.grpc_port:
+            self._grpc_server = await start_grpc_server(orchestrator, self.config)
 
     async def _get_orchestrator(self) -> RequestOrchestrator:
+        """The orchestrator. While the gateway starts, a 503 (with ``Retry-After``, by
+        ``_api_error``) saying what it waits for; once a worker has described the model
+        only the tokenizer is left to load, and a request waits for that rather than fail
+        just after a deploy returned."""
+        if self.orchestrator is None and self._described:
+            await asyncio.wait([self._starting])  # its failure is the 503's reason below
         if self.orchestrator is None:
-            async with self._ready:
-                if self.orchestrator is None:
-                    try:
-                        info = await self.workers.first_model_info(self.config.worker_timeout_s)
-                    except NoModelInfo as error:
-                        raise APIError(
-                            503, str(error), type="server_error", code="no_worker_available"
-                        ) from None
-                    tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model)
-                    orchestrator = RequestOrchestrator(self.config, self.workers, info, tokenizer)
-                    orchestrator.start()
-                    self.orchestrator = orchestrator
-                    if self.config.grpc_port:
-                        self._grpc_server = await start_grpc_server(orchestrator, self.config)
+            raise APIError(
+                503,
+                f"the service is starting: {self._not_started_because}",
+                type="server_error",
+                code="no_worker_available",
+            )
         return self.orchestrator
 
     # ------------------------------------------------------------------ HTTP
