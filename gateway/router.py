@@ -203,6 +203,11 @@ class Router:
             index = self._workers[worker_id]
             index.load = max(0, index.load - 1)
 
+    def num_in_flight(self) -> int:
+        """Worker streams in flight through this gateway (the event poll keeps its pace
+        while any is)."""
+        return sum(index.load for index in self._workers.values())
+
     # ------------------------------------------------------------------ choice
 
     def pick_prefill(self, block_hashes: list[BlockHash]) -> RouteChoice:
