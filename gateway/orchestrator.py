@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import logging
 import random
 import time
@@ -207,7 +208,9 @@ class RequestOrchestrator:
             else None
         )
         self.seed_rng = random.SystemRandom()
-        self._lease_releases: set[asyncio.Task] = set()
+        self._aborts: set[asyncio.Task] = set()
+        # (worker, request id) → the abort of a call there given up on before it answered.
+        self._unanswered_aborts: dict[tuple[str, str], asyncio.Task] = {}
 
     def start(self) -> None:
         self.poller.start()
@@ -620,30 +623,58 @@ class RequestOrchestrator:
         )
 
     def release_lease(self, run: RequestRun) -> None:
-        """Tells the prefill worker to free the blocks it leased for this request.
+        """Tells the prefill worker to free the blocks it leased for this request."""
+        if run.kv_transfer_params is not None:
+            self.abort_on(run.prefill_id, run.request_id)
+
+    def forget_unanswered_call(self, worker_id: str, request_id: str) -> None:
+        """Aborts on the worker a call given up on before it answered (hung, lost, or the
+        client left). Cancelling its stream is not enough: Serve's cancel is best effort,
+        and a call already handed to a hung worker's process runs when the process resumes,
+        where the cancel can land after the call finished: a prefill's lease, which no
+        caller has, then stayed held until its TTL (issue 51: 18 blocks on the fault
+        matrix's resumed prefill). A later call of the request to that worker waits for
+        this abort (``worker_stream``): the abort must not end that call, nor the lease
+        refuse it its request id."""
+        key = (worker_id, request_id)
+        abort = self.abort_on(worker_id, request_id)
+        self._unanswered_aborts[key] = abort
+        abort.add_done_callback(functools.partial(self._unanswered_abort_done, key))
+
+    def _unanswered_abort_done(self, key: tuple[str, str], abort: asyncio.Task) -> None:
+        if self._unanswered_aborts.get(key) is abort:
+            del self._unanswered_aborts[key]
+
+    def abort_on(self, worker_id: str, request_id: str) -> asyncio.Task:
+        """Aborts the request on the worker, or frees the lease it still holds for it.
 
         The call runs in a fresh context: made in the request's own, Serve would count it
         as the request's child and cancel it with the request (a client that hung up), and
-        the lease would stay held until its TTL."""
-        if run.kv_transfer_params is None:
-            return
+        a lease would stay held until its TTL."""
         task = asyncio.get_running_loop().create_task(
-            self.workers.call(run.prefill_id, "abort", run.request_id),
+            self.workers.call(worker_id, "abort", request_id),
             context=contextvars.Context(),
         )
-        self._lease_releases.add(task)
-        task.add_done_callback(self._lease_released)
+        self._aborts.add(task)
+        task.add_done_callback(self._aborted)
+        return task
 
-    def _lease_released(self, task: asyncio.Task) -> None:
-        self._lease_releases.discard(task)
+    def _aborted(self, task: asyncio.Task) -> None:
+        self._aborts.discard(task)
         if not task.cancelled():
-            task.exception()  # a dead prefill worker took the lease with it
+            task.exception()  # a dead worker took the request and its lease with it
 
     async def worker_stream(
         self, worker_id: str, request: WorkerRequest, first: bool
     ) -> AsyncIterator[GenerationChunk]:
         """One worker's chunks, counted as its load. A worker whose stream breaks (dead,
         unreachable) leaves routing until its event poll answers again: ``WorkerLost``."""
+        # An earlier call of this request here was given up on before it answered: its
+        # abort goes first (``forget_unanswered_call``). A worker that leaves it unanswered
+        # for worker_timeout_s is still hung, and this call is watched as any other.
+        abandoned = self._unanswered_aborts.get((worker_id, request.request_id))
+        if abandoned is not None:
+            await asyncio.wait((abandoned,), timeout=self.config.worker_timeout_s)
         stream = self.workers.stream(worker_id, request)
         answered = finished = False
         # A worker already out of routing (a role's only one, tried while it restarts) is
@@ -700,6 +731,8 @@ class RequestOrchestrator:
             if not finished:
                 with contextlib.suppress(Exception):
                     stream.cancel()  # the client went away: abort on the worker
+                if not answered:
+                    self.forget_unanswered_call(worker_id, request.request_id)
 
     # ------------------------------------------------------------------ stats
 

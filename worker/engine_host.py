@@ -137,7 +137,11 @@ class EngineHost:
         return await self._on_engine_thread(self._read_stats)
 
     async def generate(self, request: WorkerRequest) -> AsyncIterator[GenerationChunk]:
-        """Streams the request's chunks; cancelling the stream aborts the request."""
+        """Streams the request's chunks; cancelling the stream aborts the request.
+
+        The request counts as done only once its last chunk has been handed over: a cancel
+        that lands before (while a prefill's lease is checksummed, or at the last yield)
+        comes from a caller that never got the lease, and nobody else would release it."""
         entered_at = time.perf_counter()
         self._ensure_loop()
         request_id = request.request_id
@@ -166,7 +170,6 @@ class EngineHost:
                     finished = True
                     yield output
                     return
-                finished = output.finished
                 transfer_params = output.kv_transfer_params
                 checksum_s = 0.0
                 if transfer_params is not None:  # a prefill's hand-off: completed off the step path
@@ -194,6 +197,7 @@ class EngineHost:
                     prompt_logprobs=output.prompt_logprobs,
                     timing=timing,
                 )
+                finished = output.finished
         finally:
             self._streams.pop(request_id, None)
             if not finished:
@@ -239,8 +243,16 @@ class EngineHost:
                 self._submit(lambda: self.engine.abort(offer_id))
 
     async def abort(self, request_id: str) -> None:
-        """Aborts a request, or releases the lease a finished prefill still holds for it."""
+        """Aborts a request, or releases the lease a finished prefill still holds for it.
+
+        A stream still open for the request ends with an error chunk: the gateway aborts a
+        call it gave up on (``RequestOrchestrator.forget_unanswered_call``), and when that
+        call's cancel never lands, its stream would otherwise wait for outputs that an
+        aborted request no longer gets."""
         self._ensure_loop()
+        queue = self._streams.get(request_id)
+        if queue is not None:
+            queue.put_nowait(GenerationChunk.failed(request_id, "aborted by the gateway"))
         self._submit(lambda: self.engine.abort(request_id))
 
     def _signed(self, provenance: KVProvenance | None) -> KVProvenance | None:
