@@ -197,7 +197,11 @@ class RequestOrchestrator:
         )
         self.readiness = Readiness(workers, self.router, config.worker_timeout_s)
         self.poller = KVEventPoller(
-            workers, self.router, config.worker_timeout_s, after_each_round=self.readiness.prewarm
+            workers,
+            self.router,
+            config.worker_timeout_s,
+            after_each_round=self.readiness.prewarm,
+            idle_max_s=config.event_poll_idle_max_s,
         )
         self.metrics = GatewayMetrics(self.model_name)
         self.recent = RecentRequests(config.num_recent_requests)
@@ -683,6 +687,7 @@ class RequestOrchestrator:
         if left_routing is not None and left_routing.is_set():
             left_routing = None
         self.router.begin(worker_id)
+        self.poller.wake()  # traffic: the health check runs at its pace again
         try:
             while not finished:
                 try:

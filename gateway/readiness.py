@@ -42,20 +42,24 @@ class Readiness:
         self._refused: dict[tuple[str, str, str, str], str] = {}
         self._round: asyncio.Lock = asyncio.Lock()
 
-    async def prewarm(self) -> None:
-        """One round: learns new prefill addresses, connects decode workers to them."""
-        if not self.workers.decode or self._round.locked():
-            return
-        async with self._round:
-            for prefill_id in self.workers.prefill:
-                instance = self.router.instance_id(prefill_id)
-                if instance is None or self._addresses.get(prefill_id, ("",))[0] == instance:
-                    continue
-                address = await self._call(prefill_id, "kv_transfer_address")
-                if address is not None:
-                    self._addresses[prefill_id] = (instance, address)
-            for decode_id in self.workers.decode:
-                await self._connect(decode_id)
+    async def prewarm(self) -> bool:
+        """One round: learns new prefill addresses, connects decode workers to them; then
+        says whether the service is ready (the event poll backs off only once it is)."""
+        if self.workers.decode and not self._round.locked():
+            async with self._round:
+                await self._prewarm_round()
+        return bool(self.report()["ready"])
+
+    async def _prewarm_round(self) -> None:
+        for prefill_id in self.workers.prefill:
+            instance = self.router.instance_id(prefill_id)
+            if instance is None or self._addresses.get(prefill_id, ("",))[0] == instance:
+                continue
+            address = await self._call(prefill_id, "kv_transfer_address")
+            if address is not None:
+                self._addresses[prefill_id] = (instance, address)
+        for decode_id in self.workers.decode:
+            await self._connect(decode_id)
 
     async def _connect(self, decode_id: str) -> None:
         decode_instance = self.router.instance_id(decode_id)
