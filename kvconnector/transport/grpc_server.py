@@ -146,6 +146,8 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
         self._data_calls = threading.BoundedSemaphore(max_data_calls)
         self._max_data_calls = max_data_calls
         self._activity = activity
+        self.num_holds_open = 0
+        self._holds_lock = threading.Lock()
 
     def Handshake(
         self, request: pb.HandshakeRequest, context: grpc.ServicerContext
@@ -188,8 +190,19 @@ class _KvTransferServicer(pb_grpc.KvTransferServicer):
     ) -> Iterator[pb.HoldReply]:
         self._authorize(context)
         self._activity.set()
-        with self._data_call(context):
+        with self._data_call(context), self._open_hold():
             yield from self._hold(request_iterator, context)
+
+    @contextlib.contextmanager
+    def _open_hold(self) -> Iterator[None]:
+        """Counts the holds open (a NIXL READ may be under way through one)."""
+        with self._holds_lock:
+            self.num_holds_open += 1
+        try:
+            yield
+        finally:
+            with self._holds_lock:
+                self.num_holds_open -= 1
 
     def _hold(
         self, request_iterator: Iterator[pb.HoldRequest], context: grpc.ServicerContext
@@ -415,6 +428,7 @@ class GrpcTransferServer(KVTransferServer):
             self.activity,
             over_tls=tls is not None,
         )
+        self._servicer = servicer
         self._server.add_generic_rpc_handlers([_method_handlers(servicer)])
         if tls is None:
             bound_port = self._server.add_insecure_port(f"{host}:{port}")
@@ -429,6 +443,11 @@ class GrpcTransferServer(KVTransferServer):
     @property
     def address(self) -> str:
         return self._address
+
+    @property
+    def num_holds_open(self) -> int:
+        """``HoldBlocks`` calls open now (the NIXL server polls its agent while any is)."""
+        return self._servicer.num_holds_open
 
     def stop(self, grace_s: float | None = None) -> None:
         self._server.stop(grace_s).wait()

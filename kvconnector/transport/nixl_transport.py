@@ -98,9 +98,12 @@ else:
     )
 
 # The prefill side polls its agent this often while peers are active, so that UCX can answer
-# connection setup; idle, the interval doubles up to the maximum.
+# connection setup; then the interval doubles, up to the first maximum while a hold is open
+# (a READ over TCP needs the target's progress), up to the second while none is: a 50 ms
+# poll cost an idle prefill worker 0.4 % of a core (``bench/bench_idle_cpu.py``).
 PROGRESS_INTERVAL_S = 0.001
-IDLE_PROGRESS_INTERVAL_S = 0.05
+HOLD_PROGRESS_INTERVAL_S = 0.05
+IDLE_PROGRESS_INTERVAL_S = 1.0
 # A READ still in progress is polled again after these (doubling) pauses.
 READ_POLL_MIN_S = 20e-6
 READ_POLL_MAX_S = 0.001
@@ -254,13 +257,19 @@ class NixlTransferServer(KVTransferServer):
 
     def _progress_loop(self) -> None:
         """Polls the agent: every ``PROGRESS_INTERVAL_S`` after a control call (a handshake
-        or a hold, when UCX sets up or uses a connection), backing off to
-        ``IDLE_PROGRESS_INTERVAL_S`` while nothing happens."""
+        or a hold, when UCX sets up or uses a connection), backing off while nothing
+        happens: to ``HOLD_PROGRESS_INTERVAL_S`` while a hold is open, to
+        ``IDLE_PROGRESS_INTERVAL_S`` while none is."""
         backoff = IdleBackoff(
             PROGRESS_INTERVAL_S, IDLE_PROGRESS_INTERVAL_S, wake=self.control.activity
         )
         while not self._stop_progress.is_set():
             self.endpoint.agent.get_new_notifs()
+            backoff.max_s = (
+                HOLD_PROGRESS_INTERVAL_S
+                if self.control.num_holds_open
+                else IDLE_PROGRESS_INTERVAL_S
+            )
             backoff.wait_idle()
 
     @property
