@@ -17,4 +17,10 @@ of the system (see docs/architecture.md):
 Each folder imports only from those listed below it (import-linter contracts in pyproject.toml).
 """
 
+import time as _time
+
 __version__ = "0.1.0"
+
+# When this process first imported pdserve: a worker's start counts its imports from here
+# (``worker/engine_host.py``: the ``imports`` phase of its ``start_seconds``).
+IMPORTED_AT = _time.perf_counter()

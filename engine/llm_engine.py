@@ -45,6 +45,7 @@ from pdserve.messages.kv_transfer_params import KVTransferParams
 from pdserve.messages.sampling_params import SamplingParams
 from pdserve.model.loader import load_model
 from pdserve.model.model_config import resolve_dtype
+from pdserve.stats.start_phases import start_phase
 from pdserve.tokenizer.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -91,22 +92,23 @@ class LLMEngine:
                 "CPU only for now (per-rank GPU pages are not built)"
             )
         self.config = config
-        self.model, self.model_config, self.tokenizer = load_model(
-            config.model, dtype=config.dtype, device=config.device
-        )
+        with start_phase("model_build"):  # the weights' read is a phase of its own
+            self.model, self.model_config, self.tokenizer = load_model(
+                config.model, dtype=config.dtype, device=config.device
+            )
         groups = kv_cache_groups(self.model_config, config)
-        draft = (
-            load_draft_model(config, self.model_config)
-            if config.speculative_method == "draft_model"
-            else None
-        )
+        draft = None
+        if config.speculative_method == "draft_model":
+            with start_phase("draft_model"):
+                draft = load_draft_model(config, self.model_config)
         # A draft model's pool holds as many blocks as the model's, out of the same budget.
         beside = [] if draft is None else [kv_cache_groups(draft.model_config, config)]
         num_blocks = config.num_kv_blocks or num_blocks_for_memory(
             config.kv_cache_memory_bytes, groups, beside
         )
         kv_cache_config = KVCacheConfig(num_blocks, groups)
-        self.runner = self._make_runner(num_blocks, on_rank_lost)
+        with start_phase("kv_pool"):  # the pages, the runner's tables (tensor-parallel peers)
+            self.runner = self._make_runner(num_blocks, on_rank_lost)
         # The engine owns the connector from here on, as ``shutdown`` says.
         self.connector = connector
         self._shut_down = False
@@ -141,7 +143,8 @@ class LLMEngine:
         )
         connector = self.connector
         if connector is not None:
-            connector.register_kv_caches(self.runner.kv_cache, self.model_config.fingerprint)
+            with start_phase("connector"):  # registers the pages (a NIXL agent's memory)
+                connector.register_kv_caches(self.runner.kv_cache, self.model_config.fingerprint)
             connector.attach_kv_cache_manager(self.kv_cache_manager)
         self.scheduler = Scheduler(
             self.kv_cache_manager,

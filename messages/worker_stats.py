@@ -22,7 +22,8 @@ class WorkerStats:
 
     Counters are cumulative since the worker (re)started, so a restarted worker's counters
     begin again under its new ``instance_id``. Units and meanings: ``stats/registry.py``.
-    The ``kv_tier_*`` figures are kept per tier medium (``{"cpu": .., "disk": ..}``).
+    The ``kv_tier_*`` figures are kept per tier medium (``{"cpu": .., "disk": ..}``), and
+    ``start_seconds`` per phase of the worker's start (``stats/start_phases.py``).
     """
 
     worker_id: str
@@ -86,6 +87,7 @@ class WorkerStats:
     kv_tier_evictions: dict[str, float] = field(default_factory=per_tier)
     kv_tier_store_failures: dict[str, float] = field(default_factory=per_tier)
     kv_tier_load_failures: dict[str, float] = field(default_factory=per_tier)
+    start_seconds: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.prefix_cache_queries:

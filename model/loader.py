@@ -30,6 +30,7 @@ from pdserve.model.gguf_loader import check_gguf_tensors, gguf_has_output_head, 
 from pdserve.model.model_config import DTYPES, ModelConfig, resolve_dtype
 from pdserve.model.tensor_parallel import TensorParallel
 from pdserve.model.tiny_model import build_tiny_model, tiny_model_config
+from pdserve.stats.start_phases import start_phase
 from pdserve.tokenizer.gguf_tokenizer import tokenizer_from_gguf
 from pdserve.tokenizer.loading import load_tokenizer
 from pdserve.tokenizer.tokenizer import Tokenizer
@@ -54,7 +55,8 @@ def load_model(
         return load_gguf_model(source, torch_dtype, device)
     config = load_model_config(source.file_path())
     config.dtype = _dtype_name(torch_dtype)
-    config.weights_digest = weights_digest(_weight_files(source.file_path()))
+    with start_phase("weights"):
+        config.weights_digest = weights_digest(_weight_files(source.file_path()))
     model = load_weights(config, source.file_path(), torch_dtype, device)
     return model, config, load_tokenizer(source)
 
@@ -67,8 +69,9 @@ def load_gguf_model(
     reader = open_gguf(source.file_path())
     config, tokenizer = _gguf_config_and_tokenizer(reader)
     config.dtype = _dtype_name(dtype)
-    config.weights_digest = weights_digest([source.file_path()])
-    state = gguf_state_dict(config, reader, dtype, device)
+    with start_phase("weights"):
+        config.weights_digest = weights_digest([source.file_path()])
+        state = gguf_state_dict(config, reader, dtype, device)
     model = build_with_weights(config, state, device, f"the tensors of {source.path}")
     return model, config, tokenizer
 
@@ -158,11 +161,12 @@ def load_weights(
     """Build ``config``'s architecture and fill it from the directory's safetensors."""
     directory = Path(directory)
     state: dict[str, torch.Tensor] = {}
-    for shard in _weight_files(directory):
-        with safe_open(str(shard), framework="pt", device="cpu") as reader:
-            for name in reader.keys():
-                if not name.endswith(_IGNORED_SUFFIXES):
-                    state[name] = reader.get_tensor(name).to(device=device, dtype=dtype)
+    with start_phase("weights"):
+        for shard in _weight_files(directory):
+            with safe_open(str(shard), framework="pt", device="cpu") as reader:
+                for name in reader.keys():
+                    if not name.endswith(_IGNORED_SUFFIXES):
+                        state[name] = reader.get_tensor(name).to(device=device, dtype=dtype)
     return build_with_weights(config, state, device, f"the weights in {directory}")
 
 

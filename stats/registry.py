@@ -462,6 +462,16 @@ WORKER_STATS: tuple[Stat, ...] = (
         "pdserve:kv_tier_load_failures",
         label="tier",
     ),
+    Stat(
+        "start_seconds",
+        G,
+        "seconds",
+        "How long the worker's start took, per phase: imports, model_build, weights, "
+        "kv_pool, connector, the rest of its engine (stats/start_phases.py); the total adds "
+        "the workers' up.",
+        "pdserve:worker_start_seconds",
+        label="phase",
+    ),
 )
 
 GATEWAY_STATS: tuple[Stat, ...] = (

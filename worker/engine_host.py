@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from pdserve import IMPORTED_AT
 from pdserve.engine.kv_connector_base import KVConnectorBase
 from pdserve.engine.llm_engine import LLMEngine, resolve_device
 from pdserve.engine.request_output import RequestOutput
@@ -47,6 +48,7 @@ from pdserve.messages.kv_provenance import KVProvenance
 from pdserve.messages.kv_transfer_params import KVTransferParams
 from pdserve.messages.worker_spec import WorkerSpec
 from pdserve.messages.worker_stats import WorkerStats, per_tier
+from pdserve.stats.start_phases import StartPhases, start_phase
 from pdserve.worker.kv_event_log import KVEventLog
 
 logger = logging.getLogger(__name__)
@@ -76,6 +78,18 @@ class EngineHost:
     """Hosts one engine and serves ``generate`` streams, ``kv_events`` and ``stats``."""
 
     def __init__(self, spec: WorkerSpec) -> None:
+        began = time.perf_counter()
+        with StartPhases.recording() as phases:  # where the start's seconds go: in stats()
+            self._build(spec)
+        phases.add("other", time.perf_counter() - began - sum(phases.seconds.values()))
+        self.start_seconds = {"imports": began - IMPORTED_AT, **phases.seconds}
+        logger.info(
+            "%s started: %s",
+            self.worker_id,
+            ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.start_seconds.items()),
+        )
+
+    def _build(self, spec: WorkerSpec) -> None:
         if not isinstance(spec, WorkerSpec):
             raise TypeError(f"a worker is built from a WorkerSpec, got {type(spec).__name__}")
         self.spec = spec
@@ -90,10 +104,10 @@ class EngineHost:
             engine_id=f"{spec.engine.engine_id}-{self.instance_id[:8]}",
             device=resolve_device(spec.engine.device),
         )
+        with start_phase("connector"):
+            connector = self.make_connector(engine_config)
         self.engine = LLMEngine(
-            engine_config,
-            connector=self.make_connector(engine_config),
-            on_rank_lost=self._exit_for_lost_rank,
+            engine_config, connector=connector, on_rank_lost=self._exit_for_lost_rank
         )
         self.events = KVEventLog(self.worker_id, self.instance_id)
         self._executor = ThreadPoolExecutor(
@@ -129,7 +143,9 @@ class EngineHost:
             eos_token_ids=list(self.engine.tokenizer.eos_token_ids),
         )
 
-    def kv_events(self, since_seq: int) -> KVEventBatch:
+    async def kv_events(self, since_seq: int) -> KVEventBatch:
+        """The gateway's event poll (its health check): answered on the actor's event loop,
+        as a sync method would not be (Serve runs those on a thread, a hop per poll)."""
         return self.events.since(since_seq)
 
     async def stats(self) -> WorkerStats:
@@ -335,6 +351,7 @@ class EngineHost:
                 str(position): count
                 for position, count in enumerate(stats.spec_decode.num_accepted_tokens_per_pos)
             },
+            start_seconds=self.start_seconds,
             **values,
         )
 

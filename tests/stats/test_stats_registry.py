@@ -58,6 +58,7 @@ def test_metrics_exposes_every_registered_metric_with_worker_labels():
             num_blocks_received=5,
             num_bytes_received_by_peer={"127.0.0.2": 64},
             spec_decode_accepted_tokens_per_pos={"0": 3},
+            start_seconds={"imports": 1.5, "model_build": 0.2},
         )
     ]
     text = generate_latest(metrics.registry).decode()
