@@ -411,7 +411,13 @@ class PDServeConfig(_PartsSettings):  # type: ignore[misc,valid-type]  # generat
         role_cpus = self.prefill_cpus if role == "producer" else self.decode_cpus
         cpus = tuple(role_cpus) if role_cpus else None
         if self.colocated:
-            return WorkerSpec(worker_id, engine, kv_tier=kv_tier, cpus=cpus)
+            return WorkerSpec(
+                worker_id,
+                engine,
+                kv_tier=kv_tier,
+                cpus=cpus,
+                hung_step_s=self.hung_step_s,
+            )
         if self.kv_transfer_secret is None:
             raise ValueError(
                 "a disaggregated worker needs the deployment's KV-transfer secret; "
@@ -434,6 +440,7 @@ class PDServeConfig(_PartsSettings):  # type: ignore[misc,valid-type]  # generat
             advertise_node_address=not self.kv_transfer_host,
             kv_tier=kv_tier,
             cpus=cpus,
+            hung_step_s=self.hung_step_s,
         )
 
     def gateway_config(self) -> GatewayConfig:

@@ -97,6 +97,7 @@ def parse_chat(body: Any, tokenizer: Tokenizer) -> ParsedCompletion:
         n=request.n,
         return_tokens_as_token_ids=request.return_tokens_as_token_ids,
         max_tokens_to_context=request.max_completion_tokens is None and request.max_tokens is None,
+        timeout_s=request.timeout,
     )
 
 

@@ -56,7 +56,17 @@ class GatewayConfig:
     it at once. Idle, a dead worker leaves routing within this plus worker_timeout_s. 0.25:
     a fixed poll."""
     max_attempts: int = 3
-    """Runs of a request per worker role when workers are lost (1: no retry)."""
+    """Runs of a request per worker role when workers are lost or hang (1: no retry): the
+    migration limit of a stream given up mid-way."""
+    hung_step_s: float = 60.0
+    """A worker whose engine has been inside one step this long is hung: it leaves routing
+    (its streams move to other workers, replayed from the tokens already sent) and fails its
+    health check, so Serve restarts it. Steps take milliseconds on a GPU and well under a
+    second on CPU (chunked prefill bounds them)."""
+    request_timeout_s: float = 600.0
+    """A request still running after this long ends with an error in its endpoint's shape
+    (503 with Retry-After before its first token), everything released; a request's own
+    'timeout' may shorten it. 0: no deadline."""
     retry_backoff_s: float = 0.5
     """Between those runs."""
     drain_timeout_s: float = 300.0
@@ -113,6 +123,11 @@ class GatewayConfig:
             raise ValueError(
                 f"event_poll_idle_max_s must be >= {EVENT_POLL_S} (the poll's pace under "
                 f"traffic), got {self.event_poll_idle_max_s}"
+            )
+        if self.hung_step_s <= 0 or self.request_timeout_s < 0:
+            raise ValueError(
+                "hung_step_s must be positive and request_timeout_s >= 0, got "
+                f"{self.hung_step_s} and {self.request_timeout_s}"
             )
         if self.decode_load_weight < 0:
             raise ValueError(f"decode_load_weight must be >= 0, got {self.decode_load_weight}")

@@ -308,6 +308,7 @@ async def _serve(
         token_ids,
         choice_params(params, parsed.n, parsed.params.seed, orchestrator.seed_rng),
         parsed.cache_salt,
+        parsed.timeout_s,
     )
     hold_until_request_ends(request.scope, AdmissionSlot(orchestrator.release, choices))
     try:

@@ -2,7 +2,9 @@
 
 The gateway asks each worker for its KV events since the router's cursor
 (``kv_events(next_seq)``). The poll doubles as the health check: a worker that fails it, or
-does not answer within ``worker_timeout_s``, leaves routing until it answers again. After
+does not answer within ``worker_timeout_s``, or whose engine has been inside one step for
+``hung_step_s`` (its process answers, its engine thread is stuck: the heartbeat the poll
+carries), leaves routing until it answers again, between steps. After
 each round, ``after_each_round`` runs (the readiness prewarm: it needs the workers' current
 instance ids, which the poll has just refreshed) and says whether the service is ready.
 
@@ -21,7 +23,7 @@ before, the service is ready, and no request is in flight through this gateway. 
 traffic the schedule is today's fixed 0.25 s, and a worker that dies or hangs under a
 request leaves routing within ``worker_timeout_s`` of the round after it, as before; idle,
 within ``idle_max_s + worker_timeout_s``, and a request routed to it wakes the poll at once,
-which takes it out within ``worker_timeout_s`` of that request (``first_chunk`` then moves
+which takes it out within ``worker_timeout_s`` of that request (``stream_watch.py`` then moves
 the request). Routing stays as fresh as before: a finished request's events are read before
 its reply ends (``refresh``), whatever the schedule.
 """
@@ -41,16 +43,22 @@ from pdserve.gateway.worker_pool import WorkerPool
 logger = logging.getLogger(__name__)
 
 
+class EngineHung(Exception):
+    """A worker answers its poll, but its engine thread is stuck in one step."""
+
+
 class KVEventPoller:
     def __init__(
         self,
         workers: WorkerPool,
         router: Router,
         worker_timeout_s: float,
+        hung_step_s: float,
         after_each_round: Callable[[], Awaitable[bool | None]],
         idle_max_s: float = EVENT_POLL_S,
     ) -> None:
-        """``after_each_round`` returns False while the service is not ready (the poll
+        """``hung_step_s``: a worker whose engine has been inside one step this long is hung
+        and leaves routing as one that does not answer. ``after_each_round`` returns False while the service is not ready (the poll
         stays at ``EVENT_POLL_S`` until it is); ``idle_max_s``: the longest wait between two
         rounds while nothing moves (``EVENT_POLL_S``: a fixed poll)."""
         if idle_max_s < EVENT_POLL_S:
@@ -58,6 +66,7 @@ class KVEventPoller:
         self.workers = workers
         self.router = router
         self.worker_timeout_s = worker_timeout_s
+        self.hung_step_s = hung_step_s
         self.idle_max_s = idle_max_s
         self.interval_s = EVENT_POLL_S  # the wait after the current round
         self._after_each_round = after_each_round
@@ -149,6 +158,11 @@ class KVEventPoller:
             ):
                 self._moved = True
             self.router.apply(batch)
+            if batch.engine_step_s >= self.hung_step_s:
+                raise EngineHung(
+                    f"its engine has been inside one step for {batch.engine_step_s:.1f} s "
+                    f"(hung_step_s {self.hung_step_s:g})"
+                )
             if not self.router.is_available(worker_id):
                 logger.info("worker %s answers again", worker_id)
                 self._moved = True

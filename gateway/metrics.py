@@ -38,6 +38,8 @@ class GatewayMetrics:
         self.finished_by_reason: Counter[str] = Counter()
         self.rejected_by_status: Counter[str] = Counter()
         self.num_retries = 0
+        self.num_stream_migrations = 0
+        self.num_deadlines_exceeded = 0
         self.num_requests_prefilled_on_decode = 0
         self.num_turns_run_where_kv_is = 0
         self.num_prompt_tokens = 0

@@ -178,6 +178,9 @@ class SamplingRequest(StructuredOutputFields):
     # vLLM's extension: logprobs name tokens as "token_id:<id>", not by their text (two
     # byte tokens that decode alike, e.g. to U+FFFD, would otherwise share one key).
     return_tokens_as_token_ids: bool = False
+    # pdserve's extension: seconds the request may run, however its workers fare; past it
+    # the request ends with an error (503 before its first token) and everything is freed.
+    timeout: Annotated[float, Field(gt=0.0)] | None = None
 
     @field_validator("cache_salt")
     @classmethod
@@ -244,6 +247,7 @@ class ParsedCompletion:
     parse_tool_calls: bool = False  # chat with tools: the reply's <tool_call> blocks are calls
     # No max_tokens (chat) or a null one: the rest of max_model_len, as vLLM (set at prepare).
     max_tokens_to_context: bool = False
+    timeout_s: float | None = None  # the request's own deadline (else the service's)
 
 
 def validate_request(
@@ -292,6 +296,7 @@ def parse_completion(body: Any) -> ParsedCompletion:
         n=request.n,
         return_tokens_as_token_ids=request.return_tokens_as_token_ids,
         max_tokens_to_context=request.max_tokens is None,
+        timeout_s=request.timeout,
     )
 
 

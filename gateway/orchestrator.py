@@ -70,6 +70,7 @@ from pdserve.gateway.stream_emitter import (
     StreamDelta,
     StreamEmitter,
 )
+from pdserve.gateway.stream_watch import DeadlineExceeded, StreamAbandoned, StreamWatch
 from pdserve.gateway.worker_pool import WorkerPool
 from pdserve.messages.generation import GenerationChunk, ModelInfo, WorkerRequest
 from pdserve.messages.kv_transfer_params import KVTransferParams
@@ -90,32 +91,6 @@ def raised_by_worker_code(error: BaseException) -> TypeGuard[RayTaskError]:
     is alive and would fail the same way again, so it stays in routing and the request is
     not retried. Anything else (its actor died, is unreachable) is a lost worker."""
     return isinstance(error, RayTaskError) and not isinstance(error.cause, RayActorError)
-
-
-class LeftRoutingBeforeAnswering(Exception):
-    """The worker left routing (its event poll failed) before its stream's first chunk."""
-
-
-async def first_chunk(
-    stream: AsyncIterator[GenerationChunk], left_routing: asyncio.Event
-) -> GenerationChunk:
-    """The stream's first chunk, or ``LeftRoutingBeforeAnswering`` once ``left_routing`` is
-    set first. Why: Serve queues a call made to a worker that has just died until its
-    replacement runs, and one made to a hung worker for good, so the stream neither answers
-    nor raises; the request waited out the restart (10 to 37 s measured on tiny) while a peer
-    sat idle, or hung. The event poll takes such a worker out of routing within
-    ``worker_timeout_s``; nothing was sent yet, so running the request elsewhere is safe."""
-    next_chunk = asyncio.ensure_future(anext(stream))
-    leaving = asyncio.ensure_future(left_routing.wait())
-    try:
-        done, _ = await asyncio.wait((next_chunk, leaving), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        leaving.cancel()
-        if not next_chunk.done():
-            next_chunk.cancel()
-    if next_chunk not in done:
-        raise LeftRoutingBeforeAnswering("it left routing (its event poll failed) unanswered")
-    return next_chunk.result()
 
 
 class WorkerLost(Exception):
@@ -142,6 +117,8 @@ class RequestRun:
     emitter: StreamEmitter
     timeline: RequestTimeline
     remote_decode: bool  # the prefill worker hands off to a decode worker
+    # time.monotonic() past which the request ends (its timeout, the service's); None: never.
+    deadline: float | None = None
     # Conditional disaggregation: the decode worker that runs the whole request (no hand-off).
     local_decode_id: str | None = None
     prefill_id: str = ""
@@ -200,6 +177,7 @@ class RequestOrchestrator:
             workers,
             self.router,
             config.worker_timeout_s,
+            config.hung_step_s,
             after_each_round=self.readiness.prewarm,
             idle_max_s=config.event_poll_idle_max_s,
         )
@@ -329,9 +307,21 @@ class RequestOrchestrator:
         async for delta in self.run_phases(run):
             yield delta
 
+    def deadline_for(self, timeout_s: float | None) -> float | None:
+        """The ``time.monotonic()`` deadline of a request sent now: its own ``timeout``, or
+        the service's ``request_timeout_s`` when that is shorter (0: none)."""
+        limits = [t for t in (timeout_s, self.config.request_timeout_s) if t]
+        return time.monotonic() + min(limits) if limits else None
+
     async def new_run(
-        self, request_id: str, token_ids: list[int], params: SamplingParams, cache_salt: str | None
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None,
+        deadline: float | None = None,
     ) -> RequestRun:
+        """A request's state; ``deadline`` None: the service's (``deadline_for``)."""
         start = time.perf_counter()
         return RequestRun(
             request_id,
@@ -343,6 +333,7 @@ class RequestOrchestrator:
             emitter=StreamEmitter(params.stop, len(token_ids), self.metrics, start),
             timeline=RequestTimeline(start),
             remote_decode=params.max_tokens > 1 and self.router.has_decode_workers(),
+            deadline=deadline if deadline is not None else self.deadline_for(None),
         )
 
     async def run_phases(self, run: RequestRun) -> AsyncGenerator[StreamDelta, None]:
@@ -435,7 +426,7 @@ class RequestOrchestrator:
             run.timeline.called("prefill", run.prefill_id)
             run.emitter.restart_stream()
             try:
-                async for chunk in self.worker_stream(run.prefill_id, request, first=True):
+                async for chunk in self.worker_stream(run.prefill_id, request, run, first=True):
                     offer = chunk.kv_transfer_params
                     if offer is not None and not offer.final:  # the prompt is still prefilling
                         self.relay_offer(run, offer)
@@ -498,7 +489,7 @@ class RequestOrchestrator:
             run.emitter.restart_stream()
             run.timeline.called("decode", run.decode_id)
             try:
-                async for chunk in self.worker_stream(run.decode_id, request, first=False):
+                async for chunk in self.worker_stream(run.decode_id, request, run, first=False):
                     run.timeline.answered("decode", chunk)
                     if run.kv_transfer_params is not None:
                         # The decode worker has the hand-off's tail pages (landed or pulled
@@ -614,6 +605,20 @@ class RequestOrchestrator:
             code="worker_lost",
         )
 
+    def deadline_exceeded(self, run: RequestRun) -> APIError:
+        """The request ran past its deadline: before any token a 503 (with Retry-After:
+        a worker of a needed role is hung or slow), after one an error event."""
+        self.metrics.num_deadlines_exceeded += 1
+        sent = run.emitter.sent_tokens
+        return APIError(
+            503 if not sent else 500,
+            f"request {run.request_id} did not finish within its deadline (its 'timeout', "
+            f"else the service's request_timeout_s of {self.config.request_timeout_s:g} s)"
+            + (f"; the reply is cut short after {sent} tokens" if sent else ""),
+            type="server_error",
+            code="timeout",
+        )
+
     @staticmethod
     def replay_diverged(run: RequestRun, error: ReplayDiverged) -> APIError:
         """A replay after a lost worker sampled other tokens than those already sent: the
@@ -669,10 +674,11 @@ class RequestOrchestrator:
             task.exception()  # a dead worker took the request and its lease with it
 
     async def worker_stream(
-        self, worker_id: str, request: WorkerRequest, first: bool
+        self, worker_id: str, request: WorkerRequest, run: RequestRun, first: bool
     ) -> AsyncIterator[GenerationChunk]:
         """One worker's chunks, counted as its load. A worker whose stream breaks (dead,
-        unreachable) leaves routing until its event poll answers again: ``WorkerLost``."""
+        unreachable) or goes silent while it is hung (``stream_watch.py``) leaves routing
+        until its event poll answers again: ``WorkerLost``."""
         # An earlier call of this request here was given up on before it answered: its
         # abort goes first (``forget_unanswered_call``). A worker that leaves it unanswered
         # for worker_timeout_s is still hung, and this call is watched as any other.
@@ -682,21 +688,21 @@ class RequestOrchestrator:
         stream = self.workers.stream(worker_id, request)
         answered = finished = False
         # A worker already out of routing (a role's only one, tried while it restarts) is
-        # waited for; one in routing is given up on if it leaves before answering.
+        # waited for (up to the request's deadline); one in routing is given up on once it leaves.
         left_routing = self.router.left_routing(worker_id)
         if left_routing is not None and left_routing.is_set():
             left_routing = None
+        watch = StreamWatch(left_routing, self.config.worker_timeout_s, run.deadline)
         self.router.begin(worker_id)
         self.poller.wake()  # traffic: the health check runs at its pace again
         try:
             while not finished:
                 try:
-                    if answered or left_routing is None:
-                        chunk = await anext(stream)
-                    else:
-                        chunk = await first_chunk(stream, left_routing)
+                    chunk = await watch.next_chunk(stream)
                 except StopAsyncIteration:
                     return
+                except DeadlineExceeded:
+                    raise self.deadline_exceeded(run) from None
                 except Exception as error:  # noqa: BLE001 — sorted below: worker bug or lost
                     logger.warning(
                         "worker %s failed %s: %r",
@@ -711,6 +717,8 @@ class RequestOrchestrator:
                             type="server_error",
                             code="worker_error",
                         ) from None
+                    if isinstance(error, StreamAbandoned):
+                        self.metrics.num_stream_migrations += 1
                     raise WorkerLost(worker_id, answered, error) from None
                 answered = True
                 if chunk.finished:  # the next request routes by what this one cached

@@ -51,9 +51,13 @@ async def generate_choices(
     token_ids: list[int],
     params: list[SamplingParams],
     cache_salt: str | None,
+    timeout_s: float | None = None,
 ) -> AsyncGenerator[tuple[int, StreamDelta], None]:
-    """``(choice index, delta)`` of every choice, interleaved as they arrive."""
-    first = await orchestrator.new_run(request_id, token_ids, params[0], cache_salt)
+    """``(choice index, delta)`` of every choice, interleaved as they arrive; all of them
+    end by one deadline (``timeout_s``, else the service's)."""
+    first = await orchestrator.new_run(
+        request_id, token_ids, params[0], cache_salt, orchestrator.deadline_for(timeout_s)
+    )
     if len(params) == 1:
         async for delta in orchestrator.run_phases(first):
             yield 0, delta
@@ -103,7 +107,9 @@ async def _sibling(
         f"{first.request_id}-{index}", first.token_ids, params, cache_salt=first.cache_salt
     )
     try:
-        async for chunk in orchestrator.worker_stream(first.serving_worker, request, first=True):
+        async for chunk in orchestrator.worker_stream(
+            first.serving_worker, request, first, first=True
+        ):
             delta = emitter.update(chunk, final=True)
             if delta is not None:
                 yield delta

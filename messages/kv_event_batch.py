@@ -23,3 +23,6 @@ class KVEventBatch:
     next_seq: int
     events: list[KVCacheEvent] = field(default_factory=list)
     snapshot: HeldBlocks | None = None
+    engine_step_s: float = 0.0
+    """How long the worker's engine had been inside its current step when it answered (0
+    between steps): the poll's heartbeat, which tells a busy worker from a hung one."""

@@ -27,6 +27,8 @@ class WorkerSpec:
     ``kv_tier``: a KV tier below the worker's block pool (None: the pool is the only tier).
     ``cpus``: CPU ids the worker's process is pinned to (``os.sched_setaffinity``), so that
     prefill and decode workers on one node do not take each other's cores (None: unpinned).
+    ``hung_step_s``: an engine step running longer than this fails the worker's health
+    check, and Serve restarts it (the gateway's ``hung_step_s``).
     """
 
     worker_id: str
@@ -35,6 +37,7 @@ class WorkerSpec:
     advertise_node_address: bool = False
     kv_tier: KVTierConfig | None = None
     cpus: tuple[int, ...] | None = None
+    hung_step_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.worker_id:

@@ -513,6 +513,21 @@ GATEWAY_STATS: tuple[Stat, ...] = (
         "pdserve:gateway_retries",
     ),
     Stat(
+        "num_stream_migrations",
+        C,
+        "requests",
+        "Of those, streams given up because their worker hung (out of routing: its poll "
+        "unanswered, or its engine inside one step past hung_step_s): moved to another.",
+        "pdserve:gateway_stream_migrations",
+    ),
+    Stat(
+        "num_deadlines_exceeded",
+        C,
+        "requests",
+        "Requests ended because they ran past their deadline (timeout, request_timeout_s).",
+        "pdserve:gateway_deadlines_exceeded",
+    ),
+    Stat(
         "num_requests_prefilled_on_decode",
         C,
         "requests",

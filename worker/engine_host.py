@@ -120,6 +120,8 @@ class EngineHost:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
+        # time.monotonic() when the engine thread's current step began; None between steps.
+        self._step_began: float | None = None
 
     def make_connector(self, engine_config: EngineConfig) -> KVConnectorBase | None:
         """The connector the spec describes (none for a colocated worker without a tier)."""
@@ -145,8 +147,27 @@ class EngineHost:
 
     async def kv_events(self, since_seq: int) -> KVEventBatch:
         """The gateway's event poll (its health check): answered on the actor's event loop,
-        as a sync method would not be (Serve runs those on a thread, a hop per poll)."""
-        return self.events.since(since_seq)
+        as a sync method would not be (Serve runs those on a thread, a hop per poll). It
+        carries the engine's heartbeat (``engine_step_s``)."""
+        batch = self.events.since(since_seq)
+        batch.engine_step_s = self.engine_step_s()
+        return batch
+
+    def engine_step_s(self) -> float:
+        """How long the engine thread has been inside its current step (0 between steps).
+        Read on the actor's event loop, never queued behind the step it measures."""
+        began = self._step_began
+        return 0.0 if began is None else time.monotonic() - began
+
+    def check_health(self) -> None:
+        """Serve's health check: an engine stuck in one step past ``spec.hung_step_s`` fails
+        it, and Serve restarts the worker (the gateway has moved its streams meanwhile)."""
+        in_step_s = self.engine_step_s()
+        if in_step_s > self.spec.hung_step_s:
+            raise RuntimeError(
+                f"{self.worker_id}'s engine has been inside one step for {in_step_s:.0f} s "
+                f"(hung_step_s {self.spec.hung_step_s:.0f})"
+            )
 
     async def stats(self) -> WorkerStats:
         """A consistent reading, taken on the engine thread between two steps."""
@@ -408,7 +429,15 @@ class EngineHost:
             state = await loop.run_in_executor(self._executor, self._step)
 
     def _step(self) -> HostState:
-        """One engine step in the engine thread; the state it leaves."""
+        """One engine step in the engine thread, timed for the heartbeat."""
+        self._step_began = time.monotonic()
+        try:
+            return self._step_and_deliver()
+        finally:
+            self._step_began = None
+
+    def _step_and_deliver(self) -> HostState:
+        """Applies the queued ops, steps the engine, delivers; the state it leaves."""
         with self._ops_lock:
             ops, self._ops = self._ops, []
         for op in ops:

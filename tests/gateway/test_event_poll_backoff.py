@@ -71,7 +71,9 @@ def workers() -> Iterator[dict[str, PrefillWorker]]:
 def poller_over(pool: Pool) -> tuple[KVEventPoller, Router]:
     router = Router(list(pool.prefill), [])
     readiness = Readiness(pool, router, WORKER_TIMEOUT_S)
-    poller = KVEventPoller(pool, router, WORKER_TIMEOUT_S, readiness.prewarm, idle_max_s=IDLE_MAX_S)
+    poller = KVEventPoller(
+        pool, router, WORKER_TIMEOUT_S, 60.0, readiness.prewarm, idle_max_s=IDLE_MAX_S
+    )
     return poller, router
 
 

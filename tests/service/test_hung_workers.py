@@ -1,0 +1,170 @@
+"""Workers that hang, not die: a request moves on, or ends by its deadline, never waits for
+good (``gateway/stream_watch.py``).
+
+Serve holds a call made to a hung worker for good, so before, a decode worker SIGSTOPped
+mid-stream held its request until the client gave up, and a role whose only worker hung held
+every request sent to it. One app of 1 prefill + 2 decode workers, with short bounds so that
+a hang is seen in seconds: ``worker_timeout_s`` 2 (the event poll's), ``hung_step_s`` 4 (an
+engine inside one step that long is hung).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from bench.load_driver import get_json
+from pdserve.messages.sampling_params import SamplingParams
+from tests.service.service_apps import (
+    StreamClient,
+    assert_drained,
+    expected_text,
+    on_worker,
+    post_completion,
+    run_all,
+    running_app,
+    signal_worker,
+    slow_steps,
+    wait_until_ready,
+    wait_until_restarted,
+    worker_rows,
+)
+
+DECODES = ("decode-0", "decode-1")
+PREAMBLE = "A hung worker's request moves on; this preamble spans a few KV blocks. "
+CLIENT_DEADLINE_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def app(ray_cluster):
+    with running_app(
+        num_prefill=1,
+        num_decode=2,
+        app_name="hung",
+        route_prefix="/hung",
+        worker_timeout_s=2.0,
+        hung_step_s=4.0,
+    ) as config:
+        wait_until_ready(config, timeout_s=120)
+        yield config
+
+
+def _gateway(app) -> dict:
+    return get_json(app, "/stats")["gateway"]
+
+
+def stall_next_step(seconds: float):
+    """The worker's next engine step sleeps ``seconds`` first (its engine thread stuck in a
+    step while the process and its event loop stay alive), once."""
+
+    def install(worker) -> None:
+        import time as worker_time
+
+        engine = worker.engine
+        step = type(engine).step
+
+        def stalled_step(*args, **kwargs):
+            engine.__dict__.pop("step", None)
+            worker_time.sleep(seconds)
+            return step(engine, *args, **kwargs)
+
+        engine.step = stalled_step
+
+    return install
+
+
+def _streaming_decode(app, client: StreamClient) -> str:
+    """The decode worker running ``client``'s stream, once it has sent a token."""
+    assert client.first_event.wait(CLIENT_DEADLINE_S), "no first token"
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        rows = worker_rows(app)
+        running = [w for w in DECODES if rows[w]["num_requests_running"] > 0]
+        if running:
+            return running[0]
+        time.sleep(0.05)
+    raise AssertionError("no decode worker runs the stream")
+
+
+def _slow_decodes(app, seconds: float) -> None:
+    for worker in DECODES:
+        on_worker(app, worker, slow_steps(seconds))
+
+
+def test_a_decode_worker_sigstopped_mid_stream_is_replaced_from_the_tokens_sent(app, colocated):
+    """The stream's decode worker freezes after a few tokens: its poll fails, its stream is
+    silent, and the request continues on the other decode worker from exactly the tokens
+    already sent (replayed with the same seed and checked): the reply equals colocated."""
+    migrations = _gateway(app)["num_stream_migrations"]
+    _slow_decodes(app, 0.15)  # a stream long enough to be cut in the middle
+    client = StreamClient(app, f"SIGSTOP mid-stream: {PREAMBLE}", 24, dict(temperature=0.0))
+    client.start()
+    try:
+        victim = _streaming_decode(app, client)
+        pid = signal_worker(app, victim, signal.SIGSTOP)
+        try:
+            run_all([client], CLIENT_DEADLINE_S)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    finally:
+        _slow_decodes(app, 0.0)
+    assert client.error is None and client.finish_reason == "length", client.error
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    assert client.text == expected_text(colocated, client.prompt, params)
+    assert _gateway(app)["num_stream_migrations"] == migrations + 1
+    assert_drained(app)
+
+
+def test_a_decode_engine_stuck_in_a_step_is_left_and_restarted_by_the_health_check(app, colocated):
+    """The engine thread hangs inside a step while the process answers (its event poll
+    keeps answering, so its answer alone would never tell): once the heartbeat the poll
+    carries shows one step running for hung_step_s, the worker leaves routing, the request
+    moves to the other decode worker, and Serve's health check restarts the stuck one."""
+    migrations = _gateway(app)["num_stream_migrations"]
+    _slow_decodes(app, 0.15)
+    client = StreamClient(app, f"A stuck engine thread: {PREAMBLE}", 24, dict(temperature=0.0))
+    client.start()
+    try:
+        victim = _streaming_decode(app, client)
+        instance = worker_rows(app)[victim]["instance_id"]
+        on_worker(app, victim, stall_next_step(30.0))
+        run_all([client], CLIENT_DEADLINE_S)
+    finally:
+        _slow_decodes(app, 0.0)
+    assert client.error is None and client.finish_reason == "length", client.error
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    assert client.text == expected_text(colocated, client.prompt, params)
+    assert _gateway(app)["num_stream_migrations"] == migrations + 1
+    wait_until_restarted(app, victim, instance, timeout_s=120)
+    assert_drained(app)
+
+
+def test_a_role_whose_only_worker_hangs_answers_503_with_retry_after_by_the_deadline(app):
+    """The only prefill worker freezes: the request's own ``timeout`` ends it with a 503
+    and Retry-After (before, it waited for good); resumed, the worker holds nothing."""
+    deadlines = _gateway(app)["num_deadlines_exceeded"]
+    pid = signal_worker(app, "prefill-0", signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        status, headers, body = post_completion(
+            app,
+            dict(model="tiny", prompt=f"Nobody prefills: {PREAMBLE}", max_tokens=4, timeout=6),
+        )
+        waited = time.monotonic() - started
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert status == 503, body
+    assert body["error"]["code"] == "timeout" and "deadline" in body["error"]["message"]
+    assert "retry-after" in headers
+    assert 6 <= waited < 20
+    assert _gateway(app)["num_deadlines_exceeded"] == deadlines + 1
+    wait_until_ready(app, timeout_s=60)
+    assert_drained(app)
+
+
+def test_a_timeout_in_the_body_that_is_not_positive_is_a_400(app):
+    status, _, body = post_completion(app, dict(model="tiny", prompt="hi", timeout=0))
+    assert status == 400 and body["error"]["param"] == "timeout", body
