@@ -1,0 +1,22 @@
+"""Linear weights kept at their quantized size and multiplied as they are stored.
+
+quantized_weight.py  the interface (``QuantizedWeight``) and ``concat_rows``
+int4_planes.py       GGUF's 4-8 bit types in groups of 32: torch's int4 CPU kernel
+int8_channels.py     int8 per output row (``--quantization int8``, GGUF's Q6_K)
+gguf_blocks.py       a GGUF tensor's blocks read into one of those
+"""
+
+from pdserve.model.quantization.gguf_blocks import PACKED_TYPES, gguf_weight
+from pdserve.model.quantization.int4_planes import Int4PlanesWeight
+from pdserve.model.quantization.int8_channels import Int8ChannelWeight, int8_weight
+from pdserve.model.quantization.quantized_weight import QuantizedWeight, concat_rows
+
+__all__ = [
+    "PACKED_TYPES",
+    "Int4PlanesWeight",
+    "Int8ChannelWeight",
+    "QuantizedWeight",
+    "concat_rows",
+    "gguf_weight",
+    "int8_weight",
+]

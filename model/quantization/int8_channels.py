@@ -1,0 +1,83 @@
+"""Weight-only int8 with one scale per output row, multiplied by torch's packed int8 CPU
+kernel (``_weight_int8pack_mm``): ``--quantization int8`` for float checkpoints, and
+GGUF's ``Q6_K`` (whose scales per 16 inputs the int4 kernel's groups of 32 cannot hold).
+
+Codes are ``round(w / s)`` with ``s = max |w_row| / 127`` rounded to bfloat16 (the kernel
+takes bfloat16 scales and activations: float32 ones take a path 10x slower), so each weight
+is within ``s / 2`` of the original, and ``dequantize`` returns exactly what is multiplied.
+Activations are rounded to bfloat16 as in ``int4_planes.py``. A ``Q6_K`` tensor is
+requantized from its dequantized values: within half an int8 step of its row's largest
+weight (plus a bfloat16 scale's rounding), about a quarter of Q6_K's own step. Bytes: 8 bits a
+weight and 2 a row (Q6_K's own: 6.56 bits).
+
+The kernel reads past the end of a row whose length is not a multiple of 16 (a segmentation
+fault in torch 2.13), so rows are stored zero-padded to a multiple of ``COLUMN_MULTIPLE``
+and such an ``x`` is padded alike (no model's hidden size needs it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.model.quantization.quantized_weight import QuantizedWeight
+
+COLUMN_MULTIPLE = 32
+
+
+class Int8ChannelWeight(QuantizedWeight):
+    def __init__(
+        self, scheme: str, codes: torch.Tensor, scales: torch.Tensor, in_features: int
+    ) -> None:
+        """``codes`` int8 ``[out, in]`` (padded, module doc), ``scales`` bfloat16 ``[out]``."""
+        self.scheme = scheme
+        padding = -codes.shape[1] % COLUMN_MULTIPLE
+        self.codes = torch.nn.functional.pad(codes, (0, padding)).contiguous()
+        self.scales = scales
+        self.out_features, self.in_features = codes.shape[0], in_features
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, scheme: str = "int8") -> Int8ChannelWeight:
+        weight = weight.detach().float()
+        scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12).to(torch.bfloat16)
+        codes = torch.round(weight / scales.float().unsqueeze(1)).clamp(-127, 127)
+        return cls(scheme, codes.to(torch.int8), scales, weight.shape[1])
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        activations = x.to(torch.bfloat16)
+        padding = self.codes.shape[1] - self.in_features
+        activations = torch.nn.functional.pad(activations, (0, padding)).contiguous()
+        out = torch.ops.aten._weight_int8pack_mm(activations, self.codes, self.scales)
+        return out.to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.embedding_rows(torch.arange(self.out_features))
+
+    def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        codes = self.codes[ids, : self.in_features]
+        return codes.float() * self.scales[ids].float().unsqueeze(1)
+
+    def take_rows(self, index: torch.Tensor) -> Int8ChannelWeight:
+        return Int8ChannelWeight(
+            self.scheme, self.codes[index], self.scales[index], self.in_features
+        )
+
+    @classmethod
+    def concat(cls, weights: list[QuantizedWeight]) -> QuantizedWeight | None:
+        parts = [weight for weight in weights if isinstance(weight, Int8ChannelWeight)]
+        if len(parts) != len(weights):
+            return None
+        return Int8ChannelWeight(
+            "+".join(sorted({part.scheme for part in parts})),
+            torch.cat([part.codes for part in parts]),
+            torch.cat([part.scales for part in parts]),
+            parts[0].in_features,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+
+def int8_weight(weight: torch.Tensor) -> Int8ChannelWeight:
+    """``--quantization int8`` of a float ``[out, in]`` weight."""
+    return Int8ChannelWeight.from_float(weight)

@@ -1,0 +1,91 @@
+"""The interface of a linear weight kept packed, and the fusion of several into one.
+
+A ``QuantizedWeight`` is an ``[out_features, in_features]`` matrix that multiplies as it is
+stored (``matmul``), looks up embedding rows without dequantizing the rest
+(``embedding_rows``), and reorders its rows (``take_rows``: a GGUF's un-permuted q/k).
+The model's fused projections (q/k/v, gate/up) are one ``concat_rows`` of their parts.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class QuantizedWeight(ABC):
+    """A linear weight ``[out_features, in_features]`` held packed."""
+
+    scheme: str
+    """The format it is held in: a GGUF type's name ("Q4_1") or "int8"."""
+    out_features: int
+    in_features: int
+
+    @abstractmethod
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T``: ``[tokens, in]`` to ``[tokens, out]``, in ``x``'s dtype."""
+
+    @abstractmethod
+    def dequantize(self) -> torch.Tensor:
+        """The ``[out, in]`` float32 matrix it multiplies by."""
+
+    @abstractmethod
+    def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` as float32 ``[len(ids), in]``, dequantizing only those."""
+
+    @abstractmethod
+    def take_rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """The weight of rows ``index`` (reordered or selected)."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes held."""
+
+    @classmethod
+    def concat(cls, weights: list[QuantizedWeight]) -> QuantizedWeight | None:
+        """Weights of this format stacked by rows as one, or None where they do not
+        stack (``concat_rows`` then runs each)."""
+        return None
+
+
+class ConcatenatedWeight(QuantizedWeight):
+    """Weights of different formats stacked by rows: each multiplies, the outputs are
+    concatenated (a Q4_K_M file's attn_q in Q4_K beside its attn_v in Q6_K)."""
+
+    def __init__(self, parts: list[QuantizedWeight]) -> None:
+        self.parts = parts
+        self.scheme = "+".join(sorted({part.scheme for part in parts}))
+        self.out_features = sum(part.out_features for part in parts)
+        self.in_features = parts[0].in_features
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part.matmul(x) for part in self.parts], dim=1)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([part.dequantize() for part in self.parts])
+
+    def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.dequantize()[ids]  # a fused projection is never an embedding
+
+    def take_rows(self, index: torch.Tensor) -> QuantizedWeight:
+        raise ValueError("a concatenation of packed formats cannot reorder its rows")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+
+def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """One weight of ``weights`` stacked by rows: a single packed matrix where they share a
+    format (one matmul for q/k/v), else a ``ConcatenatedWeight``."""
+    if len({weight.in_features for weight in weights}) != 1:
+        raise ValueError("weights concatenated by rows must share in_features")
+    if len(weights) == 1:
+        return weights[0]
+    first = weights[0]
+    if all(type(weight) is type(first) for weight in weights):
+        joined = type(first).concat(weights)
+        if joined is not None:
+            return joined
+    return ConcatenatedWeight(weights)

@@ -1,0 +1,155 @@
+"""A packed weight is the GGUF tensor it was read from: it dequantizes to what the ``gguf``
+package's own dequantizer gives (within the bfloat16 rounding of its scales), multiplies as
+``x @ dequantize().T`` does (within bfloat16 activations' rounding), and its rows looked up,
+reordered and stacked are those of the dequantized matrix.
+
+Raw blocks come from ``gguf.quants.quantize`` where the package quantizes the type; for the
+K-types it does not, so they are random bytes with sane float16 scale fields.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Quant
+from gguf.quants import dequantize, quantize
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdserve.model.quantization import (
+    PACKED_TYPES,
+    QuantizedWeight,
+    concat_rows,
+    gguf_weight,
+    int8_weight,
+)
+
+TYPES = sorted(PACKED_TYPES, key=lambda quant: quant.name)
+K_TYPES = {Quant.Q4_K, Quant.Q5_K, Quant.Q6_K}
+# Where the float16 scales sit in a K-type super-block: (byte offset, count).
+K_SCALE_FIELDS = {Quant.Q4_K: (0, 2), Quant.Q5_K: (0, 2), Quant.Q6_K: (208, 1)}
+BF16_BOUND = 2.0**-6  # int4_planes.py: |y - x W^T| <= 2^-6 sum |x| |w|
+REQUANTIZED_BOUND = 1 / 254 + 2.0**-8  # int8_channels.py: half a step, a bfloat16 scale
+EXAMPLES = settings(max_examples=50, deadline=None)
+
+
+def raw_tensor(quant: Quant, rows: int, columns: int, seed: int) -> np.ndarray:
+    """A GGUF tensor's bytes ``[rows, row bytes]``, as ``ReaderTensor.data`` holds them."""
+    rng = np.random.default_rng(seed)
+    if quant not in K_TYPES:
+        values = rng.standard_normal((rows, columns)).astype(np.float32)
+        return quantize(values * rng.uniform(0.01, 2.0, (rows, 1)).astype(np.float32), quant)
+    block_inputs, block_bytes = GGML_QUANT_SIZES[quant]
+    blocks = rng.integers(0, 256, (rows * columns // block_inputs, block_bytes), dtype=np.uint8)
+    start, count = K_SCALE_FIELDS[quant]
+    scales = rng.uniform(1e-4, 1e-2, (len(blocks), count)).astype(np.float16)
+    blocks[:, start : start + 2 * count] = scales.view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def reference(quant: Quant, data: np.ndarray, rows: int, columns: int) -> torch.Tensor:
+    return torch.from_numpy(dequantize(data, quant).reshape(rows, columns))
+
+
+def assert_product_close(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Within bfloat16 activations' bound, elementwise (module doc of ``int4_planes.py``)."""
+    magnitude = x.float().abs() @ weight.abs().T
+    excess = (y.float() - x.float() @ weight.T).abs() - BF16_BOUND * magnitude - 1e-6
+    assert excess.max().item() <= 0, f"product off by {excess.max().item()} past the bound"
+
+
+def quantized_cases():
+    """(type, rows, columns, seed): rows ragged (tiles of 64 padded), columns whole blocks."""
+    return st.tuples(
+        st.sampled_from(TYPES), st.integers(1, 130), st.integers(1, 3), st.integers(0, 2**31)
+    ).map(lambda c: (c[0], c[1], c[2] * GGML_QUANT_SIZES[c[0]][0], c[3]))
+
+
+@EXAMPLES
+@given(quantized_cases())
+def test_a_packed_tensor_dequantizes_to_the_files_values(case):
+    """Group-affine types: each weight within 2^-6 of its group's largest (bfloat16 scales
+    and zeros); Q6_K, requantized per row: within half an int8 step of its row's largest."""
+    quant, rows, columns, seed = case
+    data = raw_tensor(quant, rows, columns, seed)
+    expected = reference(quant, data, rows, columns)
+    weight = gguf_weight(quant, data, (rows, columns))
+    assert (weight.scheme, weight.out_features, weight.in_features) == (quant.name, rows, columns)
+    if quant == Quant.Q6_K:
+        bound = REQUANTIZED_BOUND * expected.abs().amax(dim=1, keepdim=True)
+    else:
+        group_max = expected.abs().view(rows, -1, 32).amax(dim=2, keepdim=True)
+        bound = BF16_BOUND * group_max.expand(-1, -1, 32).reshape(rows, columns)
+    assert ((weight.dequantize() - expected).abs() <= bound + 1e-7).all()
+
+
+@EXAMPLES
+@given(quantized_cases(), st.integers(1, 40), st.sampled_from([torch.float32, torch.bfloat16]))
+def test_matmul_is_x_times_the_dequantized_matrix(case, tokens, dtype):
+    """Every row count (the kernel's few rows and the dequantized many), both dtypes."""
+    quant, rows, columns, seed = case
+    weight = gguf_weight(quant, raw_tensor(quant, rows, columns, seed), (rows, columns))
+    x = torch.randn(tokens, columns, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    y = weight.matmul(x)
+    assert y.shape == (tokens, rows) and y.dtype == dtype
+    assert_product_close(y, x, weight.dequantize())
+
+
+@EXAMPLES
+@given(quantized_cases(), st.data())
+def test_embedding_rows_and_take_rows_are_the_dequantized_rows(case, data):
+    quant, rows, columns, seed = case
+    weight = gguf_weight(quant, raw_tensor(quant, rows, columns, seed), (rows, columns))
+    full = weight.dequantize()
+    ids = torch.tensor(data.draw(st.lists(st.integers(0, rows - 1), min_size=1, max_size=20)))
+    torch.testing.assert_close(weight.embedding_rows(ids), full[ids], rtol=0, atol=0)
+    order = torch.tensor(data.draw(st.permutations(range(rows))))
+    taken = weight.take_rows(order)
+    assert (taken.scheme, taken.out_features, taken.in_features) == (quant.name, rows, columns)
+    torch.testing.assert_close(taken.dequantize(), full[order], rtol=0, atol=0)
+
+
+@EXAMPLES
+@given(st.lists(quantized_cases(), min_size=2, max_size=3), st.integers(1, 40))
+def test_concat_rows_stacks_the_weights(cases, tokens):
+    """Same columns for all (the first's); one packed matrix where the types pack alike."""
+    columns = max(GGML_QUANT_SIZES[quant][0] for quant, *_ in cases)
+    parts: list[QuantizedWeight] = [
+        gguf_weight(quant, raw_tensor(quant, rows, columns, seed), (rows, columns))
+        for quant, rows, _, seed in cases
+    ]
+    joined = concat_rows(parts)
+    expected = torch.cat([part.dequantize() for part in parts])
+    assert joined.out_features == sum(part.out_features for part in parts)
+    torch.testing.assert_close(joined.dequantize(), expected, rtol=0, atol=0)
+    x = torch.randn(tokens, columns)
+    assert_product_close(joined.matmul(x), x, expected)
+    if len({part.scheme for part in parts}) == 1:
+        assert type(joined) is type(parts[0])
+        assert joined.nbytes <= sum(part.nbytes for part in parts)
+
+
+@pytest.mark.parametrize("quant", TYPES, ids=lambda quant: quant.name)
+def test_nbytes_counts_the_packed_bits(quant):
+    """4-bit types hold 5 bits a weight (scales and zeros included), 5- and 8-bit ones 10
+    (two planes), Q6_K 8 and a scale a row; rows are padded to tiles of 64."""
+    rows, columns = 128, 512
+    weight = gguf_weight(quant, raw_tensor(quant, rows, columns, 0), (rows, columns))
+    bits = {"Q4_0": 5, "Q4_1": 5, "Q4_K": 5, "Q6_K": 8}.get(quant.name, 10)
+    assert weight.nbytes == rows * columns * bits // 8 + (2 * rows if bits == 8 else 0)
+
+
+@EXAMPLES
+@given(st.integers(1, 70), st.integers(1, 300), st.integers(1, 40), st.integers(0, 2**31))
+def test_int8_weight_is_within_half_a_step_per_row(rows, columns, tokens, seed):
+    generator = torch.Generator().manual_seed(seed)
+    original = torch.randn(rows, columns, generator=generator)
+    weight = int8_weight(original)
+    padded = columns + -columns % 32
+    assert (weight.scheme, weight.nbytes) == ("int8", rows * padded + 2 * rows)
+    bound = REQUANTIZED_BOUND * original.abs().amax(dim=1, keepdim=True)
+    assert ((weight.dequantize() - original).abs() <= bound + 1e-7).all()
+    x = torch.randn(tokens, columns, generator=generator)
+    assert_product_close(weight.matmul(x), x, weight.dequantize())
