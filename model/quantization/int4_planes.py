@@ -1,5 +1,5 @@
-"""Weights of up to 8 bits in groups of 32 with a scale and an offset, multiplied by torch's
-packed int4 CPU kernel (``_weight_int4pack_mm_for_cpu``) after a one-time repack.
+"""Weights of up to 8 bits in groups of 32 with a scale and an offset, held as 4-bit planes
+in the layout of torch's int4 CPU kernel (``_weight_int4pack_mm_for_cpu``), one repack at load.
 
 Every GGUF type this runs (``gguf_blocks.py``) is affine in groups of 32 along the input:
 ``w = scale_g * code + offset_g``, with codes of 4, 5 or 8 bits. The kernel multiplies
@@ -16,22 +16,27 @@ low plane's ``Z`` round (``Q4_0``, ``Q5_0``, ``Q8_0``: ``Z = 0`` or ``-8 s``, ex
 + |Z|)`` of the file's. Bytes: 4 bits a weight a plane, plus 4 bytes (S, Z) per 32 weights a
 plane: Q4_* and Q4_K 5 bits a weight, Q5_*, Q5_K and Q8_0 10 bits.
 
-Why this op, and why two paths by the number of rows of ``x`` (measured on this CPU, a
-Sapphire Rapids with AMX, one thread, 3072 x 576, ``bench/bench_quantized_matmul.py``):
+Three paths, chosen by the number of rows of ``x`` and its dtype (measured on this CPU, a
+Sapphire Rapids with AMX, one thread, the weights of 30 layers streamed from memory as in a
+decode step: ``bench/bench_quantized_matmul.py``, whose docstring has the table):
 
-- **few rows** (``< DEQUANTIZE_ROWS``): the int4 kernel reads 4 bits a weight, 2.2x faster
-  than float32's ``mm`` at 1 row, about even at 16. It takes bfloat16 activations, scales and
-  zeros only: float32 activations take a scalar path 11x *slower* than float32's ``mm``.
-- **many rows** (a prefill chunk): the kernel is 2x slower than float32's ``mm`` at 512 rows,
-  while dequantizing the whole matrix once (float32, a few passes in torch) and multiplying in
-  bfloat16 (oneDNN on AMX tiles: 7x float32's ``mm``) is about 3x faster than float32.
+- **few float32 rows** (``< DEQUANTIZE_ROWS``): our C++ kernel (``int4_tiles_kernel.py``)
+  over the very same bytes, weights widened to float32 in registers: exact to float32
+  (within 1e-4 relative of ``x @ dequantize().T``; ~1e-7 measured) and, for Q4_1 at 576 ->
+  3072, 6.2x float32's ``mm`` at 1 row, 2.8x at 16 (1536 -> 576: 4.6x, 1.5x).
+- **few bfloat16 rows**, or float32 ones where the kernel cannot be built: torch's int4
+  kernel (4.6x and 1.9x at 576 -> 3072). It takes bfloat16 activations, scales and zeros only:
+  float32 activations take a scalar path 11x *slower* than float32's ``mm``.
+- **many rows** (a prefill chunk): both kernels are about 2x slower than float32's ``mm`` at
+  512 rows, while dequantizing the whole matrix once (float32, a few passes in torch) and
+  multiplying in bfloat16 (oneDNN on AMX tiles: 7x float32's ``mm``) is 1.5-1.9x faster than
+  float32 for 4-bit types, 1.1x for two planes (the dequantization dominates).
 
-Both round the activations to bfloat16 (unit roundoff ``u = 2^-8``) and accumulate in float32;
-the many-rows path rounds the weights to bfloat16 too, and the kernel rounds its output. So
-``|y - x @ dequantize().T| <= 2^-6 * sum_k |x_k| |w_k|`` (2u for the product's two operands,
-u for the output, with room), which ``tests/model/test_quantized_weight.py`` checks. The
-exact float32 bound of a weight-only kernel (1e-4) would need float32 activations, which no
-packed torch op runs at speed here; llama.cpp itself rounds activations to 8 bits a block.
+The bfloat16 paths round the activations (unit roundoff ``u = 2^-8``) and accumulate in
+float32; the many-rows path rounds the weights to bfloat16 too, torch's kernel its output.
+So ``|y - x @ dequantize().T| <= 2^-6 * sum_k |x_k| |w_k|`` (2u for the product's two
+operands, u for the output, with room), which ``tests/model/test_quantized_weight.py``
+checks. llama.cpp itself rounds activations to 8 bits a block: coarser.
 
 The kernel's layout (read back by ``embedding_rows``): rows in tiles of 64, each tile
 ``[in, 32]`` bytes whose low nibble is row ``j`` and high nibble row ``32 + j``::
@@ -43,6 +48,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.model.quantization import int4_tiles_kernel
 from pdserve.model.quantization.quantized_weight import QuantizedWeight
 
 GROUP = 32  # inputs per scale and offset
@@ -100,15 +106,19 @@ class Int4PlanesWeight(QuantizedWeight):
         return cls(scheme, rows, columns, planes)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        activations = x.to(torch.bfloat16).contiguous()
         if x.shape[0] >= DEQUANTIZE_ROWS:
             weight = self.dequantize().to(torch.bfloat16)
-            return torch.mm(activations, weight.t()).to(x.dtype)
+            return torch.mm(x.to(torch.bfloat16), weight.t()).to(x.dtype)
+        exact = x.dtype == torch.float32 and int4_tiles_kernel.build() is not None
+        activations = x.contiguous() if exact else x.to(torch.bfloat16).contiguous()
         out = None
         for packed, scales_zeros in self.planes:
-            part = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                activations, packed, GROUP, scales_zeros
-            ).float()
+            if exact:
+                part = int4_tiles_kernel.int4_tiles_mm(activations, packed, scales_zeros)
+            else:
+                part = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                    activations, packed, GROUP, scales_zeros
+                ).float()
             out = part if out is None else out.add_(part)
         assert out is not None
         return out[:, : self.out_features].to(x.dtype)

@@ -1,0 +1,74 @@
+"""A C++ kernel that multiplies float32 activations by a 4-bit plane held in torch's int4 CPU
+layout (``int4_planes.py``), widening the weights in registers: exact to float32 where
+torch's own kernel takes only bfloat16 activations.
+
+Why: torch's ``_weight_int4pack_mm_for_cpu`` is fast only with bfloat16 activations (2^-8
+relative a product), and 11x slower than float32's ``mm`` with float32 ones. This kernel
+reads the same bytes (so the weight is packed once, for both) and keeps every operation in
+float32: per group of 32 inputs ``S (sum x q - 8 sum x) + Z sum x``, which differs from
+``x @ dequantize().T`` by float32's rounding of the sums (a few ulp of ``sum |x| (|w| +
+16 |S| + |Z|)``). The speed it reaches is in ``int4_planes.py``'s docstring.
+
+Built once per machine by ``model/native_build.py`` (``-march=native``: AVX-512 is
+required; a CPU without it, or a machine without a compiler, serves with torch's kernel
+after one warning). ``python -m pdserve.model.quantization.int4_tiles_kernel`` builds it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from pdserve.model import native_build
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_suffix(".cpp")
+_FLAGS = ["-O3", "-march=native"]
+_lock = threading.Lock()
+_built: ModuleType | None = None
+_failed = False
+
+
+def build() -> ModuleType | None:
+    """The kernel, built (or loaded from the cache) on first call; None when it cannot be
+    built or loaded here, after one warning saying why."""
+    global _built, _failed
+    if _built is not None or _failed:  # every matmul asks: no lock then
+        return _built
+    with _lock:
+        if _built is None and not _failed:
+            if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+                _failed = True
+                logger.warning("the int4 tiles kernel needs AVX-512; torch's kernel serves")
+                return None
+            try:
+                _built = native_build.load_extension("pdserve_int4_tiles", _SOURCE, _FLAGS)
+            except native_build.ExtensionUnavailable as error:
+                _failed = True
+                logger.warning(
+                    "the int4 tiles kernel is not available (%s); packed weights multiply "
+                    "with torch's kernel, bfloat16 activations",
+                    error,
+                )
+        return _built
+
+
+def int4_tiles_mm(
+    x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor
+) -> torch.Tensor:
+    """``x`` float32 ``[M, K]`` by the plane (``int4_planes.py``): ``[M, padded rows]``.
+    Call only where ``build()`` is not None."""
+    kernel = build()
+    assert kernel is not None, "int4_tiles_mm called where the kernel is not built"
+    return kernel.int4_tiles_mm(x, packed, scales_zeros)
+
+
+if __name__ == "__main__":  # build it now, not at the first matmul
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if build() is not None:
+        logger.info("int4 tiles kernel: built for this CPU")
