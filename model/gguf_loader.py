@@ -1,4 +1,4 @@
-"""Loading a Llama, Qwen2 or Qwen3 model from a GGUF file (llama.cpp's format), e.g. the
+"""Loading a Llama, Qwen2, Qwen3 or Gemma 3 model from a GGUF file (llama.cpp's format), e.g. the
 built-in ``smollm2``.
 
 Every tensor is dequantized to float32 by the ``gguf`` package's own dequantizer, cast to
@@ -12,8 +12,15 @@ transformers') rotates halves ``(x0, x_{d/2}), (x1, x_{d/2+1}) ...``. Per head o
     GGUF row order  [ 0  d/2  1  d/2+1  2  d/2+2 ...  d/2-1  d-1 ]  (the halves interleaved)
 
 so the inverse views each head as ``[2 (pair), d/2]`` rows and swaps the two axes. Only
-Llama's converter permutes: Qwen2 and Qwen3 run llama.cpp's NeoX RoPE, which rotates halves
-as ours does, so their rows load as stored (with Qwen2's q/k/v biases and Qwen3's q/k norms).
+Llama's converter permutes: Qwen2, Qwen3 and Gemma 3 run llama.cpp's NeoX RoPE, which
+rotates halves as ours does, so their rows load as stored (with Qwen2's q/k/v biases and
+Qwen3's and Gemma 3's q/k norms).
+
+Gemma 3 names its four norms per layer its own way (``ffn_norm`` is the norm *before* the
+MLP there, ``post_attention_norm`` / ``post_ffw_norm`` the ones after attention and the
+MLP), and llama.cpp's converter stores every Gemma norm weight as ``1 + w``: the loader
+subtracts the 1 again, as transformers does, since our RMSNorm adds it
+(``norm_weight_offset``).
 """
 
 from __future__ import annotations
@@ -68,6 +75,13 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3's names where they differ from (or add to) the map above.
+_GEMMA3_LAYER_NAMES = _LAYER_NAMES | {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_LAYER_NAMES_BY_ARCHITECTURE = {"gemma3": _GEMMA3_LAYER_NAMES}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -83,13 +97,15 @@ def gguf_state_dict(
     check_gguf_tensors(reader)
     state = {}
     permuted = config.architecture == "LlamaForCausalLM"
+    layer_names = _layer_names(reader)
     for tensor in reader.tensors:
         weight = torch.from_numpy(_dequantize(tensor))
         if permuted and tensor.name.endswith("attn_q.weight"):
             weight = unpermute_rotary_rows(weight, config.num_heads)
         elif permuted and tensor.name.endswith("attn_k.weight"):
             weight = unpermute_rotary_rows(weight, config.num_kv_heads)
-        state[_our_name(tensor.name)] = weight.to(device=device, dtype=dtype)
+        weight = _without_norm_offset(config, tensor.name, weight)
+        state[_our_name(tensor.name, layer_names)] = weight.to(device=device, dtype=dtype)
     return state
 
 
@@ -98,6 +114,7 @@ def check_gguf_tensors(reader: gguf.GGUFReader) -> None:
     dequantize, or a name with no counterpart in our models. Read from the tensor infos
     alone, so a load refuses before it dequantizes anything, and ``pdserve up`` refuses the
     file before it deploys a worker (``check_model``)."""
+    layer_names = _layer_names(reader)
     for tensor in reader.tensors:
         if tensor.tensor_type not in SUPPORTED_QUANTIZATIONS:
             supported = ", ".join(sorted(quant.name for quant in SUPPORTED_QUANTIZATIONS))
@@ -105,7 +122,7 @@ def check_gguf_tensors(reader: gguf.GGUFReader) -> None:
                 f"GGUF tensor {tensor.name!r} is quantized as {tensor.tensor_type.name}, "
                 f"which is not supported; supported: {supported}"
             )
-        _our_name(tensor.name)
+        _our_name(tensor.name, layer_names)
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -117,12 +134,28 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
-def _our_name(gguf_name: str) -> str:
+def _layer_names(reader: gguf.GGUFReader) -> dict[str, str]:
+    """The per-layer name map of the file's architecture (``general.architecture``)."""
+    field = reader.get_field("general.architecture")
+    architecture = field.contents() if field is not None else None
+    return _LAYER_NAMES_BY_ARCHITECTURE.get(str(architecture), _LAYER_NAMES)
+
+
+def _without_norm_offset(config: ModelConfig, gguf_name: str, weight: torch.Tensor) -> torch.Tensor:
+    """An RMSNorm weight (``attn_norm``, ``attn_q_norm``, ``output_norm``, ...) that
+    llama.cpp's converter stored as ``offset + w`` (Gemma's, module doc) back as ``w``;
+    every other tensor as it is."""
+    if config.norm_weight_offset and gguf_name.endswith("norm.weight"):
+        return weight - config.norm_weight_offset
+    return weight
+
+
+def _our_name(gguf_name: str, layer_names: dict[str, str]) -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is not None and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    if match is not None and match.group(2) in layer_names:
+        return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}"
     if gguf_name == "rope_freqs.weight":
         raise ValueError(
             "GGUF tensor 'rope_freqs.weight' (per-frequency RoPE factors, Llama 3.1 style) "

@@ -32,6 +32,7 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 
 # The architecture decides whether q/k/v carry a bias when config.json does not say.
@@ -321,6 +322,7 @@ class ModelConfig:
         hidden_size = require(metadata, key("embedding_length"))
         tokens = metadata.get("tokenizer.ggml.tokens") or []
         architecture = GGUF_ARCHITECTURES[gguf_architecture]
+        gemma = _gguf_gemma_fields(metadata, key) if architecture in _GEMMA else {}
         return cls(
             architecture=architecture,
             vocab_size=metadata.get(key("vocab_size")) or len(tokens),
@@ -337,6 +339,7 @@ class ModelConfig:
             max_position_embeddings=require(metadata, key("context_length")),
             attention_bias=_DEFAULT_ATTENTION_BIAS.get(architecture, False),
             qk_norm=architecture in _QK_NORM_ARCHITECTURES,
+            **gemma,
         )
 
 
@@ -376,6 +379,36 @@ def _gguf_rope_scaling(
             key("rope.scaling.original_context_length")
         ]
     return scaling
+
+
+def _gguf_gemma_fields(metadata: dict[str, Any], key: Callable[[str], str]) -> dict[str, Any]:
+    """Gemma 3's fields that a GGUF leaves to llama.cpp's code (``llama-model.cpp``), which
+    hard-codes them per architecture unless newer keys say otherwise: every 6th layer global,
+    the others windowed; the local RoPE base 10,000, unscaled; the softmax scale
+    ``1/sqrt(head_dim)`` (transformers' ``query_pre_attn_scalar``), but
+    ``1/sqrt(hidden / heads)`` for the 62-layer 27B; the norms' ``1 + w`` and tanh GELU.
+    A file with logit softcapping (Gemma 2's keys) is refused, as ``from_hf_config`` does."""
+    for softcap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if metadata.get(key(softcap)) is not None:
+            raise ValueError(f"Gemma 3 with {softcap} is not supported")
+    num_layers = require(metadata, key("block_count"))
+    num_heads = require(metadata, key("attention.head_count"))
+    hidden_size = require(metadata, key("embedding_length"))
+    head_dim = metadata.get(key("attention.key_length")) or hidden_size // num_heads
+    pattern = metadata.get(key("attention.sliding_window_pattern")) or 6
+    if isinstance(pattern, list):  # newer files: per layer, true where windowed
+        full_layers = tuple(i for i, windowed in enumerate(pattern) if not windowed)
+    else:
+        full_layers = tuple(i for i in range(num_layers) if (i + 1) % pattern == 0)
+    query_pre_attn_scalar = hidden_size // num_heads if num_layers == 62 else head_dim
+    return {
+        "sliding_window": int(require(metadata, key("attention.sliding_window"))),
+        "full_attention_layers": full_layers,
+        "local_rope_theta": float(metadata.get(key("rope.freq_base_swa"), 10000.0)),
+        "attention_scale": query_pre_attn_scalar**-0.5,
+        "norm_weight_offset": 1.0,
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
 
 
 def _parse_sliding_window(

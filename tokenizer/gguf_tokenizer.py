@@ -2,10 +2,11 @@
 
 A GGUF carries no ``tokenizer.json``; llama.cpp stores the tokenizer as metadata::
 
-    tokenizer.ggml.model        "gpt2" (byte-level BPE; the only kind built here)
+    tokenizer.ggml.model        "gpt2" (byte-level BPE) or "llama" (SentencePiece; Gemma's)
     tokenizer.ggml.pre          how text is split before BPE ("smollm", "llama-bpe", ...)
     tokenizer.ggml.tokens       [token string per id]     spelled in GPT-2's byte alphabet
-    tokenizer.ggml.merges       ["Ġ t", "h e", ...]       best first
+    tokenizer.ggml.merges       ["Ġ t", "h e", ...]       best first (byte-level only)
+    tokenizer.ggml.scores       [float per id]            SentencePiece only
     tokenizer.ggml.token_type   [1 normal | 3 control | 4 user-defined | ... per id]
     tokenizer.ggml.{bos,eos,eot,eom}_token_id, tokenizer.ggml.add_bos_token
     tokenizer.chat_template     jinja source
@@ -15,13 +16,27 @@ file: BPE over the vocabulary and merges, a byte-level pre-tokenizer and decoder
 tokens added as special (matched whole, dropped by ``decode``), user-defined ones added as
 plain tokens, and a BOS post-processor when ``add_bos_token`` is set. Every end id the
 file declares (eos, end-of-turn, end-of-message) ends generation.
+
+A SentencePiece vocabulary (``"llama"``) is built as transformers builds Gemma's: a BPE
+with byte fallback (``<0xC3>``) over the tokens as spelled, ``"▁"`` for a space (a
+normalizer, no pre-tokenizer splits), and merges that the file does not store, recovered
+from the vocabulary (``_sentencepiece_merges``). BOS is added unless the file says not to.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
 from pdserve.checkpoint.gguf_file import require
 from pdserve.tokenizer.chat_template import ChatTemplate
@@ -30,6 +45,9 @@ from pdserve.tokenizer.tokenizer import HFTokenizer, bytes_to_unicode
 # llama.cpp's token types (llama_token_type).
 _CONTROL = 3
 _USER_DEFINED = 4
+_SENTENCEPIECE_SPACE = "\u2581"  # "▁"
+# The architectures whose SentencePiece vocabulary is built here (Gemma's, module doc).
+SENTENCEPIECE_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 _END_TOKEN_KEYS = (
     "tokenizer.ggml.eos_token_id",
     "tokenizer.ggml.eot_token_id",
@@ -73,29 +91,22 @@ PRE_TOKENIZERS = {
 def tokenizer_from_gguf(metadata: dict[str, Any]) -> HFTokenizer:
     """The tokenizer (with its chat template, if any) that ``metadata`` describes."""
     kind = require(metadata, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(
-            f"GGUF tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2') is"
-        )
-    pre = metadata.get("tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZERS:
-        raise ValueError(
-            f"GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(PRE_TOKENIZERS)}"
-        )
     tokens: list[str] = require(metadata, "tokenizer.ggml.tokens")
     token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    vocab = _byte_level_vocab(tokens)
-    try:
-        backend = Tokenizer(models.BPE(vocab=vocab, merges=_merges(metadata)))
-    except Exception as error:  # noqa: BLE001 — the Rust binding raises a bare Exception
+    add_bos = metadata.get("tokenizer.ggml.add_bos_token")
+    if kind == "gpt2":
+        backend, vocab = _byte_level_backend(metadata, tokens)
+    elif kind == "llama" and metadata.get("general.architecture") in SENTENCEPIECE_ARCHITECTURES:
+        backend, vocab = _sentencepiece_backend(metadata, tokens)
+        add_bos = add_bos is None or add_bos  # llama.cpp's default for SentencePiece
+    else:
         raise ValueError(
-            f"the GGUF tokenizer's merges do not fit its vocabulary: {error}"
-        ) from None
-    backend.pre_tokenizer = PRE_TOKENIZERS[pre]()
-    backend.decoder = decoders.ByteLevel()
+            f"GGUF tokenizer model {kind!r} is not supported; supported: byte-level BPE "
+            f"('gpt2'), and SentencePiece ('llama') for {', '.join(SENTENCEPIECE_ARCHITECTURES)}"
+        )
     _add_special_tokens(backend, vocab, tokens, token_types)
     bos_id = metadata.get("tokenizer.ggml.bos_token_id")
-    if metadata.get("tokenizer.ggml.add_bos_token") and bos_id is not None:
+    if add_bos and bos_id is not None:
         bos = tokens[bos_id]
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
@@ -113,6 +124,72 @@ def tokenizer_from_gguf(metadata: dict[str, Any]) -> HFTokenizer:
             template_source, bos_token=bos_token, eos_token=tokens[eos_ids[0]]
         )
     return HFTokenizer(backend, eos_ids, chat_template, vocab_size=len(tokens))
+
+
+def _byte_level_backend(
+    metadata: dict[str, Any], tokens: list[str]
+) -> tuple[Tokenizer, dict[str, int]]:
+    """Byte-level BPE over the file's merges, split by its pre-tokenizer; and its vocabulary."""
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(
+            f"GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(PRE_TOKENIZERS)}"
+        )
+    vocab = _byte_level_vocab(tokens)
+    try:
+        backend = Tokenizer(models.BPE(vocab=vocab, merges=_merges(metadata)))
+    except Exception as error:  # noqa: BLE001 — the Rust binding raises a bare Exception
+        raise ValueError(
+            f"the GGUF tokenizer's merges do not fit its vocabulary: {error}"
+        ) from None
+    backend.pre_tokenizer = PRE_TOKENIZERS[pre]()
+    backend.decoder = decoders.ByteLevel()
+    return backend, vocab
+
+
+def _sentencepiece_backend(
+    metadata: dict[str, Any], tokens: list[str]
+) -> tuple[Tokenizer, dict[str, int]]:
+    """Gemma's SentencePiece vocabulary as a BPE with byte fallback (module doc).
+
+    A token of spaces only is stored with real spaces (``"  "``) but is looked up after the
+    normalizer turned them into ``"▁▁"``: it is re-spelled so."""
+    spelled = [
+        _SENTENCEPIECE_SPACE * len(token) if " " in token and not token.strip() else token
+        for token in tokens
+    ]
+    vocab = {token: index for index, token in enumerate(spelled)}
+    unknown = spelled[metadata.get("tokenizer.ggml.unknown_token_id", 3)]
+    backend = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=_sentencepiece_merges(vocab),
+            unk_token=unknown,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    backend.normalizer = normalizers.Replace(" ", _SENTENCEPIECE_SPACE)
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace(_SENTENCEPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return backend, vocab
+
+
+def _sentencepiece_merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """The merges a SentencePiece vocabulary implies, best first: every split of a token
+    into two tokens of the vocabulary. The file's order ranks them, not its scores (Gemma's
+    scores do not follow its merge order); among one token's splits, the longer left part
+    first (transformers' ``generate_merges``, which this equals)."""
+    ranked: list[tuple[int, int, int, str, str]] = []
+    for token, index in vocab.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((index, -len(left), -len(right), left, right))
+    ranked.sort(key=lambda merge: merge[:3])
+    return [(left, right) for _, _, _, left, right in ranked]
 
 
 def _byte_level_vocab(tokens: list[str]) -> dict[str, int]:

@@ -38,9 +38,12 @@ inline __m512 bf16_high(__m512i pairs) {  // Z of each (S, Z) pair
 template <int kRows>
 void tile_rows(const float* x, int64_t K, const uint8_t* tile, const uint32_t* scales_zeros,
                int64_t N, const float* group_sums, int64_t G, float* out) {
-  __m512 total[kRows][4];
-  for (int i = 0; i < kRows; ++i)
-    for (int j = 0; j < 4; ++j) total[i][j] = _mm512_setzero_ps();
+  // One row's totals stay in registers; more rows' live in L1, as in registers beside the
+  // group's 4 kRows sums they would spill.
+  constexpr bool kTotalsInRegisters = kRows == 1;
+  alignas(64) float total[kRows][kTileRows] = {};
+  __m512 held[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                    _mm512_setzero_ps()};
   const __m512i low_mask = _mm512_set1_epi32(15);
   for (int64_t g = 0; g < G; ++g) {
     __m512 acc[kRows][4];
@@ -69,13 +72,22 @@ void tile_rows(const float* x, int64_t K, const uint8_t* tile, const uint32_t* s
       for (int i = 0; i < kRows; ++i) {
         const float sum = group_sums[i * G + g];
         const __m512 centred = _mm512_sub_ps(acc[i][j], _mm512_set1_ps(8.0f * sum));
-        total[i][j] = _mm512_fmadd_ps(scale, centred, total[i][j]);
-        total[i][j] = _mm512_fmadd_ps(zero, _mm512_set1_ps(sum), total[i][j]);
+        __m512 running = kTotalsInRegisters ? held[j] : _mm512_load_ps(&total[i][16 * j]);
+        running = _mm512_fmadd_ps(scale, centred, running);
+        running = _mm512_fmadd_ps(zero, _mm512_set1_ps(sum), running);
+        if constexpr (kTotalsInRegisters) {
+          held[j] = running;
+        } else {
+          _mm512_store_ps(&total[i][16 * j], running);
+        }
       }
     }
   }
-  for (int i = 0; i < kRows; ++i)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + i * N + 16 * j, total[i][j]);
+  if constexpr (kTotalsInRegisters) {
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + 16 * j, held[j]);
+  } else {
+    for (int i = 0; i < kRows; ++i) std::memcpy(out + i * N, total[i], sizeof(total[i]));
+  }
 }
 
 torch::Tensor int4_tiles_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_zeros) {

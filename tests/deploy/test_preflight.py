@@ -78,14 +78,15 @@ def nothing_deploys(monkeypatch) -> None:
 def test_pdserve_up_refuses_a_gguf_of_an_unsupported_architecture_before_deploying(
     tmp_path, nothing_deploys, capsys
 ) -> None:
-    """The report: a Gemma 3 GGUF was listed, answered 503 for 33-48 s, then failed with
-    "Failed to update the deployments"; the reason was only in a worker's log."""
-    gemma = write_small_gguf(tmp_path / "gemma-3-270m.gguf", architecture="gemma3")
-    assert cli.main(["up", "--model", str(gemma), "--address", JOINED]) == 2
+    """The report: a Gemma 3 GGUF (not supported then) was listed, answered 503 for 33-48 s,
+    then failed with "Failed to update the deployments"; the reason was only in a worker's
+    log."""
+    phi3 = write_small_gguf(tmp_path / "phi-3-mini.gguf", architecture="phi3")
+    assert cli.main(["up", "--model", str(phi3), "--address", JOINED]) == 2
     assert capsys.readouterr().err == (
         "pdserve up: this config cannot start:\n"
-        f"  - --model '{gemma}': GGUF architecture 'gemma3' is not supported; "
-        "supported: llama, qwen2, qwen3\n"
+        f"  - --model '{phi3}': GGUF architecture 'phi3' is not supported; "
+        "supported: llama, qwen2, qwen3, gemma3\n"
     )
 
 

@@ -20,9 +20,9 @@ from tests.service.service_apps import SERVE_PORT
 def test_a_worker_that_fails_to_start_fails_the_deploy_at_once_with_its_error(
     ray_cluster, tmp_path
 ) -> None:
-    gemma = write_small_gguf(tmp_path / "gemma-3-270m.gguf", architecture="gemma3")
+    phi3 = write_small_gguf(tmp_path / "phi-3-mini.gguf", architecture="phi3")
     config = PDServeConfig(
-        model=str(gemma),
+        model=str(phi3),
         num_prefill=1,
         num_decode=0,
         port=SERVE_PORT,
@@ -33,8 +33,8 @@ def test_a_worker_that_fails_to_start_fails_the_deploy_at_once_with_its_error(
         with pytest.raises(WorkerStartError) as failed:
             deploy(config)
         assert str(failed.value) == (
-            "prefill-0 failed to start: ValueError: GGUF architecture 'gemma3' is not "
-            "supported; supported: llama, qwen2, qwen3"
+            "prefill-0 failed to start: ValueError: GGUF architecture 'phi3' is not "
+            "supported; supported: llama, qwen2, qwen3, gemma3"
         )
         # At once: Serve is still retrying the worker, and had not given the app up.
         assert serve.status().applications["refused"].status == "DEPLOYING"
