@@ -69,7 +69,23 @@ class ConcatenatedWeight(QuantizedWeight):
         return self.dequantize()[ids]  # a fused projection is never an embedding
 
     def take_rows(self, index: torch.Tensor) -> QuantizedWeight:
-        raise ValueError("a concatenation of packed formats cannot reorder its rows")
+        """Rows that keep the parts in order (each part's rows one run of ``index``, runs in
+        the parts' order: a tensor-parallel rank's slice of q, k and v) stay a
+        concatenation of the parts' own rows; any other order cannot."""
+        ends = torch.tensor([part.out_features for part in self.parts]).cumsum(0)
+        owner = torch.bucketize(index, ends, right=True)
+        if len(index) > 1 and bool((owner[1:] < owner[:-1]).any()):
+            raise ValueError(
+                "rows of a concatenation of packed formats can be taken only part by part "
+                "in order; reorder the parts' rows before concat_rows"
+            )
+        starts = ends - torch.tensor([part.out_features for part in self.parts])
+        taken = [
+            part.take_rows(index[owner == number] - starts[number])
+            for number, part in enumerate(self.parts)
+            if bool((owner == number).any())
+        ]
+        return taken[0] if len(taken) == 1 else ConcatenatedWeight(taken)
 
     @property
     def nbytes(self) -> int:

@@ -38,7 +38,7 @@ K_SCALE_FIELDS = {Quant.Q4_K: (0, 2), Quant.Q5_K: (0, 2), Quant.Q6_K: (208, 1)}
 BF16_BOUND = 2.0**-6  # int4_planes.py: |y - x W^T| <= 2^-6 sum |x| |w|
 EXACT_BOUND = 1e-4  # float32 activations through the C++ kernel
 REQUANTIZED_BOUND = 1 / 254 + 2.0**-8  # int8_channels.py: half a step, a bfloat16 scale
-EXAMPLES = settings(max_examples=50, deadline=None)
+EXAMPLES = settings(max_examples=40, deadline=None)
 
 
 def raw_tensor(quant: Quant, rows: int, columns: int, seed: int) -> np.ndarray:
@@ -157,6 +157,18 @@ def test_concat_rows_stacks_the_weights(cases, tokens):
     if len({part.scheme for part in parts}) == 1:
         assert type(joined) is type(parts[0])
         assert joined.nbytes <= sum(part.nbytes for part in parts)
+    rank_slice = torch.cat(  # a tensor-parallel rank's half of every part, in order
+        [torch.arange(start, start + part.out_features // 2 + 1) for start, part in starts(parts)]
+    )
+    torch.testing.assert_close(
+        joined.take_rows(rank_slice).dequantize(), expected[rank_slice], rtol=0, atol=0
+    )
+
+
+def starts(parts: list[QuantizedWeight]) -> list[tuple[int, QuantizedWeight]]:
+    """Each part with the row it starts at in their concatenation."""
+    offsets = np.cumsum([0] + [part.out_features for part in parts])
+    return [(int(offset), part) for offset, part in zip(offsets, parts, strict=False)]
 
 
 @pytest.mark.parametrize("quant", TYPES, ids=lambda quant: quant.name)
