@@ -109,16 +109,15 @@ class Int4PlanesWeight(QuantizedWeight):
         if x.shape[0] >= DEQUANTIZE_ROWS:
             weight = self.dequantize().to(torch.bfloat16)
             return torch.mm(x.to(torch.bfloat16), weight.t()).to(x.dtype)
-        exact = x.dtype == torch.float32 and int4_tiles_kernel.build() is not None
-        activations = x.contiguous() if exact else x.to(torch.bfloat16).contiguous()
+        if x.dtype == torch.float32 and int4_tiles_kernel.build() is not None:
+            out = int4_tiles_kernel.int4_tiles_mm(x.contiguous(), self.planes)
+            return out[:, : self.out_features]
+        activations = x.to(torch.bfloat16).contiguous()
         out = None
         for packed, scales_zeros in self.planes:
-            if exact:
-                part = int4_tiles_kernel.int4_tiles_mm(activations, packed, scales_zeros)
-            else:
-                part = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                    activations, packed, GROUP, scales_zeros
-                ).float()
+            part = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                activations, packed, GROUP, scales_zeros
+            ).float()
             out = part if out is None else out.add_(part)
         assert out is not None
         return out[:, : self.out_features].to(x.dtype)

@@ -7,7 +7,11 @@
 //                 row 64t + j (low nibble) and row 64t + 32 + j (high nibble) at input k
 //   scales_zeros  [K / 32, N, 2] bfloat16: per group of 32 inputs and row, S then Z
 //   out           [M, N] float32: sum over groups g of S (sum_k x_k (q_k - 8)) + Z sum_k x_k
-//                 = S (sum_k x_k q_k - 8 xs_g) + Z xs_g, xs_g the group's sum of x
+//                 = S (sum_k x_k q_k) + (Z - 8 S) xs_g, xs_g the group's sum of x
+//
+// A code of 5-8 bits is two planes (int4_planes.py): high nibbles h with (16 s, Z_h), low
+// ones l with (s, Z_l). Both are read in one pass as the code c = 16 h + l, whose weight is
+// s c + (Z_h + Z_l - 136 s): one set of sums, the products' count of one plane.
 //
 // A tile is walked group by group; per input k its 32 bytes become the 64 rows' weights in
 // four registers (rows 0-15, 16-31 from the low nibbles, 32-47, 48-63 from the high), and
@@ -35,9 +39,10 @@ inline __m512 bf16_high(__m512i pairs) {  // Z of each (S, Z) pair
   return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xFFFF0000)));
 }
 
-template <int kRows>
+template <int kRows, bool kTwoPlanes>
 void tile_rows(const float* x, int64_t K, const uint8_t* tile, const uint32_t* scales_zeros,
-               int64_t N, const float* group_sums, int64_t G, float* out) {
+               const uint8_t* high_tile, const uint32_t* high_scales_zeros, int64_t N,
+               const float* group_sums, int64_t G, float* out) {
   // One row's totals stay in registers; more rows' live in L1, as in registers beside the
   // group's 4 kRows sums they would spill.
   constexpr bool kTotalsInRegisters = kRows == 1;
@@ -53,12 +58,27 @@ void tile_rows(const float* x, int64_t K, const uint8_t* tile, const uint32_t* s
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + k * 32));
       const __m512i first = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(bytes));
       const __m512i second = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(bytes, 1));
-      const __m512 w[4] = {
-          _mm512_cvtepi32_ps(_mm512_and_si512(first, low_mask)),
-          _mm512_cvtepi32_ps(_mm512_and_si512(second, low_mask)),
-          _mm512_cvtepi32_ps(_mm512_srli_epi32(first, 4)),
-          _mm512_cvtepi32_ps(_mm512_srli_epi32(second, 4)),
+      __m512i codes[4] = {
+          _mm512_and_si512(first, low_mask),
+          _mm512_and_si512(second, low_mask),
+          _mm512_srli_epi32(first, 4),
+          _mm512_srli_epi32(second, 4),
       };
+      if constexpr (kTwoPlanes) {
+        const __m256i high_bytes =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high_tile + k * 32));
+        const __m512i high_first = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(high_bytes));
+        const __m512i high_second = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(high_bytes, 1));
+        const __m512i high[4] = {
+            _mm512_and_si512(high_first, low_mask),
+            _mm512_and_si512(high_second, low_mask),
+            _mm512_srli_epi32(high_first, 4),
+            _mm512_srli_epi32(high_second, 4),
+        };
+        for (int j = 0; j < 4; ++j) codes[j] = _mm512_or_si512(codes[j], _mm512_slli_epi32(high[j], 4));
+      }
+      __m512 w[4];
+      for (int j = 0; j < 4; ++j) w[j] = _mm512_cvtepi32_ps(codes[j]);
       for (int i = 0; i < kRows; ++i) {
         const __m512 xv = _mm512_set1_ps(x[i * K + k]);
         for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_fmadd_ps(xv, w[j], acc[i][j]);
@@ -68,13 +88,17 @@ void tile_rows(const float* x, int64_t K, const uint8_t* tile, const uint32_t* s
     for (int j = 0; j < 4; ++j) {
       const __m512i packed_pairs = _mm512_loadu_si512(pairs + 16 * j);
       const __m512 scale = bf16_low(packed_pairs);
-      const __m512 zero = bf16_high(packed_pairs);
+      __m512 zero = _mm512_fnmadd_ps(_mm512_set1_ps(kTwoPlanes ? 136.0f : 8.0f), scale,
+                                     bf16_high(packed_pairs));  // Z - 8 S (module comment)
+      if constexpr (kTwoPlanes) {
+        const __m512i high_pairs = _mm512_loadu_si512(high_scales_zeros + g * N + 16 * j);
+        zero = _mm512_add_ps(zero, bf16_high(high_pairs));
+      }
       for (int i = 0; i < kRows; ++i) {
-        const float sum = group_sums[i * G + g];
-        const __m512 centred = _mm512_sub_ps(acc[i][j], _mm512_set1_ps(8.0f * sum));
+        const __m512 sum = _mm512_set1_ps(group_sums[i * G + g]);
         __m512 running = kTotalsInRegisters ? held[j] : _mm512_load_ps(&total[i][16 * j]);
-        running = _mm512_fmadd_ps(scale, centred, running);
-        running = _mm512_fmadd_ps(zero, _mm512_set1_ps(sum), running);
+        running = _mm512_fmadd_ps(scale, acc[i][j], running);
+        running = _mm512_fmadd_ps(zero, sum, running);
         if constexpr (kTotalsInRegisters) {
           held[j] = running;
         } else {
@@ -90,14 +114,28 @@ void tile_rows(const float* x, int64_t K, const uint8_t* tile, const uint32_t* s
   }
 }
 
-torch::Tensor int4_tiles_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_zeros) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "x: [M, K] float32");
+void check_plane(const torch::Tensor& packed, const torch::Tensor& scales_zeros, int64_t K,
+                 int64_t N) {
   TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous(), "packed: uint8");
   TORCH_CHECK(scales_zeros.dtype() == torch::kBFloat16 && scales_zeros.is_contiguous(),
               "scales_zeros: bfloat16");
+  TORCH_CHECK(packed.size(0) == N && packed.size(1) * 2 == K, "packed: [N, K / 2]");
+  TORCH_CHECK(scales_zeros.size(0) == K / kGroup && scales_zeros.size(1) == N,
+              "scales_zeros: [K / 32, N, 2]");
+}
+
+// planes: [low] (codes of 4 bits) or [high, low] (5-8 bits), as int4_planes.py holds them.
+torch::Tensor int4_tiles_mm(torch::Tensor x, std::vector<torch::Tensor> planes) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2,
+              "x: [M, K] float32, contiguous");
+  TORCH_CHECK(planes.size() == 2 || planes.size() == 4, "one or two (packed, scales) planes");
+  const bool two_planes = planes.size() == 4;
+  const torch::Tensor& packed = planes[planes.size() - 2];
+  const torch::Tensor& scales_zeros = planes[planes.size() - 1];
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
-  TORCH_CHECK(K % kGroup == 0 && N % kTileRows == 0 && packed.size(1) * 2 == K, "shapes");
-  TORCH_CHECK(scales_zeros.size(0) == K / kGroup && scales_zeros.size(1) == N, "scales shape");
+  TORCH_CHECK(K % kGroup == 0 && N % kTileRows == 0, "K a multiple of 32, N of 64");
+  check_plane(packed, scales_zeros, K, N);
+  if (two_planes) check_plane(planes[0], planes[1], K, N);
   const int64_t G = K / kGroup;
   auto out = torch::empty({M, N}, x.options());
   const float* xs = x.data_ptr<float>();
@@ -108,20 +146,32 @@ torch::Tensor int4_tiles_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor
       for (int64_t k = 0; k < kGroup; ++k) sum += xs[m * K + g * kGroup + k];
       group_sums[m * G + g] = sum;
     }
+  const auto as_pairs = [](const torch::Tensor& t) {
+    return reinterpret_cast<const uint32_t*>(t.data_ptr<at::BFloat16>());
+  };
   const uint8_t* tiles = packed.data_ptr<uint8_t>();
-  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(scales_zeros.data_ptr<at::BFloat16>());
+  const uint32_t* pairs = as_pairs(scales_zeros);
+  const uint8_t* high_tiles = two_planes ? planes[0].data_ptr<uint8_t>() : nullptr;
+  const uint32_t* high_pairs = two_planes ? as_pairs(planes[1]) : nullptr;
   float* o = out.data_ptr<float>();
   at::parallel_for(0, N / kTileRows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* tile = tiles + t * K * 32;
       const uint32_t* tile_pairs = pairs + t * kTileRows;
+      const uint8_t* high_tile = two_planes ? high_tiles + t * K * 32 : nullptr;
+      const uint32_t* high_tile_pairs = two_planes ? high_pairs + t * kTileRows : nullptr;
+      const auto rows = [&](auto run, int64_t m) {
+        run(xs + m * K, K, tile, tile_pairs, high_tile, high_tile_pairs, N,
+            group_sums.data() + m * G, G, o + m * N + t * kTileRows);
+      };
       int64_t m = 0;
-      for (; m + 4 <= M; m += 4)
-        tile_rows<4>(xs + m * K, K, tile, tile_pairs, N, group_sums.data() + m * G, G,
-                     o + m * N + t * kTileRows);
-      for (; m < M; ++m)
-        tile_rows<1>(xs + m * K, K, tile, tile_pairs, N, group_sums.data() + m * G, G,
-                     o + m * N + t * kTileRows);
+      if (two_planes) {
+        for (; m + 4 <= M; m += 4) rows(tile_rows<4, true>, m);
+        for (; m < M; ++m) rows(tile_rows<1, true>, m);
+      } else {
+        for (; m + 4 <= M; m += 4) rows(tile_rows<4, false>, m);
+        for (; m < M; ++m) rows(tile_rows<1, false>, m);
+      }
     }
   });
   return out;

@@ -58,14 +58,13 @@ def build() -> ModuleType | None:
         return _built
 
 
-def int4_tiles_mm(
-    x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor
-) -> torch.Tensor:
-    """``x`` float32 ``[M, K]`` by the plane (``int4_planes.py``): ``[M, padded rows]``.
-    Call only where ``build()`` is not None."""
+def int4_tiles_mm(x: torch.Tensor, planes: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """``x`` float32 ``[M, K]`` by the weight whose planes (``int4_planes.py``: one, or the
+    high and the low, read in one pass) are given: ``[M, padded rows]``. Call only where
+    ``build()`` is not None."""
     kernel = build()
     assert kernel is not None, "int4_tiles_mm called where the kernel is not built"
-    return kernel.int4_tiles_mm(x, packed, scales_zeros)
+    return kernel.int4_tiles_mm(x, [tensor for plane in planes for tensor in plane])
 
 
 if __name__ == "__main__":  # build it now, not at the first matmul
