@@ -110,10 +110,10 @@ class Int4PlanesWeight(QuantizedWeight):
             weight = self.dequantize().to(torch.bfloat16)
             return torch.mm(x.to(torch.bfloat16), weight.t()).to(x.dtype)
         if x.dtype == torch.float32 and int4_tiles_kernel.build() is not None:
-            out = int4_tiles_kernel.int4_tiles_mm(x.contiguous(), self.planes)
-            return out[:, : self.out_features]
+            exact = int4_tiles_kernel.int4_tiles_mm(x.contiguous(), self.planes)
+            return exact[:, : self.out_features]
         activations = x.to(torch.bfloat16).contiguous()
-        out = None
+        out: torch.Tensor | None = None
         for packed, scales_zeros in self.planes:
             part = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 activations, packed, GROUP, scales_zeros
