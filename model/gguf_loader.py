@@ -1,5 +1,5 @@
-"""Loading a Llama, Qwen2, Qwen3 or Gemma 3 model from a GGUF file (llama.cpp's format), e.g. the
-built-in ``smollm2``.
+"""Loading a Llama, Qwen2, Qwen3, Qwen3-MoE or Gemma 3 model from a GGUF file (llama.cpp's
+format), e.g. the built-in ``smollm2``.
 
 Every tensor is dequantized to float32 by the ``gguf`` package's own dequantizer, cast to
 the engine dtype, renamed from llama.cpp's names to ours (transformers' names), and, for
@@ -81,7 +81,15 @@ _GEMMA3_LAYER_NAMES = _LAYER_NAMES | {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
-_LAYER_NAMES_BY_ARCHITECTURE = {"gemma3": _GEMMA3_LAYER_NAMES}
+# Qwen3-MoE's router, and its experts stacked in one tensor each (``[experts, out, in]``),
+# split into one weight per expert (``{expert}``: ``_split_experts``).
+_QWEN3MOE_LAYER_NAMES = _LAYER_NAMES | {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.{expert}.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.{expert}.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.{expert}.down_proj.weight",
+}
+_LAYER_NAMES_BY_ARCHITECTURE = {"gemma3": _GEMMA3_LAYER_NAMES, "qwen3moe": _QWEN3MOE_LAYER_NAMES}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -105,7 +113,9 @@ def gguf_state_dict(
         elif permuted and tensor.name.endswith("attn_k.weight"):
             weight = unpermute_rotary_rows(weight, config.num_kv_heads)
         weight = _without_norm_offset(config, tensor.name, weight)
-        state[_our_name(tensor.name, layer_names)] = weight.to(device=device, dtype=dtype)
+        name = _our_name(tensor.name, layer_names)
+        for part_name, part in _split_experts(name, weight).items():
+            state[part_name] = part.to(device=device, dtype=dtype)
     return state
 
 
@@ -148,6 +158,14 @@ def _without_norm_offset(config: ModelConfig, gguf_name: str, weight: torch.Tens
     if config.norm_weight_offset and gguf_name.endswith("norm.weight"):
         return weight - config.norm_weight_offset
     return weight
+
+
+def _split_experts(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A stacked experts tensor (``[experts, out, in]``, named with ``{expert}``) as one
+    weight per expert; any other as it is."""
+    if "{expert}" not in name:
+        return {name: weight}
+    return {name.format(expert=expert): part for expert, part in enumerate(weight.unbind(0))}
 
 
 def _our_name(gguf_name: str, layer_names: dict[str, str]) -> str:

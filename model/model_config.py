@@ -33,6 +33,7 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 
 # The architecture decides whether q/k/v carry a bias when config.json does not say.
@@ -339,6 +340,7 @@ class ModelConfig:
             max_position_embeddings=require(metadata, key("context_length")),
             attention_bias=_DEFAULT_ATTENTION_BIAS.get(architecture, False),
             qk_norm=architecture in _QK_NORM_ARCHITECTURES,
+            moe=_gguf_moe(metadata, key) if architecture == "Qwen3MoeForCausalLM" else None,
             **gemma,
         )
 
@@ -409,6 +411,18 @@ def _gguf_gemma_fields(metadata: dict[str, Any], key: Callable[[str], str]) -> d
         "norm_weight_offset": 1.0,
         "hidden_activation": "gelu_pytorch_tanh",
     }
+
+
+def _gguf_moe(metadata: dict[str, Any], key: Callable[[str], str]) -> MoEConfig:
+    """Qwen3-MoE's experts as llama.cpp reads them: every layer sparse, the top-k weights
+    renormalised (``expert_weights_norm``, true unless the file says otherwise)."""
+    return MoEConfig(
+        num_experts=require(metadata, key("expert_count")),
+        top_k=require(metadata, key("expert_used_count")),
+        intermediate_size=require(metadata, key("expert_feed_forward_length")),
+        norm_topk_prob=bool(metadata.get(key("expert_weights_norm"), True)),
+        sparse_layers=tuple(range(require(metadata, key("block_count")))),
+    )
 
 
 def _parse_sliding_window(
