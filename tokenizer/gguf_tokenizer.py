@@ -17,10 +17,12 @@ tokens added as special (matched whole, dropped by ``decode``), user-defined one
 plain tokens, and a BOS post-processor when ``add_bos_token`` is set. Every end id the
 file declares (eos, end-of-turn, end-of-message) ends generation.
 
-A SentencePiece vocabulary (``"llama"``) is built as transformers builds Gemma's: a BPE
-with byte fallback (``<0xC3>``) over the tokens as spelled, ``"▁"`` for a space (a
-normalizer, no pre-tokenizer splits), and merges that the file does not store, recovered
-from the vocabulary (``_sentencepiece_merges``). BOS is added unless the file says not to.
+A SentencePiece vocabulary (``"llama"``) is built as transformers builds it: a BPE with
+byte fallback (``<0xC3>``) over the tokens as spelled, ``"▁"`` for a space, and merges that
+the file does not store, recovered from the vocabulary (``_sentencepiece_merges``). Gemma's
+replaces spaces by a normalizer and ranks merges by the tokens' order; Llama 2's and
+Mistral's (any other architecture) prepend ``"▁"`` to the text (``Metaspace``) and rank
+merges by the tokens' scores. BOS is added unless the file says not to.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ from pdserve.tokenizer.tokenizer import HFTokenizer, bytes_to_unicode
 _CONTROL = 3
 _USER_DEFINED = 4
 _SENTENCEPIECE_SPACE = "\u2581"  # "▁"
-# The architectures whose SentencePiece vocabulary is built here (Gemma's, module doc).
-SENTENCEPIECE_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+# The architectures whose SentencePiece vocabulary is Gemma's (module doc).
+GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 _END_TOKEN_KEYS = (
     "tokenizer.ggml.eos_token_id",
     "tokenizer.ggml.eot_token_id",
@@ -96,13 +98,16 @@ def tokenizer_from_gguf(metadata: dict[str, Any]) -> HFTokenizer:
     add_bos = metadata.get("tokenizer.ggml.add_bos_token")
     if kind == "gpt2":
         backend, vocab = _byte_level_backend(metadata, tokens)
-    elif kind == "llama" and metadata.get("general.architecture") in SENTENCEPIECE_ARCHITECTURES:
-        backend, vocab = _sentencepiece_backend(metadata, tokens)
+    elif kind == "llama":
+        if metadata.get("general.architecture") in GEMMA_ARCHITECTURES:
+            backend, vocab = _gemma_sentencepiece_backend(metadata, tokens)
+        else:
+            backend, vocab = _llama_sentencepiece_backend(metadata, tokens)
         add_bos = add_bos is None or add_bos  # llama.cpp's default for SentencePiece
     else:
         raise ValueError(
             f"GGUF tokenizer model {kind!r} is not supported; supported: byte-level BPE "
-            f"('gpt2'), and SentencePiece ('llama') for {', '.join(SENTENCEPIECE_ARCHITECTURES)}"
+            "('gpt2') and SentencePiece ('llama')"
         )
     _add_special_tokens(backend, vocab, tokens, token_types)
     bos_id = metadata.get("tokenizer.ggml.bos_token_id")
@@ -147,7 +152,7 @@ def _byte_level_backend(
     return backend, vocab
 
 
-def _sentencepiece_backend(
+def _gemma_sentencepiece_backend(
     metadata: dict[str, Any], tokens: list[str]
 ) -> tuple[Tokenizer, dict[str, int]]:
     """Gemma's SentencePiece vocabulary as a BPE with byte fallback (module doc).
@@ -163,7 +168,7 @@ def _sentencepiece_backend(
     backend = Tokenizer(
         models.BPE(
             vocab=vocab,
-            merges=_sentencepiece_merges(vocab),
+            merges=_sentencepiece_merges(vocab, {token: -index for token, index in vocab.items()}),
             unk_token=unknown,
             fuse_unk=True,
             byte_fallback=True,
@@ -177,17 +182,44 @@ def _sentencepiece_backend(
     return backend, vocab
 
 
-def _sentencepiece_merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
+def _llama_sentencepiece_backend(
+    metadata: dict[str, Any], tokens: list[str]
+) -> tuple[Tokenizer, dict[str, int]]:
+    """Llama 2's and Mistral's SentencePiece vocabulary as a BPE with byte fallback (module
+    doc): ``"▁"`` prepended to the text's start, merges ranked by the tokens' scores."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    scores: list[float] = metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    merges = _sentencepiece_merges(vocab, dict(zip(tokens, scores)))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement=_SENTENCEPIECE_SPACE, prepend_scheme="first", split=False
+    )
+    backend.decoder = decoders.Sequence(
+        [
+            decoders.Replace(_SENTENCEPIECE_SPACE, " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(content=" ", left=1),
+        ]
+    )
+    return backend, vocab
+
+
+def _sentencepiece_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
     """The merges a SentencePiece vocabulary implies, best first: every split of a token
-    into two tokens of the vocabulary. The file's order ranks them, not its scores (Gemma's
-    scores do not follow its merge order); among one token's splits, the longer left part
-    first (transformers' ``generate_merges``, which this equals)."""
-    ranked: list[tuple[int, int, int, str, str]] = []
-    for token, index in vocab.items():
-        for cut in range(1, len(token)):
-            left, right = token[:cut], token[cut:]
-            if left in vocab and right in vocab:
-                ranked.append((index, -len(left), -len(right), left, right))
+    into two tokens of the vocabulary, ranked by the token's score (Gemma's: minus its
+    position, since its scores do not follow its merge order), then the longer left part
+    first; equal ranks keep the tokens' order, a token's splits by their parts' ids
+    (transformers' ``generate_merges``, which this equals)."""
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for token, score in scores.items():
+        splits = [
+            (token[:cut], token[cut:])
+            for cut in range(1, len(token))
+            if token[:cut] in vocab and token[cut:] in vocab
+        ]
+        splits.sort(key=lambda split: (vocab[split[0]], vocab[split[1]]))
+        ranked.extend((-score, -len(left), -len(right), left, right) for left, right in splits)
     ranked.sort(key=lambda merge: merge[:3])
     return [(left, right) for _, _, _, left, right in ranked]
 
