@@ -27,6 +27,7 @@ merges by the tokens' scores. BOS is added unless the file says not to.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from tokenizers import (
@@ -61,6 +62,17 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen2's and Qwen3's: Llama 3's with every digit alone (LLAMA_VOCAB_PRE_TYPE_QWEN2).
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Mistral's Tekken (Nemo and later; LLAMA_VOCAB_PRE_TYPE_TEKKEN): words split at case changes.
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def _gpt2_split() -> pre_tokenizers.PreTokenizer:
@@ -72,21 +84,29 @@ def _smollm_split() -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2_split()])
 
 
-def _llama3_split() -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
+def _regex_split(pattern: str) -> Callable[[], pre_tokenizers.PreTokenizer]:
+    """Text cut by ``pattern``, each piece then spelled in the byte alphabet."""
+
+    def split() -> pre_tokenizers.PreTokenizer:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+
+    return split
 
 
 PRE_TOKENIZERS = {
     "default": _gpt2_split,
     "gpt-2": _gpt2_split,
     "smollm": _smollm_split,
-    "llama-bpe": _llama3_split,
-    "llama3": _llama3_split,
+    "llama-bpe": _regex_split(_LLAMA3_SPLIT),
+    "llama3": _regex_split(_LLAMA3_SPLIT),
+    "qwen2": _regex_split(_QWEN2_SPLIT),
+    "deepseek-r1-qwen": _regex_split(_QWEN2_SPLIT),
+    "tekken": _regex_split(_TEKKEN_SPLIT),
 }
 
 
