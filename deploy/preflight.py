@@ -8,8 +8,10 @@ until the deploy gives up.
     model            what a worker's load would refuse, by the loader's and the engine's
                      own checks run without the weights: the name or path (nothing is
                      downloaded), the architecture, a GGUF's architecture and tensor types,
-                     the tokenizer, the split over each role's tensor-parallel degree, and
-                     a draft model's vocabulary and KV groups
+                     the tokenizer, packed weights the device cannot run, the split over
+                     each role's tensor-parallel degree, a draft model's vocabulary and KV
+                     groups, and (an embedded cluster) whether the workers' weights and KV
+                     pools fit this machine's memory
     ports            nothing listens on the HTTP, gRPC and KV transfer ports (an embedded
                      cluster runs on this machine; a joined cluster's ports are elsewhere)
 
@@ -20,12 +22,16 @@ accepts. ``pdserve scale`` runs the same checks but the ports (the running app h
 from __future__ import annotations
 
 import importlib
+import os
 import socket
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import ValidationError
 
 from pdserve.deploy.config import PDServeConfig
+
+if TYPE_CHECKING:
+    from pdserve.model.model_config import ModelConfig
 
 
 def validation_problems(error: ValidationError) -> list[str]:
@@ -86,7 +92,7 @@ def _model_problems(config: PDServeConfig) -> list[str]:
         roles.append(("consumer", "--decode-tensor-parallel-size"))
     engine = resolved.worker_spec("producer", 0).engine
     try:
-        model = check_model(engine.model, engine.dtype)
+        model = check_model(engine.model, engine.dtype, engine.quantization, engine.device)
     except (OSError, ValueError) as error:
         return [f"--model {engine.model!r}: {error}"]
     problems = []
@@ -97,13 +103,48 @@ def _model_problems(config: PDServeConfig) -> list[str]:
         except ValueError as error:
             sizes = ", ".join(str(size) for size in tensor_parallel_sizes(model))
             problems.append(f"{flag} {degree}: {error}; supported for this model: {sizes}")
+    if not config.ray_address:  # an embedded cluster: every worker runs on this machine
+        problems += _memory_problems(resolved, model)
     if engine.speculative_model is not None:
         try:
-            draft = check_model(engine.speculative_model, engine.dtype)
+            draft = check_model(
+                engine.speculative_model, engine.dtype, engine.quantization, engine.device
+            )
             check_draft_model(engine, draft, model)
         except (OSError, ValueError) as error:
             problems.append(f"--speculative-model {engine.speculative_model!r}: {error}")
     return problems
+
+
+def _memory_problems(config: PDServeConfig, model: ModelConfig) -> list[str]:
+    """A model whose workers' weights and KV pools exceed this machine's memory: loaded, it
+    would be killed inside a Ray worker (``model/memory_estimate.py``)."""
+    import torch
+
+    from pdserve.cache.kv_cache_spec import KVCacheConfig
+    from pdserve.engine.kv_cache_groups import kv_cache_groups
+    from pdserve.model.architectures import build_model
+    from pdserve.model.memory_estimate import kv_pool_bytes, weights_bytes
+
+    engine = config.worker_spec("producer", 0).engine
+    with torch.device("meta"):
+        packable = build_model(model).packable_weights()
+    weights = weights_bytes(engine, model, packable)
+    block_bytes = KVCacheConfig(2, kv_cache_groups(model, engine)).bytes_per_block
+    kv_pool = kv_pool_bytes(engine, block_bytes)
+    workers = config.num_prefill + (0 if config.colocated else config.num_decode)
+    needed = workers * (weights + kv_pool)
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if needed <= machine:
+        return []
+    return [
+        f"--model {engine.model!r}: {workers} workers need {needed / 2**30:.1f} GiB "
+        f"(each: weights {weights / 2**30:.2f} GiB as --quantization {engine.quantization} "
+        f"runs them in {engine.dtype}, plus a KV pool of {kv_pool / 2**30:.2f} GiB), and this "
+        f"machine has {machine / 2**30:.1f} GiB: keep the weights packed (--quantization "
+        "auto for a quantized GGUF, int8 for float weights), fewer workers, or a smaller "
+        "--kv-cache-memory-bytes"
+    ]
 
 
 def _ports(config: PDServeConfig) -> list[tuple[str, str, int, str]]:

@@ -94,7 +94,7 @@ class LLMEngine:
         self.config = config
         with start_phase("model_build"):  # the weights' read is a phase of its own
             self.model, self.model_config, self.tokenizer = load_model(
-                config.model, dtype=config.dtype, device=config.device
+                config.model, config.dtype, config.device, config.quantization
             )
         groups = kv_cache_groups(self.model_config, config)
         draft = None

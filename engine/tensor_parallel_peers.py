@@ -236,7 +236,9 @@ def run_peer(
         store = dist.TCPStore(GROUP_HOST, port, config.tensor_parallel_size, timeout=GROUP_TIMEOUT)
         pipe.send(_JOINING)
         tensor_parallel = join_group(store, rank, config.tensor_parallel_size, GROUP_TIMEOUT)
-        model, model_config, _ = load_model(config.model, dtype=config.dtype, device=config.device)
+        model, model_config, _ = load_model(
+            config.model, config.dtype, config.device, config.quantization
+        )
         runner = ModelRunner.for_engine(
             config, model, model_config, num_blocks, kv_pages, tensor_parallel
         )

@@ -13,6 +13,7 @@ from typing import Literal, get_args
 from pdserve.cache.kv_cache_spec import KVCacheGroupSpec, longest_request_in_pool
 
 KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]
+Quantization = Literal["auto", "none", "int8"]
 SpeculativeMethod = Literal["off", "ngram", "draft_model"]
 # More drafts than this per step cost more verification than a run of them ever saves.
 MAX_SPECULATIVE_TOKENS = 16
@@ -31,6 +32,12 @@ class EngineConfig:
     """'tiny', 'smollm2', a local HF directory or a .gguf file."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Weights and activations (and the KV cache unless kv_cache_dtype says otherwise)."""
+    quantization: Quantization = "auto"
+    """How linear weights are held and multiplied: auto, the checkpoint's own format (a
+    GGUF's quantized tensors stay packed: ``model/quantization/``); none, dequantized to
+    dtype at load; int8, weight-only int8 per output channel for every float linear weight
+    (a quantized GGUF tensor keeps its own format). Every worker of a deployment must hold
+    the same (the KV handshake's fingerprint covers it)."""
     kv_cache_dtype: KVCacheDtype = "auto"
     """The KV cache's dtype; auto: dtype's. A 16-bit cache under a float32 model halves the
     KV bytes stored, moved and read; every worker of a deployment must use the same (the
@@ -154,6 +161,11 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(get_args(KVCacheDtype))}, "
                 f"got {self.kv_cache_dtype!r}"
+            )
+        if self.quantization not in get_args(Quantization):
+            raise ValueError(
+                f"quantization must be one of {', '.join(get_args(Quantization))}, "
+                f"got {self.quantization!r}"
             )
         if self.torch_threads < 1:
             raise ValueError(f"torch_threads must be at least 1, got {self.torch_threads}")

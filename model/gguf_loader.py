@@ -1,8 +1,11 @@
 """Loading a Llama, Qwen2, Qwen3, Qwen3-MoE or Gemma 3 model from a GGUF file (llama.cpp's
 format), e.g. the built-in ``smollm2``.
 
-Every tensor is dequantized to float32 by the ``gguf`` package's own dequantizer, cast to
-the engine dtype, renamed from llama.cpp's names to ours (transformers' names), and, for
+A quantized tensor of a weight the architecture can run packed (``packable_weights``)
+stays packed unless ``--quantization none`` (``model/quantization/``: multiplied as it is
+stored); every other tensor is dequantized to float32 by the ``gguf`` package's own
+dequantizer and cast to the engine dtype. Each is renamed from llama.cpp's names to ours
+(transformers' names), and, for
 ``attn_q`` / ``attn_k``, un-permuted: llama.cpp's converter reorders each head's rows so
 that its RoPE rotates adjacent pairs ``(x0, x1), (x2, x3) ...``, while our RoPE (like
 transformers') rotates halves ``(x0, x_{d/2}), (x1, x_{d/2+1}) ...``. Per head of
@@ -26,6 +29,7 @@ subtracts the 1 again, as transformers does, since our RMSNorm adds it
 from __future__ import annotations
 
 import re
+from collections.abc import Set
 
 import gguf
 import numpy as np
@@ -33,6 +37,10 @@ import torch
 from gguf import GGMLQuantizationType as Quant
 
 from pdserve.model.model_config import ModelConfig
+from pdserve.model.quantization import QuantizedWeight, gguf_weight
+
+# Tensor types stored as floats: read as they are, never packed.
+FLOAT_TYPES = frozenset({Quant.F32, Quant.F16, Quant.BF16})
 
 # Weight types loaded (the package dequantizes each); anything else is refused by name
 # (``check_gguf_tensors``).
@@ -99,24 +107,52 @@ def gguf_has_output_head(reader: gguf.GGUFReader) -> bool:
 
 
 def gguf_state_dict(
-    config: ModelConfig, reader: gguf.GGUFReader, dtype: torch.dtype, device: str | torch.device
-) -> dict[str, torch.Tensor]:
-    """The GGUF's tensors under our names, dequantized and un-permuted, in ``dtype`` on ``device``."""
+    config: ModelConfig,
+    reader: gguf.GGUFReader,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    keep_packed: Set[str] = frozenset(),
+) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
+    """The GGUF's tensors under our names, un-permuted: ``(floats, packed)``. A quantized
+    tensor named in ``keep_packed`` stays packed (``model/quantization/``, its rows
+    reordered instead); every other is dequantized to ``dtype`` on ``device``."""
     check_gguf_tensors(reader)
     state = {}
+    packed: dict[str, QuantizedWeight] = {}
     permuted = config.architecture == "LlamaForCausalLM"
     layer_names = _layer_names(reader)
     for tensor in reader.tensors:
-        weight = torch.from_numpy(_dequantize(tensor))
-        if permuted and tensor.name.endswith("attn_q.weight"):
-            weight = unpermute_rotary_rows(weight, config.num_heads)
-        elif permuted and tensor.name.endswith("attn_k.weight"):
-            weight = unpermute_rotary_rows(weight, config.num_kv_heads)
-        weight = _without_norm_offset(config, tensor.name, weight)
         name = _our_name(tensor.name, layer_names)
+        heads = _rotary_heads(config, tensor.name) if permuted else None
+        if name in keep_packed and tensor.tensor_type not in FLOAT_TYPES:
+            shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF lists columns first
+            weight_packed = gguf_weight(tensor.tensor_type, tensor.data, shape)
+            if heads is not None:
+                weight_packed = weight_packed.take_rows(rotary_row_order(shape[0], heads))
+            packed[name] = weight_packed
+            continue
+        weight = torch.from_numpy(_dequantize(tensor))
+        if heads is not None:
+            weight = unpermute_rotary_rows(weight, heads)
+        weight = _without_norm_offset(config, tensor.name, weight)
         for part_name, part in _split_experts(name, weight).items():
             state[part_name] = part.to(device=device, dtype=dtype)
-    return state
+    return state, packed
+
+
+def _rotary_heads(config: ModelConfig, gguf_name: str) -> int | None:
+    """The heads whose rows llama.cpp permuted in this tensor (module doc), if any."""
+    if gguf_name.endswith("attn_q.weight"):
+        return config.num_heads
+    if gguf_name.endswith("attn_k.weight"):
+        return config.num_kv_heads
+    return None
+
+
+def rotary_row_order(rows: int, num_heads: int) -> torch.Tensor:
+    """The row index that un-permutes a packed weight: ``packed.take_rows(order)`` holds
+    the rows ``unpermute_rotary_rows`` gives a float one."""
+    return unpermute_rotary_rows(torch.arange(rows).unsqueeze(1), num_heads).squeeze(1)
 
 
 def check_gguf_tensors(reader: gguf.GGUFReader) -> None:
@@ -133,6 +169,16 @@ def check_gguf_tensors(reader: gguf.GGUFReader) -> None:
                 f"which is not supported; supported: {supported}"
             )
         _our_name(tensor.name, layer_names)
+
+
+def gguf_quantized_types(reader: gguf.GGUFReader) -> dict[str, str]:
+    """The file's quantized tensors (not stored as floats), by our name: their GGUF type."""
+    layer_names = _layer_names(reader)
+    return {
+        _our_name(tensor.name, layer_names): tensor.tensor_type.name
+        for tensor in reader.tensors
+        if tensor.tensor_type not in FLOAT_TYPES
+    }
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -16,18 +16,28 @@ into it, so a large model is never initialised with random weights first.
 from __future__ import annotations
 
 import json
+from collections.abc import Set
 from pathlib import Path
 
 import gguf
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from pdserve.checkpoint.gguf_file import gguf_metadata, open_gguf
 from pdserve.checkpoint.model_source import ModelSource, hf_eos_token_ids, resolve_model
 from pdserve.checkpoint.weights_digest import parameters_digest, weights_digest
+from pdserve.messages.engine_config import Quantization
 from pdserve.model.architectures import CausalLM, build_model
-from pdserve.model.gguf_loader import check_gguf_tensors, gguf_has_output_head, gguf_state_dict
+from pdserve.model.architectures.layers import attach_packed_weight
+from pdserve.model.gguf_loader import (
+    check_gguf_tensors,
+    gguf_has_output_head,
+    gguf_quantized_types,
+    gguf_state_dict,
+)
 from pdserve.model.model_config import DTYPES, ModelConfig, resolve_dtype
+from pdserve.model.quantization import QuantizedWeight, int8_weight
 from pdserve.model.tensor_parallel import TensorParallel
 from pdserve.model.tiny_model import build_tiny_model, tiny_model_config
 from pdserve.stats.start_phases import start_phase
@@ -40,9 +50,14 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def load_model(
-    name_or_path: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
+    name_or_path: str,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    quantization: Quantization = "none",
 ) -> tuple[CausalLM, ModelConfig, Tokenizer]:
-    """``(model, model_config, tokenizer)`` for any ``--model`` value; model in eval mode."""
+    """``(model, model_config, tokenizer)`` for any ``--model`` value; model in eval mode.
+    ``quantization`` (``EngineConfig.quantization``): ``auto`` keeps a GGUF's quantized
+    tensors packed, ``int8`` also packs every float linear weight, ``none`` dequantizes."""
     torch_dtype = resolve_dtype(dtype)
     source = resolve_model(name_or_path)
     if source.kind == "tiny":
@@ -50,30 +65,50 @@ def load_model(
         config.dtype = _dtype_name(torch_dtype)
         model = build_tiny_model(torch_dtype, device)
         config.weights_digest = parameters_digest(model)
+        if quantization == "int8":
+            model = _repacked_int8(model, config, device)
         return model, config, load_tokenizer(source)
     if source.kind == "gguf":
-        return load_gguf_model(source, torch_dtype, device)
+        return load_gguf_model(source, torch_dtype, device, quantization)
     config = load_model_config(source.file_path())
     config.dtype = _dtype_name(torch_dtype)
     with start_phase("weights"):
         config.weights_digest = weights_digest(_weight_files(source.file_path()))
-    model = load_weights(config, source.file_path(), torch_dtype, device)
+    model = load_weights(config, source.file_path(), torch_dtype, device, quantization)
     return model, config, load_tokenizer(source)
 
 
 def load_gguf_model(
-    source: ModelSource, dtype: torch.dtype, device: str | torch.device
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    quantization: Quantization = "none",
 ) -> tuple[CausalLM, ModelConfig, Tokenizer]:
     """One pass over the file: its metadata gives the config and the tokenizer, its tensors
     the weights."""
     reader = open_gguf(source.file_path())
     config, tokenizer = _gguf_config_and_tokenizer(reader)
     config.dtype = _dtype_name(dtype)
+    model = _build_on_meta(config)
+    keep_packed = model.packable_weights() if quantization != "none" else set()
     with start_phase("weights"):
         config.weights_digest = weights_digest([source.file_path()])
-        state = gguf_state_dict(config, reader, dtype, device)
-    model = build_with_weights(config, state, device, f"the tensors of {source.path}")
-    return model, config, tokenizer
+        state, packed = gguf_state_dict(config, reader, dtype, device, keep_packed)
+    if quantization == "int8":
+        packed |= _int8_weights(state, keep_packed)
+    origin = f"the tensors of {source.path}"
+    return fill_weights(model, config, state, packed, device, origin), config, tokenizer
+
+
+def check_packed_device(schemes: Set[str], device: str | torch.device) -> None:
+    """Refuses packed weights on a device whose kernels are not built, naming the formats
+    and what would serve: the packed formats (GGUF's, int8) run on CPU only for now."""
+    kind = torch.device(device).type
+    if schemes and kind != "cpu":
+        raise ValueError(
+            f"weights packed as {'+'.join(sorted(schemes))} run on CPU only, not on {kind}: "
+            "use --quantization none (weights dequantized to the dtype) or --device cpu"
+        )
 
 
 def _gguf_config_and_tokenizer(reader: gguf.GGUFReader) -> tuple[ModelConfig, Tokenizer]:
@@ -89,9 +124,15 @@ def _gguf_config_and_tokenizer(reader: gguf.GGUFReader) -> tuple[ModelConfig, To
     return config, tokenizer
 
 
-def check_model(name_or_path: str, dtype: str | torch.dtype = "float32") -> ModelConfig:
+def check_model(
+    name_or_path: str,
+    dtype: str | torch.dtype = "float32",
+    quantization: Quantization = "none",
+    device: str = "auto",
+) -> ModelConfig:
     """The shape of the model ``load_model`` would load, refused where the load would refuse
-    it, without reading a weight.
+    it, without reading a weight; its ``quantization`` names the formats the load would
+    pack, refused on a ``device`` (unless ``auto``) that cannot run them.
 
     ``pdserve up`` runs it before it deploys (``deploy/preflight.py``): a model a worker
     cannot load used to fail only inside the deployed worker, after Serve's retries. It runs
@@ -101,18 +142,27 @@ def check_model(name_or_path: str, dtype: str | torch.dtype = "float32") -> Mode
     """
     resolve_dtype(dtype)
     source = resolve_model(name_or_path)
+    gguf_types: dict[str, str] = {}  # a GGUF's quantized tensors: our name -> type
     if source.kind == "tiny":
         config = tiny_model_config()
     elif source.kind == "gguf":
         reader = open_gguf(source.file_path())
         config, _ = _gguf_config_and_tokenizer(reader)
         check_gguf_tensors(reader)
+        gguf_types = gguf_quantized_types(reader)
     else:
         config = load_model_config(source.file_path())
         _weight_files(source.file_path())
         load_tokenizer(source)
-    with torch.device("meta"):
-        build_model(config)
+    packable = _build_on_meta(config).packable_weights()
+    schemes: set[str] = set()
+    if quantization != "none":
+        schemes = {scheme for name, scheme in gguf_types.items() if name in packable}
+    if quantization == "int8" and packable - gguf_types.keys():
+        schemes.add("int8")
+    if device != "auto":
+        check_packed_device(schemes, device)
+    config.quantization = "+".join(sorted(schemes)) or "none"
     return config
 
 
@@ -122,6 +172,12 @@ def check_tensor_parallel(config: ModelConfig, tensor_parallel_size: int) -> Non
     memory, no weights) as rank 0, whose split is refused as every rank's is."""
     if tensor_parallel_size == 1:  # an unsplit model is not sharded at all
         return
+    if config.quantization != "none":
+        raise ValueError(
+            f"tensor parallelism splits float weights only, and this model's load packs "
+            f"{config.quantization}: run it with --quantization none, or at tensor parallel "
+            "size 1"
+        )
     with torch.device("meta"):
         model = build_model(config)
     model.shard(TensorParallel.layout_only(tensor_parallel_size))
@@ -156,7 +212,11 @@ def load_model_config(directory: str | Path) -> ModelConfig:
 
 
 def load_weights(
-    config: ModelConfig, directory: str | Path, dtype: torch.dtype, device: str | torch.device
+    config: ModelConfig,
+    directory: str | Path,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    quantization: Quantization = "none",
 ) -> CausalLM:
     """Build ``config``'s architecture and fill it from the directory's safetensors."""
     directory = Path(directory)
@@ -167,28 +227,63 @@ def load_weights(
                 for name in reader.keys():
                     if not name.endswith(_IGNORED_SUFFIXES):
                         state[name] = reader.get_tensor(name).to(device=device, dtype=dtype)
-    return build_with_weights(config, state, device, f"the weights in {directory}")
+    model = _build_on_meta(config)
+    packed = _int8_weights(state, model.packable_weights()) if quantization == "int8" else {}
+    return fill_weights(model, config, state, packed, device, f"the weights in {directory}")
 
 
-def build_with_weights(
-    config: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device, origin: str
-) -> CausalLM:
-    """``config``'s architecture, built on ``meta`` and given exactly the tensors of ``state``
-    (a tied LM head comes from the embedding); ``origin`` names them in the error."""
+def _build_on_meta(config: ModelConfig) -> CausalLM:
     with torch.device("meta"):
-        model = build_model(config)
+        return build_model(config)
+
+
+def _int8_weights(state: dict[str, torch.Tensor], names: Set[str]) -> dict[str, QuantizedWeight]:
+    """The float linear weights of ``names`` in ``state``, taken out and packed as int8 per
+    output channel (``--quantization int8``)."""
+    return {name: int8_weight(state.pop(name)) for name in sorted(names & state.keys())}
+
+
+def _repacked_int8(model: CausalLM, config: ModelConfig, device: str | torch.device) -> CausalLM:
+    """``tiny`` (built with its weights, not loaded) with its linears packed as int8."""
+    state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    packed = _int8_weights(state, model.packable_weights())
+    return fill_weights(_build_on_meta(config), config, state, packed, device, "tiny's weights")
+
+
+def fill_weights(
+    model: CausalLM,
+    config: ModelConfig,
+    state: dict[str, torch.Tensor],
+    packed: dict[str, QuantizedWeight],
+    device: str | torch.device,
+    origin: str,
+) -> CausalLM:
+    """``model`` (built on ``meta``) given exactly the tensors of ``state`` and the packed
+    weights of ``packed`` (a tied LM head comes from the embedding); ``origin`` names them
+    in the error. A packed weight's module keeps an empty ``weight`` and the packed one as
+    ``packed_weight`` (``model/architectures/layers.py``); ``config.quantization`` records
+    the formats."""
     expected = set(model.state_dict())
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+        packed.pop("lm_head.weight", None)
         expected.discard("lm_head.weight")
-    missing, unexpected = expected - state.keys(), state.keys() - expected
+    given = state.keys() | packed.keys()
+    missing, unexpected = expected - given, given - expected
     if missing or unexpected:
         raise ValueError(
             f"{origin} do not match {config.architecture}: "
             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
+    dtype = resolve_dtype(config.dtype)
+    check_packed_device({weight.scheme for weight in packed.values()}, device)
     model.load_state_dict(state, strict=False, assign=True)
+    for name, weight in packed.items():
+        module = model.get_submodule(name.removesuffix(".weight"))
+        module.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=device), False)
+        attach_packed_weight(module, weight)
     model.tie_weights()
+    config.quantization = "+".join(sorted({w.scheme for w in packed.values()})) or "none"
     return model.to(device).eval()
 
 

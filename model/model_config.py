@@ -155,7 +155,9 @@ class ModelConfig:
     attention (DeepSeek), whose ``head_dim`` is the RoPE part of a query head.
     ``weights_digest``: the loader's digest of the weights (``checkpoint/weights_digest.py``;
     "" for a config built without them), so that the fingerprint tells apart two checkpoints
-    of one config.
+    of one config. ``quantization``: the formats the loaded linear weights are multiplied
+    in ("none": floats; "int8"; the GGUF types kept packed, e.g. "Q4_K+Q6_K"), which the
+    fingerprint covers too: a Q4 prefill's KV is not a float32 decode's.
     """
 
     architecture: str
@@ -185,6 +187,7 @@ class ModelConfig:
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
     weights_digest: str = ""
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -239,12 +242,15 @@ class ModelConfig:
 
     @property
     def fingerprint(self) -> str:
-        """``<architecture>:<16 hex>``: two workers whose KV pages may be exchanged run
-        models with equal fingerprints (every field but the end-of-sequence ids, the
-        weights' digest included: one config with other weights is another model)."""
+        """``<architecture>:<16 hex>``, or ``<architecture>[<quantization>]:<16 hex>`` for
+        packed weights: two workers whose KV pages may be exchanged run models with equal
+        fingerprints (every field but the end-of-sequence ids, the weights' digest and
+        their packing included: one config with other weights is another model). The
+        packing is spelled out, so a refused pairing names both."""
         identity = {k: v for k, v in dataclasses.asdict(self).items() if k != "eos_token_ids"}
         digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
-        return f"{self.architecture}:{digest[:16]}"
+        packing = "" if self.quantization == "none" else f"[{self.quantization}]"
+        return f"{self.architecture}{packing}:{digest[:16]}"
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:

@@ -92,7 +92,7 @@ def load_draft_model(config: EngineConfig, target: ModelConfig) -> DraftModel:
     refuses it."""
     assert config.speculative_model is not None  # EngineConfig checks it
     model, model_config, _ = load_model(
-        config.speculative_model, dtype=config.dtype, device=config.device
+        config.speculative_model, config.dtype, config.device, config.quantization
     )
     check_draft_model(config, model_config, target)
     return DraftModel(model, model_config)

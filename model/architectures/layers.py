@@ -4,18 +4,31 @@ Projections are packed for inference into transposed, fused ``[in, out]`` matric
 (:func:`fuse_linears`), whose HF-named parameters become views of them: ``state_dict()``
 keeps its names and values and no weight is stored twice (``llama.py`` says why ``mm`` on
 ``[in, out]``).
+
+A linear or embedding the loader gave a packed weight (``model/quantization/``) carries it
+as ``packed_weight`` and an empty ``weight``: fusing concatenates the packed weights'
+rows, :func:`project` runs their own matmul and :func:`embedding_rows` dequantizes only the
+rows looked up. So an architecture runs float and packed weights through the same code::
+
+    linear.packed_weight ─ fuse_linears ─▶ QuantizedWeight  ─ project ─▶ weight.matmul(x)
+    linear.weight        ─ fuse_linears ─▶ [in, out] tensor ─ project ─▶ x @ weight_t
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.model.quantization import QuantizedWeight, concat_rows
 from pdserve.model.tensor_parallel import TensorParallel, keep_input_columns, keep_output_rows
+
+# A fused projection's weight: a float ``[in, out]`` matrix, or a packed ``[out, in]`` one.
+ProjectionWeight = torch.Tensor | QuantizedWeight
 
 
 class RMSNorm(nn.Module):
@@ -38,25 +51,38 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def packed_weight(module: nn.Module) -> QuantizedWeight | None:
+    """The packed weight the loader gave a linear or an embedding (module doc), if any."""
+    return getattr(module, "packed_weight", None)
+
+
+def attach_packed_weight(module: nn.Module, weight: QuantizedWeight) -> None:
+    """Gives a linear or an embedding the packed weight it runs (module doc); set past
+    ``nn.Module``'s attribute bookkeeping, which holds parameters and submodules only."""
+    object.__setattr__(module, "packed_weight", weight)
+
+
+def fuse_linears(linears: list[nn.Linear]) -> tuple[ProjectionWeight, torch.Tensor | None]:
     """``[in, sum(out)]`` weight and ``[sum(out)]`` bias (``None`` when no linear has one) of
     linears sharing an input; a linear without a bias adds zeros where others have one
     (DeepSeek-V2-Lite's ``q_proj`` has none, the ``kv_a_proj_with_mqa`` fused beside it may).
 
     Each linear's parameters become views into the fused tensors, so the checkpoint
-    names still reach the same numbers and memory is not doubled.
+    names still reach the same numbers and memory is not doubled. Packed linears fuse into
+    one packed weight (their rows concatenated); the linears give theirs up.
     """
+    bias = _fused_bias(linears)
+    packed = [packed_weight(linear) for linear in linears]
+    if any(weight is not None for weight in packed):
+        if not all(weight is not None for weight in packed):
+            raise ValueError(
+                "a fused projection mixes packed and float weights: "
+                + ", ".join(f"{each.out_features}x{each.in_features}" for each in linears)
+            )
+        for linear in linears:
+            del linear.packed_weight
+        return concat_rows(cast("list[QuantizedWeight]", packed)), bias
     weight_t = torch.cat([linear.weight.detach() for linear in linears]).t().contiguous()
-    bias = None
-    if any(linear.bias is not None for linear in linears):
-        bias = torch.cat(
-            [
-                linear.weight.new_zeros(linear.out_features)
-                if linear.bias is None
-                else linear.bias.detach()
-                for linear in linears
-            ]
-        )
     start = 0
     for linear in linears:
         end = start + linear.out_features
@@ -67,9 +93,33 @@ def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
     return weight_t, bias
 
 
-def project(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight_t (+ bias)`` for a fused ``[in, out]`` weight."""
-    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
+def _fused_bias(linears: list[nn.Linear]) -> torch.Tensor | None:
+    present = [linear.bias for linear in linears if linear.bias is not None]
+    if not present:
+        return None
+    return torch.cat(
+        [
+            present[0].new_zeros(linear.out_features) if linear.bias is None else linear.bias
+            for linear in linears
+        ]
+    ).detach()
+
+
+def project(x: torch.Tensor, weight: ProjectionWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight_t (+ bias)`` for a fused ``[in, out]`` weight, or a packed weight's own
+    matmul."""
+    if isinstance(weight, QuantizedWeight):
+        out = weight.matmul(x)
+        return out if bias is None else out.add_(bias)
+    return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
+
+
+def embedding_rows(embedding: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    """The ids' rows of an embedding; a packed one dequantizes only those rows."""
+    packed = packed_weight(embedding)
+    if packed is None:
+        return embedding.forward(ids)
+    return packed.embedding_rows(ids).to(embedding.weight.dtype)
 
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -103,9 +153,9 @@ class GatedMLP(nn.Module):
         self.down_weight, _ = fuse_linears([self.down_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = torch.mm(x, self.gate_up_weight)
+        gate_up = project(x, self.gate_up_weight, None)
         activated = (
             self.activation(gate_up[:, : self.intermediate_size])
             * gate_up[:, self.intermediate_size :]
         )
-        return torch.mm(activated, self.down_weight)
+        return project(activated, self.down_weight, None)

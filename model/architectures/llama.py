@@ -26,7 +26,16 @@ from typing import ClassVar, cast
 import torch
 from torch import nn
 
-from pdserve.model.architectures.layers import GatedMLP, RMSNorm, fuse_linears, project
+from pdserve.model.architectures.layers import (
+    GatedMLP,
+    ProjectionWeight,
+    RMSNorm,
+    attach_packed_weight,
+    embedding_rows,
+    fuse_linears,
+    packed_weight,
+    project,
+)
 from pdserve.model.architectures.mla import MLAttention
 from pdserve.model.architectures.moe import SparseMoE
 from pdserve.model.architectures.rotary import RotaryEmbedding, apply_rotary
@@ -205,7 +214,7 @@ class LlamaModel(nn.Module):
         (zeros for the others) and the ranks' rows are summed."""
         tensor_parallel = self.tensor_parallel
         if tensor_parallel is None:
-            return self.embed_tokens.forward(input_ids)
+            return embedding_rows(self.embed_tokens, input_ids)
         start, end = tensor_parallel.vocab_range(self.config.vocab_size)
         local = (input_ids >= start) & (input_ids < end)
         hidden = self.embed_tokens.forward((input_ids - start) * local)
@@ -237,12 +246,19 @@ class LlamaForCausalLM(nn.Module):
         self.model = self.model_class(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
-        self.lm_head_weight: torch.Tensor | None = None
+        self.lm_head_weight: ProjectionWeight | None = None
+        self.fused = False
         self.tensor_parallel: TensorParallel | None = None
 
     def shard(self, tensor_parallel: TensorParallel) -> None:
         """Keep rank ``tensor_parallel.rank``'s slice of every weight (module doc of
         ``model/tensor_parallel.py``); call before ``fuse_weights``."""
+        if any(packed_weight(module) is not None for module in self.modules()):
+            raise ValueError(
+                "tensor parallelism splits float weights only, and this model's are packed "
+                f"({self.config.quantization}): run it with --quantization none, or at "
+                "tensor parallel size 1"
+            )
         self.model.shard(tensor_parallel)
         if self.config.tie_word_embeddings:
             self.tie_weights()
@@ -255,17 +271,41 @@ class LlamaForCausalLM(nn.Module):
         """Share the embedding with the LM head when the checkpoint ties them."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+            packed = packed_weight(self.model.embed_tokens)
+            if packed is not None:
+                attach_packed_weight(self.lm_head, packed)
+
+    def packable_weights(self) -> set[str]:
+        """Names of the weights the loader may give packed (``layers.py``): the embedding,
+        the LM head, and the linears of grouped-query attention and dense MLPs, which run
+        through ``project``. Latent attention's and experts' linears load as floats."""
+        names = {"model.embed_tokens.weight", "lm_head.weight"}
+        for name, module in self.named_modules():
+            if isinstance(module, LlamaAttention | GatedMLP):
+                names.update(
+                    f"{name}.{child}.weight"
+                    for child, linear in module.named_children()
+                    if isinstance(linear, nn.Linear)
+                )
+        return names
 
     def fuse_weights(self) -> None:
         """Pack the projections for inference (module doc); call once the model is on its device.
 
-        A tied LM head stays the embedding (``[vocab, hidden]``, used by ``linear``)."""
+        A tied LM head stays the embedding (``[vocab, hidden]``, used by ``linear``; a
+        packed one by its own matmul). Once only: a second runner over the same model (a
+        test's, a draft's) finds it fused, and packed parts are given up as they fuse."""
+        if self.fused:
+            return
+        self.fused = True
         # nn.ModuleList yields plain Modules; these are the LlamaDecoderLayers LlamaModel built.
         for layer in cast("Iterable[LlamaDecoderLayer]", self.model.layers):
             layer.self_attn.fuse_weights()
             layer.feed_forward.fuse_weights()
         if not self.config.tie_word_embeddings:
             self.lm_head_weight, _ = fuse_linears([self.lm_head])
+        else:
+            self.lm_head_weight = packed_weight(self.model.embed_tokens)
 
     def forward(
         self,
@@ -280,7 +320,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head_weight is None:
             logits = self.lm_head.forward(hidden)
         else:
-            logits = torch.mm(hidden, self.lm_head_weight)
+            logits = project(hidden, self.lm_head_weight, None)
         if self.tensor_parallel is None:
             return logits
         return self.tensor_parallel.gather_vocab(logits, self.config.vocab_size)

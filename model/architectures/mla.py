@@ -103,7 +103,7 @@ class MLAttention(nn.Module):
         fused = project(hidden, self.in_weight, self.in_bias)
         query, compressed = fused[:, : -mla.latent_size], fused[:, -mla.latent_size :]
         if mla.q_lora_rank is not None:
-            query = torch.mm(self.q_a_layernorm.forward(query), self.q_b_weight)
+            query = project(self.q_a_layernorm.forward(query), self.q_b_weight, None)
         query = query.view(num_tokens, self.num_heads, mla.qk_head_dim)
         q_nope, q_rope = query[..., : mla.qk_nope_head_dim], query[..., mla.qk_nope_head_dim :]
         rotate = apply_rotary_interleaved if mla.rope_interleave else _rotate_half_layout
@@ -157,7 +157,7 @@ class MLAttention(nn.Module):
         """A chunk starting the prompt: its queries ``[q, heads, qk]`` over keys and values
         expanded from its own latent rows ``[q, latent_size]``; ``[q, heads, v]``."""
         mla = self.mla
-        expanded = torch.mm(rows[:, : mla.kv_lora_rank], self.kv_b_weight).view(
+        expanded = project(rows[:, : mla.kv_lora_rank], self.kv_b_weight, None).view(
             rows.shape[0], self.num_heads, -1
         )
         k_rope = rows[:, None, mla.kv_lora_rank :].expand(-1, self.num_heads, -1)

@@ -45,3 +45,66 @@ def write_small_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_sparse_gguf(
+    path: Path,
+    *,
+    num_layers: int,
+    hidden: int,
+    intermediate: int,
+    vocab: int,
+    weight_type: Quant,
+) -> Path:
+    """A Llama GGUF of the given shape whose tensor bytes are a hole in a sparse file: all
+    a check before loading reads is the metadata and the tensor infos, so a 7B-shaped file
+    costs no disk. ``weight_type`` for the 2-D weights, F32 for the norms."""
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_block_count(num_layers)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(intermediate)
+    writer.add_head_count(hidden // 128)
+    writer.add_head_count_kv(8)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(TOKENS + [f"<extra_{i}>" for i in range(vocab - len(TOKENS))])
+    writer.add_token_types([1] * (len(TOKENS) - 1) + [3] + [4] * (vocab - len(TOKENS)))
+    writer.add_token_merges(["Ġ t"])
+    writer.add_eos_token_id(len(TOKENS) - 1)
+    kv = 8 * 128
+    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
+    for layer in range(num_layers):
+        for name, shape in {
+            "attn_norm.weight": (hidden,),
+            "ffn_norm.weight": (hidden,),
+            "attn_q.weight": (hidden, hidden),
+            "attn_k.weight": (kv, hidden),
+            "attn_v.weight": (kv, hidden),
+            "attn_output.weight": (hidden, hidden),
+            "ffn_gate.weight": (intermediate, hidden),
+            "ffn_up.weight": (intermediate, hidden),
+            "ffn_down.weight": (hidden, intermediate),
+        }.items():
+            shapes[f"blk.{layer}.{name}"] = shape
+    block_elements, block_bytes = gguf.GGML_QUANT_SIZES[weight_type]
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            writer.add_tensor_info(name, shape, np.dtype(np.float32), 4 * shape[0])
+        else:
+            nbytes = shape[0] * shape[1] // block_elements * block_bytes
+            byte_shape = (shape[0], shape[1] // block_elements * block_bytes)
+            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, weight_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    alignment = 32
+    data_bytes = sum(
+        -(-info.nbytes // alignment) * alignment for info in writer.tensors[0].values()
+    )
+    with path.open("r+b") as file:
+        file.seek(0, 2)
+        start = -(-file.tell() // alignment) * alignment
+        file.truncate(start + data_bytes)
+    return path

@@ -12,6 +12,8 @@ and reported that port "in use" for a minute.
 
 from __future__ import annotations
 
+import os
+import re
 import socket
 from typing import Any
 
@@ -21,7 +23,8 @@ from gguf import GGMLQuantizationType as Quant
 from pdserve.deploy import cli, cluster
 from pdserve.deploy.config import PDServeConfig
 from pdserve.deploy.preflight import _is_free, preflight_problems
-from tests.deploy.small_gguf import TOKENS, write_small_gguf
+from tests.deploy.small_gguf import TOKENS, write_small_gguf, write_sparse_gguf
+from tests.ports import free_port
 
 # An existing cluster's address: the checks probe no port (the app's ports are elsewhere).
 JOINED = "127.0.0.1:6390"
@@ -157,3 +160,36 @@ def test_pdserve_scale_refuses_what_a_new_worker_would_refuse_before_deploying(
     model.unlink()
     with pytest.raises(ValueError, match=f"--model '{model}': model '{model}' is neither"):
         cluster.scale(running.app_name, 2, 1)
+
+
+def test_a_model_whose_weights_do_not_fit_this_machine_is_refused_naming_both_numbers(
+    tmp_path,
+) -> None:
+    """A 7B-shaped Q4_0 GGUF (Llama 2 7B's widths with 8 KV heads, 5.8 B weights, tensor
+    bytes a hole in a sparse file): dequantized to float32 one worker needs ≈ 22 GiB, so workers enough to pass this
+    machine's memory (two on a 24 GiB one) are refused
+    by ``pdserve up`` before it deploys; kept packed (``--quantization auto``) the
+    weights take ≈ 3.0 GiB and it passes."""
+    seven_b = write_sparse_gguf(
+        tmp_path / "llama-7b-q4_0.gguf",
+        num_layers=32,
+        hidden=4096,
+        intermediate=11008,
+        vocab=32000,
+        weight_type=Quant.Q4_0,
+    )
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    workers = max(2, machine // (21 * 2**30) + 1)  # more float32 copies than it holds
+    embedded = dict(model=str(seven_b), num_prefill=1, num_decode=workers - 1, port=free_port())
+    [problem] = preflight_problems(
+        PDServeConfig.model_validate({**embedded, "quantization": "none"})
+    )
+    assert re.fullmatch(
+        rf"--model '{seven_b}': {workers} workers need \d+\.\d GiB \(each: weights 2[12]\.\d\d GiB as "
+        r"--quantization none runs them in float32, plus a KV pool of 0\.25 GiB\), and this "
+        r"machine has \d+\.\d GiB: .*",
+        problem,
+    ), problem
+    assert (
+        preflight_problems(PDServeConfig.model_validate({**embedded, "quantization": "auto"})) == []
+    )

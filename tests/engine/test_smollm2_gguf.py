@@ -3,7 +3,9 @@
 The reference is transformers' own GGUF load (``from_pretrained(dir, gguf_file=...)``), which
 dequantizes and un-permutes independently of our loader (converted once per environment and
 kept in pytest's cache: tests/transformers_reference.py). Both engines are built once per
-module (≈ 0.5 GB each in float32). Skipped, with the install command, when the wheel is absent.
+module (≈ 0.5 GB each in float32; ours dequantized, ``quantization="none"``: the packed path
+is checked against this one in ``test_smollm2_packed.py``). Skipped, with the install command,
+when the wheel is absent.
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ def reference(smollm2_gguf, pytestconfig) -> transformers.PreTrainedModel:
 
 @pytest.fixture(scope="module")
 def engine(smollm2_gguf) -> LLMEngine:
-    return LLMEngine.from_pretrained("smollm2", num_kv_blocks=64, block_size=BLOCK_SIZE)
+    return LLMEngine.from_pretrained(
+        "smollm2", num_kv_blocks=64, block_size=BLOCK_SIZE, quantization="none"
+    )
 
 
 def chat_prompt_ids(engine: LLMEngine, messages: list[dict[str, str]]) -> list[int]:

@@ -15,7 +15,11 @@ from typing import Any
 from pdserve.engine import SamplingParams
 from tests.child_processes import child_context
 
-ENGINE_KWARGS = dict(block_size=16, num_kv_blocks=256, max_num_batched_tokens=512)
+# Dequantized (smollm2): speculation's exact-equality checks need float32's numerics
+# (``test_speculative_decoding.py``'s ``make_engine`` says why).
+ENGINE_KWARGS = dict(
+    block_size=16, num_kv_blocks=256, max_num_batched_tokens=512, quantization="none"
+)
 
 
 @dataclass(frozen=True)
