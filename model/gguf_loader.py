@@ -97,7 +97,26 @@ _QWEN3MOE_LAYER_NAMES = _LAYER_NAMES | {
     "ffn_up_exps.weight": "mlp.experts.{expert}.up_proj.weight",
     "ffn_down_exps.weight": "mlp.experts.{expert}.down_proj.weight",
 }
-_LAYER_NAMES_BY_ARCHITECTURE = {"gemma3": _GEMMA3_LAYER_NAMES, "qwen3moe": _QWEN3MOE_LAYER_NAMES}
+# DeepSeek-V2/V3's latent attention, router (with V3's correction bias), experts and
+# shared experts. Newer llama.cpp files split ``attn_kv_b`` into ``attn_k_b`` / ``attn_v_b``:
+# not read (refused by name).
+_DEEPSEEK2_LAYER_NAMES = _QWEN3MOE_LAYER_NAMES | {
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+}
+_LAYER_NAMES_BY_ARCHITECTURE = {
+    "gemma3": _GEMMA3_LAYER_NAMES,
+    "qwen3moe": _QWEN3MOE_LAYER_NAMES,
+    "deepseek2": _DEEPSEEK2_LAYER_NAMES,
+}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 
 

@@ -34,6 +34,7 @@ GGUF_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "deepseek2": "DeepseekV2ForCausalLM",  # or V3: by its router (_gguf_deepseek2_hf_config)
 }
 
 # The architecture decides whether q/k/v carry a bias when config.json does not say.
@@ -325,6 +326,9 @@ class ModelConfig:
         def key(name: str) -> str:
             return f"{gguf_architecture}.{name}"
 
+        if gguf_architecture == "deepseek2":
+            return cls.from_hf_config(_gguf_deepseek2_hf_config(metadata, key, tie_word_embeddings))
+
         num_heads = require(metadata, key("attention.head_count"))
         hidden_size = require(metadata, key("embedding_length"))
         tokens = metadata.get("tokenizer.ggml.tokens") or []
@@ -417,6 +421,54 @@ def _gguf_gemma_fields(metadata: dict[str, Any], key: Callable[[str], str]) -> d
         "norm_weight_offset": 1.0,
         "hidden_activation": "gelu_pytorch_tanh",
     }
+
+
+def _gguf_deepseek2_hf_config(
+    metadata: dict[str, Any], key: Callable[[str], str], tie_word_embeddings: bool
+) -> dict[str, Any]:
+    """DeepSeek-V2/V3's ``config.json`` as llama.cpp's ``deepseek2`` metadata describes it,
+    for ``from_hf_config``: latent attention (``key_length`` is the nope and RoPE parts of a
+    query head), experts after ``leading_dense_block_count`` dense layers, shared experts,
+    and the router: a sigmoid (``expert_gating_func`` 2) is V3's, a softmax V2's (its groups
+    limited when the file has more than one). YaRN's ``yarn_log_multiplier`` is
+    ``0.1 * mscale_all_dim``."""
+    hidden_size = require(metadata, key("embedding_length"))
+    rope_dim = require(metadata, key("rope.dimension_count"))
+    v3 = metadata.get(key("expert_gating_func")) == 2
+    groups = metadata.get(key("expert_group_count")) or 1
+    hf: dict[str, Any] = {
+        "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+        "vocab_size": metadata.get(key("vocab_size"))
+        or len(metadata.get("tokenizer.ggml.tokens") or []),
+        "hidden_size": hidden_size,
+        "intermediate_size": require(metadata, key("feed_forward_length")),
+        "num_hidden_layers": require(metadata, key("block_count")),
+        "num_attention_heads": require(metadata, key("attention.head_count")),
+        "q_lora_rank": metadata.get(key("attention.q_lora_rank")) or None,
+        "kv_lora_rank": require(metadata, key("attention.kv_lora_rank")),
+        "qk_rope_head_dim": rope_dim,
+        "qk_nope_head_dim": require(metadata, key("attention.key_length")) - rope_dim,
+        "v_head_dim": require(metadata, key("attention.value_length")),
+        "rope_theta": float(metadata.get(key("rope.freq_base"), 10000.0)),
+        "rope_scaling": _gguf_rope_scaling(metadata, key),
+        "rms_norm_eps": float(require(metadata, key("attention.layer_norm_rms_epsilon"))),
+        "max_position_embeddings": require(metadata, key("context_length")),
+        "tie_word_embeddings": tie_word_embeddings,
+        "first_k_dense_replace": metadata.get(key("leading_dense_block_count"), 0),
+        "n_routed_experts": metadata.get(key("expert_count")),
+        "num_experts_per_tok": metadata.get(key("expert_used_count")),
+        "moe_intermediate_size": metadata.get(key("expert_feed_forward_length")),
+        "n_shared_experts": metadata.get(key("expert_shared_count")),
+        "routed_scaling_factor": metadata.get(key("expert_weights_scale"), 1.0),
+        "norm_topk_prob": metadata.get(key("expert_weights_norm"), v3),
+        "n_group": groups,
+        "topk_group": metadata.get(key("expert_group_used_count")) or 1,
+        "topk_method": "group_limited_greedy" if groups > 1 else "greedy",
+    }
+    multiplier = metadata.get(key("rope.scaling.yarn_log_multiplier"))
+    if hf["rope_scaling"] is not None and multiplier is not None:
+        hf["rope_scaling"] |= {"mscale": multiplier / 0.1, "mscale_all_dim": multiplier / 0.1}
+    return hf
 
 
 def _gguf_moe(metadata: dict[str, Any], key: Callable[[str], str]) -> MoEConfig:

@@ -89,7 +89,7 @@ def test_pdserve_up_refuses_a_gguf_of_an_unsupported_architecture_before_deployi
     assert capsys.readouterr().err == (
         "pdserve up: this config cannot start:\n"
         f"  - --model '{phi3}': GGUF architecture 'phi3' is not supported; "
-        "supported: llama, qwen2, qwen3, gemma3, qwen3moe\n"
+        "supported: llama, qwen2, qwen3, gemma3, qwen3moe, deepseek2\n"
     )
 
 

@@ -34,7 +34,8 @@ def test_a_worker_that_fails_to_start_fails_the_deploy_at_once_with_its_error(
             deploy(config)
         assert str(failed.value) == (
             "prefill-0 failed to start: ValueError: GGUF architecture 'phi3' is not "
-            "supported; supported: llama, qwen2, qwen3, gemma3, qwen3moe"
+            "supported; supported: llama, qwen2, qwen3, gemma3, qwen3moe, "
+            "deepseek2"
         )
         # At once: Serve is still retrying the worker, and had not given the app up.
         assert serve.status().applications["refused"].status == "DEPLOYING"
