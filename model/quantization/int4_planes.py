@@ -2,19 +2,24 @@
 in the layout of torch's int4 CPU kernel (``_weight_int4pack_mm_for_cpu``), one repack at load.
 
 Every GGUF type this runs (``gguf_blocks.py``) is affine in groups of 32 along the input:
-``w = scale_g * code + offset_g``, with codes of 4, 5 or 8 bits. The kernel multiplies
-4-bit planes ``(nibble - 8) * S + Z`` (S, Z bfloat16 per group and row), so a code of up to
-4 bits is one plane and a wider one two, whose sum is the weight::
+``w = scale_g * code + offset_g``, with codes of 4, 5 or 8 bits. Each 4-bit plane holds
+``nibble * S + Z`` (S, Z float16 per group and row), so a code of up to 4 bits is one plane
+and a wider one two, whose sum is the weight::
 
-    4 bits  plane:  S = s,       Z = offset + 8 s                  (nibble = code)
-    5-8     high:   S = 16 s,    Z = 128 s                         (nibble = code >> 4)
-            low:    S = s,       Z = offset + 8 s                  (nibble = code & 15)
+    4 bits  plane:  S = s,       Z = offset                        (nibble = code)
+    5-8     high:   S = 16 s,    Z = offset                        (nibble = code >> 4)
+            low:    S = s,       Z = 0                             (nibble = code & 15)
 
-``s`` is rounded to bfloat16 first, so ``16 s`` and ``128 s`` are exact: only ``s`` and the
-low plane's ``Z`` round (``Q4_0``, ``Q5_0``, ``Q8_0``: ``Z = 0`` or ``-8 s``, exact too), and
-``dequantize`` returns the weights with the scales the kernel uses: within ``2^-8 (|code s|
-+ |Z|)`` of the file's. Bytes: 4 bits a weight a plane, plus 4 bytes (S, Z) per 32 weights a
-plane: Q4_* and Q4_K 5 bits a weight, Q5_*, Q5_K and Q8_0 10 bits.
+float16, not bfloat16 (torch's kernel's dtype), because the file's own scales and offsets
+are float16 fields: ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1`` and ``Q8_0`` are held exactly
+(``16 s`` and the symmetric offsets ``-8 s``, ``-16 s``, ``-128 s`` are exact too), and
+``dequantize`` returns the file's values. K-types' ``s = d * sc`` and ``offset = -dmin * m``
+(float16 times a 6-bit factor) round to float16: ``2^-11`` relative. Rounding the scales to
+bfloat16 instead (``2^-8``) moved enough logits to change smollm2's greedy answers (its
+capital of France stopped being Paris). Bytes: 4 bits a weight a plane, plus 4 bytes (S, Z)
+per 32 weights a plane: Q4_* and Q4_K 5 bits a weight, Q5_*, Q5_K and Q8_0 10 bits. Torch's
+kernel reads ``(nibble - 8) S + Z`` in bfloat16: the bfloat16 path converts once, on first
+use.
 
 Three paths, chosen by the number of rows of ``x`` and its dtype (measured on this CPU, a
 Sapphire Rapids with AMX, one thread, the weights of 30 layers streamed from memory as in a
@@ -33,7 +38,8 @@ decode step: ``bench/bench_quantized_matmul.py``, whose docstring has the table)
   float32 for 4-bit types, 1.1x for two planes (the dequantization dominates).
 
 The bfloat16 paths round the activations (unit roundoff ``u = 2^-8``) and accumulate in
-float32; the many-rows path rounds the weights to bfloat16 too, torch's kernel its output.
+float32; the many-rows path rounds the weights to bfloat16 too, torch's kernel its scales,
+zeros and output.
 So ``|y - x @ dequantize().T| <= 2^-6 * sum_k |x_k| |w_k|`` (2u for the product's two
 operands, u for the output, with room), which ``tests/model/test_quantized_weight.py``
 checks. llama.cpp itself rounds activations to 8 bits a block: coarser.
@@ -74,6 +80,7 @@ class Int4PlanesWeight(QuantizedWeight):
         self.out_features = out_features
         self.in_features = in_features
         self.planes = planes
+        self._bfloat16_planes: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @classmethod
     def from_affine(
@@ -90,18 +97,13 @@ class Int4PlanesWeight(QuantizedWeight):
         rows, columns = codes.shape
         if columns % GROUP or bits > 8:
             raise ValueError(f"{scheme}: {columns} inputs in groups of {GROUP}, {bits} bits")
-        scale = scale.to(torch.bfloat16).float()  # so that 16 s and 128 s are exact
-        high_zero, low_zero = 128 * scale, 8 * scale
-        if isinstance(offset, int) and offset >= 128:  # Q8_0: -128 s cancels the high zero
-            high_zero = (128 - offset) * scale
-        else:
-            low_zero = low_zero - offset * scale if isinstance(offset, int) else low_zero + offset
+        zero = -offset * scale if isinstance(offset, int) else offset
         if bits <= 4:
-            planes = [_pack(codes, scale, low_zero)]
+            planes = [_pack(codes, scale, zero)]
         else:
             planes = [
-                _pack(codes >> 4, 16 * scale, high_zero),
-                _pack(codes & 15, scale, low_zero),
+                _pack(codes >> 4, 16 * scale, zero),
+                _pack(codes & 15, scale, torch.zeros_like(scale)),
             ]
         return cls(scheme, rows, columns, planes)
 
@@ -114,7 +116,7 @@ class Int4PlanesWeight(QuantizedWeight):
             return exact[:, : self.out_features]
         activations = x.to(torch.bfloat16).contiguous()
         out: torch.Tensor | None = None
-        for packed, scales_zeros in self.planes:
+        for packed, scales_zeros in self._torch_planes():
             part = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 activations, packed, GROUP, scales_zeros
             ).float()
@@ -122,11 +124,25 @@ class Int4PlanesWeight(QuantizedWeight):
         assert out is not None
         return out[:, : self.out_features].to(x.dtype)
 
+    def _torch_planes(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The planes as torch's kernel reads them, ``(nibble - 8) S + (Z + 8 S)`` in
+        bfloat16, converted once on first use (only a model run with bfloat16 activations,
+        or without the C++ kernel, asks)."""
+        if self._bfloat16_planes is None:
+            self._bfloat16_planes = list(
+                zip(
+                    (packed for packed, _ in self.planes),
+                    _torch_scales_zeros([scales_zeros for _, scales_zeros in self.planes]),
+                    strict=True,
+                )
+            )
+        return self._bfloat16_planes
+
     def dequantize(self) -> torch.Tensor:
         weight = torch.zeros(self.out_features, self.in_features)
         for packed, scales_zeros in self.planes:
             groups = _all_nibbles(packed, self.in_features)[: self.out_features]
-            groups = groups.view(self.out_features, -1, GROUP).float().sub_(8)
+            groups = groups.view(self.out_features, -1, GROUP).float()
             scale = scales_zeros[:, : self.out_features, 0].t().float().unsqueeze(2)
             zero = scales_zeros[:, : self.out_features, 1].t().float().unsqueeze(2)
             weight += groups.mul_(scale).add_(zero).view(self.out_features, self.in_features)
@@ -138,7 +154,7 @@ class Int4PlanesWeight(QuantizedWeight):
             nibbles = _nibbles(packed, ids, self.in_features).float()
             scale = scales_zeros[:, ids, 0].float().t().repeat_interleave(GROUP, dim=1)
             zero = scales_zeros[:, ids, 1].float().t().repeat_interleave(GROUP, dim=1)
-            rows += (nibbles - 8) * scale + zero
+            rows += nibbles * scale + zero
         return rows
 
     def take_rows(self, index: torch.Tensor) -> Int4PlanesWeight:
@@ -178,8 +194,41 @@ class Int4PlanesWeight(QuantizedWeight):
 def _pack(
     nibbles: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16)
+    scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.float16)
+    if not torch.isfinite(scales_zeros).all():
+        raise ValueError("a scale or zero past float16's range (65504)")
     return _repack(nibbles, scales_zeros)
+
+
+def _torch_scales_zeros(planes: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each plane's float16 ``(S, Z)`` as torch's kernel takes them: bfloat16 ``(S', Z')`` of
+    ``(nibble - 8) S' + Z'``. The group's ``s`` (the low plane's S) rounds to ``s_b`` and its
+    offset (the planes' Z summed) scales by ``s_b / s`` with it, so every weight of a group
+    moves by the one factor ``s_b / s`` (``2^-9``) and only the offset rounds besides. With two
+    planes the offset joins the plane whose zero it rounds least on (per group): a symmetric
+    type's stays exact, ``Q8_0``'s on the high one (``128 s_b - 128 s_b = 0``), ``Q5_0``'s on
+    the low one (``8 s_b - 16 s_b``)."""
+    scale = planes[-1][..., 0].float()
+    offset = sum(plane[..., 1].float() for plane in planes)
+    rounded = scale.to(torch.bfloat16).float()
+    factor = torch.where(scale == 0, 1.0, rounded / torch.where(scale == 0, 1.0, scale))
+    offset = offset * factor
+    if len(planes) == 1:
+        return [_bfloat16_pair(rounded, 8 * rounded + offset)]
+    high_zero, low_zero = 128 * rounded + offset, 8 * rounded + offset
+    on_high = _bfloat16_error(high_zero) <= _bfloat16_error(low_zero)
+    return [
+        _bfloat16_pair(16 * rounded, torch.where(on_high, high_zero, 128 * rounded)),
+        _bfloat16_pair(rounded, torch.where(on_high, 8 * rounded, low_zero)),
+    ]
+
+
+def _bfloat16_error(values: torch.Tensor) -> torch.Tensor:
+    return (values.to(torch.bfloat16).float() - values).abs()
+
+
+def _bfloat16_pair(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return torch.stack([scale, zero], dim=-1).to(torch.bfloat16).contiguous()
 
 
 def _repack(nibbles: torch.Tensor, scales_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,13 +5,13 @@
 //   x             [M, K] float32, contiguous
 //   packed        [N, K / 2] uint8: N / 64 tiles of [K, 32] bytes; byte [k, j] of tile t holds
 //                 row 64t + j (low nibble) and row 64t + 32 + j (high nibble) at input k
-//   scales_zeros  [K / 32, N, 2] bfloat16: per group of 32 inputs and row, S then Z
-//   out           [M, N] float32: sum over groups g of S (sum_k x_k (q_k - 8)) + Z sum_k x_k
-//                 = S (sum_k x_k q_k) + (Z - 8 S) xs_g, xs_g the group's sum of x
+//   scales_zeros  [K / 32, N, 2] float16: per group of 32 inputs and row, S then Z
+//   out           [M, N] float32: sum over groups g of S (sum_k x_k q_k) + Z xs_g,
+//                 xs_g the group's sum of x
 //
 // A code of 5-8 bits is two planes (int4_planes.py): high nibbles h with (16 s, Z_h), low
 // ones l with (s, Z_l). Both are read in one pass as the code c = 16 h + l, whose weight is
-// s c + (Z_h + Z_l - 136 s): one set of sums, the products' count of one plane.
+// s c + (Z_h + Z_l): one set of sums, the products' count of one plane.
 //
 // A tile is walked group by group; per input k its 32 bytes become the 64 rows' weights in
 // four registers (rows 0-15, 16-31 from the low nibbles, 32-47, 48-63 from the high), and
@@ -31,12 +31,12 @@ namespace {
 constexpr int64_t kTileRows = 64;
 constexpr int64_t kGroup = 32;
 
-inline __m512 bf16_low(__m512i pairs) {  // S of each (S, Z) pair, widened to float32
-  return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+inline __m512 half_low(__m512i pairs) {  // S of each (S, Z) float16 pair, as float32
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(pairs));
 }
 
-inline __m512 bf16_high(__m512i pairs) {  // Z of each (S, Z) pair
-  return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xFFFF0000)));
+inline __m512 half_high(__m512i pairs) {  // Z of each (S, Z) pair
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(pairs, 16)));
 }
 
 template <int kRows, bool kTwoPlanes>
@@ -87,12 +87,11 @@ void tile_rows(const float* x, int64_t K, const uint8_t* tile, const uint32_t* s
     const uint32_t* pairs = scales_zeros + g * N;  // this tile's 64 rows, (S, Z) each
     for (int j = 0; j < 4; ++j) {
       const __m512i packed_pairs = _mm512_loadu_si512(pairs + 16 * j);
-      const __m512 scale = bf16_low(packed_pairs);
-      __m512 zero = _mm512_fnmadd_ps(_mm512_set1_ps(kTwoPlanes ? 136.0f : 8.0f), scale,
-                                     bf16_high(packed_pairs));  // Z - 8 S (module comment)
+      const __m512 scale = half_low(packed_pairs);
+      __m512 zero = half_high(packed_pairs);
       if constexpr (kTwoPlanes) {
         const __m512i high_pairs = _mm512_loadu_si512(high_scales_zeros + g * N + 16 * j);
-        zero = _mm512_add_ps(zero, bf16_high(high_pairs));
+        zero = _mm512_add_ps(zero, half_high(high_pairs));
       }
       for (int i = 0; i < kRows; ++i) {
         const __m512 sum = _mm512_set1_ps(group_sums[i * G + g]);
@@ -117,8 +116,8 @@ void tile_rows(const float* x, int64_t K, const uint8_t* tile, const uint32_t* s
 void check_plane(const torch::Tensor& packed, const torch::Tensor& scales_zeros, int64_t K,
                  int64_t N) {
   TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous(), "packed: uint8");
-  TORCH_CHECK(scales_zeros.dtype() == torch::kBFloat16 && scales_zeros.is_contiguous(),
-              "scales_zeros: bfloat16");
+  TORCH_CHECK(scales_zeros.dtype() == torch::kHalf && scales_zeros.is_contiguous(),
+              "scales_zeros: float16");
   TORCH_CHECK(packed.size(0) == N && packed.size(1) * 2 == K, "packed: [N, K / 2]");
   TORCH_CHECK(scales_zeros.size(0) == K / kGroup && scales_zeros.size(1) == N,
               "scales_zeros: [K / 32, N, 2]");
@@ -147,7 +146,7 @@ torch::Tensor int4_tiles_mm(torch::Tensor x, std::vector<torch::Tensor> planes) 
       group_sums[m * G + g] = sum;
     }
   const auto as_pairs = [](const torch::Tensor& t) {
-    return reinterpret_cast<const uint32_t*>(t.data_ptr<at::BFloat16>());
+    return reinterpret_cast<const uint32_t*>(t.data_ptr<at::Half>());
   };
   const uint8_t* tiles = packed.data_ptr<uint8_t>();
   const uint32_t* pairs = as_pairs(scales_zeros);

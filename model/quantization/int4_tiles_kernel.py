@@ -5,9 +5,9 @@ torch's own kernel takes only bfloat16 activations.
 Why: torch's ``_weight_int4pack_mm_for_cpu`` is fast only with bfloat16 activations (2^-8
 relative a product), and 11x slower than float32's ``mm`` with float32 ones. This kernel
 reads the same bytes (so the weight is packed once, for both) and keeps every operation in
-float32: per group of 32 inputs ``S (sum x q - 8 sum x) + Z sum x``, which differs from
-``x @ dequantize().T`` by float32's rounding of the sums (a few ulp of ``sum |x| (|w| +
-16 |S| + |Z|)``). The speed it reaches is in ``int4_planes.py``'s docstring.
+float32: per group of 32 inputs ``S sum x q + Z sum x``, which differs from
+``x @ dequantize().T`` by float32's rounding of the sums (a few ulp of ``sum |x| (16 |S| +
+|Z|)``). The speed it reaches is in ``int4_planes.py``'s docstring.
 
 Built once per machine by ``model/native_build.py`` (``-march=native``: AVX-512 is
 required; a CPU without it, or a machine without a compiler, serves with torch's kernel
