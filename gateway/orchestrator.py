@@ -38,6 +38,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import itertools
 import logging
 import random
 import time
@@ -191,6 +192,7 @@ class RequestOrchestrator:
         )
         self.seed_rng = random.SystemRandom()
         self._aborts: set[asyncio.Task] = set()
+        self._call_serials = itertools.count(1)  # WorkerRequest.call_serial
         # (worker, request id) → the abort of a call there given up on before it answered.
         self._unanswered_aborts: dict[tuple[str, str], asyncio.Task] = {}
 
@@ -636,7 +638,7 @@ class RequestOrchestrator:
         if run.kv_transfer_params is not None:
             self.abort_on(run.prefill_id, run.request_id)
 
-    def forget_unanswered_call(self, worker_id: str, request_id: str) -> None:
+    def forget_unanswered_call(self, worker_id: str, request: WorkerRequest) -> None:
         """Aborts on the worker a call given up on before it answered (hung, lost, or the
         client left). Cancelling its stream is not enough: Serve's cancel is best effort,
         and a call already handed to a hung worker's process runs when the process resumes,
@@ -644,9 +646,10 @@ class RequestOrchestrator:
         caller has, then stayed held until its TTL (issue 51: 18 blocks on the fault
         matrix's resumed prefill). A later call of the request to that worker waits for
         this abort (``worker_stream``): the abort must not end that call, nor the lease
-        refuse it its request id."""
-        key = (worker_id, request_id)
-        abort = self.abort_on(worker_id, request_id)
+        refuse it its request id. The abort names the call (``call_serial``): a resumed
+        worker may run it before the call itself, which it then refuses."""
+        key = (worker_id, request.request_id)
+        abort = self.abort_on(worker_id, request.request_id, request.call_serial)
         self._unanswered_aborts[key] = abort
         abort.add_done_callback(functools.partial(self._unanswered_abort_done, key))
 
@@ -654,14 +657,16 @@ class RequestOrchestrator:
         if self._unanswered_aborts.get(key) is abort:
             del self._unanswered_aborts[key]
 
-    def abort_on(self, worker_id: str, request_id: str) -> asyncio.Task:
+    def abort_on(
+        self, worker_id: str, request_id: str, call_serial: int | None = None
+    ) -> asyncio.Task:
         """Aborts the request on the worker, or frees the lease it still holds for it.
 
         The call runs in a fresh context: made in the request's own, Serve would count it
         as the request's child and cancel it with the request (a client that hung up), and
         a lease would stay held until its TTL."""
         task = asyncio.get_running_loop().create_task(
-            self.workers.call(worker_id, "abort", request_id),
+            self.workers.call(worker_id, "abort", request_id, call_serial),
             context=contextvars.Context(),
         )
         self._aborts.add(task)
@@ -685,6 +690,7 @@ class RequestOrchestrator:
         abandoned = self._unanswered_aborts.get((worker_id, request.request_id))
         if abandoned is not None:
             await asyncio.wait((abandoned,), timeout=self.config.worker_timeout_s)
+        request = dataclasses.replace(request, call_serial=next(self._call_serials))
         stream = self.workers.stream(worker_id, request)
         answered = finished = False
         # A worker already out of routing (a role's only one, tried while it restarts) is
@@ -745,7 +751,7 @@ class RequestOrchestrator:
                 with contextlib.suppress(Exception):
                     stream.cancel()  # the client went away: abort on the worker
                 if not answered:
-                    self.forget_unanswered_call(worker_id, request.request_id)
+                    self.forget_unanswered_call(worker_id, request)
 
     # ------------------------------------------------------------------ stats
 

@@ -22,6 +22,9 @@ class WorkerRequest:
     ``params.seed`` is always set by the gateway, so both sides sample the same tokens.
     ``cache_salt`` (the client's, or None) goes into the first block's hash on both sides:
     prefix-cache hits, the router's index and the decode side's dedup never cross salts.
+    ``call_serial`` tells the gateway's calls of one request apart (it numbers them; 0 is
+    unnumbered): the abort of a call it gave up on refuses that call should it arrive later,
+    and no other (``EngineHost.abort``).
     """
 
     request_id: str
@@ -30,6 +33,7 @@ class WorkerRequest:
     remote_decode: bool = False
     kv_transfer_params: KVTransferParams | None = None
     cache_salt: str | None = None
+    call_serial: int = 0
 
 
 # Why a request that finished with "stop" stopped (vLLM's ``stop_reason``): the stop token id

@@ -20,6 +20,7 @@ by that thread before its next step; outputs travel back to each request's async
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import enum
@@ -58,6 +59,9 @@ logger = logging.getLogger(__name__)
 OFFER_SUFFIX = "#offer"
 # While only leased blocks remain, step this often so released leases free their blocks.
 LEASE_POLL_S = 0.02
+# Calls aborted before they arrived that a worker remembers (``EngineHost.abort``): one that
+# never arrives (Serve's cancel did land) is forgotten after this many later ones.
+_ABORTED_CALLS_KEPT = 1024
 T = TypeVar("T")
 
 
@@ -116,6 +120,11 @@ class EngineHost:
         self._ops: list[Callable[[], object]] = []
         self._ops_lock = threading.Lock()
         self._streams: dict[str, asyncio.Queue] = {}
+        self._stream_calls: dict[str, int] = {}  # request id → the serial of its open call
+        # Calls aborted before they arrived, oldest first (``abort``).
+        self._aborted_calls: collections.OrderedDict[tuple[str, int], None] = (
+            collections.OrderedDict()
+        )
         self._offer_serials = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Event | None = None
@@ -190,8 +199,15 @@ class EngineHost:
             except GrammarError as error:
                 yield GenerationChunk.failed(request_id, str(error), refused=True)
                 return
+        if (request_id, request.call_serial) in self._aborted_calls:
+            # Given up on and aborted before it got here (a hung worker resumed): nobody
+            # reads this call; run, it would lease blocks no one releases.
+            del self._aborted_calls[(request_id, request.call_serial)]
+            yield GenerationChunk.failed(request_id, "aborted by the gateway before it arrived")
+            return
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
+        self._stream_calls[request_id] = request.call_serial
         self._submit(lambda: self._add(request))
         finished = False
         first_chunk = True
@@ -237,6 +253,7 @@ class EngineHost:
                 finished = output.finished
         finally:
             self._streams.pop(request_id, None)
+            self._stream_calls.pop(request_id, None)
             if not finished:
                 self._submit(lambda: self.engine.abort(request_id))
 
@@ -279,14 +296,27 @@ class EngineHost:
             if not finished:  # the gateway went away: the pull is not wanted any more
                 self._submit(lambda: self.engine.abort(offer_id))
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, call_serial: int | None = None) -> None:
         """Aborts a request, or releases the lease a finished prefill still holds for it.
 
         A stream still open for the request ends with an error chunk: the gateway aborts a
         call it gave up on (``RequestOrchestrator.forget_unanswered_call``), and when that
         call's cancel never lands, its stream would otherwise wait for outputs that an
-        aborted request no longer gets."""
+        aborted request no longer gets.
+
+        ``call_serial`` names the call given up on. A resumed hung worker may run this abort
+        before the call itself (both were queued while it hung): the call is remembered, and
+        refused when it arrives (``generate``). A stream of another call of the request is
+        left alone: the gateway has moved on to it."""
         self._ensure_loop()
+        if call_serial is not None:
+            open_call = self._stream_calls.get(request_id)
+            if open_call is not None and open_call != call_serial:
+                return
+            if open_call is None:
+                self._aborted_calls[(request_id, call_serial)] = None
+                while len(self._aborted_calls) > _ABORTED_CALLS_KEPT:
+                    self._aborted_calls.popitem(last=False)
         queue = self._streams.get(request_id)
         if queue is not None:
             queue.put_nowait(GenerationChunk.failed(request_id, "aborted by the gateway"))

@@ -42,10 +42,12 @@ class HungPrefillPool:
         self.all = dict(self.prefill)
         self.resumed = asyncio.Event()
         self.calls: list[tuple[str, str]] = []
+        self.serials: list[tuple[str, object]] = []  # each call's WorkerRequest.call_serial
         self.orchestrator: RequestOrchestrator | None = None
 
     def stream(self, worker_id: str, request: WorkerRequest) -> AsyncIterator[GenerationChunk]:
         self.calls.append(("stream", worker_id))
+        self.serials.append(("stream", request.call_serial))
 
         async def chunks() -> AsyncIterator[GenerationChunk]:
             if worker_id == "prefill-0" and not self.resumed.is_set():
@@ -66,6 +68,7 @@ class HungPrefillPool:
         if worker_id == "prefill-0":
             await self.resumed.wait()
         self.calls.append(("abort", worker_id))
+        self.serials.append(("abort", args[1]))
         return None
 
 
@@ -104,6 +107,10 @@ def test_a_prefill_given_up_on_is_told_to_abort_the_request_once_it_resumes() ->
         assert pool.calls == [("stream", "prefill-0"), ("stream", "prefill-1")]
         pool.resumed.set()
         await until(lambda: ("abort", "prefill-0") in pool.calls)
+        # The abort names the call given up on, and only that one: a worker refuses that
+        # call should the abort reach it first, and no other (EngineHost.abort).
+        first_serial, retry_serial = (s for kind, s in pool.serials if kind == "stream")
+        assert ("abort", first_serial) in pool.serials and first_serial != retry_serial
 
     asyncio.run(scenario())
 

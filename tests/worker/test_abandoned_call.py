@@ -9,7 +9,11 @@ lease (18 blocks) for a call the gateway had given up on. Two ways there, both c
   had, stayed until its TTL;
 - a cancel that lands after the call finished (Serve's cancel is best effort) changes
   nothing, so the gateway also sends ``abort`` for the request; a stream still open for it
-  then ends at once instead of waiting for outputs an aborted request no longer gets.
+  then ends at once instead of waiting for outputs an aborted request no longer gets;
+- that abort can run before the call itself on the resumed worker (both queued while it
+  hung; a fresh-clone CI run hit it after the two fixes above): it names the call
+  (``call_serial``), which is then refused on arrival, while a later call of the request
+  runs.
 
 The worker runs here without Ray, in this process.
 """
@@ -129,5 +133,55 @@ def test_an_abort_ends_a_stream_still_open_for_the_request() -> None:
         assert chunks[-1].finished and chunks[-1].error is not None, chunks[-1]
         assert max(c.num_output_tokens for c in chunks) < 200, "the abort came after the end"
         assert released, "the aborted request left blocks or a request behind"
+    finally:
+        worker.engine.shutdown()
+
+
+def test_an_abort_that_arrives_before_its_call_refuses_that_call_and_no_other() -> None:
+    worker = _prefill_worker()
+    given_up = WorkerRequest(
+        "r2", PROMPT, SamplingParams(max_tokens=1), remote_decode=True, call_serial=7
+    )
+    retried = WorkerRequest(
+        "r2", PROMPT, SamplingParams(max_tokens=1), remote_decode=True, call_serial=8
+    )
+
+    async def abort_then_calls() -> tuple[list, bool, list, bool]:
+        await worker.abort("r2", 7)
+        refused = [chunk async for chunk in worker.generate(given_up)]
+        held_nothing = await _released(worker)
+        answered = [chunk async for chunk in worker.generate(retried)]
+        await worker.abort("r2")  # the gateway's release of the retry's lease
+        return refused, held_nothing, answered, await _released(worker)
+
+    try:
+        refused, held_nothing, answered, released = asyncio.run(
+            asyncio.wait_for(abort_then_calls(), 30)
+        )
+        assert len(refused) == 1 and refused[0].error is not None, refused
+        assert held_nothing, "the call aborted before it arrived still ran"
+        assert answered[-1].kv_transfer_params is not None, answered[-1]
+        assert answered[-1].error is None
+        assert released, "the retry's lease outlived its release"
+    finally:
+        worker.engine.shutdown()
+
+
+def test_an_abort_naming_an_earlier_call_leaves_the_open_one_running() -> None:
+    worker = _prefill_worker()
+    running = WorkerRequest(
+        "r3", PROMPT, SamplingParams(max_tokens=30, ignore_eos=True), call_serial=9
+    )
+
+    async def stale_abort_mid_stream() -> list:
+        stream = worker.generate(running)
+        chunks = [await anext(stream)]
+        await worker.abort("r3", 8)
+        chunks += [chunk async for chunk in stream]
+        return chunks
+
+    try:
+        chunks = asyncio.run(asyncio.wait_for(stale_abort_mid_stream(), 60))
+        assert chunks[-1].error is None and chunks[-1].num_output_tokens == 30, chunks[-1]
     finally:
         worker.engine.shutdown()
