@@ -22,6 +22,7 @@ from pdserve.cache import (
 from pdserve.engine.engine_stats import EngineStats
 from pdserve.engine.kv_cache_groups import kv_cache_groups
 from pdserve.engine.kv_connector_base import KVConnectorBase
+from pdserve.engine.logits_processors import RowHistory
 from pdserve.engine.model_input import ScheduledChunk
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_pages, configure_torch_threads
 from pdserve.engine.request import Request, RequestStatus
@@ -39,6 +40,7 @@ from pdserve.engine.spec_decode import (
 )
 from pdserve.engine.tensor_parallel_peers import TensorParallelPeers
 from pdserve.engine.token_bitmask import fill_token_bitmask, num_masked_tokens
+from pdserve.engine.token_counts import TokenCounts
 from pdserve.grammar import GrammarCompiler
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.kv_transfer_params import KVTransferParams
@@ -262,7 +264,10 @@ class LLMEngine:
             grammar=grammar,
             kv_only=kv_only,
         )
-        tracked = _Tracked(request, IncrementalDetokenizer(self.tokenizer, params.stop))
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, params.stop, params.min_tokens, params.include_stop_str_in_output
+        )
+        tracked = _Tracked(request, detokenizer)
         self._tracked[request_id] = tracked
         if kv_only:  # no request of a user's: counted in the transfer stats only
             self.scheduler.add_request(request)
@@ -390,6 +395,8 @@ class LLMEngine:
                 [r.sampling_seed for r, _ in rows],
                 [position for _, position in rows],
                 self._token_bitmask(sampled, logits.shape[1]),
+                _row_histories(sampled),
+                self.scheduler.eos_token_ids,
             )
             new_token_ids = self._verify(sampled, token_ids)
             num_before = [r.num_output_tokens for _, r in sampled]
@@ -639,6 +646,28 @@ def _record_prompt_logprobs(logits: torch.Tensor, chunk: ScheduledChunk, request
     request.prompt_logprobs.extend(
         token_logprobs(logits[: len(targets)], targets, [k] * len(targets))
     )
+
+
+def _row_histories(sampled: list[tuple[ScheduledChunk, Request]]) -> list[RowHistory] | None:
+    """Each sampled row's history for the fields that read it (``logits_processors.py``):
+    a penalized request's counts brought up to date, its output, and for a draft's row the
+    drafts before it. None when no row's fields adjust its logits."""
+    if not any(request.sampling_params.adjusts_logits for _, request in sampled):
+        return None
+    histories = []
+    for chunk, request in sampled:
+        counts = None
+        if request.sampling_params.penalized:
+            if request.token_counts is None:
+                request.token_counts = TokenCounts(request.prompt_token_ids)
+            request.token_counts.sync(request.output_token_ids)
+            counts = request.token_counts
+        drafts = chunk.draft_token_ids
+        histories += [
+            RowHistory(counts, request.output_token_ids, drafts[:j])
+            for j in range(chunk.num_sample_rows)
+        ]
+    return histories
 
 
 def _sample_spans(sampled: list[tuple[ScheduledChunk, Request]]) -> list[range]:

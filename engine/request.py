@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.cache import BlockHash, RequestBlockHasher
 from pdserve.engine.request_stamps import RequestStamps
+from pdserve.engine.token_counts import TokenCounts
 from pdserve.grammar import GrammarMatcher
 from pdserve.messages.generation import StopReason
 from pdserve.messages.kv_provenance import KVProvenance
@@ -142,6 +143,8 @@ class Request:
         self.num_preemptions = 0
         # Speculative decoding's state for this request (made at its first drafting step).
         self.drafts: DraftState | None = None
+        # Its tokens counted for the penalties (made at its first penalized sampling step).
+        self.token_counts: TokenCounts | None = None
         self.status = RequestStatus.WAITING
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher

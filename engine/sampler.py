@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.logits_processors import RowHistory, adjust_logits
 from pdserve.engine.token_bitmask import apply_token_bitmask
 from pdserve.messages.logprobs import TokenLogprobs
 from pdserve.messages.sampling_params import SamplingParams
@@ -41,13 +42,17 @@ def sample(
     seeds: list[int],
     output_positions: list[int],
     token_bitmask: torch.Tensor | None = None,
+    histories: list[RowHistory] | None = None,
+    eos_token_ids: frozenset[int] = frozenset(),
 ) -> list[int]:
     """One token per row of ``logits`` ``[n, vocab]`` (float32).
 
     ``seeds[r]`` is row ``r``'s effective seed (the request's, or the one drawn at
     arrival) and ``output_positions[r]`` the index of the token being sampled in the
     request's output (0 for the first token). ``token_bitmask`` (``token_bitmask.py``):
-    the tokens each row's grammar allows, or None when no row has one.
+    the tokens each row's grammar allows, or None when no row has one. ``histories``: each
+    row's counts and output, needed when a row's params adjust its logits
+    (``logits_processors.py``, with the model's ``eos_token_ids`` for ``min_tokens``).
     """
     num_rows = logits.shape[0]
     if not len(params) == len(seeds) == len(output_positions) == num_rows:
@@ -57,6 +62,10 @@ def sample(
         )
     if token_bitmask is not None:
         logits = apply_token_bitmask(logits, token_bitmask)
+    if any(p.adjusts_logits for p in params):
+        if histories is None:
+            raise ValueError("a row's params adjust its logits, but no histories were given")
+        logits = adjust_logits(logits, params, histories, output_positions, eos_token_ids)
     if all(p.greedy for p in params):
         return logits.argmax(dim=-1).tolist()
     tokens = logits.argmax(dim=-1)
@@ -70,7 +79,7 @@ def sample(
 def _sample_rows(
     logits: torch.Tensor, params: list[SamplingParams], draws: list[int]
 ) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, then the exponential race, for every row at once.
+    """Temperature, then min-p, top-k, top-p, then the exponential race, for every row at once.
 
     Each step is row-wise (a row's result never reads another row), and each row's noise
     comes from its own generator, so a row's token is the one it would get alone. The noise
@@ -80,6 +89,11 @@ def _sample_rows(
     device = logits.device
     temperatures = torch.tensor([p.temperature for p in params], device=device)
     scaled = logits / temperatures[:, None]
+    if any(p.min_p > 0.0 for p in params):  # vLLM's: below min_p times the top probability
+        min_ps = torch.tensor([p.min_p for p in params], device=device)[:, None]
+        probs = torch.softmax(scaled, dim=-1)
+        below = probs < min_ps * probs.amax(dim=-1, keepdim=True)
+        scaled = scaled.masked_fill(below, float("-inf"))
     # A row without top-k (or top-p) gets a threshold that keeps every token, so that it
     # samples exactly as it would alone (a cumulative sum may round past 1.0).
     top_ks = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]

@@ -495,10 +495,13 @@ class Scheduler:
         ``stop_reason`` (stop strings are the engine's: they need the text)."""
         params = request.sampling_params
         last = request.output_token_ids[-1]
-        if not params.ignore_eos and last in self.eos_token_ids:
+        # Below min_tokens neither EOS nor a stop id ends it (vLLM's; the sampler bans both
+        # there, so only a token it did not sample, a grammar's forced one, gets here).
+        may_stop = request.num_output_tokens >= params.min_tokens
+        if may_stop and not params.ignore_eos and last in self.eos_token_ids:
             request.stopped_on_token = True
             return RequestStatus.FINISHED_STOPPED
-        if last in params.stop_token_ids:
+        if may_stop and last in params.stop_token_ids:
             request.stop_reason = last
             request.stopped_on_token = True
             return RequestStatus.FINISHED_STOPPED

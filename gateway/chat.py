@@ -41,9 +41,6 @@ from pdserve.tokenizer.tokenizer import Tokenizer
 _UNSUPPORTED_CHAT_FIELDS: dict[str, Any] = {
     "functions": None,
     "function_call": None,
-    "logit_bias": {},
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
     "audio": None,
     "modalities": None,
     "prediction": None,
@@ -98,6 +95,7 @@ def parse_chat(body: Any, tokenizer: Tokenizer) -> ParsedCompletion:
         return_tokens_as_token_ids=request.return_tokens_as_token_ids,
         max_tokens_to_context=request.max_completion_tokens is None and request.max_tokens is None,
         timeout_s=request.timeout,
+        bad_words=list(request.bad_words or []),
     )
 
 

@@ -9,9 +9,11 @@ can send wrong becomes an ``APIError`` with an OpenAI-style body and a 4xx statu
 Fields are checked strictly: ``"max_tokens": "5"``, ``"stream": "yes"`` or a token id of
 ``true`` or ``1.0`` are refused rather than coerced, and NaN or infinite numbers are refused.
 OpenAI fields, and vLLM's sampling extensions, that would change the output but that pdserve
-does not implement (``best_of``, ``suffix``, ``logit_bias``, the penalties, ``min_p`` ...:
-``_UNSUPPORTED_FIELDS``) are refused unless they hold their default; other unknown fields
-are ignored. ``echo``, ``logprobs`` and vLLM's ``stop_token_ids`` are served.
+does not implement (``best_of``, ``suffix``, ``prompt_logprobs``: ``_UNSUPPORTED_FIELDS``)
+are refused unless they hold their default; other unknown fields are ignored. ``echo``,
+``logprobs``, the penalties, ``logit_bias``, ``min_p``, ``min_tokens``, ``bad_words``,
+``allowed_token_ids``, ``include_stop_str_in_output`` and vLLM's ``stop_token_ids`` are
+served (``engine/logits_processors.py``), with vLLM's ranges.
 """
 
 from __future__ import annotations
@@ -50,21 +52,16 @@ MAX_CHOICES = 16
 # pdserve implements none of these; each is accepted only at its default value.
 # vLLM's sampling extensions pdserve does not implement (both endpoints); an ignored one
 # would change what the client gets without a word.
-UNSUPPORTED_VLLM_FIELDS: dict[str, Any] = {
-    "repetition_penalty": 1,
-    "min_p": 0,
-    "min_tokens": 0,
-    "prompt_logprobs": None,
-    "include_stop_str_in_output": False,
-}
+UNSUPPORTED_VLLM_FIELDS: dict[str, Any] = {"prompt_logprobs": None}
 _UNSUPPORTED_FIELDS: dict[str, Any] = {
-    "best_of": 1,
-    "suffix": None,
-    "logit_bias": {},
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
+    "best_of": 1,  # n samples scored on the server: not implemented
+    "suffix": None,  # fill-in-the-middle: not implemented
     **UNSUPPORTED_VLLM_FIELDS,
 }
+# Ids each of these lists or maps at most (a request's own fields; each is applied per step).
+MAX_LOGIT_BIAS = 300  # OpenAI's own limit
+MAX_BAD_WORDS = 64
+MAX_ALLOWED_TOKEN_IDS = 1 << 17
 # What a field of a union type must be, for a message clearer than pydantic's per-member list.
 _UNION_FIELDS = {
     "prompt": "a non-empty string, a non-empty list of token ids (each >= 0), or a one-element "
@@ -181,6 +178,34 @@ class SamplingRequest(StructuredOutputFields):
     # pdserve's extension: seconds the request may run, however its workers fare; past it
     # the request ends with an error (503 before its first token) and everything is freed.
     timeout: Annotated[float, Field(gt=0.0)] | None = None
+    # Penalties and logits fields, OpenAI's and vLLM's (ranges as vLLM checks them); a null
+    # is the neutral value.
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
+    logit_bias: (
+        Annotated[
+            dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+            Field(max_length=MAX_LOGIT_BIAS),
+        ]
+        | None
+    ) = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    bad_words: (
+        Annotated[
+            list[Annotated[str, StringConstraints(min_length=1)]], Field(max_length=MAX_BAD_WORDS)
+        ]
+        | None
+    ) = None
+    allowed_token_ids: (
+        Annotated[
+            list[Annotated[int, Field(ge=0)]],
+            Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS),
+        ]
+        | None
+    ) = None
+    include_stop_str_in_output: bool = False
 
     @field_validator("cache_salt")
     @classmethod
@@ -206,7 +231,26 @@ class SamplingRequest(StructuredOutputFields):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             structured=structured,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self._logit_bias(),
+            min_p=self.min_p or 0.0,
+            min_tokens=self.min_tokens or 0,
+            allowed_token_ids=self.allowed_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
+
+    def _logit_bias(self) -> dict[int, float]:
+        """JSON keys are strings: each must be a token id."""
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise APIError(
+                    400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+                )
+            bias[int(key)] = value
+        return bias
 
     @property
     def include_usage(self) -> bool:
@@ -248,6 +292,7 @@ class ParsedCompletion:
     # No max_tokens (chat) or a null one: the rest of max_model_len, as vLLM (set at prepare).
     max_tokens_to_context: bool = False
     timeout_s: float | None = None  # the request's own deadline (else the service's)
+    bad_words: list[str] = field(default_factory=list)  # tokenized at prepare, as vLLM does
 
 
 def validate_request(
@@ -297,6 +342,7 @@ def parse_completion(body: Any) -> ParsedCompletion:
         return_tokens_as_token_ids=request.return_tokens_as_token_ids,
         max_tokens_to_context=request.max_tokens is None,
         timeout_s=request.timeout,
+        bad_words=list(request.bad_words or []),
     )
 
 

@@ -257,6 +257,7 @@ class RequestOrchestrator:
                 f"({params.max_tokens}) exceeds max_model_len ({max_len})",
                 param="max_tokens",
             )
+        params = self._checked_logits_fields(params, parsed.bad_words)
         if params.seed is None:  # both sides must sample with the same seed
             params = dataclasses.replace(params, seed=self.seed_rng.getrandbits(63))
         return token_ids, params
@@ -632,6 +633,44 @@ class RequestOrchestrator:
             type="server_error",
             code="replay_diverged",
         )
+
+    def _checked_logits_fields(
+        self, params: SamplingParams, bad_words: list[str]
+    ) -> SamplingParams:
+        """The fields that name tokens, checked against the vocabulary, and ``bad_words``
+        tokenized as vLLM does: each word alone and after a space (mid-text), the second
+        kept where it is another token sequence of the same length."""
+        if params.min_tokens > params.max_tokens:
+            raise APIError(
+                400,
+                f"min_tokens ({params.min_tokens}) must not exceed max_tokens "
+                f"({params.max_tokens})",
+                param="min_tokens",
+            )
+        vocab_size = self.tokenizer.vocab_size
+        for name, ids in (
+            ("logit_bias", list(params.logit_bias)),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+        ):
+            outside = next((t for t in ids if t >= vocab_size), None)
+            if outside is not None:
+                raise APIError(
+                    400,
+                    f"{name} names token id {outside}, outside the vocabulary [0, {vocab_size})",
+                    param=name,
+                )
+        if not bad_words:
+            return params
+        sequences: list[list[int]] = []
+        for word in bad_words:
+            alone = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if not alone:
+                raise APIError(400, f"bad word {word!r} has no tokens", param="bad_words")
+            sequences.append(alone)
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                sequences.append(spaced)
+        return dataclasses.replace(params, bad_words_token_ids=sequences)
 
     def release_lease(self, run: RequestRun) -> None:
         """Tells the prefill worker to free the blocks it leased for this request."""

@@ -40,6 +40,19 @@ class SamplingParams:
     # What the output must match (structured outputs); every sampled token is masked by it,
     # on the prefill worker and the decode worker alike.
     structured: GrammarSpec | None = None
+    # vLLM's penalties and logits fields, with its semantics (engine/logits_processors.py):
+    # presence and frequency over the output's tokens, repetition over the prompt's and
+    # the output's.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id → added to its logit
+    min_p: float = 0.0  # drop tokens below min_p times the likeliest one's probability
+    min_tokens: int = 0  # EOS, stop ids and stop strings cannot end the output before
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    # Token id sequences never output whole (the gateway tokenizes vLLM's ``bad_words``).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # a stop string stays at the text's end
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -58,7 +71,51 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        # Not capped by max_tokens here: a prefill worker runs a request's first token alone
+        # (max_tokens 1) under its min_tokens. The API refuses min_tokens > max_tokens.
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        for token_id, bias in self.logit_bias.items():
+            if token_id < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError(
+                    f"logit_bias maps token ids >= 0 to values in [-100, 100], got "
+                    f"{token_id}: {bias}"
+                )
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or min(self.allowed_token_ids) < 0
+        ):
+            raise ValueError("allowed_token_ids must be a non-empty list of token ids >= 0")
+        if any(not word or min(word) < 0 for word in self.bad_words_token_ids):
+            raise ValueError("bad_words_token_ids must be non-empty lists of token ids >= 0")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """A penalty applies: the request's token counts are read every step."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """A field changes the logits before sampling (``logits_processors.py``); min_p,
+        applied among temperature, top-k and top-p, is not one of them."""
+        return (
+            self.penalized
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words_token_ids)
+        )

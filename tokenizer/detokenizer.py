@@ -32,10 +32,20 @@ class IncrementalDetokenizer:
                            already stepped    stepped by this update()
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str]) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: list[str],
+        min_tokens: int = 0,
+        include_stop_str_in_output: bool = False,
+    ) -> None:
         self._backend = tokenizer.backend
         self._stream = DecodeStream(skip_special_tokens=True)
         self._stop = stop
+        # vLLM's: no stop string ends an output of min_tokens tokens or fewer, and one that
+        # ends it stays in the text when include_stop_str_in_output.
+        self._min_tokens = min_tokens
+        self._include_stop = include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in stop), default=0)
         self._num_stepped = 0
         self.text = ""
@@ -59,10 +69,10 @@ class IncrementalDetokenizer:
         """Extends ``text`` with the tokens added since the last call; returns the stop
         string that appeared, if one did.
 
-        On a stop the text is cut just before the stop string, as OpenAI's API does, and
-        ``num_tokens_at_stop`` says which token completed it: tokens are checked one at a
-        time, so a run of several new tokens (a speculative step's) stops where a run of
-        single steps would have.
+        On a stop the text is cut just before the stop string, as OpenAI's API does (just
+        after it with ``include_stop_str_in_output``), and ``num_tokens_at_stop`` says which
+        token completed it: tokens are checked one at a time, so a run of several new tokens
+        (a speculative step's) stops where a run of single steps would have.
         """
         for index in range(self._num_stepped, len(token_ids)):
             piece = self._stream.step(self._backend, token_ids[index])
@@ -71,9 +81,12 @@ class IncrementalDetokenizer:
                 continue
             search_from = max(0, len(self.text) - self._max_stop_len + 1)
             self.text += piece
+            if index < self._min_tokens:
+                continue
             stop = self._earliest_stop(search_from)
             if stop is not None:
-                self.text = self.text[: self.text.find(stop, search_from)]
+                end = self.text.find(stop, search_from)
+                self.text = self.text[: end + len(stop) if self._include_stop else end]
                 self.num_tokens_at_stop = index + 1
                 return stop
         return None

@@ -454,7 +454,7 @@ class LeasingWorker(FakeWorker):
             request.request_id, [65], "A", 1, True, "length", kv_transfer_params=params
         )
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, call_serial: int | None = None) -> None:
         self.released.append(request_id)
 
 

@@ -452,3 +452,72 @@ def test_grpc_generate_takes_structured_outputs_and_refuses_a_bad_one(app, coloc
     # The prefill and the decode worker each counted it.
     after = get_json(app, "/stats")["totals"]["num_structured_requests"]
     assert after - before == 2
+
+
+PENALIZED = dict(
+    max_tokens=12,
+    temperature=0.8,
+    frequency_penalty=0.9,
+    presence_penalty=0.4,
+    repetition_penalty=1.3,
+    logit_bias={"101": 4.0, "32": -100.0},
+    min_p=0.05,
+    min_tokens=6,
+)
+
+
+def test_penalties_and_logits_fields_with_n_choices_equal_the_colocated_engine(app, colocated):
+    """Across the hand-off, each choice its own seed: the decode worker counts the prompt
+    and the prefill's first token as the colocated engine does."""
+    reply = openai_client(app).completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        n=2,
+        seed=7,
+        max_tokens=12,
+        temperature=0.8,
+        extra_body={k: v for k, v in PENALIZED.items() if k not in ("max_tokens", "temperature")},
+    )
+    params = {**PENALIZED, "logit_bias": {101: 4.0, 32: -100.0}}
+    assert [c.text for c in reply.choices] == colocated_texts(colocated, PROMPT, [7, 8], **params)
+    assert all(is_drained(w) for w in wait_until_drained(app))
+
+
+def test_a_langchain_payload_with_neutral_penalties_is_answered(app, colocated):
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": 6,
+        "temperature": 0.0,
+        "frequency_penalty": 0,
+        "presence_penalty": 0,
+        "logit_bias": {},
+        "n": 1,
+        "stream": False,
+    }
+    reply = httpx.post(base_url(app) + "/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    expected = colocated_texts(colocated, PROMPT, [None], max_tokens=6, temperature=0.0)
+    assert [reply.json()["choices"][0]["text"]] == expected
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0),
+        ("logit_bias", {"5": 101}),
+        ("logit_bias", {"five": 1}),
+        ("logit_bias", {"999999": 1}),
+        ("allowed_token_ids", [999999]),
+        ("min_p", 1.5),
+        ("min_tokens", 50),
+    ],
+)
+def test_bad_sampling_fields_are_a_400_naming_the_field_and_leak_nothing(app, field, value):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, field: value}
+    reply = httpx.post(base_url(app) + "/v1/completions", json=body, timeout=30)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == field
+    assert all(is_drained(w) for w in wait_until_drained(app))

@@ -68,3 +68,18 @@ def test_a_token_completing_several_stop_strings_cuts_at_the_earliest():
         detokenizer = IncrementalDetokenizer(tokenizer, stops)
         assert detokenizer.update(ids) == met
         assert detokenizer.text == "Hello "
+
+
+def test_no_stop_string_ends_an_output_of_min_tokens_or_fewer():
+    """vLLM's rule: the stop string in the first min_tokens tokens stays; the next ends it."""
+    ids = TOKENIZER.encode("ab;cd;ef")
+    detokenizer = IncrementalDetokenizer(TOKENIZER, [";"], min_tokens=3)
+    assert detokenizer.update(ids) == ";"
+    assert detokenizer.text == "ab;cd" and detokenizer.num_tokens_at_stop == 6
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string():
+    ids = TOKENIZER.encode("one END two")
+    detokenizer = IncrementalDetokenizer(TOKENIZER, ["END"], include_stop_str_in_output=True)
+    assert detokenizer.update(ids) == "END"
+    assert detokenizer.text == "one END"

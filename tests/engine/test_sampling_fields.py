@@ -1,0 +1,175 @@
+"""vLLM's sampling fields (penalties, ``logit_bias``, ``min_p``, ``min_tokens``,
+``bad_words``, ``allowed_token_ids``) against a reference written from vLLM's definitions
+over transformers' logits, token for token, greedy and seeded; speculation on equals off.
+
+The reference recomputes each step's logits with transformers over the whole sequence and
+applies the fields in vLLM's order with plain Python loops (``reference_tokens``); only the
+seeded draw (``sampler.draw_seed`` and the exponential race) is pdserve's own, as it is what
+makes a seed reproduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import pytest
+import torch
+import transformers
+
+from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.engine.sampler import draw_seed
+from tests.engine.hf_models import save_hf_model
+
+EOS = 1
+VOCAB = 96
+BASE = SamplingParams(max_tokens=24, temperature=0.0)
+CASES = {
+    "repetition": dict(repetition_penalty=1.6),
+    "repetition below 1": dict(repetition_penalty=0.7),
+    "frequency and presence": dict(frequency_penalty=1.5, presence_penalty=0.8),
+    "negative frequency": dict(frequency_penalty=-0.6),
+    "logit_bias": dict(logit_bias={5: 6.0, 7: -100.0, 40: 2.5}),
+    "min_tokens before a likely EOS": dict(min_tokens=9, logit_bias={EOS: 9.0}),
+    "bad_words": dict(bad_words_token_ids=[[12], [30, 31], [44, 45, 46]]),
+    "allowed_token_ids": dict(allowed_token_ids=[3, 8, 13, 21, 34, 55, 89]),
+    "seeded min_p with penalties": dict(
+        temperature=0.9, seed=11, min_p=0.08, frequency_penalty=0.7, repetition_penalty=1.2
+    ),
+    "seeded everything": dict(
+        temperature=1.1,
+        seed=5,
+        top_k=40,
+        min_p=0.02,
+        presence_penalty=1.0,
+        frequency_penalty=0.3,
+        repetition_penalty=1.1,
+        logit_bias={9: 3.0},
+        min_tokens=4,
+        bad_words_token_ids=[[20], [50, 51]],
+        stop_token_ids=[60],
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[transformers.PreTrainedModel, str]:
+    folder = tmp_path_factory.mktemp("llama")
+    return save_hf_model(folder, transformers.LlamaConfig, seed=3), str(folder)
+
+
+@pytest.fixture(scope="module")
+def engine(models) -> LLMEngine:
+    return LLMEngine.from_pretrained(models[1], block_size=4, num_kv_blocks=256)
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(4)
+    return [[rng.randrange(2, VOCAB) for _ in range(n)] for n in (7, 19, 33)]
+
+
+def reference_tokens(
+    model: transformers.PreTrainedModel, prompt: list[int], params: SamplingParams
+) -> list[int]:
+    """vLLM's definitions, one token at a time over transformers' logits."""
+    output: list[int] = []
+    while len(output) < params.max_tokens:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + output])).logits[0, -1].double().tolist()
+        position = len(output)
+        if params.allowed_token_ids is not None:
+            logits = [
+                v if t in params.allowed_token_ids else -math.inf for t, v in enumerate(logits)
+            ]
+        for word in params.bad_words_token_ids:
+            if len(word) == 1 or output[len(output) - len(word) + 1 :] == word[:-1]:
+                logits[word[-1]] = -math.inf
+        if position < params.min_tokens:
+            for token in {*params.stop_token_ids, *([] if params.ignore_eos else [EOS])}:
+                logits[token] = -math.inf
+        for token, bias in params.logit_bias.items():
+            logits[token] += bias
+        for token in range(VOCAB):
+            if token in prompt or token in output:
+                r = params.repetition_penalty
+                logits[token] = logits[token] / r if logits[token] > 0 else logits[token] * r
+            count = output.count(token)
+            logits[token] -= params.frequency_penalty * count
+            logits[token] -= params.presence_penalty * (count > 0)
+        token = _draw(logits, params, position)
+        output.append(token)
+        stops = {*params.stop_token_ids, *([] if params.ignore_eos else [EOS])}
+        if len(output) >= params.min_tokens and token in stops:
+            break
+    return output
+
+
+def _draw(logits: list[float], params: SamplingParams, position: int) -> int:
+    values = torch.tensor(logits, dtype=torch.float32)
+    if params.greedy:
+        return int(values.argmax())
+    scaled = values / params.temperature
+    if params.min_p:
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs < params.min_p * probs.max(), -math.inf)
+    if params.top_k:
+        kth = scaled.topk(params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, -math.inf)
+    noise = torch.empty(VOCAB).exponential_(
+        generator=torch.Generator().manual_seed(draw_seed(params.seed, position))
+    )
+    return int((torch.softmax(scaled, dim=-1) / noise).argmax())
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_each_field_gives_the_reference_tokens(models, engine, case) -> None:
+    params = dataclasses.replace(BASE, **CASES[case])
+    outputs = engine.generate(prompts(), params)
+    for prompt, output in zip(prompts(), outputs):
+        assert output.output_token_ids == reference_tokens(models[0], prompt, params), case
+    assert engine.kv_cache_manager.usage == 0.0
+
+
+def test_the_fields_change_the_output(engine) -> None:
+    """No case is vacuous: each gives another output than the same request without it."""
+    plain = [o.output_token_ids for o in engine.generate(prompts(), BASE)]
+    for case, fields in CASES.items():
+        params = dataclasses.replace(BASE, **fields)
+        if params.greedy:
+            assert [o.output_token_ids for o in engine.generate(prompts(), params)] != plain, case
+
+
+def test_min_tokens_holds_off_eos_and_a_stop_id_then_lets_them_end_it(engine) -> None:
+    params = dataclasses.replace(BASE, min_tokens=9, logit_bias={EOS: 50.0})
+    for output in engine.generate(prompts(), params):
+        assert len(output.output_token_ids) == 10 and output.output_token_ids[-1] == EOS
+        assert EOS not in output.output_token_ids[:-1]
+
+
+def test_a_batch_mixing_fields_samples_each_row_as_alone(engine) -> None:
+    """Rows never read each other's fields: a mixed batch equals each request run alone."""
+    all_params = [dataclasses.replace(BASE, **fields) for fields in CASES.values()]
+    batch_prompts = [prompts()[i % 3] for i in range(len(all_params))]
+    together = engine.generate(batch_prompts, all_params)
+    for prompt, params, output in zip(batch_prompts, all_params, together):
+        (alone,) = engine.generate([prompt], params)
+        assert output.output_token_ids == alone.output_token_ids
+
+
+def test_speculative_decoding_on_equals_off_with_every_field(models) -> None:
+    """Draft rows see the output plus the drafts before them, so verified runs sample as
+    plain steps would; repetitive prompts make the n-gram drafter propose."""
+    off = LLMEngine.from_pretrained(models[1], block_size=4, num_kv_blocks=256)
+    on = LLMEngine.from_pretrained(
+        models[1], block_size=4, num_kv_blocks=256, speculative_method="ngram"
+    )
+    repetitive = [[5, 6, 7, 8, 9] * 6, [20, 21, 22] * 9, [40, 41, 42, 43] * 7]
+    all_params = [
+        dataclasses.replace(BASE, max_tokens=40, ignore_eos=True, **fields)
+        for fields in CASES.values()
+    ]
+    batch_prompts = [repetitive[i % 3] for i in range(len(all_params))]
+    expected = [o.output_token_ids for o in off.generate(batch_prompts, all_params)]
+    assert [o.output_token_ids for o in on.generate(batch_prompts, all_params)] == expected
+    assert on.stats().spec_decode.num_draft_tokens > 0
