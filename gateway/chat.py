@@ -96,11 +96,15 @@ def parse_chat(body: Any, tokenizer: Tokenizer) -> ParsedCompletion:
         max_tokens_to_context=request.max_completion_tokens is None and request.max_tokens is None,
         timeout_s=request.timeout,
         bad_words=list(request.bad_words or []),
+        unset_fields=request.unset_fields,
     )
 
 
 def render_chat(
-    messages: list[Any], tokenizer: Tokenizer, tools: list[dict[str, Any]] | None = None
+    messages: list[Any],
+    tokenizer: Tokenizer,
+    tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
     """The prompt's token ids: the template writes every special token (BOS included)."""
     if tokenizer.chat_template is None:
@@ -113,7 +117,9 @@ def render_chat(
     _check_unicode_within(messages, "messages")
     _check_unicode_within(tools, "tools")
     try:
-        prompt = tokenizer.chat_template.render(messages, add_generation_prompt=True, tools=tools)
+        prompt = tokenizer.chat_template.render(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools
+        )
     except ValueError as error:
         raise APIError(400, str(error), param="messages") from None
     return tokenizer.encode(prompt, add_special_tokens=False)

@@ -35,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
 from sse_starlette import EventSourceResponse
 
+from pdserve.gateway import tokenize_api
 from pdserve.gateway.admission import (
     AdmissionSlot,
     ReleaseSlotsAtRequestEnd,
@@ -49,6 +50,7 @@ from pdserve.gateway.dashboard import (
     recent_requests_body,
     request_provenance_response,
 )
+from pdserve.gateway.generation_defaults import sampling_defaults
 from pdserve.gateway.grpc_ingress import start_grpc_server
 from pdserve.gateway.logprobs_format import LogprobsRenderer, TokensWithLogprobs
 from pdserve.gateway.openai_schema import (
@@ -440,7 +442,12 @@ class Gateway:
             logger.error("the gateway cannot load the model's tokenizer: %s", error)
             self._not_started_because = f"the gateway cannot load the tokenizer: {error}"
             return
-        orchestrator = RequestOrchestrator(self.config, self.workers, info, tokenizer)
+        defaults = (
+            await asyncio.to_thread(sampling_defaults, self.config.model)
+            if self.config.generation_config == "auto"
+            else {}
+        )
+        orchestrator = RequestOrchestrator(self.config, self.workers, info, tokenizer, defaults)
         orchestrator.start()
         self.orchestrator = orchestrator
         if self.config.grpc_port:
@@ -474,7 +481,34 @@ class Gateway:
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        return models_response(self.config.model_name, self._created)
+        max_model_len = self.orchestrator.model_info.max_model_len if self.orchestrator else None
+        return models_response(self.config.model_name, self._created, max_model_len)
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        orchestrator = await self._get_orchestrator()
+        try:
+            body = await read_json_body(request)
+            answer = await asyncio.to_thread(
+                tokenize_api.tokenize,
+                body,
+                orchestrator.tokenizer,
+                orchestrator.model_name,
+                orchestrator.model_info.max_model_len,
+            )
+        except APIError as error:
+            return _error_response(orchestrator, error)
+        return JSONResponse(answer)
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        orchestrator = await self._get_orchestrator()
+        try:
+            body = await read_json_body(request)
+            answer = tokenize_api.detokenize(body, orchestrator.tokenizer, orchestrator.model_name)
+        except APIError as error:
+            return _error_response(orchestrator, error)
+        return JSONResponse(answer)
 
     @app.get("/v1/requests")
     async def recent_requests(self, limit: int = DEFAULT_LIMIT) -> dict[str, Any]:

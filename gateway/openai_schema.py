@@ -253,6 +253,16 @@ class SamplingRequest(StructuredOutputFields):
         return bias
 
     @property
+    def unset_fields(self) -> frozenset[str]:
+        """The fields the request left out or sent as null: a model's sampling defaults
+        may fill them (``generation_defaults.py``)."""
+        return frozenset(
+            name
+            for name in type(self).model_fields
+            if name not in self.model_fields_set or getattr(self, name) is None
+        )
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -293,6 +303,7 @@ class ParsedCompletion:
     max_tokens_to_context: bool = False
     timeout_s: float | None = None  # the request's own deadline (else the service's)
     bad_words: list[str] = field(default_factory=list)  # tokenized at prepare, as vLLM does
+    unset_fields: frozenset[str] = frozenset()  # the model's sampling defaults fill these
 
 
 def validate_request(
@@ -343,6 +354,7 @@ def parse_completion(body: Any) -> ParsedCompletion:
         max_tokens_to_context=request.max_tokens is None,
         timeout_s=request.timeout,
         bad_words=list(request.bad_words or []),
+        unset_fields=request.unset_fields,
     )
 
 
@@ -463,8 +475,11 @@ def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int
     }
 
 
-def models_response(model: str, created: int) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [{"id": model, "object": "model", "created": created, "owned_by": "pdserve"}],
-    }
+def models_response(model: str, created: int, max_model_len: int | None) -> dict[str, Any]:
+    """``/v1/models``; ``max_model_len`` as vLLM reports it, once a worker described the
+    model (absent while the service starts)."""
+    entry: dict[str, Any] = {"id": model, "object": "model", "created": created}
+    entry["owned_by"] = "pdserve"
+    if max_model_len is not None:
+        entry["max_model_len"] = max_model_len
+    return {"object": "list", "data": [entry]}

@@ -43,6 +43,8 @@ ROUTE_CALLS: dict[tuple[str, str], tuple[str, dict | None, int]] = {
     ("POST", "/v1/completions"): ("/v1/completions", COMPLETION, 200),
     ("POST", "/v1/chat/completions"): ("/v1/chat/completions", CHAT, 200),
     ("GET", "/v1/models"): ("/v1/models", None, 200),
+    ("POST", "/tokenize"): ("/tokenize", {"model": MODEL, "prompt": "Hello"}, 200),
+    ("POST", "/detokenize"): ("/detokenize", {"model": MODEL, "tokens": [72, 105]}, 200),
     ("GET", "/v1/requests"): ("/v1/requests", None, 200),
     ("GET", "/v1/requests/{request_id}"): ("/v1/requests/no-such-request", None, 404),
     ("GET", "/health"): ("/health", None, 200),

@@ -297,3 +297,18 @@ def test_without_max_tokens_a_reply_may_run_to_the_end_of_the_context(service, c
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt"
     assert "no room" in refused.json()["error"]["message"]
     assert all(is_drained(w) for w in wait_until_drained(service))
+
+
+def test_tokenize_counts_what_a_chat_is_charged_and_models_reports_max_model_len(service):
+    """vLLM's /tokenize and /detokenize over HTTP, and /v1/models' max_model_len."""
+    url = base_url(service)
+    messages = CONVERSATIONS[0]
+    reply = openai_client(service).chat.completions.create(
+        model="tiny", messages=messages, max_tokens=2, temperature=0
+    )
+    counted = httpx.post(url + "/tokenize", json={"model": "tiny", "messages": messages}).json()
+    assert counted["count"] == reply.usage.prompt_tokens == len(counted["tokens"])
+    text = httpx.post(url + "/detokenize", json={"model": "tiny", "tokens": [72, 105]}).json()
+    assert text == {"prompt": "Hi"}
+    (model,) = httpx.get(url + "/v1/models").json()["data"]
+    assert model["max_model_len"] == counted["max_model_len"] > 0
