@@ -7,6 +7,7 @@ The gateway never sees the deployment's whole config (``pdserve.deploy``, a laye
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 # Chosen by bench/bench_conditional_disagg.py (README, "Benchmarks"): on a mix of short
 # prompts and long ones with a shared preamble, 256 beat 64 and 0 on every figure (short
@@ -82,6 +83,10 @@ class GatewayConfig:
     prefill worker (the last answer, which only the decode worker computed), so only the
     new message is computed (bench/bench_multi_turn.py: 1.2-1.3x lower TTFT at turns 2-4);
     0: off (the prefill worker recomputes the answer)."""
+    generation_config: Literal["auto", "none"] = "auto"
+    """auto: a model folder's generation_config.json gives the sampling defaults a request
+    leaves out (temperature, top_p, top_k, min_p, repetition_penalty), as vLLM's
+    --generation-config auto; none: the API's own defaults (temperature 1, no penalty)."""
     num_recent_requests: int = 256
     """Finished requests whose KV provenance GET /v1/requests and the dashboard keep."""
     app_name: str = "pdserve"
@@ -105,6 +110,10 @@ class GatewayConfig:
     """Filled by the app builder (``ssl_keyfile``)."""
 
     def __post_init__(self) -> None:
+        if self.generation_config not in ("auto", "none"):
+            raise ValueError(
+                f"generation_config must be 'auto' or 'none', got {self.generation_config!r}"
+            )
         if self.max_inflight_requests < 1:
             raise ValueError(
                 f"max_inflight_requests must be at least 1, got {self.max_inflight_requests}"

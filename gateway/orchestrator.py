@@ -43,9 +43,9 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 from ray.exceptions import RayActorError, RayTaskError
 
@@ -160,8 +160,12 @@ class RequestOrchestrator:
         workers: WorkerPool,
         model_info: ModelInfo,
         tokenizer: Tokenizer,
+        sampling_defaults: Mapping[str, Any] | None = None,
     ) -> None:
+        """``sampling_defaults``: the model's own (``generation_defaults.py``), for the
+        fields a request leaves out."""
         self.config = config
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.workers = workers
         self.model_info = model_info
         self.tokenizer = tokenizer
@@ -241,6 +245,9 @@ class RequestOrchestrator:
                 param="prompt",
             )
         params = parsed.params
+        defaults = {k: v for k, v in self.sampling_defaults.items() if k in parsed.unset_fields}
+        if defaults:
+            params = dataclasses.replace(params, **defaults)
         if parsed.max_tokens_to_context:
             if len(token_ids) == max_len:
                 raise APIError(
