@@ -122,12 +122,14 @@ def _sample_rows(
 def token_logprobs(
     logits: torch.Tensor, token_ids: list[int], num_top: list[int]
 ) -> list[TokenLogprobs]:
-    """Each row's sampled token's logprob and its ``num_top[r]`` best alternatives, from the
-    raw logits (one ``log_softmax`` over the rows that asked, one ``topk`` for the widest)."""
+    """Each row's sampled token's logprob, rank and ``num_top[r]`` best alternatives, from
+    the raw logits (one ``log_softmax`` over the rows that asked, one ``topk`` for the
+    widest)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(
         1, torch.tensor(token_ids, dtype=torch.long, device=logits.device).unsqueeze(1)
     ).squeeze(1)
+    ranks = ((logprobs > chosen.unsqueeze(1)).sum(dim=-1) + 1).tolist()
     widest = max(num_top, default=0)
     # Only when some row asks for top alternatives (then widest >= that row's k > 0); each
     # result comes to the host in one copy, not one sync per row.
@@ -140,5 +142,5 @@ def token_logprobs(
     for row, (token_id, logprob) in enumerate(zip(token_ids, chosen.tolist())):
         k = num_top[row]
         top = list(zip(top_ids[row][:k], top_values[row][:k])) if k else []
-        results.append(TokenLogprobs(token_id, logprob, top))
+        results.append(TokenLogprobs(token_id, logprob, top, ranks[row]))
     return results

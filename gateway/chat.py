@@ -21,7 +21,6 @@ from pydantic import Field
 
 from pdserve.gateway.logprobs_format import LogprobsRenderer, TokensWithLogprobs
 from pdserve.gateway.openai_schema import (
-    UNSUPPORTED_VLLM_FIELDS,
     APIError,
     ParsedCompletion,
     SamplingRequest,
@@ -46,7 +45,6 @@ _UNSUPPORTED_CHAT_FIELDS: dict[str, Any] = {
     "prediction": None,
     "echo": False,  # vLLM's: the reply would begin with the last message
     "best_of": 1,
-    **UNSUPPORTED_VLLM_FIELDS,
 }
 
 
@@ -210,6 +208,11 @@ class ChatFormat:
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
         return {**self._envelope([]), "usage": usage_body}
+
+    @staticmethod
+    def add_prompt_logprobs(body: dict[str, Any], rendered: list[Any]) -> None:
+        """vLLM's place for them in chat: the body's top level."""
+        body["prompt_logprobs"] = rendered
 
     def response(self, choices: list[WholeChoice], usage_body: dict[str, Any]) -> dict[str, Any]:
         rendered = []

@@ -192,6 +192,8 @@ async def _sse_events(
             chunk = response_format.chunk(
                 text, delta.finish_reason, index, tokens, delta.stop_reason
             )
+            if delta.prompt_logprobs:  # once, with the delta that brought them
+                _add_prompt_logprobs(response_format, parsed, chunk, delta.prompt_logprobs)
             if not tally.done:
                 yield {"data": json.dumps(chunk)}
             else:
@@ -212,6 +214,20 @@ async def _sse_events(
         yield {"data": "[DONE]"}
     finally:
         await choices.aclose()  # on a client disconnect: cancels the worker streams
+
+
+def _add_prompt_logprobs(
+    response_format: ResponseFormat,
+    parsed: ParsedCompletion,
+    body: dict[str, Any],
+    entries: list[TokenLogprobs | None],
+) -> None:
+    """vLLM's ``prompt_logprobs`` into a body or chunk, when the request asked for them by
+    that name (``echo`` with ``logprobs`` alone shows them in the echoed text)."""
+    renderer = response_format.logprobs
+    if "prompt_logprobs" in parsed.unset_fields or renderer is None:
+        return
+    response_format.add_prompt_logprobs(body, renderer.prompt(entries))
 
 
 class _Tally:
@@ -263,6 +279,11 @@ class _Tally:
     @property
     def done(self) -> bool:
         return all(reason is not None for reason in self.finish_reasons)
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprobs | None]:
+        """The prompt's logprobs, as choice 0's prefill worker computed them (when asked)."""
+        return self._prompt_logprobs
 
     def whole_choices(self) -> list[WholeChoice]:
         return list(
@@ -330,6 +351,7 @@ async def _serve(
     except APIError as error:
         return _error_response(orchestrator, error)
     body = response_format.response(tally.whole_choices(), tally.usage())
+    _add_prompt_logprobs(response_format, parsed, body, tally.prompt_logprobs)
     return JSONResponse({**body, **tally.provenance()})
 
 

@@ -5,6 +5,12 @@ tokenizer; workers send token ids and numbers).
                    "top_logprobs": [{"Hel": -0.1, "He": -2.5}, ...], "text_offset": [0, 3]}
     chat:         {"content": [{"token": "Hel", "logprob": -0.1, "bytes": [72, 101, 108],
                                 "top_logprobs": [{"token": "Hel", "logprob": -0.1, ...}]}]}
+
+and vLLM's ``prompt_logprobs`` (per prompt token, None for the first, which nothing
+predicts; the token itself and its ``k`` likeliest alternatives)::
+
+    [null, {"1724": {"logprob": -3.2, "rank": 12, "decoded_token": " lo"},
+            "13": {"logprob": -0.4, "rank": 1, "decoded_token": ","}, ...}, ...]
 """
 
 from __future__ import annotations
@@ -83,3 +89,23 @@ class LogprobsRenderer:
             "logprob": logprob,
             "bytes": list(self._tokenizer.token_bytes(token_id)),  # a split character's too
         }
+
+    def prompt(self, entries: Sequence[TokenLogprobs | None]) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs``: keyed by token id as a string (its JSON keys)."""
+        return [None if e is None else self._prompt_position(e) for e in entries]
+
+    def _prompt_position(self, entry: TokenLogprobs) -> dict[str, Any]:
+        position = {
+            str(token_id): {
+                "logprob": logprob,
+                "rank": rank,
+                "decoded_token": self.token_text(token_id),
+            }
+            for rank, (token_id, logprob) in enumerate(entry.top, start=1)
+        }
+        position[str(entry.token_id)] = {
+            "logprob": entry.logprob,
+            "rank": entry.rank,
+            "decoded_token": self.token_text(entry.token_id),
+        }
+        return position

@@ -9,9 +9,9 @@ can send wrong becomes an ``APIError`` with an OpenAI-style body and a 4xx statu
 Fields are checked strictly: ``"max_tokens": "5"``, ``"stream": "yes"`` or a token id of
 ``true`` or ``1.0`` are refused rather than coerced, and NaN or infinite numbers are refused.
 OpenAI fields, and vLLM's sampling extensions, that would change the output but that pdserve
-does not implement (``best_of``, ``suffix``, ``prompt_logprobs``: ``_UNSUPPORTED_FIELDS``)
-are refused unless they hold their default; other unknown fields are ignored. ``echo``,
-``logprobs``, the penalties, ``logit_bias``, ``min_p``, ``min_tokens``, ``bad_words``,
+does not implement (``best_of``, ``suffix``: ``_UNSUPPORTED_FIELDS``) are refused unless
+they hold their default; other unknown fields are ignored. ``echo``, ``logprobs``,
+``prompt_logprobs``, the penalties, ``logit_bias``, ``min_p``, ``min_tokens``, ``bad_words``,
 ``allowed_token_ids``, ``include_stop_str_in_output`` and vLLM's ``stop_token_ids`` are
 served (``engine/logits_processors.py``), with vLLM's ranges.
 """
@@ -52,11 +52,9 @@ MAX_CHOICES = 16
 # pdserve implements none of these; each is accepted only at its default value.
 # vLLM's sampling extensions pdserve does not implement (both endpoints); an ignored one
 # would change what the client gets without a word.
-UNSUPPORTED_VLLM_FIELDS: dict[str, Any] = {"prompt_logprobs": None}
 _UNSUPPORTED_FIELDS: dict[str, Any] = {
     "best_of": 1,  # n samples scored on the server: not implemented
     "suffix": None,  # fill-in-the-middle: not implemented
-    **UNSUPPORTED_VLLM_FIELDS,
 }
 # Ids each of these lists or maps at most (a request's own fields; each is applied per step).
 MAX_LOGIT_BIAS = 300  # OpenAI's own limit
@@ -206,6 +204,9 @@ class SamplingRequest(StructuredOutputFields):
         | None
     ) = None
     include_stop_str_in_output: bool = False
+    # vLLM's: each prompt token's logprob and its k likeliest alternatives, computed where
+    # the prompt is (the prefill worker), never from the prefix cache (as vLLM).
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @field_validator("cache_salt")
     @classmethod
@@ -239,6 +240,7 @@ class SamplingRequest(StructuredOutputFields):
             min_tokens=self.min_tokens or 0,
             allowed_token_ids=self.allowed_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     def _logit_bias(self) -> dict[int, float]:
@@ -339,6 +341,13 @@ def parse_completion(body: Any) -> ParsedCompletion:
     text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
     params = request.sampling_params(request.max_tokens, request.logprobs)
     if request.echo and request.logprobs is not None:
+        if request.prompt_logprobs not in (None, request.logprobs):
+            raise APIError(
+                400,
+                "with echo and logprobs the prompt's logprobs are logprobs' own; send "
+                "prompt_logprobs equal to logprobs, or leave it out",
+                param="prompt_logprobs",
+            )
         params = dataclasses.replace(params, prompt_logprobs=request.logprobs)
     return ParsedCompletion(
         model=request.model,
@@ -428,6 +437,12 @@ class CompletionFormat:
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
         return envelope(self, "text_completion", [], usage=usage_body)
+
+    @staticmethod
+    def add_prompt_logprobs(body: dict[str, Any], rendered: list[Any]) -> None:
+        """vLLM's place for them in completions: each choice of the body."""
+        for choice in body["choices"]:
+            choice["prompt_logprobs"] = rendered
 
     def response(self, choices: list[WholeChoice], usage_body: dict[str, Any]) -> dict[str, Any]:
         """The whole reply: ``choices`` by index."""

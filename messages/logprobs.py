@@ -19,3 +19,4 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+    rank: int | None = None  # 1 + the tokens the model found likelier (vLLM's rank)

@@ -173,3 +173,24 @@ def test_speculative_decoding_on_equals_off_with_every_field(models) -> None:
     expected = [o.output_token_ids for o in off.generate(batch_prompts, all_params)]
     assert [o.output_token_ids for o in on.generate(batch_prompts, all_params)] == expected
     assert on.stats().spec_decode.num_draft_tokens > 0
+
+
+def test_prompt_logprobs_equal_transformers_with_and_without_a_prefix_hit(models, engine) -> None:
+    """Each prompt token's logprob, rank and top-3 equal transformers' log-softmax within
+    1e-4. The second run's prompt is in the prefix cache: a request asking for prompt
+    logprobs computes its prompt anyway (as vLLM), so they come back all the same."""
+    prompt = prompts()[2]
+    with torch.no_grad():
+        reference = torch.log_softmax(models[0](torch.tensor([prompt])).logits[0].double(), -1)
+    params = dataclasses.replace(BASE, max_tokens=2, prompt_logprobs=3)
+    engine.generate([prompt], dataclasses.replace(params, prompt_logprobs=None))  # cache it
+    (output,) = engine.generate([prompt], params)
+    assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == len(prompt)
+    for position, entry in enumerate(output.prompt_logprobs[1:], start=1):
+        expected = reference[position - 1]
+        assert entry.token_id == prompt[position]
+        assert abs(entry.logprob - expected[prompt[position]].item()) < 1e-4
+        assert entry.rank == int((expected > expected[prompt[position]]).sum()) + 1
+        top_ids, top_values = zip(*entry.top)
+        assert list(top_ids) == expected.topk(3).indices.tolist()
+        assert max(abs(a - b) for a, b in zip(top_values, expected.topk(3).values.tolist())) < 1e-4

@@ -79,3 +79,26 @@ def test_ids_outside_the_vocabulary_and_min_tokens_past_max_tokens_are_refused(
     with pytest.raises(APIError) as refused:
         orchestrator().prepare(parsed("completions", **fields))
     assert (refused.value.status, refused.value.param) == (400, param)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0),
+        ("repetition_penalty", 2.5),
+        ("logit_bias", {"5": 101}),
+        ("logit_bias", {"five": 1}),
+        ("min_p", 1.5),
+        ("min_tokens", -1),
+        ("allowed_token_ids", []),
+        ("bad_words", [""]),
+        ("prompt_logprobs", 21),
+    ],
+)
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_values_out_of_vllms_ranges_are_a_400_naming_the_field(endpoint, field, value) -> None:
+    with pytest.raises(APIError) as refused:
+        parsed(endpoint, **{field: value})
+    assert (refused.value.status, refused.value.param) == (400, field)
