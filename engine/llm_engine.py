@@ -265,7 +265,11 @@ class LLMEngine:
             kv_only=kv_only,
         )
         detokenizer = IncrementalDetokenizer(
-            self.tokenizer, params.stop, params.min_tokens, params.include_stop_str_in_output
+            self.tokenizer,
+            params.stop,
+            params.min_tokens,
+            params.include_stop_str_in_output,
+            params.skip_special_tokens,
         )
         tracked = _Tracked(request, detokenizer)
         self._tracked[request_id] = tracked

@@ -21,6 +21,7 @@ from pydantic import Field
 
 from pdserve.gateway.logprobs_format import LogprobsRenderer, TokensWithLogprobs
 from pdserve.gateway.openai_schema import (
+    UNSUPPORTED_VLLM_FIELDS,
     APIError,
     ParsedCompletion,
     SamplingRequest,
@@ -45,6 +46,7 @@ _UNSUPPORTED_CHAT_FIELDS: dict[str, Any] = {
     "prediction": None,
     "echo": False,  # vLLM's: the reply would begin with the last message
     "best_of": 1,
+    **UNSUPPORTED_VLLM_FIELDS,
 }
 
 

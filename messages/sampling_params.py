@@ -53,6 +53,7 @@ class SamplingParams:
     # Token id sequences never output whole (the gateway tokenizes vLLM's ``bad_words``).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     include_stop_str_in_output: bool = False  # a stop string stays at the text's end
+    skip_special_tokens: bool = True  # special tokens add no text (vLLM's default)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:

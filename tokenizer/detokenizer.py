@@ -38,9 +38,10 @@ class IncrementalDetokenizer:
         stop: list[str],
         min_tokens: int = 0,
         include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
     ) -> None:
         self._backend = tokenizer.backend
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._stop = stop
         # vLLM's: no stop string ends an output of min_tokens tokens or fewer, and one that
         # ends it stays in the text when include_stop_str_in_output.

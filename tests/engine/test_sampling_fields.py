@@ -194,3 +194,14 @@ def test_prompt_logprobs_equal_transformers_with_and_without_a_prefix_hit(models
         top_ids, top_values = zip(*entry.top)
         assert list(top_ids) == expected.topk(3).indices.tolist()
         assert max(abs(a - b) for a, b in zip(top_values, expected.topk(3).values.tolist())) < 1e-4
+
+
+def test_skip_special_tokens_false_keeps_their_text() -> None:
+    """tiny's byte tokenizer: ids from 257 up are specials that decode to their names."""
+    tiny = LLMEngine.from_pretrained("tiny", num_kv_blocks=64, block_size=16)
+    forced = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logit_bias={300: 100.0})
+    skipped, kept = tiny.generate(
+        [[5, 6, 7]] * 2, [forced, dataclasses.replace(forced, skip_special_tokens=False)]
+    )
+    assert skipped.output_token_ids == kept.output_token_ids == [300, 300, 300]
+    assert skipped.text == "" and kept.text == tiny.tokenizer.backend.id_to_token(300) * 3
