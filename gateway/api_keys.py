@@ -12,7 +12,9 @@ both ask one ``APIKeyPolicy``:
 
 A key comes as ``Authorization: Bearer <key>`` (OpenAI's clients; gRPC metadata
 ``authorization``) or as HTTP Basic with the key as the password: the browser's own prompt
-for the dashboard, so the key is neither in a URL nor in a log line. Keys are compared as
+for the dashboard, so the key is neither in a URL nor in a log line; Anthropic's SDKs send it
+as ``x-api-key`` (read where no ``Authorization`` is sent; their 401 is in Anthropic's
+error shape). Keys are compared as
 SHA-256 digests with ``hmac.compare_digest``, against every configured key, so neither the
 time taken nor an early exit tells how much of a guess matched.
 """
@@ -35,6 +37,7 @@ from pdserve.gateway.config import GatewayConfig
 
 PROBE_PATHS = frozenset({"/health", "/ready"})
 ADMIN_PATH_PREFIXES = ("/v1/requests", "/dashboard")
+ANTHROPIC_PATH_PREFIX = "/v1/messages"  # Anthropic's API: its key header and error shape
 METRICS_PATH = "/metrics"
 API_KEY_ENV = "PDSERVE_API_KEY"
 ADMIN_API_KEY_ENV = "PDSERVE_ADMIN_API_KEY"
@@ -177,13 +180,21 @@ class RequireAPIKey:
         if policy is None:
             reason = None if path in PROBE_PATHS else "the gateway has not started yet"
         else:
-            authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            headers = dict(scope["headers"])
+            authorization = headers.get(b"authorization", b"").decode("latin-1")
+            anthropic_key = headers.get(b"x-api-key", b"").decode("latin-1")
+            if not authorization and anthropic_key:  # Anthropic's SDKs send the key so
+                authorization = f"Bearer {anthropic_key}"
             reason = policy.refusal(path, authorization or None)
         if reason is None:
             await self.app(scope, receive, send)
             return
         challenge = 'Basic realm="pdserve admin"' if path.startswith("/dashboard") else "Bearer"
         body = unauthorized_body(reason)
+        if path.startswith(ANTHROPIC_PATH_PREFIX):  # in the shape its clients read
+            body = json.dumps(
+                {"type": "error", "error": {"type": "authentication_error", "message": reason}}
+            ).encode()
         await send(
             {
                 "type": "http.response.start",

@@ -25,7 +25,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from fastapi import FastAPI, Request
@@ -41,6 +41,13 @@ from pdserve.gateway.admission import (
     ReleaseSlotsAtRequestEnd,
     hold_until_request_ends,
 )
+from pdserve.gateway.anthropic_messages import (
+    MessageEvents,
+    count_tokens,
+    message_body,
+    parse_messages,
+)
+from pdserve.gateway.anthropic_messages import error_body as anthropic_error_body
 from pdserve.gateway.api_keys import APIKeyPolicy, RequireAPIKey
 from pdserve.gateway.chat import ChatFormat, parse_chat
 from pdserve.gateway.config import GatewayConfig
@@ -164,27 +171,27 @@ ResponseFormat = CompletionFormat | ChatFormat
 Choices = AsyncGenerator[tuple[int, StreamDelta], None]
 
 
-async def _sse_events(
+async def _chunk_bodies(
     orchestrator: RequestOrchestrator,
     response_format: ResponseFormat,
     parsed: ParsedCompletion,
     token_ids: list[int],
     first: tuple[int, StreamDelta],
     choices: Choices,
-) -> AsyncIterator[dict[str, str]]:
-    """The SSE events of a streamed reply (``sse-starlette`` frames them), ``[DONE]`` last;
-    with ``n > 1`` the choices' chunks interleave, each naming its index.
+) -> AsyncIterator[dict[str, Any]]:
+    """The chunk bodies of a streamed reply; with ``n > 1`` the choices' chunks interleave,
+    each naming its index.
 
     The request's usage and KV provenance (pdserve's extension) ride in its final chunk: the
     chunk with no choices that ``stream_options.include_usage`` asks for, else the chunk
-    with the last finish reason. An error after the status line went out is sent as an
-    error event, as OpenAI does. The request's ``AdmissionSlot`` closes ``choices`` and
-    frees its place when the request ends.
+    with the last finish reason. An error after the status line went out is the last body,
+    in OpenAI's error shape, as OpenAI sends it. The request's ``AdmissionSlot`` closes
+    ``choices`` and frees its place when the request ends.
     """
     tally = _Tally(parsed, token_ids, orchestrator.tokenizer)
     try:
         for chunk in response_format.opening_chunks(parsed.n):
-            yield {"data": json.dumps(chunk)}
+            yield chunk
         item = first
         while True:
             index, delta = item
@@ -195,13 +202,13 @@ async def _sse_events(
             if delta.prompt_logprobs:  # once, with the delta that brought them
                 _add_prompt_logprobs(response_format, parsed, chunk, delta.prompt_logprobs)
             if not tally.done:
-                yield {"data": json.dumps(chunk)}
+                yield chunk
             else:
                 totals = {"usage": tally.usage(), **tally.provenance()}
                 if parsed.include_usage:
-                    yield {"data": json.dumps(chunk)}
+                    yield chunk
                     chunk = response_format.usage_chunk(totals.pop("usage"))
-                yield {"data": json.dumps({**chunk, **totals})}
+                yield {**chunk, **totals}
                 break
             try:
                 item = await anext(choices)
@@ -209,11 +216,69 @@ async def _sse_events(
                 break
             except APIError as error:
                 orchestrator.metrics.record_rejected(error.status)
-                yield {"data": json.dumps(error.body())}
+                yield error.body()
                 break
-        yield {"data": "[DONE]"}
     finally:
         await choices.aclose()  # on a client disconnect: cancels the worker streams
+
+
+class ReplySurface(Protocol):
+    """How an API answers the chat and completions path's reply: a whole body, the SSE
+    frames of its chunks, and a refusal (OpenAI's own: ``OpenAISurface``)."""
+
+    def whole(self, body: dict[str, Any]) -> dict[str, Any]: ...
+
+    def frames(self, bodies: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, str]]: ...
+
+    def refusal(self, orchestrator: RequestOrchestrator, error: APIError) -> Response: ...
+
+
+class OpenAISurface:
+    """OpenAI's: the bodies as they are, ``data:`` frames ending with ``[DONE]``."""
+
+    def whole(self, body: dict[str, Any]) -> dict[str, Any]:
+        return body
+
+    async def frames(self, bodies: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
+        async for body in bodies:
+            yield {"data": json.dumps(body)}
+        yield {"data": "[DONE]"}
+
+    def refusal(self, orchestrator: RequestOrchestrator, error: APIError) -> Response:
+        return _error_response(orchestrator, error)
+
+
+class AnthropicSurface:
+    """Anthropic's Messages API over the chat path (``anthropic_messages.py``)."""
+
+    def __init__(self, model: str, stop_sequences: list[str]) -> None:
+        self.model = model
+        self.stop_sequences = stop_sequences
+        self.num_prompt_tokens = 0  # set once the prompt is prepared
+
+    def whole(self, body: dict[str, Any]) -> dict[str, Any]:
+        return message_body(body, self.model, self.stop_sequences)
+
+    async def frames(self, bodies: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
+        events = MessageEvents(self.model, self.num_prompt_tokens, self.stop_sequences)
+        async for body in bodies:
+            for frame in events.events(body):
+                yield frame
+
+    def refusal(self, orchestrator: RequestOrchestrator, error: APIError) -> Response:
+        orchestrator.metrics.record_rejected(error.status)
+        return anthropic_refusal(error, orchestrator.config.retry_after_s)
+
+
+def anthropic_refusal(error: APIError, retry_after_s: int) -> Response:
+    """``_refusal`` in Anthropic's error shape."""
+    headers = {"Retry-After": str(retry_after_s)} if error.status in (429, 503) else None
+    return Response(
+        json.dumps(anthropic_error_body(error)),
+        status_code=error.status,
+        headers=headers,
+        media_type="application/json",
+    )
 
 
 def _add_prompt_logprobs(
@@ -313,18 +378,23 @@ async def _serve(
     request: Request,
     parsed: ParsedCompletion,
     response_format: ResponseFormat,
+    surface: ReplySurface | None = None,
 ) -> Response:
-    """Admits and runs a parsed request; answers it whole or as SSE, in ``response_format``.
+    """Admits and runs a parsed request; answers it whole or as SSE, in ``response_format``
+    as ``surface`` renders it (OpenAI's by default).
 
     The admitted request's place and its choices' stream belong to an ``AdmissionSlot`` that
     the ASGI middleware ends when the request ends, whether its body was sent, failed, was
     cancelled or never started.
     """
+    surface = surface or OpenAISurface()
     try:
         token_ids, params = await orchestrator.prepare_off_loop(parsed)
         orchestrator.admit()
     except APIError as error:
-        return _error_response(orchestrator, error)
+        return surface.refusal(orchestrator, error)
+    if isinstance(surface, AnthropicSurface):
+        surface.num_prompt_tokens = len(token_ids)
     choices = generate_choices(
         orchestrator,
         response_format.request_id,
@@ -337,22 +407,20 @@ async def _serve(
     try:
         first = await anext(choices)
     except APIError as error:
-        return _error_response(orchestrator, error)
+        return surface.refusal(orchestrator, error)
     if parsed.stream:
-        return EventSourceResponse(
-            _sse_events(orchestrator, response_format, parsed, token_ids, first, choices),
-            ping=None,
-        )
+        bodies = _chunk_bodies(orchestrator, response_format, parsed, token_ids, first, choices)
+        return EventSourceResponse(surface.frames(bodies), ping=None)
     tally = _Tally(parsed, token_ids, orchestrator.tokenizer)
     try:
         tally.add(*first)
         async for index, delta in choices:
             tally.add(index, delta)
     except APIError as error:
-        return _error_response(orchestrator, error)
+        return surface.refusal(orchestrator, error)
     body = response_format.response(tally.whole_choices(), tally.usage())
     _add_prompt_logprobs(response_format, parsed, body, tally.prompt_logprobs)
-    return JSONResponse({**body, **tally.provenance()})
+    return JSONResponse({**surface.whole(body), **tally.provenance()})
 
 
 async def complete(orchestrator: RequestOrchestrator, request: Request) -> Response:
@@ -373,6 +441,24 @@ async def complete(orchestrator: RequestOrchestrator, request: Request) -> Respo
             f"cmpl-{uuid.uuid4().hex}", orchestrator.model_name, _renderer(orchestrator, parsed)
         ),
     )
+
+
+async def anthropic_messages(orchestrator: RequestOrchestrator, request: Request) -> Response:
+    """``POST /v1/messages``: Anthropic's body to the chat path, the reply back in its shape."""
+    try:
+        body = await read_json_body(request)
+        parsed = await asyncio.to_thread(parse_messages, body, orchestrator.tokenizer)
+    except APIError as error:
+        orchestrator.metrics.record_rejected(error.status)
+        return anthropic_refusal(error, orchestrator.config.retry_after_s)
+    surface = AnthropicSurface(orchestrator.model_name, list(parsed.params.stop))
+    response_format = ChatFormat(
+        f"chatcmpl-{uuid.uuid4().hex}",
+        orchestrator.model_name,
+        None,
+        parse_tool_calls=parsed.parse_tool_calls,
+    )
+    return await _serve(orchestrator, request, parsed, response_format, surface)
 
 
 async def chat_complete(orchestrator: RequestOrchestrator, request: Request) -> Response:
@@ -505,6 +591,24 @@ class Gateway:
     async def models(self) -> dict[str, Any]:
         max_model_len = self.orchestrator.model_info.max_model_len if self.orchestrator else None
         return models_response(self.config.model_name, self._created, max_model_len)
+
+    @app.post("/v1/messages")
+    async def messages(self, request: Request) -> Response:
+        try:
+            orchestrator = await self._get_orchestrator()
+        except APIError as error:
+            return anthropic_refusal(error, self.config.retry_after_s)
+        return await anthropic_messages(orchestrator, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(self, request: Request) -> Response:
+        try:
+            orchestrator = await self._get_orchestrator()
+            body = await read_json_body(request)
+            answer = await asyncio.to_thread(count_tokens, body, orchestrator.tokenizer)
+        except APIError as error:
+            return anthropic_refusal(error, self.config.retry_after_s)
+        return JSONResponse(answer)
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:

@@ -126,6 +126,15 @@ def openai_client(config: PDServeConfig):
     return openai.OpenAI(base_url=base_url(config) + "/v1", api_key=keys[0], max_retries=0)
 
 
+def anthropic_client(config: PDServeConfig, key: str | None = None):
+    """The official Anthropic client pointed at the app's gateway (its key as ``x-api-key``),
+    without client-side retries."""
+    import anthropic
+
+    keys = config.api_key or ["unused"]
+    return anthropic.Anthropic(base_url=base_url(config), api_key=key or keys[0], max_retries=0)
+
+
 def post_completion(config: PDServeConfig, body: dict) -> tuple[int, dict[str, str], dict]:
     """(status, headers with lower-case names, JSON body) of one ``/v1/completions`` call."""
     request = urllib.request.Request(

@@ -26,7 +26,7 @@ from pdserve.gateway.dashboard import STATIC_DIR
 from pdserve.gateway.http_ingress import app
 from pdserve.proto import generate_pb2, generate_pb2_grpc
 from tests.service.browser import headless_chromium
-from tests.service.service_apps import free_port, running_app
+from tests.service.service_apps import anthropic_client, free_port, running_app
 
 API_KEY, ROTATED_KEY, ADMIN_KEY = "api-key-" + "1" * 24, "api-key-" + "2" * 24, "admin-" + "3" * 24
 GRPC_PORT = free_port()
@@ -34,6 +34,7 @@ MODEL = "tiny"
 STATIC_FILE = next(path.name for path in STATIC_DIR.iterdir() if path.is_file())
 COMPLETION = {"model": MODEL, "prompt": "Hello there", "max_tokens": 2, "temperature": 0}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+MESSAGES = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 
 # (method, path) -> (the path to call, its body, the status it answers with a key)
 ROUTE_CALLS: dict[tuple[str, str], tuple[str, dict | None, int]] = {
@@ -44,6 +45,8 @@ ROUTE_CALLS: dict[tuple[str, str], tuple[str, dict | None, int]] = {
     ("POST", "/v1/chat/completions"): ("/v1/chat/completions", CHAT, 200),
     ("GET", "/v1/models"): ("/v1/models", None, 200),
     ("POST", "/tokenize"): ("/tokenize", {"model": MODEL, "prompt": "Hello"}, 200),
+    ("POST", "/v1/messages"): ("/v1/messages", MESSAGES, 200),
+    ("POST", "/v1/messages/count_tokens"): ("/v1/messages/count_tokens", MESSAGES, 200),
     ("POST", "/detokenize"): ("/detokenize", {"model": MODEL, "tokens": [72, 105]}, 200),
     ("GET", "/v1/requests"): ("/v1/requests", None, 200),
     ("GET", "/v1/requests/{request_id}"): ("/v1/requests/no-such-request", None, 404),
@@ -95,7 +98,9 @@ def call(config, method: str, path: str, body: dict | None, key: str | None) -> 
             return response.status
     except urllib.error.HTTPError as error:
         body = error.read()
-        if error.code == 401:
+        if error.code == 401 and path.startswith("/v1/messages"):  # Anthropic's shape
+            assert json.loads(body)["error"]["type"] == "authentication_error"
+        elif error.code == 401:
             assert json.loads(body)["error"]["code"] == "invalid_api_key"
         return error.code
 
@@ -129,6 +134,23 @@ def test_the_openai_client_with_the_key_and_without(service) -> None:
         without.completions.create(model=MODEL, prompt="Hello", max_tokens=3)
     with pytest.raises(openai.AuthenticationError):
         without.models.list()
+
+
+def test_the_anthropic_client_sends_the_key_as_x_api_key(service) -> None:
+    """Anthropic's SDK: its x-api-key header is the service's key; a wrong one is a 401 in
+    Anthropic's shape, which the SDK raises as its AuthenticationError."""
+    import anthropic
+
+    with_key = anthropic_client(service, API_KEY)
+    reply = with_key.messages.create(
+        model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "Hello"}]
+    )
+    assert reply.usage.output_tokens == 3
+    with pytest.raises(anthropic.AuthenticationError) as refused:
+        anthropic_client(service, "not-it").messages.create(
+            model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "Hello"}]
+        )
+    assert refused.value.body["error"]["type"] == "authentication_error"
 
 
 def test_grpc_generate_needs_the_key(service) -> None:

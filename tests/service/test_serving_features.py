@@ -24,7 +24,7 @@ from pdserve.messages.sampling_params import SamplingParams
 from pdserve.proto import generate_pb2, generate_pb2_grpc
 from tests.engine.structured_schemas import SCHEMAS, TOOL_SCHEMAS, TOOLS
 from tests.ports import free_port
-from tests.service.service_apps import openai_client, running_shape
+from tests.service.service_apps import anthropic_client, openai_client, running_shape
 
 # Both shapes and both transports, in two apps (each app costs 15-25 s to start on 2 cores;
 # 2+2 over gRPC runs in the fault matrix, 1+1 over NIXL in the smollm2 suite).
@@ -574,4 +574,120 @@ def test_bad_sampling_fields_are_a_400_naming_the_field_and_leak_nothing(app, fi
     reply = httpx.post(base_url(app) + "/v1/completions", json=body, timeout=30)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == field
+    assert all(is_drained(w) for w in wait_until_drained(app))
+
+
+# ---------------------------------------------------------------- Anthropic's Messages API
+
+ANTHROPIC_TOOLS = [
+    {"name": name, "description": f"the {name} tool", "input_schema": schema}
+    for name, schema in TOOL_SCHEMAS.items()
+]
+
+
+def test_anthropic_messages_equal_the_openai_chat_streamed_and_not(app):
+    """The official SDK: create and stream give the text OpenAI's chat endpoint gives the
+    same conversation (greedy), across the hand-off; usage counts the prompt as chat does."""
+    conversation = [{"role": "user", "content": PROMPT}]
+    chat = openai_client(app).chat.completions.create(
+        model="tiny",
+        messages=[{"role": "system", "content": "Be brief."}, *conversation],
+        max_tokens=12,
+        temperature=0,
+    )
+    client = anthropic_client(app)
+    fields = dict(model="tiny", system="Be brief.", messages=conversation, max_tokens=12)
+    greedy = {"temperature": 0}  # this SDK has no temperature argument: the API still takes it
+    message = client.messages.create(**fields, extra_body=greedy)
+    assert [block.type for block in message.content] == ["text"]
+    assert message.content[0].text == chat.choices[0].message.content
+    assert (
+        message.stop_reason
+        == {"length": "max_tokens", "stop": "end_turn"}[chat.choices[0].finish_reason]
+    )
+    usage = message.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    assert usage.output_tokens == chat.usage.completion_tokens
+    with client.messages.stream(**fields, extra_body=greedy) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == message.content[0].text and final.stop_reason == message.stop_reason
+    counted = client.messages.count_tokens(model="tiny", system="Be brief.", messages=conversation)
+    assert counted.input_tokens == chat.usage.prompt_tokens
+    assert all(is_drained(w) for w in wait_until_drained(app))
+
+
+def test_anthropic_tool_choice_any_returns_a_tool_use_whose_input_validates(app):
+    client = anthropic_client(app)
+    fields = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=ANTHROPIC_TOOLS,
+        tool_choice={"type": "any"},
+        max_tokens=120,
+        extra_body={"temperature": 0},
+    )
+    message = client.messages.create(**fields)
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert len(uses) >= 1 and message.stop_reason == "tool_use"
+    jsonschema.validate(uses[0].input, TOOL_SCHEMAS[uses[0].name])
+    with client.messages.stream(**fields) as stream:
+        final = stream.get_final_message()
+    streamed_uses = [block for block in final.content if block.type == "tool_use"]
+    assert [(u.name, u.input) for u in streamed_uses] == [(u.name, u.input) for u in uses]
+    # The tool's answer goes back as a tool_result of that tool_use's id.
+    follow_up = client.messages.create(
+        model="tiny",
+        max_tokens=4,
+        tools=ANTHROPIC_TOOLS,
+        messages=[
+            *fields["messages"],
+            {"role": "assistant", "content": [u.model_dump() for u in uses]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "sunny"}],
+            },
+        ],
+    )
+    assert follow_up.type == "message"
+    assert all(is_drained(w) for w in wait_until_drained(app))
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (
+            {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+            "image",
+        ),
+        (
+            {
+                "max_tokens": 4,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "tool_result", "tool_use_id": "toolu_x"}],
+                    }
+                ],
+            },
+            "toolu_x",
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+        (
+            {
+                "max_tokens": 4,
+                "thinking": {"type": "enabled", "budget_tokens": 1024},
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+            "thinking",
+        ),
+    ],
+    ids=["unknown-block", "unmatched-tool-use-id", "no-max-tokens", "thinking"],
+)
+def test_bad_anthropic_input_is_a_400_in_anthropics_shape(app, body, message):
+    reply = httpx.post(base_url(app) + "/v1/messages", json={"model": "tiny", **body}, timeout=30)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert message in error["error"]["message"]
     assert all(is_drained(w) for w in wait_until_drained(app))
