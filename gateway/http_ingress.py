@@ -73,6 +73,7 @@ from pdserve.gateway.openai_schema import (
 )
 from pdserve.gateway.orchestrator import RequestOrchestrator
 from pdserve.gateway.parallel_sampling import choice_params, generate_choices
+from pdserve.gateway.responses_api import ResponseEvents, parse_responses, response_body
 from pdserve.gateway.stream_emitter import StreamDelta
 from pdserve.gateway.structured_outputs import StructuredOutputFields
 from pdserve.gateway.worker_pool import NoModelInfo, WorkerPool
@@ -270,6 +271,23 @@ class AnthropicSurface:
         return anthropic_refusal(error, orchestrator.config.retry_after_s)
 
 
+class ResponsesSurface(OpenAISurface):
+    """OpenAI's Responses API over the chat path (``responses_api.py``): OpenAI's refusals,
+    its own bodies and events."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+
+    def whole(self, body: dict[str, Any]) -> dict[str, Any]:
+        return response_body(body, self.model)
+
+    async def frames(self, bodies: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
+        events = ResponseEvents(self.model)
+        async for body in bodies:
+            for frame in events.events(body):
+                yield frame
+
+
 def anthropic_refusal(error: APIError, retry_after_s: int) -> Response:
     """``_refusal`` in Anthropic's error shape."""
     headers = {"Retry-After": str(retry_after_s)} if error.status in (429, 503) else None
@@ -461,6 +479,24 @@ async def anthropic_messages(orchestrator: RequestOrchestrator, request: Request
     return await _serve(orchestrator, request, parsed, response_format, surface)
 
 
+async def respond(orchestrator: RequestOrchestrator, request: Request) -> Response:
+    """``POST /v1/responses``: the Responses body to the chat path, the reply back in its
+    shape."""
+    try:
+        body = await read_json_body(request)
+        parsed = await asyncio.to_thread(parse_responses, body, orchestrator.tokenizer)
+    except APIError as error:
+        return _error_response(orchestrator, error)
+    response_format = ChatFormat(
+        f"chatcmpl-{uuid.uuid4().hex}",
+        orchestrator.model_name,
+        None,
+        parse_tool_calls=parsed.parse_tool_calls,
+    )
+    surface = ResponsesSurface(orchestrator.model_name)
+    return await _serve(orchestrator, request, parsed, response_format, surface)
+
+
 async def chat_complete(orchestrator: RequestOrchestrator, request: Request) -> Response:
     """``POST /v1/chat/completions``: validate, render the chat template, then ``_serve``."""
     try:
@@ -591,6 +627,10 @@ class Gateway:
     async def models(self) -> dict[str, Any]:
         max_model_len = self.orchestrator.model_info.max_model_len if self.orchestrator else None
         return models_response(self.config.model_name, self._created, max_model_len)
+
+    @app.post("/v1/responses")
+    async def responses(self, request: Request) -> Response:
+        return await respond(await self._get_orchestrator(), request)
 
     @app.post("/v1/messages")
     async def messages(self, request: Request) -> Response:

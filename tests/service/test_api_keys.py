@@ -46,6 +46,7 @@ ROUTE_CALLS: dict[tuple[str, str], tuple[str, dict | None, int]] = {
     ("GET", "/v1/models"): ("/v1/models", None, 200),
     ("POST", "/tokenize"): ("/tokenize", {"model": MODEL, "prompt": "Hello"}, 200),
     ("POST", "/v1/messages"): ("/v1/messages", MESSAGES, 200),
+    ("POST", "/v1/responses"): ("/v1/responses", {"model": MODEL, "input": "Hi"}, 200),
     ("POST", "/v1/messages/count_tokens"): ("/v1/messages/count_tokens", MESSAGES, 200),
     ("POST", "/detokenize"): ("/detokenize", {"model": MODEL, "tokens": [72, 105]}, 200),
     ("GET", "/v1/requests"): ("/v1/requests", None, 200),

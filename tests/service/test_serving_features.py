@@ -691,3 +691,103 @@ def test_bad_anthropic_input_is_a_400_in_anthropics_shape(app, body, message):
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert message in error["error"]["message"]
     assert all(is_drained(w) for w in wait_until_drained(app))
+
+
+# ---------------------------------------------------------------- OpenAI's Responses API
+
+
+def _chat_reply(app, messages, **fields):
+    return openai_client(app).chat.completions.create(
+        model="tiny", messages=messages, temperature=0, **fields
+    )
+
+
+def test_responses_equal_chat_completions_plain_and_streamed(app):
+    """The official SDK's responses.create, whole and streamed, against chat completions on
+    the same conversation (greedy), across the hand-off."""
+    client = openai_client(app)
+    chat = _chat_reply(
+        app,
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}],
+        max_tokens=10,
+    )
+    fields = dict(model="tiny", instructions="Be brief.", input=PROMPT, max_output_tokens=10)
+    response = client.responses.create(**fields, temperature=0, store=False)
+    assert response.output_text == chat.choices[0].message.content
+    assert response.status == (
+        "incomplete" if chat.choices[0].finish_reason == "length" else "completed"
+    )
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    deltas, completed = [], None
+    for event in client.responses.create(**fields, temperature=0, stream=True):
+        if event.type == "response.output_text.delta":
+            deltas.append(event.delta)
+        if event.type in ("response.completed", "response.incomplete"):
+            completed = event.response
+    assert "".join(deltas) == response.output_text and completed is not None
+    assert completed.output_text == response.output_text
+    assert all(is_drained(w) for w in wait_until_drained(app))
+
+
+def test_responses_with_a_function_tool_and_a_json_schema_equal_chat(app):
+    client = openai_client(app)
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+    tools = [
+        {"type": "function", "name": name, "parameters": schema}
+        for name, schema in TOOL_SCHEMAS.items()
+    ]
+    chat = _chat_reply(app, question, max_tokens=120, tools=TOOLS, tool_choice="required")
+    [chat_call] = chat.choices[0].message.tool_calls
+    response = client.responses.create(
+        model="tiny",
+        input=question,
+        tools=tools,
+        tool_choice="required",
+        temperature=0,
+        max_output_tokens=120,
+    )
+    [call] = [item for item in response.output if item.type == "function_call"]
+    assert (call.name, call.arguments) == (chat_call.function.name, chat_call.function.arguments)
+    streamed = [
+        event.item
+        for event in client.responses.create(
+            model="tiny",
+            input=question,
+            tools=tools,
+            tool_choice="required",
+            temperature=0,
+            max_output_tokens=120,
+            stream=True,
+        )
+        if event.type == "response.output_item.done"
+    ]
+    assert [(i.name, i.arguments) for i in streamed] == [(call.name, call.arguments)]
+    schema = SCHEMAS["person"]
+    chat = _chat_reply(
+        app,
+        question,
+        max_tokens=80,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+    )
+    response = client.responses.create(
+        model="tiny",
+        input=question,
+        temperature=0,
+        max_output_tokens=80,
+        text={"format": {"type": "json_schema", "name": "p", "schema": schema}},
+    )
+    assert response.output_text == chat.choices[0].message.content
+    if response.status == "completed":
+        jsonschema.validate(json.loads(response.output_text), schema)
+    assert all(is_drained(w) for w in wait_until_drained(app))
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("store", True), ("previous_response_id", "resp_1"), ("input", [{"type": "image"}])],
+)
+def test_responses_refuse_what_they_cannot_serve_naming_the_field(app, field, value):
+    body = {"model": "tiny", "input": "hi", field: value}
+    reply = httpx.post(base_url(app) + "/v1/responses", json=body, timeout=30)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == field
