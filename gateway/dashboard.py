@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import FileResponse, JSONResponse, Response
 
-from pdserve.gateway.openai_schema import APIError
+from pdserve.gateway.api.openai_schema import APIError
 from pdserve.gateway.request_provenance import RecentRequests
 
 STATIC_DIR = Path(__file__).parent / "static"

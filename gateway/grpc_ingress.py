@@ -17,16 +17,16 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from pdserve.gateway.api_keys import APIKeyInterceptor, APIKeyPolicy
-from pdserve.gateway.chat import parse_chat
-from pdserve.gateway.config import GatewayConfig
-from pdserve.gateway.openai_schema import (
+from pdserve.gateway.api.chat import parse_chat
+from pdserve.gateway.api.openai_schema import (
     DEFAULT_MAX_TOKENS,
     MAX_REQUEST_BYTES,
     APIError,
     ParsedCompletion,
     parse_completion,
 )
+from pdserve.gateway.api_keys import APIKeyInterceptor, APIKeyPolicy
+from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.orchestrator import RequestOrchestrator
 from pdserve.gateway.parallel_sampling import choice_params, generate_choices
 from pdserve.messages.generation import StopReason

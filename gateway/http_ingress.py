@@ -35,32 +35,21 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
 from sse_starlette import EventSourceResponse
 
-from pdserve.gateway import tokenize_api
 from pdserve.gateway.admission import (
     AdmissionSlot,
     ReleaseSlotsAtRequestEnd,
     hold_until_request_ends,
 )
-from pdserve.gateway.anthropic_messages import (
+from pdserve.gateway.api import tokenize_api
+from pdserve.gateway.api.anthropic_messages import (
     MessageEvents,
     count_tokens,
     message_body,
     parse_messages,
 )
-from pdserve.gateway.anthropic_messages import error_body as anthropic_error_body
-from pdserve.gateway.api_keys import APIKeyPolicy, RequireAPIKey
-from pdserve.gateway.chat import ChatFormat, parse_chat
-from pdserve.gateway.config import GatewayConfig
-from pdserve.gateway.dashboard import (
-    DEFAULT_LIMIT,
-    dashboard_router,
-    recent_requests_body,
-    request_provenance_response,
-)
-from pdserve.gateway.generation_defaults import sampling_defaults
-from pdserve.gateway.grpc_ingress import start_grpc_server
-from pdserve.gateway.logprobs_format import LogprobsRenderer, TokensWithLogprobs
-from pdserve.gateway.openai_schema import (
+from pdserve.gateway.api.anthropic_messages import error_body as anthropic_error_body
+from pdserve.gateway.api.chat import ChatFormat, parse_chat
+from pdserve.gateway.api.openai_schema import (
     MAX_REQUEST_BYTES,
     APIError,
     CompletionFormat,
@@ -71,9 +60,20 @@ from pdserve.gateway.openai_schema import (
     request_too_large,
     usage,
 )
+from pdserve.gateway.api.responses_api import ResponseEvents, parse_responses, response_body
+from pdserve.gateway.api_keys import APIKeyPolicy, RequireAPIKey
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.dashboard import (
+    DEFAULT_LIMIT,
+    dashboard_router,
+    recent_requests_body,
+    request_provenance_response,
+)
+from pdserve.gateway.generation_defaults import sampling_defaults
+from pdserve.gateway.grpc_ingress import start_grpc_server
+from pdserve.gateway.logprobs_format import LogprobsRenderer, TokensWithLogprobs
 from pdserve.gateway.orchestrator import RequestOrchestrator
 from pdserve.gateway.parallel_sampling import choice_params, generate_choices
-from pdserve.gateway.responses_api import ResponseEvents, parse_responses, response_body
 from pdserve.gateway.stream_emitter import StreamDelta
 from pdserve.gateway.structured_outputs import StructuredOutputFields
 from pdserve.gateway.worker_pool import NoModelInfo, WorkerPool

@@ -50,17 +50,17 @@ from typing import Any, TypeGuard
 from ray.exceptions import RayActorError, RayTaskError
 
 from pdserve.cache import BlockHash, BlockHasher
-from pdserve.gateway.config import GatewayConfig
-from pdserve.gateway.kv_event_poller import KVEventPoller
-from pdserve.gateway.metrics import GatewayMetrics, stats_report
-from pdserve.gateway.off_loop import call_by_size
-from pdserve.gateway.offer_relay import OfferRelay
-from pdserve.gateway.openai_schema import (
+from pdserve.gateway.api.openai_schema import (
     APIError,
     ParsedCompletion,
     no_worker_available,
     too_many_requests,
 )
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.kv_event_poller import KVEventPoller
+from pdserve.gateway.metrics import GatewayMetrics, stats_report
+from pdserve.gateway.off_loop import call_by_size
+from pdserve.gateway.offer_relay import OfferRelay
 from pdserve.gateway.readiness import Readiness
 from pdserve.gateway.replica_board import ReplicaShare
 from pdserve.gateway.request_provenance import RecentRequests, RequestProvenance

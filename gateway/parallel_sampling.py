@@ -20,7 +20,7 @@ import dataclasses
 import random
 from collections.abc import AsyncGenerator
 
-from pdserve.gateway.openai_schema import APIError
+from pdserve.gateway.api.openai_schema import APIError
 from pdserve.gateway.orchestrator import RequestOrchestrator, RequestRun, WorkerLost
 from pdserve.gateway.stream_emitter import StreamDelta, StreamEmitter
 from pdserve.messages.generation import WorkerRequest

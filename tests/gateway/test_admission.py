@@ -17,9 +17,9 @@ import pytest
 from fastapi import FastAPI, Request
 
 from pdserve.gateway.admission import ReleaseSlotsAtRequestEnd
+from pdserve.gateway.api.openai_schema import APIError, too_many_requests
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.http_ingress import _error_response, complete
-from pdserve.gateway.openai_schema import APIError, too_many_requests
 from pdserve.gateway.orchestrator import RequestOrchestrator
 from pdserve.gateway.worker_pool import NoModelInfo, WorkerPool
 from pdserve.messages.generation import GenerationChunk, ModelInfo, WorkerRequest

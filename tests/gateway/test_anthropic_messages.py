@@ -8,13 +8,13 @@ import json
 
 import pytest
 
-from pdserve.gateway.anthropic_messages import (
+from pdserve.gateway.api.anthropic_messages import (
     MessageEvents,
     _chat_messages,
     message_body,
     parse_messages,
 )
-from pdserve.gateway.openai_schema import APIError
+from pdserve.gateway.api.openai_schema import APIError
 from pdserve.tokenizer.loading import load_tokenizer
 
 TOOL_USE = {"type": "tool_use", "id": "toolu_1", "name": "add", "input": {"a": 1, "b": 2}}

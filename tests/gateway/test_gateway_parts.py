@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 
 from pdserve.cache import BlockRemoved, BlockStored
-from pdserve.gateway.chat import parse_chat
+from pdserve.gateway.api.chat import parse_chat
+from pdserve.gateway.api.openai_schema import APIError, parse_completion
 from pdserve.gateway.grpc_ingress import GenerateServicer
-from pdserve.gateway.openai_schema import APIError, parse_completion
 from pdserve.gateway.router import Router
 from pdserve.proto import generate_pb2
 from pdserve.tokenizer.detokenizer import stop_safe_length

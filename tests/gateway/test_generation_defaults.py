@@ -10,10 +10,10 @@ import types
 import pytest
 import transformers
 
-from pdserve.gateway.chat import parse_chat
+from pdserve.gateway.api.chat import parse_chat
+from pdserve.gateway.api.openai_schema import parse_completion
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.generation_defaults import sampling_defaults
-from pdserve.gateway.openai_schema import parse_completion
 from pdserve.gateway.orchestrator import RequestOrchestrator
 from pdserve.messages.generation import ModelInfo
 from pdserve.tokenizer.loading import load_tokenizer

@@ -4,9 +4,9 @@ text one hides the other in ``top_logprobs``; keyed by id both are there."""
 
 from __future__ import annotations
 
-from pdserve.gateway.chat import parse_chat
+from pdserve.gateway.api.chat import parse_chat
+from pdserve.gateway.api.openai_schema import parse_completion
 from pdserve.gateway.logprobs_format import LogprobsRenderer
-from pdserve.gateway.openai_schema import parse_completion
 from pdserve.messages.logprobs import TokenLogprobs
 from pdserve.tokenizer.tokenizer import ByteTokenizer
 

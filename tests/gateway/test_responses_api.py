@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.gateway.openai_schema import APIError
-from pdserve.gateway.responses_api import _chat_messages, parse_responses, response_body
+from pdserve.gateway.api.openai_schema import APIError
+from pdserve.gateway.api.responses_api import _chat_messages, parse_responses, response_body
 from pdserve.tokenizer.loading import load_tokenizer
 
 

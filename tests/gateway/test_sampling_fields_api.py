@@ -8,9 +8,9 @@ import types
 
 import pytest
 
-from pdserve.gateway.chat import parse_chat
+from pdserve.gateway.api.chat import parse_chat
+from pdserve.gateway.api.openai_schema import APIError, parse_completion
 from pdserve.gateway.config import GatewayConfig
-from pdserve.gateway.openai_schema import APIError, parse_completion
 from pdserve.gateway.orchestrator import RequestOrchestrator
 from pdserve.messages.generation import ModelInfo
 from pdserve.tokenizer.tokenizer import ByteTokenizer

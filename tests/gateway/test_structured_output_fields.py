@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from pdserve.gateway.chat import parse_chat
-from pdserve.gateway.openai_schema import APIError, parse_completion
+from pdserve.gateway.api.chat import parse_chat
+from pdserve.gateway.api.openai_schema import APIError, parse_completion
 from pdserve.grammar import MAX_GRAMMAR_SOURCE_BYTES, GrammarSpec
 from pdserve.tokenizer.loading import load_tokenizer
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.gateway.chat import parse_chat
-from pdserve.gateway.openai_schema import APIError
-from pdserve.gateway.tokenize_api import detokenize, tokenize
+from pdserve.gateway.api.chat import parse_chat
+from pdserve.gateway.api.openai_schema import APIError
+from pdserve.gateway.api.tokenize_api import detokenize, tokenize
 from pdserve.tokenizer.loading import load_tokenizer
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]

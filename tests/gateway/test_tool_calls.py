@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.engine import LLMEngine
-from pdserve.gateway.chat import ChatFormat, parse_chat
-from pdserve.gateway.openai_schema import APIError
+from pdserve.gateway.api.chat import ChatFormat, parse_chat
+from pdserve.gateway.api.openai_schema import APIError
 from pdserve.gateway.tool_calls import HermesToolParser, parse_whole
 from tests.engine.structured_schemas import ADD, TOOL_SCHEMAS, TOOLS
 

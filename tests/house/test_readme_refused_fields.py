@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.gateway.chat import _UNSUPPORTED_CHAT_FIELDS, parse_chat
-from pdserve.gateway.openai_schema import _UNSUPPORTED_FIELDS, APIError, parse_completion
+from pdserve.gateway.api.chat import _UNSUPPORTED_CHAT_FIELDS, parse_chat
+from pdserve.gateway.api.openai_schema import _UNSUPPORTED_FIELDS, APIError, parse_completion
 from pdserve.tokenizer.tokenizer import ByteTokenizer
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()

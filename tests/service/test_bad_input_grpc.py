@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pdserve.gateway.api.openai_schema import MAX_REQUEST_BYTES
 from pdserve.gateway.grpc_ingress import MAX_REQUEST_ID_CHARS
-from pdserve.gateway.openai_schema import MAX_REQUEST_BYTES
 from pdserve.proto import generate_pb2, generate_pb2_grpc
 from tests.ports import free_port
 from tests.service.service_apps import assert_drained, running_app

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from pdserve.deploy.certs import write_certificates
 from pdserve.deploy.cluster import auth_headers, base_url
-from pdserve.gateway.openai_schema import MAX_REQUEST_BYTES
+from pdserve.gateway.api.openai_schema import MAX_REQUEST_BYTES
 from tests.service.service_apps import assert_drained, running_app
 
 VOCAB_SIZE = 512  # the tiny model's

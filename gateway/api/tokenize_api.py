@@ -18,8 +18,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.gateway.chat import render_chat
-from pdserve.gateway.openai_schema import APIError, check_unicode, validate_request
+from pdserve.gateway.api.chat import render_chat
+from pdserve.gateway.api.openai_schema import APIError, check_unicode, validate_request
 from pdserve.tokenizer.tokenizer import Tokenizer
 
 

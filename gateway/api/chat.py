@@ -19,8 +19,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-from pdserve.gateway.logprobs_format import LogprobsRenderer, TokensWithLogprobs
-from pdserve.gateway.openai_schema import (
+from pdserve.gateway.api.openai_schema import (
     UNSUPPORTED_VLLM_FIELDS,
     APIError,
     ParsedCompletion,
@@ -30,6 +29,7 @@ from pdserve.gateway.openai_schema import (
     envelope,
     validate_request,
 )
+from pdserve.gateway.logprobs_format import LogprobsRenderer, TokensWithLogprobs
 from pdserve.gateway.structured_outputs import StructuredOutputError
 from pdserve.gateway.tool_calls import HermesToolParser, ParsedDelta, parse_whole
 from pdserve.gateway.tools import ToolFields

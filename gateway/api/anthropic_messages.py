@@ -32,8 +32,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pdserve.gateway.chat import parse_chat, render_chat
-from pdserve.gateway.openai_schema import APIError, ParsedCompletion
+from pdserve.gateway.api.chat import parse_chat, render_chat
+from pdserve.gateway.api.openai_schema import APIError, ParsedCompletion
 from pdserve.tokenizer.tokenizer import Tokenizer
 
 # Anthropic's error type per status.

@@ -35,8 +35,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pdserve.gateway.chat import parse_chat
-from pdserve.gateway.openai_schema import APIError, ParsedCompletion
+from pdserve.gateway.api.chat import parse_chat
+from pdserve.gateway.api.openai_schema import APIError, ParsedCompletion
 from pdserve.tokenizer.tokenizer import Tokenizer
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
