@@ -449,6 +449,9 @@ class LLMEngine:
                 runs.append(rows)
                 continue
             run = accepted_tokens(chunk.draft_token_ids, rows)
+            reasoning_ends = request.grammar_starts_within(run)
+            if reasoning_ends is not None:  # what follows was drawn without the grammar
+                run = run[: reasoning_ends + 1]
             num_accepted = len(run) - 1
             self._stats.spec_decode.record(chunk.num_draft_tokens, num_accepted)
             if request.drafts is not None:

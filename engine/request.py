@@ -97,8 +97,12 @@ class Request:
         # A decode worker's pull of a chunk-wise hand-off's offer: it loads the offered blocks
         # into the prefix cache and ends, computing and sampling nothing.
         self.kv_only = kv_only
-        # Structured outputs: where the output is in its grammar; advances with every token.
-        self.grammar = grammar
+        # Structured outputs: where the output is in its grammar; advances with every token
+        # once it applies (``grammar``): a reasoning model's grammar waits for the end of its
+        # reasoning (``reasoning_end_token_ids``), the first token may end it or lie in it.
+        self._grammar = grammar
+        self._reasoning_end = list(sampling_params.reasoning_end_token_ids)
+        self.grammar_started = not self._reasoning_end
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.stamps = RequestStamps()
@@ -149,6 +153,26 @@ class Request:
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
         self._update_block_hashes()
+
+    @property
+    def grammar(self) -> GrammarMatcher | None:
+        """The grammar that constrains the next token: None without one, or while the
+        output's reasoning lasts (nothing constrains reasoning)."""
+        return self._grammar if self.grammar_started else None
+
+    def grammar_starts_within(self, run: list[int]) -> int | None:
+        """Where in ``run`` (tokens about to be appended) the reasoning ends, so that the
+        grammar applies to the tokens after that index; None if it does not end there (or
+        no grammar waits). A speculative run is cut there: its later tokens were sampled
+        unconstrained."""
+        if self._grammar is None or self.grammar_started:
+            return None
+        end = self._reasoning_end
+        tail = self.output_token_ids[-len(end) :]
+        for index in range(len(run)):
+            if (tail + run[: index + 1])[-len(end) :] == end:
+                return index
+        return None
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -213,8 +237,11 @@ class Request:
             self.first_token_time = time.time()
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-        if self.grammar is not None:
-            self.grammar.accept(token_id)
+        if self._grammar is not None:
+            if self.grammar_started:
+                self._grammar.accept(token_id)
+            elif self.output_token_ids[-len(self._reasoning_end) :] == self._reasoning_end:
+                self.grammar_started = True
         self._update_block_hashes()
 
     @property

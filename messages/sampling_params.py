@@ -54,6 +54,10 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     include_stop_str_in_output: bool = False  # a stop string stays at the text's end
     skip_special_tokens: bool = True  # special tokens add no text (vLLM's default)
+    # A reasoning model's output opens with its reasoning, which ends with these token ids
+    # (the reasoning parser's end tag, set by the gateway): ``structured`` constrains only
+    # what follows them. Empty: the grammar constrains the output from its first token.
+    reasoning_end_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
