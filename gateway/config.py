@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pdserve.gateway.reasoning_parser import REASONING_PARSERS
+
 # Chosen by bench/bench_conditional_disagg.py (README, "Benchmarks"): on a mix of short
 # prompts and long ones with a shared preamble, 256 beat 64 and 0 on every figure (short
 # TTFT p99 0.35x, ITL p99 0.57x of always disaggregating, same throughput).
@@ -87,6 +89,10 @@ class GatewayConfig:
     """auto: a model folder's generation_config.json gives the sampling defaults a request
     leaves out (temperature, top_p, top_k, min_p, repetition_penalty), as vLLM's
     --generation-config auto; none: the API's own defaults (temperature 1, no penalty)."""
+    reasoning_parser: str | None = None
+    """deepseek_r1 or qwen3: a reasoning model's reply is split into its reasoning
+    (message.reasoning, also reasoning_content) and its answer, and a structured output's
+    or a tool call's grammar constrains only what follows the reasoning."""
     num_recent_requests: int = 256
     """Finished requests whose KV provenance GET /v1/requests and the dashboard keep."""
     app_name: str = "pdserve"
@@ -113,6 +119,11 @@ class GatewayConfig:
         if self.generation_config not in ("auto", "none"):
             raise ValueError(
                 f"generation_config must be 'auto' or 'none', got {self.generation_config!r}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got "
+                f"{self.reasoning_parser!r}"
             )
         if self.max_inflight_requests < 1:
             raise ValueError(

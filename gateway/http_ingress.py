@@ -475,6 +475,8 @@ async def anthropic_messages(orchestrator: RequestOrchestrator, request: Request
         orchestrator.model_name,
         None,
         parse_tool_calls=parsed.parse_tool_calls,
+        reasoning=orchestrator.reasoning,  # split off the answer, not shown (yet)
+        include_reasoning=False,
     )
     return await _serve(orchestrator, request, parsed, response_format, surface)
 
@@ -492,6 +494,8 @@ async def respond(orchestrator: RequestOrchestrator, request: Request) -> Respon
         orchestrator.model_name,
         None,
         parse_tool_calls=parsed.parse_tool_calls,
+        reasoning=orchestrator.reasoning,  # split off the answer, not shown (yet)
+        include_reasoning=False,
     )
     surface = ResponsesSurface(orchestrator.model_name)
     return await _serve(orchestrator, request, parsed, response_format, surface)
@@ -514,6 +518,8 @@ async def chat_complete(orchestrator: RequestOrchestrator, request: Request) -> 
             orchestrator.model_name,
             _renderer(orchestrator, parsed),
             parse_tool_calls=parsed.parse_tool_calls,
+            reasoning=orchestrator.reasoning,
+            include_reasoning=parsed.include_reasoning,
         ),
     )
 

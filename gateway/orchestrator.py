@@ -62,6 +62,7 @@ from pdserve.gateway.metrics import GatewayMetrics, stats_report
 from pdserve.gateway.off_loop import call_by_size
 from pdserve.gateway.offer_relay import OfferRelay
 from pdserve.gateway.readiness import Readiness
+from pdserve.gateway.reasoning_parser import REASONING_PARSERS, ReasoningParser
 from pdserve.gateway.replica_board import ReplicaShare
 from pdserve.gateway.request_provenance import RecentRequests, RequestProvenance
 from pdserve.gateway.request_timeline import RequestTimeline
@@ -166,6 +167,15 @@ class RequestOrchestrator:
         fields a request leaves out."""
         self.config = config
         self.sampling_defaults = dict(sampling_defaults or {})
+        # The server's reasoning parser, with its tags' token ids (``_reasoning_lies_ahead``).
+        self.reasoning: ReasoningParser | None = None
+        self._reasoning_tags: tuple[list[int], list[int]] = ([], [])
+        if config.reasoning_parser is not None:
+            self.reasoning = REASONING_PARSERS[config.reasoning_parser]()
+            self._reasoning_tags = (
+                tokenizer.encode(self.reasoning.start, add_special_tokens=False),
+                tokenizer.encode(self.reasoning.end, add_special_tokens=False),
+            )
         self.workers = workers
         self.model_info = model_info
         self.tokenizer = tokenizer
@@ -265,6 +275,8 @@ class RequestOrchestrator:
                 param="max_tokens",
             )
         params = self._checked_logits_fields(params, parsed.bad_words)
+        if params.structured is not None and self._reasoning_lies_ahead(token_ids):
+            params = dataclasses.replace(params, reasoning_end_token_ids=self._reasoning_tags[1])
         if params.seed is None:  # both sides must sample with the same seed
             params = dataclasses.replace(params, seed=self.seed_rng.getrandbits(63))
         return token_ids, params
@@ -640,6 +652,14 @@ class RequestOrchestrator:
             type="server_error",
             code="replay_diverged",
         )
+
+    def _reasoning_lies_ahead(self, prompt: list[int]) -> bool:
+        """With a reasoning parser, whether the reply opens with reasoning, which a grammar
+        must not constrain: unless the prompt already closed it (thinking turned off)."""
+        if self.reasoning is None:
+            return False
+        start, end = self._reasoning_tags
+        return not self.reasoning.reasoning_ended_in(prompt, start, end)
 
     def _checked_logits_fields(
         self, params: SamplingParams, bad_words: list[str]

@@ -71,6 +71,7 @@ class ChatTemplate:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt for ``messages`` (OpenAI chat format), ending with the assistant's turn
         opened when ``add_generation_prompt``. ``tools``: OpenAI function definitions, given
@@ -79,9 +80,16 @@ class ChatTemplate:
         ``ValueError`` for empty messages, an unknown role, or content that is neither a
         string nor a list of ``{"type": "text", "text": ...}`` parts (joined with newlines),
         and when the template itself refuses the conversation (``raise_exception``).
+        ``template_kwargs``: more variables for the template (vLLM's
+        ``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``); one that would replace
+        a variable the renderer sets is a ``ValueError``.
         """
         plain_messages = validate_messages(messages)
-        extra: dict[str, Any] = {}
+        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"}
+        clashes = sorted(reserved & set(template_kwargs or {}))
+        if clashes:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(clashes)}")
+        extra: dict[str, Any] = dict(template_kwargs or {})
         if self.supports_tools:
             extra["tools"] = list(tools) if tools else None
         else:

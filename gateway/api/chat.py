@@ -30,6 +30,7 @@ from pdserve.gateway.api.openai_schema import (
     validate_request,
 )
 from pdserve.gateway.logprobs_format import LogprobsRenderer, TokensWithLogprobs
+from pdserve.gateway.reasoning_parser import ReasoningParser, ReasoningSplitter
 from pdserve.gateway.structured_outputs import StructuredOutputError
 from pdserve.gateway.tool_calls import HermesToolParser, ParsedDelta, parse_whole
 from pdserve.gateway.tools import ToolFields
@@ -59,6 +60,10 @@ class ChatCompletionRequest(SamplingRequest, ToolFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # vLLM's: more template variables (Qwen3's enable_thinking), and whether the reply
+    # carries its reasoning (a reasoning parser splits it off either way).
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
 
 
 def parse_chat(body: Any, tokenizer: Tokenizer) -> ParsedCompletion:
@@ -85,7 +90,9 @@ def parse_chat(body: Any, tokenizer: Tokenizer) -> ParsedCompletion:
     return ParsedCompletion(
         model=request.model,
         prompt_text=None,
-        prompt_token_ids=render_chat(request.messages, tokenizer, tools),
+        prompt_token_ids=render_chat(
+            request.messages, tokenizer, tools, template_kwargs=request.chat_template_kwargs
+        ),
         params=params,
         parse_tool_calls=tools is not None,
         stream=request.stream,
@@ -97,6 +104,7 @@ def parse_chat(body: Any, tokenizer: Tokenizer) -> ParsedCompletion:
         timeout_s=request.timeout,
         bad_words=list(request.bad_words or []),
         unset_fields=request.unset_fields,
+        include_reasoning=request.include_reasoning,
     )
 
 
@@ -105,6 +113,7 @@ def render_chat(
     tokenizer: Tokenizer,
     tools: list[dict[str, Any]] | None = None,
     add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """The prompt's token ids: the template writes every special token (BOS included)."""
     if tokenizer.chat_template is None:
@@ -118,7 +127,10 @@ def render_chat(
     _check_unicode_within(tools, "tools")
     try:
         prompt = tokenizer.chat_template.render(
-            messages, add_generation_prompt=add_generation_prompt, tools=tools
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            template_kwargs=template_kwargs,
         )
     except ValueError as error:
         raise APIError(400, str(error), param="messages") from None
@@ -149,8 +161,13 @@ class ChatFormat:
     model: str
     logprobs: LogprobsRenderer | None = None  # set when the request asked for logprobs
     parse_tool_calls: bool = False
+    # The server's reasoning parser: the reply's reasoning goes to ``reasoning`` (and
+    # ``reasoning_content``), or nowhere without ``include_reasoning``.
+    reasoning: ReasoningParser | None = None
+    include_reasoning: bool = True
     created: int = field(default_factory=lambda: int(time.time()))
     _parsers: dict[int, HermesToolParser] = field(default_factory=dict)
+    _splitters: dict[int, ReasoningSplitter] = field(default_factory=dict)
 
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return envelope(self, "chat.completion.chunk", choices)
@@ -178,6 +195,13 @@ class ChatFormat:
         tokens: TokensWithLogprobs = ((), ()),
         stop_reason: StopReason = None,
     ) -> dict[str, Any]:
+        reasoning = ""
+        if self.reasoning is not None:
+            splitter = self._splitters.setdefault(index, self.reasoning.splitter())
+            reasoning, text = splitter.feed(text)
+            if finish_reason is not None:
+                more_reasoning, more_text = splitter.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
         delta: dict[str, Any] = {"content": text} if text else {}
         if self.parse_tool_calls:
             parser = self._parsers.setdefault(index, HermesToolParser())
@@ -193,6 +217,8 @@ class ChatFormat:
             delta = {"content": parsed.content} if parsed.content else {}
             if parsed.tool_calls:
                 delta["tool_calls"] = [call.openai() for call in parsed.tool_calls]
+        if reasoning and self.include_reasoning:
+            delta.update(reasoning=reasoning, reasoning_content=reasoning)
         return self._envelope(
             [
                 {
@@ -219,7 +245,12 @@ class ChatFormat:
     def response(self, choices: list[WholeChoice], usage_body: dict[str, Any]) -> dict[str, Any]:
         rendered = []
         for i, (text, reason, stop_reason, tokens) in enumerate(choices):
+            reasoning = None
+            if self.reasoning is not None:
+                reasoning, text = self.reasoning.split(text)
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if reasoning and self.include_reasoning:
+                message.update(reasoning=reasoning, reasoning_content=reasoning)
             if self.parse_tool_calls:
                 content, calls, readable = parse_whole(text)
                 message["content"] = content or None

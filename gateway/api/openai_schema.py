@@ -312,6 +312,7 @@ class ParsedCompletion:
     timeout_s: float | None = None  # the request's own deadline (else the service's)
     bad_words: list[str] = field(default_factory=list)  # tokenized at prepare, as vLLM does
     unset_fields: frozenset[str] = frozenset()  # the model's sampling defaults fill these
+    include_reasoning: bool = True  # chat: the reply carries its reasoning (a parser's split)
 
 
 def validate_request(

@@ -112,6 +112,7 @@ PICKED: dict[str, tuple[Any, dict[str, Any]]] = {
     "prefill_tensor_parallel_size": (2, {"num_cpus_per_worker": 0.5}),
     "host": ("127.0.0.2", {}),
     "app_name": ("other-app", {}),
+    "reasoning_parser": ("qwen3", {}),
     "route_prefix": ("/pd", {}),
     "ray_address": ("127.0.0.1:6390", {}),
     "kv_transfer_host": ("127.0.0.3", {}),
