@@ -466,6 +466,12 @@ async def anthropic_messages(orchestrator: RequestOrchestrator, request: Request
     try:
         body = await read_json_body(request)
         parsed = await asyncio.to_thread(parse_messages, body, orchestrator.tokenizer)
+        if parsed.include_reasoning and orchestrator.reasoning is None:
+            raise APIError(
+                400,
+                "thinking needs a reasoning model and a reasoning_parser on this server",
+                param="thinking",
+            )
     except APIError as error:
         orchestrator.metrics.record_rejected(error.status)
         return anthropic_refusal(error, orchestrator.config.retry_after_s)
@@ -475,8 +481,8 @@ async def anthropic_messages(orchestrator: RequestOrchestrator, request: Request
         orchestrator.model_name,
         None,
         parse_tool_calls=parsed.parse_tool_calls,
-        reasoning=orchestrator.reasoning,  # split off the answer, not shown (yet)
-        include_reasoning=False,
+        reasoning=orchestrator.reasoning,  # thinking blocks when asked for
+        include_reasoning=parsed.include_reasoning,
     )
     return await _serve(orchestrator, request, parsed, response_format, surface)
 

@@ -18,8 +18,10 @@ by grammar), sampling and the hand-off are the chat path's own. Conversions:
     tool_choice auto / any / tool / none   auto / required / that function / none
     stop_sequences, max_tokens, temperature, top_p, top_k   the same fields
 
-A ``tool_result`` must answer a ``tool_use`` of an earlier assistant turn; ``thinking`` must
-be off until the reasoning parser exists; images are refused. Errors are Anthropic's shape,
+A ``tool_result`` must answer a ``tool_use`` of an earlier assistant turn; images are
+refused. With ``thinking: enabled`` the server's reasoning parser's split comes back as a
+``thinking`` block (streamed as ``thinking_delta``s) before the answer, unsigned; a server
+without a parser refuses it. Errors are Anthropic's shape,
 ``{"type": "error", "error": {"type": ..., "message": ...}}``, with the same statuses.
 """
 
@@ -48,6 +50,8 @@ _ERROR_TYPES = {
     503: "overloaded_error",
 }
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+# pdserve signs no thinking: the field is there, empty, for clients that read it.
+_THINKING_BLOCK = {"type": "thinking", "thinking": "", "signature": ""}
 
 
 class _Lenient(BaseModel):
@@ -97,10 +101,6 @@ class CountTokensRequest(_Lenient):
 def parse_messages(body: Any, tokenizer: Tokenizer) -> ParsedCompletion:
     """A Messages body as the chat path's parsed request (``APIError`` naming the field)."""
     request = _validated(MessagesRequest, body)
-    if request.thinking is not None and request.thinking.type == "enabled":
-        raise APIError(
-            400, "extended thinking is not supported by this server yet", param="thinking"
-        )
     chat: dict[str, Any] = {
         "model": request.model,
         "messages": _chat_messages(request.system, request.messages),
@@ -118,7 +118,9 @@ def parse_messages(body: Any, tokenizer: Tokenizer) -> ParsedCompletion:
             chat["tool_choice"] = _chat_tool_choice(request.tool_choice)
     elif request.tool_choice is not None and request.tool_choice.type != "none":
         raise APIError(400, "tool_choice needs tools", param="tool_choice")
-    return parse_chat(chat, tokenizer)
+    parsed = parse_chat(chat, tokenizer)
+    parsed.include_reasoning = request.thinking is not None and request.thinking.type == "enabled"
+    return parsed
 
 
 def count_tokens(body: Any, tokenizer: Tokenizer) -> dict[str, int]:
@@ -139,6 +141,8 @@ def message_body(chat: dict[str, Any], model: str, stop_sequences: list[str]) ->
     choice = chat["choices"][0]
     message = choice["message"]
     content: list[dict[str, Any]] = []
+    if message.get("reasoning"):  # asked for with thinking: enabled
+        content.append({"type": "thinking", "thinking": message["reasoning"], "signature": ""})
     if message.get("content"):
         content.append({"type": "text", "text": message["content"]})
     for call in message.get("tool_calls") or []:
@@ -189,6 +193,9 @@ class MessageEvents:
             yield from self._message_start(chunk["id"])
         for choice in chunk.get("choices", []):
             delta = choice.get("delta", {})
+            if delta.get("reasoning"):
+                yield from self._into_block("thinking", _THINKING_BLOCK)
+                yield self._delta({"type": "thinking_delta", "thinking": delta["reasoning"]})
             if delta.get("content"):
                 yield from self._into_block("text", {"type": "text", "text": ""})
                 yield self._delta({"type": "text_delta", "text": delta["content"]})
@@ -233,7 +240,7 @@ class MessageEvents:
         yield self._event("ping", {"type": "ping"})
 
     def _into_block(self, kind: str, block: dict[str, Any]) -> Iterator[dict[str, str]]:
-        if self._open == kind and kind == "text":
+        if self._open == kind and kind in ("text", "thinking"):
             return
         yield from self._close()
         self._index += 1

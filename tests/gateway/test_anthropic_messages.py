@@ -148,3 +148,47 @@ def test_chunks_become_anthropics_event_sequence() -> None:
     }
     assert "".join(d["delta"].get("partial_json", "") for d in data[7:9]) == '{"a": 1}'
     assert data[10]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+
+
+def test_reasoning_asked_for_comes_back_as_a_thinking_block_first() -> None:
+    chat = {
+        "id": "chatcmpl-t",
+        "choices": [
+            {
+                "message": {"content": "Paris.", "reasoning": "The capital..."},
+                "finish_reason": "stop",
+                "stop_reason": None,
+            }
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 5},
+    }
+    assert message_body(chat, "m", [])["content"] == [
+        {"type": "thinking", "thinking": "The capital...", "signature": ""},
+        {"type": "text", "text": "Paris."},
+    ]
+    events = MessageEvents("m", 3, [])
+    chunks = [
+        {"id": "chatcmpl-t", "choices": [{"delta": {"reasoning": "The cap"}}]},
+        {"id": "chatcmpl-t", "choices": [{"delta": {"reasoning": "ital..."}}]},
+        {"id": "chatcmpl-t", "choices": [{"delta": {"content": "Paris."}}]},
+        {
+            "id": "chatcmpl-t",
+            "choices": [{"delta": {}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 5},
+        },
+    ]
+    data = [json.loads(f["data"]) for chunk in chunks for f in events.events(chunk)]
+    blocks = [d["content_block"]["type"] for d in data if d["type"] == "content_block_start"]
+    assert blocks == ["thinking", "text"]
+    thinking = "".join(
+        d["delta"].get("thinking", "") for d in data if d["type"] == "content_block_delta"
+    )
+    assert thinking == "The capital..."
+
+
+def test_thinking_enabled_asks_for_the_reasoning(smollm2_gguf) -> None:
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    tokenizer = load_tokenizer("smollm2")
+    assert not parse_messages(body, tokenizer).include_reasoning
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    assert parse_messages({**body, "thinking": thinking}, tokenizer).include_reasoning
