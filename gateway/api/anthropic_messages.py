@@ -32,10 +32,10 @@ import uuid
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.gateway.api.chat import parse_chat, render_chat
-from pdserve.gateway.api.openai_schema import APIError, ParsedCompletion
+from pdserve.gateway.api.openai_schema import APIError, ParsedCompletion, validate_request
 from pdserve.tokenizer.tokenizer import Tokenizer
 
 # Anthropic's error type per status.
@@ -100,7 +100,7 @@ class CountTokensRequest(_Lenient):
 
 def parse_messages(body: Any, tokenizer: Tokenizer) -> ParsedCompletion:
     """A Messages body as the chat path's parsed request (``APIError`` naming the field)."""
-    request = _validated(MessagesRequest, body)
+    request = validate_request(MessagesRequest, body, {})
     chat: dict[str, Any] = {
         "model": request.model,
         "messages": _chat_messages(request.system, request.messages),
@@ -125,7 +125,7 @@ def parse_messages(body: Any, tokenizer: Tokenizer) -> ParsedCompletion:
 
 def count_tokens(body: Any, tokenizer: Tokenizer) -> dict[str, int]:
     """``/v1/messages/count_tokens``: the rendered prompt's length, as a reply charges it."""
-    request = _validated(CountTokensRequest, body)
+    request = validate_request(CountTokensRequest, body, {})
     tools = [_chat_tool(tool) for tool in request.tools] if request.tools else None
     ids = render_chat(_chat_messages(request.system, request.messages), tokenizer, tools)
     return {"input_tokens": len(ids)}
@@ -264,18 +264,6 @@ class MessageEvents:
     @staticmethod
     def _event(name: str, body: dict[str, Any]) -> dict[str, str]:
         return {"event": name, "data": json.dumps(body)}
-
-
-def _validated(model: type[BaseModel], body: Any) -> Any:
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except ValidationError as error:
-        first = error.errors()[0]
-        path = ".".join(str(part) for part in first["loc"])
-        field = str(first["loc"][0]) if first["loc"] else None
-        raise APIError(400, f"invalid field {path!r}: {first['msg']}", param=field) from None
 
 
 def _chat_messages(

@@ -33,10 +33,10 @@ import uuid
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.gateway.api.chat import parse_chat
-from pdserve.gateway.api.openai_schema import APIError, ParsedCompletion
+from pdserve.gateway.api.openai_schema import APIError, ParsedCompletion, validate_request
 from pdserve.tokenizer.tokenizer import Tokenizer
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -85,15 +85,7 @@ class ResponsesRequest(_Lenient):
 
 def parse_responses(body: Any, tokenizer: Tokenizer) -> ParsedCompletion:
     """A Responses body as the chat path's parsed request (``APIError`` naming the field)."""
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    try:
-        request = ResponsesRequest.model_validate(body)
-    except ValidationError as error:
-        first = error.errors()[0]
-        path = ".".join(str(part) for part in first["loc"])
-        field = str(first["loc"][0]) if first["loc"] else None
-        raise APIError(400, f"invalid field {path!r}: {first['msg']}", param=field) from None
+    request = validate_request(ResponsesRequest, body, {})
     if request.store:
         raise APIError(400, "this server stores no responses: send store: false", param="store")
     if request.previous_response_id is not None:
