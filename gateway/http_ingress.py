@@ -500,8 +500,8 @@ async def respond(orchestrator: RequestOrchestrator, request: Request) -> Respon
         orchestrator.model_name,
         None,
         parse_tool_calls=parsed.parse_tool_calls,
-        reasoning=orchestrator.reasoning,  # split off the answer, not shown (yet)
-        include_reasoning=False,
+        reasoning=orchestrator.reasoning,  # a reasoning item before the answer
+        include_reasoning=True,
     )
     surface = ResponsesSurface(orchestrator.model_name)
     return await _serve(orchestrator, request, parsed, response_format, surface)

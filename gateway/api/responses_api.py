@@ -13,6 +13,8 @@ renderer out of the chat reply::
     input: function_call items          an assistant's tool_calls
     input: function_call_output items   tool messages
     input: reasoning items              dropped (the model's own, sent back)
+    the reply's reasoning (a parser's)  a reasoning item first (reasoning_text), streamed
+                                        as response.reasoning_text deltas
     tools (function), tool_choice       the chat's
     text.format (json_schema / json_object)   response_format
     max_output_tokens, temperature, top_p     max_tokens, temperature, top_p
@@ -226,6 +228,8 @@ def response_body(chat: dict[str, Any], model: str) -> dict[str, Any]:
     choice = chat["choices"][0]
     message = choice["message"]
     output = []
+    if message.get("reasoning"):  # the server's reasoning parser split it off
+        output.append(_reasoning_item(_item_id("rs", chat), message["reasoning"]))
     if message.get("content"):
         output.append(_message_item(_item_id("msg", chat), message["content"]))
     for call in message.get("tool_calls") or []:
@@ -242,6 +246,7 @@ class ResponseEvents:
         self.model = model
         self._sequence = 0
         self._id = ""
+        self._reasoning: str | None = None  # the open reasoning item's text
         self._text: str | None = None  # the open message's text
         self._calls: list[dict[str, Any]] = []  # function_call items, arguments growing
         self._output: list[dict[str, Any]] = []
@@ -260,17 +265,42 @@ class ResponseEvents:
             yield self._event("response.in_progress", {"response": started})
         for choice in chunk.get("choices", []):
             delta = choice.get("delta", {})
+            if delta.get("reasoning"):
+                yield from self._reasoning_delta(delta["reasoning"])
             if delta.get("content"):
+                yield from self._close_reasoning()
                 yield from self._text_delta(delta["content"])
             for call in delta.get("tool_calls") or []:
                 yield from self._call_delta(call)
             if choice.get("finish_reason") is not None:
                 self._finish = choice["finish_reason"]
         if "usage" in chunk:
+            yield from self._close_reasoning()
             yield from self._close_text()
             yield from self._close_calls()
             whole = _response(self._id, self.model, self._output, self._finish, chunk["usage"])
             yield self._event(f"response.{whole['status']}", {"response": whole})
+
+    def _reasoning_delta(self, text: str) -> Iterator[dict[str, str]]:
+        if self._reasoning is None:
+            self._reasoning = ""
+            item = _reasoning_item(self._item_id("rs"), "", status="in_progress")
+            added = {"output_index": len(self._output), "item": item}
+            yield self._event("response.output_item.added", added)
+        self._reasoning += text
+        place = {**self._place("rs"), "delta": text}
+        yield self._event("response.reasoning_text.delta", place)
+
+    def _close_reasoning(self) -> Iterator[dict[str, str]]:
+        if self._reasoning is None:
+            return
+        text, self._reasoning = self._reasoning, None
+        yield self._event("response.reasoning_text.done", {**self._place("rs"), "text": text})
+        item = _reasoning_item(self._item_id("rs"), text)
+        yield self._event(
+            "response.output_item.done", {"output_index": len(self._output), "item": item}
+        )
+        self._output.append(item)
 
     def _text_delta(self, text: str) -> Iterator[dict[str, str]]:
         if self._text is None:
@@ -333,10 +363,17 @@ class ResponseEvents:
 
     @property
     def _message_id(self) -> str:
-        return f"msg_{self._id.removeprefix('chatcmpl-')}_{len(self._output)}"
+        return self._item_id("msg")
 
-    def _place(self) -> dict[str, Any]:
-        return {"item_id": self._message_id, "output_index": len(self._output), "content_index": 0}
+    def _item_id(self, prefix: str) -> str:
+        return f"{prefix}_{self._id.removeprefix('chatcmpl-')}_{len(self._output)}"
+
+    def _place(self, prefix: str = "msg") -> dict[str, Any]:
+        return {
+            "item_id": self._item_id(prefix),
+            "output_index": len(self._output),
+            "content_index": 0,
+        }
 
     def _event(self, kind: str, body: dict[str, Any]) -> dict[str, str]:
         self._sequence += 1
@@ -390,6 +427,11 @@ def _message_item(item_id: str, text: str, status: str = "completed") -> dict[st
     }
 
 
+def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}] if text else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+
 def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": []}
 
@@ -408,4 +450,5 @@ def _call_item(
 
 
 def _item_id(prefix: str, chat: dict[str, Any]) -> str:
+    """The whole response's item ids, as the stream numbers them: by output position."""
     return f"{prefix}_{chat['id'].removeprefix('chatcmpl-')}_0"

@@ -70,9 +70,10 @@ def prompts() -> list[list[int]]:
 
 
 def reference_tokens(
-    model: transformers.PreTrainedModel, prompt: list[int], params: SamplingParams
+    model: transformers.PreTrainedModel, prompt: list[int], params: SamplingParams, eos: int = EOS
 ) -> list[int]:
-    """vLLM's definitions, one token at a time over transformers' logits."""
+    """vLLM's definitions, one token at a time over transformers' logits (the penalties
+    change only the ids the prompt and output hold: the loop visits those)."""
     output: list[int] = []
     while len(output) < params.max_tokens:
         with torch.no_grad():
@@ -86,20 +87,19 @@ def reference_tokens(
             if len(word) == 1 or output[len(output) - len(word) + 1 :] == word[:-1]:
                 logits[word[-1]] = -math.inf
         if position < params.min_tokens:
-            for token in {*params.stop_token_ids, *([] if params.ignore_eos else [EOS])}:
+            for token in {*params.stop_token_ids, *([] if params.ignore_eos else [eos])}:
                 logits[token] = -math.inf
         for token, bias in params.logit_bias.items():
             logits[token] += bias
-        for token in range(VOCAB):
-            if token in prompt or token in output:
-                r = params.repetition_penalty
-                logits[token] = logits[token] / r if logits[token] > 0 else logits[token] * r
+        for token in {*prompt, *output}:  # repetition: seen in the prompt or the output
+            r = params.repetition_penalty
+            logits[token] = logits[token] / r if logits[token] > 0 else logits[token] * r
             count = output.count(token)
             logits[token] -= params.frequency_penalty * count
             logits[token] -= params.presence_penalty * (count > 0)
         token = _draw(logits, params, position)
         output.append(token)
-        stops = {*params.stop_token_ids, *([] if params.ignore_eos else [EOS])}
+        stops = {*params.stop_token_ids, *([] if params.ignore_eos else [eos])}
         if len(output) >= params.min_tokens and token in stops:
             break
     return output
@@ -116,7 +116,7 @@ def _draw(logits: list[float], params: SamplingParams, position: int) -> int:
     if params.top_k:
         kth = scaled.topk(params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, -math.inf)
-    noise = torch.empty(VOCAB).exponential_(
+    noise = torch.empty(len(logits)).exponential_(
         generator=torch.Generator().manual_seed(draw_seed(params.seed, position))
     )
     return int((torch.softmax(scaled, dim=-1) / noise).argmax())

@@ -18,6 +18,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_input import ScheduledChunk
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.messages.sampling_params import SamplingParams
+from tests.engine.test_sampling_fields import reference_tokens
 from tests.transformers_reference import reference_model
 
 ATOL = 1e-3  # float32 over 30 layers; logits reach ~25
@@ -119,3 +120,21 @@ def test_greedy_chat_replies_equal_transformers_generate_token_for_token(engine,
     assert outputs[0].text == "The capital of France is Paris."
     assert outputs[0].output_token_ids[-1] == 2 and outputs[0].finish_reason == "stop"
     assert not any("<|im_end|>" in output.text for output in outputs)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5, min_tokens=6),
+        dict(temperature=0.7, seed=9, presence_penalty=0.8, min_p=0.05, logit_bias={504: -5.0}),
+    ],
+    ids=["greedy", "seeded"],
+)
+def test_sampling_fields_give_the_reference_tokens_on_smollm2(engine, reference, fields):
+    """vLLM's penalties and logits fields on the real model, against the reference written
+    from vLLM's definitions over transformers' logits (tests/engine/test_sampling_fields.py)."""
+    params = SamplingParams(max_tokens=12, **fields)
+    prompt = chat_prompt_ids(engine, [{"role": "user", "content": "Name three colours."}])
+    (output,) = engine.generate([prompt], params)
+    eos = engine.tokenizer.eos_token_id
+    assert output.output_token_ids == reference_tokens(reference, prompt, params, eos)

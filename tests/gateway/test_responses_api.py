@@ -4,6 +4,8 @@ tests/service/test_serving_features.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pdserve.gateway.api.openai_schema import APIError
@@ -76,3 +78,37 @@ def test_a_chat_reply_becomes_a_response() -> None:
     assert [item["type"] for item in body["output"]] == ["message", "function_call"]
     assert body["output"][1]["call_id"] == "c9"
     assert body["usage"]["input_tokens_details"] == {"cached_tokens": 2}
+
+
+def test_the_reasoning_comes_first_as_a_reasoning_item_whole_and_streamed() -> None:
+    from pdserve.gateway.api.responses_api import ResponseEvents
+
+    chat = {
+        "id": "chatcmpl-r",
+        "choices": [
+            {"message": {"content": "Paris.", "reasoning": "Think."}, "finish_reason": "stop"}
+        ],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 3},
+    }
+    body = response_body(chat, "m")
+    assert [item["type"] for item in body["output"]] == ["reasoning", "message"]
+    assert body["output"][0]["content"] == [{"type": "reasoning_text", "text": "Think."}]
+    events = ResponseEvents("m")
+    chunks = [
+        {"id": "chatcmpl-r", "choices": [{"delta": {"reasoning": "Thi"}}]},
+        {"id": "chatcmpl-r", "choices": [{"delta": {"reasoning": "nk."}}]},
+        {"id": "chatcmpl-r", "choices": [{"delta": {"content": "Paris."}}]},
+        {
+            "id": "chatcmpl-r",
+            "choices": [{"delta": {}, "finish_reason": "stop"}],
+            "usage": chat["usage"],
+        },
+    ]
+    data = [json.loads(f["data"]) for chunk in chunks for f in events.events(chunk)]
+    kinds = [d["type"] for d in data]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert [d["sequence_number"] for d in data] == list(range(len(data)))
+    (done,) = [d for d in data if d["type"] == "response.completed"]
+    assert [item["type"] for item in done["response"]["output"]] == ["reasoning", "message"]
+    assert done["response"]["output"][0]["content"][0]["text"] == "Think."

@@ -39,6 +39,16 @@ def app(request, ray_cluster):
         yield config
 
 
+@pytest.fixture
+def one_app(app):
+    """The 1 + 1 gRPC app only, for what does not depend on the P/D shape (a request's
+    parsing, an API surface's rendering over the chat path): run on the 2 + 2 app too, it
+    would add to the suite's time and nothing to what is checked."""
+    if app.num_prefill > 1:
+        pytest.skip("shape-independent: checked on the 1 + 1 app")
+    return app
+
+
 def colocated_texts(colocated, prompt: str, seeds: list[int | None], **sampling) -> list[str]:
     return [
         colocated.generate([prompt], SamplingParams(seed=seed, **sampling))[0].text
@@ -542,7 +552,7 @@ def test_penalties_and_logits_fields_with_n_choices_equal_the_colocated_engine(a
     assert all(is_drained(w) for w in wait_until_drained(app))
 
 
-def test_a_langchain_payload_with_neutral_penalties_is_answered(app, colocated):
+def test_a_langchain_payload_with_neutral_penalties_is_answered(one_app, colocated):
     body = {
         "model": "tiny",
         "prompt": PROMPT,
@@ -554,7 +564,7 @@ def test_a_langchain_payload_with_neutral_penalties_is_answered(app, colocated):
         "n": 1,
         "stream": False,
     }
-    reply = httpx.post(base_url(app) + "/v1/completions", json=body, timeout=60)
+    reply = httpx.post(base_url(one_app) + "/v1/completions", json=body, timeout=60)
     assert reply.status_code == 200, reply.text
     expected = colocated_texts(colocated, PROMPT, [None], max_tokens=6, temperature=0.0)
     assert [reply.json()["choices"][0]["text"]] == expected
@@ -569,12 +579,12 @@ def test_a_langchain_payload_with_neutral_penalties_is_answered(app, colocated):
         ("min_tokens", 50),
     ],
 )
-def test_bad_sampling_fields_are_a_400_naming_the_field_and_leak_nothing(app, field, value):
+def test_bad_sampling_fields_are_a_400_naming_the_field_and_leak_nothing(one_app, field, value):
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, field: value}
-    reply = httpx.post(base_url(app) + "/v1/completions", json=body, timeout=30)
+    reply = httpx.post(base_url(one_app) + "/v1/completions", json=body, timeout=30)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == field
-    assert all(is_drained(w) for w in wait_until_drained(app))
+    assert all(is_drained(w) for w in wait_until_drained(one_app))
 
 
 # ---------------------------------------------------------------- Anthropic's Messages API
@@ -684,13 +694,15 @@ def test_anthropic_tool_choice_any_returns_a_tool_use_whose_input_validates(app)
     ],
     ids=["unknown-block", "unmatched-tool-use-id", "no-max-tokens", "thinking"],
 )
-def test_bad_anthropic_input_is_a_400_in_anthropics_shape(app, body, message):
-    reply = httpx.post(base_url(app) + "/v1/messages", json={"model": "tiny", **body}, timeout=30)
+def test_bad_anthropic_input_is_a_400_in_anthropics_shape(one_app, body, message):
+    reply = httpx.post(
+        base_url(one_app) + "/v1/messages", json={"model": "tiny", **body}, timeout=30
+    )
     assert reply.status_code == 400, reply.text
     error = reply.json()
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert message in error["error"]["message"]
-    assert all(is_drained(w) for w in wait_until_drained(app))
+    assert all(is_drained(w) for w in wait_until_drained(one_app))
 
 
 # ---------------------------------------------------------------- OpenAI's Responses API
@@ -702,12 +714,12 @@ def _chat_reply(app, messages, **fields):
     )
 
 
-def test_responses_equal_chat_completions_plain_and_streamed(app):
+def test_responses_equal_chat_completions_plain_and_streamed(one_app):
     """The official SDK's responses.create, whole and streamed, against chat completions on
     the same conversation (greedy), across the hand-off."""
-    client = openai_client(app)
+    client = openai_client(one_app)
     chat = _chat_reply(
-        app,
+        one_app,
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}],
         max_tokens=10,
     )
@@ -726,17 +738,17 @@ def test_responses_equal_chat_completions_plain_and_streamed(app):
             completed = event.response
     assert "".join(deltas) == response.output_text and completed is not None
     assert completed.output_text == response.output_text
-    assert all(is_drained(w) for w in wait_until_drained(app))
+    assert all(is_drained(w) for w in wait_until_drained(one_app))
 
 
-def test_responses_with_a_function_tool_and_a_json_schema_equal_chat(app):
-    client = openai_client(app)
+def test_responses_with_a_function_tool_and_a_json_schema_equal_chat(one_app):
+    client = openai_client(one_app)
     question = [{"role": "user", "content": "Weather in Paris?"}]
     tools = [
         {"type": "function", "name": name, "parameters": schema}
         for name, schema in TOOL_SCHEMAS.items()
     ]
-    chat = _chat_reply(app, question, max_tokens=120, tools=TOOLS, tool_choice="required")
+    chat = _chat_reply(one_app, question, max_tokens=120, tools=TOOLS, tool_choice="required")
     [chat_call] = chat.choices[0].message.tool_calls
     response = client.responses.create(
         model="tiny",
@@ -764,7 +776,7 @@ def test_responses_with_a_function_tool_and_a_json_schema_equal_chat(app):
     assert [(i.name, i.arguments) for i in streamed] == [(call.name, call.arguments)]
     schema = SCHEMAS["person"]
     chat = _chat_reply(
-        app,
+        one_app,
         question,
         max_tokens=80,
         response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
@@ -779,15 +791,15 @@ def test_responses_with_a_function_tool_and_a_json_schema_equal_chat(app):
     assert response.output_text == chat.choices[0].message.content
     if response.status == "completed":
         jsonschema.validate(json.loads(response.output_text), schema)
-    assert all(is_drained(w) for w in wait_until_drained(app))
+    assert all(is_drained(w) for w in wait_until_drained(one_app))
 
 
 @pytest.mark.parametrize(
     "field, value",
     [("store", True), ("previous_response_id", "resp_1"), ("input", [{"type": "image"}])],
 )
-def test_responses_refuse_what_they_cannot_serve_naming_the_field(app, field, value):
+def test_responses_refuse_what_they_cannot_serve_naming_the_field(one_app, field, value):
     body = {"model": "tiny", "input": "hi", field: value}
-    reply = httpx.post(base_url(app) + "/v1/responses", json=body, timeout=30)
+    reply = httpx.post(base_url(one_app) + "/v1/responses", json=body, timeout=30)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == field
