@@ -85,6 +85,7 @@ from pdserve.tokenizer.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 _START_RETRY_S = 0.5  # between tries to reach a worker at start
 _START_DESCRIBE_S = 60.0  # a start's wait for a prefill worker to describe the model
+_READY_BEFORE_ROUTED_S = 30.0  # a replica's wait for its start before Serve routes to it
 
 app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
 app.include_router(dashboard_router)
@@ -555,7 +556,7 @@ class Gateway:
     so that Serve keeps them running while the replaced gateway drains requests that still
     use them; this gateway never routes to them (``deploy.cluster.scale``)."""
 
-    def __init__(
+    async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
         self, config: GatewayConfig, prefill: dict, decode: dict, retiring: dict | None = None
     ) -> None:
         self.config = config
@@ -574,6 +575,13 @@ class Gateway:
         # still loading their model do not make the gateway unhealthy: Serve's health check
         # is the replica answering, and readiness is ``/ready``'s to say.
         self._starting = asyncio.get_running_loop().create_task(self._start_when_workers_answer())
+        # Serve routes to a replica as soon as its constructor returns. A gateway that replaces
+        # another (a scale step, a redeploy) finds its workers up: waiting here for its start
+        # (well under a second then) keeps the old gateway serving meanwhile, where returning
+        # at once answered every request of that second 503. On a first deploy the workers
+        # are still loading; past the bound the start goes on in the background, and requests
+        # meanwhile get 503 with Retry-After (``_get_orchestrator``).
+        await asyncio.wait([self._starting], timeout=_READY_BEFORE_ROUTED_S)
 
     async def _start_when_workers_answer(self) -> None:
         """Builds the orchestrator once a prefill worker describes the model; the only place

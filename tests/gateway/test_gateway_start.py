@@ -46,8 +46,14 @@ def starting_gateway(monkeypatch) -> Iterator[TestClient]:
     gateway_class = Gateway.func_or_class.__bases__[0]
     gateway_app = gateway_class.__init__.__globals__["app"]
 
+    # Its constructor waits a bounded while for the start (as Serve awaits it) before the
+    # replica is routed to; here the workers never answer, so no wait.
+    monkeypatch.setitem(gateway_class.__init__.__globals__, "_READY_BEFORE_ROUTED_S", 0.0)
+
     async def build() -> Gateway:  # on the client's loop: the gateway starts a task there
-        return gateway_class(config, {"prefill-0": LoadingWorker()}, {})
+        gateway = gateway_class.__new__(gateway_class)
+        await gateway.__init__(config, {"prefill-0": LoadingWorker()}, {})
+        return gateway
 
     with TestClient(gateway_app) as client:
         gateway = client.portal.call(build)
