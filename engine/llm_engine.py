@@ -270,6 +270,7 @@ class LLMEngine:
             params.min_tokens,
             params.include_stop_str_in_output,
             params.skip_special_tokens,
+            params.spaces_between_special_tokens,
         )
         tracked = _Tracked(request, detokenizer)
         self._tracked[request_id] = tracked

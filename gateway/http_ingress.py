@@ -43,6 +43,7 @@ from pdserve.gateway.admission import (
 from pdserve.gateway.api import tokenize_api
 from pdserve.gateway.api.anthropic_messages import (
     MessageEvents,
+    check_version,
     count_tokens,
     message_body,
     parse_messages,
@@ -465,6 +466,7 @@ async def complete(orchestrator: RequestOrchestrator, request: Request) -> Respo
 async def anthropic_messages(orchestrator: RequestOrchestrator, request: Request) -> Response:
     """``POST /v1/messages``: Anthropic's body to the chat path, the reply back in its shape."""
     try:
+        check_version(request.headers.get("anthropic-version"))
         body = await read_json_body(request)
         parsed = await asyncio.to_thread(parse_messages, body, orchestrator.tokenizer)
         if parsed.include_reasoning and orchestrator.reasoning is None:
@@ -664,6 +666,7 @@ class Gateway:
     async def messages_count_tokens(self, request: Request) -> Response:
         try:
             orchestrator = await self._get_orchestrator()
+            check_version(request.headers.get("anthropic-version"))
             body = await read_json_body(request)
             answer = await asyncio.to_thread(count_tokens, body, orchestrator.tokenizer)
         except APIError as error:

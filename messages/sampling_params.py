@@ -54,6 +54,8 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     include_stop_str_in_output: bool = False  # a stop string stays at the text's end
     skip_special_tokens: bool = True  # special tokens add no text (vLLM's default)
+    # False: no space a decoder would put between two kept added tokens (vLLM's)
+    spaces_between_special_tokens: bool = True
     # A reasoning model's output opens with its reasoning, which ends with these token ids
     # (the reasoning parser's end tag, set by the gateway): ``structured`` constrains only
     # what follows them. Empty: the grammar constrains the output from its first token.

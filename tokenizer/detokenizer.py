@@ -39,9 +39,18 @@ class IncrementalDetokenizer:
         min_tokens: int = 0,
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self._backend = tokenizer.backend
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        # vLLM's fast detokenizer: with special tokens kept and no spaces wanted between
+        # them, an added token right after another is its bare text (a decoder such as
+        # WordPiece's prefixes each with a space: "a <s> </s>" becomes "a <s></s>").
+        self._bare_added: dict[int, str] = {}
+        if not (skip_special_tokens or spaces_between_special_tokens):
+            added = self._backend.get_added_tokens_decoder()
+            self._bare_added = {token_id: token.content for token_id, token in added.items()}
+        self._last_was_added = False
         self._stop = stop
         # vLLM's: no stop string ends an output of min_tokens tokens or fewer, and one that
         # ends it stays in the text when include_stop_str_in_output.
@@ -78,6 +87,11 @@ class IncrementalDetokenizer:
         for index in range(self._num_stepped, len(token_ids)):
             piece = self._stream.step(self._backend, token_ids[index])
             self._num_stepped = index + 1
+            if self._bare_added:
+                bare = self._bare_added.get(token_ids[index])
+                if bare is not None and self._last_was_added:
+                    piece = bare
+                self._last_was_added = bare is not None
             if piece is None:
                 continue
             search_from = max(0, len(self.text) - self._max_stop_len + 1)

@@ -50,6 +50,11 @@ _ERROR_TYPES = {
     503: "overloaded_error",
 }
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+# The ``anthropic-version`` this surface speaks: the Messages API came with 2023-06-01, still
+# its only version. A request without the header is read as that one (vLLM's and SGLang's
+# surfaces ask for none, and curl users rarely send it); one naming another is refused
+# rather than answered in a shape it did not ask for.
+API_VERSION = "2023-06-01"
 # pdserve signs no thinking: the field is there, empty, for clients that read it.
 _THINKING_BLOCK = {"type": "thinking", "thinking": "", "signature": ""}
 
@@ -121,6 +126,17 @@ def parse_messages(body: Any, tokenizer: Tokenizer) -> ParsedCompletion:
     parsed = parse_chat(chat, tokenizer)
     parsed.include_reasoning = request.thinking is not None and request.thinking.type == "enabled"
     return parsed
+
+
+def check_version(header: str | None) -> None:
+    """Refuses an ``anthropic-version`` header naming a version other than ``API_VERSION``."""
+    if header is not None and header.strip() != API_VERSION:
+        raise APIError(
+            400,
+            f"anthropic-version: {header!r} is not a version this server speaks "
+            f"(it speaks {API_VERSION})",
+            param="anthropic-version",
+        )
 
 
 def count_tokens(body: Any, tokenizer: Tokenizer) -> dict[str, int]:

@@ -20,7 +20,6 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from pdserve.gateway.api.openai_schema import (
-    UNSUPPORTED_VLLM_FIELDS,
     APIError,
     ParsedCompletion,
     SamplingRequest,
@@ -47,7 +46,6 @@ _UNSUPPORTED_CHAT_FIELDS: dict[str, Any] = {
     "prediction": None,
     "echo": False,  # vLLM's: the reply would begin with the last message
     "best_of": 1,
-    **UNSUPPORTED_VLLM_FIELDS,
 }
 
 

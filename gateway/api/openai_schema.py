@@ -50,15 +50,9 @@ MAX_STOP_TOKEN_IDS = 64
 # Choices per request (``n``): each decodes on its own, so a large n is a large request.
 MAX_CHOICES = 16
 # pdserve implements none of these; each is accepted only at its default value.
-# vLLM's sampling extensions pdserve does not implement (both endpoints); an ignored one
-# would change what the client gets without a word.
-# vLLM's field only its slow (non-``tokenizers``) detokenizer honours; pdserve's is the fast
-# one, as vLLM's default path is: refused rather than ignored.
-UNSUPPORTED_VLLM_FIELDS: dict[str, Any] = {"spaces_between_special_tokens": True}
 _UNSUPPORTED_FIELDS: dict[str, Any] = {
     "best_of": 1,  # n samples scored on the server: not implemented
     "suffix": None,  # fill-in-the-middle: not implemented
-    **UNSUPPORTED_VLLM_FIELDS,
 }
 # Ids each of these lists or maps at most (a request's own fields; each is applied per step).
 MAX_LOGIT_BIAS = 300  # OpenAI's own limit
@@ -209,6 +203,7 @@ class SamplingRequest(StructuredOutputFields):
     ) = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     # vLLM's: each prompt token's logprob and its k likeliest alternatives, computed where
     # the prompt is (the prefill worker), never from the prefix cache (as vLLM).
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
@@ -247,6 +242,7 @@ class SamplingRequest(StructuredOutputFields):
             include_stop_str_in_output=self.include_stop_str_in_output,
             prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
 
     def _logit_bias(self) -> dict[int, float]:

@@ -25,6 +25,8 @@ FIELDS = {
     "min_tokens": 2,
     "allowed_token_ids": [65, 66, 67],
     "include_stop_str_in_output": True,
+    "skip_special_tokens": False,
+    "spaces_between_special_tokens": False,
 }
 
 
@@ -49,6 +51,7 @@ def test_each_field_reaches_the_params(endpoint) -> None:
     assert (params.repetition_penalty, params.min_p, params.min_tokens) == (1.2, 0.1, 2)
     assert params.logit_bias == {65: 3.0, 66: -100.0}
     assert params.allowed_token_ids == [65, 66, 67] and params.include_stop_str_in_output
+    assert not (params.skip_special_tokens or params.spaces_between_special_tokens)
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])

@@ -691,12 +691,25 @@ def test_anthropic_tool_choice_any_returns_a_tool_use_whose_input_validates(app)
             },
             "thinking",
         ),
+        (
+            {
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hi"}],
+                "anthropic-version": "2099-01-01",  # sent as the header
+            },
+            "anthropic-version: '2099-01-01'",
+        ),
     ],
-    ids=["unknown-block", "unmatched-tool-use-id", "no-max-tokens", "thinking"],
+    ids=["unknown-block", "unmatched-tool-use-id", "no-max-tokens", "thinking", "version"],
 )
 def test_bad_anthropic_input_is_a_400_in_anthropics_shape(one_app, body, message):
+    body = dict(body)
+    headers = {"anthropic-version": body.pop("anthropic-version", "2023-06-01")}
     reply = httpx.post(
-        base_url(one_app) + "/v1/messages", json={"model": "tiny", **body}, timeout=30
+        base_url(one_app) + "/v1/messages",
+        json={"model": "tiny", **body},
+        headers=headers,
+        timeout=30,
     )
     assert reply.status_code == 400, reply.text
     error = reply.json()

@@ -3,8 +3,11 @@ holds back a cut UTF-8 character, hides every EOS and cuts at stop strings."""
 
 from __future__ import annotations
 
+import tokenizers
+from tokenizers import AddedToken, decoders, models
+
 from pdserve.tokenizer.detokenizer import IncrementalDetokenizer
-from pdserve.tokenizer.tokenizer import ByteTokenizer
+from pdserve.tokenizer.tokenizer import ByteTokenizer, HFTokenizer
 
 TOKENIZER = ByteTokenizer()
 TEXT = "Grüße, 世界! 🙂 done"
@@ -83,3 +86,34 @@ def test_include_stop_str_in_output_keeps_the_stop_string():
     detokenizer = IncrementalDetokenizer(TOKENIZER, ["END"], include_stop_str_in_output=True)
     assert detokenizer.update(ids) == "END"
     assert detokenizer.text == "one END"
+
+
+def _wordpiece_with_added_tokens() -> HFTokenizer:
+    """WordPiece's decoder puts a space before every token that is no ``##`` piece, added
+    tokens included: the case vLLM's ``spaces_between_special_tokens`` is for."""
+    backend = tokenizers.Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a"))
+    backend.decoder = decoders.WordPiece()
+    backend.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    backend.add_tokens([AddedToken("<think>", special=False)])
+    return HFTokenizer(backend, eos_token_ids=[3])
+
+
+def test_without_spaces_between_special_tokens_an_added_token_after_another_is_bare():
+    """vLLM's fast detokenizer's rule: the first added token of a run keeps the decoder's
+    space, the ones after it are their bare text, a plain token after the run its own."""
+    tokenizer = _wordpiece_with_added_tokens()
+    ids = [0, 2, 3, 4, 1, 4]  # a <s> </s> <think> b <think>
+
+    def text(**flags: bool) -> str:
+        detokenizer = IncrementalDetokenizer(tokenizer, [], **flags)
+        detokenizer.update(ids)
+        return detokenizer.text
+
+    whole = tokenizer.backend.decode(ids, skip_special_tokens=False)
+    assert whole == "a <s> </s> <think> b <think>"
+    assert text(skip_special_tokens=False) == whole
+    assert text(skip_special_tokens=False, spaces_between_special_tokens=False) == (
+        "a <s></s><think> b <think>"
+    )
+    # skipping special tokens wins, as in vLLM: only the non-special added token is left
+    assert text(spaces_between_special_tokens=False) == text() == "a <think> b <think>"
