@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing
 
-from pdserve.model.tensor_parallel import GROUP_HOST, join_group
+from pdserve.model.tensor_parallel import GROUP_HOST, TensorParallel, join_group
 
 if TYPE_CHECKING:
     from pdserve.engine.model_input import ScheduledChunk
@@ -56,6 +56,7 @@ GROUP_TIMEOUT = timedelta(seconds=60)
 # How long a peer may take to load its slice of the model and report ready.
 _START_TIMEOUT_S = 600.0
 _STOP_TIMEOUT_S = 5.0
+_JOIN_POLL_S = 0.05  # how often rank 0's join looks at its peers' sentinels
 # What a starting peer sends rank 0: before it joins the group, then once its runner is built.
 _JOINING = "joining"
 _READY = "ready"
@@ -109,7 +110,7 @@ class TensorParallelPeers:
                 self._pipes.append(ours)
                 self._processes.append(process)
             self._wait_until_joining()
-            self.tensor_parallel = join_group(store, 0, self.world_size, GROUP_TIMEOUT)
+            self.tensor_parallel = self._join_watching_peers(store)
         except BaseException:  # the ranks started so far would outlive the failed start
             self.close()
             raise
@@ -140,6 +141,31 @@ class TensorParallelPeers:
                     raise TensorParallelGroupLost(
                         f"rank {rank} failed to start: {_start_message(pipe, process)}"
                     )
+
+    def _join_watching_peers(self, store: dist.Store) -> TensorParallel:
+        """Rank 0's join, failed at once by a peer that dies while the group forms. Why: a
+        peer that said it joins and then dies (killed, out of memory) left rank 0's join to
+        wait out the group's whole timeout (60 s). The join runs on a thread here while this
+        one watches the peers' sentinels; a join abandoned so ends with its timeout, on a
+        thread that holds nothing."""
+        joined: list[TensorParallel] = []
+        failed: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                joined.append(join_group(store, 0, self.world_size, GROUP_TIMEOUT))
+            except BaseException as error:  # noqa: BLE001 - raised below, on the caller's thread
+                failed.append(error)
+
+        thread = threading.Thread(target=join, name="tp-join", daemon=True)
+        thread.start()
+        sentinels = [process.sentinel for process in self._processes]
+        while thread.is_alive():
+            if multiprocessing.connection.wait(sentinels, timeout=_JOIN_POLL_S):
+                raise TensorParallelGroupLost(f"the group did not form: {self.failure()}")
+        if failed:
+            raise failed[0]
+        return joined[0]
 
     @property
     def pids(self) -> list[int]:

@@ -12,6 +12,7 @@ import random
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +167,29 @@ def test_a_rank_that_dies_before_joining_fails_the_start_at_once(
     ):
         LLMEngine.from_pretrained("tiny", num_kv_blocks=32, tensor_parallel_size=2)
     assert not joined  # refused before rank 0 began to join
+    assert {child.pid for child in multiprocessing.active_children()} == before
+
+
+def test_a_rank_that_dies_after_saying_it_joins_fails_the_start_at_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A peer that dies after telling rank 0 it joins (here its join exits with 4, as a kill
+    or an OOM there would end it) left rank 0's join to wait out gloo's 60 s timeout."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os\n"
+        "from pdserve.engine import tensor_parallel_peers\n"
+        "def _die(*args):\n"
+        "    os._exit(4)\n"
+        "tensor_parallel_peers.join_group = _die\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
+    before = {child.pid for child in multiprocessing.active_children()}
+    started = time.monotonic()
+    with pytest.raises(
+        TensorParallelGroupLost, match=r"did not form: rank 1 \(pid \d+\) exited with 4"
+    ):
+        LLMEngine.from_pretrained("tiny", num_kv_blocks=32, tensor_parallel_size=2)
+    assert time.monotonic() - started < 30  # not gloo's 60 s
     assert {child.pid for child in multiprocessing.active_children()} == before
 
 
