@@ -27,6 +27,7 @@ without a parser refuses it. Errors are Anthropic's shape,
 
 from __future__ import annotations
 
+import datetime
 import json
 import uuid
 from collections.abc import Iterator
@@ -50,11 +51,12 @@ _ERROR_TYPES = {
     503: "overloaded_error",
 }
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
-# The ``anthropic-version`` this surface speaks: the Messages API came with 2023-06-01, still
-# its only version. A request without the header is read as that one (vLLM's and SGLang's
-# surfaces ask for none, and curl users rarely send it); one naming another is refused
-# rather than answered in a shape it did not ask for.
-API_VERSION = "2023-06-01"
+# ``anthropic-version``: a date. The Messages API came with 2023-06-01; later versions
+# (the SDK sends its own, e.g. 2026-10-21) keep its request and reply shapes and add fields,
+# so pdserve answers any of them in the shape it speaks. An earlier date or no date is
+# refused: it names an API before Messages. No header at all reads as 2023-06-01 (vLLM's
+# and SGLang's surfaces ask for none, and curl users rarely send it).
+FIRST_API_VERSION = datetime.date(2023, 6, 1)
 # pdserve signs no thinking: the field is there, empty, for clients that read it.
 _THINKING_BLOCK = {"type": "thinking", "thinking": "", "signature": ""}
 
@@ -129,12 +131,19 @@ def parse_messages(body: Any, tokenizer: Tokenizer) -> ParsedCompletion:
 
 
 def check_version(header: str | None) -> None:
-    """Refuses an ``anthropic-version`` header naming a version other than ``API_VERSION``."""
-    if header is not None and header.strip() != API_VERSION:
+    """Refuses an ``anthropic-version`` header that is no date from ``FIRST_API_VERSION``
+    on."""
+    if header is None:
+        return
+    try:
+        version = datetime.date.fromisoformat(header.strip())
+    except ValueError:
+        version = None
+    if version is None or version < FIRST_API_VERSION:
         raise APIError(
             400,
-            f"anthropic-version: {header!r} is not a version this server speaks "
-            f"(it speaks {API_VERSION})",
+            f"anthropic-version: {header!r} is not a Messages API version (a date from "
+            f"{FIRST_API_VERSION.isoformat()} on)",
             param="anthropic-version",
         )
 

@@ -695,9 +695,9 @@ def test_anthropic_tool_choice_any_returns_a_tool_use_whose_input_validates(app)
             {
                 "max_tokens": 4,
                 "messages": [{"role": "user", "content": "hi"}],
-                "anthropic-version": "2099-01-01",  # sent as the header
+                "anthropic-version": "2023-01-01",  # sent as the header: before Messages
             },
-            "anthropic-version: '2099-01-01'",
+            "anthropic-version: '2023-01-01'",
         ),
     ],
     ids=["unknown-block", "unmatched-tool-use-id", "no-max-tokens", "thinking", "version"],
