@@ -39,8 +39,8 @@ class GatewayConfig:
     grpc_port: int = 0
     """The gRPC Generate service's port; 0: no gRPC service."""
     max_inflight_requests: int = 256
-    """Requests the service admits at once, beyond: 429 with Retry-After (with several
-    gateway replicas, each admits its share: max_inflight_per_replica)."""
+    """Requests the service admits at once, beyond: 429 with Retry-After (several gateway
+    replicas admit that many together, leasing places from their board)."""
     max_load_imbalance: int = 4
     """A worker more than this many requests busier than the idlest one is not a routing
     candidate, whatever prefix it holds."""
@@ -169,5 +169,6 @@ class GatewayConfig:
 
     @property
     def max_inflight_per_replica(self) -> int:
-        """This replica's share of ``max_inflight_requests`` (the proxy balances them)."""
+        """This replica's share of ``max_inflight_requests``: what it admits while the
+        replicas' board does not answer (``service_admission.py``)."""
         return -(-self.max_inflight_requests // self.num_replicas)

@@ -66,7 +66,7 @@ class GenerateServicer:
             # A chat is rendered with its template and tokenized: off the loop, as HTTP does.
             parsed = await asyncio.to_thread(self._parse, request)
             token_ids, params = await orchestrator.prepare_off_loop(parsed)
-            orchestrator.admit()
+            await orchestrator.admit()
         except APIError as error:
             await self._abort(context, error)
             return

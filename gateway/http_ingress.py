@@ -410,7 +410,7 @@ async def _serve(
     surface = surface or OpenAISurface()
     try:
         token_ids, params = await orchestrator.prepare_off_loop(parsed)
-        orchestrator.admit()
+        await orchestrator.admit()
     except APIError as error:
         return surface.refusal(orchestrator, error)
     if isinstance(surface, AnthropicSurface):

@@ -67,6 +67,7 @@ from pdserve.gateway.replica_board import ReplicaShare
 from pdserve.gateway.request_provenance import RecentRequests, RequestProvenance
 from pdserve.gateway.request_timeline import RequestTimeline
 from pdserve.gateway.router import NoWorkerAvailable, Router
+from pdserve.gateway.service_admission import ServiceAdmission
 from pdserve.gateway.stream_emitter import (
     ReplayDiverged,
     StreamDelta,
@@ -204,6 +205,16 @@ class RequestOrchestrator:
             if config.num_replicas > 1
             else None
         )
+        # ... and the service-wide in-flight limit they lease places of.
+        self.admission = (
+            ServiceAdmission(
+                config.max_inflight_per_replica,
+                self._lease_places,
+                lambda: self.metrics.num_requests_in_flight,
+            )
+            if self.share is not None
+            else None
+        )
         self.seed_rng = random.SystemRandom()
         self._aborts: set[asyncio.Task] = set()
         self._call_serials = itertools.count(1)  # WorkerRequest.call_serial
@@ -212,13 +223,14 @@ class RequestOrchestrator:
 
     def start(self) -> None:
         self.poller.start()
-        if self.share is not None:
+        if self.share is not None and self.admission is not None:  # both or neither
             self.share.start(
                 self.metrics.row,
                 lambda: [
                     r.to_json()
                     for r in reversed(self.recent.latest(self.config.num_recent_requests))
                 ],
+                self.admission.declare,
             )
 
     # ------------------------------------------------------------------ validate, admit
@@ -298,17 +310,29 @@ class RequestOrchestrator:
             cache_salt=cache_salt,
         )
 
-    def admit(self) -> None:
-        """Takes a place in the bounded in-flight queue, or refuses with 429."""
-        if self.metrics.num_requests_in_flight >= self.config.max_inflight_per_replica:
-            raise too_many_requests(
-                self.config.max_inflight_per_replica, self.config.max_inflight_requests
-            )
+    async def admit(self) -> None:
+        """Takes a place in the bounded in-flight queue, or refuses with 429. With several
+        gateway replicas the bound is the service's (``service_admission.py``)."""
+        limit = self.config.max_inflight_requests
+        if self.admission is None:
+            admitted = self.metrics.num_requests_in_flight < limit
+        else:
+            admitted = await self.admission.has_place()
+            if not self.admission.board_answers:  # admitted on this replica's share only
+                limit = self.config.max_inflight_per_replica
+        if not admitted:
+            raise too_many_requests(limit, self.config.max_inflight_requests)
         self.metrics.num_requests_in_flight += 1
         self.metrics.num_requests += 1
 
     def release(self) -> None:
         self.metrics.num_requests_in_flight -= 1
+        if self.admission is not None:
+            self.admission.released()
+
+    async def _lease_places(self, held: int, wanted: int) -> int:
+        assert self.share is not None  # an admission exists only beside the board
+        return await self.share.lease(held, wanted, self.config.max_inflight_requests)
 
     # ------------------------------------------------------------------ the phases
 

@@ -33,7 +33,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import ray
@@ -57,6 +57,8 @@ class ReplicaBoard:
         self._rows: dict[str, tuple[float, dict[str, Any]]] = {}
         self._records: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._capacity = num_recent_requests
+        # Service-wide admission (service_admission.py): replica → (declared when, places held)
+        self._places: dict[str, tuple[float, int]] = {}
 
     def push(self, replica_id: str, row: dict[str, Any], records: list[dict[str, Any]]) -> str:
         """Keeps a replica's row and new records; returns this board's incarnation."""
@@ -67,6 +69,19 @@ class ReplicaBoard:
         while len(self._records) > self._capacity:
             self._records.popitem(last=False)
         return self.incarnation
+
+    def lease(self, replica_id: str, held: int, wanted: int, limit: int) -> int:
+        """Records that ``replica_id`` holds ``held`` of the service's ``limit`` in-flight
+        places and grants it up to ``wanted`` more; returns how many it granted. A replica
+        that has not declared for ``STALE_AFTER_S`` holds none."""
+        now = time.monotonic()
+        self._places[replica_id] = (now, held)
+        taken = sum(
+            places for declared, places in self._places.values() if now - declared <= STALE_AFTER_S
+        )
+        granted = max(0, min(wanted, limit - taken))
+        self._places[replica_id] = (now, held + granted)
+        return granted
 
     def rows(self) -> dict[str, tuple[float, dict[str, Any]]]:
         """Each replica's last row and how many seconds ago it came."""
@@ -127,11 +142,14 @@ class ReplicaShare:
         self,
         read_row: Callable[[], dict[str, Any]],
         read_recent: Callable[[], list[dict[str, Any]]],
+        each_push: Callable[[], Awaitable[None]],
     ) -> None:
         """Pushes ``read_row()`` and the new records every ``PUSH_INTERVAL_S``;
-        ``read_recent()`` (this replica's recent records, oldest first) refills a new board."""
+        ``read_recent()`` (this replica's recent records, oldest first) refills a new board;
+        ``each_push()`` runs after each push (the admission's declaration)."""
         self._read_row = read_row
         self._read_recent = read_recent
+        self._each_push = each_push
         self._task = asyncio.get_running_loop().create_task(  # not any request's child
             self._push_forever(), context=contextvars.Context()
         )
@@ -160,6 +178,7 @@ class ReplicaShare:
         while True:
             try:
                 await self.push()
+                await self._each_push()
                 await self._read_rows()  # every replica remembers the others' last rows
             except Exception as error:  # noqa: BLE001 — the board restarting: the next push retries
                 logger.warning(
@@ -190,6 +209,11 @@ class ReplicaShare:
             rows.setdefault(replica, (age + PUSH_INTERVAL_S, row))
         self._last_rows = dict(rows)
         return rows
+
+    async def lease(self, held: int, wanted: int, limit: int) -> int:
+        """``ReplicaBoard.lease`` for this replica."""
+        granted: int = await self._call("lease", self.replica_id, held, wanted, limit)
+        return granted
 
     async def record(self, request_id: str) -> dict[str, Any] | None:
         return await self._call("record", request_id)

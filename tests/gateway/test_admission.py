@@ -86,16 +86,20 @@ async def run(service: RequestOrchestrator, prompt: str = "hello world") -> str:
 
 def test_requests_over_the_inflight_limit_get_429_until_one_is_released():
     service = make_service(FakePool(["prefill-0"], []), max_inflight_requests=2)
-    service.admit()
-    service.admit()
-    with pytest.raises(APIError) as caught:
-        service.admit()
-    assert (caught.value.status, caught.value.body()["error"]["code"]) == (
-        429,
-        "rate_limit_exceeded",
-    )
-    service.release()
-    service.admit()
+
+    async def admit_past_the_limit() -> None:
+        await service.admit()
+        await service.admit()
+        with pytest.raises(APIError) as caught:
+            await service.admit()
+        assert (caught.value.status, caught.value.body()["error"]["code"]) == (
+            429,
+            "rate_limit_exceeded",
+        )
+        service.release()
+        await service.admit()
+
+    asyncio.run(admit_past_the_limit())
 
 
 def test_a_replicas_429_names_its_share_and_the_services_limit():
