@@ -8,8 +8,10 @@
 
 Seeds: ``seed + i`` when the client gave ``seed`` (so ``n=3, seed=s`` equals three
 requests with seeds ``s, s+1, s+2``), else one random seed per choice. Choices stream
-interleaved, each delta tagged with its index, as OpenAI's do. A choice that fails fails
-the request: its siblings are cancelled (their worker streams abort on the workers).
+interleaved, each delta tagged with its index, as OpenAI's do. A choice whose worker is
+lost moves on as a single request would (choice 0 by the decode phase's replay, the others
+as requests run whole); a choice that still fails fails the request: its siblings are
+cancelled (their worker streams abort on the workers).
 """
 
 from __future__ import annotations
@@ -20,10 +22,9 @@ import dataclasses
 import random
 from collections.abc import AsyncGenerator
 
-from pdserve.gateway.api.openai_schema import APIError
-from pdserve.gateway.orchestrator import RequestOrchestrator, RequestRun, WorkerLost
+from pdserve.gateway.orchestrator import RequestOrchestrator, RequestRun
+from pdserve.gateway.request_timeline import RequestTimeline
 from pdserve.gateway.stream_emitter import StreamDelta, StreamEmitter
-from pdserve.messages.generation import WorkerRequest
 from pdserve.messages.sampling_params import SamplingParams
 
 MAX_SEED = 2**63
@@ -100,27 +101,29 @@ async def _start_siblings(
 async def _sibling(
     orchestrator: RequestOrchestrator, first: RequestRun, index: int, params: SamplingParams
 ) -> AsyncGenerator[StreamDelta, None]:
-    emitter = StreamEmitter(
-        params.stop, len(first.token_ids), orchestrator.metrics, first.emitter.start
+    """Choice ``index``: the prompt run whole where choice 0 streams from, as a request
+    run whole on a decode worker is (``RequestOrchestrator.prefill``). So a worker lost
+    mid-way is replaced as it would be for that request: the choice runs again where the
+    prompt's prefix is held best (or on the lost worker, restarted), same seed, the
+    replay's first tokens checked against those sent and not sent again."""
+    serving = first.serving_worker
+    run = RequestRun(
+        f"{first.request_id}-{index}",
+        first.token_ids,
+        params,
+        first.cache_salt,
+        first.block_hashes,
+        emitter=StreamEmitter(
+            params.stop, len(first.token_ids), orchestrator.metrics, first.emitter.start
+        ),
+        timeline=RequestTimeline(first.emitter.start),
+        remote_decode=False,
+        deadline=first.deadline,
+        # Colocated, choice 0 streams from a prefill worker: routed by prefix the same way.
+        local_decode_id=serving if serving in orchestrator.workers.decode else None,
     )
-    request = WorkerRequest(
-        f"{first.request_id}-{index}", first.token_ids, params, cache_salt=first.cache_salt
-    )
-    try:
-        async for chunk in orchestrator.worker_stream(
-            first.serving_worker, request, first, first=True
-        ):
-            delta = emitter.update(chunk, final=True)
-            if delta is not None:
-                yield delta
-    except WorkerLost as lost:
-        raise APIError(
-            503,
-            f"choice {index} of request {first.request_id} lost its worker "
-            f"({lost}); retry the request",
-            type="server_error",
-            code="worker_lost",
-        ) from None
+    async for delta in orchestrator.prefill(run):
+        yield delta
 
 
 async def _pump(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -79,7 +80,12 @@ def stall_next_step(seconds: float):
 def _streaming_decode(app, client: StreamClient) -> str:
     """The decode worker running ``client``'s stream, once it has sent a token."""
     assert client.first_event.wait(CLIENT_DEADLINE_S), "no first token"
-    deadline = time.time() + 10
+    return _running_decode(app, timeout_s=10)
+
+
+def _running_decode(app, timeout_s: float = CLIENT_DEADLINE_S) -> str:
+    """A decode worker running a request, once one does."""
+    deadline = time.time() + timeout_s
     while time.time() < deadline:
         rows = worker_rows(app)
         running = [w for w in DECODES if rows[w]["num_requests_running"] > 0]
@@ -168,3 +174,40 @@ def test_a_role_whose_only_worker_hangs_answers_503_with_retry_after_by_the_dead
 def test_a_timeout_in_the_body_that_is_not_positive_is_a_400(app):
     status, _, body = post_completion(app, dict(model="tiny", prompt="hi", timeout=0))
     assert status == 400 and body["error"]["param"] == "timeout", body
+
+
+def test_n_choices_whose_decode_worker_hangs_each_finish_equal_to_colocated(app, colocated):
+    """``n`` = 3 with a seed, answered whole: the choices decode as three requests, and the
+    decode worker running one or more of them is SIGSTOPped mid-way. Each choice on it moves
+    to the other worker from the tokens it had, so every choice still equals the colocated
+    engine's with seeds s, s + 1, s + 2, and nothing is left behind."""
+    migrations = _gateway(app)["num_stream_migrations"]
+    prompt = f"Three choices, one worker lost: {PREAMBLE}"
+    sampling = dict(max_tokens=24, temperature=0.8)
+    reply: dict = {}
+
+    def send() -> None:
+        body = dict(model="tiny", prompt=prompt, n=3, seed=61, **sampling)
+        reply["status"], _, reply["body"] = post_completion(app, body)
+
+    _slow_decodes(app, 0.15)
+    try:
+        sender = threading.Thread(target=send)
+        sender.start()
+        victim = _running_decode(app)
+        pid = signal_worker(app, victim, signal.SIGSTOP)
+        try:
+            sender.join(CLIENT_DEADLINE_S)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    finally:
+        _slow_decodes(app, 0.0)
+    assert not sender.is_alive(), "the request hung"
+    assert reply["status"] == 200, reply["body"]
+    choices = sorted(reply["body"]["choices"], key=lambda c: c["index"])
+    assert [c["text"] for c in choices] == [
+        expected_text(colocated, prompt, SamplingParams(seed=seed, **sampling))
+        for seed in (61, 62, 63)
+    ]
+    assert _gateway(app)["num_stream_migrations"] > migrations
+    assert_drained(app)
