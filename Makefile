@@ -54,7 +54,7 @@ test: lint
 	$(PY) -m pytest -q -m "not ray" -n 2 --dist loadfile
 	@mkdir -p build; \
 	$(MAKE) --no-print-directory typecheck > build/typecheck.log 2>&1 & types=$$!; \
-	$(PY) -m pytest -q -m ray --durations=20; tests=$$?; \
+	$(PY) -m pytest -q -m ray --durations=60; tests=$$?; \
 	wait $$types; typed=$$?; echo "--- mypy"; cat build/typecheck.log; \
 	test $$tests -eq 0 && test $$typed -eq 0
 
