@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 import ray
+from ray.exceptions import RayActorError
 
 from bench.load_driver import get_json
 from pdserve.deploy.cluster import base_url, scale
@@ -266,8 +267,20 @@ def test_the_replicas_lease_the_services_places_from_the_board(ray_cluster):
         assert await admit("b", b) and not await admit("b", b)
         await a.declare()  # each push's declaration, as a restarted board would need
         ray.kill(board, no_restart=True)  # gone for good: each replica falls back to its half
+        await _until_dead(board)  # ray.kill only asks: the board may answer a moment more
         c = admission("c")
         assert [await admit("c", c) for _ in range(3)] == [True, True, False]
         assert not c.board_answers
 
     asyncio.run(scenario())
+
+
+async def _until_dead(actor, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            await actor.rows.remote()
+        except RayActorError:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the killed actor still answers after {timeout_s} s")

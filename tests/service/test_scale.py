@@ -1,7 +1,8 @@
 """Live scaling: ``pdserve scale`` changes a running app's workers under load, both ways.
 
 A background load keeps four streamed completions in flight (greedy, so each reply has one
-right answer: the colocated engine's) while the app goes from 1 + 1 to 2 + 2 and back.
+right answer: the colocated engine's) while the app, with two gateway replicas, goes from
+1 + 1 to 2 + 2 and back, then to 2 + 1 with its kept prefill worker killed mid-step.
 No request may be lost or wrong, the new gateway routes to the workers added, forgets the
 ones removed, and every surviving worker drains to its baseline. The workers a step keeps
 keep running (same process, same instance, their caches warm): before each worker's
@@ -23,11 +24,13 @@ from tests.service.service_apps import (
     StreamClient,
     assert_drained,
     expected_text,
+    kill_worker,
     on_worker,
     post_completion,
     run_all,
     running_app,
     wait_until_ready,
+    wait_until_restarted,
     worker_rows,
 )
 
@@ -101,12 +104,33 @@ def _wait_for_requests_on(config, worker_ids: list[str], timeout_s: float = 120.
         time.sleep(0.25)
 
 
+def _kill_the_kept_prefill_mid_step(config, load: SteadyLoad) -> None:
+    """A fault during a scale step: 1 + 1 → 2 + 1 starts, and while the new gateways and
+    prefill-1 start, the kept prefill-0 is SIGKILLed with streams in flight on it. Its
+    requests move on (prefill-1 once up, or prefill-0 restarted); the step completes."""
+    instance = worker_rows(config)["prefill-0"]["instance_id"]
+    finished = sum(1 for c in load.clients if not c.is_alive())
+    step = threading.Thread(target=scale, args=(config.app_name, 2, 1))
+    step.start()
+    time.sleep(1.0)  # the step's deploy is under way (a worker takes seconds to start)
+    assert step.is_alive(), "the scale step ended before the fault"
+    kill_worker(config, "prefill-0")
+    step.join(180)
+    assert not step.is_alive(), "the scale step hung"
+    wait_until_restarted(config, "prefill-0", instance, timeout_s=120)
+    load.wait_for(finished + 2 * IN_FLIGHT)  # served after the fault
+    assert sorted(worker_rows(config)) == ["decode-0", "prefill-0", "prefill-1"]
+
+
 @pytest.fixture(scope="module")
 def service(ray_cluster):
     # A pool the load cannot cycle through while the test runs (each load prompt takes 6 new
     # blocks): with 256, a slow scale step let LRU eviction take the repeated prompt's blocks,
     # and "the cache is still warm" failed for a reason that is not a restart.
-    with running_app(num_kv_blocks=4096, num_prefill=1, num_decode=1) as config:
+    # Two gateway replicas: each step replaces both, and they admit and route as one.
+    with running_app(
+        num_kv_blocks=4096, num_prefill=1, num_decode=1, num_gateway_replicas=2
+    ) as config:
         yield config
 
 
@@ -138,6 +162,7 @@ def test_scaling_up_and_down_under_load_loses_no_request_and_routes_to_the_new_s
         load.wait_for(finished + 2 * IN_FLIGHT)  # served by the smaller set
         assert sorted(worker_rows(service)) == ["decode-0", "prefill-0"]
         assert _processes(service) == before
+        _kill_the_kept_prefill_mid_step(service, load)
     finally:
         clients = load.stop()
     lost = [
