@@ -12,6 +12,7 @@ from Python, kept workers included, and each scale step threw their caches away.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -104,22 +105,35 @@ def _wait_for_requests_on(config, worker_ids: list[str], timeout_s: float = 120.
         time.sleep(0.25)
 
 
-def _kill_the_kept_prefill_mid_step(config, load: SteadyLoad) -> None:
+def _kill_the_kept_prefill_mid_step(config, load: SteadyLoad) -> range:
     """A fault during a scale step: 1 + 1 → 2 + 1 starts, and while the new gateways and
-    prefill-1 start, the kept prefill-0 is SIGKILLed with streams in flight on it. Its
-    requests move on (prefill-1 once up, or prefill-0 restarted); the step completes."""
+    prefill-1 start, the kept prefill-0 is SIGKILLed with streams in flight on it. Those
+    streams move on (prefill-1 once up, or prefill-0 restarted) and the step completes.
+    Until one of them is up the role has no worker: a request sent then is refused at once
+    with 503, ``no_worker_available`` and Retry-After (the gateway's answer when a role is
+    down), never accepted and then lost. Returns the load's client indices of that window."""
     instance = worker_rows(config)["prefill-0"]["instance_id"]
     finished = sum(1 for c in load.clients if not c.is_alive())
     step = threading.Thread(target=scale, args=(config.app_name, 2, 1))
     step.start()
     time.sleep(1.0)  # the step's deploy is under way (a worker takes seconds to start)
     assert step.is_alive(), "the scale step ended before the fault"
+    first = len(load.clients)
     kill_worker(config, "prefill-0")
     step.join(180)
     assert not step.is_alive(), "the scale step hung"
     wait_until_restarted(config, "prefill-0", instance, timeout_s=120)
+    outage = range(first, len(load.clients))
     load.wait_for(finished + 2 * IN_FLIGHT)  # served after the fault
     assert sorted(worker_rows(config)) == ["decode-0", "prefill-0", "prefill-1"]
+    return outage
+
+
+def _refused_while_down(client: StreamClient) -> bool:
+    """Refused before any token because no worker of a role was up (Retry-After sent)."""
+    if client.status != 503 or client.events or client.error is None:
+        return False
+    return json.loads(client.error)["error"]["code"] == "no_worker_available"
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +157,7 @@ def test_scaling_up_and_down_under_load_loses_no_request_and_routes_to_the_new_s
     before = _processes(service)
     load = SteadyLoad(service)
     load.start()
+    outage = range(0)
     try:
         load.wait_for(IN_FLIGHT)
         assert (
@@ -162,17 +177,18 @@ def test_scaling_up_and_down_under_load_loses_no_request_and_routes_to_the_new_s
         load.wait_for(finished + 2 * IN_FLIGHT)  # served by the smaller set
         assert sorted(worker_rows(service)) == ["decode-0", "prefill-0"]
         assert _processes(service) == before
-        _kill_the_kept_prefill_mid_step(service, load)
+        outage = _kill_the_kept_prefill_mid_step(service, load)
     finally:
         clients = load.stop()
+    answered = [c for i, c in enumerate(clients) if not (i in outage and _refused_while_down(c))]
     lost = [
         (c.prompt[:4], c.status, c.error)
-        for c in clients
+        for c in answered
         if c.error is not None or c.finish_reason is None
     ]
     assert lost == []
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    wrong = [c.prompt[:4] for c in clients if c.text != expected_text(colocated, c.prompt, params)]
+    wrong = [c.prompt[:4] for c in answered if c.text != expected_text(colocated, c.prompt, params)]
     assert wrong == []
     assert_drained(service)
 
