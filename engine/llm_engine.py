@@ -45,6 +45,7 @@ from pdserve.grammar import GrammarCompiler
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.kv_transfer_params import KVTransferParams
 from pdserve.messages.sampling_params import SamplingParams
+from pdserve.model.freed_memory import release_freed_memory
 from pdserve.model.loader import load_model
 from pdserve.model.model_config import resolve_dtype
 from pdserve.stats.start_phases import start_phase
@@ -172,6 +173,8 @@ class LLMEngine:
         self.grammar_compiler = GrammarCompiler(
             self.tokenizer.backend, self.model_config.vocab_size, self.tokenizer.eos_token_ids
         )
+        # What the load and the runner's set-up freed goes back to the OS (``freed_memory``).
+        release_freed_memory()
 
     def _make_runner(self, num_blocks: int, on_rank_lost: Callable[[], None] | None) -> ModelRunner:
         """Rank 0's runner; under tensor parallelism its peers first, over KV pages in

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Quant
 
+from pdserve.model.freed_memory import release_freed_memory
 from pdserve.model.model_config import ModelConfig
 from pdserve.model.quantization import QuantizedWeight, gguf_weight
 
@@ -149,6 +150,7 @@ def gguf_state_dict(
             if heads is not None:
                 weight_packed = weight_packed.take_rows(rotary_row_order(shape[0], heads))
             packed[name] = weight_packed
+            release_freed_memory()  # this tensor's temporaries, before the next one's
             continue
         weight = torch.from_numpy(_dequantize(tensor))
         if heads is not None:

@@ -55,6 +55,7 @@ def write_sparse_gguf(
     intermediate: int,
     vocab: int,
     weight_type: Quant,
+    num_kv_heads: int = 8,
 ) -> Path:
     """A Llama GGUF of the given shape whose tensor bytes are a hole in a sparse file: all
     a check before loading reads is the metadata and the tensor infos, so a 7B-shaped file
@@ -65,14 +66,14 @@ def write_sparse_gguf(
     writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(intermediate)
     writer.add_head_count(hidden // 128)
-    writer.add_head_count_kv(8)
+    writer.add_head_count_kv(num_kv_heads)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(TOKENS + [f"<extra_{i}>" for i in range(vocab - len(TOKENS))])
     writer.add_token_types([1] * (len(TOKENS) - 1) + [3] + [4] * (vocab - len(TOKENS)))
     writer.add_token_merges(["Ġ t"])
     writer.add_eos_token_id(len(TOKENS) - 1)
-    kv = 8 * 128
+    kv = num_kv_heads * 128
     shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
     for layer in range(num_layers):
         for name, shape in {
@@ -107,4 +108,31 @@ def write_sparse_gguf(
         file.seek(0, 2)
         start = -(-file.tell() // alignment) * alignment
         file.truncate(start + data_bytes)
+    return path
+
+
+def fill_q4_k_blocks(path: Path, seed: int = 0) -> Path:
+    """Fills a Q4_K ``write_sparse_gguf`` file's tensors, so that its pages are real bytes,
+    not a hole: the norms' weights ones, and every Q4_K tensor random blocks, each with its
+    scale ``d`` and minimum ``dmin`` small fp16 values (the residual stream stays finite
+    over 32 layers) and its 6-bit sub-block scales and nibbles random. One 4 MiB pattern
+    of blocks repeats: a step's time and the memory do not depend on the values."""
+    block_bytes = gguf.GGML_QUANT_SIZES[Quant.Q4_K][1]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (4 << 20) // block_bytes * block_bytes, dtype=np.uint8)
+    blocks = blocks.reshape(-1, block_bytes)
+    scales = rng.uniform(1e-4, 4e-4, (len(blocks), 2)).astype(np.float16)
+    blocks[:, :4] = scales.view(np.uint8)  # d, dmin: the block's first two fp16 fields
+    pattern = blocks.tobytes()
+    reader = gguf.GGUFReader(str(path))
+    tensors = [(t.tensor_type, t.data_offset, int(t.n_bytes)) for t in reader.tensors]
+    del reader  # its memory map closes before the file is written
+    with path.open("r+b") as file:
+        for tensor_type, offset, nbytes in tensors:
+            file.seek(offset)
+            if tensor_type == Quant.F32:  # the norms' weights: ones
+                file.write(np.ones(nbytes // 4, dtype=np.float32).tobytes())
+                continue
+            for start in range(0, nbytes, len(pattern)):
+                file.write(pattern[: min(len(pattern), nbytes - start)])
     return path
