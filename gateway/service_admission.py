@@ -63,6 +63,7 @@ class ServiceAdmission:
         async with self._lock:
             if self._in_flight() < self.held:  # a place came back while this one waited
                 return True
+            self._hold_what_runs()
             try:
                 granted = await asyncio.wait_for(self._lease(self.held, 1), BOARD_TIMEOUT_S)
             except Exception as error:  # noqa: BLE001 - any failure: admit on the share alone
@@ -91,7 +92,13 @@ class ServiceAdmission:
         """Tells the board what this replica holds (each push): a restarted board learns
         it, and the board's view of this replica never goes stale while it runs."""
         async with self._lock:
+            self._hold_what_runs()
             await asyncio.wait_for(self._lease(self.held, 0), BOARD_TIMEOUT_S)
+
+    def _hold_what_runs(self) -> None:
+        """Requests admitted on the share alone while the board did not answer hold places
+        too: declared, the board counts them, and grants the others that much less."""
+        self.held = max(self.held, self._in_flight())
 
     async def _return_idle_places(self) -> None:
         try:

@@ -231,14 +231,14 @@ def test_the_replicas_lease_the_services_places_from_the_board(ray_cluster):
     then gets none; a freed place lingers for a re-admission there without a board call,
     then goes back and the other replica gets it; with the board gone, each admits its
     own half."""
-    board = board_for("lease-test", 8)
-    in_flight = {"a": 0, "b": 0, "c": 0}
-    calls = {"a": 0, "b": 0, "c": 0}
+    boards = [board_for("lease-test", 8)]  # [the board now]: killed below, then made anew
+    in_flight = {"a": 0, "b": 0, "c": 0, "d": 0}
+    calls = {"a": 0, "b": 0, "c": 0, "d": 0}
 
     def admission(replica: str) -> ServiceAdmission:
         async def lease(held: int, wanted: int) -> int:
             calls[replica] += 1
-            granted: int = await board.lease.remote(replica, held, wanted, 4)
+            granted: int = await boards[0].lease.remote(replica, held, wanted, 4)
             return granted
 
         return ServiceAdmission(2, lease, lambda: in_flight[replica])
@@ -266,11 +266,19 @@ def test_the_replicas_lease_the_services_places_from_the_board(ray_cluster):
         assert (a.held, in_flight["a"]) == (3, 3)
         assert await admit("b", b) and not await admit("b", b)
         await a.declare()  # each push's declaration, as a restarted board would need
-        ray.kill(board, no_restart=True)  # gone for good: each replica falls back to its half
-        await _until_dead(board)  # ray.kill only asks: the board may answer a moment more
+        ray.kill(boards[0], no_restart=True)  # gone for good: each falls back to its half
+        await _until_dead(boards[0])  # ray.kill only asks: the board may answer a moment more
         c = admission("c")
         assert [await admit("c", c) for _ in range(3)] == [True, True, False]
         assert not c.board_answers
+        # A new board learns what c admitted meanwhile from its declaration, and lends the
+        # rest of the limit only.
+        boards[0] = board_for("lease-test", 8)
+        await c.declare()
+        d = admission("d")
+        assert [await admit("d", d) for _ in range(3)] == [True, True, False]
+        assert d.board_answers
+        ray.kill(boards[0], no_restart=True)
 
     asyncio.run(scenario())
 
