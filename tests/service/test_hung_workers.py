@@ -83,12 +83,12 @@ def _streaming_decode(app, client: StreamClient) -> str:
     return _running_decode(app, timeout_s=10)
 
 
-def _running_decode(app, timeout_s: float = CLIENT_DEADLINE_S) -> str:
-    """A decode worker running a request, once one does."""
+def _running_decode(app, timeout_s: float = CLIENT_DEADLINE_S, at_least: int = 1) -> str:
+    """A decode worker running ``at_least`` requests, once one does."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         rows = worker_rows(app)
-        running = [w for w in DECODES if rows[w]["num_requests_running"] > 0]
+        running = [w for w in DECODES if rows[w]["num_requests_running"] >= at_least]
         if running:
             return running[0]
         time.sleep(0.05)
@@ -194,7 +194,10 @@ def test_n_choices_whose_decode_worker_hangs_each_finish_equal_to_colocated(app,
     try:
         sender = threading.Thread(target=send)
         sender.start()
-        victim = _running_decode(app)
+        # Two or more: the choices decoding there (choice 0 and its siblings), not the
+        # KV-only pull of choice 0's offered blocks, which runs alone and briefly (stopping
+        # the worker then sent the whole request elsewhere before any choice ran there).
+        victim = _running_decode(app, at_least=2)
         pid = signal_worker(app, victim, signal.SIGSTOP)
         try:
             sender.join(CLIENT_DEADLINE_S)
