@@ -122,8 +122,9 @@ class RequestRun:
     remote_decode: bool  # the prefill worker hands off to a decode worker
     # time.monotonic() past which the request ends (its timeout, the service's); None: never.
     deadline: float | None = None
-    # Conditional disaggregation: the decode worker that runs the whole request (no hand-off).
-    local_decode_id: str | None = None
+    # The worker that runs the whole request (no hand-off) where its prompt's KV is: a decode
+    # worker under conditional disaggregation; for a sibling choice, choice 0's worker.
+    whole_on: str | None = None
     prefill_id: str = ""
     decode_id: str = ""
     last_prefill_chunk: GenerationChunk | None = None
@@ -437,7 +438,7 @@ class RequestOrchestrator:
             self.metrics.num_turns_run_where_kv_is += run_there
         if run_there:
             run.remote_decode = False
-            run.local_decode_id = choice.worker_id
+            run.whole_on = choice.worker_id
             self.metrics.num_requests_prefilled_on_decode += 1
 
     async def prefill(self, run: RequestRun) -> AsyncIterator[StreamDelta]:
@@ -458,15 +459,14 @@ class RequestOrchestrator:
             lost_id = run.prefill_id if attempt else None
             if attempt:
                 await asyncio.sleep(self.config.retry_backoff_s)  # let Serve see the dead replica
-            if run.local_decode_id is None:
+            if run.whole_on is None:
                 run.prefill_id = self.route("prefill", run.block_hashes, fallback=lost_id)
-            elif attempt:  # the worker chosen was lost: the one now holding most of the prompt
-                run.local_decode_id = self.route(
-                    "decode", run.block_hashes, fallback=lost_id, by_prefix=True
-                )
-                run.prefill_id = run.local_decode_id
-            else:  # where decide_disaggregation found the prompt's KV (no await since)
-                run.prefill_id = run.local_decode_id
+            elif attempt:  # the worker chosen was lost: the one of its role holding most of it
+                role = "decode" if run.whole_on in self.workers.decode else "prefill"
+                run.whole_on = self.route(role, run.block_hashes, fallback=lost_id, by_prefix=True)
+                run.prefill_id = run.whole_on
+            else:  # where the prompt's KV was found (no await since)
+                run.prefill_id = run.whole_on
             if run.remote_decode:  # 503 now, before any token, when none is up
                 run.decode_id = self.route("decode", run.block_hashes)
             run.timeline.called("prefill", run.prefill_id)

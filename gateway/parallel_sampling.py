@@ -106,7 +106,6 @@ async def _sibling(
     mid-way is replaced as it would be for that request: the choice runs again where the
     prompt's prefix is held best (or on the lost worker, restarted), same seed, the
     replay's first tokens checked against those sent and not sent again."""
-    serving = first.serving_worker
     run = RequestRun(
         f"{first.request_id}-{index}",
         first.token_ids,
@@ -119,8 +118,7 @@ async def _sibling(
         timeline=RequestTimeline(first.emitter.start),
         remote_decode=False,
         deadline=first.deadline,
-        # Colocated, choice 0 streams from a prefill worker: routed by prefix the same way.
-        local_decode_id=serving if serving in orchestrator.workers.decode else None,
+        whole_on=first.serving_worker,  # its cache holds every full block of the prompt
     )
     async for delta in orchestrator.prefill(run):
         yield delta
