@@ -44,13 +44,23 @@ So ``|y - x @ dequantize().T| <= 2^-6 * sum_k |x_k| |w_k|`` (2u for the product'
 operands, u for the output, with room), which ``tests/model/test_quantized_weight.py``
 checks. llama.cpp itself rounds activations to 8 bits a block: coarser.
 
-The kernel's layout (read back by ``embedding_rows``): rows in tiles of 64, each tile
-``[in, 32]`` bytes whose low nibble is row ``j`` and high nibble row ``32 + j``::
+torch's packing (read back by ``embedding_rows``, ``take_rows``): rows in tiles of T, each
+tile ``[in, T / 2]`` bytes, byte ``[k, j]`` holding two rows of the tile at input k. Which
+two depends on the CPU capability ATen dispatches to::
 
-    tile t:  byte [k, j] = row 64t + j  (bits 0-3)  |  row 64t + 32 + j  (bits 4-7), input k
+    AVX-512  T = 64:  row 64t + j        (bits 0-3)  |  row 64t + 32 + j   (bits 4-7)
+    AVX2     T = 32:  row 32t + j                    |  row 32t + 16 + j
+    default  T = 32:  row 32t + 16(j // 8) + 2(j % 8) |  that row + 1
+
+The layout is ATen's, not an API, so it is probed once (``torch_int4_layout``), not
+assumed: a layout read as another's multiplies right (torch's kernel reads its own) but
+fuses, looks up and dequantizes wrong rows. Our C++ kernel reads the AVX-512 and the AVX2
+ones (``halves_tile``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -58,7 +68,6 @@ from pdserve.model.quantization import int4_tiles_kernel
 from pdserve.model.quantization.quantized_weight import QuantizedWeight
 
 GROUP = 32  # inputs per scale and offset
-ROW_TILE = 64  # rows per tile of the kernel's layout
 # From this many rows of x, dequantize and multiply in bfloat16 (module doc; the crossover
 # measured between 16 and 32 rows).
 DEQUANTIZE_ROWS = 24
@@ -111,8 +120,9 @@ class Int4PlanesWeight(QuantizedWeight):
         if x.shape[0] >= DEQUANTIZE_ROWS:
             weight = self.dequantize().to(torch.bfloat16)
             return torch.mm(x.to(torch.bfloat16), weight.t()).to(x.dtype)
-        if x.dtype == torch.float32 and int4_tiles_kernel.build() is not None:
-            exact = int4_tiles_kernel.int4_tiles_mm(x.contiguous(), self.planes)
+        tile = halves_tile()
+        if x.dtype == torch.float32 and tile and int4_tiles_kernel.reads_tiles_of(tile):
+            exact = int4_tiles_kernel.int4_tiles_mm(x.contiguous(), self.planes, tile)
             return exact[:, : self.out_features]
         activations = x.to(torch.bfloat16).contiguous()
         out: torch.Tensor | None = None
@@ -235,7 +245,7 @@ def _repack(nibbles: torch.Tensor, scales_zeros: torch.Tensor) -> tuple[torch.Te
     """The kernel's operands for ``nibbles`` ``[rows, in]`` and their scales and zeros
     ``[in / 32, rows, 2]``, rows padded to a whole tile (with zero weights)."""
     rows = nibbles.shape[0]
-    padding = -rows % ROW_TILE
+    padding = -rows % torch_int4_layout().shape[0]
     if padding:
         nibbles = torch.cat([nibbles, nibbles.new_zeros(padding, nibbles.shape[1])])
         scales_zeros = torch.cat(
@@ -245,17 +255,62 @@ def _repack(nibbles: torch.Tensor, scales_zeros: torch.Tensor) -> tuple[torch.Te
     return packed, scales_zeros.contiguous()
 
 
+@functools.cache
+def torch_int4_layout() -> torch.Tensor:
+    """Where torch's int4 CPU packing puts each row of a tile: ``place`` ``[T]``, row ``r``
+    of a tile at place ``place[r]`` of each input's ``T / 2`` bytes (place ``2 j`` is byte
+    j's low nibble, ``2 j + 1`` its high one). Probed by packing rows whose nibbles spell
+    their own index (module doc)."""
+    rows, inputs = 128, 32
+    index = torch.arange(rows).unsqueeze(1).expand(rows, inputs)
+    row_at = _nibble_stream(index // 16) * 16 + _nibble_stream(index % 16)
+    for tile in (64, 32):
+        places = row_at.view(rows // tile, inputs, tile)  # [tile t, input k, place]
+        layout = places[0, 0]
+        tile_starts = tile * torch.arange(rows // tile).view(-1, 1, 1)
+        if sorted(layout.tolist()) == list(range(tile)) and torch.equal(
+            places, (layout + tile_starts).expand_as(places)
+        ):
+            return torch.argsort(layout)
+    capability = torch.backends.cpu.get_cpu_capability()
+    raise RuntimeError(
+        f"torch's int4 CPU packing on {capability} has a layout pdserve does not read: "
+        "use --quantization none"
+    )
+
+
+@functools.cache
+def halves_tile() -> int | None:
+    """T where torch's layout is one our C++ kernel reads (byte j: rows j and T/2 + j; the
+    AVX-512 and AVX2 ones, module doc), else None."""
+    place = torch_int4_layout()
+    tile = place.shape[0]
+    rows = torch.arange(tile)
+    halves = torch.where(rows < tile // 2, 2 * rows, 2 * (rows - tile // 2) + 1)
+    return tile if torch.equal(place, halves) else None
+
+
+def _nibble_stream(nibbles: torch.Tensor) -> torch.Tensor:
+    """torch's packing of ``nibbles`` as the sequence of its nibbles, low before high."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles.to(torch.int32), 1)
+    return torch.stack([packed & 15, packed >> 4], dim=-1).flatten().long()
+
+
 def _nibbles(packed: torch.Tensor, rows: torch.Tensor, in_features: int) -> torch.Tensor:
     """Rows ``rows`` of a packed plane as uint8 nibbles ``[len(rows), in]`` (module doc)."""
-    tiles = packed.view(-1, in_features, ROW_TILE // 2)
-    within = rows % ROW_TILE
-    picked = tiles[rows // ROW_TILE, :, within % (ROW_TILE // 2)]  # [len(rows), in]
-    high = (within >= ROW_TILE // 2).unsqueeze(1)
+    place = torch_int4_layout()
+    tile = place.shape[0]
+    tiles = packed.view(-1, in_features, tile // 2)
+    within = place[rows % tile]
+    picked = tiles[rows // tile, :, within // 2]  # [len(rows), in]
+    high = (within % 2 == 1).unsqueeze(1)
     return torch.where(high, picked >> 4, picked & 15)
 
 
 def _all_nibbles(packed: torch.Tensor, in_features: int) -> torch.Tensor:
     """Every row of a packed plane as uint8 nibbles ``[padded rows, in]`` (module doc)."""
-    tiles = packed.view(-1, in_features, ROW_TILE // 2)
-    halves = torch.stack([tiles & 15, tiles >> 4], dim=1)  # [tiles, 2, in, 32]
-    return halves.transpose(2, 3).reshape(-1, in_features)
+    place = torch_int4_layout()
+    tile = place.shape[0]
+    tiles = packed.view(-1, in_features, tile // 2)
+    halves = torch.stack([tiles & 15, tiles >> 4], dim=-1).view(-1, in_features, tile)
+    return halves[:, :, place].transpose(1, 2).reshape(-1, in_features)

@@ -3,8 +3,9 @@
 // (model/quantization/int4_tiles_kernel.py says when it serves and why).
 //
 //   x             [M, K] float32, contiguous
-//   packed        [N, K / 2] uint8: N / 64 tiles of [K, 32] bytes; byte [k, j] of tile t holds
-//                 row 64t + j (low nibble) and row 64t + 32 + j (high nibble) at input k
+//   packed        [N, K / 2] uint8: N / T tiles of [K, T / 2] bytes; byte [k, j] of tile t
+//                 holds row Tt + j (low nibble) and row Tt + T/2 + j (high nibble) at input
+//                 k. T is 64 where torch dispatches to AVX-512, 32 on AVX2 (tile_rows)
 //   scales_zeros  [K / 32, N, 2] float16: per group of 32 inputs and row, S then Z
 //   out           [M, N] float32: sum over groups g of S (sum_k x_k q_k) + Z xs_g,
 //                 xs_g the group's sum of x
@@ -13,23 +14,28 @@
 // ones l with (s, Z_l). Both are read in one pass as the code c = 16 h + l, whose weight is
 // s c + (Z_h + Z_l): one set of sums, the products' count of one plane.
 //
-// A tile is walked group by group; per input k its 32 bytes become the 64 rows' weights in
-// four registers (rows 0-15, 16-31 from the low nibbles, 32-47, 48-63 from the high), and
-// kRows rows of x at a time accumulate them (the tile's bytes stay in L1 across the row
-// blocks). Each group's sums are scaled into the totals once, in float32 throughout.
+// A tile is walked group by group; per input k its T / 2 bytes become the T rows' weights
+// in four registers (16 lanes on AVX-512, 8 on AVX2: the first and second halves of the low
+// nibbles, then of the high), and kRows rows of x at a time accumulate them (the tile's
+// bytes stay in L1 across the row blocks). Each group's sums are scaled into the totals
+// once, in float32 throughout.
 
 #include <torch/extension.h>
+#include <pybind11/stl.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kTileRows = 64;
 constexpr int64_t kGroup = 32;
+
+#ifdef __AVX512F__
+constexpr int64_t kTileRows = 64;
 
 inline __m512 half_low(__m512i pairs) {  // S of each (S, Z) float16 pair, as float32
   return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(pairs));
@@ -40,7 +46,7 @@ inline __m512 half_high(__m512i pairs) {  // Z of each (S, Z) pair
 }
 
 template <int kRows, bool kTwoPlanes>
-void tile_rows(const float* x, int64_t K, const uint8_t* tile, const uint32_t* scales_zeros,
+void tile_rows_avx512(const float* x, int64_t K, const uint8_t* tile, const uint32_t* scales_zeros,
                const uint8_t* high_tile, const uint32_t* high_scales_zeros, int64_t N,
                const float* group_sums, int64_t G, float* out) {
   // One row's totals stay in registers; more rows' live in L1, as in registers beside the
@@ -113,6 +119,75 @@ void tile_rows(const float* x, int64_t K, const uint8_t* tile, const uint32_t* s
   }
 }
 
+#endif  // __AVX512F__
+
+// The AVX2 layout's tile (T = 32): 8 lanes a register, scales widened per group in memory
+// (F16C converts 8 halves at a time only from 8 consecutive ones, and they interleave with
+// the zeros here).
+template <int kRows, bool kTwoPlanes>
+void tile_rows_avx2(const float* x, int64_t K, const uint8_t* tile, const uint32_t* scales_zeros,
+                    const uint8_t* high_tile, const uint32_t* high_scales_zeros, int64_t N,
+                    const float* group_sums, int64_t G, float* out) {
+  constexpr int64_t kRowsPerTile = 32;
+  alignas(32) float total[kRows][kRowsPerTile] = {};
+  const __m256i low_mask = _mm256_set1_epi32(15);
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 acc[kRows][4];
+    for (int i = 0; i < kRows; ++i)
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + k * 16));
+      const __m256i first = _mm256_cvtepu8_epi32(bytes);
+      const __m256i second = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+      __m256i codes[4] = {
+          _mm256_and_si256(first, low_mask),
+          _mm256_and_si256(second, low_mask),
+          _mm256_srli_epi32(first, 4),
+          _mm256_srli_epi32(second, 4),
+      };
+      if constexpr (kTwoPlanes) {
+        const __m128i high_bytes =
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(high_tile + k * 16));
+        const __m256i high_first = _mm256_cvtepu8_epi32(high_bytes);
+        const __m256i high_second = _mm256_cvtepu8_epi32(_mm_srli_si128(high_bytes, 8));
+        const __m256i high[4] = {
+            _mm256_and_si256(high_first, low_mask),
+            _mm256_and_si256(high_second, low_mask),
+            _mm256_srli_epi32(high_first, 4),
+            _mm256_srli_epi32(high_second, 4),
+        };
+        for (int j = 0; j < 4; ++j)
+          codes[j] = _mm256_or_si256(codes[j], _mm256_slli_epi32(high[j], 4));
+      }
+      __m256 w[4];
+      for (int j = 0; j < 4; ++j) w[j] = _mm256_cvtepi32_ps(codes[j]);
+      for (int i = 0; i < kRows; ++i) {
+        const __m256 xv = _mm256_set1_ps(x[i * K + k]);
+        for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_fmadd_ps(xv, w[j], acc[i][j]);
+      }
+    }
+    alignas(32) float scale[kRowsPerTile], zero[kRowsPerTile];
+    const uint32_t* pairs = scales_zeros + g * N;  // this tile's 32 rows, (S, Z) each
+    for (int r = 0; r < kRowsPerTile; ++r) {
+      scale[r] = _cvtsh_ss(static_cast<unsigned short>(pairs[r] & 0xFFFF));
+      zero[r] = _cvtsh_ss(static_cast<unsigned short>(pairs[r] >> 16));
+      if constexpr (kTwoPlanes)
+        zero[r] += _cvtsh_ss(static_cast<unsigned short>(high_scales_zeros[g * N + r] >> 16));
+    }
+    for (int j = 0; j < 4; ++j) {
+      const __m256 s = _mm256_load_ps(scale + 8 * j), z = _mm256_load_ps(zero + 8 * j);
+      for (int i = 0; i < kRows; ++i) {
+        const __m256 sum = _mm256_set1_ps(group_sums[i * G + g]);
+        __m256 running = _mm256_load_ps(&total[i][8 * j]);
+        running = _mm256_fmadd_ps(s, acc[i][j], running);
+        running = _mm256_fmadd_ps(z, sum, running);
+        _mm256_store_ps(&total[i][8 * j], running);
+      }
+    }
+  }
+  for (int i = 0; i < kRows; ++i) std::memcpy(out + i * N, total[i], sizeof(total[i]));
+}
+
 void check_plane(const torch::Tensor& packed, const torch::Tensor& scales_zeros, int64_t K,
                  int64_t N) {
   TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous(), "packed: uint8");
@@ -123,16 +198,43 @@ void check_plane(const torch::Tensor& packed, const torch::Tensor& scales_zeros,
               "scales_zeros: [K / 32, N, 2]");
 }
 
-// planes: [low] (codes of 4 bits) or [high, low] (5-8 bits), as int4_planes.py holds them.
-torch::Tensor int4_tiles_mm(torch::Tensor x, std::vector<torch::Tensor> planes) {
+// Runs one tile kernel over every tile and every row block of x (4 rows, then 1 at a time).
+template <int64_t kTile, typename Four, typename One>
+void over_tiles(Four four, One one, const float* xs, int64_t M, int64_t K, int64_t N,
+                const uint8_t* tiles, const uint32_t* pairs, const uint8_t* high_tiles,
+                const uint32_t* high_pairs, const float* group_sums, int64_t G, float* o) {
+  at::parallel_for(0, N / kTile, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* tile = tiles + t * K * (kTile / 2);
+      const uint8_t* high_tile = high_tiles ? high_tiles + t * K * (kTile / 2) : nullptr;
+      const uint32_t* high_tile_pairs = high_pairs ? high_pairs + t * kTile : nullptr;
+      const auto rows = [&](auto run, int64_t m) {
+        run(xs + m * K, K, tile, pairs + t * kTile, high_tile, high_tile_pairs, N,
+            group_sums + m * G, G, o + m * N + t * kTile);
+      };
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) rows(four, m);
+      for (; m < M; ++m) rows(one, m);
+    }
+  });
+}
+
+// planes: [low] (codes of 4 bits) or [high, low] (5-8 bits), as int4_planes.py holds them;
+// tile_rows: T of torch's layout here (64 or 32).
+torch::Tensor int4_tiles_mm(torch::Tensor x, std::vector<torch::Tensor> planes,
+                            int64_t tile_rows) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2,
               "x: [M, K] float32, contiguous");
   TORCH_CHECK(planes.size() == 2 || planes.size() == 4, "one or two (packed, scales) planes");
+  TORCH_CHECK(tile_rows == 32 || tile_rows == 64, "tiles of 32 or 64 rows");
+#ifndef __AVX512F__
+  TORCH_CHECK(tile_rows == 32, "built without AVX-512: tiles of 32 rows only");
+#endif
   const bool two_planes = planes.size() == 4;
   const torch::Tensor& packed = planes[planes.size() - 2];
   const torch::Tensor& scales_zeros = planes[planes.size() - 1];
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
-  TORCH_CHECK(K % kGroup == 0 && N % kTileRows == 0, "K a multiple of 32, N of 64");
+  TORCH_CHECK(K % kGroup == 0 && N % tile_rows == 0, "K a multiple of 32, N of the tile");
   check_plane(packed, scales_zeros, K, N);
   if (two_planes) check_plane(planes[0], planes[1], K, N);
   const int64_t G = K / kGroup;
@@ -152,27 +254,22 @@ torch::Tensor int4_tiles_mm(torch::Tensor x, std::vector<torch::Tensor> planes) 
   const uint32_t* pairs = as_pairs(scales_zeros);
   const uint8_t* high_tiles = two_planes ? planes[0].data_ptr<uint8_t>() : nullptr;
   const uint32_t* high_pairs = two_planes ? as_pairs(planes[1]) : nullptr;
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, N / kTileRows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* tile = tiles + t * K * 32;
-      const uint32_t* tile_pairs = pairs + t * kTileRows;
-      const uint8_t* high_tile = two_planes ? high_tiles + t * K * 32 : nullptr;
-      const uint32_t* high_tile_pairs = two_planes ? high_pairs + t * kTileRows : nullptr;
-      const auto rows = [&](auto run, int64_t m) {
-        run(xs + m * K, K, tile, tile_pairs, high_tile, high_tile_pairs, N,
-            group_sums.data() + m * G, G, o + m * N + t * kTileRows);
-      };
-      int64_t m = 0;
-      if (two_planes) {
-        for (; m + 4 <= M; m += 4) rows(tile_rows<4, true>, m);
-        for (; m < M; ++m) rows(tile_rows<1, true>, m);
-      } else {
-        for (; m + 4 <= M; m += 4) rows(tile_rows<4, false>, m);
-        for (; m < M; ++m) rows(tile_rows<1, false>, m);
-      }
-    }
-  });
+  const auto run = [&](auto tile, auto four, auto one) {
+    over_tiles<decltype(tile)::value>(four, one, xs, M, K, N, tiles, pairs, high_tiles,
+                                      high_pairs, group_sums.data(), G, out.data_ptr<float>());
+  };
+  using Avx2 = std::integral_constant<int64_t, 32>;
+  if (tile_rows == 32) {
+    if (two_planes) run(Avx2{}, tile_rows_avx2<4, true>, tile_rows_avx2<1, true>);
+    else run(Avx2{}, tile_rows_avx2<4, false>, tile_rows_avx2<1, false>);
+  }
+#ifdef __AVX512F__
+  using Avx512 = std::integral_constant<int64_t, 64>;
+  if (tile_rows == 64) {
+    if (two_planes) run(Avx512{}, tile_rows_avx512<4, true>, tile_rows_avx512<1, true>);
+    else run(Avx512{}, tile_rows_avx512<4, false>, tile_rows_avx512<1, false>);
+  }
+#endif
   return out;
 }
 
@@ -180,4 +277,9 @@ torch::Tensor int4_tiles_mm(torch::Tensor x, std::vector<torch::Tensor> planes) 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_tiles_mm", &int4_tiles_mm, "x @ W.T over torch's int4 CPU layout, float32 x");
+#ifdef __AVX512F__
+  m.attr("tile_rows") = std::vector<int64_t>{32, 64};
+#else
+  m.attr("tile_rows") = std::vector<int64_t>{32};
+#endif
 }

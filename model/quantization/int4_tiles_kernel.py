@@ -9,9 +9,9 @@ float32: per group of 32 inputs ``S sum x q + Z sum x``, which differs from
 ``x @ dequantize().T`` by float32's rounding of the sums (a few ulp of ``sum |x| (16 |S| +
 |Z|)``). The speed it reaches is in ``int4_planes.py``'s docstring.
 
-Built once per machine by ``model/native_build.py`` (``-march=native``: AVX-512 is
-required; a CPU without it, or a machine without a compiler, serves with torch's kernel
-after one warning). ``python -m pdserve.model.quantization.int4_tiles_kernel`` builds it.
+Built once per machine by ``model/native_build.py`` (``-march=native``): it reads both of
+torch's tiled layouts, AVX-512's 64 rows a tile and AVX2's 32 (``int4_planes.py``); a CPU
+with neither, or a machine without a compiler, serves with torch's kernel after one warning. ``python -m pdserve.model.quantization.int4_tiles_kernel`` builds it.
 """
 
 from __future__ import annotations
@@ -42,9 +42,14 @@ def build() -> ModuleType | None:
         return _built
     with _lock:
         if _built is None and not _failed:
-            if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+            capability = torch.backends.cpu.get_cpu_capability()
+            if not capability.startswith(("AVX512", "AVX2")):
                 _failed = True
-                logger.warning("the int4 tiles kernel needs AVX-512; torch's kernel serves")
+                logger.warning(
+                    "the int4 tiles kernel needs AVX2 or AVX-512, torch dispatches to %s "
+                    "here; torch's kernel serves",
+                    capability,
+                )
                 return None
             try:
                 _built = native_build.load_extension("pdserve_int4_tiles", _SOURCE, _FLAGS)
@@ -58,13 +63,23 @@ def build() -> ModuleType | None:
         return _built
 
 
-def int4_tiles_mm(x: torch.Tensor, planes: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def reads_tiles_of(tile_rows: int) -> bool:
+    """Whether the kernel is built here and reads tiles of ``tile_rows`` (64 only where it
+    was compiled with AVX-512: torch may be told to dispatch to a capability the compiler
+    did not target, ``ATEN_CPU_CAPABILITY``)."""
+    kernel = build()
+    return kernel is not None and tile_rows in kernel.tile_rows
+
+
+def int4_tiles_mm(
+    x: torch.Tensor, planes: list[tuple[torch.Tensor, torch.Tensor]], tile_rows: int
+) -> torch.Tensor:
     """``x`` float32 ``[M, K]`` by the weight whose planes (``int4_planes.py``: one, or the
-    high and the low, read in one pass) are given: ``[M, padded rows]``. Call only where
-    ``build()`` is not None."""
+    high and the low, read in one pass) are given, packed in tiles of ``tile_rows``: ``[M,
+    padded rows]``. Call only where ``reads_tiles_of(tile_rows)``."""
     kernel = build()
     assert kernel is not None, "int4_tiles_mm called where the kernel is not built"
-    return kernel.int4_tiles_mm(x, [tensor for plane in planes for tensor in plane])
+    return kernel.int4_tiles_mm(x, [tensor for plane in planes for tensor in plane], tile_rows)
 
 
 if __name__ == "__main__":  # build it now, not at the first matmul

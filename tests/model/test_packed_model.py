@@ -41,7 +41,8 @@ def test_a_packed_gguf_computes_what_its_dequantized_load_computes(tmp_path, ref
     """The kernels multiply bfloat16-rounded activations (``int4_planes.py`` derives the
     bound per product; the kernels are checked against it in ``test_quantized_weight.py``)
     by the weights the dequantized load holds: over two layers of a random model the
-    logits stay within 2 % of their spread, the same token on top."""
+    logits stay within 3 % of their spread (2 % where our float32 kernel serves, on
+    AVX-512; torch's bfloat16 one elsewhere), the same token on top."""
     path = tmp_path / f"llama-{quant.name}.gguf"
     tensors = gguf_tensors(reference)
     tensors.pop("output.weight")  # tied: the LM head is the embedding
@@ -53,7 +54,7 @@ def test_a_packed_gguf_computes_what_its_dequantized_load_computes(tmp_path, ref
     assert isinstance(packed_weight(attention.q_proj), QuantizedWeight)
     expected = last_logits(float_model, float_config)
     got = last_logits(packed_model, packed_config)
-    assert (got - expected).abs().max() < 0.02 * (expected.max() - expected.min())
+    assert (got - expected).abs().max() < 0.03 * (expected.max() - expected.min())
     assert got.argmax() == expected.argmax()
     assert packed_model.lm_head_weight is packed_weight(packed_model.model.embed_tokens)
 

@@ -10,6 +10,9 @@ K-types it does not, so they are random bytes with sane float16 scale fields.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from unittest import mock
 
 import numpy as np
@@ -30,7 +33,7 @@ from pdserve.model.quantization import (
     int4_tiles_kernel,
     int8_weight,
 )
-from pdserve.model.quantization.int4_planes import DEQUANTIZE_ROWS
+from pdserve.model.quantization.int4_planes import DEQUANTIZE_ROWS, halves_tile
 
 TYPES = sorted(PACKED_TYPES, key=lambda quant: quant.name)
 K_TYPES = {Quant.Q4_K, Quant.Q5_K, Quant.Q6_K}
@@ -117,7 +120,7 @@ def test_matmul_is_x_times_the_dequantized_matrix(case, tokens, dtype, kernel_bu
     quant, rows, columns, seed = case
     weight = gguf_weight(quant, raw_tensor(quant, rows, columns, seed), (rows, columns))
     x = torch.randn(tokens, columns, generator=torch.Generator().manual_seed(seed)).to(dtype)
-    kernel = kernel_built and int4_tiles_kernel.build() is not None
+    kernel = kernel_built and int4_tiles_kernel.reads_tiles_of(halves_tile() or 0)
     with mock.patch.object(int4_tiles_kernel, "build", int4_tiles_kernel.build if kernel else none):
         y = weight.matmul(x)
     assert y.shape == (tokens, rows) and y.dtype == dtype
@@ -198,3 +201,42 @@ def test_int8_weight_is_within_half_a_step_per_row(rows, columns, tokens, seed):
     assert ((weight.dequantize() - original).abs() <= bound + 1e-7).all()
     x = torch.randn(tokens, columns, generator=generator)
     assert_product_close(weight.matmul(x), x, weight.dequantize())
+
+
+LAYOUT_CHECK = """
+import torch
+from pdserve.model.quantization import Int4PlanesWeight
+from pdserve.model.quantization.int4_planes import torch_int4_layout
+g = torch.Generator().manual_seed(0)
+codes = torch.randint(0, 256, (200, 96), generator=g, dtype=torch.uint8)
+scale = (torch.rand(200, 3, generator=g) / 100).half().float()  # held as float16: exact
+offset = -torch.rand(200, 3, generator=g).half().float()
+weight = Int4PlanesWeight.from_affine("Q8_0", codes, scale, offset, bits=8)
+want = codes.float() * scale.repeat_interleave(32, 1) + offset.repeat_interleave(32, 1)
+assert (weight.dequantize() - want).abs().max() < 1e-3, "dequantize"
+rows = torch.tensor([199, 0, 63, 64, 31, 32, 150])
+assert (weight.take_rows(rows).dequantize() - want[rows]).abs().max() < 1e-3, "take_rows"
+x = torch.randn(3, 96, generator=g)
+bound = 2.0**-6 * (x.abs() @ want.abs().T)  # torch's bfloat16 kernel's, int4_planes.py
+assert ((weight.matmul(x) - x @ want.T).abs() <= bound).all(), "matmul"
+print(torch.backends.cpu.get_cpu_capability(), torch_int4_layout().shape[0])
+"""
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
+def test_each_of_torchs_int4_layouts_reads_back_as_it_was_packed(capability):
+    """torch packs int4 differently per CPU capability (``int4_planes.py``); each one this
+    CPU can dispatch to (``ATEN_CPU_CAPABILITY`` forces it, in a fresh process) dequantizes,
+    looks up rows and multiplies as the codes say."""
+    flags = set(open("/proc/cpuinfo").read().split())
+    needs = {"default": set(), "avx2": {"avx2", "fma"}, "avx512": {"avx512f", "avx512bw"}}
+    if not needs[capability] <= flags:
+        pytest.skip(f"this CPU has no {capability} (torch would stop on an illegal instruction)")
+    environment = os.environ | {"ATEN_CPU_CAPABILITY": capability}
+    command = [sys.executable, "-c", LAYOUT_CHECK]
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    reached, tile = result.stdout.split()
+    if not reached.lower().startswith(capability):
+        pytest.skip(f"this CPU cannot dispatch to {capability} (torch chose {reached})")
+    assert int(tile) == (64 if capability == "avx512" else 32)
