@@ -34,7 +34,8 @@ class EngineConfig:
     """Weights and activations (and the KV cache unless kv_cache_dtype says otherwise)."""
     quantization: Quantization = "auto"
     """How linear weights are held and multiplied: auto, the checkpoint's own format (a
-    GGUF's quantized tensors stay packed: ``model/quantization/``); none, dequantized to
+    GGUF's quantized tensors and an AWQ or GPTQ folder's linears stay packed:
+    ``model/quantization/``; an fp8 folder is refused, naming none and int8); none, dequantized to
     dtype at load; int8, weight-only int8 per output channel for every float linear weight
     (a quantized GGUF tensor keeps its own format). Every worker of a deployment must hold
     the same (the KV handshake's fingerprint covers it)."""

@@ -38,6 +38,10 @@ from pdserve.model.gguf_loader import (
 )
 from pdserve.model.model_config import DTYPES, ModelConfig, resolve_dtype
 from pdserve.model.quantization import QuantizedWeight, int8_weight
+from pdserve.model.quantization.checkpoint_format import (
+    CheckpointQuantization,
+    checkpoint_quantization,
+)
 from pdserve.model.tensor_parallel import TensorParallel
 from pdserve.model.tiny_model import build_tiny_model, tiny_model_config
 from pdserve.stats.start_phases import start_phase
@@ -57,7 +61,8 @@ def load_model(
 ) -> tuple[CausalLM, ModelConfig, Tokenizer]:
     """``(model, model_config, tokenizer)`` for any ``--model`` value; model in eval mode.
     ``quantization`` (``EngineConfig.quantization``): ``auto`` keeps a GGUF's quantized
-    tensors packed, ``int8`` also packs every float linear weight, ``none`` dequantizes."""
+    tensors and an AWQ or GPTQ folder's linears packed (``model/quantization/``), ``int8``
+    also packs every float linear weight, ``none`` dequantizes."""
     torch_dtype = resolve_dtype(dtype)
     source = resolve_model(name_or_path)
     if source.kind == "tiny":
@@ -138,11 +143,14 @@ def check_model(
     cannot load used to fail only inside the deployed worker, after Serve's retries. It runs
     the load's own steps short of the weights: the dtype, the source, the config
     (architecture, RoPE, heads), the tokenizer, a GGUF's tensor types and names, a
-    directory's weight files, and the architecture built on the ``meta`` device.
+    directory's weight files and quantized format (``quantization_config``: one the
+    ``auto`` load would refuse, fp8, is refused here), and the architecture built on the
+    ``meta`` device.
     """
     resolve_dtype(dtype)
     source = resolve_model(name_or_path)
     gguf_types: dict[str, str] = {}  # a GGUF's quantized tensors: our name -> type
+    schemes: set[str] = set()  # the formats the load packs
     if source.kind == "tiny":
         config = tiny_model_config()
     elif source.kind == "gguf":
@@ -154,10 +162,15 @@ def check_model(
         config = load_model_config(source.file_path())
         _weight_files(source.file_path())
         load_tokenizer(source)
+        stored = checkpoint_quantization(source.file_path())
+        if stored is not None and quantization != "none":
+            if stored.runs_packed:
+                schemes.add(stored.scheme)
+            elif quantization == "auto":
+                raise ValueError(stored.refusal())
     packable = _build_on_meta(config).packable_weights()
-    schemes: set[str] = set()
     if quantization != "none":
-        schemes = {scheme for name, scheme in gguf_types.items() if name in packable}
+        schemes |= {scheme for name, scheme in gguf_types.items() if name in packable}
     if quantization == "int8" and packable - gguf_types.keys():
         schemes.add("int8")
     if device != "auto":
@@ -220,16 +233,49 @@ def load_weights(
 ) -> CausalLM:
     """Build ``config``'s architecture and fill it from the directory's safetensors."""
     directory = Path(directory)
+    stored = checkpoint_quantization(directory)
+    model = _build_on_meta(config)
     state: dict[str, torch.Tensor] = {}
     with start_phase("weights"):
         for shard in _weight_files(directory):
             with safe_open(str(shard), framework="pt", device="cpu") as reader:
                 for name in reader.keys():
-                    if not name.endswith(_IGNORED_SUFFIXES):
-                        state[name] = reader.get_tensor(name).to(device=device, dtype=dtype)
-    model = _build_on_meta(config)
-    packed = _int8_weights(state, model.packable_weights()) if quantization == "int8" else {}
+                    if name.endswith(_IGNORED_SUFFIXES) or (stored and stored.read_past(name)):
+                        continue
+                    tensor = reader.get_tensor(name)
+                    state[name] = tensor if stored else tensor.to(device=device, dtype=dtype)
+        packed: dict[str, QuantizedWeight] = {}
+        if stored is not None:
+            packable = model.packable_weights()
+            packed = _stored_linears(stored, state, packable, quantization)
+            for name in list(state):  # one at a time: the stored and cast copies never all coexist
+                state[name] = state[name].to(device=device, dtype=dtype)
+    if quantization == "int8":
+        packed |= _int8_weights(state, model.packable_weights())
     return fill_weights(model, config, state, packed, device, f"the weights in {directory}")
+
+
+def _stored_linears(
+    stored: CheckpointQuantization,
+    state: dict[str, torch.Tensor],
+    packable: Set[str],
+    quantization: Quantization,
+) -> dict[str, QuantizedWeight]:
+    """A quantized checkpoint's linears taken out of ``state``: packed where the
+    architecture packs them and ``quantization`` keeps the checkpoint's format, else put
+    back dequantized as ``<module>.weight``."""
+    packed: dict[str, QuantizedWeight] = {}
+    for module in stored.linears(list(state)):
+        name = f"{module}.weight"
+        pack = quantization != "none" and stored.runs_packed and name in packable
+        if quantization == "auto" and not stored.runs_packed and name in packable:
+            raise ValueError(stored.refusal())
+        weight = stored.take_linear(state, module, pack)
+        if isinstance(weight, QuantizedWeight):
+            packed[name] = weight
+        else:
+            state[name] = weight
+    return packed
 
 
 def _build_on_meta(config: ModelConfig) -> CausalLM:

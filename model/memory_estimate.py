@@ -6,7 +6,8 @@ Ray worker, which reads as a worker that never starts. The estimate counts what 
 will allocate::
 
     worker bytes = weights at the size they run + the KV pool
-    weights      = each tensor: packed → its bytes in the file (a GGUF quantized type)
+    weights      = each tensor: packed → its bytes in the file (a GGUF quantized type), or
+                                   the int4 planes' 5 / 10 bits a weight (AWQ, GPTQ)
                                    int8  → one byte a weight (plus a scale per row)
                                    float → its elements × the dtype's bytes
 
@@ -26,6 +27,7 @@ from pdserve.checkpoint.model_source import resolve_model
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.model.gguf_loader import FLOAT_TYPES
 from pdserve.model.model_config import ModelConfig, resolve_dtype
+from pdserve.model.quantization.checkpoint_format import checkpoint_quantization
 
 _SAFETENSORS_HEADER_LENGTH = 8  # a little-endian u64, then the JSON header
 
@@ -50,10 +52,22 @@ def weights_bytes(engine: EngineConfig, config: ModelConfig, packable: set[str])
             else:
                 total += elements * element_bytes
         return total
+    shapes = _safetensors_shapes(source.file_path())
+    stored = checkpoint_quantization(source.file_path())
+    packed_by_checkpoint: set[str] = set()
+    if stored is not None:
+        for module in stored.linears(shapes):
+            logical = stored.logical_shape(shapes, module)
+            shapes = {n: s for n, s in shapes.items() if not n.startswith(f"{module}.")}
+            shapes[f"{module}.weight"] = logical
+            if engine.quantization != "none" and stored.runs_packed:
+                packed_by_checkpoint.add(f"{module}.weight")
     total = 0
-    for name, shape in _safetensors_shapes(source.file_path()).items():
+    for name, shape in shapes.items():
         elements = math.prod(shape)
-        if engine.quantization == "int8" and name in packable:
+        if name in packed_by_checkpoint and name in packable and stored is not None:
+            total += int(elements * stored.bits_held / 8)
+        elif engine.quantization == "int8" and name in packable:
             total += elements + 4 * shape[0]
         else:
             total += elements * element_bytes

@@ -1,9 +1,12 @@
 """Linear weights kept at their quantized size and multiplied as they are stored.
 
 quantized_weight.py  the interface (``QuantizedWeight``) and ``concat_rows``
-int4_planes.py       GGUF's 4-8 bit types in groups of 32: torch's int4 CPU kernel
+int4_planes.py       4-8 bit codes in groups of 32: torch's int4 CPU layout, our kernel
 int8_channels.py     int8 per output row (``--quantization int8``, GGUF's Q6_K)
 gguf_blocks.py       a GGUF tensor's blocks read into one of those
+checkpoint_format.py an HF folder's quantization_config: AWQ, GPTQ, fp8 linears read
+int4_checkpoints.py  AWQ and GPTQ int32-packed codes into int4 planes
+fp8_checkpoints.py   fp8 weights and their tensor / channel / block scales, dequantized
 """
 
 from pdserve.model.quantization.gguf_blocks import PACKED_TYPES, gguf_weight

@@ -13,7 +13,7 @@ from pdserve.model.loader import load_model
 
 
 def save_llama(directory, **overrides) -> transformers.LlamaForCausalLM:
-    config = transformers.LlamaConfig(
+    shape = dict(
         vocab_size=32,
         hidden_size=32,
         intermediate_size=64,
@@ -21,8 +21,8 @@ def save_llama(directory, **overrides) -> transformers.LlamaForCausalLM:
         num_attention_heads=2,
         num_key_value_heads=1,
         eos_token_id=3,
-        **overrides,
     )
+    config = transformers.LlamaConfig(**(shape | overrides))
     model = transformers.LlamaForCausalLM(config)
     model.save_pretrained(directory)
     tokenizer = tokenizers.Tokenizer(
