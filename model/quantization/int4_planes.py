@@ -25,7 +25,7 @@ Three paths, chosen by the number of rows of ``x`` and its dtype (measured on th
 Sapphire Rapids with AMX, one thread, the weights of 30 layers streamed from memory as in a
 decode step: ``bench/bench_quantized_matmul.py``, whose docstring has the table):
 
-- **few float32 rows** (``< DEQUANTIZE_ROWS``): our C++ kernel (``int4_tiles_kernel.py``)
+- **few float32 rows** (below ``dequantize_plan()``'s count): our C++ kernel (``int4_tiles_kernel.py``)
   over the very same bytes, weights widened to float32 in registers: exact to float32
   (within 1e-4 relative of ``x @ dequantize().T``; ~1e-7 measured) and, for Q4_1 at 576 ->
   3072, 6.2x float32's ``mm`` at 1 row, 2.8x at 16 (1536 -> 576: 4.6x, 1.5x).
@@ -36,6 +36,12 @@ decode step: ``bench/bench_quantized_matmul.py``, whose docstring has the table)
   512 rows, while dequantizing the whole matrix once (float32, a few passes in torch) and
   multiplying in bfloat16 (oneDNN on AMX tiles: 7x float32's ``mm``) is 1.5-1.9x faster than
   float32 for 4-bit types, 1.1x for two planes (the dequantization dominates).
+
+Without AMX (an AVX2 AMD EPYC: no AMX, no AVX-512) bfloat16 multiplies no faster than
+float32, our AVX2 kernel is 1.2-1.4x float32's ``mm`` at one row and even at 16, and it still
+beats dequantizing (a few ms a matrix in torch) at 128 rows (10 against 19 ms at 576 ->
+3072), not at 512 (45 against 36): there the many-rows path starts at 256 rows and stays in
+float32 (``dequantize_plan``).
 
 The bfloat16 paths round the activations (unit roundoff ``u = 2^-8``) and accumulate in
 float32; the many-rows path rounds the weights to bfloat16 too, torch's kernel its scales,
@@ -68,9 +74,19 @@ from pdserve.model.quantization import int4_tiles_kernel
 from pdserve.model.quantization.quantized_weight import QuantizedWeight
 
 GROUP = 32  # inputs per scale and offset
-# From this many rows of x, dequantize and multiply in bfloat16 (module doc; the crossover
-# measured between 16 and 32 rows).
-DEQUANTIZE_ROWS = 24
+
+
+@functools.cache
+def dequantize_plan() -> tuple[int, torch.dtype]:
+    """From how many rows of x a packed weight is dequantized whole and multiplied, and in
+    which dtype (module doc: measured crossovers): with AMX from 24 rows in bfloat16,
+    without it from 256 in float32."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            amx = "amx_bf16" in cpuinfo.read().split()
+    except OSError:
+        amx = False
+    return (24, torch.bfloat16) if amx else (256, torch.float32)
 
 
 class Int4PlanesWeight(QuantizedWeight):
@@ -117,9 +133,9 @@ class Int4PlanesWeight(QuantizedWeight):
         return cls(scheme, rows, columns, planes)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= DEQUANTIZE_ROWS:
-            weight = self.dequantize().to(torch.bfloat16)
-            return torch.mm(x.to(torch.bfloat16), weight.t()).to(x.dtype)
+        rows, dtype = dequantize_plan()
+        if x.shape[0] >= rows:
+            return torch.mm(x.to(dtype), self.dequantize().to(dtype).t()).to(x.dtype)
         tile = halves_tile()
         if x.dtype == torch.float32 and tile and int4_tiles_kernel.reads_tiles_of(tile):
             exact = int4_tiles_kernel.int4_tiles_mm(x.contiguous(), self.planes, tile)
@@ -312,5 +328,8 @@ def _all_nibbles(packed: torch.Tensor, in_features: int) -> torch.Tensor:
     place = torch_int4_layout()
     tile = place.shape[0]
     tiles = packed.view(-1, in_features, tile // 2)
-    halves = torch.stack([tiles & 15, tiles >> 4], dim=-1).view(-1, in_features, tile)
-    return halves[:, :, place].transpose(1, 2).reshape(-1, in_features)
+    if halves_tile():  # rows j and T/2 + j in byte j: the nibble planes in row order, no gather
+        halves = torch.stack([tiles & 15, tiles >> 4], dim=1)  # [tiles, 2, in, T / 2]
+        return halves.transpose(2, 3).reshape(-1, in_features)
+    places = torch.stack([tiles & 15, tiles >> 4], dim=-1).view(-1, in_features, tile)
+    return places[:, :, place].transpose(1, 2).reshape(-1, in_features)

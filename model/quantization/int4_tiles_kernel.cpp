@@ -121,16 +121,30 @@ void tile_rows_avx512(const float* x, int64_t K, const uint8_t* tile, const uint
 
 #endif  // __AVX512F__
 
-// The AVX2 layout's tile (T = 32): 8 lanes a register, scales widened per group in memory
-// (F16C converts 8 halves at a time only from 8 consecutive ones, and they interleave with
-// the zeros here).
+// The AVX2 layout's tile (T = 32): 8 lanes a register. F16C widens 8 consecutive halves,
+// and the scales interleave with the zeros here: a byte shuffle gathers each (S, Z) pair's
+// S (or its Z) into the low 8 bytes of each 128-bit lane, and a lane permute joins them.
+inline __m128i halves_of_pairs(__m256i pairs, __m256i pick) {
+  const __m256i picked = _mm256_shuffle_epi8(pairs, pick);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(picked, 0b1000));
+}
+
 template <int kRows, bool kTwoPlanes>
 void tile_rows_avx2(const float* x, int64_t K, const uint8_t* tile, const uint32_t* scales_zeros,
                     const uint8_t* high_tile, const uint32_t* high_scales_zeros, int64_t N,
                     const float* group_sums, int64_t G, float* out) {
   constexpr int64_t kRowsPerTile = 32;
+  constexpr bool kTotalsInRegisters = kRows == 1;  // as tile_rows_avx512
   alignas(32) float total[kRows][kRowsPerTile] = {};
+  __m256 held[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                    _mm256_setzero_ps()};
   const __m256i low_mask = _mm256_set1_epi32(15);
+  const __m256i pick_scale = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1,
+                                              -1, -1, 0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1,
+                                              -1, -1, -1, -1);
+  const __m256i pick_zero = _mm256_add_epi8(
+      pick_scale, _mm256_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2,
+                                   2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0));
   for (int64_t g = 0; g < G; ++g) {
     __m256 acc[kRows][4];
     for (int i = 0; i < kRows; ++i)
@@ -166,26 +180,35 @@ void tile_rows_avx2(const float* x, int64_t K, const uint8_t* tile, const uint32
         for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_fmadd_ps(xv, w[j], acc[i][j]);
       }
     }
-    alignas(32) float scale[kRowsPerTile], zero[kRowsPerTile];
     const uint32_t* pairs = scales_zeros + g * N;  // this tile's 32 rows, (S, Z) each
-    for (int r = 0; r < kRowsPerTile; ++r) {
-      scale[r] = _cvtsh_ss(static_cast<unsigned short>(pairs[r] & 0xFFFF));
-      zero[r] = _cvtsh_ss(static_cast<unsigned short>(pairs[r] >> 16));
-      if constexpr (kTwoPlanes)
-        zero[r] += _cvtsh_ss(static_cast<unsigned short>(high_scales_zeros[g * N + r] >> 16));
-    }
     for (int j = 0; j < 4; ++j) {
-      const __m256 s = _mm256_load_ps(scale + 8 * j), z = _mm256_load_ps(zero + 8 * j);
+      const __m256i packed_pairs =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + 8 * j));
+      const __m256 scale = _mm256_cvtph_ps(halves_of_pairs(packed_pairs, pick_scale));
+      __m256 zero = _mm256_cvtph_ps(halves_of_pairs(packed_pairs, pick_zero));
+      if constexpr (kTwoPlanes) {
+        const __m256i high_pairs = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(high_scales_zeros + g * N + 8 * j));
+        zero = _mm256_add_ps(zero, _mm256_cvtph_ps(halves_of_pairs(high_pairs, pick_zero)));
+      }
       for (int i = 0; i < kRows; ++i) {
         const __m256 sum = _mm256_set1_ps(group_sums[i * G + g]);
-        __m256 running = _mm256_load_ps(&total[i][8 * j]);
-        running = _mm256_fmadd_ps(s, acc[i][j], running);
-        running = _mm256_fmadd_ps(z, sum, running);
-        _mm256_store_ps(&total[i][8 * j], running);
+        __m256 running = kTotalsInRegisters ? held[j] : _mm256_load_ps(&total[i][8 * j]);
+        running = _mm256_fmadd_ps(scale, acc[i][j], running);
+        running = _mm256_fmadd_ps(zero, sum, running);
+        if constexpr (kTotalsInRegisters) {
+          held[j] = running;
+        } else {
+          _mm256_store_ps(&total[i][8 * j], running);
+        }
       }
     }
   }
-  for (int i = 0; i < kRows; ++i) std::memcpy(out + i * N, total[i], sizeof(total[i]));
+  if constexpr (kTotalsInRegisters) {
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + 8 * j, held[j]);
+  } else {
+    for (int i = 0; i < kRows; ++i) std::memcpy(out + i * N, total[i], sizeof(total[i]));
+  }
 }
 
 void check_plane(const torch::Tensor& packed, const torch::Tensor& scales_zeros, int64_t K,
@@ -198,9 +221,10 @@ void check_plane(const torch::Tensor& packed, const torch::Tensor& scales_zeros,
               "scales_zeros: [K / 32, N, 2]");
 }
 
-// Runs one tile kernel over every tile and every row block of x (4 rows, then 1 at a time).
-template <int64_t kTile, typename Four, typename One>
-void over_tiles(Four four, One one, const float* xs, int64_t M, int64_t K, int64_t N,
+// Runs one tile kernel over every tile and every row block of x (kBlock rows, then 1 at a
+// time: 4 on AVX-512's 32 registers, 2 on AVX2's 16, where 4 rows' sums would spill).
+template <int64_t kTile, int64_t kBlock, typename Block, typename One>
+void over_tiles(Block block, One one, const float* xs, int64_t M, int64_t K, int64_t N,
                 const uint8_t* tiles, const uint32_t* pairs, const uint8_t* high_tiles,
                 const uint32_t* high_pairs, const float* group_sums, int64_t G, float* o) {
   at::parallel_for(0, N / kTile, 1, [&](int64_t begin, int64_t end) {
@@ -213,7 +237,7 @@ void over_tiles(Four four, One one, const float* xs, int64_t M, int64_t K, int64
             group_sums + m * G, G, o + m * N + t * kTile);
       };
       int64_t m = 0;
-      for (; m + 4 <= M; m += 4) rows(four, m);
+      for (; m + kBlock <= M; m += kBlock) rows(block, m);
       for (; m < M; ++m) rows(one, m);
     }
   });
@@ -254,20 +278,25 @@ torch::Tensor int4_tiles_mm(torch::Tensor x, std::vector<torch::Tensor> planes,
   const uint32_t* pairs = as_pairs(scales_zeros);
   const uint8_t* high_tiles = two_planes ? planes[0].data_ptr<uint8_t>() : nullptr;
   const uint32_t* high_pairs = two_planes ? as_pairs(planes[1]) : nullptr;
-  const auto run = [&](auto tile, auto four, auto one) {
-    over_tiles<decltype(tile)::value>(four, one, xs, M, K, N, tiles, pairs, high_tiles,
-                                      high_pairs, group_sums.data(), G, out.data_ptr<float>());
+  const auto run = [&](auto tile, auto block_rows, auto block, auto one) {
+    over_tiles<decltype(tile)::value, decltype(block_rows)::value>(
+        block, one, xs, M, K, N, tiles, pairs, high_tiles, high_pairs, group_sums.data(), G,
+        out.data_ptr<float>());
   };
   using Avx2 = std::integral_constant<int64_t, 32>;
+  using TwoRows = std::integral_constant<int64_t, 2>;
   if (tile_rows == 32) {
-    if (two_planes) run(Avx2{}, tile_rows_avx2<4, true>, tile_rows_avx2<1, true>);
-    else run(Avx2{}, tile_rows_avx2<4, false>, tile_rows_avx2<1, false>);
+    if (two_planes) run(Avx2{}, TwoRows{}, tile_rows_avx2<2, true>, tile_rows_avx2<1, true>);
+    else run(Avx2{}, TwoRows{}, tile_rows_avx2<2, false>, tile_rows_avx2<1, false>);
   }
 #ifdef __AVX512F__
   using Avx512 = std::integral_constant<int64_t, 64>;
+  using FourRows = std::integral_constant<int64_t, 4>;
   if (tile_rows == 64) {
-    if (two_planes) run(Avx512{}, tile_rows_avx512<4, true>, tile_rows_avx512<1, true>);
-    else run(Avx512{}, tile_rows_avx512<4, false>, tile_rows_avx512<1, false>);
+    if (two_planes)
+      run(Avx512{}, FourRows{}, tile_rows_avx512<4, true>, tile_rows_avx512<1, true>);
+    else
+      run(Avx512{}, FourRows{}, tile_rows_avx512<4, false>, tile_rows_avx512<1, false>);
   }
 #endif
   return out;

@@ -33,7 +33,7 @@ from pdserve.model.quantization import (
     int4_tiles_kernel,
     int8_weight,
 )
-from pdserve.model.quantization.int4_planes import DEQUANTIZE_ROWS, halves_tile
+from pdserve.model.quantization.int4_planes import dequantize_plan, halves_tile
 
 TYPES = sorted(PACKED_TYPES, key=lambda quant: quant.name)
 K_TYPES = {Quant.Q4_K, Quant.Q5_K, Quant.Q6_K}
@@ -43,6 +43,8 @@ BF16_BOUND = 2.0**-6  # int4_planes.py: |y - x W^T| <= 2^-6 sum |x| |w|
 EXACT_BOUND = 1e-4  # float32 activations through the C++ kernel
 REQUANTIZED_BOUND = 1 / 254 + 2.0**-8  # int8_channels.py: half a step, a bfloat16 scale
 EXAMPLES = settings(max_examples=40, deadline=None)
+# Rows of x: the kernels' few, and the first count the whole weight is dequantized at.
+ROW_COUNTS = st.integers(1, 40) | st.just(dequantize_plan()[0])
 
 
 def raw_tensor(quant: Quant, rows: int, columns: int, seed: int) -> np.ndarray:
@@ -109,13 +111,13 @@ def test_a_packed_tensor_dequantizes_to_the_files_values(case):
 @EXAMPLES
 @given(
     quantized_cases(),
-    st.integers(1, 40),
+    ROW_COUNTS,
     st.sampled_from([torch.float32, torch.bfloat16]),
     st.booleans(),
 )
 def test_matmul_is_x_times_the_dequantized_matrix(case, tokens, dtype, kernel_built):
     """Every row count (few rows: the kernel; many: dequantized), both dtypes, with the C++
-    kernel and without (torch's): float32 rows under ``DEQUANTIZE_ROWS`` through the C++
+    kernel and without (torch's): float32 rows under ``dequantize_plan()``'s through the C++
     kernel are exact to 1e-4 relative, every other path within bfloat16's bound."""
     quant, rows, columns, seed = case
     weight = gguf_weight(quant, raw_tensor(quant, rows, columns, seed), (rows, columns))
@@ -127,7 +129,7 @@ def test_matmul_is_x_times_the_dequantized_matrix(case, tokens, dtype, kernel_bu
     exact = (
         kernel
         and dtype == torch.float32
-        and tokens < DEQUANTIZE_ROWS
+        and tokens < dequantize_plan()[0]
         and isinstance(weight, Int4PlanesWeight)
     )
     assert_product_close(y, x, weight.dequantize(), EXACT_BOUND if exact else BF16_BOUND)
@@ -190,7 +192,7 @@ def test_nbytes_counts_the_packed_bits(quant):
 
 
 @EXAMPLES
-@given(st.integers(1, 70), st.integers(1, 300), st.integers(1, 40), st.integers(0, 2**31))
+@given(st.integers(1, 70), st.integers(1, 300), ROW_COUNTS, st.integers(0, 2**31))
 def test_int8_weight_is_within_half_a_step_per_row(rows, columns, tokens, seed):
     generator = torch.Generator().manual_seed(seed)
     original = torch.randn(rows, columns, generator=generator)
