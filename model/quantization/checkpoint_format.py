@@ -28,6 +28,9 @@ from pdserve.model.quantization.int4_checkpoints import AffineGroups, awq_groups
 from pdserve.model.quantization.quantized_weight import QuantizedWeight
 
 SUPPORTED = "awq (gemm, 4 bits), gptq (4 or 8 bits), fp8, compressed-tensors with fp8 weights"
+# Methods whose saved weights are floats: transformers dequantizes a GGUF at load and keeps
+# {"quant_method": "gguf"} in the config it saves.
+FLOAT_METHODS = ("gguf",)
 _INT_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
 _FP8_SCALES = ("weight_scale_inv", "weight_scale")
 _READ_PAST = ("input_scale", "k_scale", "v_scale")
@@ -110,7 +113,7 @@ def checkpoint_quantization(directory: str | Path) -> CheckpointQuantization | N
     where it is one pdserve does not read, naming those it does."""
     config = json.loads((Path(directory) / "config.json").read_text())
     declared = config.get("quantization_config")
-    if not declared:
+    if not declared or str(declared.get("quant_method", "")).lower() in FLOAT_METHODS:
         return None
     return parse_quantization_config(declared)
 

@@ -311,14 +311,22 @@ def test_an_fp8_folder_is_dequantized_or_repacked_and_refused_as_it_is_stored(
     assert (got - want).abs().max() < 0.03 * (want.max() - want.min())
 
 
-def test_a_format_pdserve_does_not_read_is_refused_naming_those_it_does(tmp_path, reference):
+@pytest.mark.parametrize("method", ["bitsandbytes", "gguf"])
+def test_a_format_pdserve_does_not_read_is_refused_naming_those_it_does(
+    tmp_path, reference, method
+):
+    """bitsandbytes is refused; "gguf" is what transformers writes in the config of a model it
+    dequantized from a GGUF, whose weights are floats: it loads as one."""
     reference.save_pretrained(tmp_path)
     (tmp_path / "tokenizer.json").write_text(
         (reference.reference_directory / "tokenizer.json").read_text()
     )
     config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    config["quantization_config"] = {"quant_method": method, "load_in_4bit": True}
     (tmp_path / "config.json").write_text(json.dumps(config))
+    if method == "gguf":
+        assert check_model(str(tmp_path), quantization="auto").quantization == "none"
+        return
     with pytest.raises(ValueError, match="'bitsandbytes' is not supported; supported: awq"):
         check_model(str(tmp_path))
 
