@@ -7,8 +7,11 @@ ratio packed / float32, and a 512-token prefill's time. Then ``--quantization in
 float32 checkpoint (smollm2 converted by transformers from the same file and saved as an HF
 folder in a temporary directory) against that checkpoint in float32, batch 1.
 
-Measured (2026-12-05, this 2-core Sapphire Rapids box, one thread, 64 new tokens, 3 repeats,
-other work on the second core; float16 scales, ``int4_planes.py``)::
+Then the packed engine against llama.cpp on the same file at batch 1, one thread, when
+``llama-cpp-python`` is installed (``pip install -e '.[llamacpp]'``, a compile of minutes).
+
+Measured (2026-12-05, a 2-core Sapphire Rapids with AVX-512 and AMX, one thread, 64 new
+tokens, 3 repeats, other work on the second core; float16 scales, ``int4_planes.py``)::
 
     batch  1: auto   36.6 tok/s  none   18.3 tok/s  ratio 2.00x
     batch 16: auto  171.2 tok/s  none  106.9 tok/s  ratio 1.60x
@@ -17,11 +20,23 @@ other work on the second core; float16 scales, ``int4_planes.py``)::
     batch  1: int8   24.4 tok/s  none   17.7 tok/s  ratio 1.38x
 
 (With bfloat16 scales, on a quieter box: 43.3 against 20.4 tok/s, 2.12x; 2.00x at batch
-16.) llama.cpp ran this file at about 58 tok/s on one thread (issue 52): packed batch 1 is
-0.63-0.75x of it (0.35x before). Aims: batch 1 >= 1.0x llama.cpp (not met), batch 16 >= 3x
-float32 (not met: 1.6-2.0x), prefill no slower (met: many rows are dequantized to bfloat16
-and multiplied on AMX), int8 on a float32 checkpoint >= 2.5x (not met: 1.4x; torch's
-``_weight_int8pack_mm`` widens to float32 per call).
+16.) Issue 52 quoted llama.cpp at about 58 tok/s there.
+
+Measured (2026-12-06, a 2-core AMD EPYC with AVX2 only: no AVX-512, no AMX; the kernel's
+AVX2 variant; llama.cpp 0.3.36 built here)::
+
+    batch  1: auto   39.8 tok/s  none   23.7 tok/s  ratio 1.68x
+    batch 16: auto   99.7 tok/s  none  105.7 tok/s  ratio 0.94x
+    batch  1: auto   42.7 tok/s  llama.cpp   76.3 tok/s  ratio 0.56x
+    512-token prefill: packed 137 ms  float32 138 ms  ratio 0.99x
+    a float32 checkpoint of smollm2:
+    batch  1: int8   28.9 tok/s  none   25.6 tok/s  ratio 1.13x
+
+Aims: batch 1 >= 1.0x llama.cpp (not met: 0.56x measured side by side; 0.35x before), batch
+16 >= 3x float32 (not met: 1.6x with AVX-512, 0.94x on AVX2, where widening every weight to
+float32 is the bound at 16 rows: llama.cpp multiplies 8-bit activations by the codes in
+integer dot products instead), prefill no slower (met), int8 on a float32 checkpoint >=
+2.5x (not met: 1.1-1.4x; torch's ``_weight_int8pack_mm`` widens to float32 per call).
 
 Run: python bench/bench_packed_decode.py   (≈ 3 minutes)
 """
@@ -52,6 +67,28 @@ def prefill_seconds(engine: LLMEngine, length: int) -> float:
     started = time.perf_counter()
     engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
     return time.perf_counter() - started
+
+
+def llama_cpp_tokens_per_second(new_tokens: int) -> float | None:
+    """llama.cpp (``llama-cpp-python``, the ``llamacpp`` extra) decoding the same file from
+    the same 16-token prompt at batch 1 on one thread; None where it is not installed."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    llm = llama_cpp.Llama(
+        model_path=str(builtin_gguf_path("smollm2")),
+        n_ctx=256,
+        n_threads=1,
+        n_threads_batch=1,
+        verbose=False,
+    )
+    prompt = [1 + (7 * 0 + j) % 4000 for j in range(16)]
+    started = time.perf_counter()
+    for count, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0, reset=True), 1):
+        if count == new_tokens:
+            break
+    return new_tokens / (time.perf_counter() - started)
 
 
 def float_checkpoint(folder: Path) -> Path:
@@ -107,6 +144,18 @@ def main() -> None:
     print(f"smollm2, one thread, {args.new_tokens} new tokens, median of {args.repeats}")
     for batch in (1, 16):
         compare(engines, batch, args)
+    ours, theirs = [], []
+    for _ in range(args.repeats):
+        ours.append(tokens_per_second(engines["auto"], 1, args.new_tokens))
+        theirs.append(llama_cpp_tokens_per_second(args.new_tokens) or 0.0)
+    if all(theirs):
+        packed, reference = statistics.median(ours), statistics.median(theirs)
+        print(
+            f"batch  1: auto {packed:6.1f} tok/s  llama.cpp {reference:6.1f} tok/s  "
+            f"ratio {packed / reference:.2f}x"
+        )
+    else:
+        print("llama.cpp: not installed (pip install -e '.[llamacpp]', a compile of minutes)")
     times: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(args.repeats):
         for name, engine in engines.items():
