@@ -29,7 +29,6 @@ from pdserve.checkpoint.model_source import ModelSource, hf_eos_token_ids, resol
 from pdserve.checkpoint.weights_digest import parameters_digest, weights_digest
 from pdserve.messages.engine_config import Quantization
 from pdserve.model.architectures import CausalLM, build_model
-from pdserve.model.architectures.layers import attach_packed_weight
 from pdserve.model.gguf_loader import (
     check_gguf_tensors,
     gguf_has_output_head,
@@ -42,6 +41,7 @@ from pdserve.model.quantization.checkpoint_format import (
     CheckpointQuantization,
     checkpoint_quantization,
 )
+from pdserve.model.quantization.quantized_weight import attach_packed_weight
 from pdserve.model.tensor_parallel import TensorParallel
 from pdserve.model.tiny_model import build_tiny_model, tiny_model_config
 from pdserve.stats.start_phases import start_phase
@@ -185,12 +185,19 @@ def check_tensor_parallel(config: ModelConfig, tensor_parallel_size: int) -> Non
     memory, no weights) as rank 0, whose split is refused as every rank's is."""
     if tensor_parallel_size == 1:  # an unsplit model is not sharded at all
         return
-    if config.quantization != "none":
-        raise ValueError(
-            f"tensor parallelism splits float weights only, and this model's load packs "
-            f"{config.quantization}: run it with --quantization none, or at tensor parallel "
-            "size 1"
-        )
+    if set(config.quantization.split("+")) - {"none", "int8"}:
+        # A row-parallel rank's inputs (its heads' features, its intermediate features) must
+        # be whole groups of 32 of the int4 planes (QuantizedWeight.take_columns).
+        for what, width in (
+            ("attention features", config.num_heads // tensor_parallel_size * config.head_dim),
+            ("intermediate features", config.intermediate_size // tensor_parallel_size),
+        ):
+            if width % 32:
+                raise ValueError(
+                    f"weights packed as {config.quantization} split only at multiples of 32 "
+                    f"inputs, and a rank of {tensor_parallel_size} would hold {width} {what}: "
+                    "run it with --quantization none, or at another tensor parallel size"
+                )
     with torch.device("meta"):
         model = build_model(config)
     model.shard(TensorParallel.layout_only(tensor_parallel_size))

@@ -29,6 +29,8 @@ from typing import Protocol, cast
 import torch
 import torch.distributed as dist
 
+from pdserve.model.quantization.quantized_weight import attach_packed_weight, packed_weight
+
 # The loopback address every rank of a worker binds its group's connections to: the ranks
 # of one worker are processes of one node.
 GROUP_HOST = "127.0.0.1"
@@ -127,8 +129,13 @@ def join_group(store: dist.Store, rank: int, world_size: int, timeout: timedelta
 
 
 def keep_output_rows(linear: torch.nn.Linear, start: int, end: int) -> None:
-    """Column parallelism: ``linear`` keeps output features ``[start, end)`` (and their bias)."""
-    linear.weight = torch.nn.Parameter(linear.weight.detach()[start:end].clone(), False)
+    """Column parallelism: ``linear`` keeps output features ``[start, end)`` (and their bias);
+    a packed weight keeps its rows packed."""
+    packed = packed_weight(linear)
+    if packed is not None:
+        attach_packed_weight(linear, packed.take_rows(torch.arange(start, end)))
+    else:
+        linear.weight = torch.nn.Parameter(linear.weight.detach()[start:end].clone(), False)
     if linear.bias is not None:
         linear.bias = torch.nn.Parameter(linear.bias.detach()[start:end].clone(), False)
     linear.out_features = end - start
@@ -137,7 +144,11 @@ def keep_output_rows(linear: torch.nn.Linear, start: int, end: int) -> None:
 def keep_input_columns(linear: torch.nn.Linear, start: int, end: int, keep_bias: bool) -> None:
     """Row parallelism: ``linear`` keeps input features ``[start, end)``; its bias stays on
     one rank only (``keep_bias``), since the partial outputs are summed."""
-    linear.weight = torch.nn.Parameter(linear.weight.detach()[:, start:end].clone(), False)
+    packed = packed_weight(linear)
+    if packed is not None:
+        attach_packed_weight(linear, packed.take_columns(start, end))
+    else:
+        linear.weight = torch.nn.Parameter(linear.weight.detach()[:, start:end].clone(), False)
     if linear.bias is not None and not keep_bias:
         linear.register_parameter("bias", None)
     linear.in_features = end - start

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.quantization import QuantizedWeight, concat_rows
+from pdserve.model.quantization.quantized_weight import packed_weight
 from pdserve.model.tensor_parallel import TensorParallel, keep_input_columns, keep_output_rows
 
 # A fused projection's weight: a float ``[in, out]`` matrix, or a packed ``[out, in]`` one.
@@ -49,17 +50,6 @@ class RMSNorm(nn.Module):
         normed = x.float()
         normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
-
-
-def packed_weight(module: nn.Module) -> QuantizedWeight | None:
-    """The packed weight the loader gave a linear or an embedding (module doc), if any."""
-    return getattr(module, "packed_weight", None)
-
-
-def attach_packed_weight(module: nn.Module, weight: QuantizedWeight) -> None:
-    """Gives a linear or an embedding the packed weight it runs (module doc); set past
-    ``nn.Module``'s attribute bookkeeping, which holds parameters and submodules only."""
-    object.__setattr__(module, "packed_weight", weight)
 
 
 def fuse_linears(linears: list[nn.Linear]) -> tuple[ProjectionWeight, torch.Tensor | None]:

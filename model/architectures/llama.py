@@ -30,10 +30,8 @@ from pdserve.model.architectures.layers import (
     GatedMLP,
     ProjectionWeight,
     RMSNorm,
-    attach_packed_weight,
     embedding_rows,
     fuse_linears,
-    packed_weight,
     project,
 )
 from pdserve.model.architectures.mla import MLAttention
@@ -41,6 +39,7 @@ from pdserve.model.architectures.moe import SparseMoE
 from pdserve.model.architectures.rotary import RotaryEmbedding, apply_rotary
 from pdserve.model.attention import AttentionMetadata, StepAttention, paged_attention
 from pdserve.model.model_config import ModelConfig
+from pdserve.model.quantization.quantized_weight import attach_packed_weight, packed_weight
 from pdserve.model.tensor_parallel import TensorParallel, keep_input_columns, keep_output_rows
 
 
@@ -190,9 +189,13 @@ class LlamaModel(nn.Module):
         for layer in cast("Iterable[LlamaDecoderLayer]", self.layers):
             layer.shard(tensor_parallel)
         start, end = tensor_parallel.vocab_range(self.config.vocab_size)
-        self.embed_tokens.weight = nn.Parameter(
-            self.embed_tokens.weight.detach()[start:end].clone(), False
-        )
+        packed = packed_weight(self.embed_tokens)
+        if packed is not None:
+            attach_packed_weight(self.embed_tokens, packed.take_rows(torch.arange(start, end)))
+        else:
+            self.embed_tokens.weight = nn.Parameter(
+                self.embed_tokens.weight.detach()[start:end].clone(), False
+            )
         self.tensor_parallel = tensor_parallel
 
     def forward(
@@ -217,7 +220,7 @@ class LlamaModel(nn.Module):
             return embedding_rows(self.embed_tokens, input_ids)
         start, end = tensor_parallel.vocab_range(self.config.vocab_size)
         local = (input_ids >= start) & (input_ids < end)
-        hidden = self.embed_tokens.forward((input_ids - start) * local)
+        hidden = embedding_rows(self.embed_tokens, (input_ids - start) * local)
         hidden *= local[:, None].to(hidden.dtype)
         tensor_parallel.all_reduce(hidden)
         return hidden
@@ -253,12 +256,6 @@ class LlamaForCausalLM(nn.Module):
     def shard(self, tensor_parallel: TensorParallel) -> None:
         """Keep rank ``tensor_parallel.rank``'s slice of every weight (module doc of
         ``model/tensor_parallel.py``); call before ``fuse_weights``."""
-        if any(packed_weight(module) is not None for module in self.modules()):
-            raise ValueError(
-                "tensor parallelism splits float weights only, and this model's are packed "
-                f"({self.config.quantization}): run it with --quantization none, or at "
-                "tensor parallel size 1"
-            )
         self.model.shard(tensor_parallel)
         if self.config.tie_word_embeddings:
             self.tie_weights()

@@ -194,6 +194,23 @@ class Int4PlanesWeight(QuantizedWeight):
             ],
         )
 
+    def take_columns(self, start: int, end: int) -> Int4PlanesWeight:
+        """Whole groups only: ``start`` and ``end`` multiples of 32 (a rank's heads or
+        intermediate features always are, in the models served)."""
+        if start % GROUP or end % GROUP:
+            raise ValueError(
+                f"{self.scheme} splits its inputs only at multiples of {GROUP}, not "
+                f"[{start}, {end}): use --quantization none for this tensor parallel size"
+            )
+        planes = [
+            _repack(
+                _all_nibbles(packed, self.in_features)[:, start:end],
+                scales_zeros[start // GROUP : end // GROUP],
+            )
+            for packed, scales_zeros in self.planes
+        ]
+        return Int4PlanesWeight(self.scheme, self.out_features, end - start, planes)
+
     @classmethod
     def concat(cls, weights: list[QuantizedWeight]) -> QuantizedWeight | None:
         parts = [weight for weight in weights if isinstance(weight, Int4PlanesWeight)]

@@ -66,6 +66,10 @@ class Int8ChannelWeight(QuantizedWeight):
             self.scheme, self.codes[index], self.scales[index], self.in_features
         )
 
+    def take_columns(self, start: int, end: int) -> Int8ChannelWeight:
+        """Each row keeps its scale: a slice of its codes is still within half a step."""
+        return Int8ChannelWeight(self.scheme, self.codes[:, start:end], self.scales, end - start)
+
     @classmethod
     def concat(cls, weights: list[QuantizedWeight]) -> QuantizedWeight | None:
         parts = [weight for weight in weights if isinstance(weight, Int8ChannelWeight)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
+from torch import nn
 
 
 class QuantizedWeight(ABC):
@@ -36,6 +37,10 @@ class QuantizedWeight(ABC):
     @abstractmethod
     def take_rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The weight of rows ``index`` (reordered or selected)."""
+
+    @abstractmethod
+    def take_columns(self, start: int, end: int) -> QuantizedWeight:
+        """The weight of input features ``[start, end)`` (a row-parallel rank's slice)."""
 
     @property
     @abstractmethod
@@ -87,6 +92,9 @@ class ConcatenatedWeight(QuantizedWeight):
         ]
         return taken[0] if len(taken) == 1 else ConcatenatedWeight(taken)
 
+    def take_columns(self, start: int, end: int) -> QuantizedWeight:
+        return ConcatenatedWeight([part.take_columns(start, end) for part in self.parts])
+
     @property
     def nbytes(self) -> int:
         return sum(part.nbytes for part in self.parts)
@@ -105,3 +113,15 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
         if joined is not None:
             return joined
     return ConcatenatedWeight(weights)
+
+
+def packed_weight(module: nn.Module) -> QuantizedWeight | None:
+    """The packed weight the loader gave a linear or an embedding, if any
+    (``model/architectures/layers.py`` runs it)."""
+    return getattr(module, "packed_weight", None)
+
+
+def attach_packed_weight(module: nn.Module, weight: QuantizedWeight) -> None:
+    """Gives a linear or an embedding the packed weight it runs; set past ``nn.Module``'s
+    attribute bookkeeping, which holds parameters and submodules only."""
+    object.__setattr__(module, "packed_weight", weight)

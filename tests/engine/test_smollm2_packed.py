@@ -27,8 +27,8 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_input import ScheduledChunk
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.messages.sampling_params import SamplingParams
-from pdserve.model.architectures.layers import packed_weight
 from pdserve.model.quantization import QuantizedWeight
+from pdserve.model.quantization.quantized_weight import packed_weight
 
 PROMPTS = [
     "The capital of France is",

@@ -16,9 +16,9 @@ from gguf import GGMLQuantizationType as Quant
 
 from pdserve.engine.model_input import ScheduledChunk
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.model.architectures.layers import packed_weight
 from pdserve.model.loader import check_model, check_tensor_parallel, load_model
 from pdserve.model.quantization import QuantizedWeight
+from pdserve.model.quantization.quantized_weight import packed_weight
 from tests.model.test_gguf_loader import gguf_tensors, random_model, write_gguf
 
 PROMPT = list(range(40, 61))
@@ -85,14 +85,16 @@ def test_the_fingerprint_names_the_packing_so_a_packed_worker_never_pairs_with_a
 
 
 def test_packed_weights_are_refused_where_they_cannot_run(tmp_path, reference):
-    """On a GPU (the packed kernels are CPU ones) and split over tensor-parallel ranks,
-    before a weight is read, naming the formats and what would serve."""
+    """On a GPU (the packed kernels are CPU ones) and split over tensor-parallel ranks at
+    other than whole groups of 32 inputs, before a weight is read, naming the formats and
+    what would serve."""
     path = tmp_path / "llama-q4_0.gguf"
     write_gguf(path, gguf_tensors(reference), Quant.Q4_0)
     with pytest.raises(ValueError, match=r"packed as Q4_0 run on CPU only, not on cuda.*none"):
         check_model(str(path), quantization="auto", device="cuda")
     config = check_model(str(path), quantization="auto")
     assert config.quantization == "Q4_0"
-    with pytest.raises(ValueError, match=r"packs Q4_0: run it with --quantization none"):
-        check_tensor_parallel(config, 2)
-    check_tensor_parallel(check_model(str(path), quantization="none"), 2)
+    check_tensor_parallel(config, 2)  # each rank: 32 attention and 64 intermediate inputs
+    with pytest.raises(ValueError, match=r"packed as Q4_0 split only at multiples of 32"):
+        check_tensor_parallel(config, 4)  # 16 attention features a rank
+    check_tensor_parallel(check_model(str(path), quantization="none"), 4)

@@ -21,10 +21,10 @@ import transformers
 from pdserve.engine.model_input import ScheduledChunk
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.messages.engine_config import EngineConfig
-from pdserve.model.architectures.layers import packed_weight
 from pdserve.model.loader import check_model, load_model
 from pdserve.model.memory_estimate import weights_bytes
 from pdserve.model.quantization import Int4PlanesWeight
+from pdserve.model.quantization.quantized_weight import packed_weight
 from tests.model.test_loader import save_llama
 
 PROMPT = list(range(3, 30))

@@ -137,7 +137,7 @@ def test_matmul_is_x_times_the_dequantized_matrix(case, tokens, dtype, kernel_bu
 
 @EXAMPLES
 @given(quantized_cases(), st.data())
-def test_embedding_rows_and_take_rows_are_the_dequantized_rows(case, data):
+def test_embedding_rows_taken_rows_and_columns_are_the_dequantized_ones(case, data):
     quant, rows, columns, seed = case
     weight = gguf_weight(quant, raw_tensor(quant, rows, columns, seed), (rows, columns))
     full = weight.dequantize()
@@ -147,6 +147,12 @@ def test_embedding_rows_and_take_rows_are_the_dequantized_rows(case, data):
     taken = weight.take_rows(order)
     assert (taken.scheme, taken.out_features, taken.in_features) == (quant.name, rows, columns)
     torch.testing.assert_close(taken.dequantize(), full[order], rtol=0, atol=0)
+    groups = columns // 32
+    start = 32 * data.draw(st.integers(0, groups - 1))
+    end = 32 * data.draw(st.integers(start // 32 + 1, groups))
+    sliced = weight.take_columns(start, end)  # a row-parallel rank's inputs
+    assert (sliced.out_features, sliced.in_features) == (rows, end - start)
+    torch.testing.assert_close(sliced.dequantize(), full[:, start:end], rtol=0, atol=0)
 
 
 @EXAMPLES

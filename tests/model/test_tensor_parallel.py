@@ -1,5 +1,7 @@
 """Tensor-parallel slices of a model, joined over a real gloo group of spawned processes,
 give TP=1's greedy tokens (and its logits within float32's summation-order tolerance).
+A GGUF whose weights stay packed (Q4_1 layers, a Q8_0 tied embedding) splits too: rows of
+the column-parallel and vocabulary slices, whole groups of 32 inputs of the row-parallel ones.
 
 Each rank builds the same seeded model, keeps its slice (``LlamaForCausalLM.shard``) and
 runs a greedy decode through its own ``ModelRunner``, attending over its KV heads' view of
@@ -16,13 +18,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gguf import GGMLQuantizationType as Quant
 
 from pdserve.engine.model_input import ScheduledChunk
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.model.architectures import build_model
+from pdserve.model.loader import load_model
 from pdserve.model.model_config import ModelConfig
 from pdserve.model.tensor_parallel import TensorParallel, join_group
 from pdserve.model.tiny_model import tiny_model_config
+from tests.model.test_gguf_loader import gguf_tensors, random_model, write_gguf
 
 PROMPT = [5, 77, 300, 12, 9, 41, 250, 3, 18, 99, 402, 7, 64, 128, 33, 2, 71]
 STEPS = 12
@@ -51,18 +56,23 @@ def _model(config: ModelConfig) -> torch.nn.Module:
 
 
 def _greedy(kind: str, tensor_parallel: TensorParallel | None) -> tuple[list[int], torch.Tensor]:
-    config = _config(kind)
-    model = _model(config)
+    """``kind``: a config of ``_config``, or ``gguf:<path>`` loaded packed."""
+    if kind.startswith("gguf:"):
+        model, config, _ = load_model(kind.removeprefix("gguf:"), quantization="auto")
+    else:
+        config = _config(kind)
+        model = _model(config)
+    prompt = [token % config.vocab_size for token in PROMPT]
     # The runner shards the model and attends over its KV heads' view of the pages.
     runner = ModelRunner(model, config, 8, 16, tensor_parallel=tensor_parallel)
     blocks = [1, 2, 3]
-    chunk = ScheduledChunk("r", PROMPT, 0, blocks, sample=True)
+    chunk = ScheduledChunk("r", prompt, 0, blocks, sample=True)
     tokens, logits = [], []
     for _ in range(STEPS):
         step_logits = runner.execute([chunk])
         logits.append(step_logits[0])
         tokens.append(int(step_logits.argmax()))
-        position = len(PROMPT) + len(tokens) - 1
+        position = len(prompt) + len(tokens) - 1
         chunk = ScheduledChunk("r", [tokens[-1]], position, blocks, sample=True)
     return tokens, torch.stack(logits)
 
@@ -85,12 +95,20 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize(
     ("world_size", "kinds"),
-    [(2, ["tiny", "qwen2"]), (4, ["tiny"])],
+    [(2, ["tiny", "qwen2", "packed"]), (4, ["tiny"])],
     ids=["tp2-kv-split", "tp4-kv-replicated"],
 )
-def test_tensor_parallel_ranks_match_a_single_process(world_size: int, kinds: list[str]) -> None:
+def test_tensor_parallel_ranks_match_a_single_process(
+    world_size: int, kinds: list[str], tmp_path
+) -> None:
     """TP=2 splits tiny's 2 KV heads (and runs a biased Qwen2 with an uneven vocabulary
-    split); TP=4 replicates each KV head on two ranks."""
+    split, and a packed GGUF); TP=4 replicates each KV head on two ranks."""
+    if "packed" in kinds:
+        path = tmp_path / "llama-q4_1.gguf"
+        tensors = gguf_tensors(random_model(tie_word_embeddings=True))
+        tensors.pop("output.weight")  # tied: the LM head is the packed embedding
+        write_gguf(path, tensors, Quant.Q4_1)
+        kinds = [f"gguf:{path}" if kind == "packed" else kind for kind in kinds]
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(_rank, args=(world_size, _free_port(), kinds, results), nprocs=world_size)
