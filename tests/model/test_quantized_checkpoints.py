@@ -226,6 +226,17 @@ def transformers_logits(reference, weights: dict[str, torch.Tensor]) -> torch.Te
         return model(torch.tensor([PROMPT])).logits[0, -1]
 
 
+def dequantized_load_logits(directory, reference, expected) -> torch.Tensor:
+    """Loads ``directory`` with ``--quantization none``, checks it holds exactly the weights
+    the codes describe and computes transformers' logits on them; returns those logits."""
+    model, config, _ = load_model(str(directory), quantization="none")
+    for module, weight in expected.items():
+        torch.testing.assert_close(model.get_submodule(module).weight, weight, rtol=0, atol=0)
+    want = transformers_logits(reference, expected)
+    torch.testing.assert_close(last_logits(model, config), want, rtol=1e-4, atol=1e-4)
+    return want
+
+
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_an_int4_or_int8_folder_runs_packed_and_computes_its_dequantized_weights(
     folders, reference, name
@@ -236,11 +247,7 @@ def test_an_int4_or_int8_folder_runs_packed_and_computes_its_dequantized_weights
     activations to bfloat16 where our float32 one is not built: ``int4_planes.py``)."""
     directory, expected = folders[name]
     scheme = name.split("-")[0]
-    float_model, float_config, _ = load_model(str(directory), quantization="none")
-    for module, weight in expected.items():
-        torch.testing.assert_close(float_model.get_submodule(module).weight, weight, rtol=0, atol=0)
-    want = transformers_logits(reference, expected)
-    torch.testing.assert_close(last_logits(float_model, float_config), want, rtol=1e-4, atol=1e-4)
+    want = dequantized_load_logits(directory, reference, expected)
 
     packed_model, packed_config, _ = load_model(str(directory), quantization="auto")
     assert packed_config.quantization == scheme
@@ -259,9 +266,7 @@ def test_an_act_order_gptq_is_refused_packed_and_served_dequantized(tmp_path, fo
     expected = write_quantized(tmp_path, reference, config, gptq_linear(4, True, act_order=True))
     with pytest.raises(ValueError, match="act-order groups are not runs.*--quantization none"):
         load_model(str(tmp_path), quantization="auto")
-    model, _, _ = load_model(str(tmp_path), quantization="none")
-    for module, weight in expected.items():
-        torch.testing.assert_close(model.get_submodule(module).weight, weight, rtol=0, atol=0)
+    dequantized_load_logits(tmp_path, reference, expected)
 
 
 @pytest.mark.parametrize(
@@ -300,11 +305,7 @@ def test_an_fp8_folder_is_dequantized_or_repacked_and_refused_as_it_is_stored(
         check_model(str(tmp_path), quantization="auto")
     with pytest.raises(ValueError, match="fp8 weights have no kernel"):
         load_model(str(tmp_path), quantization="auto")
-    model, config_none, _ = load_model(str(tmp_path), quantization="none")
-    for module, weight in expected.items():
-        torch.testing.assert_close(model.get_submodule(module).weight, weight, rtol=0, atol=0)
-    want = transformers_logits(reference, expected)
-    torch.testing.assert_close(last_logits(model, config_none), want, rtol=1e-4, atol=1e-4)
+    want = dequantized_load_logits(tmp_path, reference, expected)
     int8_model, int8_config, _ = load_model(str(tmp_path), quantization="int8")
     assert int8_config.quantization == "int8"
     got = last_logits(int8_model, int8_config)
