@@ -32,11 +32,24 @@ AVX2 variant; llama.cpp 0.3.36 built here)::
     a float32 checkpoint of smollm2:
     batch  1: int8   28.9 tok/s  none   25.6 tok/s  ratio 1.13x
 
-Aims: batch 1 >= 1.0x llama.cpp (not met: 0.56x measured side by side; 0.35x before), batch
-16 >= 3x float32 (not met: 1.6x with AVX-512, 0.94x on AVX2, where widening every weight to
-float32 is the bound at 16 rows: llama.cpp multiplies 8-bit activations by the codes in
-integer dot products instead), prefill no slower (met), int8 on a float32 checkpoint >=
-2.5x (not met: 1.1-1.4x; torch's ``_weight_int8pack_mm`` widens to float32 per call).
+Measured (2026-12-06, a 2-core AMD Zen 5 with AVX-512 VNNI and VBMI, no AMX: the
+integer-dot kernel over activations rounded to 16 bits, ``int4_tiles_kernel.py``)::
+
+    batch  1: auto  101.5 tok/s  none   31.1 tok/s  ratio 3.26x
+    batch 16: auto  474.8 tok/s  none  173.2 tok/s  ratio 2.74x
+    batch  1: auto  106.2 tok/s  llama.cpp  125.2 tok/s  ratio 0.85x
+    512-token prefill: packed 616 ms  float32 1371 ms  ratio 0.45x
+    a float32 checkpoint of smollm2:
+    batch  1: int8   71.9 tok/s  none   32.5 tok/s  ratio 2.21x
+
+(With one int8 digit, as llama.cpp rounds activations, batch 1 reached 1.05x llama.cpp
+and batch 16 2.74x in one run, but smollm2's perplexity rose 3.4 %: the kernel's docstring.)
+
+Aims: batch 1 >= 1.0x llama.cpp (not met: 0.85x on Zen 5, 0.56x on AVX2; 0.35x before), batch
+16 >= 3x float32 (not met: 2.74x on Zen 5, 1.6x with AMX, 0.94x on AVX2, where widening every
+weight to float32 is the bound at 16 rows), prefill no slower (met), int8 on a float32
+checkpoint >= 2.5x (not met: 1.1-2.2x; torch's ``_weight_int8pack_mm`` widens to float32 per
+call).
 
 Run: python bench/bench_packed_decode.py   (≈ 3 minutes)
 """
@@ -62,8 +75,10 @@ def tokens_per_second(engine: LLMEngine, batch: int, new_tokens: int) -> float:
     return batch * new_tokens / (time.perf_counter() - started)
 
 
-def prefill_seconds(engine: LLMEngine, length: int) -> float:
-    prompt = [1 + (13 * j) % 4000 for j in range(length)]
+def prefill_seconds(engine: LLMEngine, length: int, seed: int) -> float:
+    """One prompt of ``length`` tokens that no earlier call sent (the prefix cache would
+    serve a repeat)."""
+    prompt = [1 + (13 * j + 7 * seed) % 4000 for j in range(length)]
     started = time.perf_counter()
     engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
     return time.perf_counter() - started
@@ -157,9 +172,9 @@ def main() -> None:
     else:
         print("llama.cpp: not installed (pip install -e '.[llamacpp]', a compile of minutes)")
     times: dict[str, list[float]] = {name: [] for name in engines}
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
         for name, engine in engines.items():
-            times[name].append(prefill_seconds(engine, 512))
+            times[name].append(prefill_seconds(engine, 512, repeat))
     packed, dense = (statistics.median(times[name]) for name in ("auto", "none"))
     print(
         f"512-token prefill: packed {1e3 * packed:.0f} ms  float32 {1e3 * dense:.0f} ms  "

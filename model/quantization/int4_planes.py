@@ -26,13 +26,17 @@ Sapphire Rapids with AMX, one thread, the weights of 30 layers streamed from mem
 decode step: ``bench/bench_quantized_matmul.py``, whose docstring has the table):
 
 - **few float32 rows** (below ``dequantize_plan()``'s count): our C++ kernel (``int4_tiles_kernel.py``)
-  over the very same bytes, weights widened to float32 in registers: exact to float32
+  over the very same bytes. Where the CPU has AVX-512 VNNI and VBMI, its integer-dot
+  variant: x rounded to 16 bits per group of 32, held as two int8 digits (the bound is in
+  that module's docstring; far inside bfloat16's). Elsewhere, weights widened to float32 in registers: exact to float32
   (within 1e-4 relative of ``x @ dequantize().T``; ~1e-7 measured) and, for Q4_1 at 576 ->
   3072, 6.2x float32's ``mm`` at 1 row, 2.8x at 16 (1536 -> 576: 4.6x, 1.5x).
 - **few bfloat16 rows**, or float32 ones where the kernel cannot be built: torch's int4
   kernel (4.6x and 1.9x at 576 -> 3072). It takes bfloat16 activations, scales and zeros only:
   float32 activations take a scalar path 11x *slower* than float32's ``mm``.
-- **many rows** (a prefill chunk): both kernels are about 2x slower than float32's ``mm`` at
+- **many rows** (a prefill chunk), where the integer-dot variant is not built (it serves
+  every row count: at 512 rows it is 6x float32's ``mm`` on a Zen 5, where dequantizing
+  first is 0.9x): both other kernels are about 2x slower than float32's ``mm`` at
   512 rows, while dequantizing the whole matrix once (float32, a few passes in torch) and
   multiplying in bfloat16 (oneDNN on AMX tiles: 7x float32's ``mm``) is 1.5-1.9x faster than
   float32 for 4-bit types, 1.1x for two planes (the dequantization dominates).
@@ -133,10 +137,13 @@ class Int4PlanesWeight(QuantizedWeight):
         return cls(scheme, rows, columns, planes)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        tile = halves_tile()
+        if x.dtype == torch.float32 and tile and int4_tiles_kernel.dots_tiles_of(tile):
+            dotted = int4_tiles_kernel.int4_tiles_dot(x.contiguous(), self.planes, tile)
+            return dotted[:, : self.out_features]
         rows, dtype = dequantize_plan()
         if x.shape[0] >= rows:
             return torch.mm(x.to(dtype), self.dequantize().to(dtype).t()).to(x.dtype)
-        tile = halves_tile()
         if x.dtype == torch.float32 and tile and int4_tiles_kernel.reads_tiles_of(tile):
             exact = int4_tiles_kernel.int4_tiles_mm(x.contiguous(), self.planes, tile)
             return exact[:, : self.out_features]

@@ -1,6 +1,7 @@
-// x @ W.T for one 4-bit plane held in torch's int4 CPU layout, with float32 activations:
-// the weights are widened to float32 in registers, never written out
-// (model/quantization/int4_tiles_kernel.py says when it serves and why).
+// x @ W.T for 4-bit planes held in torch's int4 CPU layout, with float32 activations, two
+// ways (model/quantization/int4_tiles_kernel.py says when each serves and why): exact, the
+// weights widened to float32 in registers, never written out (first below); and by integer
+// dot products over x rounded to 16 bits (tile_dot512).
 //
 //   x             [M, K] float32, contiguous
 //   packed        [N, K / 2] uint8: N / T tiles of [K, T / 2] bytes; byte [k, j] of tile t
@@ -26,6 +27,9 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <algorithm>
+#include <array>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -120,6 +124,132 @@ void tile_rows_avx512(const float* x, int64_t K, const uint8_t* tile, const uint
 }
 
 #endif  // __AVX512F__
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+// The integer-dot variant: x rounded to 16 bits per group of 32 (x_k ~ e A_k, e = max |x| /
+// (127 * 254), A_k = 254 A_1 + A_0 in two int8 digits), and per input quad the tile's 4 x 32
+// bytes regathered by one byte permute per 32 rows into dwords of one row's 4 codes, which
+// vpdpbusd multiplies by the quad's 4 digits and sums into int32: 64 products an
+// instruction where the float kernel makes 16, and no widening of the codes. Per group:
+// S e (sum A q) + Z xs, xs the exact float sum of x over the group.
+//
+// A tile is walked group by group: the group's codes are regathered once into 2 KiB of L1
+// (8 quads x 4 registers of 16 rows), then every block of kRows rows of x reads them there;
+// each row's 64 totals live in L1 across the groups.
+
+constexpr int kQuads = kGroup / 4;
+
+struct GroupCodes {
+  __m512i quad[kQuads][4];  // [input quad][rows 16 j .. 16 j + 15], 4 codes a dword
+};
+
+// The codes of one plane's group (32 inputs of 64 rows: bytes [32 inputs][32]) into codes.
+inline void gather_group(const uint8_t* group, GroupCodes& codes) {
+  // Byte 4 j + q of the first (second) gather: input q of row j (16 + j) in the low nibbles,
+  // row 32 + j (48 + j) in the high ones, from the quad's 128 bytes [4 inputs][32].
+  alignas(64) static const auto indices = [] {
+    std::array<uint8_t, 128> index{};
+    for (int j = 0; j < 16; ++j)
+      for (int q = 0; q < 4; ++q) {
+        index[4 * j + q] = static_cast<uint8_t>(32 * q + j);
+        index[64 + 4 * j + q] = static_cast<uint8_t>(32 * q + 16 + j);
+      }
+    return index;
+  }();
+  const __m512i gather_first = _mm512_load_si512(indices.data());
+  const __m512i gather_second = _mm512_load_si512(indices.data() + 64);
+  const __m512i nibble = _mm512_set1_epi8(15);
+  for (int q = 0; q < kQuads; ++q) {
+    const __m512i inputs01 = _mm512_loadu_si512(group + 128 * q);
+    const __m512i inputs23 = _mm512_loadu_si512(group + 128 * q + 64);
+    const __m512i first = _mm512_permutex2var_epi8(inputs01, gather_first, inputs23);
+    const __m512i second = _mm512_permutex2var_epi8(inputs01, gather_second, inputs23);
+    codes.quad[q][0] = _mm512_and_si512(first, nibble);
+    codes.quad[q][1] = _mm512_and_si512(second, nibble);
+    codes.quad[q][2] = _mm512_and_si512(_mm512_srli_epi16(first, 4), nibble);
+    codes.quad[q][3] = _mm512_and_si512(_mm512_srli_epi16(second, 4), nibble);
+  }
+}
+
+// kRows rows of x by one group's codes, added into their totals: S e (sum A q) + Z xs. Each
+// row's group is 64 bytes at a (row stride 2 K): x's 16-bit value A = 254 A_1 + A_0 as two
+// int8 digits, the high then the low (32 bytes each), so sum A q = 254 sum A_1 q + sum A_0 q,
+// accumulated in int32 (|254 sum A_1 q| <= 254 * 32 * 255 * 127 < 2^31); e is its step.
+template <int kRows>
+inline void dot_rows(const GroupCodes& codes, const int8_t* a, int64_t K, const float* steps,
+                     const float* sums, int64_t G, const __m512 scale[4], const __m512 zero[4],
+                     float* totals) {
+  __m512i acc[kRows][4];
+  for (int i = 0; i < kRows; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_si512();
+  const auto add_digit = [&](int digit) {
+    for (int q = 0; q < kQuads; ++q) {
+      for (int i = 0; i < kRows; ++i) {
+        int32_t quad;
+        std::memcpy(&quad, a + i * 2 * K + kGroup * digit + 4 * q, sizeof(quad));
+        const __m512i xq = _mm512_set1_epi32(quad);
+        for (int j = 0; j < 4; ++j)
+          acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], _mm512_load_si512(&codes.quad[q][j]), xq);
+      }
+    }
+  };
+  add_digit(0);
+  const __m512i radix = _mm512_set1_epi32(254);
+  for (int i = 0; i < kRows; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_mullo_epi32(acc[i][j], radix);
+  add_digit(1);
+  for (int i = 0; i < kRows; ++i) {
+    const __m512 step = _mm512_set1_ps(steps[i * G]);
+    const __m512 sum = _mm512_set1_ps(sums[i * G]);
+    for (int j = 0; j < 4; ++j) {
+      float* total = totals + i * kTileRows + 16 * j;
+      __m512 running = _mm512_load_ps(total);
+      running = _mm512_fmadd_ps(_mm512_mul_ps(scale[j], step), _mm512_cvtepi32_ps(acc[i][j]),
+                                running);
+      _mm512_store_ps(total, _mm512_fmadd_ps(zero[j], sum, running));
+    }
+  }
+}
+
+// All M rows of x by one tile of 64 rows: out[m, 0..63], row stride N.
+template <bool kTwoPlanes>
+void tile_dot512(const int8_t* a, int64_t M, int64_t K, const uint8_t* tile,
+                 const uint32_t* scales_zeros, const uint8_t* high_tile,
+                 const uint32_t* high_scales_zeros, int64_t N, const float* group_sums,
+                 const float* steps, int64_t G, float* out) {
+  std::vector<__m512> totals(M * 4, _mm512_setzero_ps());  // [M][64 rows], 64-byte aligned
+  float* total = reinterpret_cast<float*>(totals.data());
+  GroupCodes codes, high;
+  for (int64_t g = 0; g < G; ++g) {
+    gather_group(tile + g * kGroup * 32, codes);
+    if constexpr (kTwoPlanes) {
+      gather_group(high_tile + g * kGroup * 32, high);
+      for (int q = 0; q < kQuads; ++q)
+        for (int j = 0; j < 4; ++j)
+          codes.quad[q][j] = _mm512_or_si512(codes.quad[q][j], _mm512_slli_epi16(high.quad[q][j], 4));
+    }
+    __m512 scale[4], zero[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m512i pairs = _mm512_loadu_si512(scales_zeros + g * N + 16 * j);
+      scale[j] = half_low(pairs);
+      zero[j] = half_high(pairs);
+      if constexpr (kTwoPlanes)
+        zero[j] = _mm512_add_ps(
+            zero[j], half_high(_mm512_loadu_si512(high_scales_zeros + g * N + 16 * j)));
+    }
+    const auto rows = [&](auto count, int64_t m) {
+      dot_rows<decltype(count)::value>(codes, a + 2 * (m * K + g * kGroup), K, steps + m * G + g,
+                                       group_sums + m * G + g, G, scale, zero,
+                                       total + m * kTileRows);
+    };
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) rows(std::integral_constant<int, 4>{}, m);
+    for (; m < M; ++m) rows(std::integral_constant<int, 1>{}, m);
+  }
+  for (int64_t m = 0; m < M; ++m)
+    std::memcpy(out + m * N, total + m * kTileRows, kTileRows * sizeof(float));
+}
+#endif  // __AVX512VNNI__ && __AVX512VBMI__
 
 // The AVX2 layout's tile (T = 32): 8 lanes a register. F16C widens 8 consecutive halves,
 // and the scales interleave with the zeros here: a byte shuffle gathers each (S, Z) pair's
@@ -221,39 +351,36 @@ void check_plane(const torch::Tensor& packed, const torch::Tensor& scales_zeros,
               "scales_zeros: [K / 32, N, 2]");
 }
 
-// Runs one tile kernel over every tile and every row block of x (kBlock rows, then 1 at a
-// time: 4 on AVX-512's 32 registers, 2 on AVX2's 16, where 4 rows' sums would spill).
-template <int64_t kTile, int64_t kBlock, typename Block, typename One>
-void over_tiles(Block block, One one, const float* xs, int64_t M, int64_t K, int64_t N,
-                const uint8_t* tiles, const uint32_t* pairs, const uint8_t* high_tiles,
-                const uint32_t* high_pairs, const float* group_sums, int64_t G, float* o) {
+// Runs a tile kernel over every tile and every row block of x: rows(t, m, n) multiplies
+// rows [m, m + n) by tile t, n = kBlock (4 on AVX-512's 32 registers, 2 on AVX2's 16, where
+// 4 rows' sums would spill) while that many are left, then 1.
+template <int64_t kTile, int kBlock, typename Rows>
+void over_tiles(Rows rows, int64_t M, int64_t N) {
   at::parallel_for(0, N / kTile, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* tile = tiles + t * K * (kTile / 2);
-      const uint8_t* high_tile = high_tiles ? high_tiles + t * K * (kTile / 2) : nullptr;
-      const uint32_t* high_tile_pairs = high_pairs ? high_pairs + t * kTile : nullptr;
-      const auto rows = [&](auto run, int64_t m) {
-        run(xs + m * K, K, tile, pairs + t * kTile, high_tile, high_tile_pairs, N,
-            group_sums + m * G, G, o + m * N + t * kTile);
-      };
       int64_t m = 0;
-      for (; m + kBlock <= M; m += kBlock) rows(block, m);
-      for (; m < M; ++m) rows(one, m);
+      for (; m + kBlock <= M; m += kBlock) rows(t, m, std::integral_constant<int, kBlock>{});
+      for (; m < M; ++m) rows(t, m, std::integral_constant<int, 1>{});
     }
   });
 }
 
-// planes: [low] (codes of 4 bits) or [high, low] (5-8 bits), as int4_planes.py holds them;
-// tile_rows: T of torch's layout here (64 or 32).
-torch::Tensor int4_tiles_mm(torch::Tensor x, std::vector<torch::Tensor> planes,
-                            int64_t tile_rows) {
+// The operands both kernels read: the planes checked, and each row's sum of x per group.
+struct Operands {
+  int64_t M, K, N, G;
+  const uint8_t* tiles;
+  const uint32_t* pairs;
+  const uint8_t* high_tiles;  // null with one plane
+  const uint32_t* high_pairs;
+  std::vector<float> group_sums;  // [M, G]
+};
+
+Operands operands(const torch::Tensor& x, const std::vector<torch::Tensor>& planes,
+                  int64_t tile_rows) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2,
               "x: [M, K] float32, contiguous");
   TORCH_CHECK(planes.size() == 2 || planes.size() == 4, "one or two (packed, scales) planes");
   TORCH_CHECK(tile_rows == 32 || tile_rows == 64, "tiles of 32 or 64 rows");
-#ifndef __AVX512F__
-  TORCH_CHECK(tile_rows == 32, "built without AVX-512: tiles of 32 rows only");
-#endif
   const bool two_planes = planes.size() == 4;
   const torch::Tensor& packed = planes[planes.size() - 2];
   const torch::Tensor& scales_zeros = planes[planes.size() - 1];
@@ -261,51 +388,130 @@ torch::Tensor int4_tiles_mm(torch::Tensor x, std::vector<torch::Tensor> planes,
   TORCH_CHECK(K % kGroup == 0 && N % tile_rows == 0, "K a multiple of 32, N of the tile");
   check_plane(packed, scales_zeros, K, N);
   if (two_planes) check_plane(planes[0], planes[1], K, N);
-  const int64_t G = K / kGroup;
-  auto out = torch::empty({M, N}, x.options());
-  const float* xs = x.data_ptr<float>();
-  std::vector<float> group_sums(M * G);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      float sum = 0.0f;
-      for (int64_t k = 0; k < kGroup; ++k) sum += xs[m * K + g * kGroup + k];
-      group_sums[m * G + g] = sum;
-    }
   const auto as_pairs = [](const torch::Tensor& t) {
     return reinterpret_cast<const uint32_t*>(t.data_ptr<at::Half>());
   };
-  const uint8_t* tiles = packed.data_ptr<uint8_t>();
-  const uint32_t* pairs = as_pairs(scales_zeros);
-  const uint8_t* high_tiles = two_planes ? planes[0].data_ptr<uint8_t>() : nullptr;
-  const uint32_t* high_pairs = two_planes ? as_pairs(planes[1]) : nullptr;
-  const auto run = [&](auto tile, auto block_rows, auto block, auto one) {
-    over_tiles<decltype(tile)::value, decltype(block_rows)::value>(
-        block, one, xs, M, K, N, tiles, pairs, high_tiles, high_pairs, group_sums.data(), G,
-        out.data_ptr<float>());
+  Operands o{M, K, N, K / kGroup, packed.data_ptr<uint8_t>(), as_pairs(scales_zeros),
+             two_planes ? planes[0].data_ptr<uint8_t>() : nullptr,
+             two_planes ? as_pairs(planes[1]) : nullptr, std::vector<float>(M * (K / kGroup))};
+  const float* xs = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < o.G; ++g) {
+      float sum = 0.0f;
+      for (int64_t k = 0; k < kGroup; ++k) sum += xs[m * K + g * kGroup + k];
+      o.group_sums[m * o.G + g] = sum;
+    }
+  return o;
+}
+
+// planes: [low] (codes of 4 bits) or [high, low] (5-8 bits), as int4_planes.py holds them;
+// tile_rows: T of torch's layout here (64 or 32).
+torch::Tensor int4_tiles_mm(torch::Tensor x, std::vector<torch::Tensor> planes,
+                            int64_t tile_rows) {
+#ifndef __AVX512F__
+  TORCH_CHECK(tile_rows == 32, "built without AVX-512: tiles of 32 rows only");
+#endif
+  const Operands o = operands(x, planes, tile_rows);
+  auto out = torch::empty({o.M, o.N}, x.options());
+  const float* xs = x.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  const auto dispatch = [&](auto tile, auto block, auto kernel) {
+    constexpr int64_t T = decltype(tile)::value;
+    over_tiles<T, decltype(block)::value>(
+        [&](int64_t t, int64_t m, auto rows) {
+          kernel(rows, xs + m * o.K, o.K, o.tiles + t * o.K * (T / 2), o.pairs + t * T,
+                 o.high_tiles ? o.high_tiles + t * o.K * (T / 2) : nullptr,
+                 o.high_pairs ? o.high_pairs + t * T : nullptr, o.N,
+                 o.group_sums.data() + m * o.G, o.G, y + m * o.N + t * T);
+        },
+        o.M, o.N);
   };
-  using Avx2 = std::integral_constant<int64_t, 32>;
-  using TwoRows = std::integral_constant<int64_t, 2>;
+  const bool two_planes = o.high_tiles != nullptr;
   if (tile_rows == 32) {
-    if (two_planes) run(Avx2{}, TwoRows{}, tile_rows_avx2<2, true>, tile_rows_avx2<1, true>);
-    else run(Avx2{}, TwoRows{}, tile_rows_avx2<2, false>, tile_rows_avx2<1, false>);
+    dispatch(std::integral_constant<int64_t, 32>{}, std::integral_constant<int, 2>{},
+             [&](auto rows, auto... args) {
+               constexpr int n = decltype(rows)::value;
+               if (two_planes) tile_rows_avx2<n, true>(args...);
+               else tile_rows_avx2<n, false>(args...);
+             });
   }
 #ifdef __AVX512F__
-  using Avx512 = std::integral_constant<int64_t, 64>;
-  using FourRows = std::integral_constant<int64_t, 4>;
   if (tile_rows == 64) {
-    if (two_planes)
-      run(Avx512{}, FourRows{}, tile_rows_avx512<4, true>, tile_rows_avx512<1, true>);
-    else
-      run(Avx512{}, FourRows{}, tile_rows_avx512<4, false>, tile_rows_avx512<1, false>);
+    dispatch(std::integral_constant<int64_t, 64>{}, std::integral_constant<int, 4>{},
+             [&](auto rows, auto... args) {
+               constexpr int n = decltype(rows)::value;
+               if (two_planes) tile_rows_avx512<n, true>(args...);
+               else tile_rows_avx512<n, false>(args...);
+             });
   }
 #endif
   return out;
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+// x @ W.T with x rounded to 16 bits per group of 32 (tile_dot512): tiles of 64 rows only.
+torch::Tensor int4_tiles_dot(torch::Tensor x, std::vector<torch::Tensor> planes,
+                             int64_t tile_rows) {
+  TORCH_CHECK(tile_rows == 64, "the integer-dot kernel reads tiles of 64 rows");
+  const Operands o = operands(x, planes, tile_rows);
+  const float* xs = x.data_ptr<float>();
+  std::vector<int8_t> digits(2 * o.M * o.K);  // [M][G][high, low][32]
+  std::vector<float> steps(o.M * o.G);
+  for (int64_t r = 0; r < o.M * o.G; ++r) {  // one group of one row: r = m G + g
+    const __m512 halves[2] = {_mm512_loadu_ps(xs + r * kGroup), _mm512_loadu_ps(xs + r * kGroup + 16)};
+    const float largest = _mm512_reduce_max_ps(
+        _mm512_max_ps(_mm512_abs_ps(halves[0]), _mm512_abs_ps(halves[1])));
+    const float high_step = largest / 127.0f;  // |x| <= 127 steps
+    steps[r] = high_step / 254.0f;
+    const __m512 high_inverse = _mm512_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
+    const __m512 low_inverse = _mm512_set1_ps(largest > 0.0f ? 254.0f / high_step : 0.0f);
+    int8_t* out = digits.data() + 2 * r * kGroup;
+    for (int h = 0; h < 2; ++h) {
+      // Nearest, ties to even (the default rounding mode): the remainder is within half a
+      // high step, so its digit within 127 low steps (saturating where float's rounding
+      // strays past).
+      const __m512i high = _mm512_cvtps_epi32(_mm512_mul_ps(halves[h], high_inverse));
+      const __m512 remainder =
+          _mm512_fnmadd_ps(_mm512_cvtepi32_ps(high), _mm512_set1_ps(high_step), halves[h]);
+      const __m512i low = _mm512_cvtps_epi32(_mm512_mul_ps(remainder, low_inverse));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * h), _mm512_cvtsepi32_epi8(high));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + kGroup + 16 * h),
+                       _mm512_cvtsepi32_epi8(low));
+    }
+  }
+  auto out = torch::empty({o.M, o.N}, x.options());
+  float* y = out.data_ptr<float>();
+  // Rows of x in blocks of kRowBlock, each block by every tile of the thread's share: the
+  // block's int8 rows (K bytes each) stay in L2 while the tiles stream past.
+  constexpr int64_t kRowBlock = 256;
+  const auto each_tile = [&](auto kernel) {
+    at::parallel_for(0, o.N / 64, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t m = 0; m < o.M; m += kRowBlock)
+        for (int64_t t = begin; t < end; ++t)
+          kernel(digits.data() + 2 * m * o.K, std::min(kRowBlock, o.M - m), o.K,
+                 o.tiles + t * o.K * 32, o.pairs + t * 64,
+                 o.high_tiles ? o.high_tiles + t * o.K * 32 : nullptr,
+                 o.high_pairs ? o.high_pairs + t * 64 : nullptr, o.N,
+                 o.group_sums.data() + m * o.G, steps.data() + m * o.G, o.G,
+                 y + m * o.N + t * 64);
+    });
+  };
+  if (o.high_tiles) each_tile(tile_dot512<true>);
+  else each_tile(tile_dot512<false>);
+  return out;
+}
+#endif
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_tiles_mm", &int4_tiles_mm, "x @ W.T over torch's int4 CPU layout, float32 x");
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+  m.def("int4_tiles_dot", &int4_tiles_dot, "x @ W.T, x rounded to 16 bits per group of 32");
+  m.attr("dot_tile_rows") = std::vector<int64_t>{64};
+#else
+  m.attr("dot_tile_rows") = std::vector<int64_t>{};
+#endif
 #ifdef __AVX512F__
   m.attr("tile_rows") = std::vector<int64_t>{32, 64};
 #else

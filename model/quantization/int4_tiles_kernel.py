@@ -1,17 +1,37 @@
-"""A C++ kernel that multiplies float32 activations by a 4-bit plane held in torch's int4 CPU
-layout (``int4_planes.py``), widening the weights in registers: exact to float32 where
-torch's own kernel takes only bfloat16 activations.
+"""A C++ kernel that multiplies float32 activations by 4-bit planes held in torch's int4 CPU
+layout (``int4_planes.py``), two ways, reading the same bytes (the weight is packed once):
 
-Why: torch's ``_weight_int4pack_mm_for_cpu`` is fast only with bfloat16 activations (2^-8
-relative a product), and 11x slower than float32's ``mm`` with float32 ones. This kernel
-reads the same bytes (so the weight is packed once, for both) and keeps every operation in
-float32: per group of 32 inputs ``S sum x q + Z sum x``, which differs from
-``x @ dequantize().T`` by float32's rounding of the sums (a few ulp of ``sum |x| (16 |S| +
-|Z|)``). The speed it reaches is in ``int4_planes.py``'s docstring.
+- **exact** (``int4_tiles_mm``): the codes widened to float32 in registers, every operation
+  in float32: per group of 32 inputs ``S sum x q + Z sum x``, which differs from
+  ``x @ dequantize().T`` by float32's rounding of the sums (a few ulp of ``sum |x| (16 |S| +
+  |Z|)``). Why not torch's ``_weight_int4pack_mm_for_cpu``: it is fast only with bfloat16
+  activations, and 11x slower than float32's ``mm`` with float32 ones.
+- **integer dot** (``int4_tiles_dot``, where the CPU has AVX-512 VNNI and VBMI): x rounded to
+  16 bits per group of 32 (``x_k ~ e A_k``, ``e = max |x_g| / (127 * 254)``, nearest), held
+  as two int8 digits ``A = 254 A_1 + A_0``; the codes multiplied by each digit in int32
+  (``vpdpbusd``: 64 products an instruction against 16 float ones, no widening of the
+  codes), then ``S e (254 sum A_1 q + sum A_0 q) + Z sum x`` with the group's exact float
+  sum. Bound, from ``|x_k - e A_k| <= e / 2``: per output, ``|y - x @ dequantize().T| <=
+  sum_g (max |x_g| / 64516) sum_{k in g} |s c_k|`` (``s c_k = w_k - Z_g``, the code times
+  its scale), plus float32's rounding as above; ``tests/model/test_quantized_weight.py``
+  checks it (about a tenth of it is reached on random data).
+
+  Why two digits: with one (int8 activations, as llama.cpp's ``Q8`` blocks) smollm2 decoded
+  1.3x faster at batch 1 and matched llama.cpp's speed, but its perplexity on
+  ``tests/engine/test_smollm2_packed.py``'s text rose 3.4 % over the dequantized model's
+  (its activations have outliers of 8x a group's typical value); the issue asks 1 %. Two
+  digits put the rounding 254x finer, far inside bfloat16's, for one more ``vpdpbusd`` a
+  quad. Measured on a Zen 5 (one thread, smollm2 decoding, side by side against the exact
+  kernel): 0.97x at batch 1 (both stream the same bytes from memory) and 1.4x at batch 16;
+  a 512-row prefill chunk multiplies without dequantizing (``int4_planes.py``).
+
+The dot variant serves wherever it is built (``int4_planes.py``'s ``matmul``); the exact one
+on CPUs without VNNI and VBMI (AVX2 machines, Skylake-X), and for tiles of 32 rows.
 
 Built once per machine by ``model/native_build.py`` (``-march=native``): it reads both of
 torch's tiled layouts, AVX-512's 64 rows a tile and AVX2's 32 (``int4_planes.py``); a CPU
-with neither, or a machine without a compiler, serves with torch's kernel after one warning. ``python -m pdserve.model.quantization.int4_tiles_kernel`` builds it.
+with neither, or a machine without a compiler, serves with torch's kernel after one warning.
+``python -m pdserve.model.quantization.int4_tiles_kernel`` builds it.
 """
 
 from __future__ import annotations
@@ -71,6 +91,14 @@ def reads_tiles_of(tile_rows: int) -> bool:
     return kernel is not None and tile_rows in kernel.tile_rows
 
 
+def dots_tiles_of(tile_rows: int) -> bool:
+    """Whether the integer-dot variant is built here and reads tiles of ``tile_rows``: it
+    needs AVX-512 VNNI and VBMI (a byte permute across the register), and reads 64-row
+    tiles only."""
+    kernel = build()
+    return kernel is not None and tile_rows in kernel.dot_tile_rows
+
+
 def int4_tiles_mm(
     x: torch.Tensor, planes: list[tuple[torch.Tensor, torch.Tensor]], tile_rows: int
 ) -> torch.Tensor:
@@ -80,6 +108,16 @@ def int4_tiles_mm(
     kernel = build()
     assert kernel is not None, "int4_tiles_mm called where the kernel is not built"
     return kernel.int4_tiles_mm(x, [tensor for plane in planes for tensor in plane], tile_rows)
+
+
+def int4_tiles_dot(
+    x: torch.Tensor, planes: list[tuple[torch.Tensor, torch.Tensor]], tile_rows: int
+) -> torch.Tensor:
+    """As ``int4_tiles_mm``, with ``x`` rounded to 16 bits per group of 32 inputs first (module
+    doc: the bound). Call only where ``dots_tiles_of(tile_rows)``."""
+    kernel = build()
+    assert kernel is not None, "int4_tiles_dot called where the kernel is not built"
+    return kernel.int4_tiles_dot(x, [tensor for plane in planes for tensor in plane], tile_rows)
 
 
 if __name__ == "__main__":  # build it now, not at the first matmul

@@ -21,7 +21,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Quant
 from gguf.quants import dequantize, quantize
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from pdserve.model.quantization import (
@@ -34,6 +34,7 @@ from pdserve.model.quantization import (
     int8_weight,
 )
 from pdserve.model.quantization.int4_planes import dequantize_plan, halves_tile
+from pdserve.model.quantization.quantized_weight import ConcatenatedWeight
 
 TYPES = sorted(PACKED_TYPES, key=lambda quant: quant.name)
 K_TYPES = {Quant.Q4_K, Quant.Q5_K, Quant.Q6_K}
@@ -108,6 +109,44 @@ def test_a_packed_tensor_dequantizes_to_the_files_values(case):
     assert ((weight.dequantize() - expected).abs() <= bound + 1e-7).all()
 
 
+def dot_bound(x: torch.Tensor, weight: Int4PlanesWeight) -> torch.Tensor:
+    """``int4_tiles_kernel.py``'s bound for x rounded to 16 bits per group of 32: half a step
+    (``max |x_g| / (2 * 127 * 254)``) times the group's ``sum |w - Z|`` (the codes times their scale),
+    for each output ``[tokens, rows]``."""
+    offsets = sum(
+        scales_zeros[:, : weight.out_features, 1].t().double() for _, scales_zeros in weight.planes
+    )
+    scaled_codes = weight.dequantize().double() - offsets.repeat_interleave(32, dim=1)
+    per_group = scaled_codes.abs().view(weight.out_features, -1, 32).sum(dim=2)
+    half_steps = x.double().abs().view(len(x), -1, 32).amax(dim=2) / (2 * 127 * 254)
+    return half_steps @ per_group.T
+
+
+def assert_matmul_close(
+    y: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight, kernel: bool = True
+) -> None:
+    """``y = weight.matmul(x)`` within the bound of the path it took (``int4_planes.py``):
+    float32 rows of planes through the integer-dot kernel where it is built (any count),
+    within the rounding of x to 16 bits; under ``dequantize_plan()``'s count through the exact
+    kernel, within 1e-4 relative; every other path within bfloat16's bound. A concatenation
+    of several formats, part by part."""
+    if isinstance(weight, ConcatenatedWeight):
+        for start, part in starts(weight.parts):
+            assert_matmul_close(y[:, start : start + part.out_features], x, part, kernel)
+        return
+    planes = kernel and x.dtype == torch.float32 and isinstance(weight, Int4PlanesWeight)
+    if planes and int4_tiles_kernel.dots_tiles_of(halves_tile() or 0):
+        assert isinstance(weight, Int4PlanesWeight)
+        reference = weight.dequantize().double()
+        error = (y.double() - x.double() @ reference.T).abs()
+        slack = EXACT_BOUND * (x.double().abs() @ reference.abs().T) + 1e-6
+        excess = error - dot_bound(x, weight) - slack
+        assert excess.max().item() <= 0, f"product off by {excess.max().item()} past the bound"
+    else:
+        exact = planes and len(x) < dequantize_plan()[0]
+        assert_product_close(y, x, weight.dequantize(), EXACT_BOUND if exact else BF16_BOUND)
+
+
 @EXAMPLES
 @given(
     quantized_cases(),
@@ -117,8 +156,7 @@ def test_a_packed_tensor_dequantizes_to_the_files_values(case):
 )
 def test_matmul_is_x_times_the_dequantized_matrix(case, tokens, dtype, kernel_built):
     """Every row count (few rows: the kernel; many: dequantized), both dtypes, with the C++
-    kernel and without (torch's): float32 rows under ``dequantize_plan()``'s through the C++
-    kernel are exact to 1e-4 relative, every other path within bfloat16's bound."""
+    kernel and without (torch's), each within its path's bound (``assert_matmul_close``)."""
     quant, rows, columns, seed = case
     weight = gguf_weight(quant, raw_tensor(quant, rows, columns, seed), (rows, columns))
     x = torch.randn(tokens, columns, generator=torch.Generator().manual_seed(seed)).to(dtype)
@@ -126,13 +164,24 @@ def test_matmul_is_x_times_the_dequantized_matrix(case, tokens, dtype, kernel_bu
     with mock.patch.object(int4_tiles_kernel, "build", int4_tiles_kernel.build if kernel else none):
         y = weight.matmul(x)
     assert y.shape == (tokens, rows) and y.dtype == dtype
-    exact = (
-        kernel
-        and dtype == torch.float32
-        and tokens < dequantize_plan()[0]
-        and isinstance(weight, Int4PlanesWeight)
-    )
-    assert_product_close(y, x, weight.dequantize(), EXACT_BOUND if exact else BF16_BOUND)
+    assert_matmul_close(y, x, weight, kernel)
+
+
+@pytest.mark.skipif(
+    not int4_tiles_kernel.dots_tiles_of(halves_tile() or 0),
+    reason="the integer-dot kernel needs AVX-512 VNNI and VBMI (this CPU, or its build, lacks them)",
+)
+@EXAMPLES
+@given(quantized_cases(), st.integers(1, 40))
+def test_the_exact_kernel_serves_beside_the_integer_dot_one(case, tokens):
+    """Where the dot variant serves, the float32 kernel is still built beside it (a CPU
+    without VNNI runs it): exact to 1e-4 on the same bytes."""
+    quant, rows, columns, seed = case
+    weight = gguf_weight(quant, raw_tensor(quant, rows, columns, seed), (rows, columns))
+    assume(isinstance(weight, Int4PlanesWeight))  # Q6_K packs as int8 rows
+    x = torch.randn(tokens, columns, generator=torch.Generator().manual_seed(seed))
+    y = int4_tiles_kernel.int4_tiles_mm(x, weight.planes, halves_tile() or 0)[:, :rows]
+    assert_product_close(y, x, weight.dequantize(), EXACT_BOUND)
 
 
 @EXAMPLES
@@ -169,7 +218,7 @@ def test_concat_rows_stacks_the_weights(cases, tokens):
     assert joined.out_features == sum(part.out_features for part in parts)
     torch.testing.assert_close(joined.dequantize(), expected, rtol=0, atol=0)
     x = torch.randn(tokens, columns)
-    assert_product_close(joined.matmul(x), x, expected)
+    assert_matmul_close(joined.matmul(x), x, joined)
     if len({part.scheme for part in parts}) == 1:
         assert type(joined) is type(parts[0])
         assert joined.nbytes <= sum(part.nbytes for part in parts)

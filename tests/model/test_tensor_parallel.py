@@ -118,8 +118,17 @@ def test_tensor_parallel_ranks_match_a_single_process(
         tokens, logits = outputs[kind]
         assert tokens == expected_tokens, kind
         assert len(set(tokens)) > 3  # a decode that moves, not one token repeated
+        # The integer-dot kernel rounds each activation to a 16-bit step (max |x_g| / 32258,
+        # int4_tiles_kernel.py): the all-reduce's other order of float sums can move one
+        # across a rounding boundary, a jump some 2^8 float32 ulps wide, so a packed model's
+        # logits agree to 2e-3 (about 2e-4 of their spread), its tokens exactly.
+        tolerance = 2e-3 if kind.startswith("gguf:") else 1e-4
         torch.testing.assert_close(
-            torch.tensor(logits), expected_logits, rtol=1e-4, atol=1e-4, msg=kind
+            torch.tensor(logits),
+            expected_logits,
+            rtol=tolerance,
+            atol=tolerance,
+            msg=lambda detail, kind=kind: f"{kind}: {detail}",
         )
 
 
