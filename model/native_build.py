@@ -47,7 +47,9 @@ import platform
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
@@ -111,6 +113,49 @@ def load_extension(
     if not (build.directory / _BUILT_MARKER).exists():
         _build_in_child(build, timeout_s)
     return _import(build)
+
+
+class LazyExtension:
+    """An extension loaded at its first use in a process (built then if it must be), or,
+    where it cannot be, ``None`` for good after one warning that says why and what serves
+    instead: the callers keep their torch path. Every call asks, so once settled no lock is
+    taken."""
+
+    def __init__(
+        self,
+        what: str,
+        prefix: str,
+        source: Path,
+        cflags: list[str],
+        instead: str,
+        log: logging.Logger,
+        unsupported: Callable[[], str | None] = lambda: None,
+    ) -> None:
+        """``what``: its name in the warning ("the paged decode kernel"); ``instead``: what
+        serves without it; ``unsupported``: why this machine cannot run it, if it cannot
+        (asked before building)."""
+        self.what, self.prefix, self.source, self.cflags = what, prefix, source, cflags
+        self.instead, self.log, self.unsupported = instead, log, unsupported
+        self._lock = threading.Lock()
+        self._module: ModuleType | None = None
+        self._failed = False
+
+    def get(self) -> ModuleType | None:
+        """The module, or None where it cannot be built or loaded here."""
+        if self._module is not None or self._failed:
+            return self._module
+        with self._lock:
+            if self._module is None and not self._failed:
+                reason = self.unsupported()
+                if reason is None:
+                    try:
+                        self._module = load_extension(self.prefix, self.source, self.cflags)
+                    except ExtensionUnavailable as error:
+                        reason = f"is not available ({error})"
+                if reason is not None:
+                    self._failed = True
+                    self.log.warning("%s %s; %s", self.what, reason, self.instead)
+        return self._module
 
 
 def _build_in_child(build: ExtensionBuild, timeout_s: float) -> None:

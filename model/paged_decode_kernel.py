@@ -28,7 +28,6 @@ cannot run.
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 from types import ModuleType
 
@@ -48,29 +47,20 @@ _PAGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # widened to floa
 # where SDPA multiplies them as matrices. Measured against the chunks (smollm2's heads): 0.67-
 # 0.76x the time at 3-5 queries a row, 0.84-0.93x at 8, 1.01x at 10, 1.19x at 16.
 MAX_QUERIES_PER_ROW = 8
-_lock = threading.Lock()
-_built: ModuleType | None = None
-_failed = False
+_kernel = native_build.LazyExtension(
+    "the paged decode kernel",
+    "pdserve_paged_decode",
+    _SOURCE,
+    _FLAGS,
+    "decode attention gathers the pages first (model/split_kv.py)",
+    logger,
+)
 
 
 def build() -> ModuleType | None:
     """The kernel, built (or loaded from the cache) on first call; None when it cannot be
     built or loaded here, after one warning saying why."""
-    global _built, _failed
-    if _built is not None or _failed:  # every layer of every step asks: no lock then
-        return _built
-    with _lock:
-        if _built is None and not _failed:
-            try:
-                _built = native_build.load_extension("pdserve_paged_decode", _SOURCE, _FLAGS)
-            except native_build.ExtensionUnavailable as error:
-                _failed = True
-                logger.warning(
-                    "the paged decode kernel is not available (%s); decode attention "
-                    "gathers the pages first (model/split_kv.py)",
-                    error,
-                )
-        return _built
+    return _kernel.get()
 
 
 def serves(query: torch.Tensor, layer_cache: torch.Tensor) -> bool:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.model import rms_norm_kernel
 from pdserve.model.quantization import QuantizedWeight, concat_rows
 from pdserve.model.quantization.quantized_weight import packed_weight
 from pdserve.model.tensor_parallel import TensorParallel, keep_input_columns, keep_output_rows
@@ -33,7 +34,8 @@ ProjectionWeight = torch.Tensor | QuantizedWeight
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (``F.rms_norm``: one kernel, float32 for float32 models)."""
+    """Root-mean-square norm: float32 rows on CPU in one pass (``rms_norm_kernel.py``: torch's
+    is six operations there), else ``F.rms_norm`` (float32 for float32 models)."""
 
     def __init__(self, hidden_size: int, eps: float, weight_offset: float = 0.0) -> None:
         super().__init__()
@@ -42,6 +44,8 @@ class RMSNorm(nn.Module):
         self.weight_offset = weight_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if rms_norm_kernel.serves(x, self.weight):
+            return rms_norm_kernel.rms_norm(x, self.weight, self.eps, self.weight_offset)
         if self.weight_offset:  # Gemma: scaled by (offset + w) in float32, then cast
             normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
             return (normed * (self.weight.float() + self.weight_offset)).to(x.dtype)

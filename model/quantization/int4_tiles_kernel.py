@@ -37,7 +37,6 @@ with neither, or a machine without a compiler, serves with torch's kernel after 
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 from types import ModuleType
 
@@ -49,38 +48,30 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_suffix(".cpp")
 _FLAGS = ["-O3", "-march=native"]
-_lock = threading.Lock()
-_built: ModuleType | None = None
-_failed = False
+
+
+def _unsupported() -> str | None:
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability.startswith(("AVX512", "AVX2")):
+        return None
+    return f"needs AVX2 or AVX-512, torch dispatches to {capability} here"
+
+
+_kernel = native_build.LazyExtension(
+    "the int4 tiles kernel",
+    "pdserve_int4_tiles",
+    _SOURCE,
+    _FLAGS,
+    "packed weights multiply with torch's kernel, bfloat16 activations",
+    logger,
+    _unsupported,
+)
 
 
 def build() -> ModuleType | None:
     """The kernel, built (or loaded from the cache) on first call; None when it cannot be
     built or loaded here, after one warning saying why."""
-    global _built, _failed
-    if _built is not None or _failed:  # every matmul asks: no lock then
-        return _built
-    with _lock:
-        if _built is None and not _failed:
-            capability = torch.backends.cpu.get_cpu_capability()
-            if not capability.startswith(("AVX512", "AVX2")):
-                _failed = True
-                logger.warning(
-                    "the int4 tiles kernel needs AVX2 or AVX-512, torch dispatches to %s "
-                    "here; torch's kernel serves",
-                    capability,
-                )
-                return None
-            try:
-                _built = native_build.load_extension("pdserve_int4_tiles", _SOURCE, _FLAGS)
-            except native_build.ExtensionUnavailable as error:
-                _failed = True
-                logger.warning(
-                    "the int4 tiles kernel is not available (%s); packed weights multiply "
-                    "with torch's kernel, bfloat16 activations",
-                    error,
-                )
-        return _built
+    return _kernel.get()
 
 
 def reads_tiles_of(tile_rows: int) -> bool:

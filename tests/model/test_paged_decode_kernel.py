@@ -20,8 +20,8 @@ def test_without_a_compiler_one_warning_says_so_and_the_torch_path_serves(
     """A machine without a compiler: an empty extension cache, and ``CXX`` names none."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "/nonexistent/c++")
-    monkeypatch.setattr(paged_decode_kernel, "_built", None)
-    monkeypatch.setattr(paged_decode_kernel, "_failed", False)
+    monkeypatch.setattr(paged_decode_kernel._kernel, "_module", None)
+    monkeypatch.setattr(paged_decode_kernel._kernel, "_failed", False)
     generator = torch.Generator().manual_seed(3)
     layer_cache = torch.randn(9, 2, 4, 2, 8, generator=generator)
     query = torch.randn(2, 4, 8, generator=generator)
