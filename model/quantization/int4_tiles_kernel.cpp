@@ -38,6 +38,17 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 
+// A tile's scale pairs lie a row of scales_zeros apart per group (N pairs: 192 KiB for
+// smollm2's 49k-row LM head), so no hardware prefetcher follows them and, with the weights
+// out of cache, each group's read waits on memory. The next tile's pairs of a group are the
+// T right after this tile's: asked for at the group's start, they arrive while this tile is
+// multiplied. Measured on smollm2 decoding (Zen 5, one thread): 1.09x at batch 1, 1.06x at 16.
+template <int64_t T>
+inline void prefetch_next_tile_pairs(const uint32_t* pairs) {
+  const char* next = reinterpret_cast<const char*>(pairs + T);
+  for (int64_t line = 0; line < T * 4; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+}
+
 #ifdef __AVX512F__
 constexpr int64_t kTileRows = 64;
 
@@ -61,6 +72,8 @@ void tile_rows_avx512(const float* x, int64_t K, const uint8_t* tile, const uint
                     _mm512_setzero_ps()};
   const __m512i low_mask = _mm512_set1_epi32(15);
   for (int64_t g = 0; g < G; ++g) {
+    prefetch_next_tile_pairs<kTileRows>(scales_zeros + g * N);
+    if constexpr (kTwoPlanes) prefetch_next_tile_pairs<kTileRows>(high_scales_zeros + g * N);
     __m512 acc[kRows][4];
     for (int i = 0; i < kRows; ++i)
       for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -221,6 +234,8 @@ void tile_dot512(const int8_t* a, int64_t M, int64_t K, const uint8_t* tile,
   float* total = reinterpret_cast<float*>(totals.data());
   GroupCodes codes, high;
   for (int64_t g = 0; g < G; ++g) {
+    prefetch_next_tile_pairs<kTileRows>(scales_zeros + g * N);
+    if constexpr (kTwoPlanes) prefetch_next_tile_pairs<kTileRows>(high_scales_zeros + g * N);
     gather_group(tile + g * kGroup * 32, codes);
     if constexpr (kTwoPlanes) {
       gather_group(high_tile + g * kGroup * 32, high);
@@ -276,6 +291,8 @@ void tile_rows_avx2(const float* x, int64_t K, const uint8_t* tile, const uint32
       pick_scale, _mm256_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2,
                                    2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0));
   for (int64_t g = 0; g < G; ++g) {
+    prefetch_next_tile_pairs<kRowsPerTile>(scales_zeros + g * N);
+    if constexpr (kTwoPlanes) prefetch_next_tile_pairs<kRowsPerTile>(high_scales_zeros + g * N);
     __m256 acc[kRows][4];
     for (int i = 0; i < kRows; ++i)
       for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
