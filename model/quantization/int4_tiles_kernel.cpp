@@ -156,31 +156,66 @@ struct GroupCodes {
   __m512i quad[kQuads][4];  // [input quad][rows 16 j .. 16 j + 15], 4 codes a dword
 };
 
+// Byte 4 j + q of the first (second) gather: input q of row j (16 + j) in the low nibbles,
+// row 32 + j (48 + j) in the high ones, from a quad's 128 bytes [4 inputs][32].
+struct QuadGather {
+  __m512i first, second;
+  QuadGather() {
+    alignas(64) static const auto indices = [] {
+      std::array<uint8_t, 128> index{};
+      for (int j = 0; j < 16; ++j)
+        for (int q = 0; q < 4; ++q) {
+          index[4 * j + q] = static_cast<uint8_t>(32 * q + j);
+          index[64 + 4 * j + q] = static_cast<uint8_t>(32 * q + 16 + j);
+        }
+      return index;
+    }();
+    first = _mm512_load_si512(indices.data());
+    second = _mm512_load_si512(indices.data() + 64);
+  }
+};
+
 // The codes of one plane's group (32 inputs of 64 rows: bytes [32 inputs][32]) into codes.
 inline void gather_group(const uint8_t* group, GroupCodes& codes) {
-  // Byte 4 j + q of the first (second) gather: input q of row j (16 + j) in the low nibbles,
-  // row 32 + j (48 + j) in the high ones, from the quad's 128 bytes [4 inputs][32].
-  alignas(64) static const auto indices = [] {
-    std::array<uint8_t, 128> index{};
-    for (int j = 0; j < 16; ++j)
-      for (int q = 0; q < 4; ++q) {
-        index[4 * j + q] = static_cast<uint8_t>(32 * q + j);
-        index[64 + 4 * j + q] = static_cast<uint8_t>(32 * q + 16 + j);
-      }
-    return index;
-  }();
-  const __m512i gather_first = _mm512_load_si512(indices.data());
-  const __m512i gather_second = _mm512_load_si512(indices.data() + 64);
+  const QuadGather gather;
   const __m512i nibble = _mm512_set1_epi8(15);
   for (int q = 0; q < kQuads; ++q) {
     const __m512i inputs01 = _mm512_loadu_si512(group + 128 * q);
     const __m512i inputs23 = _mm512_loadu_si512(group + 128 * q + 64);
-    const __m512i first = _mm512_permutex2var_epi8(inputs01, gather_first, inputs23);
-    const __m512i second = _mm512_permutex2var_epi8(inputs01, gather_second, inputs23);
+    const __m512i first = _mm512_permutex2var_epi8(inputs01, gather.first, inputs23);
+    const __m512i second = _mm512_permutex2var_epi8(inputs01, gather.second, inputs23);
     codes.quad[q][0] = _mm512_and_si512(first, nibble);
     codes.quad[q][1] = _mm512_and_si512(second, nibble);
     codes.quad[q][2] = _mm512_and_si512(_mm512_srli_epi16(first, 4), nibble);
     codes.quad[q][3] = _mm512_and_si512(_mm512_srli_epi16(second, 4), nibble);
+  }
+}
+
+// The 8-bit codes 16 h + l of two planes' group (high and low nibbles, each laid out as
+// gather_group reads one): both permuted alike, then each code's nibbles joined by one
+// bitwise select (vpternlogd: low nibble from the low plane, high from the high), 16
+// instructions a quad where gathering each plane and joining them took 26.
+inline void gather_group_pair(const uint8_t* low, const uint8_t* high, GroupCodes& codes) {
+  const QuadGather gather;
+  const __m512i low_nibble = _mm512_set1_epi8(15);
+  constexpr int kSelect = 0xE4;  // (c & a) | (~c & b), c the low nibbles' mask
+  for (int q = 0; q < kQuads; ++q) {
+    const auto permuted = [&](const uint8_t* group, const __m512i& index) {
+      return _mm512_permutex2var_epi8(_mm512_loadu_si512(group + 128 * q), index,
+                                      _mm512_loadu_si512(group + 128 * q + 64));
+    };
+    const __m512i low_first = permuted(low, gather.first);
+    const __m512i low_second = permuted(low, gather.second);
+    const __m512i high_first = permuted(high, gather.first);
+    const __m512i high_second = permuted(high, gather.second);
+    codes.quad[q][0] = _mm512_ternarylogic_epi32(
+        low_first, _mm512_slli_epi16(high_first, 4), low_nibble, kSelect);
+    codes.quad[q][1] = _mm512_ternarylogic_epi32(
+        low_second, _mm512_slli_epi16(high_second, 4), low_nibble, kSelect);
+    codes.quad[q][2] = _mm512_ternarylogic_epi32(
+        _mm512_srli_epi16(low_first, 4), high_first, low_nibble, kSelect);
+    codes.quad[q][3] = _mm512_ternarylogic_epi32(
+        _mm512_srli_epi16(low_second, 4), high_second, low_nibble, kSelect);
   }
 }
 
@@ -232,16 +267,14 @@ void tile_dot512(const int8_t* a, int64_t M, int64_t K, const uint8_t* tile,
                  const float* steps, int64_t G, float* out) {
   std::vector<__m512> totals(M * 4, _mm512_setzero_ps());  // [M][64 rows], 64-byte aligned
   float* total = reinterpret_cast<float*>(totals.data());
-  GroupCodes codes, high;
+  GroupCodes codes;
   for (int64_t g = 0; g < G; ++g) {
     prefetch_next_tile_pairs<kTileRows>(scales_zeros + g * N);
-    if constexpr (kTwoPlanes) prefetch_next_tile_pairs<kTileRows>(high_scales_zeros + g * N);
-    gather_group(tile + g * kGroup * 32, codes);
     if constexpr (kTwoPlanes) {
-      gather_group(high_tile + g * kGroup * 32, high);
-      for (int q = 0; q < kQuads; ++q)
-        for (int j = 0; j < 4; ++j)
-          codes.quad[q][j] = _mm512_or_si512(codes.quad[q][j], _mm512_slli_epi16(high.quad[q][j], 4));
+      prefetch_next_tile_pairs<kTileRows>(high_scales_zeros + g * N);
+      gather_group_pair(tile + g * kGroup * 32, high_tile + g * kGroup * 32, codes);
+    } else {
+      gather_group(tile + g * kGroup * 32, codes);
     }
     __m512 scale[4], zero[4];
     for (int j = 0; j < 4; ++j) {
