@@ -8,7 +8,7 @@ will allocate::
     worker bytes = weights at the size they run + the KV pool
     weights      = each tensor: packed → its bytes in the file (a GGUF quantized type), or
                                    the int4 planes' 5 / 10 bits a weight (AWQ, GPTQ)
-                                   int8  → one byte a weight (plus a scale per row)
+                                   int8  → a byte a weight, 10 a row (int8_channels.py)
                                    float → its elements × the dtype's bytes
 
 The packed formats keep a GGUF type's blocks at about the file's size (``model/quantization``);
@@ -28,6 +28,7 @@ from pdserve.messages.engine_config import EngineConfig
 from pdserve.model.gguf_loader import FLOAT_TYPES
 from pdserve.model.model_config import ModelConfig, resolve_dtype
 from pdserve.model.quantization.checkpoint_format import checkpoint_quantization
+from pdserve.model.quantization.int8_channels import INT8_ROW_BYTES
 
 _SAFETENSORS_HEADER_LENGTH = 8  # a little-endian u64, then the JSON header
 
@@ -48,7 +49,7 @@ def weights_bytes(engine: EngineConfig, config: ModelConfig, packable: set[str])
             if packed:
                 total += int(tensor.n_bytes)
             elif engine.quantization == "int8" and len(tensor.shape) == 2:
-                total += elements + 4 * int(tensor.shape[1])
+                total += elements + INT8_ROW_BYTES * int(tensor.shape[1])
             else:
                 total += elements * element_bytes
         return total
@@ -68,7 +69,7 @@ def weights_bytes(engine: EngineConfig, config: ModelConfig, packable: set[str])
         if name in packed_by_checkpoint and name in packable and stored is not None:
             total += int(elements * stored.bits_held / 8)
         elif engine.quantization == "int8" and name in packable:
-            total += elements + 4 * shape[0]
+            total += elements + INT8_ROW_BYTES * shape[0]
         else:
             total += elements * element_bytes
     return total
