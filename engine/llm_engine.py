@@ -47,7 +47,7 @@ from pdserve.messages.kv_transfer_params import KVTransferParams
 from pdserve.messages.sampling_params import SamplingParams
 from pdserve.model.freed_memory import release_freed_memory
 from pdserve.model.loader import load_model
-from pdserve.model.model_config import resolve_dtype
+from pdserve.model.model_config import resolve_device, resolve_dtype
 from pdserve.stats.start_phases import start_phase
 from pdserve.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -706,13 +706,3 @@ def _proposer(
         config.prompt_lookup_max,
         config.speculative_min_acceptance,
     )
-
-
-def resolve_device(device: str) -> str:
-    """``auto``: cuda when this process sees a GPU (a Ray worker sees the ones it was given),
-    else cpu; any other device as it is."""
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"

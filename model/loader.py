@@ -35,7 +35,7 @@ from pdserve.model.gguf_loader import (
     gguf_quantized_types,
     gguf_state_dict,
 )
-from pdserve.model.model_config import DTYPES, ModelConfig, resolve_dtype
+from pdserve.model.model_config import DTYPES, ModelConfig, resolve_device, resolve_dtype
 from pdserve.model.quantization import QuantizedWeight, int8_weight
 from pdserve.model.quantization.checkpoint_format import (
     CheckpointQuantization,
@@ -51,6 +51,8 @@ from pdserve.tokenizer.tokenizer import Tokenizer
 
 # Checkpoint entries that are derived state, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# The packed formats a CUDA worker runs (``model/quantization/packed_matmul_triton.py``).
+CUDA_SCHEMES = frozenset({"AWQ", "GPTQ", "fp8"})
 
 
 def load_model(
@@ -107,12 +109,15 @@ def load_gguf_model(
 
 def check_packed_device(schemes: Set[str], device: str | torch.device) -> None:
     """Refuses packed weights on a device whose kernels are not built, naming the formats
-    and what would serve: the packed formats (GGUF's, int8) run on CPU only for now."""
+    and what would serve: GGUF's types and int8 run on CPU only; AWQ, GPTQ and fp8
+    checkpoints on CPU (fp8: dequantized) and on CUDA (``packed_matmul_triton.py``)."""
     kind = torch.device(device).type
-    if schemes and kind != "cpu":
+    refused = schemes - CUDA_SCHEMES if kind == "cuda" else schemes if kind != "cpu" else set()
+    if refused:
         raise ValueError(
-            f"weights packed as {'+'.join(sorted(schemes))} run on CPU only, not on {kind}: "
-            "use --quantization none (weights dequantized to the dtype) or --device cpu"
+            f"weights packed as {'+'.join(sorted(refused))} run on CPU only, not on {kind} "
+            f"(on CUDA: {', '.join(sorted(CUDA_SCHEMES))} checkpoints): use --quantization "
+            "none (weights dequantized to the dtype) or --device cpu"
         )
 
 
@@ -164,10 +169,11 @@ def check_model(
         load_tokenizer(source)
         stored = checkpoint_quantization(source.file_path())
         if stored is not None and quantization != "none":
-            if stored.runs_packed:
+            kind = torch.device(resolve_device(device)).type
+            if stored.runs_packed_on(kind):
                 schemes.add(stored.scheme)
             elif quantization == "auto":
-                raise ValueError(stored.refusal())
+                raise ValueError(stored.refusal(kind))
     packable = _build_on_meta(config).packable_weights()
     if quantization != "none":
         schemes |= {scheme for name, scheme in gguf_types.items() if name in packable}
@@ -254,7 +260,7 @@ def load_weights(
         packed: dict[str, QuantizedWeight] = {}
         if stored is not None:
             packable = model.packable_weights()
-            packed = _stored_linears(stored, state, packable, quantization)
+            packed = _stored_linears(stored, state, packable, quantization, torch.device(device))
             for name in list(state):  # one at a time: the stored and cast copies never all coexist
                 state[name] = state[name].to(device=device, dtype=dtype)
     if quantization == "int8":
@@ -267,17 +273,19 @@ def _stored_linears(
     state: dict[str, torch.Tensor],
     packable: Set[str],
     quantization: Quantization,
+    device: torch.device,
 ) -> dict[str, QuantizedWeight]:
-    """A quantized checkpoint's linears taken out of ``state``: packed where the
-    architecture packs them and ``quantization`` keeps the checkpoint's format, else put
-    back dequantized as ``<module>.weight``."""
+    """A quantized checkpoint's linears taken out of ``state``: packed for ``device`` where
+    the architecture packs them and ``quantization`` keeps the checkpoint's format, else
+    put back dequantized as ``<module>.weight``."""
     packed: dict[str, QuantizedWeight] = {}
+    runs_packed = stored.runs_packed_on(device.type)
     for module in stored.linears(list(state)):
         name = f"{module}.weight"
-        pack = quantization != "none" and stored.runs_packed and name in packable
-        if quantization == "auto" and not stored.runs_packed and name in packable:
-            raise ValueError(stored.refusal())
-        weight = stored.take_linear(state, module, pack)
+        pack = quantization != "none" and runs_packed and name in packable
+        if quantization == "auto" and not runs_packed and name in packable:
+            raise ValueError(stored.refusal(device.type))
+        weight = stored.take_linear(state, module, pack, device)
         if isinstance(weight, QuantizedWeight):
             packed[name] = weight
         else:

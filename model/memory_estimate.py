@@ -22,11 +22,13 @@ import math
 import struct
 from pathlib import Path
 
+import torch
+
 from pdserve.checkpoint.gguf_file import open_gguf
 from pdserve.checkpoint.model_source import resolve_model
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.model.gguf_loader import FLOAT_TYPES
-from pdserve.model.model_config import ModelConfig, resolve_dtype
+from pdserve.model.model_config import ModelConfig, resolve_device, resolve_dtype
 from pdserve.model.quantization.checkpoint_format import checkpoint_quantization
 from pdserve.model.quantization.int8_channels import INT8_ROW_BYTES
 
@@ -55,19 +57,20 @@ def weights_bytes(engine: EngineConfig, config: ModelConfig, packable: set[str])
         return total
     shapes = _safetensors_shapes(source.file_path())
     stored = checkpoint_quantization(source.file_path())
+    kind = torch.device(resolve_device(engine.device)).type
     packed_by_checkpoint: set[str] = set()
     if stored is not None:
         for module in stored.linears(shapes):
             logical = stored.logical_shape(shapes, module)
             shapes = {n: s for n, s in shapes.items() if not n.startswith(f"{module}.")}
             shapes[f"{module}.weight"] = logical
-            if engine.quantization != "none" and stored.runs_packed:
+            if engine.quantization != "none" and stored.runs_packed_on(kind):
                 packed_by_checkpoint.add(f"{module}.weight")
     total = 0
     for name, shape in shapes.items():
         elements = math.prod(shape)
         if name in packed_by_checkpoint and name in packable and stored is not None:
-            total += int(elements * stored.bits_held / 8)
+            total += int(elements * stored.bits_held_on(kind) / 8)
         elif engine.quantization == "int8" and name in packable:
             total += elements + INT8_ROW_BYTES * shape[0]
         else:

@@ -641,3 +641,11 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, str) and dtype in DTYPES:
         return DTYPES[dtype]
     raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+
+
+def resolve_device(device: str) -> str:
+    """``auto``: cuda when this process sees a GPU (a Ray worker sees the ones it was given),
+    else cpu; any other device as it is."""
+    if device != "auto":
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"

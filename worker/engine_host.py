@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 from pdserve import IMPORTED_AT
 from pdserve.engine.kv_connector_base import KVConnectorBase
-from pdserve.engine.llm_engine import LLMEngine, resolve_device
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request_output import RequestOutput
 from pdserve.engine.tensor_parallel_peers import TensorParallelGroupLost
 from pdserve.grammar import GrammarError
@@ -49,6 +49,7 @@ from pdserve.messages.kv_provenance import KVProvenance
 from pdserve.messages.kv_transfer_params import KVTransferParams
 from pdserve.messages.worker_spec import WorkerSpec
 from pdserve.messages.worker_stats import WorkerStats, per_tier
+from pdserve.model.model_config import resolve_device
 from pdserve.stats.start_phases import StartPhases, start_phase
 from pdserve.worker.kv_event_log import KVEventLog
 

@@ -1,13 +1,15 @@
 """The quantized format of a Hugging Face folder's linears (``config.json``'s
 ``quantization_config``), and each linear's stored tensors turned into the weight it runs.
 
-    quant_method         stored per linear ``p``                       runs as
-    awq  (gemm, 4 bits)  p.qweight p.qzeros p.scales                   int4 planes (CPU)
-    gptq (4 or 8 bits)   p.qweight p.qzeros p.scales p.g_idx           int4 planes (CPU)
-    fp8                  p.weight p.weight_scale_inv (or weight_scale)  dequantized only
-    compressed-tensors   p.weight p.weight_scale  (fp8 "float" weights)  dequantized only
+    quant_method         stored per linear ``p``                      runs as (CPU / CUDA)
+    awq  (gemm, 4 bits)  p.qweight p.qzeros p.scales                  int4 planes / int4 groups
+    gptq (4 or 8 bits)   p.qweight p.qzeros p.scales p.g_idx          int4 planes / int4 groups
+                                                                      (4 bits; 8: dequantized)
+    fp8                  p.weight p.weight_scale_inv (or weight_scale) dequantized / fp8 weight
+    compressed-tensors   p.weight p.weight_scale (fp8 "float" weights) dequantized / fp8 weight
 
-``int4_checkpoints.py`` and ``fp8_checkpoints.py`` hold the layouts. A linear a checkpoint
+``int4_checkpoints.py`` and ``fp8_checkpoints.py`` hold the layouts; ``int4_planes.py``,
+``grouped_int4_weight.py`` and ``fp8_weight.py`` the weights that run them. A linear a checkpoint
 left in float (AWQ's ``modules_to_not_convert``, an fp8 model's ``lm_head``) has no such
 tensors and loads as any float weight. Static activation and KV scales (``input_scale``,
 ``k_scale``, ``v_scale``) are read past: activations and KV are computed in float.
@@ -24,7 +26,10 @@ from typing import Any
 import torch
 
 from pdserve.model.quantization.fp8_checkpoints import fp8_dequantized
+from pdserve.model.quantization.fp8_weight import Fp8Weight
+from pdserve.model.quantization.grouped_int4_weight import GroupedInt4Weight
 from pdserve.model.quantization.int4_checkpoints import AffineGroups, awq_groups, gptq_groups
+from pdserve.model.quantization.packed_matmul_triton import builds_gpu_formats
 from pdserve.model.quantization.quantized_weight import QuantizedWeight
 
 SUPPORTED = "awq (gemm, 4 bits), gptq (4 or 8 bits), fp8, compressed-tensors with fp8 weights"
@@ -48,24 +53,33 @@ class CheckpointQuantization:
     block: tuple[int, int] | None = None
     """fp8's ``weight_block_size``: the ``[out, in]`` a block scale covers."""
 
-    @property
-    def runs_packed(self) -> bool:
-        """Whether a kernel here multiplies the format as it is stored (``fp8_checkpoints``
-        says why fp8 does not)."""
+    def runs_packed_on(self, device_type: str) -> bool:
+        """Whether a kernel multiplies the format as it is stored on ``device_type``: AWQ and
+        GPTQ as int4 planes on CPU, 4-bit ones as int4 groups on CUDA; fp8 on CUDA only
+        (``fp8_checkpoints.py`` says why not on CPU)."""
+        if builds_gpu_formats(device_type):
+            return self.scheme == "fp8" or self.bits == 4
         return self.scheme != "fp8"
 
-    @property
-    def bits_held(self) -> float:
-        """Bits a weight takes packed: the int4 planes' 4 a plane plus 32 bits of scale and
-        offset per 32 inputs, one plane up to 4 bits, two past."""
+    def bits_held_on(self, device_type: str) -> float:
+        """Bits a weight takes packed. CPU: the int4 planes' 4 a plane plus 32 bits of scale
+        and offset per 32 inputs, one plane up to 4 bits, two past. CUDA: fp8's byte plus a
+        float32 scale per row and block of 128; int4 groups' 4 bits plus a float32 scale and
+        offset per group of 128 (``grouped_int4_weight.py``)."""
+        if builds_gpu_formats(device_type):
+            return 8.25 if self.scheme == "fp8" else 4.5
         return 5.0 if self.bits <= 4 else 10.0
 
-    def refusal(self) -> str:
-        """Why ``--quantization auto`` cannot run this format, and what would."""
+    def refusal(self, device_type: str) -> str:
+        """Why ``--quantization auto`` cannot run this format on ``device_type``, and what
+        would."""
+        fp8 = self.scheme == "fp8"
+        where = "it runs packed on CUDA" if fp8 else "the GPU kernel reads 4-bit codes"
+        name = self.scheme if fp8 else f"{self.bits}-bit {self.scheme}"
         return (
-            f"{self.scheme} weights have no kernel in pdserve yet, on CPU or GPU: use "
-            "--quantization none (dequantized to the dtype) or --quantization int8 (one byte "
-            "a weight)"
+            f"{name} weights have no kernel in pdserve on "
+            f"{device_type} ({where}): use --quantization none (dequantized to the dtype) or "
+            "--quantization int8 (one byte a weight, CPU)"
         )
 
     def linears(self, names: Iterable[str]) -> list[str]:
@@ -80,15 +94,22 @@ class CheckpointQuantization:
         return self.scheme == "fp8" and name.rsplit(".", 1)[-1] in _READ_PAST
 
     def take_linear(
-        self, state: dict[str, torch.Tensor], module: str, pack: bool
+        self, state: dict[str, torch.Tensor], module: str, pack: bool, device: torch.device
     ) -> QuantizedWeight | torch.Tensor:
         """Linear ``module``'s stored tensors taken out of ``state``, as the packed weight it
-        runs (``pack``) or its float32 ``[out, in]`` weight."""
+        runs on ``device`` (``pack``) or its float32 ``[out, in]`` weight."""
         if self.scheme == "fp8":
             scale_name = next(f"{module}.{s}" for s in _FP8_SCALES if f"{module}.{s}" in state)
-            return fp8_dequantized(state.pop(f"{module}.weight"), state.pop(scale_name), self.block)
+            weight, scale = state.pop(f"{module}.weight"), state.pop(scale_name)
+            if pack:
+                return Fp8Weight.from_checkpoint(weight, scale, self.block, device)
+            return fp8_dequantized(weight, scale, self.block)
         groups = self._groups(state, module)
-        return groups.packed() if pack else groups.dequantize()
+        if not pack:
+            return groups.dequantize()
+        if builds_gpu_formats(device.type):
+            return GroupedInt4Weight.from_groups(groups, device)
+        return groups.packed()
 
     def logical_shape(self, shapes: dict[str, list[int]], module: str) -> list[int]:
         """``[out, in]`` of linear ``module`` from its stored tensors' shapes."""

@@ -34,8 +34,12 @@ AWQ_PACKING_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: nibble n holds column 8
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """A random two-layer Llama whose linears take groups of 128 inputs."""
-    directory = tmp_path_factory.mktemp("float")
+    return random_llama(tmp_path_factory.mktemp("float"))
+
+
+def random_llama(directory):
+    """A random two-layer Llama whose linears take groups of 128 inputs, saved in
+    ``directory``."""
     torch.manual_seed(0)
     model = save_llama(
         directory,
@@ -332,10 +336,14 @@ def test_a_format_pdserve_does_not_read_is_refused_naming_those_it_does(
         check_model(str(tmp_path))
 
 
-def test_packed_folders_are_refused_on_a_gpu_and_estimated_at_their_packed_size(folders):
+def test_packed_folders_pass_for_a_gpu_in_its_formats_and_are_estimated_at_their_size(folders):
+    """On CUDA, 4-bit AWQ and GPTQ run as int4 groups (``grouped_int4_weight.py``: 4.5 bits
+    a weight, not the planes' 5) and an 8-bit GPTQ is refused naming what serves; the
+    GPU's formats themselves run in ``interpreter_checks_packed_matmul.py``."""
     directory, _ = folders["AWQ"]
-    with pytest.raises(ValueError, match="packed as AWQ run on CPU only, not on cuda"):
-        check_model(str(directory), quantization="auto", device="cuda")
+    assert check_model(str(directory), quantization="auto", device="cuda").quantization == "AWQ"
+    with pytest.raises(ValueError, match="8-bit GPTQ weights have no kernel in pdserve on cuda"):
+        check_model(str(folders["GPTQ-8bit-v2"][0]), quantization="auto", device="cuda")
     config = check_model(str(directory), quantization="auto")
     model, _, _ = load_model(str(directory), quantization="auto")
     packable = model.packable_weights()
@@ -349,3 +357,7 @@ def test_packed_folders_are_refused_on_a_gpu_and_estimated_at_their_packed_size(
     held += sum(packed_weight(m).nbytes for m in model.modules() if packed_weight(m) is not None)
     assert abs(packed - held) < 0.05 * held
     assert float32 > 4 * packed  # 32 bits a weight against the planes' 5
+    on_gpu = weights_bytes(
+        EngineConfig(model=str(directory), quantization="auto", device="cuda"), config, packable
+    )
+    assert on_gpu < packed
