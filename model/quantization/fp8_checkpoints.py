@@ -12,11 +12,12 @@ shape::
 ``w = fp8 * scale`` broadcast over the block it covers (a ``weight_scale_inv`` multiplies
 too: the name says it is the inverse of the factor the quantizer divided by).
 
-No kernel here multiplies fp8 as it is stored: on this CPU, torch's ``_scaled_mm`` and the
-conversion of fp8 to bfloat16 per call each take 30-45x float32's ``mm`` at one row
-(576 -> 1536, one thread). So an fp8 checkpoint is refused with ``--quantization auto``, and
-served dequantized (``none``: to the model's dtype) or repacked at one byte a weight
-(``int8``: per output row, within half an int8 step of the dequantized weight).
+No CPU kernel here multiplies fp8 as it is stored: on this CPU, torch's ``_scaled_mm`` and
+the conversion of fp8 to bfloat16 per call each take 30-45x float32's ``mm`` at one row
+(576 -> 1536, one thread). So on CPU an fp8 checkpoint is refused with ``--quantization
+auto``, and served dequantized (``none``: to the model's dtype) or repacked at one byte a
+weight (``int8``: per output row, within half an int8 step of the dequantized weight). On a
+GPU it runs as stored (``fp8_weight.py``).
 """
 
 from __future__ import annotations
