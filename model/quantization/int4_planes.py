@@ -109,6 +109,9 @@ class Int4PlanesWeight(QuantizedWeight):
         self.out_features = out_features
         self.in_features = in_features
         self.planes = planes
+        # As the kernel takes them, flattened once: every decode step multiplies each weight.
+        self.kernel_planes = [tensor for plane in planes for tensor in plane]
+        self.padded_rows = planes[0][0].shape[0]
         self._bfloat16_planes: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @classmethod
@@ -130,22 +133,24 @@ class Int4PlanesWeight(QuantizedWeight):
         if bits <= 4:
             planes = [_pack(codes, scale, zero)]
         else:
-            planes = [
-                _pack(codes >> 4, 16 * scale, zero),
-                _pack(codes & 15, scale, torch.zeros_like(scale)),
+            planes = [  # the whole zero in the low plane: the dot kernel reads its pairs only
+                _pack(codes >> 4, 16 * scale, torch.zeros_like(scale)),
+                _pack(codes & 15, scale, zero),
             ]
         return cls(scheme, rows, columns, planes)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         tile = halves_tile()
         if x.dtype == torch.float32 and tile and int4_tiles_kernel.dots_tiles_of(tile):
-            dotted = int4_tiles_kernel.int4_tiles_dot(x.contiguous(), self.planes, tile)
-            return dotted[:, : self.out_features]
+            dotted = int4_tiles_kernel.int4_tiles_dot(x.contiguous(), self.kernel_planes, tile)
+            return (
+                dotted if self.padded_rows == self.out_features else dotted[:, : self.out_features]
+            )
         rows, dtype = dequantize_plan()
         if x.shape[0] >= rows:
             return torch.mm(x.to(dtype), self.dequantize().to(dtype).t()).to(x.dtype)
         if x.dtype == torch.float32 and tile and int4_tiles_kernel.reads_tiles_of(tile):
-            exact = int4_tiles_kernel.int4_tiles_mm(x.contiguous(), self.planes, tile)
+            exact = int4_tiles_kernel.int4_tiles_mm(x.contiguous(), self.kernel_planes, tile)
             return exact[:, : self.out_features]
         activations = x.to(torch.bfloat16).contiguous()
         out: torch.Tensor | None = None

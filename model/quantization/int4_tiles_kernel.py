@@ -90,25 +90,22 @@ def dots_tiles_of(tile_rows: int) -> bool:
     return kernel is not None and tile_rows in kernel.dot_tile_rows
 
 
-def int4_tiles_mm(
-    x: torch.Tensor, planes: list[tuple[torch.Tensor, torch.Tensor]], tile_rows: int
-) -> torch.Tensor:
+def int4_tiles_mm(x: torch.Tensor, planes: list[torch.Tensor], tile_rows: int) -> torch.Tensor:
     """``x`` float32 ``[M, K]`` by the weight whose planes (``int4_planes.py``: one, or the
-    high and the low, read in one pass) are given, packed in tiles of ``tile_rows``: ``[M,
-    padded rows]``. Call only where ``reads_tiles_of(tile_rows)``."""
+    high and the low, read in one pass) are given as ``[packed, scales_zeros, ...]``, packed
+    in tiles of ``tile_rows``: ``[M, padded rows]``. Call only where
+    ``reads_tiles_of(tile_rows)``."""
     kernel = build()
     assert kernel is not None, "int4_tiles_mm called where the kernel is not built"
-    return kernel.int4_tiles_mm(x, [tensor for plane in planes for tensor in plane], tile_rows)
+    return kernel.int4_tiles_mm(x, planes, tile_rows)
 
 
-def int4_tiles_dot(
-    x: torch.Tensor, planes: list[tuple[torch.Tensor, torch.Tensor]], tile_rows: int
-) -> torch.Tensor:
+def int4_tiles_dot(x: torch.Tensor, planes: list[torch.Tensor], tile_rows: int) -> torch.Tensor:
     """As ``int4_tiles_mm``, with ``x`` rounded to 16 bits per group of 32 inputs first (module
     doc: the bound). Call only where ``dots_tiles_of(tile_rows)``."""
     kernel = build()
     assert kernel is not None, "int4_tiles_dot called where the kernel is not built"
-    return kernel.int4_tiles_dot(x, [tensor for plane in planes for tensor in plane], tile_rows)
+    return kernel.int4_tiles_dot(x, planes, tile_rows)
 
 
 if __name__ == "__main__":  # build it now, not at the first matmul

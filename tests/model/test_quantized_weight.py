@@ -181,7 +181,7 @@ def test_the_exact_kernel_serves_beside_the_integer_dot_one(case, tokens):
     weight = gguf_weight(quant, raw_tensor(quant, rows, columns, seed), (rows, columns))
     assume(isinstance(weight, Int4PlanesWeight))  # Q6_K packs as int8 rows
     x = torch.randn(tokens, columns, generator=torch.Generator().manual_seed(seed))
-    y = int4_tiles_kernel.int4_tiles_mm(x, weight.planes, halves_tile() or 0)[:, :rows]
+    y = int4_tiles_kernel.int4_tiles_mm(x, weight.kernel_planes, halves_tile() or 0)[:, :rows]
     assert_product_close(y, x, weight.dequantize(), EXACT_BOUND)
 
 
