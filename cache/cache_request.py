@@ -35,7 +35,7 @@ class CacheRequest(Protocol):
     @property
     def cache_salt(self) -> str | None: ...
     @property
-    def lora_id(self) -> int | None: ...
+    def lora_id(self) -> str | None: ...
     @property
     def num_preemptions(self) -> int: ...
 
@@ -54,7 +54,7 @@ class LedgerRequest:
     all_token_ids: list[int]
     hasher: RequestBlockHasher
     cache_salt: str | None = None
-    lora_id: int | None = None
+    lora_id: str | None = None
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)

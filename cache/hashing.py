@@ -66,7 +66,7 @@ class MultiModalFeature:
 class ExtraKeys:
     """What besides token ids decides a block's KV bytes."""
 
-    lora_id: int | None = None
+    lora_id: str | None = None
     cache_salt: str | None = None
     mm_identifiers: tuple[str, ...] = ()
 
@@ -74,7 +74,7 @@ class ExtraKeys:
         """Tagged, length-prefixed bytes; empty when there are no extra keys."""
         parts: list[bytes] = []
         if self.lora_id is not None:
-            parts.append(_encode_field(b"L", str(self.lora_id).encode()))
+            parts.append(_encode_field(b"L", self.lora_id.encode()))
         if self.cache_salt is not None:
             parts.append(_encode_field(b"S", self.cache_salt.encode()))
         for identifier in self.mm_identifiers:
@@ -158,7 +158,7 @@ class BlockHasher:
         token_ids: Sequence[int] | np.ndarray,
         block_size: int,
         block_hashes: Sequence[BlockHash] = (),
-        lora_id: int | None = None,
+        lora_id: str | None = None,
         cache_salt: str | None = None,
         mm_features: Sequence[MultiModalFeature] = (),
     ) -> list[BlockHash]:

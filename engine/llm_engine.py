@@ -47,6 +47,7 @@ from pdserve.messages.kv_transfer_params import KVTransferParams
 from pdserve.messages.sampling_params import SamplingParams
 from pdserve.model.freed_memory import release_freed_memory
 from pdserve.model.loader import load_model
+from pdserve.model.lora.peft_adapter import LoRAAdapter
 from pdserve.model.model_config import resolve_device, resolve_dtype
 from pdserve.stats.start_phases import start_phase
 from pdserve.tokenizer.detokenizer import IncrementalDetokenizer
@@ -99,6 +100,10 @@ class LLMEngine:
             self.model, self.model_config, self.tokenizer = load_model(
                 config.model, config.dtype, config.device, config.quantization
             )
+        self.lora_adapters = {
+            name: LoRAAdapter.load(name, path, self.model, config.max_lora_rank)
+            for name, path in config.lora_modules.items()
+        }
         groups = kv_cache_groups(self.model_config, config)
         draft = None
         if config.speculative_method == "draft_model":
@@ -112,6 +117,7 @@ class LLMEngine:
         kv_cache_config = KVCacheConfig(num_blocks, groups)
         with start_phase("kv_pool"):  # the pages, the runner's tables (tensor-parallel peers)
             self.runner = self._make_runner(num_blocks, on_rank_lost)
+        self.runner.lora_adapters = self.lora_adapters
         # The engine owns the connector from here on, as ``shutdown`` says.
         self.connector = connector
         self._shut_down = False
@@ -223,12 +229,22 @@ class LLMEngine:
         cache_salt: str | None = None,
         remote_decode: bool = False,
         kv_transfer_params: KVTransferParams | None = None,
+        lora_name: str | None = None,
     ) -> None:
         """Queues a request. ``remote_decode`` (prefill worker): lease the prompt's blocks for
         a decode worker when it finishes. ``kv_transfer_params`` (decode worker): the prompt's
         KV and first token come from that prefill worker; an offer (``final`` False) makes
-        the request KV-only: it pulls the offered blocks into the prefix cache and ends."""
+        the request KV-only: it pulls the offered blocks into the prefix cache and ends.
+        ``lora_name``: one of ``lora_modules``' adapters, run for this request alone."""
         params = params or SamplingParams()
+        adapter = None
+        if lora_name is not None:
+            adapter = self.lora_adapters.get(lora_name)
+            if adapter is None:
+                raise ValueError(
+                    f"unknown LoRA adapter {lora_name!r}; this engine serves "
+                    f"{sorted(self.lora_adapters) or 'none'}"
+                )
         if request_id in self._tracked or self.scheduler.holds(request_id):
             # Held: a finished request's blocks under its lease, which a new request of the
             # same id would take over (and leak) through the connector's lease of that id.
@@ -262,6 +278,8 @@ class LLMEngine:
             seed,
             RequestBlockHasher(self.block_hasher, self.config.block_size),
             cache_salt=cache_salt,
+            lora_name=lora_name,
+            lora_id=adapter.digest if adapter is not None else None,
             remote_decode=remote_decode,
             kv_transfer_params=kv_transfer_params,
             grammar=grammar,
@@ -572,8 +590,10 @@ class LLMEngine:
         self,
         prompts: Sequence[str | Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_names: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Runs ``prompts`` to completion; outputs in prompt order.
+        """Runs ``prompts`` to completion; outputs in prompt order; ``lora_names``: each
+        prompt's adapter (None: the base model).
 
         The offline API: it steps the engine until its own requests finish, so it refuses
         to run beside requests added with ``add_request`` (their outputs would be consumed
@@ -592,8 +612,13 @@ class LLMEngine:
                 raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")
         base = f"gen-{time.monotonic_ns()}"
         ids = [f"{base}-{i}" for i in range(len(prompts))]
-        for request_id, prompt, request_params in zip(ids, prompts, params_list):
-            self.add_request(request_id, prompt, request_params)
+        adapters = list(lora_names) if lora_names is not None else [None] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(adapters)} lora_names")
+        for request_id, prompt, request_params, lora_name in zip(
+            ids, prompts, params_list, adapters
+        ):
+            self.add_request(request_id, prompt, request_params, lora_name=lora_name)
         finished: dict[str, RequestOutput] = {}
         try:
             while len(finished) < len(ids):

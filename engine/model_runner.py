@@ -25,6 +25,9 @@ from pdserve.model import paged_decode_kernel
 from pdserve.model.architectures import CausalLM
 from pdserve.model.architectures.rotary import RotaryEmbedding
 from pdserve.model.attention import StepAttention, build_attention_metadata
+from pdserve.model.lora.lora_step import LoRAStep
+from pdserve.model.lora.lora_step import active as lora_active
+from pdserve.model.lora.peft_adapter import LoRAAdapter
 from pdserve.model.model_config import ModelConfig, resolve_dtype
 from pdserve.model.split_kv import SPLIT_KV_BYTES
 from pdserve.model.tensor_parallel import TensorParallel
@@ -109,6 +112,8 @@ class ModelRunner:
         if tensor_parallel is not None:  # before fusing: the fused matrices are the slices'
             model.shard(tensor_parallel)
         self.peers = peers
+        # The engine's adapters by name (``lora_modules``), which chunks name to run.
+        self.lora_adapters: dict[str, LoRAAdapter] = {}
         self._group_lost: str | None = None  # why the ranks are out of step, once they are
         if hasattr(model, "fuse_weights"):  # pack projections for inference (models/llama.py)
             model.fuse_weights()
@@ -251,8 +256,10 @@ class ModelRunner:
             for i, c in enumerate(chunks)
             for r in range(last_row[i] - c.num_logit_rows + 1, last_row[i] + 1)
         ]
+        lora_step = self._lora_step(ordered, counts)
         if self.peers is None:
-            return self._forward(input_ids, metadata, sample_rows)
+            with lora_active(lora_step):
+                return self._forward(input_ids, metadata, sample_rows)
         if self._group_lost is not None:  # a new step would pair with the old one's collectives
             raise TensorParallelGroupLost(self._group_lost)
         self.peers.send(chunks)  # the peers run the same step; their collectives wait for ours
@@ -263,6 +270,24 @@ class ModelRunner:
             if not isinstance(error, Exception):  # a KeyboardInterrupt stays one
                 raise
             raise TensorParallelGroupLost(self._group_lost) from error
+
+    def _lora_step(self, ordered: list[ScheduledChunk], counts: list[int]) -> LoRAStep | None:
+        """The step's rows of each adapter its chunks run (``model/lora/lora_step.py``), in the
+        step's row order; None where every chunk runs the base model."""
+        if all(chunk.lora_name is None for chunk in ordered):
+            return None
+        rows: dict[str, list[int]] = {}
+        start = 0
+        for chunk, count in zip(ordered, counts):
+            if chunk.lora_name is not None:
+                rows.setdefault(chunk.lora_name, []).extend(range(start, start + count))
+            start += count
+        return LoRAStep(
+            [
+                (self.lora_adapters[name], torch.tensor(indices, device=self.device))
+                for name, indices in rows.items()
+            ]
+        )
 
     def _forward(
         self, input_ids: torch.Tensor, metadata: StepAttention, sample_rows: list[int]

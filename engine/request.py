@@ -79,7 +79,8 @@ class Request:
         block_hasher: RequestBlockHasher,
         *,
         cache_salt: str | None = None,
-        lora_id: int | None = None,
+        lora_name: str | None = None,
+        lora_id: str | None = None,
         remote_decode: bool = False,
         kv_transfer_params: KVTransferParams | None = None,
         arrival_time: float | None = None,
@@ -91,6 +92,8 @@ class Request:
         self.sampling_params = sampling_params
         self.sampling_seed = sampling_seed
         self.cache_salt = cache_salt
+        # The adapter it runs: by name for the runner, by its weights' digest for the hashes.
+        self.lora_name = lora_name
         self.lora_id = lora_id
         self.remote_decode = remote_decode
         self.kv_transfer_params = kv_transfer_params

@@ -7,7 +7,7 @@ Each field's docstring (the string under it) is its description everywhere: a de
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from pdserve.cache.kv_cache_spec import KVCacheGroupSpec, longest_request_in_pool
@@ -74,6 +74,14 @@ class EngineConfig:
     """Seeds the block hashes; equal on every worker of a deployment."""
     torch_threads: int = 1
     """torch's intra-op threads in this process (and in each tensor-parallel rank's)."""
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    """LoRA adapters served beside the base model, loaded at start: name -> a PEFT adapter
+    folder (``model/lora/peft_adapter.py``). A request names one to run it
+    (``add_request(lora_name=)``)."""
+    max_loras: int = 4
+    """Adapters a worker holds at most."""
+    max_lora_rank: int = 16
+    """The largest rank an adapter may have; a larger one is refused at load."""
     tensor_parallel_size: int = 1
     """Ranks the model is split over (heads, MLP features and vocabulary), each a process
     of the worker's node (engine/tensor_parallel_peers.py); CPU only for now."""
@@ -136,6 +144,15 @@ class EngineConfig:
         )
 
     def __post_init__(self) -> None:
+        if len(self.lora_modules) > self.max_loras:
+            raise ValueError(
+                f"{len(self.lora_modules)} LoRA adapters given, above max_loras {self.max_loras}"
+            )
+        if self.lora_modules and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "LoRA adapters run at tensor_parallel_size 1 for now (their A and B are not "
+                "sharded over ranks yet)"
+            )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

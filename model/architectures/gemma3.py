@@ -23,6 +23,7 @@ from pdserve.model.architectures.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaModel,
+    mark_lora_layer,
 )
 from pdserve.model.architectures.rotary import RotaryEmbedding
 from pdserve.model.attention import AttentionMetadata
@@ -44,6 +45,7 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, offset)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, offset)
         self.tensor_parallel: TensorParallel | None = None
+        mark_lora_layer(self, index)
 
     def forward(
         self,

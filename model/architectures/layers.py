@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model import rms_norm_kernel
+from pdserve.model.lora.lora_step import add_lora
 from pdserve.model.quantization import QuantizedWeight, concat_rows
 from pdserve.model.quantization.quantized_weight import packed_weight
 from pdserve.model.tensor_parallel import TensorParallel, keep_input_columns, keep_output_rows
@@ -126,6 +127,9 @@ class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))``, gate and up as one fused matmul: SwiGLU (Llama's MLP, a
     MoE model's dense layers, DeepSeek's shared experts) or GeGLU (Gemma's tanh GELU)."""
 
+    lora_layer = -1
+    """Its decoder layer's index, where LoRA adapters may adapt it (``model/lora/``)."""
+
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu") -> None:
         super().__init__()
         self.activation = _ACTIVATIONS[activation]
@@ -147,9 +151,11 @@ class GatedMLP(nn.Module):
         self.down_weight, _ = fuse_linears([self.down_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = project(x, self.gate_up_weight, None)
+        gate_up = add_lora(project(x, self.gate_up_weight, None), x, self.lora_layer, "gate_up")
         activated = (
             self.activation(gate_up[:, : self.intermediate_size])
             * gate_up[:, self.intermediate_size :]
         )
-        return project(activated, self.down_weight, None)
+        return add_lora(
+            project(activated, self.down_weight, None), activated, self.lora_layer, "down"
+        )

@@ -38,6 +38,7 @@ from pdserve.model.architectures.mla import MLAttention
 from pdserve.model.architectures.moe import SparseMoE
 from pdserve.model.architectures.rotary import RotaryEmbedding, apply_rotary
 from pdserve.model.attention import AttentionMetadata, StepAttention, paged_attention
+from pdserve.model.lora.lora_step import add_lora
 from pdserve.model.model_config import ModelConfig
 from pdserve.model.quantization.quantized_weight import attach_packed_weight, packed_weight
 from pdserve.model.tensor_parallel import TensorParallel, keep_input_columns, keep_output_rows
@@ -45,6 +46,9 @@ from pdserve.model.tensor_parallel import TensorParallel, keep_input_columns, ke
 
 class LlamaAttention(nn.Module):
     """Grouped-query attention: ``num_heads`` queries share ``num_kv_heads`` K/V heads."""
+
+    lora_layer = -1
+    """Its decoder layer's index, where LoRA adapters may adapt it (``model/lora/``)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -92,7 +96,10 @@ class LlamaAttention(nn.Module):
         """``qkv`` ``[tokens, heads + 2 * kv_heads, head_dim]``: q and k are rotated in place,
         then k and v (adjacent) go to the cache as one ``[tokens, 2, kv_heads, head_dim]``."""
         num_tokens = hidden.shape[0]
-        qkv = project(hidden, self.qkv_weight, self.qkv_bias).view(num_tokens, -1, self.head_dim)
+        qkv = add_lora(
+            project(hidden, self.qkv_weight, self.qkv_bias), hidden, self.lora_layer, "qkv"
+        )
+        qkv = qkv.view(num_tokens, -1, self.head_dim)
         query_key = qkv[:, : self.num_heads + self.num_kv_heads]
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3, Gemma 3: before RoPE
             query, key = query_key[:, : self.num_heads], query_key[:, self.num_heads :]
@@ -103,7 +110,10 @@ class LlamaAttention(nn.Module):
         attended = paged_attention(
             qkv[:, : self.num_heads], key_value, kv_cache, layer, metadata, self.scale
         )
-        return project(attended.reshape(num_tokens, -1), self.o_weight, self.o_bias)
+        attended = attended.reshape(num_tokens, -1)
+        return add_lora(
+            project(attended, self.o_weight, self.o_bias), attended, self.lora_layer, "o"
+        )
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -124,6 +134,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tensor_parallel: TensorParallel | None = None
+        mark_lora_layer(self, index)
 
     def shard(self, tensor_parallel: TensorParallel) -> None:
         """This rank's slice of attention and MLP; their outputs are summed over the ranks."""
@@ -159,6 +170,15 @@ class LlamaDecoderLayer(nn.Module):
     @property
     def feed_forward(self) -> GatedMLP | SparseMoE:
         return cast("GatedMLP | SparseMoE", getattr(self, self.feed_forward_name))
+
+
+def mark_lora_layer(layer: nn.Module, index: int) -> None:
+    """Tells a decoder layer's dense attention and MLP their layer's index: the modules LoRA
+    adapters may adapt (``model/lora/peft_adapter.py``); latent attention and experts keep
+    -1."""
+    for module in (getattr(layer, "self_attn", None), getattr(layer, "mlp", None)):
+        if isinstance(module, LlamaAttention | GatedMLP):
+            module.lora_layer = index
 
 
 class LlamaModel(nn.Module):

@@ -25,8 +25,8 @@ def chained_reference(hasher, tokens, block_size, lora_id=None, cache_salt=None)
 @pytest.mark.parametrize("algorithm,size", [("xxh3_128", 16), ("sha256", 32)])
 def test_fast_path_equals_block_by_block_definition(algorithm, size):
     hasher = BlockHasher(algorithm, seed=7)
-    fast = hasher.hash_request_blocks(TOKENS + [1, 2], 4, lora_id=3, cache_salt="t")
-    assert fast == chained_reference(hasher, TOKENS, 4, lora_id=3, cache_salt="t")
+    fast = hasher.hash_request_blocks(TOKENS + [1, 2], 4, lora_id="adapter-3", cache_salt="t")
+    assert fast == chained_reference(hasher, TOKENS, 4, lora_id="adapter-3", cache_salt="t")
     assert len(fast) == 10 and all(len(h) == size for h in fast)
 
 
@@ -52,7 +52,7 @@ def test_cache_salt_changes_every_block_lora_changes_every_block():
     plain = hasher.hash_request_blocks(TOKENS, 4)
     salted = hasher.hash_request_blocks(TOKENS, 4, cache_salt="tenant-a")
     other_salt = hasher.hash_request_blocks(TOKENS, 4, cache_salt="tenant-b")
-    lora = hasher.hash_request_blocks(TOKENS, 4, lora_id=1)
+    lora = hasher.hash_request_blocks(TOKENS, 4, lora_id="adapter-1")
     for variant in (salted, other_salt, lora):
         assert not set(variant) & set(plain)
     assert not set(salted) & set(other_salt)
@@ -61,7 +61,7 @@ def test_cache_salt_changes_every_block_lora_changes_every_block():
 def test_extra_keys_are_unambiguous():
     parent = none_hash()
     assert hash_block_tokens(parent, [1, 2], ExtraKeys(cache_salt="1")) != hash_block_tokens(
-        parent, [1, 2], ExtraKeys(lora_id=1)
+        parent, [1, 2], ExtraKeys(lora_id="adapter-1")
     )
     assert hash_block_tokens(
         parent, [1, 2], ExtraKeys(mm_identifiers=("ab", "c"))

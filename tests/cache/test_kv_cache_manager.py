@@ -138,14 +138,14 @@ def test_cache_salt_and_lora_separate_equal_prefixes():
     assert manager.get_computed_blocks(request("b", list(range(9)), cache_salt="tenant-b"))[1] == 0
     assert manager.get_computed_blocks(request("c", list(range(9))))[1] == 0
     assert manager.get_computed_blocks(request("d", list(range(9)), cache_salt="tenant-a"))[1] == 8
-    admit(manager, request("e", list(range(9)), lora_id=1))
-    assert manager.get_computed_blocks(request("f", list(range(9)), lora_id=2))[1] == 0
-    assert manager.get_computed_blocks(request("g", list(range(9)), lora_id=1))[1] == 8
+    admit(manager, request("e", list(range(9)), lora_id="adapter-1"))
+    assert manager.get_computed_blocks(request("f", list(range(9)), lora_id="adapter-2"))[1] == 0
+    assert manager.get_computed_blocks(request("g", list(range(9)), lora_id="adapter-1"))[1] == 8
 
 
 def test_events_report_stores_evictions_and_clears():
     manager = make_manager(num_blocks=3, enable_kv_cache_events=True)  # 2 usable
-    a = request("a", list(range(8)), lora_id=5)
+    a = request("a", list(range(8)), lora_id="adapter-5")
     manager.allocate_slots(a, 8)
     assert manager.take_events() == [
         BlockStored(
@@ -153,7 +153,7 @@ def test_events_report_stores_evictions_and_clears():
             None,
             list(range(8)),
             4,
-            5,
+            "adapter-5",
             group_idx=0,
             kv_cache_spec_kind="full_attention",
         )

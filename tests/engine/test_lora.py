@@ -1,0 +1,177 @@
+"""LoRA adapters beside the base model in one engine (``model/lora/``): rows of three PEFT
+adapters (different ranks, alphas, rsLoRA and target modules) and of the base model in one
+batch equal transformers + peft token for token; an adapter is named in block hashes by its
+weights; bad adapters are refused naming them.
+
+The adapters are written by peft itself over a random Llama saved here; ``init_lora_weights
+=False`` makes their B random, so each adapter changes the model's output."""
+
+from __future__ import annotations
+
+import json
+
+import peft
+import pytest
+import safetensors.torch
+import torch
+import transformers
+
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.messages.sampling_params import SamplingParams
+from pdserve.model.loader import load_model
+from pdserve.model.lora.peft_adapter import LoRAAdapter
+from tests.model.test_loader import save_llama
+
+ADAPTERS = {
+    "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "everything": dict(
+        r=8,
+        lora_alpha=16,
+        use_rslora=True,
+        target_modules=[
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+    ),
+    "mlp": dict(
+        r=2,
+        lora_alpha=4,
+        target_modules=["gate_proj", "down_proj", "o_proj"],
+        rank_pattern={"down_proj": 6},
+        alpha_pattern={"o_proj": 3},
+    ),
+}
+PROMPTS = [[5, 9, 2, 17, 30, 4, 11], [6, 7, 8, 9, 10, 12, 14, 20, 21], [1, 2, 3], [29, 28, 27, 26]]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """The base Llama's folder and each adapter's, written by peft."""
+    base = tmp_path_factory.mktemp("base")
+    torch.manual_seed(0)
+    save_llama(
+        base,
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    adapters = {}
+    for name, settings in ADAPTERS.items():
+        torch.manual_seed(len(adapters) + 1)
+        model = transformers.LlamaForCausalLM.from_pretrained(base)
+        config = peft.LoraConfig(init_lora_weights=False, **settings)
+        adapted = peft.get_peft_model(model, config)
+        adapters[name] = tmp_path_factory.mktemp(name)
+        adapted.save_pretrained(adapters[name])
+    return base, adapters
+
+
+def peft_tokens(base, adapter, prompt: list[int]) -> list[int]:
+    """Greedy tokens of transformers' Llama with the adapter (None: the base) applied by peft."""
+    model = transformers.LlamaForCausalLM.from_pretrained(base)
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_rows_of_three_adapters_and_the_base_in_one_batch_equal_peft(folders):
+    base, adapters = folders
+    engine = LLMEngine.from_pretrained(
+        str(base), lora_modules={n: str(p) for n, p in adapters.items()}, num_kv_blocks=64
+    )
+    names = ["qv", None, "everything", "mlp"]
+    outputs = engine.generate(PROMPTS, GREEDY, lora_names=names)
+    for prompt, name, output in zip(PROMPTS, names, outputs):
+        want = peft_tokens(base, adapters[name] if name else None, prompt)
+        assert output.output_token_ids == want, (name, output.output_token_ids, want)
+    # The same prompts again, each under another adapter: their blocks are cached by now,
+    # under other adapters' hashes, and none may be reused.
+    shifted = names[1:] + names[:1]
+    again = engine.generate(PROMPTS, GREEDY, lora_names=shifted)
+    for prompt, name, output in zip(PROMPTS, shifted, again):
+        assert output.output_token_ids == peft_tokens(
+            base, adapters[name] if name else None, prompt
+        )
+
+
+def test_an_adapter_is_named_by_its_weights(folders, tmp_path):
+    """Two loads of one file agree; the same name over other weights differs, and so do the
+    hashes of a prompt's blocks under each."""
+    base, adapters = folders
+    model, _, _ = load_model(str(base))
+    first = LoRAAdapter.load("a", adapters["qv"], model, 16)
+    assert LoRAAdapter.load("other name", adapters["qv"], model, 16).digest == first.digest
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    (changed / "adapter_config.json").write_text(
+        (adapters["qv"] / "adapter_config.json").read_text()
+    )
+    tensors = safetensors.torch.load_file(str(adapters["qv"] / "adapter_model.safetensors"))
+    name = next(n for n in tensors if "lora_B" in n)
+    tensors[name] = tensors[name] + 1
+    safetensors.torch.save_file(tensors, str(changed / "adapter_model.safetensors"))
+    assert LoRAAdapter.load("a", changed, model, 16).digest != first.digest
+    engine = LLMEngine.from_pretrained(str(base), lora_modules={"a": str(adapters["qv"])})
+    hasher = engine.block_hasher
+    tokens = list(range(40))
+    under = [hasher.hash_request_blocks(tokens, 16, lora_id=d) for d in (None, first.digest, "x")]
+    assert not set(under[0]) & set(under[1]) and not set(under[1]) & set(under[2])
+
+
+def write_adapter(folder, config: dict, tensors: dict[str, torch.Tensor]) -> str:
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    safetensors.torch.save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return str(folder)
+
+
+def test_bad_adapters_and_names_are_refused_naming_them(folders, tmp_path):
+    base, adapters = folders
+    model, _, _ = load_model(str(base))
+    with pytest.raises(ValueError, match="'everything' has rank 8 .* above max_lora_rank 4"):
+        LoRAAdapter.load("everything", adapters["everything"], model, 4)
+    prefix = "base_model.model.model.layers"
+    missing_layer = write_adapter(
+        tmp_path / "layer9",
+        {"r": 2, "lora_alpha": 2},
+        {
+            f"{prefix}.9.self_attn.q_proj.lora_A.weight": torch.zeros(2, 64),
+            f"{prefix}.9.self_attn.q_proj.lora_B.weight": torch.zeros(64, 2),
+        },
+    )
+    with pytest.raises(ValueError, match="targets q_proj of layer 9, which the model does not"):
+        LoRAAdapter.load("layer9", missing_layer, model, 16)
+    embedding = write_adapter(
+        tmp_path / "embedding",
+        {"r": 2},
+        {"base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(2, 32)},
+    )
+    with pytest.raises(ValueError, match="holds 'base_model.model.model.embed_tokens"):
+        LoRAAdapter.load("embedding", embedding, model, 16)
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "adapter_config.json").write_text("{}")
+    (corrupt / "adapter_model.safetensors").write_bytes(b"\x08\x00\x00\x00not json")
+    with pytest.raises(ValueError, match="'corrupt' at .* cannot be read"):
+        LoRAAdapter.load("corrupt", corrupt, model, 16)
+    engine = LLMEngine.from_pretrained(str(base), lora_modules={"qv": str(adapters["qv"])})
+    with pytest.raises(
+        ValueError, match="unknown LoRA adapter 'nope'; this engine serves \\['qv'\\]"
+    ):
+        engine.add_request("r", [1, 2, 3], GREEDY, lora_name="nope")
+    with pytest.raises(ValueError, match="3 LoRA adapters given, above max_loras 2"):
+        LLMEngine.from_pretrained(
+            str(base), lora_modules={n: str(p) for n, p in adapters.items()}, max_loras=2
+        )
