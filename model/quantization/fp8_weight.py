@@ -69,9 +69,7 @@ class Fp8Weight(QuantizedWeight):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if packed_matmul_triton.serves(x):
-            return packed_matmul_triton.fp8_blocks_matmul(
-                x, self.bits, self.scales, (1, self.block_in)
-            )
+            return packed_matmul_triton.fp8_rows_matmul(x, self.bits, self.scales, self.block_in)
         return (x.float() @ self.dequantize().t()).to(x.dtype)
 
     def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:

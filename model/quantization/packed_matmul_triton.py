@@ -1,17 +1,19 @@
-"""``x @ W.T`` on the GPU for weights kept at their checkpoint's size: Triton kernels that
-dequantize a tile of W in registers and multiply it there (weight-only: activations stay in
-the model's dtype), one per format:
+"""``x @ W.T`` on the GPU for weights kept at their checkpoint's size: a Triton kernel that
+dequantizes a tile of W in registers and multiplies it there (weight-only: activations stay
+in the model's dtype), for two formats:
 
     int4 groups (AWQ, GPTQ)   codes   int32 [ceil(in / 8), out]   nibble n of [r, o]: input 8r + n
                               scales, offsets  float32 [groups, out]   w = scale * code + offset
     fp8 (DeepSeek-V3, Qwen3-FP8, compressed-tensors)
                               bytes   uint8 [out, in]   float8_e4m3fn bits
-                              scales  float32 [ceil(out / bo), ceil(in / bi)]   w = fp8 * scale
-                                      per tensor: one block (bo, bi) = (out, in); per channel:
-                                      (1, in); DeepSeek-V3's blocks: (128, 128)
+                              scales  float32 [out, ceil(in / bi)]   w = fp8 * scale
+                                      a scale per row and block of bi inputs: every
+                                      granularity a checkpoint ships (``fp8_weight.py``)
 
     grid (rows of x / BLOCK_M, out / BLOCK_N)      program: y[BLOCK_M, BLOCK_N] in float32,
       for each BLOCK_K inputs: x tile [BLOCK_M, BLOCK_K] . W tile dequantized [BLOCK_K, BLOCK_N]
+
+The format is a compile-time switch of how a tile is dequantized; the rest is shared.
 
 Why weight-only and not ``torch._scaled_mm`` for fp8: that multiplies fp8 activations too
 (a rounding of x to 3 mantissa bits the model was not evaluated with), needs fp8 tensor
@@ -58,22 +60,23 @@ def serves(x: torch.Tensor) -> bool:
     if not (x.is_cuda or interpreted()):
         return False
     try:
-        _kernels()
+        _kernel()
     except ImportError:
         return False
     return True
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any]:
-    """The jitted kernels, defined on first use: Triton is imported only where it runs."""
+def _kernel() -> Any:
+    """The jitted kernel, defined on first use: Triton is imported only where it runs."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def int4_groups_matmul(  # type: ignore[no-untyped-def]
-        x, codes, scales, offsets, y, rows, outs, inputs, x_row, group_size,
-        IEEE: tl.constexpr, NARROW_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    def packed_matmul(  # type: ignore[no-untyped-def]
+        x, weight, scales, offsets, y, rows, outs, inputs, x_row, group_in, scale_row,
+        FP8: tl.constexpr, IEEE: tl.constexpr, NARROW_DOT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -86,12 +89,33 @@ def _kernels() -> tuple[Any, Any]:
                 other=0.0,
             )
             inside = (k[:, None] < inputs) & (n[None, :] < outs)
-            packed = tl.load(codes + (k[:, None] // 8) * outs + n[None, :], mask=inside, other=0)
-            code = (packed >> ((k[:, None] % 8) * 4)) & 15
-            group = (k // group_size)[:, None] * outs + n[None, :]
-            scale = tl.load(scales + group, mask=inside, other=0.0)
-            offset = tl.load(offsets + group, mask=inside, other=0.0)
-            tile = code.to(tl.float32) * scale + offset
+            if FP8:  # weight: the bytes [out, in]; a scale per row and group_in inputs
+                bits = tl.load(weight + n[None, :] * inputs + k[:, None], mask=inside, other=0)
+                bits = bits.to(tl.int32)
+                # float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0
+                # is subnormal (mantissa * 2^-9). A normal one's float32 bits: rebased.
+                exponent = (bits >> 3) & 15
+                mantissa = bits & 7
+                sign = (bits >> 7) << 31
+                normal = (sign | ((exponent + 120) << 23) | (mantissa << 20)).to(
+                    tl.float32, bitcast=True
+                )
+                subnormal = tl.where(sign != 0, -1.0, 1.0) * mantissa.to(tl.float32) * 0.001953125
+                scale = tl.load(
+                    scales + n[None, :] * scale_row + k[:, None] // group_in,
+                    mask=inside,
+                    other=0.0,
+                )
+                tile = tl.where(exponent == 0, subnormal, normal) * scale
+            else:  # weight: the int4 codes [ceil(in / 8), out]; a scale per group_in inputs
+                packed = tl.load(
+                    weight + (k[:, None] // 8) * outs + n[None, :], mask=inside, other=0
+                )
+                code = (packed >> ((k[:, None] % 8) * 4)) & 15
+                group = (k // group_in)[:, None] * outs + n[None, :]
+                scale = tl.load(scales + group, mask=inside, other=0.0)
+                offset = tl.load(offsets + group, mask=inside, other=0.0)
+                tile = code.to(tl.float32) * scale + offset
             if IEEE:  # a float32 model: float32 products, never TF32
                 acc = tl.dot(x_tile, tile, acc, input_precision="ieee")
             elif NARROW_DOT:
@@ -103,70 +127,30 @@ def _kernels() -> tuple[Any, Any]:
             y + m[:, None] * outs + n[None, :], acc, mask=(m[:, None] < rows) & (n[None, :] < outs)
         )
 
-    @triton.jit
-    def fp8_blocks_matmul(  # type: ignore[no-untyped-def]
-        x, weight, scales, y, rows, outs, inputs, x_row, block_out, block_in, scale_row,
-        IEEE: tl.constexpr, NARROW_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for start in range(0, inputs, BLOCK_K):
-            k = start + tl.arange(0, BLOCK_K)
-            x_tile = tl.load(
-                x + m[:, None] * x_row + k[None, :],
-                mask=(m[:, None] < rows) & (k[None, :] < inputs),
-                other=0.0,
-            )
-            inside = (k[:, None] < inputs) & (n[None, :] < outs)
-            bits = tl.load(weight + n[None, :] * inputs + k[:, None], mask=inside, other=0)
-            bits = bits.to(tl.int32)
-            # float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is
-            # subnormal (mantissa * 2^-9). A normal one's float32 bits: the exponent rebased.
-            exponent = (bits >> 3) & 15
-            mantissa = bits & 7
-            sign = (bits >> 7) << 31
-            normal = (sign | ((exponent + 120) << 23) | (mantissa << 20)).to(
-                tl.float32, bitcast=True
-            )
-            subnormal = tl.where(sign != 0, -1.0, 1.0) * mantissa.to(tl.float32) * 0.001953125
-            value = tl.where(exponent == 0, subnormal, normal)
-            scale = tl.load(
-                scales + (n[None, :] // block_out) * scale_row + k[:, None] // block_in,
-                mask=inside,
-                other=0.0,
-            )
-            tile = value * scale
-            if IEEE:
-                acc = tl.dot(x_tile, tile, acc, input_precision="ieee")
-            elif NARROW_DOT:
-                acc = tl.dot(x_tile, tile.to(x_tile.dtype), acc)
-            else:
-                narrow = tile.to(x_tile.dtype).to(tl.float32)
-                acc = tl.dot(x_tile.to(tl.float32), narrow, acc, input_precision="ieee")
-        tl.store(
-            y + m[:, None] * outs + n[None, :], acc, mask=(m[:, None] < rows) & (n[None, :] < outs)
-        )
-
-    return int4_groups_matmul, fp8_blocks_matmul
+    return packed_matmul
 
 
-def _output_and_grid(x: torch.Tensor, outs: int) -> tuple[torch.Tensor, tuple[int, int]]:
-    """The float32 ``[rows, outs]`` result and the grid covering it."""
-    rows = x.shape[0]
+def _launch(
+    x: torch.Tensor,
+    outs: int,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    group_in: int,
+    scale_row: int,
+    fp8: bool,
+) -> torch.Tensor:
+    """``x @ W.T`` for the format ``fp8`` names (module doc), in x's dtype."""
+    x = x.contiguous()
+    rows, inputs = x.shape
     y = torch.empty(rows, outs, dtype=torch.float32, device=x.device)
-    return y, (-(-rows // BLOCK_M), -(-outs // BLOCK_N))
-
-
-def _constants(x: torch.Tensor) -> dict[str, Any]:
-    """Both kernels' compile-time constants for activations ``x`` (module doc)."""
-    return {
-        "IEEE": x.dtype == torch.float32,
-        "NARROW_DOT": not interpreted(),
-        "BLOCK_M": BLOCK_M,
-        "BLOCK_N": BLOCK_N,
-        "BLOCK_K": BLOCK_K,
-    }
+    grid = (-(-rows // BLOCK_M), -(-outs // BLOCK_N))
+    _kernel()[grid](
+        x, weight, scales, offsets, y, rows, outs, inputs, x.stride(0), group_in, scale_row,
+        FP8=fp8, IEEE=x.dtype == torch.float32, NARROW_DOT=not interpreted(),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+    )  # fmt: skip
+    return y.to(x.dtype)
 
 
 def int4_groups_matmul(
@@ -178,28 +162,16 @@ def int4_groups_matmul(
 ) -> torch.Tensor:
     """``x`` ``[rows, in]`` by the int4 groups' weight (module doc): ``[rows, out]`` in x's
     dtype. Call only where ``serves(x)``."""
-    kernel, _ = _kernels()
-    x = x.contiguous()
-    (rows, inputs), outs = x.shape, codes.shape[1]
-    y, grid = _output_and_grid(x, outs)
-    kernel[grid](
-        x, codes, scales, offsets, y, rows, outs, inputs, x.stride(0), group_size, **_constants(x)
-    )
-    return y.to(x.dtype)
+    outs = codes.shape[1]
+    return _launch(x, outs, codes, scales, offsets, group_size, outs, fp8=False)
 
 
-def fp8_blocks_matmul(
-    x: torch.Tensor, weight_bits: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]
+def fp8_rows_matmul(
+    x: torch.Tensor, weight_bits: torch.Tensor, scales: torch.Tensor, block_in: int
 ) -> torch.Tensor:
-    """``x`` ``[rows, in]`` by the fp8 weight (its bytes ``[out, in]`` as uint8) and its block
-    ``scales`` (module doc; ``block``: the ``(bo, bi)`` a scale covers): ``[rows, out]`` in
-    x's dtype. Call only where ``serves(x)``."""
-    _, kernel = _kernels()
-    x = x.contiguous()
-    (rows, inputs), outs = x.shape, weight_bits.shape[0]
-    y, grid = _output_and_grid(x, outs)
-    kernel[grid](
-        x, weight_bits, scales, y, rows, outs, inputs, x.stride(0), block[0], block[1],
-        scales.stride(0), **_constants(x),
-    )  # fmt: skip
-    return y.to(x.dtype)
+    """``x`` ``[rows, in]`` by the fp8 weight (its bytes ``[out, in]`` as uint8) and its
+    ``scales`` ``[out, ceil(in / block_in)]`` (module doc): ``[rows, out]`` in x's dtype.
+    Call only where ``serves(x)``."""
+    return _launch(
+        x, weight_bits.shape[0], weight_bits, scales, scales, block_in, scales.stride(0), fp8=True
+    )
