@@ -245,6 +245,8 @@ class LLMEngine:
                     f"unknown LoRA adapter {lora_name!r}; this engine serves "
                     f"{sorted(self.lora_adapters) or 'none'}"
                 )
+        if kv_transfer_params is not None:
+            check_handoff_adapter(kv_transfer_params.lora_digest, lora_name, adapter)
         if request_id in self._tracked or self.scheduler.holds(request_id):
             # Held: a finished request's blocks under its lease, which a new request of the
             # same id would take over (and leak) through the connector's lease of that id.
@@ -730,4 +732,20 @@ def _proposer(
         config.prompt_lookup_min,
         config.prompt_lookup_max,
         config.speculative_min_acceptance,
+    )
+
+
+def check_handoff_adapter(
+    prefill_digest: str | None, lora_name: str | None, adapter: LoRAAdapter | None
+) -> None:
+    """Refuses a hand-off whose KV was computed under other weights than this request runs
+    here: another adapter (or none), or the same name over other weights."""
+    here = adapter.digest if adapter is not None else None
+    if prefill_digest == here:
+        return
+    ran = f"LoRA weights {prefill_digest[:12]}" if prefill_digest else "the base model"
+    runs = f"LoRA adapter {lora_name!r} (weights {here[:12]})" if here else "the base model"
+    raise ValueError(
+        f"the prefill computed this request's KV with {ran}, and it would decode here with "
+        f"{runs}: both sides must load the same adapter files"
     )

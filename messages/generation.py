@@ -34,6 +34,8 @@ class WorkerRequest:
     kv_transfer_params: KVTransferParams | None = None
     cache_salt: str | None = None
     call_serial: int = 0
+    lora_name: str | None = None
+    """The LoRA adapter the request runs (one of the engine's ``lora_modules``), or None."""
 
 
 # Why a request that finished with "stop" stopped (vLLM's ``stop_reason``): the stop token id

@@ -62,3 +62,7 @@ class KVTransferParams:
     final: bool = True
     tail_block_ids: list[int] = field(default_factory=list)
     tail_pages: bytes = field(default=b"", repr=False)
+    lora_digest: str | None = None
+    """The LoRA adapter the prefill ran, by its weights' digest (``model/lora/``), or None
+    (the base model): the KV was computed with it, so the decode worker must run the same
+    weights (``LLMEngine.add_request`` refuses a hand-off otherwise, naming the adapter)."""

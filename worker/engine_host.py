@@ -349,6 +349,7 @@ class EngineHost:
                 cache_salt=request.cache_salt,
                 remote_decode=request.remote_decode,
                 kv_transfer_params=request.kv_transfer_params,
+                lora_name=request.lora_name,
             )
         except (ValueError, TypeError) as error:
             self._deliver(GenerationChunk.failed(request.request_id, str(error), refused=True))

@@ -352,6 +352,7 @@ class PDConnector(KVConnectorBase):
             lease_expires_at=lease.expires_at,
             num_kv_groups=num_kv_groups,
             final=first_token_id is not None,
+            lora_digest=request.lora_id,
         )
 
     def complete_transfer_params(self, params: KVTransferParams) -> KVTransferParams:

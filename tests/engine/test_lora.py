@@ -52,6 +52,10 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
+    return write_folders(tmp_path_factory)
+
+
+def write_folders(tmp_path_factory):
     """The base Llama's folder and each adapter's, written by peft."""
     base = tmp_path_factory.mktemp("base")
     torch.manual_seed(0)

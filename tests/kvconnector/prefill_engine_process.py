@@ -32,6 +32,7 @@ class PrefillSpec:
     engine_id: str = "prefill-0"  # a restarted worker is a new engine: a new id
     kv_cache_dtype: str = "auto"
     model: str = "tiny"  # or a directory of a saved HF model
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) pairs
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ def _run(spec: PrefillSpec, conn: Any) -> None:
         hash_seed=spec.hash_seed,
         engine_id=spec.engine_id,
         kv_cache_dtype=spec.kv_cache_dtype,
+        lora_modules=dict(spec.lora_modules),
         **ENGINE_KWARGS,
     )
     conn.send(connector.address)
@@ -86,8 +88,8 @@ def _run(spec: PrefillSpec, conn: Any) -> None:
             continue
         command, *args = conn.recv()
         if command == "prefill":
-            request_id, prompt, params = args
-            engine.add_request(request_id, prompt, params, remote_decode=True)
+            request_id, prompt, params, lora_name = args
+            engine.add_request(request_id, prompt, params, remote_decode=True, lora_name=lora_name)
             while True:
                 done = [o for o in engine.step() if o.request_id == request_id and o.finished]
                 if done:  # as PrefillWorker's stream does, off the step path
@@ -137,8 +139,14 @@ class PrefillProcess:
             raise TimeoutError(f"prefill process did not answer {command[0]!r}")
         return self._conn.recv()
 
-    def prefill(self, request_id: str, prompt: list[int], params: SamplingParams):
-        return self._call("prefill", request_id, prompt, params)
+    def prefill(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        lora_name: str | None = None,
+    ):
+        return self._call("prefill", request_id, prompt, params, lora_name)
 
     def corrupt(self, block_id: int) -> None:
         self._call("corrupt", block_id)
