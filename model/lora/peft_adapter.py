@@ -137,6 +137,8 @@ class LoRAAdapter:
                 )
             scaling = _scaling(config, f"model.layers.{index}.{target}", rank)
             site = TARGETS[target][0]
+            weight = linear.weight  # empty where packed, but of the model's dtype and device
+            a, b = (t.to(device=weight.device, dtype=weight.dtype) for t in (a, b))
             parts.setdefault((index, site), []).append((target, a, b, scaling))
         sites = {key: _site(layers[key[0]], key[1], found) for key, found in parts.items()}
         return cls(
