@@ -239,12 +239,13 @@ class LLMEngine:
         params = params or SamplingParams()
         adapter = None
         if lora_name is not None:
-            adapter = self.lora_adapters.get(lora_name)
+            adapter = self.lora_adapters.pop(lora_name, None)
             if adapter is None:
                 raise ValueError(
                     f"unknown LoRA adapter {lora_name!r}; this engine serves "
                     f"{sorted(self.lora_adapters) or 'none'}"
                 )
+            self.lora_adapters[lora_name] = adapter  # the most recently used, last
         if kv_transfer_params is not None:
             check_handoff_adapter(kv_transfer_params.lora_digest, lora_name, adapter)
         if request_id in self._tracked or self.scheduler.holds(request_id):
@@ -588,6 +589,45 @@ class LLMEngine:
         )
 
     # ---- the colocated loop ---------------------------------------------------------
+    # ---- LoRA adapters ----------------------------------------------------------------
+    def load_lora_adapter(self, name: str, path: str) -> LoRAAdapter:
+        """Loads the PEFT adapter in ``path`` as ``name`` while the engine serves. With
+        ``max_loras`` loaded, the least recently used one no request runs makes room; the
+        adapter is read and checked before anything is evicted, so a bad one changes
+        nothing. Blocks cached under an evicted adapter stay keyed by its weights: loading
+        the same files again finds them."""
+        if name in self.lora_adapters:
+            raise ValueError(f"LoRA adapter {name!r} is loaded already; unload it first")
+        adapter = LoRAAdapter.load(name, path, self.model, self.config.max_lora_rank)
+        if len(self.lora_adapters) >= self.config.max_loras:
+            in_use = self._adapters_in_use()
+            idle = [loaded for loaded in self.lora_adapters if loaded not in in_use]
+            if not idle:
+                raise ValueError(
+                    f"all {len(self.lora_adapters)} adapters (max_loras) run requests; "
+                    f"{name!r} waits for one of them to be idle"
+                )
+            del self.lora_adapters[idle[0]]  # the least recently used: first in order
+        self.lora_adapters[name] = adapter
+        return adapter
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Unloads adapter ``name``; refused while a request runs it."""
+        if name not in self.lora_adapters:
+            raise ValueError(
+                f"unknown LoRA adapter {name!r}; this engine serves {sorted(self.lora_adapters)}"
+            )
+        if name in self._adapters_in_use():
+            raise ValueError(f"LoRA adapter {name!r} runs requests; unload it once they end")
+        del self.lora_adapters[name]
+
+    def _adapters_in_use(self) -> set[str]:
+        return {
+            tracked.request.lora_name
+            for tracked in self._tracked.values()
+            if tracked.request.lora_name is not None
+        }
+
     def generate(
         self,
         prompts: Sequence[str | Sequence[int]],

@@ -179,3 +179,38 @@ def test_bad_adapters_and_names_are_refused_naming_them(folders, tmp_path):
         LLMEngine.from_pretrained(
             str(base), lora_modules={n: str(p) for n, p in adapters.items()}, max_loras=2
         )
+
+
+def test_adapters_load_and_unload_while_serving_least_recently_used_first(folders, tmp_path):
+    """Run-time loads (``max_loras`` 2): a third evicts the least recently used idle one; an
+    adapter a request runs is neither evicted nor unloaded; a name is loaded once; new
+    weights under an old name (unload, load) decode as the new adapter, never from the old
+    one's cached blocks."""
+    base, adapters = folders
+    engine = LLMEngine.from_pretrained(str(base), max_loras=2, num_kv_blocks=64)
+    engine.load_lora_adapter("qv", str(adapters["qv"]))
+    engine.load_lora_adapter("mlp", str(adapters["mlp"]))
+    with pytest.raises(ValueError, match="'qv' is loaded already"):
+        engine.load_lora_adapter("qv", str(adapters["qv"]))
+    engine.generate(PROMPTS[:1], GREEDY, lora_names=["qv"])  # mlp is now the least recent
+    engine.load_lora_adapter("everything", str(adapters["everything"]))
+    assert sorted(engine.lora_adapters) == ["everything", "qv"]
+    [output] = engine.generate(PROMPTS[1:2], GREEDY, lora_names=["everything"])
+    assert output.output_token_ids == peft_tokens(base, adapters["everything"], PROMPTS[1])
+
+    engine.add_request("busy", PROMPTS[2], GREEDY, lora_name="qv")
+    engine.add_request("busy too", PROMPTS[3], GREEDY, lora_name="everything")
+    with pytest.raises(ValueError, match="'qv' runs requests"):
+        engine.unload_lora_adapter("qv")
+    with pytest.raises(ValueError, match="all 2 adapters .* run requests"):
+        engine.load_lora_adapter("mlp", str(adapters["mlp"]))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+    # "qv" again, over the weights of "mlp": its prompt's blocks under the old "qv" are cached.
+    engine.unload_lora_adapter("qv")
+    engine.load_lora_adapter("qv", str(adapters["mlp"]))
+    [output] = engine.generate(PROMPTS[2:3], GREEDY, lora_names=["qv"])
+    assert output.output_token_ids == peft_tokens(base, adapters["mlp"], PROMPTS[2])
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'nope'"):
+        engine.unload_lora_adapter("nope")
