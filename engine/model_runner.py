@@ -25,7 +25,7 @@ from pdserve.model import paged_decode_kernel
 from pdserve.model.architectures import CausalLM
 from pdserve.model.architectures.rotary import RotaryEmbedding
 from pdserve.model.attention import StepAttention, build_attention_metadata
-from pdserve.model.lora.lora_step import LoRAStep
+from pdserve.model.lora.lora_step import LoRAStacks, LoRAStep
 from pdserve.model.lora.lora_step import active as lora_active
 from pdserve.model.lora.peft_adapter import LoRAAdapter
 from pdserve.model.model_config import ModelConfig, resolve_dtype
@@ -114,6 +114,7 @@ class ModelRunner:
         self.peers = peers
         # The engine's adapters by name (``lora_modules``), which chunks name to run.
         self.lora_adapters: dict[str, LoRAAdapter] = {}
+        self._lora_stacks = LoRAStacks()
         self._group_lost: str | None = None  # why the ranks are out of step, once they are
         if hasattr(model, "fuse_weights"):  # pack projections for inference (models/llama.py)
             model.fuse_weights()
@@ -282,12 +283,8 @@ class ModelRunner:
             if chunk.lora_name is not None:
                 rows.setdefault(chunk.lora_name, []).extend(range(start, start + count))
             start += count
-        return LoRAStep(
-            [
-                (self.lora_adapters[name], torch.tensor(indices, device=self.device))
-                for name, indices in rows.items()
-            ]
-        )
+        groups = [(self.lora_adapters[name], indices) for name, indices in rows.items()]
+        return LoRAStep(groups, self._lora_stacks, self.device)
 
     def _forward(
         self, input_ids: torch.Tensor, metadata: StepAttention, sample_rows: list[int]

@@ -13,8 +13,7 @@ sqrt(r)`` with ``use_rslora``), ``r`` and ``alpha`` per module where ``rank_patt
     gate_up   | gate (I) | up (I) |                 gate_proj, up_proj
     down      | down |                              down_proj
 
-    site's A: the parts' A stacked, [sum r, in]: one matmul for the site's rows;
-    each part: its columns, its rows of A, and B times its scaling, [out, r]
+    a part: its columns of the fused output, A [r, in], and B times its scaling [out, r]
 
 ``digest``: a SHA-256 of the config and every tensor (name, dtype, shape, bytes), the
 adapter's identity in block hashes (``cache/hashing.py``): a reload of new weights under an
@@ -64,23 +63,16 @@ _REFUSED_OPTIONS = {  # PEFT options whose adapters compute something else
 
 @dataclass(frozen=True, slots=True)
 class LoRAPart:
-    """One adapted linear inside its site."""
+    """One adapted linear inside its fused projection."""
 
+    target: str
+    """``q_proj``, ``gate_proj``, ...: its place among the site's parts."""
     columns: tuple[int, int]
-    """The site's fused output columns it adds to."""
-    ranks: tuple[int, int]
-    """Its rows of the site's stacked A."""
+    """The fused output's columns it adds to."""
+    a: torch.Tensor
+    """``A``, ``[r, in]``."""
     b: torch.Tensor
     """``B`` times the part's scaling, ``[out, r]``."""
-
-
-@dataclass(frozen=True, slots=True)
-class LoRASite:
-    """An adapter's parts at one fused projection of one layer."""
-
-    a: torch.Tensor
-    """The parts' ``A`` stacked, ``[sum r, in]``."""
-    parts: tuple[LoRAPart, ...]
 
 
 @dataclass(frozen=True)
@@ -92,8 +84,8 @@ class LoRAAdapter:
     digest: str
     rank: int
     """Its largest rank."""
-    sites: dict[tuple[int, str], LoRASite]
-    """By (layer index, site)."""
+    sites: dict[tuple[int, str], tuple[LoRAPart, ...]]
+    """Its parts by (layer index, site), in the site's order."""
 
     @classmethod
     def load(cls, name: str, path: str | Path, model: nn.Module, max_rank: int) -> LoRAAdapter:
@@ -210,8 +202,8 @@ def _linear(layer: nn.Module, target: str) -> nn.Linear | None:
 
 def _site(
     layer: nn.Module, site: str, found: list[tuple[str, torch.Tensor, torch.Tensor, float]]
-) -> LoRASite:
-    """The site's stacked A and its parts' columns in the fused output."""
+) -> tuple[LoRAPart, ...]:
+    """The site's parts in its order, each at its columns of the fused output."""
     starts: dict[str, int] = {}
     column = 0
     for target in _SITE_PARTS[site]:
@@ -219,17 +211,11 @@ def _site(
         linear = _linear(layer, target)
         assert linear is not None
         column += linear.out_features
-    parts, rows = [], 0
-    for target, a, b, scaling in sorted(found, key=lambda part: TARGETS[part[0]][1]):
-        rank = a.shape[0]
-        parts.append(
-            LoRAPart(
-                (starts[target], starts[target] + b.shape[0]), (rows, rows + rank), b * scaling
-            )
-        )
-        rows += rank
-    a = torch.cat([a for _, a, _, _ in sorted(found, key=lambda part: TARGETS[part[0]][1])])
-    return LoRASite(a.contiguous(), tuple(parts))
+    ordered = sorted(found, key=lambda part: TARGETS[part[0]][1])
+    return tuple(
+        LoRAPart(target, (starts[target], starts[target] + b.shape[0]), a.contiguous(), b * scaling)
+        for target, a, b, scaling in ordered
+    )
 
 
 def _digest(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> str:
