@@ -47,6 +47,7 @@ from typing import NamedTuple
 from pdserve.cache import cdiv
 from pdserve.engine.model_input import ScheduledChunk
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.sampler import greedy_tokens
 from pdserve.engine.spec_decode.draft_acceptance import DraftAcceptance
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.model.architectures import CausalLM
@@ -247,4 +248,4 @@ class DraftModelProposer:
         """The draft's next token after each chunk: one forward for all of them."""
         if not chunks:
             return []
-        return self.runner.execute(chunks).argmax(dim=-1).tolist()
+        return greedy_tokens(self.runner.execute(chunks)).tolist()
