@@ -45,11 +45,22 @@ integer-dot kernel over activations rounded to 16 bits, ``int4_tiles_kernel.py``
 (With one int8 digit, as llama.cpp rounds activations, batch 1 reached 1.05x llama.cpp
 and batch 16 2.74x in one run, but smollm2's perplexity rose 3.4 %: the kernel's docstring.)
 
-Aims: batch 1 >= 1.0x llama.cpp (not met: 0.85x on Zen 5, 0.56x on AVX2; 0.35x before), batch
-16 >= 3x float32 (not met: 2.74x on Zen 5, 1.6x with AMX, 0.94x on AVX2, where widening every
-weight to float32 is the bound at 16 rows), prefill no slower (met), int8 on a float32
-checkpoint >= 2.5x (not met: 1.1-2.2x; torch's ``_weight_int8pack_mm`` widens to float32 per
-call).
+Measured (2026-12-06, the same Zen 5, after the RMSNorm kernel, the scale prefetch, the
+two-plane select, the int8 dot kernel and less Python per matmul; the last of four runs,
+the others' ranges in brackets)::
+
+    batch  1: auto  120.3 tok/s  none   30.4 tok/s  ratio 3.96x   [3.77-4.33x]
+    batch 16: auto  497.9 tok/s  none  166.2 tok/s  ratio 3.00x   [2.96-3.03x]
+    batch  1: auto  116.7 tok/s  llama.cpp  115.1 tok/s  ratio 1.01x   [0.95-1.06x]
+    512-token prefill: packed 644 ms  float32 1447 ms  ratio 0.45x
+    a float32 checkpoint of smollm2:
+    batch  1: int8  101.4 tok/s  none   32.7 tok/s  ratio 3.10x   [2.96-3.13x]
+
+Aims, on the Zen 5: batch 1 >= 1.0x llama.cpp (met, 1.01x, by a margin the machine's noise
+crosses; 0.56x on AVX2; 0.35x when filed), batch 16 >= 3x float32 (met, 3.00x, as thinly; 1.6x
+with AMX, 0.94x on AVX2, where widening every weight to float32 is the bound at 16 rows),
+prefill no slower (met), int8 on a float32 checkpoint >= 2.5x (met, 3.10x, with the int8 dot
+kernel; 1.1-2.2x through torch's ``_weight_int8pack_mm``).
 
 Run: python bench/bench_packed_decode.py   (≈ 3 minutes)
 """
