@@ -1,6 +1,6 @@
 """LoRA adapters beside the base model in one engine (``model/lora/``): rows of three PEFT
 adapters (different ranks, alphas, rsLoRA and target modules) and of the base model in one
-batch equal transformers + peft token for token; an adapter is named in block hashes by its
+batch equal transformers + peft token for token, on Llama, Qwen3 and Gemma 3; an adapter is named in block hashes by its
 weights; bad adapters are refused naming them.
 
 The adapters are written by peft itself over a random Llama saved here; ``init_lora_weights
@@ -20,6 +20,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.messages.sampling_params import SamplingParams
 from pdserve.model.loader import load_model
 from pdserve.model.lora.peft_adapter import LoRAAdapter
+from tests.engine.hf_models import GEMMA3, hf_greedy, save_hf_model
 from tests.model.test_loader import save_llama
 
 ADAPTERS = {
@@ -214,3 +215,35 @@ def test_adapters_load_and_unload_while_serving_least_recently_used_first(folder
     assert output.output_token_ids == peft_tokens(base, adapters["mlp"], PROMPTS[2])
     with pytest.raises(ValueError, match="unknown LoRA adapter 'nope'"):
         engine.unload_lora_adapter("nope")
+
+
+@pytest.mark.parametrize(
+    "config_class, overrides",
+    [(transformers.Qwen3Config, {}), (transformers.Gemma3TextConfig, GEMMA3)],
+    ids=["qwen3", "gemma3"],
+)
+def test_adapters_over_other_families_equal_peft(tmp_path, config_class, overrides):
+    """Qwen3 (q/k norms after the adapted projections) and Gemma 3 (GeGLU, windows, four
+    norms a layer): two adapters and the base in one batch, as transformers + peft."""
+    base = tmp_path / "base"
+    save_hf_model(base, config_class, seed=3, **overrides)
+    adapters = {}
+    for index, name in enumerate(("qv", "everything")):
+        torch.manual_seed(10 + index)
+        model = transformers.AutoModelForCausalLM.from_pretrained(base)
+        adapted = peft.get_peft_model(
+            model, peft.LoraConfig(init_lora_weights=False, **ADAPTERS[name])
+        )
+        adapters[name] = tmp_path / name
+        adapted.save_pretrained(adapters[name])
+    engine = LLMEngine.from_pretrained(
+        str(base), lora_modules={n: str(p) for n, p in adapters.items()}, num_kv_blocks=64
+    )
+    prompts = [[5, 9, 2, 17, 30, 4, 11, 40, 41, 42, 43, 44, 45, 46], [6, 7, 8], [60, 61, 62, 63]]
+    names = ["everything", None, "qv"]
+    outputs = engine.generate(prompts, GREEDY, lora_names=names)
+    for prompt, name, output in zip(prompts, names, outputs):
+        model = transformers.AutoModelForCausalLM.from_pretrained(base).eval()
+        if name is not None:
+            model = peft.PeftModel.from_pretrained(model, adapters[name]).eval()
+        assert output.output_token_ids == hf_greedy(model, prompt, 8), name
