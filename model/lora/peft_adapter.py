@@ -80,10 +80,7 @@ class LoRAAdapter:
     """An adapter as the model runs it (module doc)."""
 
     name: str
-    path: str
     digest: str
-    rank: int
-    """Its largest rank."""
     sites: dict[tuple[int, str], tuple[LoRAPart, ...]]
     """Its parts by (layer index, site), in the site's order."""
 
@@ -135,9 +132,7 @@ class LoRAAdapter:
         sites = {key: _site(layers[key[0]], key[1], found) for key, found in parts.items()}
         return cls(
             name=name,
-            path=str(folder),
             digest=_digest(config, tensors),
-            rank=max((a.shape[0] for a, _ in pairs.values()), default=0),
             sites=sites,
         )
 
