@@ -23,6 +23,7 @@ from pdserve.engine.engine_stats import EngineStats
 from pdserve.engine.kv_cache_groups import kv_cache_groups
 from pdserve.engine.kv_connector_base import KVConnectorBase
 from pdserve.engine.logits_processors import RowHistory
+from pdserve.engine.lora_registry import LoRARegistry
 from pdserve.engine.model_input import ScheduledChunk
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_pages, configure_torch_threads
 from pdserve.engine.request import Request, RequestStatus
@@ -44,6 +45,7 @@ from pdserve.engine.token_counts import TokenCounts
 from pdserve.grammar import GrammarCompiler
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.kv_transfer_params import KVTransferParams
+from pdserve.messages.lora_adapters import LoRAAdapterRef
 from pdserve.messages.sampling_params import SamplingParams
 from pdserve.model.freed_memory import release_freed_memory
 from pdserve.model.loader import load_model
@@ -100,10 +102,15 @@ class LLMEngine:
             self.model, self.model_config, self.tokenizer = load_model(
                 config.model, config.dtype, config.device, config.quantization
             )
-        self.lora_adapters = {
-            name: LoRAAdapter.load(name, path, self.model, config.max_lora_rank)
-            for name, path in config.lora_modules.items()
-        }
+        self.lora = LoRARegistry(
+            self.model,
+            config.max_loras,
+            config.max_lora_rank,
+            config.load_lora_on_demand,
+            self._adapters_in_use,
+        )
+        for name, path in config.lora_modules.items():
+            self.lora.load(name, path)
         groups = kv_cache_groups(self.model_config, config)
         draft = None
         if config.speculative_method == "draft_model":
@@ -117,7 +124,7 @@ class LLMEngine:
         kv_cache_config = KVCacheConfig(num_blocks, groups)
         with start_phase("kv_pool"):  # the pages, the runner's tables (tensor-parallel peers)
             self.runner = self._make_runner(num_blocks, on_rank_lost)
-        self.runner.lora_adapters = self.lora_adapters
+        self.runner.lora_adapters = self.lora.resident
         # The engine owns the connector from here on, as ``shutdown`` says.
         self.connector = connector
         self._shut_down = False
@@ -230,22 +237,18 @@ class LLMEngine:
         remote_decode: bool = False,
         kv_transfer_params: KVTransferParams | None = None,
         lora_name: str | None = None,
+        lora_path: str | None = None,
     ) -> None:
         """Queues a request. ``remote_decode`` (prefill worker): lease the prompt's blocks for
         a decode worker when it finishes. ``kv_transfer_params`` (decode worker): the prompt's
         KV and first token come from that prefill worker; an offer (``final`` False) makes
         the request KV-only: it pulls the offered blocks into the prefix cache and ends.
-        ``lora_name``: one of ``lora_modules``' adapters, run for this request alone."""
+        ``lora_name``: a registered adapter run for this request alone; ``lora_path``: where
+        to read it should this engine lack it (``engine/lora_registry.py``)."""
         params = params or SamplingParams()
         adapter = None
         if lora_name is not None:
-            adapter = self.lora_adapters.pop(lora_name, None)
-            if adapter is None:
-                raise ValueError(
-                    f"unknown LoRA adapter {lora_name!r}; this engine serves "
-                    f"{sorted(self.lora_adapters) or 'none'}"
-                )
-            self.lora_adapters[lora_name] = adapter  # the most recently used, last
+            adapter = self.lora.for_request(lora_name, lora_path)
         if kv_transfer_params is not None:
             check_handoff_adapter(kv_transfer_params.lora_digest, lora_name, adapter)
         if request_id in self._tracked or self.scheduler.holds(request_id):
@@ -590,42 +593,26 @@ class LLMEngine:
 
     # ---- the colocated loop ---------------------------------------------------------
     # ---- LoRA adapters ----------------------------------------------------------------
-    def load_lora_adapter(self, name: str, path: str) -> LoRAAdapter:
-        """Loads the PEFT adapter in ``path`` as ``name`` while the engine serves. With
-        ``max_loras`` loaded, the least recently used one no request runs makes room; the
-        adapter is read and checked before anything is evicted, so a bad one changes
-        nothing. Blocks cached under an evicted adapter stay keyed by its weights: loading
-        the same files again finds them."""
-        if name in self.lora_adapters:
-            raise ValueError(f"LoRA adapter {name!r} is loaded already; unload it first")
-        adapter = LoRAAdapter.load(name, path, self.model, self.config.max_lora_rank)
-        if len(self.lora_adapters) >= self.config.max_loras:
-            in_use = self._adapters_in_use()
-            idle = [loaded for loaded in self.lora_adapters if loaded not in in_use]
-            if not idle:
-                raise ValueError(
-                    f"all {len(self.lora_adapters)} adapters (max_loras) run requests; "
-                    f"{name!r} waits for one of them to be idle"
-                )
-            del self.lora_adapters[idle[0]]  # the least recently used: first in order
-        self.lora_adapters[name] = adapter
-        return adapter
+    def load_lora_adapter(self, name: str, path: str) -> LoRAAdapterRef:
+        """Loads the PEFT adapter in ``path`` as ``name`` while the engine serves; read and
+        checked before anything changes, so a bad one changes nothing. Blocks cached under
+        an adapter stay keyed by its weights: loading the same files again finds them."""
+        return self.lora.load(name, path)
 
     def unload_lora_adapter(self, name: str) -> None:
-        """Unloads adapter ``name``; refused while a request runs it."""
-        if name not in self.lora_adapters:
+        """Unregisters adapter ``name``: new requests cannot name it; those running it end
+        on its weights."""
+        if not self.lora.unload(name):
             raise ValueError(
-                f"unknown LoRA adapter {name!r}; this engine serves {sorted(self.lora_adapters)}"
+                f"unknown LoRA adapter {name!r}; this engine serves {self.lora.names()}"
             )
-        if name in self._adapters_in_use():
-            raise ValueError(f"LoRA adapter {name!r} runs requests; unload it once they end")
-        del self.lora_adapters[name]
 
     def _adapters_in_use(self) -> set[str]:
+        """The digests of the adapters live requests run (``LoRARegistry`` keeps them)."""
         return {
-            tracked.request.lora_name
+            tracked.request.lora_id
             for tracked in self._tracked.values()
-            if tracked.request.lora_name is not None
+            if tracked.request.lora_id is not None
         }
 
     def generate(

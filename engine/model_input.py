@@ -38,8 +38,9 @@ class ScheduledChunk:
     all_logits: bool = False
     other_block_ids: tuple[list[int], ...] = ()
     num_draft_tokens: int = 0
-    lora_name: str | None = None
-    """The LoRA adapter the request runs (``model/lora/``), or the base model."""
+    lora_id: str | None = None
+    """The digest of the LoRA adapter the request runs (``model/lora/``), or None: the base
+    model."""
 
     @property
     def draft_token_ids(self) -> list[int]:

@@ -13,6 +13,7 @@ where a prefill chunk continuing a prefix reads its pages alone (no padding).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from itertools import chain
 from typing import TYPE_CHECKING
 
@@ -112,8 +113,8 @@ class ModelRunner:
         if tensor_parallel is not None:  # before fusing: the fused matrices are the slices'
             model.shard(tensor_parallel)
         self.peers = peers
-        # The engine's adapters by name (``lora_modules``), which chunks name to run.
-        self.lora_adapters: dict[str, LoRAAdapter] = {}
+        # The engine's resident adapters by digest (``LoRARegistry``), which chunks name.
+        self.lora_adapters: Mapping[str, LoRAAdapter] = {}
         self._lora_stacks = LoRAStacks()
         self._group_lost: str | None = None  # why the ranks are out of step, once they are
         if hasattr(model, "fuse_weights"):  # pack projections for inference (models/llama.py)
@@ -275,15 +276,15 @@ class ModelRunner:
     def _lora_step(self, ordered: list[ScheduledChunk], counts: list[int]) -> LoRAStep | None:
         """The step's rows of each adapter its chunks run (``model/lora/lora_step.py``), in the
         step's row order; None where every chunk runs the base model."""
-        if all(chunk.lora_name is None for chunk in ordered):
+        if all(chunk.lora_id is None for chunk in ordered):
             return None
         rows: dict[str, list[int]] = {}
         start = 0
         for chunk, count in zip(ordered, counts):
-            if chunk.lora_name is not None:
-                rows.setdefault(chunk.lora_name, []).extend(range(start, start + count))
+            if chunk.lora_id is not None:
+                rows.setdefault(chunk.lora_id, []).extend(range(start, start + count))
             start += count
-        groups = [(self.lora_adapters[name], indices) for name, indices in rows.items()]
+        groups = [(self.lora_adapters[digest], indices) for digest, indices in rows.items()]
         return LoRAStep(groups, self._lora_stacks, self.device)
 
     def _forward(

@@ -444,7 +444,7 @@ class Scheduler:
                 all_logits=request.needs_prompt_logprobs,
                 other_block_ids=tuple(others),
                 num_draft_tokens=len(drafts),
-                lora_name=request.lora_name,
+                lora_id=request.lora_id,
             )
         )
         output.requests.append(request)

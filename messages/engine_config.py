@@ -75,13 +75,18 @@ class EngineConfig:
     torch_threads: int = 1
     """torch's intra-op threads in this process (and in each tensor-parallel rank's)."""
     lora_modules: dict[str, str] = field(default_factory=dict)
-    """LoRA adapters served beside the base model, loaded at start: name -> a PEFT adapter
-    folder (``model/lora/peft_adapter.py``). A request names one to run it
-    (``add_request(lora_name=)``)."""
+    """LoRA adapters served beside the base model, loaded at start by every worker: name ->
+    a PEFT adapter folder. A request names one as its ``model``; more load at run time
+    (``POST /v1/load_lora_adapter``)."""
     max_loras: int = 4
-    """Adapters a worker holds at most."""
+    """Adapters a worker holds in memory at most; more may be registered, and are read
+    again from their folders when a request names them (``engine/lora_registry.py``)."""
     max_lora_rank: int = 16
     """The largest rank an adapter may have; a larger one is refused at load."""
+    load_lora_on_demand: bool = True
+    """Whether a request that names an adapter this worker lacks, with the path its peers
+    read it from (a hand-off to a decode worker that joined after the load), loads it here;
+    False: such a request is refused, naming the adapter."""
     tensor_parallel_size: int = 1
     """Ranks the model is split over (heads, MLP features and vocabulary), each a process
     of the worker's node (engine/tensor_parallel_peers.py); CPU only for now."""
@@ -144,10 +149,8 @@ class EngineConfig:
         )
 
     def __post_init__(self) -> None:
-        if len(self.lora_modules) > self.max_loras:
-            raise ValueError(
-                f"{len(self.lora_modules)} LoRA adapters given, above max_loras {self.max_loras}"
-            )
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
         if self.lora_modules and self.tensor_parallel_size > 1:
             raise ValueError(
                 "LoRA adapters run at tensor_parallel_size 1 for now (their A and B are not "

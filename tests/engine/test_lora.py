@@ -171,46 +171,56 @@ def test_bad_adapters_and_names_are_refused_naming_them(folders, tmp_path):
     (corrupt / "adapter_model.safetensors").write_bytes(b"\x08\x00\x00\x00not json")
     with pytest.raises(ValueError, match="'corrupt' at .* cannot be read"):
         LoRAAdapter.load("corrupt", corrupt, model, 16)
-    engine = LLMEngine.from_pretrained(str(base), lora_modules={"qv": str(adapters["qv"])})
+    engine = LLMEngine.from_pretrained(
+        str(base), lora_modules={"qv": str(adapters["qv"])}, load_lora_on_demand=False
+    )
     with pytest.raises(
-        ValueError, match="unknown LoRA adapter 'nope'; this engine serves \\['qv'\\]"
+        ValueError, match="unknown LoRA adapter 'nope'; this worker serves \\['qv'\\]$"
     ):
         engine.add_request("r", [1, 2, 3], GREEDY, lora_name="nope")
-    with pytest.raises(ValueError, match="3 LoRA adapters given, above max_loras 2"):
-        LLMEngine.from_pretrained(
-            str(base), lora_modules={n: str(p) for n, p in adapters.items()}, max_loras=2
-        )
+    with pytest.raises(ValueError, match="'mlp'; .* does not load adapters on demand"):
+        engine.add_request("r", [1, 2, 3], GREEDY, lora_name="mlp", lora_path=str(adapters["mlp"]))
+    with pytest.raises(ValueError, match="max_loras must be >= 1"):
+        LLMEngine.from_pretrained(str(base), max_loras=0)
 
 
-def test_adapters_load_and_unload_while_serving_least_recently_used_first(folders, tmp_path):
-    """Run-time loads (``max_loras`` 2): a third evicts the least recently used idle one; an
-    adapter a request runs is neither evicted nor unloaded; a name is loaded once; new
-    weights under an old name (unload, load) decode as the new adapter, never from the old
-    one's cached blocks."""
+def test_more_adapters_than_max_loras_serve_least_recently_used_in_memory(folders):
+    """Three adapters registered, two in memory (``max_loras``): a request for the third
+    reads it again and evicts the least recently used idle one; an adapter a request runs
+    is never evicted, and a request that would need a third in memory while both run
+    requests is refused; unloading a running adapter lets its requests end on its weights;
+    a name registered again over other files decodes as those, never from the old blocks;
+    an adapter that is not registered is loaded from a request's path on demand."""
     base, adapters = folders
-    engine = LLMEngine.from_pretrained(str(base), max_loras=2, num_kv_blocks=64)
-    engine.load_lora_adapter("qv", str(adapters["qv"]))
-    engine.load_lora_adapter("mlp", str(adapters["mlp"]))
+    modules = {name: str(folder) for name, folder in adapters.items() if name != "qv"}
+    engine = LLMEngine.from_pretrained(
+        str(base), lora_modules=modules, max_loras=2, num_kv_blocks=64
+    )
+    assert engine.lora.names() == ["everything", "mlp"]
+    # "qv" is not registered: a request that brings its folder loads it (on demand).
+    engine.add_request("qv", PROMPTS[0], GREEDY, lora_name="qv", lora_path=str(adapters["qv"]))
     with pytest.raises(ValueError, match="'qv' is loaded already"):
         engine.load_lora_adapter("qv", str(adapters["qv"]))
-    engine.generate(PROMPTS[:1], GREEDY, lora_names=["qv"])  # mlp is now the least recent
-    engine.load_lora_adapter("everything", str(adapters["everything"]))
-    assert sorted(engine.lora_adapters) == ["everything", "qv"]
-    [output] = engine.generate(PROMPTS[1:2], GREEDY, lora_names=["everything"])
-    assert output.output_token_ids == peft_tokens(base, adapters["everything"], PROMPTS[1])
-
-    engine.add_request("busy", PROMPTS[2], GREEDY, lora_name="qv")
-    engine.add_request("busy too", PROMPTS[3], GREEDY, lora_name="everything")
-    with pytest.raises(ValueError, match="'qv' runs requests"):
-        engine.unload_lora_adapter("qv")
-    with pytest.raises(ValueError, match="all 2 adapters .* run requests"):
-        engine.load_lora_adapter("mlp", str(adapters["mlp"]))
     while engine.has_unfinished_requests():
         engine.step()
+    assert engine.lora.names() == ["everything", "mlp", "qv"]
+    assert [a.name for a in engine.lora.resident.values()] == ["mlp", "qv"]  # everything: LRU
+    [output] = engine.generate(PROMPTS[1:2], GREEDY, lora_names=["everything"])  # read again
+    assert output.output_token_ids == peft_tokens(base, adapters["everything"], PROMPTS[1])
+    assert [a.name for a in engine.lora.resident.values()] == ["qv", "everything"]
 
-    # "qv" again, over the weights of "mlp": its prompt's blocks under the old "qv" are cached.
-    engine.unload_lora_adapter("qv")
-    engine.load_lora_adapter("qv", str(adapters["mlp"]))
+    engine.add_request("busy", PROMPTS[2], GREEDY, lora_name="qv")
+    engine.add_request("busy too", PROMPTS[3], GREEDY, lora_name="mlp")  # evicts everything
+    with pytest.raises(ValueError, match="'everything' cannot be loaded now: all 2 adapters"):
+        engine.add_request("third", PROMPTS[1], GREEDY, lora_name="everything")
+    engine.unload_lora_adapter("qv")  # "busy" ends on qv's weights
+    engine.load_lora_adapter("qv", str(adapters["mlp"]))  # "qv" again, over mlp's weights
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished |= {out.request_id: out for out in engine.step() if out.finished}
+    assert finished["busy"].output_token_ids == peft_tokens(base, adapters["qv"], PROMPTS[2])
+    assert finished["busy too"].output_token_ids == peft_tokens(base, adapters["mlp"], PROMPTS[3])
+    # The new "qv"'s prompt: its blocks under the old "qv" are cached, and never reused.
     [output] = engine.generate(PROMPTS[2:3], GREEDY, lora_names=["qv"])
     assert output.output_token_ids == peft_tokens(base, adapters["mlp"], PROMPTS[2])
     with pytest.raises(ValueError, match="unknown LoRA adapter 'nope'"):

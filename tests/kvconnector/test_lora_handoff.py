@@ -1,8 +1,9 @@
 """LoRA adapters across the P/D hand-off: the prefill computes a request's KV under its
 adapter, the hand-off names the adapter's weights (``KVTransferParams.lora_digest``), and a
-decode worker holding the same files decodes exactly what the colocated engine does, over
-gRPC and NIXL. A decode worker with other weights under the same name, or without the
-adapter, refuses the hand-off naming it, and holds nothing after."""
+decode worker holding the same files, or reading them on demand from the path the request
+brings, decodes exactly what the colocated engine does, over gRPC and NIXL. A decode worker
+with other weights under the same name, or without the adapter and not allowed to load it,
+refuses the hand-off naming it, and holds nothing after."""
 
 from __future__ import annotations
 
@@ -49,15 +50,26 @@ def test_adapters_decoded_after_a_pull_equal_colocated(transport, folders, prefi
     prefill = prefill_factory(
         transport=transport, model=str(base), lora_modules=tuple(modules.items())
     )
-    decode = make_decode_engine(transport, model=str(base), lora_modules=modules)
+    # The decode worker holds "qv" only: "everything" it reads from the path a request brings.
+    decode = make_decode_engine(
+        transport, model=str(base), lora_modules=lora_modules(adapters, ("qv",))
+    )
     ids = [f"l{i}" for i in range(len(prompts))]
     for request_id, prompt, name in zip(ids, prompts, NAMES):
         prefilled = prefill.prefill(
             request_id, prompt, dataclasses.replace(GREEDY, max_tokens=1), name
         )
         handoff = prefilled.kv_transfer_params
-        assert handoff.lora_digest == (colocated.lora_adapters[name].digest if name else None)
-        decode.add_request(request_id, prompt, GREEDY, kv_transfer_params=handoff, lora_name=name)
+        assert handoff.lora_digest == (colocated.lora.registered[name].digest if name else None)
+        decode.add_request(
+            request_id,
+            prompt,
+            GREEDY,
+            kv_transfer_params=handoff,
+            lora_name=name,
+            lora_path=modules.get(name or ""),
+        )
+    assert decode.lora.names() == ["everything", "qv"]
     outputs = run_to_completion(decode, ids)
     assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in expected]
     transfer = decode.stats().transfer
@@ -84,15 +96,23 @@ def test_a_decode_worker_with_other_weights_or_none_refuses_naming_the_adapter(
     prefill = prefill_factory(
         model=str(base), lora_modules=(("qv", str(adapters["qv"])),), lease_ttl_s=2.0
     )
+    # (decode's adapters, whether it loads on demand, the refusal)
     refusals = {
         "other weights": (
             {"qv": str(changed)},
+            True,
             "computed this request's KV with LoRA weights .* LoRA adapter 'qv'",
         ),
-        "no adapter": ({}, "unknown LoRA adapter 'qv'; this engine serves none"),
+        "no adapter, loading disallowed": (
+            {},
+            False,
+            "unknown LoRA adapter 'qv'; this worker serves \\[\\] .* on demand",
+        ),
     }
-    for index, (modules, refusal) in enumerate(refusals.values()):
-        decode = make_decode_engine("grpc", model=str(base), lora_modules=modules)
+    for index, (modules, on_demand, refusal) in enumerate(refusals.values()):
+        decode = make_decode_engine(
+            "grpc", model=str(base), lora_modules=modules, load_lora_on_demand=on_demand
+        )
         prompt = prompts_of(62 + index)[0]
         prefilled = prefill.prefill(
             f"x{index}", prompt, dataclasses.replace(GREEDY, max_tokens=1), "qv"
@@ -104,6 +124,7 @@ def test_a_decode_worker_with_other_weights_or_none_refuses_naming_the_adapter(
                 GREEDY,
                 kv_transfer_params=prefilled.kv_transfer_params,
                 lora_name="qv",
+                lora_path=str(adapters["qv"]),
             )
         assert_decode_idle(decode)
         decode.shutdown()
