@@ -87,20 +87,7 @@ class PartSettings:
 ENGINE = PartSettings(
     "engine",
     EngineConfig,
-    # LoRA adapters are an engine's (LLMEngine) until the gateway and the hand-off carry them
-    # (issue 55): no deployment setting gives a worker one yet.
-    frozenset(
-        {
-            "model",
-            "hash_seed",
-            "engine_id",
-            "publish_kv_events",
-            "tensor_parallel_size",
-            "lora_modules",
-            "max_loras",
-            "max_lora_rank",
-        }
-    ),
+    frozenset({"model", "hash_seed", "engine_id", "publish_kv_events", "tensor_parallel_size"}),
 )
 KV_TIER = PartSettings("kv tier (kv_tier_*)", KVTierConfig, prefix="kv_tier_")
 KV_CONNECTOR = PartSettings(

@@ -7,7 +7,8 @@ both ask one ``APIKeyPolicy``:
     path                          needs                       (no keys configured: open)
     /health, /ready               nothing (probes)
     /metrics                      an API key, unless public_metrics
-    /v1/requests…, /dashboard…    an admin key when admin keys are set, else an API key
+    /v1/requests…, /dashboard…,   an admin key when admin keys are set, else an API key
+    /v1/(un)load_lora_adapter
     everything else (gRPC too)    an API key (an admin key also serves)
 
 A key comes as ``Authorization: Bearer <key>`` (OpenAI's clients; gRPC metadata
@@ -36,7 +37,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pdserve.gateway.config import GatewayConfig
 
 PROBE_PATHS = frozenset({"/health", "/ready"})
-ADMIN_PATH_PREFIXES = ("/v1/requests", "/dashboard")
+ADMIN_PATH_PREFIXES = (
+    "/v1/requests",
+    "/dashboard",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+)
 ANTHROPIC_PATH_PREFIX = "/v1/messages"  # Anthropic's API: its key header and error shape
 METRICS_PATH = "/metrics"
 API_KEY_ENV = "PDSERVE_API_KEY"

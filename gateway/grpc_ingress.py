@@ -66,6 +66,7 @@ class GenerateServicer:
             # A chat is rendered with its template and tokenized: off the loop, as HTTP does.
             parsed = await asyncio.to_thread(self._parse, request)
             token_ids, params = await orchestrator.prepare_off_loop(parsed)
+            lora = orchestrator.adapter_for(parsed.model)
             await orchestrator.admit()
         except APIError as error:
             await self._abort(context, error)
@@ -78,6 +79,7 @@ class GenerateServicer:
             token_ids,
             choice_params(params, parsed.n, parsed.params.seed, orchestrator.seed_rng),
             parsed.cache_salt,
+            lora=lora,
         )
         try:
             async for index, delta in stream:

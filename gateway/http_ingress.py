@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
 from sse_starlette import EventSourceResponse
@@ -73,6 +73,7 @@ from pdserve.gateway.dashboard import (
 from pdserve.gateway.generation_defaults import sampling_defaults
 from pdserve.gateway.grpc_ingress import start_grpc_server
 from pdserve.gateway.logprobs_format import LogprobsRenderer, TokensWithLogprobs
+from pdserve.gateway.lora_admin import load_everywhere, parse_adapter_body, unload_everywhere
 from pdserve.gateway.orchestrator import RequestOrchestrator
 from pdserve.gateway.parallel_sampling import choice_params, generate_choices
 from pdserve.gateway.stream_emitter import StreamDelta
@@ -410,6 +411,7 @@ async def _serve(
     surface = surface or OpenAISurface()
     try:
         token_ids, params = await orchestrator.prepare_off_loop(parsed)
+        lora = orchestrator.adapter_for(parsed.model)
         await orchestrator.admit()
     except APIError as error:
         return surface.refusal(orchestrator, error)
@@ -422,6 +424,7 @@ async def _serve(
         choice_params(params, parsed.n, parsed.params.seed, orchestrator.seed_rng),
         parsed.cache_salt,
         parsed.timeout_s,
+        lora,
     )
     hold_until_request_ends(request.scope, AdmissionSlot(orchestrator.release, choices))
     try:
@@ -457,9 +460,7 @@ async def complete(orchestrator: RequestOrchestrator, request: Request) -> Respo
         orchestrator,
         request,
         parsed,
-        CompletionFormat(
-            f"cmpl-{uuid.uuid4().hex}", orchestrator.model_name, _renderer(orchestrator, parsed)
-        ),
+        CompletionFormat(f"cmpl-{uuid.uuid4().hex}", parsed.model, _renderer(orchestrator, parsed)),
     )
 
 
@@ -478,10 +479,10 @@ async def anthropic_messages(orchestrator: RequestOrchestrator, request: Request
     except APIError as error:
         orchestrator.metrics.record_rejected(error.status)
         return anthropic_refusal(error, orchestrator.config.retry_after_s)
-    surface = AnthropicSurface(orchestrator.model_name, list(parsed.params.stop))
+    surface = AnthropicSurface(parsed.model, list(parsed.params.stop))
     response_format = ChatFormat(
         f"chatcmpl-{uuid.uuid4().hex}",
-        orchestrator.model_name,
+        parsed.model,
         None,
         parse_tool_calls=parsed.parse_tool_calls,
         reasoning=orchestrator.reasoning,  # thinking blocks when asked for
@@ -500,13 +501,13 @@ async def respond(orchestrator: RequestOrchestrator, request: Request) -> Respon
         return _error_response(orchestrator, error)
     response_format = ChatFormat(
         f"chatcmpl-{uuid.uuid4().hex}",
-        orchestrator.model_name,
+        parsed.model,
         None,
         parse_tool_calls=parsed.parse_tool_calls,
         reasoning=orchestrator.reasoning,  # a reasoning item before the answer
         include_reasoning=True,
     )
-    surface = ResponsesSurface(orchestrator.model_name)
+    surface = ResponsesSurface(parsed.model)
     return await _serve(orchestrator, request, parsed, response_format, surface)
 
 
@@ -524,7 +525,7 @@ async def chat_complete(orchestrator: RequestOrchestrator, request: Request) -> 
         parsed,
         ChatFormat(
             f"chatcmpl-{uuid.uuid4().hex}",
-            orchestrator.model_name,
+            parsed.model,
             _renderer(orchestrator, parsed),
             parse_tool_calls=parsed.parse_tool_calls,
             reasoning=orchestrator.reasoning,
@@ -647,8 +648,40 @@ class Gateway:
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        max_model_len = self.orchestrator.model_info.max_model_len if self.orchestrator else None
-        return models_response(self.config.model_name, self._created, max_model_len)
+        orchestrator = self.orchestrator
+        if orchestrator is None:  # starting: the base model, as the config names it
+            return models_response(self.config.model_name, self._created, None)
+        adapters = {name: ref.path for name, ref in orchestrator.router.lora_adapters().items()}
+        return models_response(
+            orchestrator.model_name,
+            self._created,
+            orchestrator.model_info.max_model_len,
+            dict(sorted(adapters.items())),
+        )
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """Loads a PEFT adapter on every worker, or on none (``lora_admin.py``)."""
+        orchestrator = await self._get_orchestrator()
+        try:
+            name, path = parse_adapter_body(await read_json_body(request), needs_path=True)
+            await load_everywhere(
+                orchestrator.workers, orchestrator.router, orchestrator.model_name, name, path
+            )
+        except APIError as error:
+            return _error_response(orchestrator, error)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """Unloads an adapter from every worker (``lora_admin.py``)."""
+        orchestrator = await self._get_orchestrator()
+        try:
+            name, _ = parse_adapter_body(await read_json_body(request), needs_path=False)
+            await unload_everywhere(orchestrator.workers, orchestrator.router, name)
+        except APIError as error:
+            return _error_response(orchestrator, error)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     @app.post("/v1/responses")
     async def responses(self, request: Request) -> Response:
@@ -682,7 +715,7 @@ class Gateway:
                 tokenize_api.tokenize,
                 body,
                 orchestrator.tokenizer,
-                orchestrator.model_name,
+                orchestrator.served_models(),
                 orchestrator.model_info.max_model_len,
             )
         except APIError as error:
@@ -694,7 +727,9 @@ class Gateway:
         orchestrator = await self._get_orchestrator()
         try:
             body = await read_json_body(request)
-            answer = tokenize_api.detokenize(body, orchestrator.tokenizer, orchestrator.model_name)
+            answer = tokenize_api.detokenize(
+                body, orchestrator.tokenizer, orchestrator.served_models()
+            )
         except APIError as error:
             return _error_response(orchestrator, error)
         return JSONResponse(answer)

@@ -36,6 +36,7 @@ class GatewayMetrics:
         self.num_requests = 0
         self.num_requests_in_flight = 0
         self.finished_by_reason: Counter[str] = Counter()
+        self.lora_requests: Counter[str] = Counter()
         self.rejected_by_status: Counter[str] = Counter()
         self.num_retries = 0
         self.num_stream_migrations = 0

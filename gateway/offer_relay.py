@@ -26,6 +26,7 @@ from pdserve.gateway.worker_pool import WorkerPool
 from pdserve.messages.generation import WorkerRequest
 from pdserve.messages.kv_provenance import KVProvenance
 from pdserve.messages.kv_transfer_params import KVTransferParams
+from pdserve.messages.lora_adapters import LoRAAdapterRef
 from pdserve.messages.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class OfferRelay:
     request_id: str
     token_ids: list[int]
     cache_salt: str | None
+    lora: LoRAAdapterRef | None
     totals: OfferTotals = field(default_factory=OfferTotals)
     _in_flight: asyncio.Task | None = None
     _waiting: KVTransferParams | None = None
@@ -88,6 +90,7 @@ class OfferRelay:
             SamplingParams(max_tokens=1),
             kv_transfer_params=params,
             cache_salt=self.cache_salt,
+            lora=self.lora,
         )
         self._in_flight = asyncio.get_running_loop().create_task(
             self.workers.call(self.decode_id, "pull_offer", request)

@@ -53,6 +53,7 @@ from pdserve.cache import BlockHash, BlockHasher
 from pdserve.gateway.api.openai_schema import (
     APIError,
     ParsedCompletion,
+    model_not_found,
     no_worker_available,
     too_many_requests,
 )
@@ -77,6 +78,7 @@ from pdserve.gateway.stream_watch import DeadlineExceeded, StreamAbandoned, Stre
 from pdserve.gateway.worker_pool import WorkerPool
 from pdserve.messages.generation import GenerationChunk, ModelInfo, WorkerRequest
 from pdserve.messages.kv_transfer_params import KVTransferParams
+from pdserve.messages.lora_adapters import LoRAAdapterRef
 from pdserve.messages.sampling_params import SamplingParams
 from pdserve.messages.worker_stats import WorkerStats
 from pdserve.tokenizer.tokenizer import Tokenizer
@@ -120,6 +122,7 @@ class RequestRun:
     emitter: StreamEmitter
     timeline: RequestTimeline
     remote_decode: bool  # the prefill worker hands off to a decode worker
+    lora: LoRAAdapterRef | None = None  # the adapter the request runs (None: the base model)
     # time.monotonic() past which the request ends (its timeout, the service's); None: never.
     deadline: float | None = None
     # The worker that runs the whole request (no hand-off) where its prompt's KV is: a decode
@@ -236,15 +239,23 @@ class RequestOrchestrator:
 
     # ------------------------------------------------------------------ validate, admit
 
+    def adapter_for(self, model: str) -> LoRAAdapterRef | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model); 404 in
+        OpenAI's shape for a name the service does not serve."""
+        if model == self.model_name:
+            return None
+        adapter = self.router.lora_adapters().get(model)
+        if adapter is None:
+            raise model_not_found(model, self.served_models())
+        return adapter
+
+    def served_models(self) -> list[str]:
+        """The names a request's ``model`` may take: the base, then its adapters."""
+        return [self.model_name, *sorted(self.router.lora_adapters())]
+
     def prepare(self, parsed: ParsedCompletion) -> tuple[list[int], SamplingParams]:
         """Validates the model and prompt; returns token ids and params with a seed."""
-        if parsed.model != self.model_name:
-            raise APIError(
-                404,
-                f"model {parsed.model!r} does not exist; this server serves {self.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+        self.adapter_for(parsed.model)
         if parsed.prompt_token_ids is not None:
             token_ids = parsed.prompt_token_ids
             vocab_size = self.tokenizer.vocab_size
@@ -299,15 +310,19 @@ class RequestOrchestrator:
         size = len(parsed.prompt_text or "") + len(parsed.prompt_token_ids or ())
         return await call_by_size(size, _INLINE_PROMPT_SIZE, self.prepare, parsed)
 
-    async def hash_blocks(self, token_ids: list[int], cache_salt: str | None) -> list[BlockHash]:
-        """The prompt's block hashes, salted like the workers' (a tenant's prefix never
-        routes by another's blocks); on a worker thread when the prompt is long."""
+    async def hash_blocks(
+        self, token_ids: list[int], cache_salt: str | None, lora: LoRAAdapterRef | None = None
+    ) -> list[BlockHash]:
+        """The prompt's block hashes, salted and keyed by adapter weights like the workers'
+        (a prefix never routes by another tenant's or another adapter's blocks); on a
+        worker thread when the prompt is long."""
         return await call_by_size(
             len(token_ids),
             _INLINE_PROMPT_SIZE,
             self.hasher.hash_request_blocks,
             token_ids,
             self.model_info.block_size,
+            lora_id=lora.digest if lora is not None else None,
             cache_salt=cache_salt,
         )
 
@@ -343,6 +358,7 @@ class RequestOrchestrator:
         token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        lora: LoRAAdapterRef | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Runs one admitted request; the caller must ``release()`` after the stream ends.
 
@@ -350,7 +366,7 @@ class RequestOrchestrator:
         no worker of a needed role is available (503); after it, when the request cannot be
         finished correctly (the stream then ends with an error event).
         """
-        run = await self.new_run(request_id, token_ids, params, cache_salt)
+        run = await self.new_run(request_id, token_ids, params, cache_salt, lora=lora)
         async for delta in self.run_phases(run):
             yield delta
 
@@ -367,19 +383,23 @@ class RequestOrchestrator:
         params: SamplingParams,
         cache_salt: str | None,
         deadline: float | None = None,
+        lora: LoRAAdapterRef | None = None,
     ) -> RequestRun:
-        """A request's state; ``deadline`` None: the service's (``deadline_for``)."""
+        """A request's state; ``deadline`` None: the service's (``deadline_for``); ``lora``:
+        the adapter it runs (``adapter_for``)."""
         start = time.perf_counter()
+        if lora is not None:
+            self.metrics.lora_requests[lora.name] += 1
         return RequestRun(
             request_id,
             token_ids,
             params,
             cache_salt,
-            # Salted like the workers' hashes: a tenant's prefix never routes by another's blocks.
-            block_hashes=await self.hash_blocks(token_ids, cache_salt),
+            block_hashes=await self.hash_blocks(token_ids, cache_salt, lora),
             emitter=StreamEmitter(params.stop, len(token_ids), self.metrics, start),
             timeline=RequestTimeline(start),
             remote_decode=params.max_tokens > 1 and self.router.has_decode_workers(),
+            lora=lora,
             deadline=deadline if deadline is not None else self.deadline_for(None),
         )
 
@@ -423,15 +443,17 @@ class RequestOrchestrator:
         if not run.remote_decode or not (threshold or reuse):
             return
         block_size = self.model_info.block_size
+        lora_name = run.lora.name if run.lora is not None else None
         try:
-            choice = self.router.pick_decode_by_prefix(run.block_hashes)
+            choice = self.router.pick_decode_by_prefix(run.block_hashes, lora_name)
         except NoWorkerAvailable:
             return  # the prefill phase answers 503 with the usual message
         cached_tokens = choice.num_matched_blocks * block_size
         run_there = len(run.token_ids) - cached_tokens < threshold
         if not run_there and reuse:
             try:
-                prefill_blocks = self.router.pick_prefill(run.block_hashes).num_matched_blocks
+                prefill = self.router.pick_prefill(run.block_hashes, lora_name)
+                prefill_blocks = prefill.num_matched_blocks
             except NoWorkerAvailable:
                 return  # the prefill phase answers 503 with the usual message
             run_there = cached_tokens - prefill_blocks * block_size >= reuse
@@ -451,6 +473,7 @@ class RequestOrchestrator:
             params,
             remote_decode=run.remote_decode,
             cache_salt=run.cache_salt,
+            lora=run.lora,
         )
         for attempt in range(self.config.max_attempts):
             # A retry follows a loss: the router has marked the lost worker down, and it may
@@ -460,15 +483,15 @@ class RequestOrchestrator:
             if attempt:
                 await asyncio.sleep(self.config.retry_backoff_s)  # let Serve see the dead replica
             if run.whole_on is None:
-                run.prefill_id = self.route("prefill", run.block_hashes, fallback=lost_id)
+                run.prefill_id = self.route("prefill", run, fallback=lost_id)
             elif attempt:  # the worker chosen was lost: the one of its role holding most of it
                 role = "decode" if run.whole_on in self.workers.decode else "prefill"
-                run.whole_on = self.route(role, run.block_hashes, fallback=lost_id, by_prefix=True)
+                run.whole_on = self.route(role, run, fallback=lost_id, by_prefix=True)
                 run.prefill_id = run.whole_on
             else:  # where the prompt's KV was found (no await since)
                 run.prefill_id = run.whole_on
             if run.remote_decode:  # 503 now, before any token, when none is up
-                run.decode_id = self.route("decode", run.block_hashes)
+                run.decode_id = self.route("decode", run)
             run.timeline.called("prefill", run.prefill_id)
             run.emitter.restart_stream()
             try:
@@ -502,7 +525,7 @@ class RequestOrchestrator:
         prefill may have routed it to another: its offers start a relay of their own)."""
         if run.offers is None or run.offers.decode_id != run.decode_id:
             run.offers = OfferRelay(
-                self.workers, run.decode_id, run.request_id, run.token_ids, run.cache_salt
+                self.workers, run.decode_id, run.request_id, run.token_ids, run.cache_salt, run.lora
             )
         run.offers.offer(offer)
 
@@ -523,7 +546,7 @@ class RequestOrchestrator:
             # one just lost, which Serve restarts) is tried rather than failing the stream
             # because the router's view flickered (polls slowed while workers start).
             if attempt or not self.holds_offers(run):
-                run.decode_id = self.route("decode", run.block_hashes, fallback=run.decode_id)
+                run.decode_id = self.route("decode", run, fallback=run.decode_id)
             # The prompt's logprobs (if asked) came from the prefill worker.
             request = WorkerRequest(
                 run.request_id,
@@ -531,6 +554,7 @@ class RequestOrchestrator:
                 dataclasses.replace(run.params, prompt_logprobs=None),
                 kv_transfer_params=run.kv_transfer_params,
                 cache_salt=run.cache_salt,
+                lora=run.lora,
             )
             run.emitter.restart_stream()
             run.timeline.called("decode", run.decode_id)
@@ -604,20 +628,23 @@ class RequestOrchestrator:
     def route(
         self,
         role: str,
-        block_hashes: list[BlockHash],
+        run: RequestRun,
         fallback: str | None = None,
         by_prefix: bool = False,
     ) -> str:
-        """A worker of ``role`` by prefix and load; 503 when none is available, unless a
-        ``fallback`` is given: after a loss, the lost worker itself, which Serve restarts.
-        A decode worker is picked by the blocks it holds (where a hand-off pulls least), or
-        ``by_prefix``, by the longest prefix it holds (where a request runs whole)."""
+        """A worker of ``role`` for ``run`` by adapter, prefix and load; 503 when none is
+        available, unless a ``fallback`` is given: after a loss, the lost worker itself,
+        which Serve restarts. A decode worker is picked by the blocks it holds (where a
+        hand-off pulls least), or ``by_prefix``, by the longest prefix it holds (where a
+        request runs whole)."""
+        block_hashes = run.block_hashes
+        lora_name = run.lora.name if run.lora is not None else None
         try:
             if role == "prefill":
-                return self.router.pick_prefill(block_hashes).worker_id
+                return self.router.pick_prefill(block_hashes, lora_name).worker_id
             if by_prefix:
-                return self.router.pick_decode_by_prefix(block_hashes).worker_id
-            choice = self.router.pick_decode(block_hashes)
+                return self.router.pick_decode_by_prefix(block_hashes, lora_name).worker_id
+            choice = self.router.pick_decode(block_hashes, lora_name)
             if choice is None:  # a colocated deployment has no decode worker to route to
                 raise NoWorkerAvailable("decode")
             return choice.worker_id

@@ -25,6 +25,7 @@ from collections.abc import AsyncGenerator
 from pdserve.gateway.orchestrator import RequestOrchestrator, RequestRun
 from pdserve.gateway.request_timeline import RequestTimeline
 from pdserve.gateway.stream_emitter import StreamDelta, StreamEmitter
+from pdserve.messages.lora_adapters import LoRAAdapterRef
 from pdserve.messages.sampling_params import SamplingParams
 
 MAX_SEED = 2**63
@@ -53,11 +54,13 @@ async def generate_choices(
     params: list[SamplingParams],
     cache_salt: str | None,
     timeout_s: float | None = None,
+    lora: LoRAAdapterRef | None = None,
 ) -> AsyncGenerator[tuple[int, StreamDelta], None]:
     """``(choice index, delta)`` of every choice, interleaved as they arrive; all of them
-    end by one deadline (``timeout_s``, else the service's)."""
+    end by one deadline (``timeout_s``, else the service's); ``lora``: the adapter they
+    run."""
     first = await orchestrator.new_run(
-        request_id, token_ids, params[0], cache_salt, orchestrator.deadline_for(timeout_s)
+        request_id, token_ids, params[0], cache_salt, orchestrator.deadline_for(timeout_s), lora
     )
     if len(params) == 1:
         async for delta in orchestrator.run_phases(first):
@@ -117,6 +120,7 @@ async def _sibling(
         ),
         timeline=RequestTimeline(first.emitter.start),
         remote_decode=False,
+        lora=first.lora,
         deadline=first.deadline,
         whole_on=first.serving_worker,  # its cache holds every full block of the prompt
     )

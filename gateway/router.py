@@ -35,6 +35,13 @@ both roles: a worker more than ``max_load_imbalance`` requests busier than the i
 not a candidate, whatever it holds. Equal candidates are taken in turn, so a cold cluster
 spreads its load.
 
+A request that runs a LoRA adapter goes first to a worker holding the adapter in memory,
+then to one that has it registered (it reads the files again), then to any (which reads them
+from the path the request brings); within each, as above. Its block hashes carry the
+adapter's digest, so the prefix a worker holds is already the adapter's own. Which adapters
+each worker has comes with its KV events (``LoRAAdapterReport``); their union is what the
+gateway serves (``lora_adapters``).
+
 Pure Python: no Ray, no engine; the gateway feeds it ``KVEventBatch`` messages.
 """
 
@@ -47,6 +54,7 @@ from dataclasses import dataclass, field
 
 from pdserve.cache import BlockHash, HeldBlocks
 from pdserve.messages.kv_event_batch import KVEventBatch
+from pdserve.messages.lora_adapters import LoRAAdapterRef, LoRAAdapterReport
 
 
 class NoWorkerAvailable(RuntimeError):
@@ -72,6 +80,16 @@ class WorkerIndex:
     load: int = 0
     available: bool = True
     left_routing: asyncio.Event = field(default_factory=asyncio.Event)
+    lora: LoRAAdapterReport = field(default_factory=LoRAAdapterReport)
+
+    def holds_adapter(self, lora_name: str | None) -> int:
+        """2: ``lora_name`` is in memory here; 1: registered (read again); 0: neither (or
+        the base model: no preference)."""
+        if lora_name is None:
+            return 0
+        if lora_name in self.lora.resident:
+            return 2
+        return int(any(ref.name == lora_name for ref in self.lora.registered))
 
 
 def prefix_rank(held: HeldBlocks, block_hashes: list[BlockHash]) -> tuple[int, int]:
@@ -147,8 +165,10 @@ class Router:
             index.instance_id = batch.instance_id
             index.held = HeldBlocks()
             index.next_seq = 0
+            index.lora = batch.lora
             if batch.snapshot is None and batch.first_seq > 0:
                 return  # partial history of a new instance: wait for a batch from 0 or a snapshot
+        self.note_lora(batch.worker_id, batch.lora)
         if batch.snapshot is not None:
             index.held = batch.snapshot.copy()
             index.next_seq = batch.first_seq
@@ -158,6 +178,24 @@ class Router:
         for event in batch.events[skip:]:
             index.held.apply(event)
         index.next_seq = batch.next_seq
+
+    def note_lora(self, worker_id: str, report: LoRAAdapterReport) -> None:
+        """Keeps a worker's adapters as ``report`` says, unless a newer report of the same
+        instance came first (a poll's answer may overtake an admin load's, or trail it)."""
+        index = self._workers.get(worker_id)
+        if index is None or report.instance_id != index.instance_id:
+            return
+        if report.generation >= index.lora.generation:
+            index.lora = report
+
+    def lora_adapters(self) -> dict[str, LoRAAdapterRef]:
+        """The adapters the service serves: every worker's registered ones, by name (two
+        workers that read one name from different files: the first worker's)."""
+        served: dict[str, LoRAAdapterRef] = {}
+        for index in self._workers.values():
+            for ref in index.lora.registered:
+                served.setdefault(ref.name, ref)
+        return served
 
     def remove_worker(self, worker_id: str) -> None:
         """Forgets a worker (scaled away or dead): it is never picked again."""
@@ -210,30 +248,39 @@ class Router:
 
     # ------------------------------------------------------------------ choice
 
-    def pick_prefill(self, block_hashes: list[BlockHash]) -> RouteChoice:
-        """The prefill worker with the longest cached prefix of ``block_hashes``.
+    def pick_prefill(
+        self, block_hashes: list[BlockHash], lora_name: str | None = None
+    ) -> RouteChoice:
+        """The prefill worker with the longest cached prefix of ``block_hashes`` (among those
+        that hold adapter ``lora_name`` best).
 
         Raises ``NoWorkerAvailable`` when no prefill worker is available.
         """
-        return self._pick("prefill", self._prefill_ids, block_hashes, _ranked_by_prefix)
+        return self._pick("prefill", self._prefill_ids, block_hashes, _ranked_by_prefix, lora_name)
 
     def has_decode_workers(self) -> bool:
         """Whether the deployment disaggregates (False: colocated, prefill workers decode)."""
         return bool(self._decode_ids)
 
-    def pick_decode(self, block_hashes: list[BlockHash]) -> RouteChoice | None:
-        """The decode worker that would pull least of ``block_hashes`` for its load; None
-        when the deployment has none (colocated). Raises ``NoWorkerAvailable`` when it has
-        some but none is available."""
+    def pick_decode(
+        self, block_hashes: list[BlockHash], lora_name: str | None = None
+    ) -> RouteChoice | None:
+        """The decode worker that would pull least of ``block_hashes`` for its load (among
+        those that hold adapter ``lora_name`` best); None when the deployment has none
+        (colocated). Raises ``NoWorkerAvailable`` when it has some but none is available."""
         if not self._decode_ids:
             return None
-        return self._pick("decode", self._decode_ids, block_hashes, _ranked_by_pull_and_load)
+        return self._pick(
+            "decode", self._decode_ids, block_hashes, _ranked_by_pull_and_load, lora_name
+        )
 
-    def pick_decode_by_prefix(self, block_hashes: list[BlockHash]) -> RouteChoice:
+    def pick_decode_by_prefix(
+        self, block_hashes: list[BlockHash], lora_name: str | None = None
+    ) -> RouteChoice:
         """The decode worker with the longest cached prefix of ``block_hashes``: where a
         request would run whole if the gateway skips the prefill worker (conditional
         disaggregation). Raises ``NoWorkerAvailable`` when none is available."""
-        return self._pick("decode", self._decode_ids, block_hashes, _ranked_by_prefix)
+        return self._pick("decode", self._decode_ids, block_hashes, _ranked_by_prefix, lora_name)
 
     def _pick(
         self,
@@ -241,6 +288,7 @@ class Router:
         all_ids: list[str],
         block_hashes: list[BlockHash],
         ranked: Callable[[WorkerIndex, list[BlockHash], float], tuple[tuple[float, ...], int]],
+        lora_name: str | None,
     ) -> RouteChoice:
         worker_ids = [w for w in all_ids if self._workers[w].available]
         if not worker_ids:
@@ -258,6 +306,7 @@ class Router:
             if index.load > ceiling:
                 continue
             key, matched = ranked(index, block_hashes, self.decode_load_weight)
+            key = (index.holds_adapter(lora_name), *key)
             if best is None or key > best:
                 best, best_matched, best_id = key, matched, worker_id
         assert best is not None  # the idlest worker is always under the ceiling

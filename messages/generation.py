@@ -9,6 +9,7 @@ from pdserve.messages.first_chunk_timing import FirstChunkTiming
 from pdserve.messages.kv_provenance import KVProvenance
 from pdserve.messages.kv_transfer_params import KVTransferParams
 from pdserve.messages.logprobs import TokenLogprobs
+from pdserve.messages.lora_adapters import LoRAAdapterRef
 from pdserve.messages.sampling_params import SamplingParams
 
 
@@ -34,8 +35,9 @@ class WorkerRequest:
     kv_transfer_params: KVTransferParams | None = None
     cache_salt: str | None = None
     call_serial: int = 0
-    lora_name: str | None = None
-    """The LoRA adapter the request runs (one of the engine's ``lora_modules``), or None."""
+    lora: LoRAAdapterRef | None = None
+    """The LoRA adapter the request runs, or None: the base model. A worker that lacks it
+    reads it from its path (``EngineConfig.load_lora_on_demand``)."""
 
 
 # Why a request that finished with "stop" stopped (vLLM's ``stop_reason``): the stop token id

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.cache import HeldBlocks, KVCacheEvent
+from pdserve.messages.lora_adapters import LoRAAdapterReport
 
 
 @dataclass(slots=True)
@@ -26,3 +27,5 @@ class KVEventBatch:
     engine_step_s: float = 0.0
     """How long the worker's engine had been inside its current step when it answered (0
     between steps): the poll's heartbeat, which tells a busy worker from a hung one."""
+    lora: LoRAAdapterReport = field(default_factory=LoRAAdapterReport)
+    """The worker's LoRA adapters: which the gateway serves and routes by."""

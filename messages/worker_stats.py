@@ -88,6 +88,8 @@ class WorkerStats:
     kv_tier_store_failures: dict[str, float] = field(default_factory=per_tier)
     kv_tier_load_failures: dict[str, float] = field(default_factory=per_tier)
     start_seconds: dict[str, float] = field(default_factory=dict)
+    lora_requests: dict[str, int] = field(default_factory=dict)
+    lora_adapters_resident: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.prefix_cache_queries:

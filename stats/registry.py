@@ -472,6 +472,27 @@ WORKER_STATS: tuple[Stat, ...] = (
         "pdserve:worker_start_seconds",
         label="phase",
     ),
+    Stat(
+        "lora_requests",
+        C,
+        "requests",
+        "Requests that ran a LoRA adapter, by the adapter's name.",
+        "pdserve:lora_requests",
+        None,
+        Total.MERGE,
+        label="lora_name",
+    ),
+    Stat(
+        "lora_adapters_resident",
+        G,
+        "adapters",
+        "1 per LoRA adapter the worker holds in memory, by name (max_loras at most); the "
+        "total: how many workers hold each.",
+        "pdserve:lora_adapter_resident",
+        None,
+        Total.MERGE,
+        label="lora_name",
+    ),
 )
 
 GATEWAY_STATS: tuple[Stat, ...] = (
@@ -496,6 +517,14 @@ GATEWAY_STATS: tuple[Stat, ...] = (
         "Finished requests, by finish reason.",
         "vllm:request_success",
         label="finished_reason",
+    ),
+    Stat(
+        "lora_requests",
+        C,
+        "requests",
+        "Requests admitted for a LoRA adapter, by the adapter's name.",
+        "pdserve:gateway_lora_requests",
+        label="lora_name",
     ),
     Stat(
         "rejected_by_status",

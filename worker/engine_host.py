@@ -47,6 +47,7 @@ from pdserve.messages.generation import GenerationChunk, ModelInfo, WorkerReques
 from pdserve.messages.kv_event_batch import KVEventBatch
 from pdserve.messages.kv_provenance import KVProvenance
 from pdserve.messages.kv_transfer_params import KVTransferParams
+from pdserve.messages.lora_adapters import LoRAAdapterReport
 from pdserve.messages.worker_spec import WorkerSpec
 from pdserve.messages.worker_stats import WorkerStats, per_tier
 from pdserve.model.model_config import resolve_device
@@ -115,6 +116,9 @@ class EngineHost:
             engine_config, connector=connector, on_rank_lost=self._exit_for_lost_rank
         )
         self.events = KVEventLog(self.worker_id, self.instance_id)
+        # The adapters' latest report, replaced (never changed) on the engine thread after
+        # whatever changed them: ``kv_events`` reads it on the event loop.
+        self._lora_report = self.engine.lora.report(self.instance_id)
         self._executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"{self.worker_id}-engine"
         )
@@ -161,6 +165,7 @@ class EngineHost:
         carries the engine's heartbeat (``engine_step_s``)."""
         batch = self.events.since(since_seq)
         batch.engine_step_s = self.engine_step_s()
+        batch.lora = self._lora_report
         return batch
 
     def engine_step_s(self) -> float:
@@ -178,6 +183,28 @@ class EngineHost:
                 f"{self.worker_id}'s engine has been inside one step for {in_step_s:.0f} s "
                 f"(hung_step_s {self.spec.hung_step_s:.0f})"
             )
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoRAAdapterReport:
+        """Reads the PEFT adapter in ``path`` (off the engine thread: no step waits on the
+        files) and registers it as ``name``. Raises ``ValueError`` naming the adapter where
+        it cannot be read or does not fit the model, or the name is taken."""
+        adapter = await asyncio.to_thread(self.engine.lora.read, name, path)
+
+        def register() -> LoRAAdapterReport:
+            self.engine.lora.register(adapter, path)
+            return self._report_lora()
+
+        return await self._on_engine_thread(register)
+
+    async def unload_lora_adapter(self, name: str) -> tuple[bool, LoRAAdapterReport]:
+        """Unregisters adapter ``name`` (False: this worker did not have it); requests
+        running it end on its weights."""
+
+        def unload() -> tuple[bool, LoRAAdapterReport]:
+            held = self.engine.lora.unload(name)
+            return held, self._report_lora()
+
+        return await self._on_engine_thread(unload)
 
     async def stats(self) -> WorkerStats:
         """A consistent reading, taken on the engine thread between two steps."""
@@ -349,10 +376,19 @@ class EngineHost:
                 cache_salt=request.cache_salt,
                 remote_decode=request.remote_decode,
                 kv_transfer_params=request.kv_transfer_params,
-                lora_name=request.lora_name,
+                lora_name=request.lora.name if request.lora is not None else None,
+                lora_path=request.lora.path if request.lora is not None else None,
             )
         except (ValueError, TypeError) as error:
             self._deliver(GenerationChunk.failed(request.request_id, str(error), refused=True))
+        finally:
+            if request.lora is not None:  # it may have read the adapter on demand
+                self._report_lora()
+
+    def _report_lora(self) -> LoRAAdapterReport:
+        if self.engine.lora.generation != self._lora_report.generation:
+            self._lora_report = self.engine.lora.report(self.instance_id)
+        return self._lora_report
 
     def _read_stats(self) -> WorkerStats:
         engine = self.engine
@@ -405,6 +441,8 @@ class EngineHost:
                 for position, count in enumerate(stats.spec_decode.num_accepted_tokens_per_pos)
             },
             start_seconds=self.start_seconds,
+            lora_requests=dict(engine.lora.requests_by_name),
+            lora_adapters_resident=dict.fromkeys(self._report_lora().resident, 1),
             **values,
         )
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol, TypeVar
 
@@ -493,11 +494,29 @@ def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int
     }
 
 
-def models_response(model: str, created: int, max_model_len: int | None) -> dict[str, Any]:
-    """``/v1/models``; ``max_model_len`` as vLLM reports it, once a worker described the
-    model (absent while the service starts)."""
-    entry: dict[str, Any] = {"id": model, "object": "model", "created": created}
-    entry["owned_by"] = "pdserve"
-    if max_model_len is not None:
-        entry["max_model_len"] = max_model_len
-    return {"object": "list", "data": [entry]}
+def models_response(
+    model: str, created: int, max_model_len: int | None, adapters: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """``/v1/models``: the base model, then each LoRA adapter (name → its folder) with
+    ``parent`` the base and ``root`` its folder, as vLLM lists them; ``max_model_len`` as
+    vLLM reports it, once a worker described the model (absent while the service starts)."""
+    entries: list[dict[str, Any]] = []
+    listed = [(model, model, None), *((n, p, model) for n, p in (adapters or {}).items())]
+    for name, root, parent in listed:
+        entry: dict[str, Any] = {"id": name, "object": "model", "created": created}
+        entry |= {"owned_by": "pdserve", "root": root, "parent": parent}
+        if max_model_len is not None:
+            entry["max_model_len"] = max_model_len
+        entries.append(entry)
+    return {"object": "list", "data": entries}
+
+
+def model_not_found(model: str, served: Sequence[str]) -> APIError:
+    """A request names a model the service does not serve: 404, as OpenAI and vLLM."""
+    names = ", ".join(repr(name) for name in served)
+    return APIError(
+        404,
+        f"model {model!r} does not exist; this server serves {names}",
+        param="model",
+        code="model_not_found",
+    )

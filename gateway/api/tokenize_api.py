@@ -14,12 +14,18 @@ A chat is rendered exactly as ``/v1/chat/completions`` renders it (``chat.render
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.gateway.api.chat import render_chat
-from pdserve.gateway.api.openai_schema import APIError, check_unicode, validate_request
+from pdserve.gateway.api.openai_schema import (
+    APIError,
+    check_unicode,
+    model_not_found,
+    validate_request,
+)
 from pdserve.tokenizer.tokenizer import Tokenizer
 
 
@@ -48,16 +54,19 @@ class DetokenizeRequest(BaseModel):
     tokens: list[Annotated[int, Field(ge=0)]]
 
 
-def tokenize(body: Any, tokenizer: Tokenizer, model: str, max_model_len: int) -> dict[str, Any]:
-    """``/tokenize``'s answer for a decoded JSON body."""
+def tokenize(
+    body: Any, tokenizer: Tokenizer, served: Sequence[str], max_model_len: int
+) -> dict[str, Any]:
+    """``/tokenize``'s answer for a decoded JSON body; ``served``: the models a request may
+    name (the base and its adapters: one tokenizer)."""
     if isinstance(body, dict) and "messages" in body:
         chat = validate_request(TokenizeChat, body, {})
-        _check_model(chat.model, model)
+        _check_model(chat.model, served)
         tokens = render_chat(chat.messages, tokenizer, chat.tools, chat.add_generation_prompt)
         wants_strs = chat.return_token_strs
     else:
         text = validate_request(TokenizeText, body, {})
-        _check_model(text.model, model)
+        _check_model(text.model, served)
         check_unicode(text.prompt, "prompt")
         tokens = tokenizer.encode(text.prompt, add_special_tokens=text.add_special_tokens)
         wants_strs = text.return_token_strs
@@ -69,10 +78,10 @@ def tokenize(body: Any, tokenizer: Tokenizer, model: str, max_model_len: int) ->
     }
 
 
-def detokenize(body: Any, tokenizer: Tokenizer, model: str) -> dict[str, Any]:
+def detokenize(body: Any, tokenizer: Tokenizer, served: Sequence[str]) -> dict[str, Any]:
     """``/detokenize``'s answer for a decoded JSON body."""
     request = validate_request(DetokenizeRequest, body, {})
-    _check_model(request.model, model)
+    _check_model(request.model, served)
     outside = next((t for t in request.tokens if t >= tokenizer.vocab_size), None)
     if outside is not None:
         raise APIError(
@@ -83,11 +92,6 @@ def detokenize(body: Any, tokenizer: Tokenizer, model: str) -> dict[str, Any]:
     return {"prompt": tokenizer.decode(request.tokens)}
 
 
-def _check_model(asked: str, served: str) -> None:
-    if asked != served:
-        raise APIError(
-            404,
-            f"model {asked!r} does not exist; this server serves {served!r}",
-            param="model",
-            code="model_not_found",
-        )
+def _check_model(asked: str, served: Sequence[str]) -> None:
+    if asked not in served:
+        raise model_not_found(asked, served)

@@ -106,6 +106,7 @@ PICKED: dict[str, tuple[Any, dict[str, Any]]] = {
     "served_model_name": ("my-model", {}),
     "device": ("cpu", {}),
     "prompt_lookup_min": (4, {}),  # twice the default passes prompt_lookup_max
+    "lora_modules": ({"support-bot": "/models/adapters/support-bot"}, {}),
     # A draft model needs its method: the app without the value drafts with another one.
     "speculative_model": ("tiny", DRAFT_MODEL),
     # A worker reserves its CPUs for every rank.
@@ -290,9 +291,9 @@ def test_each_part_setting_defaults_to_its_parts_default():
     config = PDServeConfig()
     for part in PARTS:
         defaults = {
-            f.name: f.default
+            f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
             for f in dataclasses.fields(part.config_class)
-            if f.default is not dataclasses.MISSING
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
         }
         for key, name in part.keys().items():
             assert getattr(config, key) == defaults[name], (key, part.name)

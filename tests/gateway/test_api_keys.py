@@ -35,6 +35,8 @@ def test_the_policy_table() -> None:
     assert APIKeyPolicy((KEY,), public_metrics=True).access("/metrics") is Access.OPEN
     assert policy.access("/v1/requests/abc") is Access.ADMIN_KEY
     assert policy.access("/dashboard/static/app.js") is Access.ADMIN_KEY
+    assert policy.access("/v1/load_lora_adapter") is Access.ADMIN_KEY
+    assert policy.access("/v1/unload_lora_adapter") is Access.ADMIN_KEY
     assert policy.access("/v1/completions") is Access.API_KEY
     assert policy.access("/anything-added-later") is Access.API_KEY
     assert APIKeyPolicy((KEY,)).access("/v1/requests") is Access.API_KEY  # no admin keys

@@ -53,7 +53,7 @@ def offer(num_blocks: int) -> KVTransferParams:
 
 
 def relay_to(decode: StandInDecode) -> OfferRelay:
-    return OfferRelay(decode, "decode-0", "r0", list(range(256)), None)  # type: ignore[arg-type]
+    return OfferRelay(decode, "decode-0", "r0", list(range(256)), None, None)  # type: ignore[arg-type]
 
 
 def test_settle_waits_for_the_offer_in_flight_and_drops_the_one_waiting() -> None:

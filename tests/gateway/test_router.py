@@ -8,6 +8,7 @@ import pytest
 from pdserve.cache import AllBlocksCleared, BlockRemoved, BlockStored, HeldBlocks
 from pdserve.gateway.router import NoWorkerAvailable, Router
 from pdserve.messages.kv_event_batch import KVEventBatch
+from pdserve.messages.lora_adapters import LoRAAdapterRef, LoRAAdapterReport
 
 H = [bytes([i]) * 16 for i in range(8)]
 
@@ -224,3 +225,47 @@ def test_a_sliding_window_prefix_needs_only_its_last_blocks_up_to_the_match():
     assert router.pick_prefill(H[:4]).num_matched_blocks == 0  # at 4 the window needs h2 h3
     router.apply(batch("p0", [BlockRemoved(block_hashes=[H[3]], group_idx=0)], first_seq=1))
     assert router.pick_prefill(H[:5]).num_matched_blocks == 0
+
+
+def lora_report(instance: str, generation: int, registered: list[str], resident: list[str]):
+    refs = [LoRAAdapterRef(name, f"/adapters/{name}", f"digest-{name}") for name in registered]
+    return LoRAAdapterReport(instance, refs, resident, generation)
+
+
+def test_a_lora_request_goes_first_where_its_adapter_is_in_memory_then_registered():
+    """Holding the adapter outranks the prefix (the prefix is the adapter's own, by its
+    hashes); without an adapter, the prefix decides as before; the load cap still holds."""
+    router = Router(["p0", "p1", "p2"], [])
+    for worker, registered, resident in [
+        ("p0", [], []),
+        ("p1", ["qv"], []),
+        ("p2", ["qv"], ["qv"]),
+    ]:
+        event_batch = batch(worker, [stored(*H[:3])] if worker == "p0" else [])
+        event_batch.lora = lora_report("a", 1, registered, resident)
+        router.apply(event_batch)
+    assert router.pick_prefill(H[:3], "qv").worker_id == "p2"
+    assert router.pick_prefill(H[:3]).worker_id == "p0"
+    for _ in range(5):
+        router.begin("p2")  # 5 > 0 + 4: p2 is over the cap
+    assert router.pick_prefill(H[:3], "qv").worker_id == "p1"
+    assert router.lora_adapters() == {"qv": LoRAAdapterRef("qv", "/adapters/qv", "digest-qv")}
+
+
+def test_a_workers_adapters_follow_its_newest_report_of_its_current_instance():
+    """An admin load's answer and a poll's cross on the way: the newer generation wins;
+    a report of another instance (a restarted worker's old one) is ignored; a restart
+    starts over from its own reports."""
+    router = Router(["p0"], [])
+    router.apply(batch("p0", []))
+    router.note_lora("p0", lora_report("a", 2, ["qv", "mlp"], ["qv"]))
+    late_poll = batch("p0", [], first_seq=0)
+    late_poll.lora = lora_report("a", 1, ["qv"], ["qv"])
+    router.apply(late_poll)
+    assert sorted(router.lora_adapters()) == ["mlp", "qv"]
+    router.note_lora("p0", lora_report("old", 9, [], []))
+    assert sorted(router.lora_adapters()) == ["mlp", "qv"]
+    restarted = batch("p0", [], instance="b")
+    restarted.lora = lora_report("b", 0, ["qv"], [])
+    router.apply(restarted)
+    assert sorted(router.lora_adapters()) == ["qv"]

@@ -21,7 +21,7 @@ def tokenizer(smollm2_gguf):
 
 
 def test_a_chat_counts_the_prompt_a_chat_completion_is_charged(tokenizer) -> None:
-    answer = tokenize({"model": "smollm2", "messages": CHAT}, tokenizer, "smollm2", 2048)
+    answer = tokenize({"model": "smollm2", "messages": CHAT}, tokenizer, ["smollm2"], 2048)
     charged = parse_chat({"model": "smollm2", "messages": CHAT}, tokenizer).prompt_token_ids
     assert answer["tokens"] == charged and answer["count"] == len(charged)
     assert answer["max_model_len"] == 2048 and answer["token_strs"] is None
@@ -37,12 +37,15 @@ def test_a_chat_counts_the_prompt_a_chat_completion_is_charged(tokenizer) -> Non
 def test_text_round_trips_with_its_token_strings(tokenizer) -> None:
     text = "Paris is the capital of France."
     answer = tokenize(
-        {"model": "smollm2", "prompt": text, "return_token_strs": True}, tokenizer, "smollm2", 2048
+        {"model": "smollm2", "prompt": text, "return_token_strs": True},
+        tokenizer,
+        ["smollm2"],
+        2048,
     )
     assert answer["tokens"] == tokenizer.encode(text)
     assert answer["token_strs"] == [tokenizer.backend.id_to_token(t) for t in answer["tokens"]]
     assert "".join(answer["token_strs"]).replace("Ġ", " ") == text
-    back = detokenize({"model": "smollm2", "tokens": answer["tokens"]}, tokenizer, "smollm2")
+    back = detokenize({"model": "smollm2", "tokens": answer["tokens"]}, tokenizer, ["smollm2"])
     assert back == {"prompt": text}
 
 
@@ -60,7 +63,7 @@ def test_text_round_trips_with_its_token_strings(tokenizer) -> None:
 def test_bad_input_is_refused_naming_the_field(tokenizer, call, body, status, param) -> None:
     with pytest.raises(APIError) as refused:
         if call == "tokenize":
-            tokenize(body, tokenizer, "smollm2", 2048)
+            tokenize(body, tokenizer, ["smollm2"], 2048)
         else:
-            detokenize(body, tokenizer, "smollm2")
+            detokenize(body, tokenizer, ["smollm2"])
     assert (refused.value.status, refused.value.param) == (status, param)

@@ -55,9 +55,15 @@ ROUTE_CALLS: dict[tuple[str, str], tuple[str, dict | None, int]] = {
     ("GET", "/ready"): ("/ready", None, 200),
     ("GET", "/stats"): ("/stats", None, 200),
     ("GET", "/metrics"): ("/metrics", None, 200),
+    ("POST", "/v1/load_lora_adapter"): (
+        "/v1/load_lora_adapter",
+        {"lora_name": "x", "lora_path": "/no/such/adapter"},
+        400,
+    ),
+    ("POST", "/v1/unload_lora_adapter"): ("/v1/unload_lora_adapter", {"lora_name": "x"}, 404),
 }
 PROBES = {"/health", "/ready"}
-ADMIN_VIEWS = ("/v1/requests", "/dashboard")
+ADMIN_VIEWS = ("/v1/requests", "/dashboard", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 def app_routes(routes: list[Any]) -> set[tuple[str, str]]:

@@ -59,8 +59,11 @@ def test_metrics_exposes_every_registered_metric_with_worker_labels():
             num_bytes_received_by_peer={"127.0.0.2": 64},
             spec_decode_accepted_tokens_per_pos={"0": 3},
             start_seconds={"imports": 1.5, "model_build": 0.2},
+            lora_requests={"support-bot": 2},
+            lora_adapters_resident={"support-bot": 1},
         )
     ]
+    metrics.lora_requests["support-bot"] += 3
     text = generate_latest(metrics.registry).decode()
     for stat in (*WORKER_STATS, *GATEWAY_STATS):
         if stat.metric is None:
@@ -76,6 +79,13 @@ def test_metrics_exposes_every_registered_metric_with_worker_labels():
         'role="consumer",worker="decode-0"} 64.0'
     ) in text
     assert 'pdserve:requests_rejected_total{model_name="tiny",status="429"} 1.0' in text
+    assert (
+        'pdserve:lora_adapter_resident{lora_name="support-bot",model_name="tiny",'
+        'role="consumer",worker="decode-0"} 1.0'
+    ) in text
+    assert 'pdserve:gateway_lora_requests_total{lora_name="support-bot",model_name="tiny"} 3.0' in (
+        text
+    )
     # Histograms, not per-worker p99 gauges: Prometheus can add buckets across workers.
     assert 'vllm:time_to_first_token_seconds_bucket{le="0.04",model_name="tiny"} 1.0' in text
 
