@@ -102,15 +102,6 @@ class LLMEngine:
             self.model, self.model_config, self.tokenizer = load_model(
                 config.model, config.dtype, config.device, config.quantization
             )
-        self.lora = LoRARegistry(
-            self.model,
-            config.max_loras,
-            config.max_lora_rank,
-            config.load_lora_on_demand,
-            self._adapters_in_use,
-        )
-        for name, path in config.lora_modules.items():
-            self.lora.load(name, path)
         groups = kv_cache_groups(self.model_config, config)
         draft = None
         if config.speculative_method == "draft_model":
@@ -124,11 +115,22 @@ class LLMEngine:
         kv_cache_config = KVCacheConfig(num_blocks, groups)
         with start_phase("kv_pool"):  # the pages, the runner's tables (tensor-parallel peers)
             self.runner = self._make_runner(num_blocks, on_rank_lost)
-        self.runner.lora_adapters = self.lora.resident
         # The engine owns the connector from here on, as ``shutdown`` says.
         self.connector = connector
         self._shut_down = False
         try:
+            # After the runner: under tensor parallelism its model is this rank's slice, and
+            # an adapter is read for the slice (``model/tensor_parallel.py``).
+            self.lora = LoRARegistry(
+                self.model,
+                config.max_loras,
+                config.max_lora_rank,
+                config.load_lora_on_demand,
+                self._adapters_in_use,
+            )
+            for name, path in config.lora_modules.items():
+                self.lora.load(name, path)
+            self.runner.lora_adapters = self.lora.resident
             self._build_around_runner(config, kv_cache_config, draft)
         except BaseException:  # the ranks started above, and whatever the connector started
             try:  # as it registered the pages, would outlive a failed engine

@@ -116,6 +116,7 @@ class ModelRunner:
         # The engine's resident adapters by digest (``LoRARegistry``), which chunks name.
         self.lora_adapters: Mapping[str, LoRAAdapter] = {}
         self._lora_stacks = LoRAStacks()
+        self._peer_lora_digests: frozenset[str] = frozenset()  # the adapters peers hold
         self._group_lost: str | None = None  # why the ranks are out of step, once they are
         if hasattr(model, "fuse_weights"):  # pack projections for inference (models/llama.py)
             model.fuse_weights()
@@ -264,14 +265,42 @@ class ModelRunner:
                 return self._forward(input_ids, metadata, sample_rows)
         if self._group_lost is not None:  # a new step would pair with the old one's collectives
             raise TensorParallelGroupLost(self._group_lost)
-        self.peers.send(chunks)  # the peers run the same step; their collectives wait for ours
+        # The peers run the same step; their collectives wait for ours.
+        self.peers.send(chunks, self._lora_for_peers())
         try:
-            return self._forward(input_ids, metadata, sample_rows)
+            with lora_active(lora_step):
+                return self._forward(input_ids, metadata, sample_rows)
         except BaseException as error:  # the ranks are out of step now: the group is done
             self._group_lost = self.peers.failure() or f"rank 0's step failed: {error!r}"
             if not isinstance(error, Exception):  # a KeyboardInterrupt stays one
                 raise
             raise TensorParallelGroupLost(self._group_lost) from error
+
+    def _lora_for_peers(self) -> dict[str, tuple[str, str]] | None:
+        """The adapters in memory (digest → name, folder) when they changed since the last
+        step sent to the peers, else None (``hold_lora_adapters`` on their side)."""
+        digests = frozenset(self.lora_adapters)
+        if digests == self._peer_lora_digests:
+            return None
+        self._peer_lora_digests = digests
+        return {digest: (a.name, a.path) for digest, a in self.lora_adapters.items()}
+
+    def hold_lora_adapters(self, wanted: dict[str, tuple[str, str]], max_rank: int) -> None:
+        """A tensor-parallel peer keeps the adapters rank 0 holds, each read from its folder
+        for this rank's slice. Files that no longer hold the weights rank 0 read fail the
+        step: no rank computes with other weights than the others."""
+        kept: dict[str, LoRAAdapter] = {}
+        for digest, (name, path) in wanted.items():
+            adapter = self.lora_adapters.get(digest)
+            if adapter is None:
+                adapter = LoRAAdapter.load(name, path, self.model, max_rank)
+            if adapter.digest != digest:
+                raise ValueError(
+                    f"LoRA adapter {name!r} at {path} changed on disk: rank 0 read weights "
+                    f"{digest[:12]}, this rank {adapter.digest[:12]}"
+                )
+            kept[digest] = adapter
+        self.lora_adapters = kept
 
     def _lora_step(self, ordered: list[ScheduledChunk], counts: list[int]) -> LoRAStep | None:
         """The step's rows of each adapter its chunks run (``model/lora/lora_step.py``), in the

@@ -182,10 +182,13 @@ class TensorParallelPeers:
                 raise TensorParallelGroupLost(f"rank {rank} failed to start: {message}")
         threading.Thread(target=self._watch, name="tp-peer-watchdog", daemon=True).start()
 
-    def send(self, chunks: list[ScheduledChunk]) -> None:
-        """Give every peer this step's chunks (before rank 0 runs its own forward), pickled
-        once for all of them (``recv`` on the other end unpickles what ``send`` would)."""
-        payload = ForkingPickler.dumps(chunks)
+    def send(
+        self, chunks: list[ScheduledChunk], lora_adapters: dict[str, tuple[str, str]] | None
+    ) -> None:
+        """Give every peer this step's chunks (before rank 0 runs its own forward), and the
+        LoRA adapters to hold where they changed (``ModelRunner.hold_lora_adapters``),
+        pickled once for all of them (``recv`` unpickles what ``send`` would)."""
+        payload = ForkingPickler.dumps((chunks, lora_adapters))
         for rank, pipe in enumerate(self._pipes, start=1):
             try:
                 pipe.send_bytes(payload)
@@ -271,9 +274,11 @@ def run_peer(
         pipe.send(_READY)
         while True:
             try:
-                chunks = pipe.recv()
+                chunks, lora_adapters = pipe.recv()
             except EOFError:  # rank 0 closed the group, or died
                 return
+            if lora_adapters is not None:
+                runner.hold_lora_adapters(lora_adapters, config.max_lora_rank)
             runner.execute(chunks)
     except BaseException as error:  # noqa: BLE001 - reported to rank 0, then this rank ends
         with contextlib.suppress(EOFError, OSError):  # a dying peer's pipe may be closed

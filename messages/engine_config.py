@@ -151,11 +151,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
-        if self.lora_modules and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "LoRA adapters run at tensor_parallel_size 1 for now (their A and B are not "
-                "sharded over ranks yet)"
-            )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

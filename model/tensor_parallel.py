@@ -18,6 +18,11 @@ queries find their KV head locally (the GQA grouping ``query head // (heads / kv
 preserved by construction). The model code calls :meth:`TensorParallel.all_reduce` /
 :meth:`TensorParallel.gather_vocab` where a sliced output must be joined; an unsharded model
 calls neither.
+
+A LoRA adapter's weights are cut as the layer they adapt (``LinearShard``): on a
+column-parallel linear, A whole (the input is whole) and B's rows of this rank's outputs; on
+a row-parallel one, A's columns of this rank's inputs and B whole, so that each rank's
+``x_r A_r^T B^T`` is a partial sum the layer's all-reduce completes with the base output's.
 """
 
 from __future__ import annotations
@@ -128,9 +133,32 @@ def join_group(store: dist.Store, rank: int, world_size: int, timeout: timedelta
     return TensorParallel(rank, world_size, cast(Collectives, group))
 
 
+@dataclass(frozen=True, slots=True)
+class LinearShard:
+    """What a sharded linear kept of the whole: its output rows ``[start, end)`` (column
+    parallelism) or its input columns (row parallelism). Weights made for the whole linear
+    (a LoRA adapter's) are cut the same way."""
+
+    whole_out: int
+    whole_in: int
+    rows: tuple[int, int] | None = None
+    columns: tuple[int, int] | None = None
+
+
+def shard_of(linear: torch.nn.Linear) -> LinearShard | None:
+    """The slice ``linear`` kept (None: whole)."""
+    return getattr(linear, "tensor_parallel_shard", None)
+
+
+def _mark_shard(linear: torch.nn.Linear, shard: LinearShard) -> None:
+    # A plain attribute (Module.__setattr__ is typed for tensors and modules only).
+    object.__setattr__(linear, "tensor_parallel_shard", shard)
+
+
 def keep_output_rows(linear: torch.nn.Linear, start: int, end: int) -> None:
     """Column parallelism: ``linear`` keeps output features ``[start, end)`` (and their bias);
     a packed weight keeps its rows packed."""
+    _mark_shard(linear, LinearShard(linear.out_features, linear.in_features, rows=(start, end)))
     packed = packed_weight(linear)
     if packed is not None:
         attach_packed_weight(linear, packed.take_rows(torch.arange(start, end)))
@@ -144,6 +172,7 @@ def keep_output_rows(linear: torch.nn.Linear, start: int, end: int) -> None:
 def keep_input_columns(linear: torch.nn.Linear, start: int, end: int, keep_bias: bool) -> None:
     """Row parallelism: ``linear`` keeps input features ``[start, end)``; its bias stays on
     one rank only (``keep_bias``), since the partial outputs are summed."""
+    _mark_shard(linear, LinearShard(linear.out_features, linear.in_features, columns=(start, end)))
     packed = packed_weight(linear)
     if packed is not None:
         attach_packed_weight(linear, packed.take_columns(start, end))

@@ -35,6 +35,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
+from pdserve.model.tensor_parallel import shard_of
+
 TARGETS = {
     "q_proj": ("qkv", 0),
     "k_proj": ("qkv", 1),
@@ -82,7 +84,10 @@ class LoRAAdapter:
     name: str
     digest: str
     sites: dict[tuple[int, str], tuple[LoRAPart, ...]]
-    """Its parts by (layer index, site), in the site's order."""
+    """Its parts by (layer index, site), in the site's order; under tensor parallelism,
+    this rank's slice of each (``model/tensor_parallel.py``)."""
+    path: str = ""
+    """The folder it was read from (a tensor-parallel peer reads its own slice there)."""
 
     @classmethod
     def load(cls, name: str, path: str | Path, model: nn.Module, max_rank: int) -> LoRAAdapter:
@@ -113,28 +118,34 @@ class LoRAAdapter:
                     f"{', '.join(TARGETS)} of dense attention and MLP layers)"
                 )
             rank = a.shape[0]
+            shard = shard_of(linear)
+            whole_out, whole_in = (
+                (shard.whole_out, shard.whole_in)
+                if shard is not None
+                else (linear.out_features, linear.in_features)
+            )
             if rank > max_rank:
                 raise ValueError(
                     f"LoRA adapter {name!r} has rank {rank} at {target} of layer {index}, "
                     f"above max_lora_rank {max_rank}"
                 )
-            if a.shape != (rank, linear.in_features) or b.shape != (linear.out_features, rank):
+            if a.shape != (rank, whole_in) or b.shape != (whole_out, rank):
                 raise ValueError(
                     f"LoRA adapter {name!r}: {target} of layer {index} is "
-                    f"{linear.out_features}x{linear.in_features}, its A {list(a.shape)} and B "
+                    f"{whole_out}x{whole_in}, its A {list(a.shape)} and B "
                     f"{list(b.shape)} do not fit it"
                 )
+            if shard is not None and shard.rows is not None:  # this rank's outputs
+                b = b[shard.rows[0] : shard.rows[1]]
+            if shard is not None and shard.columns is not None:  # this rank's inputs
+                a = a[:, shard.columns[0] : shard.columns[1]]
             scaling = _scaling(config, f"model.layers.{index}.{target}", rank)
             site = TARGETS[target][0]
             weight = linear.weight  # empty where packed, but of the model's dtype and device
             a, b = (t.to(device=weight.device, dtype=weight.dtype) for t in (a, b))
             parts.setdefault((index, site), []).append((target, a, b, scaling))
         sites = {key: _site(layers[key[0]], key[1], found) for key, found in parts.items()}
-        return cls(
-            name=name,
-            digest=_digest(config, tensors),
-            sites=sites,
-        )
+        return cls(name=name, digest=_digest(config, tensors), sites=sites, path=str(folder))
 
 
 def _check_options(name: str, config: dict[str, Any]) -> None:

@@ -257,3 +257,26 @@ def test_adapters_over_other_families_equal_peft(tmp_path, config_class, overrid
         if name is not None:
             model = peft.PeftModel.from_pretrained(model, adapters[name]).eval()
         assert output.output_token_ids == hf_greedy(model, prompt, 8), name
+
+
+def test_tensor_parallel_ranks_run_their_slices_of_each_adapter_as_one_rank_does(folders):
+    """At tensor_parallel_size 2, each rank holds its slice of every adapter in memory (A
+    whole and B's rows on q/k/v/gate/up, A's columns and B whole on o/down), read by the
+    peer from the adapter's folder when rank 0's set changes: mixed rows equal TP=1, an
+    adapter loaded while serving included."""
+    base, adapters = folders
+    modules = {name: str(adapters[name]) for name in ("qv", "mlp")}
+    names = ["qv", None, "mlp", "qv"]
+    one = LLMEngine.from_pretrained(str(base), lora_modules=modules, num_kv_blocks=64)
+    two = LLMEngine.from_pretrained(
+        str(base), lora_modules=modules, num_kv_blocks=64, tensor_parallel_size=2
+    )
+    try:
+        expected = one.generate(PROMPTS, GREEDY, lora_names=names)
+        outputs = two.generate(PROMPTS, GREEDY, lora_names=names)
+        assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in expected]
+        two.load_lora_adapter("everything", str(adapters["everything"]))
+        [output] = two.generate(PROMPTS[1:2], GREEDY, lora_names=["everything"])
+        assert output.output_token_ids == peft_tokens(base, adapters["everything"], PROMPTS[1])
+    finally:
+        two.shutdown()
