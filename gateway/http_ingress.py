@@ -2,7 +2,9 @@
 
     POST /v1/completions        stream (SSE) or not; prompt as text or token ids
     POST /v1/chat/completions   stream (SSE) or not; messages rendered with the chat template
-    GET  /v1/models        the one served model
+    GET  /v1/models        the base model, then its LoRA adapters (``parent``: the base)
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter
+                           on every worker or none (``lora_admin.py``); admin key
     GET  /health           200 while the gateway runs; names workers that do not answer
     GET  /ready            200 once every role answers and every decode worker has handshaken
                            with every prefill worker (prewarmed), else 503

@@ -140,10 +140,17 @@ function workerRow(w) {
     ms(w.transfer_latency_p99_s), w.num_structured_requests,
     Math.round(w.masked_tokens_per_row), `${w.num_grammar_compiles}/${w.num_grammar_cache_hits}`,
     ms(w.grammar_compile_seconds), w.num_spec_decode_drafts, pct(w.spec_decode_acceptance_rate),
-    w.spec_decode_mean_accepted_length.toFixed(2)];
+    w.spec_decode_mean_accepted_length.toFixed(2), loraCell(w)];
   const row = element("tr");
   cells.forEach((cell) => row.appendChild(element("td", String(cell))));
   return row;
+}
+
+// The adapters a worker holds in memory, each with the requests that ran it there.
+function loraCell(w) {
+  const held = Object.keys(w.lora_adapters_resident || {}).sort();
+  const requests = w.lora_requests || {};
+  return held.map((name) => `${name} (${requests[name] || 0})`).join(", ") || "–";
 }
 
 function sourceBar(label, record, kind) {

@@ -11,6 +11,7 @@ The base is a random Llama and the adapters are written by peft (``write_folders
 from __future__ import annotations
 
 import json
+import re
 import threading
 import urllib.error
 import urllib.request
@@ -22,6 +23,7 @@ from pdserve.deploy.cluster import auth_headers, base_url
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.messages.sampling_params import SamplingParams
 from tests.engine.test_lora import write_folders
+from tests.service.browser import headless_chromium
 from tests.service.service_apps import (
     expected_text,
     on_worker,
@@ -124,6 +126,23 @@ def test_adapters_and_the_base_in_flight_together_equal_colocated(service, refer
         urllib.request.Request(base_url(service) + "/metrics", headers=auth_headers(service))
     ).read()
     assert b'pdserve:gateway_lora_requests_total{lora_name="qv"' in metrics
+
+
+def test_the_dashboard_shows_each_workers_adapters_and_their_requests(service):
+    with headless_chromium() as driver:
+        from selenium.webdriver.support.ui import WebDriverWait  # after the skip without it
+
+        driver.get(base_url(service) + "/dashboard")
+        WebDriverWait(driver, 30).until(
+            lambda d: d.execute_script("return window.pdserveDashboard.updates >= 1")
+        )
+        cells = [
+            row.find_elements("css selector", "td")[-1].text
+            for row in driver.find_elements("css selector", "#workers tbody tr")
+        ]
+    assert len(cells) == 2
+    for cell in cells:  # "everything (n), qv (m)": both held, each with its requests
+        assert re.fullmatch(r"everything \(\d+\), qv \([1-9]\d*\)", cell), cell
 
 
 def test_a_run_time_load_reaches_every_worker_and_new_weights_never_meet_old_blocks(
