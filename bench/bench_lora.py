@@ -7,18 +7,19 @@ The adapters are random PEFT folders written here (``lora_A`` / ``lora_B`` tenso
 PEFT's names, an ``adapter_config.json``): a step's cost does not depend on the values.
 Issue 55's aim: the adapters' step at most 1.3x the base's.
 
-Measured (2026-12-06, a 2-core AMD Zen 5, one thread, 32 new tokens, medians of 3)::
+Measured (2026-12-06, a 2-core AMD Zen 5, one thread, 32 new tokens, medians of 3; two runs)::
 
-    auto base, batch 16, 4 adapters of rank 16: 295.1 tok/s; base alone 426.0 tok/s; step
-        time 1.44x the base's; loading an adapter 23 ms
-    none base, batch 16, 4 adapters of rank 16: 118.7 tok/s; base alone 141.6 tok/s; step
-        time 1.19x the base's; loading an adapter 23 ms
+    auto base, batch 16, 4 adapters of rank 16: 413.7 tok/s; base alone 514.6 tok/s; step
+        time 1.24x the base's (1.22x in the other run); loading an adapter 21 ms
+    none base, batch 16, 4 adapters of rank 16: 145.0 tok/s; base alone 158.3 tok/s; step
+        time 1.09x the base's (1.04x); loading an adapter 21 ms
 
-The aim is met over the float32 base and not over the packed one: 4 adapters of rank 16 on
-every projection are 29 MB each in float32, together more bytes than smollm2's 4-bit
-weights, and their skinny products (16 rows, rank 16) run far below the CPU's matmul peak.
-(One small matmul per adapter and part took 1.69x; stacked per part and batched over the
-adapters, 1.50x; one block-diagonal B per site read three times q/k/v's bytes.)
+The aim is met over both bases since the CPU kernel (``model/lora/lora_kernel.py``) runs a
+site's products in one call; with torch's batched matmuls (a site's A side by side) the
+packed base's step was 1.34x-1.51x, with one batched matmul per part 1.44x, with one small
+matmul per adapter and part 1.69x. 4 adapters of rank 16 on every projection are 29 MB each in
+float32, together more bytes than smollm2's 4-bit weights: what is left is mostly their
+streaming from memory.
 
 Run: python bench/bench_lora.py   (≈ 1 minute)
 """

@@ -314,7 +314,7 @@ class ModelRunner:
                 rows.setdefault(chunk.lora_id, []).extend(range(start, start + count))
             start += count
         groups = [(self.lora_adapters[digest], indices) for digest, indices in rows.items()]
-        return LoRAStep(groups, self._lora_stacks, self.device)
+        return LoRAStep(groups, sum(counts), self._lora_stacks, self.device)
 
     def _forward(
         self, input_ids: torch.Tensor, metadata: StepAttention, sample_rows: list[int]

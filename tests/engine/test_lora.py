@@ -109,6 +109,10 @@ def test_rows_of_three_adapters_and_the_base_in_one_batch_equal_peft(folders):
         assert output.output_token_ids == peft_tokens(
             base, adapters[name] if name else None, prompt
         )
+    # Two adapters of two rows each and no base row: decode steps without a padded slot.
+    pairs = ["qv", "everything", "everything", "qv"]
+    for prompt, name, output in zip(PROMPTS, pairs, engine.generate(PROMPTS, GREEDY, pairs)):
+        assert output.output_token_ids == peft_tokens(base, adapters[name], prompt)
 
 
 def test_an_adapter_is_named_by_its_weights(folders, tmp_path):
