@@ -22,6 +22,7 @@ from collections.abc import Callable
 from torch import nn
 
 from pdserve.messages.lora_adapters import LoRAAdapterRef, LoRAAdapterReport
+from pdserve.model.lora import lora_kernel
 from pdserve.model.lora.peft_adapter import LoRAAdapter
 
 
@@ -49,8 +50,11 @@ class LoRARegistry:
 
     def read(self, name: str, path: str) -> LoRAAdapter:
         """The adapter in folder ``path``, read and checked against the model (no state
-        changes: safe off the engine thread)."""
-        return LoRAAdapter.load(name, path, self.model, self.max_rank)
+        changes: safe off the engine thread). The first read also builds (or loads) the CPU
+        kernel its steps run, so that no step waits for the compiler."""
+        adapter = LoRAAdapter.load(name, path, self.model, self.max_rank)
+        lora_kernel.build()
+        return adapter
 
     def load(self, name: str, path: str) -> LoRAAdapterRef:
         """Reads and registers the adapter in ``path`` as ``name``."""
