@@ -78,6 +78,10 @@ def expected(reference: LLMEngine, name: str | None, prompt: str, sampling: dict
     return reference.tokenizer.decode(output.output_token_ids)
 
 
+def registered_digest(service, worker_id: str, name: str) -> str:
+    return on_worker(service, worker_id, lambda worker: worker.engine.lora.registered[name].digest)
+
+
 def post_admin(service, path: str, body: dict) -> tuple[int, str]:
     request = urllib.request.Request(
         base_url(service) + path,
@@ -160,6 +164,8 @@ def test_a_run_time_load_reaches_every_worker_and_new_weights_never_meet_old_blo
         reference, "mlp", prompt, greedy
     )
     assert all(row["lora_adapters_resident"].get("mlp") for row in worker_rows(service).values())
+    first_digests = {w: registered_digest(service, w, "mlp") for w in ("prefill-0", "decode-0")}
+    assert len(set(first_digests.values())) == 1  # one file, one digest, no coordination
 
     assert post_admin(service, "/v1/unload_lora_adapter", {"lora_name": "mlp"})[0] == 200
     status, answer = complete(service, "mlp", prompt, greedy)
@@ -173,6 +179,7 @@ def test_a_run_time_load_reaches_every_worker_and_new_weights_never_meet_old_blo
     assert status == 200
     assert answer["choices"][0]["text"] == expected(reference, "everything", prompt, greedy)
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert registered_digest(service, "decode-0", "mlp") != first_digests["decode-0"]
     assert post_admin(service, "/v1/unload_lora_adapter", {"lora_name": "mlp"})[0] == 200
 
 
