@@ -10,8 +10,9 @@ until the deploy gives up.
                      downloaded), the architecture, a GGUF's architecture and tensor types,
                      the tokenizer, packed weights the device cannot run, the split over
                      each role's tensor-parallel degree, a draft model's vocabulary and KV
-                     groups, and (an embedded cluster) whether the workers' weights and KV
-                     pools fit this machine's memory
+                     groups, each LoRA adapter of --lora-modules (its files, rank, targets),
+                     and (an embedded cluster) whether the workers' weights and KV pools fit
+                     this machine's memory
     ports            nothing listens on the HTTP, gRPC and KV transfer ports (an embedded
                      cluster runs on this machine; a joined cluster's ports are elsewhere)
 
@@ -31,6 +32,7 @@ from pydantic import ValidationError
 from pdserve.deploy.config import PDServeConfig
 
 if TYPE_CHECKING:
+    from pdserve.messages.engine_config import EngineConfig
     from pdserve.model.model_config import ModelConfig
 
 
@@ -103,6 +105,7 @@ def _model_problems(config: PDServeConfig) -> list[str]:
         except ValueError as error:
             sizes = ", ".join(str(size) for size in tensor_parallel_sizes(model))
             problems.append(f"{flag} {degree}: {error}; supported for this model: {sizes}")
+    problems += _lora_problems(engine, model)
     if not config.ray_address:  # an embedded cluster: every worker runs on this machine
         problems += _memory_problems(resolved, model)
     if engine.speculative_model is not None:
@@ -113,6 +116,28 @@ def _model_problems(config: PDServeConfig) -> list[str]:
             check_draft_model(engine, draft, model)
         except (OSError, ValueError) as error:
             problems.append(f"--speculative-model {engine.speculative_model!r}: {error}")
+    return problems
+
+
+def _lora_problems(engine: EngineConfig, model: ModelConfig) -> list[str]:
+    """Each adapter of ``lora_modules`` a worker would refuse (unreadable files, a rank above
+    ``max_lora_rank``, a target the model lacks): read against the model built on the meta
+    device, no weight loaded."""
+    if not engine.lora_modules:
+        return []
+    import torch
+
+    from pdserve.model.architectures import build_model
+    from pdserve.model.lora.peft_adapter import LoRAAdapter
+
+    with torch.device("meta"):
+        skeleton = build_model(model)
+    problems = []
+    for name, path in engine.lora_modules.items():
+        try:
+            LoRAAdapter.load(name, path, skeleton, engine.max_lora_rank)
+        except ValueError as error:
+            problems.append(f"--lora-modules {name}={path}: {error}")
     return problems
 
 
