@@ -18,7 +18,6 @@ import socket
 from typing import Any
 
 import pytest
-import torch
 from gguf import GGMLQuantizationType as Quant
 
 from pdserve.deploy import cli, cluster
@@ -199,25 +198,10 @@ def test_a_model_whose_weights_do_not_fit_this_machine_is_refused_naming_both_nu
 def test_lora_adapters_a_worker_would_refuse_are_named_before_deploying(tmp_path) -> None:
     """tiny's layer 0 q_proj under a rank-32 adapter (max_lora_rank 16), and a folder that is
     not there: each named with its flag; a fitting adapter passes."""
-    from tests.engine.test_lora import write_adapter
+    from tests.engine.test_lora import write_q_proj_adapter
 
-    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
-    wide = write_adapter(
-        tmp_path / "wide",
-        {"r": 32, "lora_alpha": 32},
-        {
-            f"{prefix}.lora_A.weight": torch.zeros(32, 256),
-            f"{prefix}.lora_B.weight": torch.zeros(256, 32),
-        },
-    )
-    fits = write_adapter(
-        tmp_path / "fits",
-        {"r": 4, "lora_alpha": 8},
-        {
-            f"{prefix}.lora_A.weight": torch.zeros(4, 256),
-            f"{prefix}.lora_B.weight": torch.zeros(256, 4),
-        },
-    )
+    wide = write_q_proj_adapter(tmp_path / "wide", layer=0, rank=32, width=256)
+    fits = write_q_proj_adapter(tmp_path / "fits", layer=0, rank=4, width=256)
     missing = tmp_path / "missing"
     problems = refusals(
         model="tiny", lora_modules={"wide": wide, "gone": str(missing), "fits": fits}

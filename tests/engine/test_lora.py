@@ -146,20 +146,23 @@ def write_adapter(folder, config: dict, tensors: dict[str, torch.Tensor]) -> str
     return str(folder)
 
 
+def write_q_proj_adapter(folder, layer: int, rank: int, width: int) -> str:
+    """An adapter of layer ``layer``'s q_proj alone, of rank ``rank`` over ``width``-wide
+    hidden states, all zeros (what a refusal reads does not depend on the values)."""
+    prefix = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
+    tensors = {
+        f"{prefix}.lora_A.weight": torch.zeros(rank, width),
+        f"{prefix}.lora_B.weight": torch.zeros(width, rank),
+    }
+    return write_adapter(folder, {"r": rank, "lora_alpha": rank}, tensors)
+
+
 def test_bad_adapters_and_names_are_refused_naming_them(folders, tmp_path):
     base, adapters = folders
     model, _, _ = load_model(str(base))
     with pytest.raises(ValueError, match="'everything' has rank 8 .* above max_lora_rank 4"):
         LoRAAdapter.load("everything", adapters["everything"], model, 4)
-    prefix = "base_model.model.model.layers"
-    missing_layer = write_adapter(
-        tmp_path / "layer9",
-        {"r": 2, "lora_alpha": 2},
-        {
-            f"{prefix}.9.self_attn.q_proj.lora_A.weight": torch.zeros(2, 64),
-            f"{prefix}.9.self_attn.q_proj.lora_B.weight": torch.zeros(64, 2),
-        },
-    )
+    missing_layer = write_q_proj_adapter(tmp_path / "layer9", layer=9, rank=2, width=64)
     with pytest.raises(ValueError, match="targets q_proj of layer 9, which the model does not"):
         LoRAAdapter.load("layer9", missing_layer, model, 16)
     embedding = write_adapter(
