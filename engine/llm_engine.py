@@ -51,6 +51,7 @@ from pdserve.model.freed_memory import release_freed_memory
 from pdserve.model.loader import load_model
 from pdserve.model.lora.peft_adapter import LoRAAdapter
 from pdserve.model.model_config import resolve_device, resolve_dtype
+from pdserve.model.sim_model import capacity_config
 from pdserve.stats.start_phases import start_phase
 from pdserve.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -110,7 +111,10 @@ class LLMEngine:
         # A draft model's pool holds as many blocks as the model's, out of the same budget.
         beside = [] if draft is None else [kv_cache_groups(draft.model_config, config)]
         num_blocks = config.num_kv_blocks or num_blocks_for_memory(
-            config.kv_cache_memory_bytes, groups, beside
+            # A simulated model's placeholder pages hold the real model's count of blocks.
+            config.kv_cache_memory_bytes,
+            kv_cache_groups(capacity_config(self.model, self.model_config), config),
+            beside,
         )
         kv_cache_config = KVCacheConfig(num_blocks, groups)
         with start_phase("kv_pool"):  # the pages, the runner's tables (tensor-parallel peers)

@@ -28,7 +28,7 @@ DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalt
 
 def sampling_defaults(model: str) -> dict[str, Any]:
     """The defaults ``model``'s folder gives (empty: none, or not a folder)."""
-    source = resolve_model(model)
+    source = resolve_model(model).stand_in
     if source.kind != "hf_dir":
         return {}
     path = Path(source.file_path()) / "generation_config.json"

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from pdserve.cache.kv_cache_spec import KVCacheGroupSpec, longest_request_in_pool
+from pdserve.checkpoint.sim_profiles import SIM_PREFIX
 
 KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["auto", "none", "int8"]
@@ -149,6 +150,15 @@ class EngineConfig:
         )
 
     def __post_init__(self) -> None:
+        if self.model.startswith(SIM_PREFIX) and (
+            self.tensor_parallel_size > 1
+            or self.lora_modules
+            or self.speculative_method == "draft_model"
+        ):
+            raise ValueError(
+                f"a simulated model ({self.model}) runs at tensor_parallel_size 1, without "
+                "LoRA adapters or a draft model: it has no weights to split or adapt"
+            )
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

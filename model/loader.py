@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Set
 from pathlib import Path
+from typing import cast
 
 import gguf
 import torch
@@ -42,6 +43,7 @@ from pdserve.model.quantization.checkpoint_format import (
     checkpoint_quantization,
 )
 from pdserve.model.quantization.quantized_weight import attach_packed_weight
+from pdserve.model.sim_model import SimulatedCausalLM, placeholder_config
 from pdserve.model.tensor_parallel import TensorParallel
 from pdserve.model.tiny_model import build_tiny_model, tiny_model_config
 from pdserve.stats.start_phases import start_phase
@@ -67,6 +69,12 @@ def load_model(
     also packs every float linear weight, ``none`` dequantizes."""
     torch_dtype = resolve_dtype(dtype)
     source = resolve_model(name_or_path)
+    if source.profile is not None:  # simulated: no weights (model/sim_model.py)
+        real = check_model(source.profile.stands_for)
+        simulated = SimulatedCausalLM(source.profile, real)
+        # What a runner asks of a model (forward, compute_logits), the simulated one answers.
+        stand_in = cast(CausalLM, simulated)
+        return stand_in, placeholder_config(real, source.profile), load_tokenizer(source)
     if source.kind == "tiny":
         config = tiny_model_config()
         config.dtype = _dtype_name(torch_dtype)
@@ -154,6 +162,8 @@ def check_model(
     """
     resolve_dtype(dtype)
     source = resolve_model(name_or_path)
+    if source.profile is not None:  # simulated: the real model's shape, placeholder pages
+        return placeholder_config(check_model(source.profile.stands_for), source.profile)
     gguf_types: dict[str, str] = {}  # a GGUF's quantized tensors: our name -> type
     schemes: set[str] = set()  # the formats the load packs
     if source.kind == "tiny":

@@ -40,8 +40,8 @@ def weights_bytes(engine: EngineConfig, config: ModelConfig, packable: set[str])
     architecture may pack) packed as ``engine.quantization`` says."""
     element_bytes = resolve_dtype(engine.dtype).itemsize
     source = resolve_model(engine.model)
-    if source.kind == "tiny":
-        return 0  # a few MB: never the one that does not fit
+    if source.kind in ("tiny", "sim"):
+        return 0  # a few MB, or none: never the one that does not fit
     if source.kind == "gguf":
         total = 0
         reader = open_gguf(source.file_path())

@@ -22,6 +22,7 @@ from pdserve.tokenizer.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 def load_tokenizer(model: str | ModelSource) -> Tokenizer:
     """The tokenizer of ``model`` (a ``--model`` value or an already resolved source)."""
     source = resolve_model(model) if isinstance(model, str) else model
+    source = source.stand_in  # a simulated model speaks its real model's tokens
     if source.kind == "tiny":
         return ByteTokenizer()
     if source.kind == "gguf":

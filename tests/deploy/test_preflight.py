@@ -212,3 +212,11 @@ def test_lora_adapters_a_worker_would_refuse_are_named_before_deploying(tmp_path
         f"--lora-modules gone={missing}: LoRA adapter 'gone' at {missing} cannot be read: "
         f"[Errno 2] No such file or directory: '{missing / 'adapter_config.json'}'",
     ]
+
+
+def test_a_simulated_model_passes_and_what_it_cannot_do_is_named() -> None:
+    assert refusals(model="sim:smollm2-cpu", num_prefill=4, num_decode=4) == []
+    [unknown] = refusals(model="sim:nope")
+    assert unknown.startswith("--model 'sim:nope': simulated model 'sim:nope' has no profile")
+    [split] = refusals(model="sim:tiny-cpu", decode_tensor_parallel_size=2)
+    assert split.startswith("--decode-tensor-parallel-size: a simulated model (sim:tiny-cpu)")

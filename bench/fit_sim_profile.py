@@ -1,0 +1,116 @@
+"""Fits a simulated engine's timing profile (``checkpoint/sim_profiles.py``) to a real
+model's forwards on this machine, and writes it where ``--model sim:<name>`` finds it.
+
+The real engine serves a mixed workload (prompts of 16 to 512 tokens, batches of 1 to 16,
+prefill chunks beside decode rows) while every forward of its model (``forward`` and
+``compute_logits``, what the simulated model stands in for) is timed with its tokens and
+the KV tokens it reads; least squares then gives
+
+    seconds = step_s + token_s * tokens + log_token_s * ln(tokens) + kv_token_s * kv_tokens
+
+and the fit's error over the timed forwards is printed (median and 90th percentile of the
+relative error). The runner's own overhead is not in the profile: the simulated engine runs
+the real runner.
+
+Run: python bench/fit_sim_profile.py --model tiny --name tiny-cpu   (≈ 1 minute)
+     python bench/fit_sim_profile.py --model smollm2 --name smollm2-cpu   (≈ 3 minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import numpy as np
+
+from pdserve.checkpoint.sim_profiles import PROFILE_DIR
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.messages.sampling_params import SamplingParams
+
+WORKLOAD = [(1, 16), (1, 512), (4, 128), (8, 64), (16, 16), (16, 128), (4, 512)]
+"""(requests, prompt tokens) of each round; every request decodes 24 tokens."""
+
+
+def timed_forwards(engine: LLMEngine) -> list[tuple[int, int, float]]:
+    """(tokens, KV tokens read, seconds) of every forward while ``engine`` serves the
+    workload."""
+    model = engine.runner.model
+    forward, logits = model.forward, model.compute_logits
+    samples: list[tuple[int, int, float]] = []
+    began: list[float] = []
+
+    def timed_forward(input_ids, positions, kv_cache, metadata):
+        began.append(time.perf_counter())
+        samples.append((input_ids.shape[0], int(positions.sum()) + positions.shape[0], 0.0))
+        return forward(input_ids, positions, kv_cache, metadata)
+
+    def timed_logits(hidden):
+        out = logits(hidden)
+        tokens, kv_tokens, _ = samples[-1]
+        samples[-1] = (tokens, kv_tokens, time.perf_counter() - began[-1])
+        return out
+
+    model.forward, model.compute_logits = timed_forward, timed_logits
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    vocab = min(engine.model_config.vocab_size, 4000)
+    for round_index, (requests, length) in enumerate(WORKLOAD):
+        prompts = [
+            [1 + (round_index * 7919 + i * 104729 + j) % (vocab - 1) for j in range(length)]
+            for i in range(requests)
+        ]
+        engine.generate(prompts, params)
+    model.forward, model.compute_logits = forward, logits
+    return samples
+
+
+def fit(samples: list[tuple[int, int, float]]) -> tuple[list[float], str]:
+    """The least-squares coefficients and a line on how well they fit."""
+    rows = np.array([[1.0, tokens, np.log(tokens), kv] for tokens, kv, _ in samples])
+    seconds = np.array([s for _, _, s in samples])
+    # Relative errors, not seconds: a prompt's long forwards would outweigh the decode steps
+    # that make up most of a service's time.
+    weights = 1.0 / seconds
+    coefficients, *_ = np.linalg.lstsq(rows * weights[:, None], seconds * weights, rcond=None)
+    coefficients = np.maximum(coefficients, 0.0)  # no negative cost (noise on a small term)
+    errors = np.abs(rows @ coefficients - seconds) / seconds
+    summary = (
+        f"{len(samples)} forwards, relative error median {100 * np.median(errors):.1f} %, "
+        f"p90 {100 * np.percentile(errors, 90):.1f} %"
+    )
+    return [float(c) for c in coefficients], summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="the real model to profile")
+    parser.add_argument("--name", required=True, help="the profile's name (sim:<name>)")
+    parser.add_argument("--torch-threads", type=int, default=1)
+    parser.add_argument("--machine", default=platform.machine(), help="as the profile says")
+    args = parser.parse_args()
+    engine = LLMEngine.from_pretrained(
+        args.model, num_kv_blocks=1024, max_num_seqs=16, torch_threads=args.torch_threads
+    )
+    timed_forwards(engine)  # warm-up: first-use costs out of the fit
+    (step_s, token_s, log_token_s, kv_token_s), summary = fit(timed_forwards(engine))
+    measured = (
+        f"{time.strftime('%Y-%m-%d')}, {args.machine}, "
+        f"{args.torch_threads} torch thread(s), bench/fit_sim_profile.py over {args.model}: "
+        f"{summary}"
+    )
+    profile = {
+        "stands_for": args.model,
+        "step_s": step_s,
+        "token_s": token_s,
+        "log_token_s": log_token_s,
+        "kv_token_s": kv_token_s,
+        "measured": measured,
+    }
+    path = PROFILE_DIR / f"{args.name}.json"
+    path.write_text(json.dumps(profile, indent=2) + "\n")
+    print(f"{path}: {json.dumps(profile)}")
+
+
+if __name__ == "__main__":
+    main()

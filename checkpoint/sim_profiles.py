@@ -1,0 +1,67 @@
+"""Timing profiles of the simulated engine (``--model sim:<profile>``): how long a real
+model's forward takes for a step, so that a service of simulated workers behaves in time
+like one of real ones, with no weights and no arithmetic.
+
+A profile stands for a real model (``stands_for``: its tokenizer, its vocabulary, its KV
+layout, which sizes each worker's KV capacity) and models the forward of a step as
+
+    seconds = step_s + token_s * tokens + log_token_s * ln(tokens) + kv_token_s * KV tokens
+
+over the tokens a step computes, where its KV tokens read are the sum over its tokens of
+their positions + 1 (a decode row reads its whole context; a prompt chunk's causal attention
+reads a triangle). The logarithm is batching's economy: sixteen decode rows cost about
+three times one, not sixteen (without it, fitted on a mixed workload, a prompt's forward
+was off by a median 21 %; with it, 8 %). Profiles
+are fitted by least squares from timed forwards of the real model
+(``bench/fit_sim_profile.py`` writes them here, one JSON file each, saying where and how
+they were measured).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+SIM_PREFIX = "sim:"
+PROFILE_DIR = Path(__file__).with_name("sim_profiles")
+
+
+@dataclass(frozen=True, slots=True)
+class SimProfile:
+    """One profile (module doc)."""
+
+    name: str
+    stands_for: str
+    """The real model's ``--model`` name (its tokenizer, vocabulary and KV layout)."""
+    step_s: float
+    token_s: float
+    log_token_s: float
+    kv_token_s: float
+    measured: str
+    """Where and how the coefficients were measured."""
+
+    def forward_seconds(self, num_tokens: int, num_kv_tokens: int) -> float:
+        return (
+            self.step_s
+            + self.token_s * num_tokens
+            + self.log_token_s * math.log(num_tokens)
+            + self.kv_token_s * num_kv_tokens
+        )
+
+    @classmethod
+    def load(cls, name: str) -> SimProfile:
+        """The profile ``name`` (a file of ``PROFILE_DIR``); ``FileNotFoundError`` naming
+        those there."""
+        path = PROFILE_DIR / f"{name}.json"
+        if not path.is_file():
+            known = ", ".join(repr(f"{SIM_PREFIX}{n}") for n in profile_names())
+            raise FileNotFoundError(
+                f"simulated model '{SIM_PREFIX}{name}' has no profile; the profiles are {known}"
+            )
+        return cls(name=name, **json.loads(path.read_text()))
+
+
+def profile_names() -> list[str]:
+    return sorted(path.stem for path in PROFILE_DIR.glob("*.json"))

@@ -1,0 +1,84 @@
+"""The simulated engine (``--model sim:<profile>``, ``model/sim_model.py``): the real
+engine around a model that computes nothing, waits out its profile's forward and names
+deterministic tokens; placeholder KV pages holding the real model's count of blocks. (The
+hand-off between simulated workers: ``tests/kvconnector/test_simulated_handoff.py``.)"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pdserve.checkpoint.model_source import resolve_model
+from pdserve.checkpoint.sim_profiles import SimProfile, profile_names
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.messages.sampling_params import SamplingParams
+from pdserve.model import sim_model
+from pdserve.model.sim_model import next_tokens
+
+SIM = "sim:tiny-cpu"
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPTS = [[5, 9, 2, 17, 30, 4, 11] * 5, [6, 7, 8], list(range(40, 90))]
+
+
+def expected_tokens(prompt: list[int], count: int, vocab_size: int, end_ids) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(count):
+        [token] = next_tokens(
+            torch.tensor([tokens[-1]]), torch.tensor([len(tokens) - 1]), vocab_size, end_ids
+        ).tolist()
+        tokens.append(token)
+    return tokens[len(prompt) :]
+
+
+def test_profiles_resolve_and_an_unknown_one_is_named_with_the_others() -> None:
+    assert "tiny-cpu" in profile_names() and "smollm2-cpu" in profile_names()
+    source = resolve_model(SIM)
+    assert source.kind == "sim" and source.stand_in.kind == "tiny"
+    with pytest.raises(FileNotFoundError, match="'sim:nope' has no profile; the profiles are"):
+        resolve_model("sim:nope")
+
+
+@pytest.mark.parametrize(
+    "sampling", [{}, {"temperature": 0.9, "seed": 3}], ids=["greedy", "seeded"]
+)
+def test_a_simulated_engine_names_the_same_tokens_every_time(sampling) -> None:
+    engine = LLMEngine.from_pretrained(SIM, num_kv_blocks=64)
+    params = dataclasses.replace(GREEDY, **sampling)
+    end_ids = engine.runner.model._end_ids
+    outputs = engine.generate(PROMPTS, params)
+    for prompt, output in zip(PROMPTS, outputs):
+        want = expected_tokens(prompt, 12, engine.runner.model.vocab_size, end_ids)
+        assert output.output_token_ids == want
+    again = engine.generate(PROMPTS, params)  # from the prefix cache this time
+    assert [o.output_token_ids for o in again] == [o.output_token_ids for o in outputs]
+    assert engine.stats().prefix_cache_hits > 0
+
+
+def test_pages_are_placeholders_holding_the_real_models_count_of_blocks() -> None:
+    budget = 8 << 20
+    real = LLMEngine.from_pretrained("tiny", kv_cache_memory_bytes=budget)
+    simulated = LLMEngine.from_pretrained(SIM, kv_cache_memory_bytes=budget)
+    assert simulated.runner.num_blocks == real.runner.num_blocks
+    assert simulated.runner.kv_cache.numel() * 16 < real.runner.kv_cache.numel()
+
+
+def test_a_forward_waits_out_the_profiles_time(monkeypatch) -> None:
+    """The wait asked for is the profile's seconds for these tokens (less what the forward
+    itself took): checked on the call, not on a clock."""
+    profile = SimProfile(
+        "slow", "tiny", 0.5, token_s=0.01, log_token_s=0.02, kv_token_s=0.001, measured=""
+    )
+    engine = LLMEngine.from_pretrained(SIM, num_kv_blocks=64)
+    engine.runner.model.profile = profile
+    waits: list[float] = []
+    monkeypatch.setattr(sim_model.time, "sleep", waits.append)
+    engine.generate([[1, 2, 3, 4]], dataclasses.replace(GREEDY, max_tokens=2))
+    prefill, decode = profile.forward_seconds(4, 10), profile.forward_seconds(1, 5)
+    assert prefill - 0.05 < waits[0] <= prefill and decode - 0.05 < waits[1] <= decode
+
+
+def test_what_a_simulated_model_cannot_do_is_refused() -> None:
+    with pytest.raises(ValueError, match="runs at tensor_parallel_size 1"):
+        LLMEngine.from_pretrained(SIM, tensor_parallel_size=2)
