@@ -35,7 +35,7 @@ from pdserve.deploy.cluster import base_url, configure_ray_env, deploy, init_ray
 from pdserve.deploy.config import PDServeConfig
 
 MODELS = {"real": "tiny", "sim": "sim:tiny-cpu"}
-SHAPES = {"1+1": dict(num_prefill=1, num_decode=1), "2+2": dict(num_prefill=2, num_decode=2)}
+SHAPES = ("1+1", "2+2")
 FIGURES = ("ttft_all_p50", "ttft_all_p99", "itl_p50", "itl_p99")
 
 
@@ -59,8 +59,11 @@ def trace(args) -> list[Planned]:
 
 @contextlib.contextmanager
 def deployed(model: str, shape: str, name: str, port: int) -> Iterator[str]:
+    """An app of ``model`` in ``shape`` ("P+D") named ``name`` on the running local cluster
+    while the block runs; yields its base URL."""
     from ray import serve
 
+    num_prefill, num_decode = (int(n) for n in shape.split("+"))
     config = PDServeConfig(
         model=model,
         port=port,
@@ -68,7 +71,8 @@ def deployed(model: str, shape: str, name: str, port: int) -> Iterator[str]:
         route_prefix=f"/{name}",
         num_kv_blocks=2048,
         disagg_min_uncached_tokens=0,
-        **SHAPES[shape],
+        num_prefill=num_prefill,
+        num_decode=num_decode,
     )
     deploy(config)
     try:
