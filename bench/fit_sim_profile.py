@@ -88,6 +88,12 @@ def main() -> None:
     parser.add_argument("--name", required=True, help="the profile's name (sim:<name>)")
     parser.add_argument("--torch-threads", type=int, default=1)
     parser.add_argument("--machine", default=platform.machine(), help="as the profile says")
+    parser.add_argument(
+        "--transfer-mib-per-s",
+        type=float,
+        default=900.0,
+        help="the hand-off's rate (bench/bench_transfer.py measures the transports')",
+    )
     args = parser.parse_args()
     engine = LLMEngine.from_pretrained(
         args.model, num_kv_blocks=1024, max_num_seqs=16, torch_threads=args.torch_threads
@@ -97,7 +103,7 @@ def main() -> None:
     measured = (
         f"{time.strftime('%Y-%m-%d')}, {args.machine}, "
         f"{args.torch_threads} torch thread(s), bench/fit_sim_profile.py over {args.model}: "
-        f"{summary}"
+        f"{summary}; transfer_bytes_per_s: --transfer-mib-per-s {args.transfer_mib_per_s:g}"
     )
     profile = {
         "stands_for": args.model,
@@ -105,6 +111,7 @@ def main() -> None:
         "token_s": token_s,
         "log_token_s": log_token_s,
         "kv_token_s": kv_token_s,
+        "transfer_bytes_per_s": args.transfer_mib_per_s * 2**20,
         "measured": measured,
     }
     path = PROFILE_DIR / f"{args.name}.json"

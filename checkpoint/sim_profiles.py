@@ -9,7 +9,8 @@ layout, which sizes each worker's KV capacity) and models the forward of a step 
 
 over the tokens a step computes, where its KV tokens read are the sum over its tokens of
 their positions + 1 (a decode row reads its whole context; a prompt chunk's causal attention
-reads a triangle). The logarithm is batching's economy: sixteen decode rows cost about
+reads a triangle); a hand-off moves the real pages' bytes at ``transfer_bytes_per_s``.
+The logarithm is batching's economy: sixteen decode rows cost about
 three times one, not sixteen (without it, fitted on a mixed workload, a prompt's forward
 was off by a median 21 %; with it, 8 %). Profiles
 are fitted by least squares from timed forwards of the real model
@@ -39,6 +40,8 @@ class SimProfile:
     token_s: float
     log_token_s: float
     kv_token_s: float
+    transfer_bytes_per_s: float
+    """The hand-off's rate for the real model's pages (``model/sim_transfer.py``)."""
     measured: str
     """Where and how the coefficients were measured."""
 

@@ -23,7 +23,7 @@ token: a prompt's tokens fix its whole reply, on any worker, before or after a h
 from __future__ import annotations
 
 import dataclasses
-import time
+from time import perf_counter, sleep
 
 import torch
 from torch import nn
@@ -54,11 +54,11 @@ class SimulatedCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Waits out the profiled forward of these tokens; the "hidden state" of each is its
         token id and position, which ``compute_logits`` turns into the next token."""
-        began = time.perf_counter()
+        began = perf_counter()
         num_kv_tokens = int(positions.sum()) + positions.shape[0]  # positions + 1 each
         seconds = self.profile.forward_seconds(input_ids.shape[0], num_kv_tokens)
         hidden = torch.stack((input_ids.long(), positions.long()), dim=1)
-        time.sleep(max(0.0, began + seconds - time.perf_counter()))
+        sleep(max(0.0, began + seconds - perf_counter()))
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -68,6 +68,7 @@ from pdserve.kvconnector.transport.layout import KVLayout
 from pdserve.messages.connector_config import KVConnectorConfig
 from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.kv_transfer_params import KVTransferParams
+from pdserve.model.sim_transfer import SimulatedTransfer, simulated_transfer
 
 if TYPE_CHECKING:
     import torch
@@ -98,14 +99,18 @@ class PDConnector(KVConnectorBase):
         hash_algorithm: str,
         hash_seed: int | str,
         fault_injector: FaultInjector | None = None,
+        simulated: SimulatedTransfer | None = None,
     ) -> None:
         """``fault_injector`` (tests only) sees the bytes of every message the server sends.
+        ``simulated``: a simulated model's engine (``model/sim_transfer.py``), whose pulls
+        take the real pages' time and whose tails are sized by them.
 
         A producer without a deployment secret refuses to start (``config.check_secure``).
         """
         config.check_secure()
         self.config = config
         self._fault_injector = fault_injector
+        self._simulated = simulated
         self.engine_id = engine_id
         self._hash_algorithm = hash_algorithm
         self._hash_seed = hash_seed
@@ -134,7 +139,11 @@ class PDConnector(KVConnectorBase):
     def for_engine(cls, config: KVConnectorConfig, engine_config: EngineConfig) -> PDConnector:
         """The connector of the engine ``engine_config`` describes (its id and hash scheme)."""
         return cls(
-            config, engine_config.engine_id, engine_config.hash_algorithm, engine_config.hash_seed
+            config,
+            engine_config.engine_id,
+            engine_config.hash_algorithm,
+            engine_config.hash_seed,
+            simulated=simulated_transfer(engine_config),
         )
 
     @property
@@ -386,7 +395,8 @@ class PDConnector(KVConnectorBase):
         whole prompt, which the pull moves (its size is the prompt's, not a chunk's)."""
         assert self._kv_cache is not None
         after_offers = len(missing) < len(_held(params.block_ids))
-        num_bytes = len(missing) * self._kv_cache[0].nbytes
+        page_bytes = self._simulated.page_bytes if self._simulated else self._kv_cache[0].nbytes
+        num_bytes = len(missing) * page_bytes
         return params.final and after_offers and num_bytes <= self.config.inline_tail_bytes
 
     def completes_inline(self, params: KVTransferParams) -> bool:
@@ -520,10 +530,13 @@ class PDConnector(KVConnectorBase):
             )
             released = result.lease_released
             failed = result.failed_block_ids
+            duration_s = result.duration_s
+            if self._simulated is not None:  # the rest of the real pages' time
+                duration_s = self._simulated.wait_out(len(result.ok_block_ids), duration_s)
             if not load.params.final:
                 self.stats.record_received_early(len(result.ok_block_ids))
             summary = PullSummary(
-                len(result.ok_block_ids), result.num_bytes, result.duration_s, handshake_s
+                len(result.ok_block_ids), result.num_bytes, duration_s, handshake_s
             )
         except (TransferError, ValueError) as error:
             error_message = f"{type(error).__name__}: {error}"

@@ -68,12 +68,12 @@ def test_a_forward_waits_out_the_profiles_time(monkeypatch) -> None:
     """The wait asked for is the profile's seconds for these tokens (less what the forward
     itself took): checked on the call, not on a clock."""
     profile = SimProfile(
-        "slow", "tiny", 0.5, token_s=0.01, log_token_s=0.02, kv_token_s=0.001, measured=""
+        "slow", "tiny", 0.5, 0.01, 0.02, 0.001, transfer_bytes_per_s=1.0, measured=""
     )
     engine = LLMEngine.from_pretrained(SIM, num_kv_blocks=64)
     engine.runner.model.profile = profile
     waits: list[float] = []
-    monkeypatch.setattr(sim_model.time, "sleep", waits.append)
+    monkeypatch.setattr(sim_model, "sleep", waits.append)
     engine.generate([[1, 2, 3, 4]], dataclasses.replace(GREEDY, max_tokens=2))
     prefill, decode = profile.forward_seconds(4, 10), profile.forward_seconds(1, 5)
     assert prefill - 0.05 < waits[0] <= prefill and decode - 0.05 < waits[1] <= decode
