@@ -386,6 +386,8 @@ class EngineHost:
                 self._report_lora()
 
     def _report_lora(self) -> LoRAAdapterReport:
+        """The adapters' report, made anew where they changed since the last one (engine
+        thread only)."""
         if self.engine.lora.generation != self._lora_report.generation:
             self._lora_report = self.engine.lora.report(self.instance_id)
         return self._lora_report
