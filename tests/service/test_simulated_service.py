@@ -1,7 +1,8 @@
 """A 2 + 2 service of simulated workers (``--model sim:tiny-cpu``) behind the real gateway:
 replies equal a colocated simulated engine's, and requests take the real paths (the
 hand-off moves blocks, a shared prefix hits the prefix cache, the router spreads requests
-over both workers of each role)."""
+over both workers of each role); and on one trace sent a request at a time, every worker's
+counters (requests, prefix-cache hits, blocks sent and received) equal a real service's."""
 
 from __future__ import annotations
 
@@ -62,3 +63,29 @@ def test_simulated_workers_serve_what_a_colocated_simulated_engine_names(service
     assert received > 0
     totals = get_json(service, "/stats")["totals"]
     assert totals["prefix_cache_hits"] > 0
+
+
+COUNTERS = ("num_requests", "prefix_cache_hits", "num_blocks_sent", "num_blocks_received")
+
+
+def test_a_simulated_service_takes_the_real_ones_paths_on_the_same_trace(ray_cluster):
+    """One request at a time, so that no path depends on timing: each goes where the real
+    service sends it (prefix, then the same rotation), hits what it hits and moves as many
+    blocks, though the tokens differ (replies of a fixed length, EOS ignored)."""
+    trace = [SHARED * (1 + i % 3) + f"Turn {i}." for i in range(9)]
+
+    def counters(model: str, app_name: str) -> dict[str, dict[str, int]]:
+        with running_app(model=model, app_name=app_name, num_prefill=2, num_decode=2) as app:
+            wait_until_ready(app)
+            before = worker_rows(app)
+            for prompt in trace:
+                body = {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+                status, _, answer = post_completion(app, {**body, "ignore_eos": True})
+                assert status == 200, answer
+            after = worker_rows(app)
+        return {w: {c: after[w][c] - before[w][c] for c in COUNTERS} for w in sorted(after)}
+
+    real = counters("tiny", "pathreal")
+    simulated = counters(SIM, "pathsim")
+    assert simulated == real
+    assert sum(row["prefix_cache_hits"] for row in real.values()) > 0
