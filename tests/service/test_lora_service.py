@@ -250,3 +250,18 @@ def test_bad_adapter_input_is_refused_in_openais_shape(service, path, body, stat
     got, text = post_admin(service, path, {"max_tokens": 2, **body})
     assert got == status, text
     assert says in json.loads(text)["error"]["message"]
+
+
+def test_every_choice_of_an_n_request_runs_the_adapter(service, reference):
+    """``n`` = 2 under an adapter: the second choice runs where the first streams from, as
+    a sibling, with the next seed; both equal the reference under that adapter."""
+    body = {"model": "everything", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "n": 2}
+    status, _, answer = post_completion(
+        service, {**body, "ignore_eos": True, "temperature": 0.8, "seed": 21}
+    )
+    assert status == 200, answer
+    texts = [choice["text"] for choice in sorted(answer["choices"], key=lambda c: c["index"])]
+    assert texts == [
+        expected(reference, "everything", PROMPTS[0], {"temperature": 0.8, "seed": seed})
+        for seed in (21, 22)
+    ]
