@@ -50,10 +50,12 @@ class LoRARegistry:
 
     def read(self, name: str, path: str) -> LoRAAdapter:
         """The adapter in folder ``path``, read and checked against the model (no state
-        changes: safe off the engine thread). The first read also builds (or loads) the CPU
-        kernel its steps run, so that no step waits for the compiler."""
+        changes: safe off the engine thread). The first read on a CPU also builds (or loads)
+        the kernel its steps run there, so that no step waits for the compiler."""
         adapter = LoRAAdapter.load(name, path, self.model, self.max_rank)
-        lora_kernel.build()
+        parts = next(iter(adapter.sites.values()), ())
+        if parts and parts[0].a.is_cpu:
+            lora_kernel.build()
         return adapter
 
     def load(self, name: str, path: str) -> LoRAAdapterRef:

@@ -157,6 +157,13 @@ class LazyExtension:
                     self.log.warning("%s %s; %s", self.what, reason, self.instead)
         return self._module
 
+    def build_now(self) -> None:
+        """A kernel module run as a script (``make setup``): builds or loads it now, not at
+        its first use, and says so (without a compiler the warning says what serves)."""
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        if self.get() is not None:
+            self.log.info("%s: built for this CPU", self.what)
+
 
 def _build_in_child(build: ExtensionBuild, timeout_s: float) -> None:
     started = time.monotonic()

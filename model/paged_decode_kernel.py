@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
@@ -57,10 +56,9 @@ _kernel = native_build.LazyExtension(
 )
 
 
-def build() -> ModuleType | None:
-    """The kernel, built (or loaded from the cache) on first call; None when it cannot be
-    built or loaded here, after one warning saying why."""
-    return _kernel.get()
+build = _kernel.get
+"""The kernel, built (or loaded from the cache) on first call; None when it cannot be built
+or loaded here, after one warning saying why."""
 
 
 def serves(query: torch.Tensor, layer_cache: torch.Tensor) -> bool:
@@ -105,6 +103,4 @@ def paged_decode(
 
 
 if __name__ == "__main__":  # make setup: build it now, not at the first engine start
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if build() is not None:
-        logger.info("paged decode kernel: built for this CPU")
+    _kernel.build_now()

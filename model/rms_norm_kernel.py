@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
@@ -41,10 +40,9 @@ _kernel = native_build.LazyExtension(
 )
 
 
-def build() -> ModuleType | None:
-    """The kernel, built (or loaded from the cache) on first call; None when it cannot be
-    built or loaded here, after one warning saying why."""
-    return _kernel.get()
+build = _kernel.get
+"""The kernel, built (or loaded from the cache) on first call; None when it cannot be built
+or loaded here, after one warning saying why."""
 
 
 def serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -89,6 +87,4 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -
 
 
 if __name__ == "__main__":  # build it now, not at the first norm
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if build() is not None:
-        logger.info("RMSNorm kernel: built for this CPU")
+    _kernel.build_now()

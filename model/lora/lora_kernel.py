@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
@@ -46,10 +45,9 @@ _kernel = native_build.LazyExtension(
 )
 
 
-def build() -> ModuleType | None:
-    """The kernel, built (or loaded from the cache) on first call; None when it cannot be
-    built or loaded here, after one warning saying why."""
-    return _kernel.get()
+build = _kernel.get
+"""The kernel, built (or loaded from the cache) on first call; None when it cannot be built
+or loaded here, after one warning saying why."""
 
 
 def serves(x: torch.Tensor, out: torch.Tensor, width: int) -> bool:
@@ -101,6 +99,4 @@ def add_site(
 
 
 if __name__ == "__main__":  # build it now, not at the first adapter
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if build() is not None:
-        logger.info("LoRA kernel: built for this CPU")
+    _kernel.build_now()

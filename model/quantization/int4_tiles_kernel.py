@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
@@ -68,10 +67,9 @@ _kernel = native_build.LazyExtension(
 )
 
 
-def build() -> ModuleType | None:
-    """The kernel, built (or loaded from the cache) on first call; None when it cannot be
-    built or loaded here, after one warning saying why."""
-    return _kernel.get()
+build = _kernel.get
+"""The kernel, built (or loaded from the cache) on first call; None when it cannot be built
+or loaded here, after one warning saying why."""
 
 
 def reads_tiles_of(tile_rows: int) -> bool:
@@ -109,6 +107,4 @@ def int4_tiles_dot(x: torch.Tensor, planes: list[torch.Tensor], tile_rows: int) 
 
 
 if __name__ == "__main__":  # build it now, not at the first matmul
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if build() is not None:
-        logger.info("int4 tiles kernel: built for this CPU")
+    _kernel.build_now()
