@@ -13,7 +13,7 @@ and 0.0 (the former rule: held hashes decide up to the load cap, so the old work
 holds the system prompt, takes everything). Aim (issue 51): the new worker serves >= 30 %
 within 60 s, TTFT no worse than before the step.
 
-Run: python bench/bench_scale_warmup.py   (≈ 5 minutes on 2 cores)
+Run: python bench/bench_scale_warmup.py [--model sim:smollm2-cpu]   (≈ 5 minutes on 2 cores)
 
 Measured (2026-12-05, this 2-core box, one run, 60 s after the step):
 
@@ -23,8 +23,18 @@ Measured (2026-12-05, this 2-core box, one run, 60 s after the step):
 
 The share is met (aim 30 %: 51 %); TTFT is not (p50 1.25x after the step). On two cores a
 third worker adds no compute: the new decode worker's steps take the cores the old one and
-the prefill used, and its first requests pull the 1,024-token system prompt. On a machine
-where the new worker brings its own cores (its own GPU), the share is what counts.
+the prefill used, and its first requests pull the 1,024-token system prompt.
+
+Where each worker brings its own capacity, as on a GPU cluster: the simulated engine
+(``--model sim:smollm2-cpu``: steps sleep for the time smollm2's take here, the routing,
+hand-off and pulls are real; 2026-12-07, one run):
+
+    decode_load_weight  new share  reqs  TTFT p50 before  after  p90 before  after
+                   1.0        50%   548         233.3 ms 233.4 ms  407.4 ms 251.0 ms
+                   0.0         0%   350         350.4 ms 352.8 ms  409.0 ms 410.3 ms
+
+Both aims met: the new worker serves half the requests, TTFT p50 1.00x and p90 0.62x
+before the step.
 """
 
 from __future__ import annotations
@@ -78,7 +88,7 @@ class SteadyLoad:
             body = client.post(
                 "/v1/completions",
                 {
-                    "model": "tiny",
+                    "model": self.config.model,
                     "prompt": self.system + question,
                     "max_tokens": 16,
                     "temperature": 0.0,
@@ -112,7 +122,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def run(weight: float, args: argparse.Namespace) -> dict[str, float]:
     config = PDServeConfig(
-        model="tiny",
+        model=args.model,
         num_prefill=1,
         num_decode=1,
         port=args.port,
@@ -154,12 +164,18 @@ def main() -> None:
     parser.add_argument("--before-s", type=float, default=30.0)
     parser.add_argument("--after-s", type=float, default=60.0)
     parser.add_argument("--port", type=int, default=8057)
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        help="tiny (real workers, sharing 2 cores) or sim:<profile> (workers that bring "
+        "their own capacity: their steps sleep)",
+    )
     args = parser.parse_args()
     configure_ray_env()
     init_ray(None, num_cpus=2)
     results = {weight: run(weight, args) for weight in (1.0, 0.0)}
     print(
-        f"decode 1 -> 2 under {args.in_flight} requests in flight, a {args.system_tokens}-token "
+        f"{args.model}: decode 1 -> 2 under {args.in_flight} requests in flight, a {args.system_tokens}-token "
         f"shared system prompt; {args.after_s:.0f} s after the step"
     )
     print(
