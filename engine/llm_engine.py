@@ -384,6 +384,15 @@ class LLMEngine:
         return len(self.scheduler.waiting) + len(self.scheduler.waiting_for_remote_kvs)
 
     @property
+    def num_prompt_tokens_to_compute(self) -> int:
+        """Prompt tokens queued or running that no step has computed yet: the backlog an
+        autoscaler weighs against the prefill rate (``deploy/scaling_policy.py``)."""
+        return sum(
+            max(0, request.num_prompt_tokens - request.num_computed_tokens)
+            for request in (*self.scheduler.waiting, *self.scheduler.running)
+        )
+
+    @property
     def rank_pids(self) -> list[int]:
         """The process ids of the tensor-parallel peers (ranks 1..k-1; none at TP=1)."""
         return self.runner.peers.pids if self.runner.peers is not None else []

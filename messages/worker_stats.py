@@ -34,6 +34,8 @@ class WorkerStats:
     rank_pids: list[int] = field(default_factory=list)
     num_requests_running: int = 0
     num_requests_waiting: int = 0
+    num_prompt_tokens_to_compute: int = 0
+    busy_seconds: float = 0.0
     num_requests: int = 0
     num_generation_tokens: int = 0
     prefix_cache_queries: int = 0

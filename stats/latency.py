@@ -160,6 +160,35 @@ class HistogramSnapshot:
     def count(self) -> int:
         return sum(self.counts)
 
+    def since(self, earlier: HistogramSnapshot) -> HistogramSnapshot:
+        """The samples counted after ``earlier`` was read; this whole snapshot when its counter
+        restarted in between (a bucket went down: a new process counts from 0), as
+        Prometheus' ``increase()`` treats a reset."""
+        if earlier.bounds != self.bounds:
+            raise ValueError("histograms with different buckets cannot be subtracted")
+        delta = tuple(now - then for now, then in zip(self.counts, earlier.counts))
+        if any(count < 0 for count in delta):
+            return self
+        return HistogramSnapshot(self.bounds, delta, self.sum - earlier.sum)
+
+    def quantile(self, q: float) -> float | None:
+        """The ``q`` quantile (0–1) estimated as Prometheus' ``histogram_quantile`` does: linear
+        within the bucket the rank falls in, the last finite bound for the ``+Inf`` bucket;
+        None when the histogram is empty."""
+        total = self.count
+        if total == 0:
+            return None
+        rank = q * total
+        seen = 0
+        for index, count in enumerate(self.counts):
+            if count and seen + count >= rank:
+                if index == len(self.bounds):  # +Inf: no upper bound to interpolate to
+                    return self.bounds[-1]
+                lower = self.bounds[index - 1] if index else 0.0
+                return lower + (self.bounds[index] - lower) * (rank - seen) / count
+            seen += count
+        return self.bounds[-1]
+
     def cumulative_buckets(self) -> list[tuple[str, int]]:
         """``(le, cumulative count)`` pairs, Prometheus' exposition order, ``+Inf`` last."""
         buckets, seen = [], 0

@@ -67,6 +67,20 @@ WORKER_STATS: tuple[Stat, ...] = (
         "wait",
     ),
     Stat(
+        "num_prompt_tokens_to_compute",
+        G,
+        "tokens",
+        "Prompt tokens of queued and running requests that no step has computed yet.",
+        "pdserve:prompt_tokens_to_compute",
+    ),
+    Stat(
+        "busy_seconds",
+        C,
+        "seconds",
+        "Seconds the engine spent in steps that had requests (a worker's load).",
+        "pdserve:worker_busy_seconds",
+    ),
+    Stat(
         "num_requests",
         C,
         "requests",

@@ -136,6 +136,8 @@ class EngineHost:
         self._loop_task: asyncio.Task | None = None
         # time.monotonic() when the engine thread's current step began; None between steps.
         self._step_began: float | None = None
+        # Seconds the engine thread spent in steps that had requests: a worker's load.
+        self._busy_s = 0.0
 
     def make_connector(self, engine_config: EngineConfig) -> KVConnectorBase | None:
         """The connector the spec describes (none for a colocated worker without a tier)."""
@@ -417,6 +419,8 @@ class EngineHost:
             rank_pids=[os.getpid(), *engine.rank_pids],
             num_requests_running=engine.num_running,
             num_requests_waiting=engine.num_waiting,
+            num_prompt_tokens_to_compute=engine.num_prompt_tokens_to_compute,
+            busy_seconds=self._busy_s,
             num_requests=stats.num_requests,
             num_generation_tokens=stats.num_generation_tokens,
             prefix_cache_queries=stats.prefix_cache_queries,
@@ -520,6 +524,7 @@ class EngineHost:
                 self.engine.step()  # lets the connector report released or expired leases
             self._take_events()
             return HostState.HOLDING if holding else HostState.IDLE
+        began = time.monotonic()
         try:
             outputs = self.engine.step(delta=True)
         except TensorParallelGroupLost:
@@ -531,6 +536,7 @@ class EngineHost:
             for request_id in list(self._streams):
                 self._deliver(GenerationChunk.failed(request_id, "internal engine error"))
             return HostState.IDLE
+        self._busy_s += time.monotonic() - began
         self._take_events()
         for output in outputs:
             self._deliver(output)
