@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pdserve.deploy.autoscaler import ensure_autoscaler, stop_autoscaler
 from pdserve.deploy.config import PDServeConfig
 from pdserve.deploy.preflight import preflight_problems
 
@@ -88,7 +89,8 @@ def deploy(config: PDServeConfig, retiring_from: PDServeConfig | None = None) ->
     internal KV, under ``_config_key``) so that ``scale`` can redeploy the same app later.
     Raises ``PlacementError`` before deploying when no node can host a part of the app,
     ``ServeOptionsError`` when Serve already runs here with other HTTP options, and
-    ``WorkerStartError`` as soon as a part of the app fails to start (``wait_until_running``)."""
+    ``WorkerStartError`` as soon as a part of the app fails to start (``wait_until_running``).
+    An app with ``autoscaling`` gets its autoscaler once it runs (``deploy/autoscaler.py``)."""
     import ray
     from ray import serve
     from ray.experimental import internal_kv
@@ -107,6 +109,7 @@ def deploy(config: PDServeConfig, retiring_from: PDServeConfig | None = None) ->
     app = serve.RunTarget(build(config, retiring_from), **serve_run_options(config))
     serve.run_many([app], wait_for_applications_running=False)  # wait_until_running waits
     wait_until_running(config.app_name)
+    ensure_autoscaler(config)
     return time.perf_counter() - start
 
 
@@ -224,12 +227,7 @@ def scale(
     how long the removed workers may stay busy; None: the old gateway's drain
     (``drain_timeout_s``) and a minute more.
     """
-    from ray.experimental import internal_kv
-
-    stored = internal_kv._internal_kv_get(_config_key(app_name))
-    if stored is None:
-        raise LookupError(f"no app {app_name!r} deployed by pdserve on this cluster")
-    config = PDServeConfig.model_validate_json(stored)
+    config = stored_config(app_name)
     if (config.num_decode == 0) != (num_decode == 0):
         raise ValueError(
             f"{app_name!r} is {'colocated' if config.num_decode == 0 else 'disaggregated'}; "
@@ -250,6 +248,17 @@ def scale(
         _wait_until_retired(app_name, removed, scaled.num_gateway_replicas, drain_timeout_s)
     deploy(scaled)
     return scaled
+
+
+def stored_config(app_name: str) -> PDServeConfig:
+    """The config ``app_name`` was last deployed with (its secrets resolved), from the
+    cluster; ``LookupError`` when pdserve deployed no such app here."""
+    from ray.experimental import internal_kv
+
+    stored = internal_kv._internal_kv_get(_config_key(app_name))
+    if stored is None:
+        raise LookupError(f"no app {app_name!r} deployed by pdserve on this cluster")
+    return PDServeConfig.model_validate_json(stored)
 
 
 def _wait_until_retired(
@@ -291,6 +300,7 @@ def delete_app(app_name: str) -> None:
 
     from pdserve.gateway.replica_board import board_name
 
+    stop_autoscaler(app_name)  # first: it could otherwise redeploy what is being deleted
     serve.delete(app_name)
     internal_kv._internal_kv_del(_config_key(app_name))
     with contextlib.suppress(ValueError):  # ValueError: there is none

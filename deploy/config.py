@@ -49,6 +49,7 @@ from pydantic import (
 from pydantic_settings import CliSettingsSource
 
 from pdserve.checkpoint.model_source import default_model_name
+from pdserve.deploy.autoscaling_config import AutoscalingConfig
 from pdserve.deploy.part_settings import (
     ENGINE,
     GATEWAY,
@@ -210,6 +211,11 @@ class PDServeConfig(_PartsSettings):  # type: ignore[misc,valid-type]  # generat
         description="unset: start an embedded local cluster",
     )
     route_prefix: str = Field("/", description="the app's HTTP route prefix")
+    autoscaling: AutoscalingConfig | None = Field(
+        None,
+        description="latency targets and worker bounds per role (deploy/autoscaling_config.py); "
+        "unset: the counts stay as deployed",
+    )
     extra_engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="deprecated: every engine setting is a key and a flag of its own",
@@ -248,6 +254,24 @@ class PDServeConfig(_PartsSettings):  # type: ignore[misc,valid-type]  # generat
         when a worker starts."""
         for part in PARTS:
             part.check(self)
+        return self
+
+    @model_validator(mode="after")
+    def _check_autoscaling(self) -> PDServeConfig:
+        if self.autoscaling is None:
+            return self
+        if self.colocated:
+            raise ValueError(
+                "autoscaling sizes the prefill and decode roles of a disaggregated app; "
+                "this one is colocated (num_decode 0)"
+            )
+        for role, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
+            low, high = self.autoscaling.bounds(role)
+            if not low <= count <= high:
+                raise ValueError(
+                    f"num_{role} {count} is outside autoscaling's bounds for it "
+                    f"(min_{role} {low}, max_{role} {high})"
+                )
         return self
 
     @model_validator(mode="after")

@@ -13,8 +13,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from pdserve.gateway.autoscaler_view import report_families
 from pdserve.gateway.request_provenance import KV_SOURCES, VLLM_SOURCES, RequestProvenance
 from pdserve.gateway.request_timeline import RequestTimeline
+from pdserve.messages.scaling_decision import AutoscalerReport
 from pdserve.messages.worker_stats import WorkerStats
 from pdserve.stats.latency import (
     E2E_BUCKETS_S,
@@ -58,6 +60,7 @@ class GatewayMetrics:
         self._recent_ttft = LatencyWindow()
         self._recent_itl = LatencyWindow()
         self.latest_workers: list[WorkerStats] = []
+        self.autoscaler: AutoscalerReport | None = None  # the app's, at the latest /stats
         # The whole service's gateway row when several replicas share a board (else None).
         self.service_row: dict[str, Any] | None = None
         self.registry = CollectorRegistry()
@@ -135,6 +138,8 @@ class GatewayMetrics:
                 for w in self.latest_workers
             ],
         )
+        if self.autoscaler is not None:
+            yield from report_families(self.model_name, self.autoscaler)
 
 
 def stats_report(

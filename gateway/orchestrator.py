@@ -57,6 +57,7 @@ from pdserve.gateway.api.openai_schema import (
     no_worker_available,
     too_many_requests,
 )
+from pdserve.gateway.autoscaler_view import autoscaler_report, report_json
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.kv_event_poller import KVEventPoller
 from pdserve.gateway.metrics import GatewayMetrics, stats_report
@@ -883,11 +884,20 @@ class RequestOrchestrator:
         return [r for r in results if isinstance(r, WorkerStats)]
 
     async def stats(self) -> dict:
-        """The ``/stats`` body; also refreshes the worker figures ``/metrics`` exposes."""
-        workers = await self.worker_stats()
+        """The ``/stats`` body; also refreshes the worker figures ``/metrics`` exposes, and the
+        app's autoscaler report (``autoscaler``: absent when the app has none)."""
+        workers, autoscaler = await asyncio.gather(
+            self.worker_stats(), autoscaler_report(self.config.app_name)
+        )
         self.metrics.latest_workers = workers
+        self.metrics.autoscaler = autoscaler
+        extra = {} if autoscaler is None else {"autoscaler": report_json(autoscaler)}
         if self.share is None:
-            return stats_report(self.model_name, self.metrics.row(), workers)
+            return stats_report(self.model_name, self.metrics.row(), workers) | extra
         service_row, replicas = await self.share.service_row()
         self.metrics.service_row = service_row
-        return stats_report(self.model_name, service_row, workers) | {"gateway_replicas": replicas}
+        return (
+            stats_report(self.model_name, service_row, workers)
+            | {"gateway_replicas": replicas}
+            | extra
+        )

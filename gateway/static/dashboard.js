@@ -129,6 +129,34 @@ function drawTransferHistogram(histogram) {
   }
 }
 
+// ---------------------------------------------------------------- autoscaler
+
+// The autoscaler's own history (its readings since it started), so the chart shows the
+// steps before the page opened too; its newest decisions, newest first, with their reasons.
+function drawAutoscaler(report) {
+  const figure = document.getElementById("autoscaler");
+  if (!report) { figure.hidden = true; return; }
+  figure.hidden = false;
+  document.getElementById("autoscaler-state").textContent = report.state;
+  const data = [report.history.map((h) => h[0]), report.history.map((h) => h[1]),
+                report.history.map((h) => h[2])];
+  if (!state.charts.scale) {
+    const target = document.getElementById("chart-scale");
+    const stepped = uPlot.paths.stepped({ align: 1 });
+    state.charts.scale = new uPlot({
+      width: target.clientWidth - 12, height: 190, scales: { x: { time: true } },
+      series: [{}, { label: "prefill", stroke: COLORS[0], width: 2, paths: stepped },
+               { label: "decode", stroke: COLORS[1], width: 2, paths: stepped }],
+    }, data, target);
+  } else {
+    state.charts.scale.setData(data);
+  }
+  const items = report.decisions.slice(-8).reverse().map((d) => element("li",
+    `${new Date(d.time * 1000).toLocaleTimeString()} ${d.role} ${d.workers_from} → ` +
+    `${d.workers_to}: ${d.reason}`));
+  document.getElementById("decisions").replaceChildren(...items);
+}
+
 // ---------------------------------------------------------------- tables
 
 function workerRow(w) {
@@ -244,6 +272,7 @@ async function refresh() {
     drawSummary(stats, time);
     record(stats, time);
     drawTransferHistogram(stats.totals.transfer_latency);
+    drawAutoscaler(stats.autoscaler);
     replaceRows("workers", stats.workers.map(workerRow));
     replaceRows("requests", recent.data.map((r) => requestRow(r, time)));
     state.updates += 1;

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from pdserve.deploy import cli, cluster
 from pdserve.deploy.app import AppPlan, WorkerDeployment, plan
+from pdserve.deploy.autoscaling_config import AutoscalingConfig
 from pdserve.deploy.config import PDServeConfig
 from pdserve.deploy.part_settings import ENGINE, GATEWAY, KV_CONNECTOR, KV_TIER, PARTS
 from pdserve.messages.kv_plane_tls import KVPlaneTLS
@@ -136,6 +137,7 @@ PICKED: dict[str, tuple[Any, dict[str, Any]]] = {
     "decode_resources": ({"decode_node": 1.0}, {}),
     "worker_resources": ({"decode-0": {"node_d": 1.0}}, {}),
     "extra_engine_args": ({"seed": 5}, {}),
+    "autoscaling": ({"ttft_p90_ms": 500, "itl_p90_ms": 40, "max_decode": 8}, {}),
 }
 
 
@@ -250,7 +252,11 @@ OWN_SETTINGS_ARRIVE = {
     "ray_address": lambda v, b: b.joined == v,
     "route_prefix": lambda v, b: b.serve_run["route_prefix"] == v,
     "extra_engine_args": lambda v, b: all(w.spec.engine.seed == v["seed"] for w in b.workers),
+    # Not part of the Serve app: deploy() starts the app's autoscaler actor from it.
+    "autoscaling": lambda v, b: b.config.autoscaling == AutoscalingConfig(**v),
 }
+# Settings that reach an actor deploy() starts beside the Serve app, not the app itself.
+BESIDE_THE_APP = {"autoscaling"}
 
 
 def _part_keys() -> set[str]:
@@ -275,6 +281,8 @@ def test_every_flag_reaches_the_part_that_uses_it(key, monkeypatch):
             f"OWN_SETTINGS_ARRIVE with the part it reaches"
         )
         assert OWN_SETTINGS_ARRIVE[key](value, built), f"{key}={value!r} did not arrive"
+    if key in BESIDE_THE_APP:
+        return
     assert dataclasses.astuple(built.app) != dataclasses.astuple(without.app) or (
         (built.joined, built.serve_start, built.serve_run)
         != (without.joined, without.serve_start, without.serve_run)
