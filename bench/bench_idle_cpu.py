@@ -23,9 +23,13 @@ Measured here (2 cores, other sessions' tests beside; tiny, gRPC, 60 s; two runs
 core, before → after: gateway 5.3 → 1.1, prefill workers 4.8–4.9 → 1.6, decode workers 4.7
 → 1.6, Serve controller 3.5–3.7 → 1.4, Serve proxy 1.0–1.1 → 0.8–0.9: **app total 19.3–19.6
 → 6.5 % (0.33×)**. Of the 6.5, 4.3–4.5 is Ray's own floor: an actor that does nothing costs
-0.62–0.65 % of a core (its core worker's periodic work; Ray's own settings for it barely
-move it: 0.61 with its task-event, metrics and liveness intervals slowed tenfold), times
-the app's 7 processes. **Above that floor: 15.1–15.4 → 2.0–2.2 %** (the aim, 3 % in total,
+0.62–0.65 % of a core (Ray's own settings barely move it: 0.61 with its task-event, metrics
+and liveness intervals slowed tenfold), times the app's 7 processes. Per thread
+(``/proc/<pid>/task``, an idle actor over 60 s, 2026-12-07): 0.40 points are the main
+thread, where Ray's task-execution loop checks for signals every 10 ms, a period written
+into Ray's core worker (``RunTaskExecutionLoop``: ``RunFnPeriodically(..., 10,
+"CoreWorker.CheckSignal")``, each call taking the GIL for ``PyErr_CheckSignals``), no
+setting reaches it; its io and gRPC polling threads add 0.07. **Above that floor: 15.1–15.4 → 2.0–2.2 %** (the aim, 3 % in total,
 is met above Ray's floor, not with it). Ray core 5.8–6.2 → 3.6–3.8 % (3.0 with no app).
 NIXL (``--transport nixl``, after): prefill workers 2.47 → 1.82 % once their agent's
 progress poll backs off to 1 s between holds instead of 50 ms.

@@ -6,7 +6,8 @@ Each role is sized from what limits it, with latency measured where the client s
              tokens queued: enough workers that the busy share stays under
              ``prefill_utilization`` (queues grow fast above it), that the backlog clears
              within the TTFT target at the measured rate, and one more while TTFT misses it
-    decode   ITL and KV usage. A decode step costs a floor (weights read once per step) plus
+    decode   ITL and KV usage, never more workers for ITL than there are rows to spread. A
+             decode step costs a floor (weights read once per step) plus
              a part that grows with the rows in each worker's batch, so spreading the rows
              over D' workers shrinks only the second part:
 
@@ -114,13 +115,24 @@ class ScalingPolicy:
         missing = ttft is not None and ttft > target_s
         # TTFT from queueing falls with more workers; a prompt's own compute time does not.
         queueing = w.utilization > settings.prefill_utilization / 2 or for_backlog > w.workers
-        wanted = max(1, for_load, for_backlog, w.workers + 1 if missing and queueing else 0)
+        # Missed while queueing: one more worker at least, up to twice as many as the miss
+        # is large (TTFT from queueing falls faster than linearly with workers).
+        for_latency = (
+            max(w.workers + 1, math.ceil(w.workers * min(2.0, ttft / target_s)))
+            if missing and queueing and ttft is not None
+            else 0
+        )
+        wanted = max(1, for_load, for_backlog, for_latency)
         measures = (
             f"TTFT p90 {_ms(ttft)} (target {settings.ttft_p90_ms:.0f} ms), "
             f"busy {w.utilization:.0%} per worker, {w.backlog_tokens} prompt tokens queued"
         )
         if missing and not queueing:
             measures += ": missed with the workers mostly idle, more would not lower it"
+            # Fewer only while the rest would stay mostly idle too: a step that brought
+            # queueing back would be undone by the next reading.
+            idle_share = settings.prefill_utilization / 2
+            wanted = max(wanted, math.ceil(w.utilization * w.workers / idle_share))
         if wanted <= w.workers and queueing and ttft is not None and ttft > _HEADROOM * target_s:
             return w.workers, measures  # near the target: a step down would be undone
         return wanted, measures
@@ -142,9 +154,13 @@ class ScalingPolicy:
         ceiling = max(_HEADROOM * target_s, floor / _HEADROOM)
         wanted = w.workers
         if itl is not None and itl > target_s:
-            if itl > ceiling:
+            if w.requests_running <= w.workers:
+                # A worker with no rows to take lowers nobody's ITL (the gaps are the
+                # hand-off's, or the host's): more are asked for only while rows double up.
+                measures += f": {w.requests_running:.1f} rows over {w.workers} workers"
+            elif itl > ceiling:
                 spread = math.ceil(w.workers * (itl - floor) / (ceiling - floor))
-                wanted = max(wanted, w.workers + 1, spread)
+                wanted = max(wanted, w.workers + 1, min(spread, math.ceil(w.requests_running)))
             else:
                 measures += ": the floor misses the target, more workers would not lower it"
         if w.kv_usage > settings.max_kv_usage:
@@ -165,7 +181,9 @@ class ItlModel:
     median ITL against their mean rows per worker (the last ``_KEPT`` readings, any worker
     count). Until the readings spread over enough rows to tell the two apart the floor is
     taken as 0: every row is then assumed to cost, which over-predicts the ITL after a step
-    down (safe) and asks for more workers rather than fewer."""
+    down (safe) and asks for more workers rather than fewer. Where the ITL did not fall with
+    the rows per worker (workers added, nothing gained), the fit has no cost per row and the
+    floor is the whole ITL: no further worker is asked for it."""
 
     _KEPT = 64
 
@@ -186,7 +204,8 @@ class ItlModel:
             return 0.0
         variance = sum((x - mean_x) ** 2 for x in xs)
         cost = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / variance
-        return min(max(0.0, mean_y - max(0.0, cost) * mean_x), min(ys))
+        # No cost per row (the ITL did not fall where the rows per worker did): all floor.
+        return max(0.0, mean_y - max(0.0, cost) * mean_x)
 
 
 def _ms(seconds: float | None) -> str:

@@ -167,7 +167,7 @@ def test_a_wish_that_changes_direction_restarts_its_delay():
     assert policy.decide([busy], now=0.0) == []
     assert policy.decide([quiet], now=8.0) == []
     assert policy.decide([busy], now=12.0) == []  # "up" again: its delay counts from 12
-    assert [s.workers for s in policy.decide([busy], now=22.0)] == [3]  # ceil(2 x 0.98 / 0.7)
+    assert [s.workers for s in policy.decide([busy], now=22.0)] == [4]  # TTFT 4x: twice
 
 
 def test_an_idle_role_returns_to_min_after_one_window_without_the_down_delay():
@@ -192,7 +192,9 @@ def test_an_itl_floor_above_the_target_neither_scales_up_nor_blocks_scale_down()
     """Dynamo's planner kept a latency floor that blocked scale-down for good (#8861): here
     a floor the target cannot reach is reported, and the workers it cannot help go."""
     policy = ScalingPolicy(SETTINGS)
-    slow = role_window("decode", 4, latency_p50_s=0.080, latency_p90_s=0.082, kv_usage=0.1)
+    slow = role_window(
+        "decode", 4, latency_p50_s=0.080, latency_p90_s=0.082, kv_usage=0.1, requests_running=32
+    )
     assert policy.target(slow).workers == 6  # no floor known yet: every row is taken to cost
     # The same ITL with 8 rows per worker as with 1: it is all floor.
     policy.target(dataclasses.replace(slow, workers=4, requests_running=4))
@@ -200,6 +202,38 @@ def test_an_itl_floor_above_the_target_neither_scales_up_nor_blocks_scale_down()
     assert policy.itl_model.floor_s() == pytest.approx(0.080)
     assert policy.target(slow).workers < 4
     assert "floor misses the target" in policy.target(slow).reason
+
+
+def test_a_ttft_missed_by_idle_prefill_workers_sheds_only_what_keeps_them_idle():
+    policy = ScalingPolicy(SETTINGS)
+    idle_but_slow = role_window("prefill", 5, utilization=0.30, latency_p90_s=3.0)
+    target = policy.target(idle_but_slow)
+    assert target.workers == 5  # 30 % of 5 workers on 4 would pass the 35 % idle share
+    assert "mostly idle" in target.reason
+    assert policy.target(dataclasses.replace(idle_but_slow, utilization=0.05)).workers == 3
+
+
+def test_decode_workers_that_did_not_lower_the_itl_are_not_followed_by_more():
+    """Workers added where the ITL comes from something they do not share (here, as on an
+    oversubscribed host, it even rose): the fit finds no cost per row and asks for none."""
+    policy = ScalingPolicy(SETTINGS)
+    for workers, itl in ((1, 0.055), (2, 0.058), (5, 0.062)):
+        window = role_window(
+            "decode", workers, latency_p50_s=itl, latency_p90_s=itl * 1.1, requests_running=6
+        )
+        target = policy.target(window)
+    assert policy.itl_model.floor_s() == pytest.approx(0.058, abs=1e-3)
+    assert target.workers <= 5
+    assert "floor misses the target" in target.reason
+
+
+def test_decode_gaps_without_rows_to_spread_ask_for_no_worker():
+    """Two-token replies: their one gap is the hand-off's, which no decode worker shares."""
+    policy = ScalingPolicy(SETTINGS)
+    gaps = role_window("decode", 1, latency_p50_s=0.03, latency_p90_s=0.09, requests_running=0.4)
+    target = policy.target(gaps)
+    assert target.workers == 1
+    assert "0.4 rows over 1 workers" in target.reason
 
 
 def test_decode_scales_with_the_part_of_itl_that_workers_share():
