@@ -3,7 +3,7 @@ how eagerly the autoscaler moves (``deploy/autoscaler.py``; off when the key is 
 
     autoscaling:
       ttft_p90_ms: 2000        # time to first token, from arrival (queue wait included)
-      itl_p90_ms: 60           # time between output tokens
+      itl_p90_ms: 60           # time between output tokens after a reply's second
       min_prefill: 1
       max_prefill: 8
       min_decode: 1
@@ -25,7 +25,11 @@ class AutoscalingConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     ttft_p90_ms: float = Field(gt=0, description="p90 time to first token, from arrival")
-    itl_p90_ms: float = Field(gt=0, description="p90 time between output tokens")
+    itl_p90_ms: float = Field(
+        gt=0,
+        description="p90 time between output tokens after a reply's second (the decode steps' "
+        "pace; the first gap, in P/D the hand-off's, is TTFT's neighbour, not decode's)",
+    )
     min_prefill: int = Field(1, ge=1)
     max_prefill: int = Field(4, ge=1)
     min_decode: int = Field(1, ge=1)

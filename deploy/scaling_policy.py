@@ -115,14 +115,9 @@ class ScalingPolicy:
         missing = ttft is not None and ttft > target_s
         # TTFT from queueing falls with more workers; a prompt's own compute time does not.
         queueing = w.utilization > settings.prefill_utilization / 2 or for_backlog > w.workers
-        # Missed while queueing: one more worker at least, up to twice as many as the miss
-        # is large (TTFT from queueing falls faster than linearly with workers).
-        for_latency = (
-            max(w.workers + 1, math.ceil(w.workers * min(2.0, ttft / target_s)))
-            if missing and queueing and ttft is not None
-            else 0
-        )
-        wanted = max(1, for_load, for_backlog, for_latency)
+        # Missed while queueing: one more at least (the busy share and the backlog size
+        # bigger steps; sized from the miss itself, a step overshoots and comes back).
+        wanted = max(1, for_load, for_backlog, w.workers + 1 if missing and queueing else 0)
         measures = (
             f"TTFT p90 {_ms(ttft)} (target {settings.ttft_p90_ms:.0f} ms), "
             f"busy {w.utilization:.0%} per worker, {w.backlog_tokens} prompt tokens queued"

@@ -46,7 +46,7 @@ class ServiceSample:
     requests: int
     requests_in_flight: int
     ttft: HistogramSnapshot
-    itl: HistogramSnapshot
+    itl: HistogramSnapshot  # the decode steps' pace: gaps after a reply's second token
     workers: dict[str, dict[str, WorkerReading]]  # role -> worker id -> reading
 
     @classmethod
@@ -70,7 +70,7 @@ class ServiceSample:
             requests=gateway["num_requests"],
             requests_in_flight=gateway["num_requests_in_flight"],
             ttft=as_histogram(gateway["time_to_first_token"]),
-            itl=as_histogram(gateway["inter_token_latency"]),
+            itl=as_histogram(gateway["decode_inter_token_latency"]),
             workers=workers,
         )
 

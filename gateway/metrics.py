@@ -52,6 +52,7 @@ class GatewayMetrics:
         self.num_generation_tokens = 0
         self.time_to_first_token = LatencyHistogram(TTFT_BUCKETS_S)
         self.inter_token_latency = LatencyHistogram(ITL_BUCKETS_S)
+        self.decode_inter_token_latency = LatencyHistogram(ITL_BUCKETS_S)
         self.e2e_request_latency = LatencyHistogram(E2E_BUCKETS_S)
         self.request_queue_time = LatencyHistogram(TTFT_BUCKETS_S)
         self.request_prefill_time = LatencyHistogram(TTFT_BUCKETS_S)
@@ -71,13 +72,19 @@ class GatewayMetrics:
         self.time_to_first_token.observe(seconds)
         self._recent_ttft.add(seconds)
 
-    def record_tokens(self, num_tokens: int, seconds_since_previous: float) -> None:
-        """``num_tokens`` arrived together: each counts ``seconds / num_tokens`` of gap."""
+    def record_tokens(
+        self, num_tokens: int, seconds_since_previous: float, after_second: bool
+    ) -> None:
+        """``num_tokens`` arrived together: each counts ``seconds / num_tokens`` of gap;
+        ``after_second``: none of them is a reply's second token (whose gap, in P/D, is the
+        hand-off's), so they also time the decode steps."""
         self.num_generation_tokens += num_tokens
         gap = seconds_since_previous / num_tokens
         for _ in range(num_tokens):
             self.inter_token_latency.observe(gap)
             self._recent_itl.add(gap)
+            if after_second:
+                self.decode_inter_token_latency.observe(gap)
 
     def record_finished(self, reason: str, seconds: float, num_prompt_tokens: int) -> None:
         self.finished_by_reason[reason] += 1

@@ -139,5 +139,6 @@ class StreamEmitter:
             self.metrics.record_first_token(now - self.start)
             num_tokens -= 1
         if num_tokens:
-            self.metrics.record_tokens(num_tokens, now - self.last_token_time)
+            after_second = self.sent_tokens >= 2
+            self.metrics.record_tokens(num_tokens, now - self.last_token_time, after_second)
         self.last_token_time = now

@@ -629,6 +629,15 @@ GATEWAY_STATS: tuple[Stat, ...] = (
         total=Total.MERGE,
     ),
     Stat(
+        "decode_inter_token_latency",
+        H,
+        "seconds",
+        "Time between output tokens after a reply's second: the decode steps' pace, without "
+        "the first gap (in P/D, the hand-off's).",
+        "pdserve:decode_inter_token_latency_seconds",
+        total=Total.MERGE,
+    ),
+    Stat(
         "e2e_request_latency",
         H,
         "seconds",

@@ -85,7 +85,7 @@ def test_the_stats_table_has_a_row_per_worker_and_totals():
     gateway.num_requests = 3
     gateway.record_rejected(429)
     gateway.record_first_token(0.01)
-    gateway.record_tokens(11, 0.011)
+    gateway.record_tokens(11, 0.011, after_second=False)
     # As the CLI gets it: /stats' JSON.
     stats = json.loads(json.dumps(stats_report("tiny", gateway.row(), workers)))
     lines = format_stats(stats).splitlines()

@@ -65,7 +65,7 @@ def stats_body(requests: int, ttft: list[float], itl: list[float], workers: list
             "num_requests": requests,
             "num_requests_in_flight": 0,
             "time_to_first_token": dataclasses.asdict(histogram(TTFT_BUCKETS_S, ttft)),
-            "inter_token_latency": dataclasses.asdict(histogram(ITL_BUCKETS_S, itl)),
+            "decode_inter_token_latency": dataclasses.asdict(histogram(ITL_BUCKETS_S, itl)),
         },
         "workers": workers,
     }
@@ -167,7 +167,7 @@ def test_a_wish_that_changes_direction_restarts_its_delay():
     assert policy.decide([busy], now=0.0) == []
     assert policy.decide([quiet], now=8.0) == []
     assert policy.decide([busy], now=12.0) == []  # "up" again: its delay counts from 12
-    assert [s.workers for s in policy.decide([busy], now=22.0)] == [4]  # TTFT 4x: twice
+    assert [s.workers for s in policy.decide([busy], now=22.0)] == [3]  # ceil(2 x 0.98 / 0.7)
 
 
 def test_an_idle_role_returns_to_min_after_one_window_without_the_down_delay():
