@@ -105,9 +105,12 @@ def generated(
     idle_s: float,
     seed: int,
     prefix_tokens: int = 64,
+    suffix_tokens: tuple[int, int] = (16, 256),
+    output_tokens: tuple[int, int] = (16, 128),
 ) -> list[TraceRequest]:
     """Poisson arrivals whose rate follows ``shape`` (module doc), by thinning; prompts
-    share one of 4 prefixes, lengths and outputs drawn from fixed ranges."""
+    share one of 4 prefixes, then a suffix of their own; suffix and output lengths are drawn
+    uniformly from their ranges."""
     rng = random.Random(seed)
     peak = rate * burst
     burst_start = (duration_s - burst_s) / 2
@@ -124,8 +127,8 @@ def generated(
             break
         if rng.random() * peak <= rate_at(t):
             prefix = block_text(rng.randrange(4), prefix_tokens)
-            suffix = block_text(1_000 + len(requests), rng.randint(16, 256))
-            requests.append(TraceRequest(t, prefix + suffix, rng.randint(16, 128)))
+            suffix = block_text(1_000 + len(requests), rng.randint(*suffix_tokens))
+            requests.append(TraceRequest(t, prefix + suffix, rng.randint(*output_tokens)))
     if idle_s > 0:  # the idle tail: nothing arrives (the run waits it out)
         requests.append(TraceRequest(duration_s + idle_s, "", 0))
     return requests
@@ -154,7 +157,8 @@ def replay(
     url: str, model: str, trace: Sequence[TraceRequest], speed: float = 1.0
 ) -> tuple[list[StreamResult], WorkerSeconds]:
     """Sends each request at its arrival (divided by ``speed``), open loop; reads the
-    workers per role every second meanwhile."""
+    workers per role every second meanwhile. Each result's ``tag`` is its request's
+    arrival time (seconds from the trace's start)."""
     from serve_load import Planned, stream_completion
 
     results: list[StreamResult] = []
@@ -176,7 +180,7 @@ def replay(
             seconds.add(time.perf_counter() - started, counts)
 
     def send(request: TraceRequest) -> None:
-        planned = Planned("trace", request.prompt, request.output_tokens)
+        planned = Planned(f"{request.arrival_s:.3f}", request.prompt, request.output_tokens)
         result = stream_completion(client, url, model, planned)
         with lock:
             results.append(result)
