@@ -227,5 +227,16 @@ def _code_fingerprint() -> str:
 
 
 def build_app(args: dict[str, Any]) -> Application:
-    """The ``import_path`` target for ``serve run`` / ``serve deploy`` (``args``: config keys)."""
-    return build(PDServeConfig.model_validate(dict(args or {})))
+    """The ``import_path`` target for ``serve run`` / ``serve deploy`` (``args``: config keys).
+
+    ``autoscaling`` is refused here: a declared Serve config (a KubeRay ``RayService``'s
+    ``serveConfigV2``) is put back as declared, which would undo the autoscaler's steps."""
+    config = PDServeConfig.model_validate(dict(args or {}))
+    if config.autoscaling is not None:
+        raise ValueError(
+            "autoscaling runs beside an app deployed by `pdserve up` / `deploy` (which starts "
+            "its autoscaler), not in a declared Serve config, whose counts the platform "
+            "would restore after each step: remove it here, or deploy with `pdserve up "
+            "--address HEAD:PORT --config ...` (docs/deploy.md, The autoscaler)"
+        )
+    return build(config)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 from ray._common.utils import import_attr
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
@@ -96,3 +97,9 @@ def test_a_replaced_gateway_lets_its_open_streams_run_for_drain_timeout_s():
         gateway = build_app({"model": "tiny", **settings})._bound_deployment
         assert gateway.name == "gateway"
         assert gateway._deployment_config.graceful_shutdown_timeout_s == drain_s
+
+
+def test_a_declared_serve_config_refuses_autoscaling_naming_the_way_that_keeps_it():
+    """A RayService puts its declared app back: the autoscaler's steps would be undone."""
+    with pytest.raises(ValueError, match="pdserve up"):
+        build_app({"model": "tiny", "autoscaling": {"ttft_p90_ms": 500, "itl_p90_ms": 40}})
