@@ -54,7 +54,6 @@ class Autoscaler:
         self._report = AutoscalerReport(
             self.app_name, "watching", config.num_prefill, config.num_decode
         )
-        self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="autoscaler", daemon=True)
         self._thread.start()
 
@@ -71,14 +70,12 @@ class Autoscaler:
                 self._report.last_error,
             )
 
-    def stop(self) -> None:
-        self._stopping.set()
-        self._thread.join(timeout=5)
-
     # ------------------------------------------------------------------ the loop
 
     def _run(self) -> None:
-        while not self._stopping.wait(self.settings.interval_s):
+        """Until the actor is killed (``stop_autoscaler``)."""
+        while True:
+            time.sleep(self.settings.interval_s)
             try:
                 self._tick()
             except Exception as error:  # noqa: BLE001  # a bad reading must not end the loop
