@@ -22,11 +22,14 @@ def autoscaler_name(app_name: str) -> str:
 
 
 async def autoscaler_report(app_name: str) -> AutoscalerReport | None:
-    """The app's autoscaler's report; None when the app has none or it does not answer."""
+    """The app's autoscaler's report; None when the app has none or it does not answer.
+    The lookup (a call to Ray's GCS) runs off the event loop, which streams tokens."""
     import ray
 
     try:
-        actor = ray.get_actor(autoscaler_name(app_name), namespace=NAMESPACE)
+        actor = await asyncio.to_thread(
+            ray.get_actor, autoscaler_name(app_name), namespace=NAMESPACE
+        )
         return await asyncio.wait_for(actor.report.remote(), _REPORT_TIMEOUT_S)
     except (ValueError, ray.exceptions.RayError, TimeoutError):
         return None
