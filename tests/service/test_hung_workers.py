@@ -176,12 +176,18 @@ def test_a_timeout_in_the_body_that_is_not_positive_is_a_400(app):
     assert status == 400 and body["error"]["param"] == "timeout", body
 
 
+def _moves(app) -> int:
+    """Streams moved off a lost worker: migrated when silent, retried when its poll failed."""
+    gateway = _gateway(app)
+    return gateway["num_stream_migrations"] + gateway["num_retries"]
+
+
 def test_n_choices_whose_decode_worker_hangs_each_finish_equal_to_colocated(app, colocated):
     """``n`` = 3 with a seed, answered whole: the choices decode as three requests, and the
     decode worker running one or more of them is SIGSTOPped mid-way. Each choice on it moves
     to the other worker from the tokens it had, so every choice still equals the colocated
     engine's with seeds s, s + 1, s + 2, and nothing is left behind."""
-    migrations = _gateway(app)["num_stream_migrations"]
+    moves = _moves(app)
     prompt = f"Three choices, one worker lost: {PREAMBLE}"
     sampling = dict(max_tokens=32, temperature=0.8)
     reply: dict = {}
@@ -216,5 +222,7 @@ def test_n_choices_whose_decode_worker_hangs_each_finish_equal_to_colocated(app,
         expected_text(colocated, prompt, SamplingParams(seed=seed, **sampling))
         for seed in (61, 62, 63)
     ]
-    assert _gateway(app)["num_stream_migrations"] > migrations
+    # A stopped worker is found by its silent stream (a migration) or by its failed event
+    # poll (a retry), whichever comes first; either re-runs the choice from its tokens.
+    assert _moves(app) > moves
     assert_drained(app)
