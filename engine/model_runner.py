@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.engine.decode_graphs import DecodeGraphs
 from pdserve.engine.kv_cache_groups import kv_cache_groups
 from pdserve.engine.model_input import ScheduledChunk
+from pdserve.engine.static_decode_batch import StaticDecodeBatch
 from pdserve.engine.tensor_parallel_peers import TensorParallelGroupLost
-from pdserve.model import paged_decode_kernel
+from pdserve.model import paged_decode_kernel, paged_decode_triton
 from pdserve.model.architectures import CausalLM
 from pdserve.model.architectures.rotary import RotaryEmbedding
 from pdserve.model.attention import StepAttention, build_attention_metadata
@@ -113,6 +115,7 @@ class ModelRunner:
         if tensor_parallel is not None:  # before fusing: the fused matrices are the slices'
             model.shard(tensor_parallel)
         self.peers = peers
+        self.sharded = tensor_parallel is not None
         # The engine's resident adapters by digest (``LoRARegistry``), which chunks name.
         self.lora_adapters: Mapping[str, LoRAAdapter] = {}
         self._lora_stacks = LoRAStacks()
@@ -156,6 +159,8 @@ class ModelRunner:
         self.split_kv_keys = (
             max(1, SPLIT_KV_BYTES // key_value_bytes) if self.device.type == "cpu" else None
         )
+        self.static_decode: StaticDecodeBatch | None = None
+        self.decode_graphs: DecodeGraphs | None = None
 
     @classmethod
     def for_engine(
@@ -182,13 +187,16 @@ class ModelRunner:
             tensor_parallel,
             peers,
         )
-        runner.reserve_positions(
-            config.max_model_len_for(
-                model_config.max_position_embeddings,
-                num_blocks,
-                kv_cache_groups(model_config, config),
-            )
+        max_model_len = config.max_model_len_for(
+            model_config.max_position_embeddings, num_blocks, kv_cache_groups(model_config, config)
         )
+        runner.reserve_positions(max_model_len)
+        queries = [1]
+        if config.speculative_method != "off":
+            queries.append(1 + config.num_speculative_tokens)
+        static = runner.enable_static_decode(config.max_num_seqs, max(queries), max_model_len)
+        if static and runner.device.type == "cuda" and config.cuda_graphs == "auto":
+            runner.decode_graphs = DecodeGraphs(runner, queries)
         return runner
 
     def reserve_positions(self, num_positions: int) -> None:
@@ -200,6 +208,33 @@ class ModelRunner:
             if isinstance(module, RotaryEmbedding):
                 module.reserve(num_positions)
 
+    def enable_static_decode(self, max_rows: int, max_queries: int, max_position: int) -> bool:
+        """Serve uniform decode steps of up to ``max_rows`` rows of ``max_queries`` queries
+        from persistent buffers (``engine/static_decode_batch.py``), where a kernel reads the
+        pages in place for this model (the C++ kernel for a float32 model on CPU, Triton on
+        CUDA) and the model is whole (no tensor parallelism: ranks would pad alike but step apart);
+        returns whether it does."""
+        query = torch.empty(1, 1, self.model_config.kv_token_shape[2], dtype=self.dtype)
+        layer_cache = self.attention_kv[:, 0]
+        if self.device.type == "cpu":
+            served = paged_decode_kernel.serves(query, layer_cache)
+        else:
+            served = paged_decode_triton.serves(query.to(self.device), layer_cache)
+        if not served or self.peers is not None or self.sharded:
+            return False
+        self.static_decode = StaticDecodeBatch(
+            max_rows,
+            max_queries,
+            max_position,
+            self.block_size,
+            self.num_slots,
+            self.model_config.kv_token_shape[0],
+            self.group_windows,
+            self.layer_slots,
+            self.device,
+        )
+        return True
+
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Run one step; float32 logits, ``chunk.num_logit_rows`` rows per chunk in the caller's
         order: the last token's row for a ``sample=True`` chunk, every token's for an
@@ -209,6 +244,16 @@ class ModelRunner:
         for chunk in chunks:
             if not chunk.token_ids:
                 raise ValueError(f"chunk of request {chunk.request_id!r} has no tokens")
+        static = self.static_decode
+        if static is not None and static.takes(chunks):
+            padded, queries = static.fill(chunks)
+            rows = len(chunks) * queries
+            replayed = (
+                None if self.decode_graphs is None else self.decode_graphs.replay(padded, queries)
+            )
+            if replayed is not None:
+                return replayed[:rows].clone()
+            return self.padded_decode_forward(padded, queries)[:rows]
         # Prefills first, decode rows last (stable, so each group keeps its order).
         counts = [len(c.token_ids) for c in chunks]
         is_prefill = [count > 1 and not c.num_draft_tokens for c, count in zip(chunks, counts)]
@@ -315,6 +360,19 @@ class ModelRunner:
             start += count
         groups = [(self.lora_adapters[digest], indices) for digest, indices in rows.items()]
         return LoRAStep(groups, sum(counts), self._lora_stacks, self.device)
+
+    def padded_decode_forward(self, padded: int, queries: int) -> torch.Tensor:
+        """The static decode step over the buffers as last filled: float32 logits for every
+        padded row's queries. Its tensors depend only on ``(padded, queries)``: the function
+        a CUDA graph captures (``engine/decode_graphs.py``)."""
+        static = self.static_decode
+        assert static is not None, "padded_decode_forward needs enable_static_decode"
+        metadata = static.metadata(padded, queries)
+        with torch.inference_mode():
+            hidden = self.model.forward(
+                static.input_ids(padded, queries), metadata.positions, self.attention_kv, metadata
+            )
+            return self.model.compute_logits(hidden).float()
 
     def _forward(
         self, input_ids: torch.Tensor, metadata: StepAttention, sample_rows: list[int]

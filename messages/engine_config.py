@@ -75,6 +75,11 @@ class EngineConfig:
     """Seeds the block hashes; equal on every worker of a deployment."""
     torch_threads: int = 1
     """torch's intra-op threads in this process (and in each tensor-parallel rank's)."""
+    cuda_graphs: Literal["auto", "off"] = "auto"
+    """Decode steps on CUDA replay graphs captured at start, one per padded batch size up to
+    max_num_seqs (engine/decode_graphs.py); auto: on for decode workers and colocated
+    engines, off for prefill workers (whose decode steps are few); off: every step eager.
+    Uniform decode steps run over persistent buffers either way (engine/static_decode_batch.py)."""
     lora_modules: dict[str, str] = field(default_factory=dict)
     """LoRA adapters served beside the base model, loaded at start by every worker: name ->
     a PEFT adapter folder. A request names one as its ``model``; more load at run time
@@ -195,6 +200,8 @@ class EngineConfig:
             )
         if self.torch_threads < 1:
             raise ValueError(f"torch_threads must be at least 1, got {self.torch_threads}")
+        if self.cuda_graphs not in ("auto", "off"):
+            raise ValueError(f"cuda_graphs must be auto or off, got {self.cuda_graphs!r}")
         if self.speculative_method not in get_args(SpeculativeMethod):
             raise ValueError(
                 f"speculative_method must be one of {', '.join(get_args(SpeculativeMethod))}, "

@@ -109,6 +109,8 @@ class EngineHost:
             spec.engine,
             engine_id=f"{spec.engine.engine_id}-{self.instance_id[:8]}",
             device=resolve_device(spec.engine.device),
+            # A prefill worker's decode steps are few: no graphs to capture for them.
+            cuda_graphs="off" if spec.role == "prefill" else spec.engine.cuda_graphs,
         )
         with start_phase("connector"):
             connector = self.make_connector(engine_config)

@@ -15,6 +15,8 @@ Differences from Llama, each under transformers' names so checkpoints load unren
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from pdserve.model.architectures.layers import GatedMLP, RMSNorm
@@ -79,7 +81,7 @@ class Gemma3Model(LlamaModel):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = super().embed(input_ids)
-        return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        return hidden * _as_held_by(self.embed_scale, hidden.dtype)
 
     def layer_rotaries(
         self, positions: torch.Tensor, max_position: int, dtype: torch.dtype
@@ -95,3 +97,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3's text model; the LM head is tied to the embedding."""
 
     model_class = Gemma3Model
+
+
+@functools.cache
+def _as_held_by(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype``, as transformers scales Gemma's embedding (by a tensor
+    of the embedding's dtype); a Python number, so a step makes no tensor of it."""
+    return torch.tensor(value, dtype=dtype).item()

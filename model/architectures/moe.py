@@ -6,15 +6,22 @@ names and in whether the top-k weights are renormalised (``MoEConfig``): one mod
 both, its experts built with the checkpoint's names so weights load unrenamed.
 
 A step's tokens are computed grouped by expert, not per token: the (token, expert) pairs of
-the whole step are sorted by expert, and each expert that got any runs one pair of matmuls
-over all its tokens::
+the whole step are sorted by expert, and one grouped matmul (``torch._grouped_mm``) runs
+every expert over its own rows, each expert's rows ending where the running count of its
+pairs says, with no Python loop over experts and no value read on the host (so a CUDA graph
+captures the step whole)::
 
     router:   probs = softmax(x @ gate)          [tokens, experts]   (float32)
               weight, expert = topk(probs, k)    [tokens, k]         (renormalised or not)
-    grouped:  pairs sorted by expert ──▶ e0: rows 3 7 9 | e1: rows 0 3 | e2: … | e3: rows 7
-              out[rows] += weight · down_e(silu(gate_e(x[rows])) * up_e(x[rows]))
+    grouped:  pairs sorted by expert ──▶ | e0: rows 3 7 9 | e1: rows 0 3 | e2: - | e3: 7 |
+              ends = cumsum(bincount(expert))        3               5        5      6
+              y = grouped_mm(silu(gate) * up) ─▶ grouped_mm(down)   [pairs, hidden]
+    back:     y in (token, choice) order, times its weight, summed over the k choices
 
 so a step costs about what a dense MLP of ``k`` experts' width costs, not ``num_experts`` ×.
+Where the grouped matmul does not take the weights (strides of the hidden or expert width
+not a multiple of 16 bytes, or a CUDA dtype its kernels lack), each expert that got rows runs
+its own pair of matmuls over them.
 
 DeepSeek-V2/V3 (``mlp.gate``, ``mlp.experts.{e}.*``, ``mlp.shared_experts.*``) route in
 float32 their own way (``DeepSeekRouting``: softmax or sigmoid scores, a group limit, a
@@ -32,6 +39,23 @@ from torch import nn
 
 from pdserve.model.architectures.layers import GatedMLP
 from pdserve.model.model_config import DeepSeekRouting, ModelConfig, MoEConfig
+
+
+def grouped_matmul_serves(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes these stacked experts here: it needs rows whose
+    strides are multiples of 16 bytes, and on CUDA a dtype and a GPU its kernels cover. Tried
+    once, on two rows of the model's own shapes."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    hidden = gate_up.shape[1]
+    rows = gate_up.new_zeros(2, hidden)
+    ends = torch.tensor([1] + [2] * (gate_up.shape[0] - 1), dtype=torch.int32, device=rows.device)
+    try:
+        torch._grouped_mm(rows, gate_up, offs=ends)
+        torch._grouped_mm(rows.new_zeros(2, down.shape[1]), down, offs=ends)
+    except RuntimeError:
+        return False
+    return True
 
 
 class _Expert(nn.Module):
@@ -83,6 +107,7 @@ class SparseMoE(nn.Module):
             [torch.cat([gate.weight, up.weight]).t() for gate, up, _ in experts]
         ).contiguous()
         self.down = torch.stack([down.weight.t() for _, _, down in experts]).contiguous()
+        self.grouped_matmul = grouped_matmul_serves(self.gate_up, self.down)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's ``top_k`` experts and their float32 weights, ``[tokens, top_k]`` each."""
@@ -119,24 +144,40 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         moe = self.moe
         weights, chosen = self.route(x)
-        weights = weights.to(x.dtype).reshape(-1)
         flat = chosen.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        rows_in_order = order // moe.top_k
-        counts = torch.bincount(flat, minlength=moe.num_experts).tolist()
-        out = torch.zeros_like(x)
-        start = 0
-        intermediate = moe.intermediate_size
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            pairs = order[start : start + count]
-            rows = rows_in_order[start : start + count]
-            start += count
-            gate_up = torch.mm(x[rows], self.gate_up[expert])
-            activated = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
-            expert_out = torch.mm(activated, self.down[expert]) * weights[pairs].unsqueeze(1)
-            out.index_add_(0, rows, expert_out)
+        order = torch.argsort(flat, stable=True)  # the (token, choice) pairs by expert
+        ends = torch.cumsum(torch.bincount(flat, minlength=moe.num_experts), 0)
+        grouped = x[order // moe.top_k]
+        if self.grouped_matmul:
+            expert_out = self._grouped(grouped, ends.to(torch.int32))
+        else:
+            expert_out = self._expert_by_expert(grouped, ends)
+        # Back to (token, choice) order, weighed, summed over each token's choices.
+        by_pair = expert_out.index_select(0, torch.argsort(order))
+        weighed = by_pair.view(x.shape[0], moe.top_k, -1) * weights.to(x.dtype)[..., None]
+        out = weighed.sum(dim=1)
         if self.shared_experts is not None:
             out += self.shared_experts.forward(x)
+        return out
+
+    def _grouped(self, grouped: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """Every expert over its rows of ``grouped`` (rows sorted by expert, expert ``e``'s
+        ending at ``ends[e]``): two grouped matmuls, no host value."""
+        intermediate = self.moe.intermediate_size
+        gate_up = torch._grouped_mm(grouped, self.gate_up, offs=ends)
+        activated = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+        return torch._grouped_mm(activated, self.down, offs=ends)
+
+    def _expert_by_expert(self, grouped: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """``_grouped`` where torch's grouped matmul does not take these weights: one pair of
+        matmuls per expert that got rows, the rows' counts read on the host."""
+        intermediate = self.moe.intermediate_size
+        out = torch.empty_like(grouped)
+        start = 0
+        for expert, end in enumerate(ends.tolist()):
+            if end > start:
+                gate_up = torch.mm(grouped[start:end], self.gate_up[expert])
+                activated = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+                out[start:end] = torch.mm(activated, self.down[expert])
+            start = end
         return out

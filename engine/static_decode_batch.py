@@ -1,0 +1,235 @@
+"""A decode step whose tensors depend only on its padded size: persistent buffers, one copy.
+
+Why: a CUDA graph replays what it captured, the same kernels over the same addresses, and a
+decode step built afresh each time (``model/attention.py``: new index tensors, new plans,
+host-to-device copies of small lists) cannot be captured. Here every tensor the decode
+forward reads lives in buffers allocated once for ``max_rows`` rows of up to
+``max_queries`` queries each (one, or a verification's last token and its drafts); a step
+writes its rows into one packed host buffer and copies it to the device at once (on CPU the
+host buffer is the device's: no copy). What the forward sees then depends on the padded row
+count and the queries per row alone, so the same function serves a graph's capture and
+every replay, and the CPU's eager step skips the per-step index building::
+
+    packed int64 buffer, R = max_rows, T = R * max_queries, G = KV groups, W = table width
+    | ids [T] | positions [T] | per group: write rows [T], low [T], high [T] | tables [G, R, W] |
+      └────────────────────── head, copied whole ───────────────────────┘   └ group g's rows
+                                                                              [:n], copied ┘
+
+Token ``t`` of the step is row ``t // q``'s query ``t % q`` (``q`` queries per row). Its
+write row is its K row in layer 0 of the KV tensor seen as rows (``model/attention.py``), its
+keys ``[low, high)`` of its row's table, counted from the table's first page, block 0 of the
+request: a causal limit, and a sliding window's first key. Rows past the step's own (padding
+up to a captured size) hold token 0 at position 0 over a table of block 0, the null block
+that no request holds: they write and read its first slot, and their outputs are dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from pdserve.cache import cdiv
+from pdserve.engine.model_input import ScheduledChunk
+from pdserve.model.attention import AttentionMetadata, StepAttention
+from pdserve.model.split_kv import SplitKVPlan
+
+# Padded sizes: 1, 2, 4, 8, then steps of 8 (vLLM's capture sizes for decode batches).
+_SMALL_SIZES = (1, 2, 4, 8)
+_STEP = 8
+
+
+def padded_sizes(max_rows: int) -> list[int]:
+    """Every padded row count up to ``max_rows`` (included, the last size)."""
+    sizes = [size for size in _SMALL_SIZES if size < max_rows]
+    sizes += list(range(_STEP * 2, max_rows, _STEP))
+    return sorted({*sizes, max_rows})
+
+
+class StaticDecodeBatch:
+    """The buffers of uniform decode steps (module doc): ``fill`` writes a step, ``metadata``
+    gives the forward its views for a padded size.
+
+    ``max_position``: the positions a row may reach (the engine's longest sequence, for which
+    the RoPE tables are built), which sets the tables' width; ``layer_slots`` and
+    ``group_windows`` as the runner's (each layer's KV group and slot, each group's window).
+    """
+
+    def __init__(
+        self,
+        max_rows: int,
+        max_queries: int,
+        max_position: int,
+        block_size: int,
+        num_layer_slots: int,
+        kv_entries: int,
+        group_windows: list[int | None],
+        layer_slots: tuple[tuple[int, int], ...],
+        device: torch.device,
+    ) -> None:
+        if max_rows < 1 or max_queries < 1 or max_position < 1:
+            raise ValueError(
+                f"a static decode batch needs rows, queries and positions (got {max_rows}, "
+                f"{max_queries}, {max_position})"
+            )
+        self.max_rows, self.max_queries = max_rows, max_queries
+        self.width, self.block_size = cdiv(max_position, block_size), block_size
+        self.group_windows, self.layer_slots = group_windows, layer_slots
+        self.max_position = max_position
+        self.device = device
+        self.sizes = padded_sizes(max_rows)
+        self.rows_per_block = num_layer_slots * kv_entries * block_size
+        num_groups, tokens = len(group_windows), max_rows * max_queries
+        self._head = tokens * (2 + 3 * num_groups)
+        total = self._head + num_groups * max_rows * self.width
+        pinned = device.type == "cuda"
+        self._host = torch.zeros(total, dtype=torch.long, pin_memory=pinned)
+        self._host_view = self._host.numpy()
+        self._device = (
+            self._host if device.type == "cpu" else torch.zeros_like(self._host, device=device)
+        )
+        # Each layer's rows relative to a token's write row in layer 0, [slots, 1, entries].
+        self._layer_rows = (
+            torch.arange(num_layer_slots * kv_entries, dtype=torch.long, device=device) * block_size
+        ).view(num_layer_slots, 1, kv_entries)
+        self._row_tokens: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._host_regions = self._regions(self._host_view)
+        self._device_regions = self._regions(self._device)
+
+    def _regions(self, packed: Any) -> Any:  # a numpy array or a tensor: sliced alike
+        """The packed buffer's named views (module doc), ``(ids, positions, per group
+        (write rows, low, high, tables [R, W]))``."""
+        tokens = self.max_rows * self.max_queries
+        groups = []
+        for group in range(len(self.group_windows)):
+            base = tokens * (2 + 3 * group)
+            table_start = self._head + group * self.max_rows * self.width
+            groups.append(
+                (
+                    packed[base : base + tokens],
+                    packed[base + tokens : base + 2 * tokens],
+                    packed[base + 2 * tokens : base + 3 * tokens],
+                    packed[table_start : table_start + self.max_rows * self.width].reshape(
+                        self.max_rows, self.width
+                    ),
+                )
+            )
+        return packed[:tokens], packed[tokens : 2 * tokens], groups
+
+    def padded_size(self, num_rows: int) -> int:
+        """The smallest padded size holding ``num_rows`` rows."""
+        return next(size for size in self.sizes if size >= num_rows)
+
+    def takes(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether the step is a uniform decode batch these buffers hold: every chunk one
+        sampled query and the same number of drafts, base model, its table within the width."""
+        first = chunks[0]
+        queries = 1 + first.num_draft_tokens
+        return (
+            len(chunks) <= self.max_rows
+            and queries <= self.max_queries
+            and all(
+                chunk.num_draft_tokens == first.num_draft_tokens
+                and len(chunk.token_ids) == queries
+                and chunk.sample
+                and not chunk.all_logits
+                and chunk.lora_id is None
+                and chunk.start_position + queries <= self.max_position
+                for chunk in chunks
+            )
+        )
+
+    def fill(self, chunks: list[ScheduledChunk]) -> tuple[int, int]:
+        """Write the step's rows (``takes`` is true) and pad them; returns ``(padded rows,
+        queries per row)``. On CUDA the head and each group's used table rows go to the
+        device in one copy each, ordered on the current stream before the forward."""
+        num_rows, queries = len(chunks), 1 + chunks[0].num_draft_tokens
+        padded = self.padded_size(num_rows)
+        tokens = num_rows * queries
+        ids, positions, groups = self._host_regions
+        starts = np.fromiter((c.start_position for c in chunks), np.int64, num_rows)
+        token_positions = (starts[:, None] + np.arange(queries)).reshape(-1)
+        ids[:tokens] = np.fromiter(
+            (token for c in chunks for token in c.token_ids), np.int64, tokens
+        )
+        positions[:tokens] = token_positions
+        rows = np.repeat(np.arange(num_rows), queries)
+        for group, (write_rows, low, high, table) in enumerate(groups):
+            for row, chunk in enumerate(chunks):
+                need = cdiv(chunk.start_position + queries, self.block_size)
+                table[row, :need] = chunk.block_tables[group][:need]
+            blocks = table[rows, token_positions // self.block_size]
+            write_rows[:tokens] = blocks * self.rows_per_block + token_positions % self.block_size
+            window = self.group_windows[group]
+            low[:tokens] = 0 if window is None else np.maximum(token_positions - window + 1, 0)
+            high[:tokens] = token_positions + 1
+        self._pad(num_rows, padded, queries)
+        return padded, queries
+
+    def fill_padding(self, padded: int, queries: int) -> None:
+        """Every row of a ``padded`` step padding: what a capture's warm-up and capture
+        read (nothing of a request)."""
+        self._pad(0, padded, queries)
+
+    def _pad(self, num_rows: int, padded: int, queries: int) -> None:
+        """Rows ``num_rows .. padded`` as padding (module doc), then the copy to the device."""
+        tokens, used = num_rows * queries, padded * queries
+        ids, positions, groups = self._host_regions
+        ids[tokens:used] = 0
+        positions[tokens:used] = 0
+        for write_rows, low, high, table in groups:
+            table[num_rows:padded, 0] = 0
+            write_rows[tokens:used] = 0
+            low[tokens:used] = 0
+            high[tokens:used] = 1
+        if self._device is not self._host:
+            self._copy_to_device(padded)
+
+    def _copy_to_device(self, padded: int) -> None:
+        """The head, and each group's first ``padded`` table rows (contiguous after the
+        head for the first group: one copy where the model has one KV group)."""
+        end = self._head + padded * self.width
+        self._device[:end].copy_(self._host[:end], non_blocking=True)
+        for group in range(1, len(self.group_windows)):
+            start = self._head + group * self.max_rows * self.width
+            end = start + padded * self.width
+            self._device[start:end].copy_(self._host[start:end], non_blocking=True)
+
+    def input_ids(self, padded: int, queries: int) -> torch.Tensor:
+        return self._device_regions[0][: padded * queries]
+
+    def metadata(self, padded: int, queries: int) -> StepAttention:
+        """The forward's attention for ``padded`` rows of ``queries``: views of the buffers,
+        each group's write rows widened over the layers (one device add), and the decode
+        kernels' key ranges (``SplitKVPlan.key_ranges`` on CPU, ``device_key_ranges`` on
+        CUDA); no host value that differs between steps of the same size."""
+        used = padded * queries
+        _, positions, groups = self._device_regions
+        row_starts, token_rows = self._row_tokens_for(padded, queries)
+        metadata = []
+        for write_rows, low, high, table in groups:
+            plan = SplitKVPlan(0, padded, self.block_size, [], queries)
+            ranges = (table[:padded], low[:used], high[:used])
+            if self.device.type == "cpu":
+                plan.key_ranges = (ranges[0], row_starts, ranges[1], ranges[2])
+            else:
+                plan.device_key_ranges = (ranges[0], token_rows, ranges[1], ranges[2])
+            layer_rows = write_rows[:used][None, :, None] + self._layer_rows
+            metadata.append(
+                AttentionMetadata(positions[:used], layer_rows, self.max_position, [], plan)
+            )
+        return StepAttention(metadata, self.layer_slots)
+
+    def _row_tokens_for(self, padded: int, queries: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where each row's tokens start (``[padded + 1]``, the CPU kernel's) and each
+        token's row (``[padded * queries]``, the Triton kernel's): the same for every step of
+        this size, so built once (before a capture, by its warm-up step)."""
+        key = (padded, queries)
+        if key not in self._row_tokens:
+            rows = torch.arange(padded + 1, dtype=torch.long, device=self.device)
+            self._row_tokens[key] = (
+                rows * queries,
+                torch.repeat_interleave(rows[:-1], queries),
+            )
+        return self._row_tokens[key]
