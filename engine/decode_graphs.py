@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pdserve.model.architectures.moe import SparseMoE
+
 if TYPE_CHECKING:
     from pdserve.engine.model_runner import ModelRunner
 
@@ -63,6 +65,22 @@ class DecodeGraphs:
             self.capture_seconds,
             self.memory_bytes / 2**20,
         )
+
+    @staticmethod
+    def captures(model: torch.nn.Module) -> bool:
+        """Whether ``model``'s decode forward can be captured: its experts, if any, run
+        through the grouped matmul (``SparseMoE.grouped_matmul``; the fallback reads each
+        expert's row count on the host). Logs why not."""
+        for name, module in model.named_modules():
+            if isinstance(module, SparseMoE) and not module.grouped_matmul:
+                logger.warning(
+                    "no CUDA graphs: the experts of %s do not run through torch._grouped_mm "
+                    "here (dtype %s); decode steps run eagerly over the static buffers",
+                    name,
+                    module.gate_up.dtype,
+                )
+                return False
+        return True
 
     def _capture(
         self, size: int, queries: int, pool: Any

@@ -196,7 +196,8 @@ class ModelRunner:
             queries.append(1 + config.num_speculative_tokens)
         static = runner.enable_static_decode(config.max_num_seqs, max(queries), max_model_len)
         if static and runner.device.type == "cuda" and config.cuda_graphs == "auto":
-            runner.decode_graphs = DecodeGraphs(runner, queries)
+            if DecodeGraphs.captures(runner.model):
+                runner.decode_graphs = DecodeGraphs(runner, queries)
         return runner
 
     def reserve_positions(self, num_positions: int) -> None:

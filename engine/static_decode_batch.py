@@ -85,16 +85,17 @@ class StaticDecodeBatch:
         total = self._head + num_groups * max_rows * self.width
         pinned = device.type == "cuda"
         self._host = torch.zeros(total, dtype=torch.long, pin_memory=pinned)
-        self._host_view = self._host.numpy()
         self._device = (
             self._host if device.type == "cpu" else torch.zeros_like(self._host, device=device)
         )
+        # The last copy out of the pinned buffer, waited for before it is written again.
+        self._copied: torch.cuda.Event | None = None
         # Each layer's rows relative to a token's write row in layer 0, [slots, 1, entries].
         self._layer_rows = (
             torch.arange(num_layer_slots * kv_entries, dtype=torch.long, device=device) * block_size
         ).view(num_layer_slots, 1, kv_entries)
         self._row_tokens: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._host_regions = self._regions(self._host_view)
+        self._host_regions = self._regions(self._host.numpy())
         self._device_regions = self._regions(self._device)
 
     def _regions(self, packed: Any) -> Any:  # a numpy array or a tensor: sliced alike
@@ -147,6 +148,8 @@ class StaticDecodeBatch:
         num_rows, queries = len(chunks), 1 + chunks[0].num_draft_tokens
         padded = self.padded_size(num_rows)
         tokens = num_rows * queries
+        if self._copied is not None:
+            self._copied.synchronize()
         ids, positions, groups = self._host_regions
         starts = np.fromiter((c.start_position for c in chunks), np.int64, num_rows)
         token_positions = (starts[:, None] + np.arange(queries)).reshape(-1)
@@ -195,6 +198,8 @@ class StaticDecodeBatch:
             start = self._head + group * self.max_rows * self.width
             end = start + padded * self.width
             self._device[start:end].copy_(self._host[start:end], non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
 
     def input_ids(self, padded: int, queries: int) -> torch.Tensor:
         return self._device_regions[0][: padded * queries]

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Runs every CUDA test of pdserve on a GPU machine, in one go, and says what it ran on.
+# Runs every CUDA test of pdserve on a GPU machine, in one go, and says what it ran on; then
+# the decode-step benchmark (eager, static buffers, CUDA graphs; the floor; transformers'
+# static cache), bounded by BENCH_TIMEOUT_S (default 240 s; 0 skips it).
 # Usage (repository root, a Python with CUDA torch and pdserve's dependencies):
-#   tests/gpu/run_gpu_checks.sh [python]
+#   tests/gpu/run_gpu_checks.sh [python] [pytest arguments]
 # Exit status: pytest's; 3 when this Python has no CUDA (nothing would be checked).
 set -euo pipefail
 PYTHON="${1:-python}"
@@ -17,4 +19,10 @@ sys.exit(0 if torch.cuda.is_available() else 1)
 PY
 # --noconftest: the suite's root conftest configures Ray, which a GPU image need not have; the
 # GPU tests use no fixture of it.
-exec "$PYTHON" -m pytest -q -rs --noconftest tests/gpu "${@:2}"
+status=0
+"$PYTHON" -m pytest -q -rs -s --noconftest tests/gpu "${@:2}" || status=$?
+if [ "${BENCH_TIMEOUT_S:-240}" != 0 ]; then
+    (cd bench && timeout "${BENCH_TIMEOUT_S:-240}" "$PYTHON" bench_decode_step.py --device cuda) \
+        || echo "bench_decode_step.py ended with status $?" >&2
+fi
+exit "$status"

@@ -479,3 +479,44 @@ def test_running_decodes_keep_stepping_while_a_long_prompt_is_recomputed(
     assert_decode_idle(decode)
     prefill.wait_until_idle()
     decode.shutdown()
+
+
+def test_a_request_joins_static_decode_steps_only_once_its_pages_have_landed(
+    prefill_factory,
+) -> None:
+    """The static decode batch (what a CUDA graph replays on a GPU) reads its rows' pages in
+    place: while a request's pull is stalled, it stays out of every decode step and another
+    request keeps stepping; once its pages land it joins, and both decode as colocated."""
+    prefill = prefill_factory(transport="grpc")
+    decode = make_decode_engine("grpc")
+    static = decode.runner.static_decode
+    assert static is not None, "the tiny float32 decode engine runs the static decode batch"
+    steps: list[tuple[list[str], bool]] = []
+    fill = static.fill
+
+    def recorded_fill(chunks):
+        steps.append(([c.request_id for c in chunks], decode.connector.has_pending_loads()))
+        return fill(chunks)
+
+    static.fill = recorded_fill  # type: ignore[method-assign]
+    prompts = random_prompts(19, 2)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    colocated = LLMEngine.from_pretrained("tiny", **ENGINE_KWARGS)
+    expected = [o.output_token_ids for o in colocated.generate(prompts, [params] * 2)]
+    first_token = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    early = prefill.prefill("early", prompts[0], first_token)
+    decode.add_request("early", prompts[0], params, kv_transfer_params=early.kv_transfer_params)
+    while not steps:
+        decode.step()
+    late = prefill.prefill("late", prompts[1], first_token)
+    prefill.fault(stall_s=1.5)
+    decode.add_request("late", prompts[1], params, kv_transfer_params=late.kv_transfer_params)
+    outputs = run_to_completion(decode, ["early", "late"])
+    prefill.fault(stall_s=0.0)
+    assert [o.output_token_ids for o in outputs] == expected
+    assert any(ids == ["early"] and pending for ids, pending in steps), "no step during the pull"
+    joined = [pending for ids, pending in steps if "late" in ids]
+    assert joined and not any(joined), "late was in a step while its pull was pending"
+    assert_decode_idle(decode)
+    prefill.wait_until_idle()
+    decode.shutdown()

@@ -1,0 +1,82 @@
+"""CUDA graphs of the decode step (``engine/decode_graphs.py``) give the eager step's tokens.
+
+Three engines over the same random checkpoint on the GPU, greedy: graphs replayed
+(``cuda_graphs: auto``), the static buffers run eagerly (``off``), and the step built afresh
+(the runner's static batch removed). Every family the CPU suite checks
+(``tests/engine/test_static_decode.py``), float32 and bfloat16, with speculative decoding's
+verification rows. The capture's time and memory are the benchmark's to report
+(``bench/bench_decode_step.py --device cuda``, which run_gpu_checks.sh runs after this suite).
+Needs torch with CUDA: tests/gpu/run_gpu_checks.sh.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from pdserve.engine import LLMEngine, SamplingParams
+from tests.engine.hf_models import DEEPSEEK_V3, GEMMA3, MIXTRAL, save_hf_model
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is False)"
+)
+FAMILIES = [
+    pytest.param(transformers.LlamaConfig, {}, id="llama"),
+    pytest.param(transformers.Qwen3Config, {"head_dim": 32}, id="qwen3"),
+    pytest.param(transformers.Gemma3TextConfig, GEMMA3, id="gemma3-windows"),
+    pytest.param(transformers.MixtralConfig, MIXTRAL, id="mixtral-moe"),
+    pytest.param(transformers.DeepseekV3Config, DEEPSEEK_V3, id="deepseek-v3-mla-moe"),
+]
+
+
+def engine(directory, dtype: str, graphs: str, **config) -> LLMEngine:
+    return LLMEngine.from_pretrained(
+        str(directory),
+        device="cuda",
+        dtype=dtype,
+        cuda_graphs=graphs,
+        block_size=16,
+        num_kv_blocks=256,
+        max_num_seqs=16,
+        **config,
+    )
+
+
+def greedy(built: LLMEngine, prompts: list[list[int]], tokens: int = 24) -> list[list[int]]:
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    return [output.token_ids for output in built.generate(prompts, params)]
+
+
+def prompts(count: int = 5) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(2, 96) for _ in range(rng.randint(3, 40))] for _ in range(count)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("config_class, overrides", FAMILIES)
+def test_graph_replays_give_the_eager_steps_tokens(tmp_path, config_class, overrides, dtype):
+    save_hf_model(tmp_path, config_class, **overrides)
+    replayed = engine(tmp_path, dtype, "auto")
+    static = engine(tmp_path, dtype, "off")
+    afresh = engine(tmp_path, dtype, "off")
+    afresh.runner.static_decode = None
+    if replayed.runner.decode_graphs is None:
+        pytest.skip(f"no graphs for this model in {dtype} here (the engine's log says why)")
+    expected = greedy(afresh, prompts())
+    assert greedy(static, prompts()) == expected
+    assert greedy(replayed, prompts()) == expected
+
+
+def test_verification_rows_replay_from_their_own_graphs(tmp_path):
+    save_hf_model(tmp_path, transformers.LlamaConfig)
+    spec = dict(speculative_method="ngram", num_speculative_tokens=3, speculative_min_acceptance=0)
+    replayed = engine(tmp_path, "float32", "auto", **spec)
+    afresh = engine(tmp_path, "float32", "off", **spec)
+    afresh.runner.static_decode = None
+    graphs = replayed.runner.decode_graphs
+    assert graphs is not None and (1, 4) in graphs._graphs
+    repetitive = [[5, 6, 7, 8] * 6 for _ in range(3)]
+    assert greedy(replayed, repetitive) == greedy(afresh, repetitive)
