@@ -13,11 +13,13 @@ queries per row, so a replay reads whatever the step's ``fill`` wrote there::
                 warm-up run (Triton compiles outside any capture)                 first, so
                 capture padded_decode_forward(size, queries) into the shared pool  smaller
                                                                                    ones reuse
-    step:   fill(chunks) ─▶ replay graph(padded, queries) ─▶ logits[:rows] (a copy)  its memory)
+    step:   fill(chunks) ─▶ replay graph(padded, queries) ─▶ LM head on hidden[:rows]   its memory)
 
-Prefill and mixed steps, and anything ``StaticDecodeBatch.takes`` refuses (LoRA, a row past
-the table's width), stay eager. Sampling, grammar masks, logprobs and penalties run after the
-replay, on its logits. A request reaches a decode step only once its KV has landed (the
+A graph ends at the final hidden states: the LM head runs after the replay on the real rows
+alone, so no graph holds logits (a vocabulary's width for every padded row of every size,
+hundreds of MB for a 128k vocabulary at 64 rows). Prefill and mixed steps, and anything
+``StaticDecodeBatch.takes`` refuses (LoRA, a row past the positions the buffers cover), stay
+eager. Sampling, grammar masks, logprobs and penalties run on the logits. A request reaches a decode step only once its KV has landed (the
 scheduler keeps it in ``WAITING_FOR_REMOTE_KVS`` until then), so no replay reads a page that
 a transfer is still writing.
 """
@@ -96,16 +98,15 @@ class DecodeGraphs:
         torch.cuda.current_stream(runner.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            logits = runner.padded_decode_forward(size, queries)
-        return graph, logits
+            hidden = runner.padded_decode_forward(size, queries)
+        return graph, hidden
 
     def replay(self, padded: int, queries: int) -> torch.Tensor | None:
-        """The logits of the step ``fill`` wrote, from its graph; None where none was
-        captured for that size. The graph's output is overwritten by the next replay: the
-        caller gets rows it may keep."""
+        """The final hidden states of the step ``fill`` wrote, from its graph (its output
+        buffer, overwritten by the next replay); None where none was captured for that size."""
         captured = self._graphs.get((padded, queries))
         if captured is None:
             return None
-        graph, logits = captured
+        graph, hidden = captured
         graph.replay()
-        return logits
+        return hidden

@@ -248,13 +248,12 @@ class ModelRunner:
         static = self.static_decode
         if static is not None and static.takes(chunks):
             padded, queries = static.fill(chunks)
-            rows = len(chunks) * queries
-            replayed = (
-                None if self.decode_graphs is None else self.decode_graphs.replay(padded, queries)
-            )
-            if replayed is not None:
-                return replayed[:rows].clone()
-            return self.padded_decode_forward(padded, queries)[:rows]
+            replayed = None
+            if self.decode_graphs is not None:
+                replayed = self.decode_graphs.replay(padded, queries)
+            hidden = self.padded_decode_forward(padded, queries) if replayed is None else replayed
+            with torch.inference_mode():  # the real rows only: padding never reaches the head
+                return self.model.compute_logits(hidden[: len(chunks) * queries]).float()
         # Prefills first, decode rows last (stable, so each group keeps its order).
         counts = [len(c.token_ids) for c in chunks]
         is_prefill = [count > 1 and not c.num_draft_tokens for c, count in zip(chunks, counts)]
@@ -363,17 +362,17 @@ class ModelRunner:
         return LoRAStep(groups, sum(counts), self._lora_stacks, self.device)
 
     def padded_decode_forward(self, padded: int, queries: int) -> torch.Tensor:
-        """The static decode step over the buffers as last filled: float32 logits for every
-        padded row's queries. Its tensors depend only on ``(padded, queries)``: the function
-        a CUDA graph captures (``engine/decode_graphs.py``)."""
+        """The static decode step over the buffers as last filled: the final hidden states of
+        every padded row's queries. Its tensors depend only on ``(padded, queries)``: the
+        function a CUDA graph captures (``engine/decode_graphs.py``). The LM head runs after
+        it on the real rows (``execute``), so a graph holds no padded row's logits."""
         static = self.static_decode
         assert static is not None, "padded_decode_forward needs enable_static_decode"
         metadata = static.metadata(padded, queries)
         with torch.inference_mode():
-            hidden = self.model.forward(
+            return self.model.forward(
                 static.input_ids(padded, queries), metadata.positions, self.attention_kv, metadata
             )
-            return self.model.compute_logits(hidden).float()
 
     def _forward(
         self, input_ids: torch.Tensor, metadata: StepAttention, sample_rows: list[int]

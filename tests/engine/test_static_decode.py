@@ -181,9 +181,9 @@ def test_the_captured_forward_reads_nothing_on_the_host(tmp_path, config_class, 
     static.static_decode.fill_padding(4, 1)
     static.padded_decode_forward(4, 1)  # warm: caches filled once, outside the guard
     with NoHostSync():
-        logits = static.padded_decode_forward(4, 1)
-    assert logits.shape == (4, 96)
+        hidden = static.padded_decode_forward(4, 1)
+    assert hidden.shape == (4, 64)
     with pytest.raises(HostSyncError, match="tolist"), NoHostSync():
-        logits.argmax(-1).tolist()
+        hidden.argmax(-1).tolist()
     with pytest.raises(HostSyncError, match="torch.tensor"), NoHostSync():
         torch.tensor([1, 2])
