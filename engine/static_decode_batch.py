@@ -10,17 +10,19 @@ host buffer is the device's: no copy). What the forward sees then depends on the
 count and the queries per row alone, so the same function serves a graph's capture and
 every replay, and the CPU's eager step skips the per-step index building::
 
-    packed int64 buffer, R = max_rows, T = R * max_queries, G = KV groups, W = table width
-    | ids [T] | positions [T] | per group: write rows [T], low [T], high [T] | tables [G, R, W] |
-      └────────────────────── head, copied whole ───────────────────────┘   └ group g's rows
-                                                                              [:n], copied ┘
+    packed int64, R = max_rows, T = R * max_queries, G = KV groups, W = table width
+    | ids [T] | positions [T] | per group: write rows [T, L, E], low [T], high [T] |
+      └──────────────────────── head, copied whole ──────────────────────────┘
+    | tables [G, R, W] |   group g's rows [:n] copied (right after the head for group 0)
 
-Token ``t`` of the step is row ``t // q``'s query ``t % q`` (``q`` queries per row). Its
-write row is its K row in layer 0 of the KV tensor seen as rows (``model/attention.py``), its
-keys ``[low, high)`` of its row's table, counted from the table's first page, block 0 of the
-request: a causal limit, and a sliding window's first key. Rows past the step's own (padding
-up to a captured size) hold token 0 at position 0 over a table of block 0, the null block
-that no request holds: they write and read its first slot, and their outputs are dropped.
+Token ``t`` of the step is row ``t // q``'s query ``t % q`` (``q`` queries per row). Its write
+rows are its rows in each layer slot (``L``) and entry (``E``: K, V) of the KV tensor seen as
+rows (``model/attention.py``), computed on the host, so the forward's metadata is views of
+the buffers and nothing else. It sees keys ``[low, high)`` of its row's table, counted from
+the table's first page, block 0 of the request: a causal limit, and a sliding window's first
+key. Rows past the step's own (padding up to a captured size) hold token 0 at position 0
+over a table of block 0, the null block that no request holds: they write and read its
+first slot, and their outputs are dropped.
 """
 
 from __future__ import annotations
@@ -81,7 +83,9 @@ class StaticDecodeBatch:
         self.sizes = padded_sizes(max_rows)
         self.rows_per_block = num_layer_slots * kv_entries * block_size
         num_groups, tokens = len(group_windows), max_rows * max_queries
-        self._head = tokens * (2 + 3 * num_groups)
+        self._rows_shape = (num_layer_slots, kv_entries)
+        self._group_size = tokens * (num_layer_slots * kv_entries + 2)
+        self._head = tokens * 2 + num_groups * self._group_size
         total = self._head + num_groups * max_rows * self.width
         pinned = device.type == "cuda"
         self._host = torch.zeros(total, dtype=torch.long, pin_memory=pinned)
@@ -90,27 +94,28 @@ class StaticDecodeBatch:
         )
         # The last copy out of the pinned buffer, waited for before it is written again.
         self._copied: torch.cuda.Event | None = None
-        # Each layer's rows relative to a token's write row in layer 0, [slots, 1, entries].
-        self._layer_rows = (
-            torch.arange(num_layer_slots * kv_entries, dtype=torch.long, device=device) * block_size
-        ).view(num_layer_slots, 1, kv_entries)
+        # Each (layer slot, entry)'s row relative to the token's K row in layer 0.
+        self._layer_offsets = (np.arange(num_layer_slots * kv_entries) * block_size).reshape(
+            self._rows_shape
+        )
         self._row_tokens: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._host_regions = self._regions(self._host.numpy())
         self._device_regions = self._regions(self._device)
 
     def _regions(self, packed: Any) -> Any:  # a numpy array or a tensor: sliced alike
         """The packed buffer's named views (module doc), ``(ids, positions, per group
-        (write rows, low, high, tables [R, W]))``."""
+        (write rows [T, slots, entries], low, high, tables [R, W]))``."""
         tokens = self.max_rows * self.max_queries
+        rows_end = tokens * self._rows_shape[0] * self._rows_shape[1]
         groups = []
         for group in range(len(self.group_windows)):
-            base = tokens * (2 + 3 * group)
+            base = tokens * 2 + group * self._group_size
             table_start = self._head + group * self.max_rows * self.width
             groups.append(
                 (
-                    packed[base : base + tokens],
-                    packed[base + tokens : base + 2 * tokens],
-                    packed[base + 2 * tokens : base + 3 * tokens],
+                    packed[base : base + rows_end].reshape(tokens, *self._rows_shape),
+                    packed[base + rows_end : base + rows_end + tokens],
+                    packed[base + rows_end + tokens : base + rows_end + 2 * tokens],
                     packed[table_start : table_start + self.max_rows * self.width].reshape(
                         self.max_rows, self.width
                     ),
@@ -163,7 +168,8 @@ class StaticDecodeBatch:
                 need = cdiv(chunk.start_position + queries, self.block_size)
                 table[row, :need] = chunk.block_tables[group][:need]
             blocks = table[rows, token_positions // self.block_size]
-            write_rows[:tokens] = blocks * self.rows_per_block + token_positions % self.block_size
+            first_rows = blocks * self.rows_per_block + token_positions % self.block_size
+            write_rows[:tokens] = first_rows[:, None, None] + self._layer_offsets
             window = self.group_windows[group]
             low[:tokens] = 0 if window is None else np.maximum(token_positions - window + 1, 0)
             high[:tokens] = token_positions + 1
@@ -183,7 +189,7 @@ class StaticDecodeBatch:
         positions[tokens:used] = 0
         for write_rows, low, high, table in groups:
             table[num_rows:padded, 0] = 0
-            write_rows[tokens:used] = 0
+            write_rows[tokens:used] = self._layer_offsets
             low[tokens:used] = 0
             high[tokens:used] = 1
         if self._device is not self._host:
@@ -206,7 +212,7 @@ class StaticDecodeBatch:
 
     def metadata(self, padded: int, queries: int) -> StepAttention:
         """The forward's attention for ``padded`` rows of ``queries``: views of the buffers,
-        each group's write rows widened over the layers (one device add), and the decode
+        each group's write rows per layer, and the decode
         kernels' key ranges (``SplitKVPlan.key_ranges`` on CPU, ``device_key_ranges`` on
         CUDA); no host value that differs between steps of the same size."""
         used = padded * queries
@@ -220,9 +226,10 @@ class StaticDecodeBatch:
                 plan.key_ranges = (ranges[0], row_starts, ranges[1], ranges[2])
             else:
                 plan.device_key_ranges = (ranges[0], token_rows, ranges[1], ranges[2])
-            layer_rows = write_rows[:used][None, :, None] + self._layer_rows
             metadata.append(
-                AttentionMetadata(positions[:used], layer_rows, self.max_position, [], plan)
+                AttentionMetadata(
+                    positions[:used], write_rows[:used].transpose(0, 1), self.max_position, [], plan
+                )
             )
         return StepAttention(metadata, self.layer_slots)
 

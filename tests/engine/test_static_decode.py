@@ -187,3 +187,31 @@ def test_the_captured_forward_reads_nothing_on_the_host(tmp_path, config_class, 
         hidden.argmax(-1).tolist()
     with pytest.raises(HostSyncError, match="torch.tensor"), NoHostSync():
         torch.tensor([1, 2])
+
+
+def test_metadata_built_once_serves_every_later_step_as_a_replay_would(tmp_path):
+    """A graph bakes in the tensors its capture saw; the static step's metadata must hold
+    nothing a later step changes but through the buffers. Here the metadata of the first
+    step is kept and handed to every later one (what a replay does): each later step with
+    other rows, positions and tables still equals the eager step."""
+    eager, static = twin_runners(tmp_path, transformers.Gemma3TextConfig, GEMMA3)
+    batch = static.static_decode
+    assert batch is not None
+    sequences, tables = prefill_both((eager, static), [6, 11, 25, 3], seed=4)
+    baked = {}
+    build = batch.metadata
+
+    def built_once(padded: int, queries: int):
+        if (padded, queries) not in baked:
+            baked[padded, queries] = build(padded, queries)
+        return baked[padded, queries]
+
+    batch.metadata = built_once  # type: ignore[method-assign]
+    for step in range(12):
+        rows = [(i, s) for i, s in enumerate(sequences) if (i + step) % 4 != 0]  # 3 rows of 4
+        chunks = [tables.chunk(str(i), s[-1:], len(s) - 1) for i, s in rows]
+        expected = eager.execute(chunks)
+        torch.testing.assert_close(static.execute(chunks), expected, atol=1e-4, rtol=0)
+        for (_, sequence), token in zip(rows, expected.argmax(-1).tolist()):
+            sequence.append(token)
+    assert list(baked) == [(4, 1)]
