@@ -24,7 +24,7 @@ from pdserve.engine.kv_cache_groups import kv_cache_groups
 from pdserve.engine.model_input import ScheduledChunk
 from pdserve.engine.static_decode_batch import StaticDecodeBatch
 from pdserve.engine.tensor_parallel_peers import TensorParallelGroupLost
-from pdserve.model import paged_decode_kernel, paged_decode_triton
+from pdserve.model import latent_decode_triton, paged_decode_kernel, paged_decode_triton
 from pdserve.model.architectures import CausalLM
 from pdserve.model.architectures.rotary import RotaryEmbedding
 from pdserve.model.attention import StepAttention, build_attention_metadata
@@ -219,8 +219,11 @@ class ModelRunner:
         layer_cache = self.attention_kv[:, 0]
         if self.device.type == "cpu":
             served = paged_decode_kernel.serves(query, layer_cache)
-        else:
-            served = paged_decode_triton.serves(query.to(self.device), layer_cache)
+        else:  # the GQA kernel, or MLA's over latent rows
+            query = query.to(self.device)
+            served = paged_decode_triton.serves(query, layer_cache) or (
+                latent_decode_triton.serves(query, layer_cache)
+            )
         if not served or self.peers is not None or self.sharded:
             return False
         self.static_decode = StaticDecodeBatch(

@@ -52,8 +52,8 @@ _PAGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # float32 model, over any pages) keeps float32 products, which the CUDA cores compute, a
 # query head padded to 16 rows for tl.dot: compute-bound, 3.6x slower at batch 8 x 8k.
 _NARROW_DTYPES = (torch.float16, torch.bfloat16)
-# A program holds its query heads x a page's keys x the head in registers: wider heads (MLA's
-# 576-wide latent rows) keep the gather path.
+# A program holds its query heads x a page's keys x the head in registers: wider heads keep
+# the gather path (MLA's 576-wide latent rows have their own kernel: latent_decode_triton.py).
 MAX_HEAD_SIZE = 256
 
 
@@ -242,20 +242,11 @@ def paged_decode(
     num_tokens, num_heads, head_size = query.shape
     _, entries, block_size, num_kv_heads, _ = layer_cache.shape
     group = num_heads // num_kv_heads
-    width = tables.shape[1]
-    wanted = min(MAX_SPLITS, max(1, TARGET_PROGRAMS // max(1, num_tokens * num_kv_heads)))
-    blocks_per_split = -(-width // min(width, wanted))
-    num_splits = -(-width // blocks_per_split)
-    keys_per_split = blocks_per_split * block_size
+    num_splits, keys_per_split = split_rows(tables.shape[1], block_size, num_tokens * num_kv_heads)
     output = torch.empty(num_tokens, num_heads, head_size, device=query.device, dtype=query.dtype)
-    partial_out = partial_lse = output  # unused where one split finishes each row
-    if num_splits > 1:
-        partial_out = query.new_empty(
-            num_tokens * num_heads, num_splits, head_size, dtype=torch.float32
-        )
-        partial_lse = query.new_empty(num_tokens * num_heads, num_splits, dtype=torch.float32)
+    partial_out, partial_lse = partials(output, num_splits)
     head_pad = max(16, 1 << (head_size - 1).bit_length())
-    split_kernel, merge_kernel = _kernels()
+    split_kernel, _ = _kernels()
     split_kernel[(num_tokens, num_kv_heads, num_splits)](
         query,
         layer_cache,
@@ -281,20 +272,58 @@ def paged_decode(
         HEAD=head_size,
         HEAD_PAD=head_pad,
         BLOCK=block_size,
-        KEYS=min(KEYS_PER_TILE, max(16, 1 << (keys_per_split - 1).bit_length())),
+        KEYS=keys_per_tile(keys_per_split),
         VALUE_ENTRY=entries - 1,
         ONE_SPLIT=num_splits == 1,
         TENSOR_CORES=query.dtype == layer_cache.dtype and query.dtype in _NARROW_DTYPES,
         num_warps=NUM_WARPS,
     )
-    if num_splits > 1:
-        merge_kernel[(num_tokens * num_heads,)](
-            partial_out,
-            partial_lse,
-            output,
-            num_splits,
-            HEAD=head_size,
-            HEAD_PAD=head_pad,
-            SPLITS_PAD=max(2, 1 << (num_splits - 1).bit_length()),
-        )
+    merge(partial_out, partial_lse, output, num_splits)
     return output
+
+
+def split_rows(width: int, block_size: int, programs_per_split: int) -> tuple[int, int]:
+    """``(splits, keys per split)`` of tables ``width`` pages wide, so that about
+    ``TARGET_PROGRAMS`` programs run when each split takes ``programs_per_split`` of them
+    (at most ``MAX_SPLITS``). Only the shapes decide: a padded batch's grid is fixed."""
+    wanted = min(MAX_SPLITS, max(1, TARGET_PROGRAMS // max(1, programs_per_split)))
+    blocks_per_split = -(-width // min(width, wanted))
+    return -(-width // blocks_per_split), blocks_per_split * block_size
+
+
+def keys_per_tile(keys_per_split: int) -> int:
+    """Keys a program reads per step: ``KEYS_PER_TILE``, or fewer for a short split (16 at
+    least, what ``tl.dot`` takes)."""
+    return min(KEYS_PER_TILE, max(16, 1 << (keys_per_split - 1).bit_length()))
+
+
+def partials(output: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each split's float32 output and log-sum-exp per (token, head) row of ``output``
+    ``[tokens, heads, width]``; ``output`` itself (unused) where one split finishes a row."""
+    if num_splits == 1:
+        return output, output
+    rows, width = output.shape[0] * output.shape[1], output.shape[2]
+    return (
+        output.new_empty(rows, num_splits, width, dtype=torch.float32),
+        output.new_empty(rows, num_splits, dtype=torch.float32),
+    )
+
+
+def merge(
+    partial_out: torch.Tensor, partial_lse: torch.Tensor, output: torch.Tensor, num_splits: int
+) -> None:
+    """The splits' outputs, weighed by their log-sum-exps, into ``output`` (none to merge
+    where one split finished each row)."""
+    if num_splits == 1:
+        return
+    width = output.shape[2]
+    _, merge_kernel = _kernels()
+    merge_kernel[(output.shape[0] * output.shape[1],)](
+        partial_out,
+        partial_lse,
+        output,
+        num_splits,
+        HEAD=width,
+        HEAD_PAD=max(16, 1 << (width - 1).bit_length()),
+        SPLITS_PAD=max(2, 1 << (num_splits - 1).bit_length()),
+    )

@@ -21,7 +21,9 @@ Two forms of the same attention, as DeepSeek serves it:
   Since ``q_nope · (W_UK c) = (W_UKᵀ q_nope) · c``, each head's query becomes
   ``| W_UKᵀ q_nope | q_rope |`` and attends the cached rows in place (``split_kv.py``), as
   one shared KV head (MQA); the output, a latent, leaves through ``W_UV``. Nothing is
-  copied out of the pages or expanded per key.
+  copied out of the pages or expanded per key. On CUDA the rows are read by their own Triton
+  kernel (``model/latent_decode_triton.py``: blocks of query heads, the row in its latent and
+  RoPE parts), so a decode step over latent pages is captured in a CUDA graph too.
 
 The softmax scale is ``1/sqrt(qk_nope + qk_rope)`` in both forms, times YaRN's
 ``mscale_all_dim`` correction squared when the context is stretched (DeepSeek's checkpoints).
@@ -33,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.model import latent_decode_triton
 from pdserve.model.architectures.layers import RMSNorm, fuse_linears, project
 from pdserve.model.architectures.rotary import (
     apply_rotary,
@@ -147,9 +150,15 @@ class MLAttention(nn.Module):
         absorbed = torch.cat(
             (torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1), q_rope), dim=-1
         )
-        attended = split_kv_attention(absorbed, layer_cache, plan, self.scale)
-        latent_out = attended[..., : self.mla.kv_lora_rank].transpose(0, 1)
-        return torch.bmm(latent_out, self.w_uv_t).transpose(0, 1)
+        ranges = plan.device_key_ranges
+        if ranges is not None and latent_decode_triton.serves(absorbed, layer_cache):
+            latent_out = latent_decode_triton.latent_decode(
+                absorbed, layer_cache, *ranges, self.scale, self.mla.kv_lora_rank
+            )
+        else:
+            attended = split_kv_attention(absorbed, layer_cache, plan, self.scale)
+            latent_out = attended[..., : self.mla.kv_lora_rank]
+        return torch.bmm(latent_out.transpose(0, 1), self.w_uv_t).transpose(0, 1)
 
     def _expanded(
         self, query: torch.Tensor, rows: torch.Tensor, attn_mask: torch.Tensor | None

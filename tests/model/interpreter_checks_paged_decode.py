@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.model import paged_decode_triton
+from pdserve.model import latent_decode_triton, paged_decode_triton
 
 BLOCK_SIZE = 16
 
@@ -70,3 +70,43 @@ def test_the_fixed_grid_equals_attention_over_each_tokens_own_keys(
         )
         torch.testing.assert_close(out[token].double(), expected, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(out).all()  # padded rows too: one key each, never an empty softmax
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    rows=st.integers(1, 3),
+    heads=st.sampled_from([4, 20]),
+    queries=st.sampled_from([1, 2]),
+    width=st.sampled_from([3, 7]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_latent_kernel_equals_absorbed_attention_over_the_latent_rows(
+    rows, heads, queries, width, seed
+):
+    """MLA's absorbed decode (``latent_decode_triton.py``): each query head over the cached
+    rows ``| latent | rope key |``, the latent part their values; a 40-wide row (32 + 8) as
+    the CPU suite's DeepSeek models cache, heads over one block of 16 and over two."""
+    generator = torch.Generator().manual_seed(seed)
+    latent, rope = 32, 8
+    num_blocks = 1 + rows * width
+    pages = torch.randn(num_blocks, 1, BLOCK_SIZE, 1, latent + rope, generator=generator)
+    table = (torch.randperm(num_blocks - 1, generator=generator)[: rows * width] + 1).view(
+        rows, width
+    )
+    starts = torch.randint(0, width * BLOCK_SIZE - queries + 1, (rows,), generator=generator)
+    positions = (starts[:, None] + torch.arange(queries)).flatten()
+    high, low = positions + 1, torch.zeros_like(positions)
+    token_rows = torch.arange(rows).repeat_interleave(queries)
+    query = torch.randn(rows * queries, heads, latent + rope, generator=generator)
+    scale = 0.3
+    out = latent_decode_triton.latent_decode(
+        query, pages, table, token_rows, low, high, scale, latent
+    )
+    assert out.shape == (rows * queries, heads, latent)
+    for token in range(rows * queries):
+        row, seen = int(token_rows[token]), int(high[token])
+        cached = pages[table[row], 0].flatten(0, 1)[:seen, 0].double()  # [keys, R + P]
+        weights = torch.softmax(query[token].double() @ cached.T * scale, dim=-1)
+        torch.testing.assert_close(
+            out[token].double(), weights @ cached[:, :latent], atol=1e-5, rtol=1e-5
+        )
