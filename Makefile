@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo check lint test test-fast typecheck bench bench-vllm-env clean
+.PHONY: setup demo check lint test test-fast typecheck bench bench-vllm-env gpu-wheels clean
 
 setup: $(VENV)/.installed
 
@@ -38,6 +38,14 @@ $(VENV)/.installed: pyproject.toml
 
 demo: setup
 	$(VENV)/bin/pdserve demo
+
+# Wheels the lent GPU machine's image lacks (Python 3.12, no registry there; docs in
+# tests/gpu/run_gpu_checks.sh), at this venv's versions: carry build/gpu-wheels with the tree.
+GPU_WHEELS := gguf pyyaml tqdm llguidance
+gpu-wheels: setup
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		-d build/gpu-wheels $$($(PY) -c "import importlib.metadata as m; \
+		print(' '.join(f'{p}=={m.version(p)}' for p in '$(GPU_WHEELS)'.split()))")
 
 # The checks (CONTRIBUTING.md): lint, format, the import layers, types. Each fails the target
 # on its own; `make test` runs them too (types beside the Ray lane, below).
