@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from bench_engine import SMOLLM2_SHAPE
 from random_checkpoint import save_random_checkpoint
 from transformers import LlamaConfig, StaticCache
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
@@ -43,17 +44,7 @@ CUDA_SHAPES = ((1, 2048), (8, 2048), (32, 2048), (64, 2048))
 ROUNDS = 5
 STEPS_PER_ROUND = 20
 SHAPES = {
-    "smollm2": LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    ),
+    "smollm2": SMOLLM2_SHAPE,
     "llama-3.2-1b": LlamaConfig(
         vocab_size=128256,
         hidden_size=2048,

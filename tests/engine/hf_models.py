@@ -3,6 +3,7 @@ are checked against."""
 
 from __future__ import annotations
 
+import pytest
 import tokenizers
 import torch
 import transformers
@@ -43,6 +44,15 @@ GEMMA3 = {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
     },
 }
+# One model of each way a decode step differs: plain GQA, QK norms, Gemma 3's windows and KV
+# groups, experts, latent attention with experts (the static decode step's families).
+DECODE_FAMILIES = [
+    pytest.param(transformers.LlamaConfig, {}, id="llama"),
+    pytest.param(transformers.Qwen3Config, {"head_dim": 32}, id="qwen3"),
+    pytest.param(transformers.Gemma3TextConfig, GEMMA3, id="gemma3-windows"),
+    pytest.param(transformers.MixtralConfig, MIXTRAL, id="mixtral-moe"),
+    pytest.param(transformers.DeepseekV3Config, DEEPSEEK_V3, id="deepseek-v3-mla-moe"),
+]
 COMMON = dict(
     vocab_size=96,
     hidden_size=64,

@@ -21,20 +21,13 @@ from pdserve.engine.model_input import ScheduledChunk
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.static_decode_batch import StaticDecodeBatch, padded_sizes
 from pdserve.model.loader import load_model
-from tests.engine.hf_models import DEEPSEEK_V3, GEMMA3, MIXTRAL, save_hf_model
+from tests.engine.hf_models import DECODE_FAMILIES, GEMMA3, save_hf_model
 from tests.engine.host_sync_guard import HostSyncError, NoHostSync
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 256
 MAX_ROWS = 8
 MAX_POSITION = 200
-FAMILIES = [
-    pytest.param(transformers.LlamaConfig, {}, id="llama"),
-    pytest.param(transformers.Qwen3Config, {"head_dim": 32}, id="qwen3"),
-    pytest.param(transformers.Gemma3TextConfig, GEMMA3, id="gemma3-windows"),
-    pytest.param(transformers.MixtralConfig, MIXTRAL, id="mixtral-moe"),
-    pytest.param(transformers.DeepseekV3Config, DEEPSEEK_V3, id="deepseek-v3-mla-moe"),
-]
 
 
 def twin_runners(directory, config_class, overrides) -> tuple[ModelRunner, ModelRunner]:
@@ -82,7 +75,7 @@ def prefill_both(
     return [prompt + [token] for prompt, token in zip(prompts, firsts[0])], tables
 
 
-@pytest.mark.parametrize("config_class, overrides", FAMILIES)
+@pytest.mark.parametrize("config_class, overrides", DECODE_FAMILIES)
 def test_static_decode_steps_equal_the_eager_steps_token_for_token(
     tmp_path, config_class, overrides
 ):
@@ -102,7 +95,7 @@ def test_static_decode_steps_equal_the_eager_steps_token_for_token(
     assert streams[1] == streams[0]
 
 
-@pytest.mark.parametrize("config_class, overrides", FAMILIES[:3:2])
+@pytest.mark.parametrize("config_class, overrides", DECODE_FAMILIES[:3:2])
 def test_verification_rows_of_a_token_and_its_drafts_equal_the_eager_step(
     tmp_path, config_class, overrides
 ):
@@ -172,7 +165,7 @@ def test_padded_sizes_are_powers_of_two_then_steps_of_eight():
     assert [batch.padded_size(n) for n in (1, 3, 5, 9, 17, 20)] == [1, 4, 8, 16, 20, 20]
 
 
-@pytest.mark.parametrize("config_class, overrides", FAMILIES)
+@pytest.mark.parametrize("config_class, overrides", DECODE_FAMILIES)
 def test_the_captured_forward_reads_nothing_on_the_host(tmp_path, config_class, overrides):
     """Once warm, the function a CUDA graph captures makes no host read (``.item``,
     ``.tolist``, ``.cpu``, a tensor's truth) and no tensor from host data or host sizes."""

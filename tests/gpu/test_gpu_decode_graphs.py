@@ -18,18 +18,11 @@ import torch
 import transformers
 
 from pdserve.engine import LLMEngine, SamplingParams
-from tests.engine.hf_models import DEEPSEEK_V3, GEMMA3, MIXTRAL, save_hf_model
+from tests.engine.hf_models import DECODE_FAMILIES, save_hf_model
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is False)"
 )
-FAMILIES = [
-    pytest.param(transformers.LlamaConfig, {}, id="llama"),
-    pytest.param(transformers.Qwen3Config, {"head_dim": 32}, id="qwen3"),
-    pytest.param(transformers.Gemma3TextConfig, GEMMA3, id="gemma3-windows"),
-    pytest.param(transformers.MixtralConfig, MIXTRAL, id="mixtral-moe"),
-    pytest.param(transformers.DeepseekV3Config, DEEPSEEK_V3, id="deepseek-v3-mla-moe"),
-]
 
 
 def engine(directory, dtype: str, graphs: str, **config) -> LLMEngine:
@@ -56,7 +49,7 @@ def prompts(count: int = 5) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("config_class, overrides", FAMILIES)
+@pytest.mark.parametrize("config_class, overrides", DECODE_FAMILIES)
 def test_graph_replays_give_the_eager_steps_tokens(tmp_path, config_class, overrides, dtype):
     save_hf_model(tmp_path, config_class, **overrides)
     replayed = engine(tmp_path, dtype, "auto")
