@@ -172,9 +172,13 @@ class ModelRunner:
         kv_pages: torch.Tensor | None = None,
         tensor_parallel: TensorParallel | None = None,
         peers: TensorParallelPeers | None = None,
+        draft: bool = False,
     ) -> ModelRunner:
-        """The runner an engine of ``config`` runs (rank 0's, a peer's, or a draft's), its
-        position tables built for every position the engine serves."""
+        """The runner an engine of ``config`` runs (rank 0's, a peer's, or a ``draft``
+        model's), its position tables built for every position the engine serves, its uniform
+        decode steps over static buffers where a kernel serves them, and on CUDA (``cuda_graphs``
+        auto) replayed from graphs: of one query a row, and of a verification's ``1 + k``
+        unless it is a draft's (which never verifies)."""
         runner = cls(
             model,
             model_config,
@@ -192,12 +196,11 @@ class ModelRunner:
         )
         runner.reserve_positions(max_model_len)
         queries = [1]
-        if config.speculative_method != "off":
+        if config.speculative_method != "off" and not draft:
             queries.append(1 + config.num_speculative_tokens)
         static = runner.enable_static_decode(config.max_num_seqs, max(queries), max_model_len)
         if static and runner.device.type == "cuda" and config.cuda_graphs == "auto":
-            if DecodeGraphs.captures(runner.model):
-                runner.decode_graphs = DecodeGraphs(runner, queries)
+            runner.decode_graphs = DecodeGraphs.capture(runner, queries)
         return runner
 
     def reserve_positions(self, num_positions: int) -> None:
@@ -209,12 +212,15 @@ class ModelRunner:
             if isinstance(module, RotaryEmbedding):
                 module.reserve(num_positions)
 
-    def enable_static_decode(self, max_rows: int, max_queries: int, max_position: int) -> bool:
+    def enable_static_decode(
+        self, max_rows: int, max_queries: int, max_position: int, pad_rows: bool | None = None
+    ) -> bool:
         """Serve uniform decode steps of up to ``max_rows`` rows of ``max_queries`` queries
         from persistent buffers (``engine/static_decode_batch.py``), where a kernel reads the
         pages in place for this model (the C++ kernel for a float32 model on CPU, Triton on
         CUDA) and the model is whole (no tensor parallelism: ranks would pad alike but step apart);
-        returns whether it does."""
+        returns whether it does. ``pad_rows``: pad steps to the sizes CUDA graphs capture
+        (``None``: on CUDA only)."""
         query = torch.empty(1, 1, self.model_config.kv_token_shape[2], dtype=self.dtype)
         layer_cache = self.attention_kv[:, 0]
         if self.device.type == "cpu":
@@ -236,6 +242,7 @@ class ModelRunner:
             self.group_windows,
             self.layer_slots,
             self.device,
+            self.device.type == "cuda" if pad_rows is None else pad_rows,
         )
         return True
 

@@ -55,7 +55,8 @@ class StaticDecodeBatch:
 
     ``max_position``: the positions a row may reach (the engine's longest sequence, for which
     the RoPE tables are built), which sets the tables' width; ``layer_slots`` and
-    ``group_windows`` as the runner's (each layer's KV group and slot, each group's window).
+    ``group_windows`` as the runner's (each layer's KV group and slot, each group's window);
+    ``pad_rows``: pad each step to a captured size (where CUDA graphs replay it).
     """
 
     def __init__(
@@ -69,6 +70,7 @@ class StaticDecodeBatch:
         group_windows: list[int | None],
         layer_slots: tuple[tuple[int, int], ...],
         device: torch.device,
+        pad_rows: bool = True,
     ) -> None:
         if max_rows < 1 or max_queries < 1 or max_position < 1:
             raise ValueError(
@@ -81,6 +83,7 @@ class StaticDecodeBatch:
         self.max_position = max_position
         self.device = device
         self.sizes = padded_sizes(max_rows)
+        self.pad_rows = pad_rows
         self.rows_per_block = num_layer_slots * kv_entries * block_size
         num_groups, tokens = len(group_windows), max_rows * max_queries
         self._rows_shape = (num_layer_slots, kv_entries)
@@ -124,12 +127,16 @@ class StaticDecodeBatch:
         return packed[:tokens], packed[tokens : 2 * tokens], groups
 
     def padded_size(self, num_rows: int) -> int:
-        """The smallest padded size holding ``num_rows`` rows."""
+        """The smallest padded size holding ``num_rows`` rows (``num_rows`` itself where
+        rows are not padded: no graph replays the step, so padding would only cost)."""
+        if not self.pad_rows:
+            return num_rows
         return next(size for size in self.sizes if size >= num_rows)
 
     def takes(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether the step is a uniform decode batch these buffers hold: every chunk one
-        sampled query and the same number of drafts, base model, its table within the width."""
+        sampled query and the same number of drafts, base model, within the positions covered, its
+        tables long enough (a short one gets the eager step's clear error)."""
         first = chunks[0]
         queries = 1 + first.num_draft_tokens
         return (
@@ -142,6 +149,10 @@ class StaticDecodeBatch:
                 and not chunk.all_logits
                 and chunk.lora_id is None
                 and chunk.start_position + queries <= self.max_position
+                and all(
+                    len(table) * self.block_size >= chunk.start_position + queries
+                    for table in chunk.block_tables
+                )
                 for chunk in chunks
             )
         )
@@ -153,8 +164,7 @@ class StaticDecodeBatch:
         num_rows, queries = len(chunks), 1 + chunks[0].num_draft_tokens
         padded = self.padded_size(num_rows)
         tokens = num_rows * queries
-        if self._copied is not None:
-            self._copied.synchronize()
+        self._wait_for_last_copy()
         ids, positions, groups = self._host_regions
         starts = np.fromiter((c.start_position for c in chunks), np.int64, num_rows)
         token_positions = (starts[:, None] + np.arange(queries)).reshape(-1)
@@ -179,7 +189,13 @@ class StaticDecodeBatch:
     def fill_padding(self, padded: int, queries: int) -> None:
         """Every row of a ``padded`` step padding: what a capture's warm-up and capture
         read (nothing of a request)."""
+        self._wait_for_last_copy()
         self._pad(0, padded, queries)
+
+    def _wait_for_last_copy(self) -> None:
+        """Before the pinned buffer is written again, the copy out of it has ended."""
+        if self._copied is not None:
+            self._copied.synchronize()
 
     def _pad(self, num_rows: int, padded: int, queries: int) -> None:
         """Rows ``num_rows .. padded`` as padding (module doc), then the copy to the device."""
@@ -205,9 +221,10 @@ class StaticDecodeBatch:
             end = start + padded * self.width
             self._device[start:end].copy_(self._host[start:end], non_blocking=True)
         self._copied = torch.cuda.Event()
-        self._copied.record()
+        self._copied.record(torch.cuda.current_stream(self.device))
 
     def input_ids(self, padded: int, queries: int) -> torch.Tensor:
+        """The step's token ids, ``[padded * queries]``: a view of the buffers."""
         return self._device_regions[0][: padded * queries]
 
     def metadata(self, padded: int, queries: int) -> StepAttention:

@@ -13,7 +13,7 @@ So a program takes a block of ``HEADS`` query heads, and the row in its two part
       acc   += softmax · c                                  [HEADS, R]: the latent output
 
 The latent output ``[tokens, heads, R]`` leaves through ``W_UV`` in the caller. Splits over
-the pages and their merge are the GQA kernel's (``split_rows``, ``merge``): the grid depends
+the pages and their merge are the GQA kernel's (``split_pages``, ``merge``): the grid depends
 only on the token count and the tables' width, so a CUDA graph captures it
 (``engine/decode_graphs.py``). Checked in Triton's interpreter on CPU tensors
 (``tests/model/interpreter_checks_paged_decode.py``); on a GPU by ``tests/gpu/``.
@@ -27,9 +27,11 @@ from typing import Any
 import torch
 
 from pdserve.model import paged_decode_triton
-from pdserve.model.paged_decode_triton import keys_per_tile, merge, partials, split_rows
+from pdserve.model.paged_decode_triton import keys_per_tile, merge, partials, split_pages
 
 HEADS = 16  # query heads per program: tl.dot's least M
+# The merge holds a row's splits x the latent width (512 for V3) in one program's registers.
+MAX_SPLITS = 16
 NUM_WARPS = 8  # a program holds HEADS x R float32 sums (8k values for V3's R = 512)
 
 
@@ -88,47 +90,54 @@ def _kernel() -> Any:
         q_rope = tl.load(
             query_rows + LATENT + rope[None, :], mask=head_ok[:, None] & rope_ok[None, :], other=0.0
         ).to(tl.float32)
+        q_latent_narrow = q_latent.to(pages.dtype.element_ty)  # used under TENSOR_CORES only
+        q_rope_narrow = q_rope.to(pages.dtype.element_ty)
         best = tl.full([HEADS], float("-inf"), tl.float32)
         total = tl.zeros([HEADS], tl.float32)
         acc = tl.zeros([HEADS, LATENT_PAD], tl.float32)
         split_first = split * keys_per_split
         split_end = tl.minimum(split_first + keys_per_split, high)
-        for first_key in range(split_first, split_first + keys_per_split, KEYS):
-            if (tl.maximum(first_key, low) < split_end) & (first_key + KEYS > low):
-                positions = first_key + tile
-                visible = (positions >= low) & (positions < split_end)
-                page = tl.load(
-                    tables + row * table_row_stride + positions // BLOCK, mask=visible, other=0
-                )
-                slots = pages + page * page_stride + (positions % BLOCK) * slot_stride
-                latents = tl.load(
-                    slots[:, None] + latent[None, :],
-                    mask=visible[:, None] & latent_ok[None, :],
-                    other=0.0,
-                )
-                ropes = tl.load(
-                    slots[:, None] + LATENT + rope[None, :],
-                    mask=visible[:, None] & rope_ok[None, :],
-                    other=0.0,
-                )
-                if TENSOR_CORES:  # 16-bit operands, float32 sums
-                    scores = tl.dot(q_latent.to(latents.dtype), tl.trans(latents))
-                    scores += tl.dot(q_rope.to(ropes.dtype), tl.trans(ropes))
-                else:
-                    latents = latents.to(tl.float32)
-                    scores = tl.dot(q_latent, tl.trans(latents), input_precision="ieee")
-                    scores += tl.dot(q_rope, tl.trans(ropes.to(tl.float32)), input_precision="ieee")
-                scores = tl.where(visible[None, :], scores * scale, float("-inf"))
-                new_best = tl.maximum(best, tl.max(scores, axis=1))
-                weights = tl.exp(scores - new_best[:, None])
-                rescale = tl.exp(best - new_best)
-                total = total * rescale + tl.sum(weights, axis=1)
-                if TENSOR_CORES:
-                    attended = tl.dot(weights.to(latents.dtype), latents)
-                else:
-                    attended = tl.dot(weights, latents, input_precision="ieee")
-                acc = acc * rescale[:, None] + attended
-                best = new_best
+        # From the tile holding the split's first visible key to its last, none where the
+        # split sees no key: every tile sees one (one that saw none would take exp(-inf -
+        # -inf): NaN), and pages past a row's context (a static step's tables are as wide
+        # as the longest row) cost no step.
+        first_tile = split_first + tl.maximum(low - split_first, 0) // KEYS * KEYS
+        last = tl.where(low < split_end, split_end, first_tile)
+        for first_key in range(first_tile, last, KEYS):
+            positions = first_key + tile
+            visible = (positions >= low) & (positions < split_end)
+            page = tl.load(
+                tables + row * table_row_stride + positions // BLOCK, mask=visible, other=0
+            )
+            slots = pages + page * page_stride + (positions % BLOCK) * slot_stride
+            latents = tl.load(
+                slots[:, None] + latent[None, :],
+                mask=visible[:, None] & latent_ok[None, :],
+                other=0.0,
+            )
+            ropes = tl.load(
+                slots[:, None] + LATENT + rope[None, :],
+                mask=visible[:, None] & rope_ok[None, :],
+                other=0.0,
+            )
+            if TENSOR_CORES:  # 16-bit operands, float32 sums
+                scores = tl.dot(q_latent_narrow, tl.trans(latents))
+                scores += tl.dot(q_rope_narrow, tl.trans(ropes))
+            else:
+                latents = latents.to(tl.float32)
+                scores = tl.dot(q_latent, tl.trans(latents), input_precision="ieee")
+                scores += tl.dot(q_rope, tl.trans(ropes.to(tl.float32)), input_precision="ieee")
+            scores = tl.where(visible[None, :], scores * scale, float("-inf"))
+            new_best = tl.maximum(best, tl.max(scores, axis=1))
+            weights = tl.exp(scores - new_best[:, None])
+            rescale = tl.exp(best - new_best)
+            total = total * rescale + tl.sum(weights, axis=1)
+            if TENSOR_CORES:
+                attended = tl.dot(weights.to(latents.dtype), latents)
+            else:
+                attended = tl.dot(weights, latents, input_precision="ieee")
+            acc = acc * rescale[:, None] + attended
+            best = new_best
         out_row = token * num_heads + heads
         seen = total > 0
         out = acc / tl.where(seen, total, 1.0)[:, None]
@@ -181,7 +190,9 @@ def latent_decode(
     block_size = layer_cache.shape[2]
     rope_size = row_size - latent_size
     head_blocks = -(-num_heads // HEADS)
-    num_splits, keys_per_split = split_rows(tables.shape[1], block_size, num_tokens * head_blocks)
+    num_splits, keys_per_split = split_pages(
+        tables.shape[1], block_size, num_tokens * head_blocks, MAX_SPLITS
+    )
     output = query.new_empty(num_tokens, num_heads, latent_size)
     partial_out, partial_lse = partials(output, num_splits)
     _kernel()[(num_tokens, head_blocks, num_splits)](

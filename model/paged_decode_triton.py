@@ -121,44 +121,45 @@ def _kernels() -> tuple[Any, Any]:
         acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
         split_first = split * keys_per_split
         split_end = tl.minimum(split_first + keys_per_split, high)
-        for first_key in range(split_first, split_first + keys_per_split, KEYS):
-            # A tile with no visible key would take exp(-inf - -inf): NaN. A tile can be
-            # wider than its split (KEYS is at least 16), so its start alone does not say.
-            if (tl.maximum(first_key, low) < split_end) & (first_key + KEYS > low):
-                # KEYS keys over several pages at once: their loads are in flight together.
-                positions = first_key + tile
-                visible = (positions >= low) & (positions < split_end)
-                page = tl.load(
-                    tables + row * table_row_stride + positions // BLOCK, mask=visible, other=0
-                )
-                offsets = (
-                    page[:, None] * page_stride
-                    + (positions % BLOCK)[:, None] * slot_stride
-                    + kv_head * page_head_stride
-                    + dims[None, :]
-                )
-                loaded = visible[:, None] & dim_ok[None, :]
-                keys = tl.load(pages + offsets, mask=loaded, other=0.0)
-                values = tl.load(
-                    pages + VALUE_ENTRY * entry_stride + offsets, mask=loaded, other=0.0
-                )
-                if TENSOR_CORES:  # 16-bit operands, float32 sums: a 16-bit model's own precision
-                    scores = tl.dot(q_narrow, tl.trans(keys)) * scale
-                else:
-                    keys = keys.to(tl.float32)
-                    values = values.to(tl.float32)
-                    scores = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale
-                scores = tl.where(visible[None, :], scores, float("-inf"))
-                new_best = tl.maximum(best, tl.max(scores, axis=1))
-                weights = tl.exp(scores - new_best[:, None])
-                rescale = tl.exp(best - new_best)
-                total = total * rescale + tl.sum(weights, axis=1)
-                if TENSOR_CORES:
-                    attended = tl.dot(weights.to(values.dtype), values)
-                else:
-                    attended = tl.dot(weights, values, input_precision="ieee")
-                acc = acc * rescale[:, None] + attended
-                best = new_best
+        # From the tile holding the split's first visible key to its last, none where the
+        # split sees no key: every tile sees one (one that saw none would take exp(-inf -
+        # -inf): NaN), and pages past a row's context (a static step's tables are as wide
+        # as the longest row) cost no step.
+        first_tile = split_first + tl.maximum(low - split_first, 0) // KEYS * KEYS
+        last = tl.where(low < split_end, split_end, first_tile)
+        for first_key in range(first_tile, last, KEYS):
+            # KEYS keys over several pages at once: their loads are in flight together.
+            positions = first_key + tile
+            visible = (positions >= low) & (positions < split_end)
+            page = tl.load(
+                tables + row * table_row_stride + positions // BLOCK, mask=visible, other=0
+            )
+            offsets = (
+                page[:, None] * page_stride
+                + (positions % BLOCK)[:, None] * slot_stride
+                + kv_head * page_head_stride
+                + dims[None, :]
+            )
+            loaded = visible[:, None] & dim_ok[None, :]
+            keys = tl.load(pages + offsets, mask=loaded, other=0.0)
+            values = tl.load(pages + VALUE_ENTRY * entry_stride + offsets, mask=loaded, other=0.0)
+            if TENSOR_CORES:  # 16-bit operands, float32 sums: a 16-bit model's own precision
+                scores = tl.dot(q_narrow, tl.trans(keys)) * scale
+            else:
+                keys = keys.to(tl.float32)
+                values = values.to(tl.float32)
+                scores = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale
+            scores = tl.where(visible[None, :], scores, float("-inf"))
+            new_best = tl.maximum(best, tl.max(scores, axis=1))
+            weights = tl.exp(scores - new_best[:, None])
+            rescale = tl.exp(best - new_best)
+            total = total * rescale + tl.sum(weights, axis=1)
+            if TENSOR_CORES:
+                attended = tl.dot(weights.to(values.dtype), values)
+            else:
+                attended = tl.dot(weights, values, input_precision="ieee")
+            acc = acc * rescale[:, None] + attended
+            best = new_best
         out_row = (token * tl.num_programs(1) + kv_head) * GROUP + heads
         seen = total > 0
         out = acc / tl.where(seen, total, 1.0)[:, None]
@@ -242,7 +243,7 @@ def paged_decode(
     num_tokens, num_heads, head_size = query.shape
     _, entries, block_size, num_kv_heads, _ = layer_cache.shape
     group = num_heads // num_kv_heads
-    num_splits, keys_per_split = split_rows(tables.shape[1], block_size, num_tokens * num_kv_heads)
+    num_splits, keys_per_split = split_pages(tables.shape[1], block_size, num_tokens * num_kv_heads)
     output = torch.empty(num_tokens, num_heads, head_size, device=query.device, dtype=query.dtype)
     partial_out, partial_lse = partials(output, num_splits)
     head_pad = max(16, 1 << (head_size - 1).bit_length())
@@ -282,11 +283,13 @@ def paged_decode(
     return output
 
 
-def split_rows(width: int, block_size: int, programs_per_split: int) -> tuple[int, int]:
+def split_pages(
+    width: int, block_size: int, programs_per_split: int, max_splits: int = MAX_SPLITS
+) -> tuple[int, int]:
     """``(splits, keys per split)`` of tables ``width`` pages wide, so that about
     ``TARGET_PROGRAMS`` programs run when each split takes ``programs_per_split`` of them
-    (at most ``MAX_SPLITS``). Only the shapes decide: a padded batch's grid is fixed."""
-    wanted = min(MAX_SPLITS, max(1, TARGET_PROGRAMS // max(1, programs_per_split)))
+    (at most ``max_splits``). Only the shapes decide: a padded batch's grid is fixed."""
+    wanted = min(max_splits, max(1, TARGET_PROGRAMS // max(1, programs_per_split)))
     blocks_per_split = -(-width // min(width, wanted))
     return -(-width // blocks_per_split), blocks_per_split * block_size
 

@@ -129,7 +129,7 @@ class DraftModelProposer:
         num_blocks: int,
         target: ModelRunner,
     ) -> None:
-        self.runner = ModelRunner.for_engine(config, model, model_config, num_blocks)
+        self.runner = ModelRunner.for_engine(config, model, model_config, num_blocks, draft=True)
         self.block_size = config.block_size
         self.max_positions = model_config.max_position_embeddings
         self.num_speculative_tokens = config.num_speculative_tokens

@@ -81,7 +81,7 @@ class Gemma3Model(LlamaModel):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = super().embed(input_ids)
-        return hidden * _as_held_by(self.embed_scale, hidden.dtype)
+        return hidden * _rounded_to(self.embed_scale, hidden.dtype)
 
     def layer_rotaries(
         self, positions: torch.Tensor, max_position: int, dtype: torch.dtype
@@ -100,7 +100,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
 
 @functools.cache
-def _as_held_by(value: float, dtype: torch.dtype) -> float:
+def _rounded_to(value: float, dtype: torch.dtype) -> float:
     """``value`` rounded to ``dtype``, as transformers scales Gemma's embedding (by a tensor
     of the embedding's dtype); a Python number, so a step makes no tensor of it."""
     return torch.tensor(value, dtype=dtype).item()

@@ -14,14 +14,15 @@ captures the step whole)::
     router:   probs = softmax(x @ gate)          [tokens, experts]   (float32)
               weight, expert = topk(probs, k)    [tokens, k]         (renormalised or not)
     grouped:  pairs sorted by expert ──▶ | e0: rows 3 7 9 | e1: rows 0 3 | e2: - | e3: 7 |
-              ends = cumsum(bincount(expert))        3               5        5      6
+              ends = searchsorted(sorted, e, right)  3               5        5      6
               y = grouped_mm(silu(gate) * up) ─▶ grouped_mm(down)   [pairs, hidden]
     back:     y in (token, choice) order, times its weight, summed over the k choices
 
 so a step costs about what a dense MLP of ``k`` experts' width costs, not ``num_experts`` ×.
-Where the grouped matmul does not take the weights (strides of the hidden or expert width
-not a multiple of 16 bytes, or a CUDA dtype its kernels lack), each expert that got rows runs
-its own pair of matmuls over them.
+Where the grouped matmul does not run as one kernel (on CPU, strides of the hidden or expert
+width not a multiple of 16 bytes; on CUDA, anything but bfloat16 on Hopper or Blackwell),
+each expert that got rows runs its own pair of matmuls over them, and the decode step is not
+captured in a CUDA graph (``engine/decode_graphs.py``).
 
 DeepSeek-V2/V3 (``mlp.gate``, ``mlp.experts.{e}.*``, ``mlp.shared_experts.*``) route in
 float32 their own way (``DeepSeekRouting``: softmax or sigmoid scores, a group limit, a
@@ -42,11 +43,16 @@ from pdserve.model.model_config import DeepSeekRouting, ModelConfig, MoEConfig
 
 
 def grouped_matmul_serves(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` takes these stacked experts here: it needs rows whose
-    strides are multiples of 16 bytes, and on CUDA a dtype and a GPU its kernels cover. Tried
-    once, on two rows of the model's own shapes."""
+    """Whether ``torch._grouped_mm`` runs these stacked experts as one kernel here. On CPU it
+    needs rows whose strides are multiples of 16 bytes (tried once, on two rows of the model's
+    shapes). On CUDA its one kernel takes bfloat16 on Hopper and Blackwell (compute capability
+    9 and 10); elsewhere torch runs it group by group, reading the groups' ends on the host,
+    which a CUDA graph cannot capture: those take the loop over experts, eagerly."""
     if not hasattr(torch, "_grouped_mm"):
         return False
+    if gate_up.is_cuda:
+        major, _ = torch.cuda.get_device_capability(gate_up.device)
+        return gate_up.dtype == torch.bfloat16 and major in (9, 10)
     hidden = gate_up.shape[1]
     rows = gate_up.new_zeros(2, hidden)
     ends = torch.tensor([1] + [2] * (gate_up.shape[0] - 1), dtype=torch.int32, device=rows.device)
@@ -108,6 +114,8 @@ class SparseMoE(nn.Module):
         ).contiguous()
         self.down = torch.stack([down.weight.t() for _, _, down in experts]).contiguous()
         self.grouped_matmul = grouped_matmul_serves(self.gate_up, self.down)
+        # Each expert's id, the bounds its pairs end at in the sorted order (``forward``).
+        self.expert_ids = torch.arange(self.moe.num_experts, device=self.gate_up.device)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's ``top_k`` experts and their float32 weights, ``[tokens, top_k]`` each."""
@@ -146,10 +154,12 @@ class SparseMoE(nn.Module):
         weights, chosen = self.route(x)
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the (token, choice) pairs by expert
-        ends = torch.cumsum(torch.bincount(flat, minlength=moe.num_experts), 0)
+        # Where each expert's pairs end: a search, since bincount on CUDA reads its input's
+        # range on the host.
+        ends = torch.searchsorted(flat[order], self.expert_ids, right=True, out_int32=True)
         grouped = x[order // moe.top_k]
         if self.grouped_matmul:
-            expert_out = self._grouped(grouped, ends.to(torch.int32))
+            expert_out = self._grouped(grouped, ends)
         else:
             expert_out = self._expert_by_expert(grouped, ends)
         # Back to (token, choice) order, weighed, summed over each token's choices.

@@ -128,6 +128,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inverse_frequencies(config, local), persistent=False)
         self.attention_factor = 1.0 if local else attention_factor(config)
         self._table = torch.empty(0)
+        self.frozen = False
+        """Set once CUDA graphs read the table where it lies (``engine/decode_graphs.py``):
+        it may not be rebuilt elsewhere then."""
 
     def forward(
         self, positions: torch.Tensor, max_position: int, dtype: torch.dtype
@@ -140,6 +143,11 @@ class RotaryEmbedding(nn.Module):
     def reserve(self, num_positions: int) -> None:
         """Holds rows for at least ``num_positions`` (positions ``0 .. num_positions - 1``)."""
         if self._table.shape[0] < num_positions or self._table.device != self.inv_freq.device:
+            if self.frozen:
+                raise RuntimeError(
+                    f"position {num_positions - 1} is past the {self._table.shape[0]} RoPE "
+                    "positions the decode graphs were captured with (max_model_len bounds them)"
+                )
             self._table = self._build_table(max(num_positions, 2 * self._table.shape[0], 256))
 
     def _build_table(self, num_positions: int) -> torch.Tensor:

@@ -13,7 +13,9 @@ of these may happen:
 Shape-derived allocations (``empty_like``, ``new_empty``, an op's own result) are the
 forward's activations: under a graph they come from its pool, so they pass. On CPU every
 tensor is on the host, so this guard stands in for the GPU's rule: it checks the code path,
-which is the same on both devices.
+which is the same on both devices. It sees Python's calls only: a sync inside an operator's
+own CUDA code (``torch.bincount`` reads its input's range on the host there) passes it, which
+the GPU suite's captures catch (``tests/gpu/test_gpu_decode_graphs.py``).
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 computes what the eager step computes.
 
 Two runners share one model's weights, each with its own KV pages: one steps eagerly, the
-other through the static buffers; both are fed the same greedy tokens, so any divergence
-shows as a different token. The function a CUDA graph captures
+other through the static buffers, its rows padded to the sizes CUDA graphs capture (on CPU
+the engine does not pad: nothing replays); both are fed the same greedy tokens, so any
+divergence shows as a different token. The function a CUDA graph captures
 (``ModelRunner.padded_decode_forward``) is what the static runner calls here, directly.
 """
 
@@ -37,7 +38,7 @@ def twin_runners(directory, config_class, overrides) -> tuple[ModelRunner, Model
     eager, static = (ModelRunner(model, config, NUM_BLOCKS, BLOCK_SIZE) for _ in range(2))
     for runner in (eager, static):
         runner.reserve_positions(MAX_POSITION)
-    assert static.enable_static_decode(MAX_ROWS, 4, MAX_POSITION)
+    assert static.enable_static_decode(MAX_ROWS, 4, MAX_POSITION, pad_rows=True)
     return eager, static
 
 

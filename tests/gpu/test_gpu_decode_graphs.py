@@ -70,6 +70,6 @@ def test_verification_rows_replay_from_their_own_graphs(tmp_path):
     afresh = engine(tmp_path, "float32", "off", **spec)
     afresh.runner.static_decode = None
     graphs = replayed.runner.decode_graphs
-    assert graphs is not None and (1, 4) in graphs._graphs
+    assert graphs is not None and (1, 4) in graphs.captured
     repetitive = [[5, 6, 7, 8] * 6 for _ in range(3)]
     assert greedy(replayed, repetitive) == greedy(afresh, repetitive)

@@ -24,7 +24,7 @@ BLOCK_SIZE = 16
 
 def reference(query, layer_cache, table, row, low, high):
     """One token's attention over keys ``[low, high)`` of its row's pages, in float64."""
-    pages = table[row, : -(-int(high) // BLOCK_SIZE)]
+    pages = table[row, : -(-int(high) // layer_cache.shape[2])]
     keys = layer_cache[pages, 0].flatten(0, 1)[low:high].double()
     values = layer_cache[pages, -1].flatten(0, 1)[low:high].double()
     group = query.shape[0] // keys.shape[1]
@@ -32,29 +32,32 @@ def reference(query, layer_cache, table, row, low, high):
     return F.scaled_dot_product_attention(query.double()[:, None], keys, values)[:, 0]
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(
     rows=st.integers(1, 5),
     padded_extra=st.integers(0, 3),
     queries=st.sampled_from([1, 3]),
     width=st.sampled_from([4, 9]),
-    window=st.sampled_from([None, 20]),
+    block_size=st.sampled_from([4, 16]),
+    window=st.sampled_from([None, 6, 20]),
     seed=st.integers(0, 2**16),
 )
 def test_the_fixed_grid_equals_attention_over_each_tokens_own_keys(
-    rows, padded_extra, queries, width, window, seed
+    rows, padded_extra, queries, width, block_size, window, seed
 ):
+    """Block size 4 makes tiles (16 keys at least) wider than a split of pages, and a
+    window of 6 leaves splits before it that see no key."""
     generator = torch.Generator().manual_seed(seed)
     kv_heads, group, head = 2, 3, 32
     num_blocks = 1 + rows * width
-    layer_cache = torch.randn(num_blocks, 2, BLOCK_SIZE, kv_heads, head, generator=generator)
+    layer_cache = torch.randn(num_blocks, 2, block_size, kv_heads, head, generator=generator)
     padded = rows + padded_extra
     # Tables as wide as the widest request; rows past ``rows`` are padding: block 0.
     table = torch.zeros(padded, width, dtype=torch.long)
     table[:rows] = (torch.randperm(num_blocks - 1, generator=generator)[: rows * width] + 1).view(
         rows, width
     )
-    starts = torch.randint(0, width * BLOCK_SIZE - queries + 1, (rows,), generator=generator)
+    starts = torch.randint(0, width * block_size - queries + 1, (rows,), generator=generator)
     positions = (starts[:, None] + torch.arange(queries)).flatten()
     high = torch.ones(padded * queries, dtype=torch.long)
     low = torch.zeros(padded * queries, dtype=torch.long)
