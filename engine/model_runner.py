@@ -257,13 +257,18 @@ class ModelRunner:
                 raise ValueError(f"chunk of request {chunk.request_id!r} has no tokens")
         static = self.static_decode
         if static is not None and static.takes(chunks):
-            padded, queries = static.fill(chunks)
+            step = static.fill(chunks)
             replayed = None
             if self.decode_graphs is not None:
-                replayed = self.decode_graphs.replay(padded, queries)
-            hidden = self.padded_decode_forward(padded, queries) if replayed is None else replayed
-            with torch.inference_mode():  # the real rows only: padding never reaches the head
-                return self.model.compute_logits(hidden[: len(chunks) * queries]).float()
+                replayed = self.decode_graphs.replay(step.padded, step.queries)
+            if replayed is None:
+                replayed = self.padded_decode_forward(step.padded, step.queries)
+            with torch.inference_mode():  # the chunks' own tokens only reach the head
+                if step.real_tokens is None:
+                    hidden = replayed[: len(chunks) * step.queries]
+                else:
+                    hidden = replayed[torch.from_numpy(step.real_tokens).to(self.device)]
+                return self.model.compute_logits(hidden).float()
         # Prefills first, decode rows last (stable, so each group keeps its order).
         counts = [len(c.token_ids) for c in chunks]
         is_prefill = [count > 1 and not c.num_draft_tokens for c, count in zip(chunks, counts)]

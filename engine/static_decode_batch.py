@@ -20,13 +20,15 @@ rows are its rows in each layer slot (``L``) and entry (``E``: K, V) of the KV t
 rows (``model/attention.py``), computed on the host, so the forward's metadata is views of
 the buffers and nothing else. It sees keys ``[low, high)`` of its row's table, counted from
 the table's first page, block 0 of the request: a causal limit, and a sliding window's first
-key. Rows past the step's own (padding up to a captured size) hold token 0 at position 0
-over a table of block 0, the null block that no request holds: they write and read its
+key. Rows past the step's own (padding up to a captured size), and a row's queries past its
+own (a verification with fewer drafts than the step's queries per row), hold token 0 at
+position 0 over block 0, the null block that no request holds: they write and read its
 first slot, and their outputs are dropped.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,6 +38,18 @@ from pdserve.cache import cdiv
 from pdserve.engine.model_input import ScheduledChunk
 from pdserve.model.attention import AttentionMetadata, StepAttention
 from pdserve.model.split_kv import SplitKVPlan
+
+
+@dataclass(frozen=True, slots=True)
+class StaticStep:
+    """A filled step: ``padded`` rows of ``queries`` each, and where some row holds fewer
+    (a verification with fewer drafts than another), the rows of the forward's output that
+    are the chunks' own tokens, in order (``None``: the first ``rows x queries``)."""
+
+    padded: int
+    queries: int
+    real_tokens: np.ndarray | None
+
 
 # Padded sizes: 1, 2, 4, 8, then steps of 8 (vLLM's capture sizes for decode batches).
 _SMALL_SIZES = (1, 2, 4, 8)
@@ -134,57 +148,64 @@ class StaticDecodeBatch:
         return next(size for size in self.sizes if size >= num_rows)
 
     def takes(self, chunks: list[ScheduledChunk]) -> bool:
-        """Whether the step is a uniform decode batch these buffers hold: every chunk one
-        sampled query and the same number of drafts, base model, within the positions covered, its
-        tables long enough (a short one gets the eager step's clear error)."""
-        first = chunks[0]
-        queries = 1 + first.num_draft_tokens
-        return (
-            len(chunks) <= self.max_rows
-            and queries <= self.max_queries
+        """Whether the step is a decode batch these buffers hold: every chunk a sampled last
+        token and its drafts (any number up to ``max_queries - 1``), base model, within the
+        positions covered, its tables long enough (a short one gets the eager step's clear
+        error)."""
+        return len(chunks) <= self.max_rows and all(
+            len(chunk.token_ids) == 1 + chunk.num_draft_tokens <= self.max_queries
+            and chunk.sample
+            and not chunk.all_logits
+            and chunk.lora_id is None
+            and chunk.start_position + len(chunk.token_ids) <= self.max_position
             and all(
-                chunk.num_draft_tokens == first.num_draft_tokens
-                and len(chunk.token_ids) == queries
-                and chunk.sample
-                and not chunk.all_logits
-                and chunk.lora_id is None
-                and chunk.start_position + queries <= self.max_position
-                and all(
-                    len(table) * self.block_size >= chunk.start_position + queries
-                    for table in chunk.block_tables
-                )
-                for chunk in chunks
+                len(table) * self.block_size >= chunk.start_position + len(chunk.token_ids)
+                for table in chunk.block_tables
             )
+            for chunk in chunks
         )
 
-    def fill(self, chunks: list[ScheduledChunk]) -> tuple[int, int]:
-        """Write the step's rows (``takes`` is true) and pad them; returns ``(padded rows,
-        queries per row)``. On CUDA the head and each group's used table rows go to the
-        device in one copy each, ordered on the current stream before the forward."""
-        num_rows, queries = len(chunks), 1 + chunks[0].num_draft_tokens
+    def fill(self, chunks: list[ScheduledChunk]) -> StaticStep:
+        """Write the step's rows (``takes`` is true) and pad them (module doc): to a captured
+        size where rows are padded, and each row to the step's most queries (under padding,
+        a verification to ``max_queries``, the size its graphs have). On CUDA the head and
+        each group's used table rows go to the device in one copy each, ordered on the
+        current stream before the forward."""
+        num_rows = len(chunks)
+        counts = np.fromiter((len(c.token_ids) for c in chunks), np.int64, num_rows)
+        queries = int(counts.max())
+        if self.pad_rows and queries > 1:
+            queries = self.max_queries
         padded = self.padded_size(num_rows)
         tokens = num_rows * queries
         self._wait_for_last_copy()
         ids, positions, groups = self._host_regions
+        # [rows, queries]: each row's own queries, then padding (position 0, the null block).
+        real = np.arange(queries)[None, :] < counts[:, None]
         starts = np.fromiter((c.start_position for c in chunks), np.int64, num_rows)
-        token_positions = (starts[:, None] + np.arange(queries)).reshape(-1)
-        ids[:tokens] = np.fromiter(
-            (token for c in chunks for token in c.token_ids), np.int64, tokens
+        token_positions = np.where(real, starts[:, None] + np.arange(queries), 0).reshape(-1)
+        flat_real = real.reshape(-1)
+        ids[:tokens] = 0
+        ids[:tokens][flat_real] = np.fromiter(
+            (token for c in chunks for token in c.token_ids), np.int64, int(counts.sum())
         )
         positions[:tokens] = token_positions
         rows = np.repeat(np.arange(num_rows), queries)
         for group, (write_rows, low, high, table) in enumerate(groups):
             for row, chunk in enumerate(chunks):
-                need = cdiv(chunk.start_position + queries, self.block_size)
+                need = cdiv(chunk.start_position + len(chunk.token_ids), self.block_size)
                 table[row, :need] = chunk.block_tables[group][:need]
             blocks = table[rows, token_positions // self.block_size]
-            first_rows = blocks * self.rows_per_block + token_positions % self.block_size
+            first_rows = np.where(
+                flat_real, blocks * self.rows_per_block + token_positions % self.block_size, 0
+            )
             write_rows[:tokens] = first_rows[:, None, None] + self._layer_offsets
             window = self.group_windows[group]
-            low[:tokens] = 0 if window is None else np.maximum(token_positions - window + 1, 0)
-            high[:tokens] = token_positions + 1
+            seen_from = 0 if window is None else np.maximum(token_positions - window + 1, 0)
+            low[:tokens] = np.where(flat_real, seen_from, 0)
+            high[:tokens] = np.where(flat_real, token_positions + 1, 1)
         self._pad(num_rows, padded, queries)
-        return padded, queries
+        return StaticStep(padded, queries, None if flat_real.all() else np.flatnonzero(flat_real))
 
     def fill_padding(self, padded: int, queries: int) -> None:
         """Every row of a ``padded`` step padding: what a capture's warm-up and capture

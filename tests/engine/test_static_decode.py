@@ -96,22 +96,24 @@ def test_static_decode_steps_equal_the_eager_steps_token_for_token(
     assert streams[1] == streams[0]
 
 
+@pytest.mark.parametrize("drafts", [[3, 3, 3], [3, 1, 0]], ids=["uniform", "mixed"])
 @pytest.mark.parametrize("config_class, overrides", DECODE_FAMILIES[:3:2])
 def test_verification_rows_of_a_token_and_its_drafts_equal_the_eager_step(
-    tmp_path, config_class, overrides
+    tmp_path, config_class, overrides, drafts
 ):
-    """Speculative verification: each row a last token and three drafts (4 queries), every
-    query's logits as the eager step's."""
+    """Speculative verification: each row a last token and its drafts, every query's logits
+    as the eager step's. Rows with fewer drafts than the step's most (drafting adapts per
+    request) are padded to its queries per row (4: the graphs' size), their padding dropped."""
     eager, static = twin_runners(tmp_path, config_class, overrides)
     sequences, tables = prefill_both((eager, static), [9, 14, 21], seed=2)
     rng = random.Random(3)
     chunks = [
-        tables.chunk(str(i), s[-1:] + [rng.randrange(2, 96) for _ in range(3)], len(s) - 1, 3)
-        for i, s in enumerate(sequences)
+        tables.chunk(str(i), s[-1:] + [rng.randrange(2, 96) for _ in range(n)], len(s) - 1, n)
+        for i, (s, n) in enumerate(zip(sequences, drafts))
     ]
     expected = eager.execute(chunks)
     got = static.execute(chunks)
-    assert got.shape == expected.shape == (3 * 4, 96)
+    assert got.shape == expected.shape == (len(drafts) + sum(drafts), 96)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
@@ -144,18 +146,22 @@ def test_padded_rows_never_change_a_real_row(llama_twins, lengths, seed):
 
 
 def test_steps_the_static_batch_does_not_take_run_eagerly(llama_twins):
-    """Mixed drafts, a LoRA row, more rows than the buffers hold, or a row past the positions
-    the buffers cover: the eager step serves them, and ``takes`` says so."""
+    """A prefill chunk, more drafts than the buffers' queries, a LoRA row, more rows than
+    the buffers hold, a row past the positions they cover, or a table too short: the eager
+    step serves them (and raises its own clear error for the last), and ``takes`` says so."""
     _, static = llama_twins
     batch = static.static_decode
     assert batch is not None
     one = ScheduledChunk("a", [5], 7, [3, 4], True)
-    assert batch.takes([one])
-    assert not batch.takes([one, ScheduledChunk("b", [5, 6], 7, [3, 4], True, num_draft_tokens=1)])
-    assert not batch.takes([ScheduledChunk("c", [5], 7, [3, 4], True, lora_id="digest")])
+    assert batch.takes([one, ScheduledChunk("b", [5, 6], 6, [3, 4], True, num_draft_tokens=1)])
+    assert not batch.takes([one, ScheduledChunk("c", [5, 6], 6, [3, 4], True)])
+    five = ScheduledChunk("d", [5] * 5, 1, [3, 4], True, num_draft_tokens=4)
+    assert not batch.takes([five])
+    assert not batch.takes([ScheduledChunk("e", [5], 8, [3, 4], True)])
+    assert not batch.takes([ScheduledChunk("f", [5], 7, [3, 4], True, lora_id="digest")])
     assert not batch.takes([one] * (MAX_ROWS + 1))
-    assert not batch.takes([ScheduledChunk("d", [5], MAX_POSITION, list(range(1, 52)), True)])
-    assert not batch.takes([ScheduledChunk("e", [5], 7, [3, 4], False)])
+    assert not batch.takes([ScheduledChunk("g", [5], MAX_POSITION, list(range(1, 52)), True)])
+    assert not batch.takes([ScheduledChunk("h", [5], 7, [3, 4], False)])
 
 
 def test_padded_sizes_are_powers_of_two_then_steps_of_eight():
