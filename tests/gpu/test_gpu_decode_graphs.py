@@ -51,16 +51,21 @@ def prompts(count: int = 5) -> list[list[int]]:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("config_class, overrides", DECODE_FAMILIES)
 def test_graph_replays_give_the_eager_steps_tokens(tmp_path, config_class, overrides, dtype):
+    """Replays run the kernels the static step runs, at the same padded shapes: the same
+    tokens in either dtype. The step built afresh reads its pages through other plans (its
+    own table widths and splits): the same tokens in float32; in bfloat16 its sums' other
+    order may move a near tie, so there it is not compared."""
     save_hf_model(tmp_path, config_class, **overrides)
     replayed = engine(tmp_path, dtype, "auto")
-    static = engine(tmp_path, dtype, "off")
-    afresh = engine(tmp_path, dtype, "off")
-    afresh.runner.static_decode = None
     if replayed.runner.decode_graphs is None:
         pytest.skip(f"no graphs for this model in {dtype} here (the engine's log says why)")
-    expected = greedy(afresh, prompts())
-    assert greedy(static, prompts()) == expected
+    static = engine(tmp_path, dtype, "off")
+    expected = greedy(static, prompts())
     assert greedy(replayed, prompts()) == expected
+    if dtype == "float32":
+        afresh = engine(tmp_path, dtype, "off")
+        afresh.runner.static_decode = None
+        assert greedy(afresh, prompts()) == expected
 
 
 def test_verification_rows_replay_from_their_own_graphs(tmp_path):
