@@ -15,6 +15,8 @@ codes only: an 8-bit GPTQ is dequantized on a GPU (``--quantization none``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from pdserve.model.quantization import packed_matmul_triton
@@ -22,6 +24,13 @@ from pdserve.model.quantization.int4_checkpoints import AffineGroups
 from pdserve.model.quantization.quantized_weight import QuantizedWeight
 
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+@functools.cache
+def _shifts_on(device: torch.device) -> torch.Tensor:
+    """The nibbles' shifts on ``device``, copied there once: a copy from the host each call
+    would stall every step and cannot run inside a CUDA graph's capture."""
+    return _SHIFTS.to(device).view(1, 8, 1)
 
 
 class GroupedInt4Weight(QuantizedWeight):
@@ -79,7 +88,7 @@ class GroupedInt4Weight(QuantizedWeight):
     def _codes_of(self, columns: torch.Tensor) -> torch.Tensor:
         """The ``[len(columns), in]`` codes of outputs ``columns``."""
         packed = self.codes[:, columns]  # [in / 8, rows]
-        nibbles = (packed.unsqueeze(1) >> _SHIFTS.to(packed.device).view(1, 8, 1)) & 15
+        nibbles = (packed.unsqueeze(1) >> _shifts_on(packed.device)) & 15
         return nibbles.reshape(-1, len(columns))[: self.in_features].t()
 
     def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
