@@ -67,6 +67,18 @@ _ABORTED_CALLS_KEPT = 1024
 T = TypeVar("T")
 
 
+def worker_engine_config(spec: WorkerSpec, instance_id: str) -> EngineConfig:
+    """The engine a worker runs: its spec's, named for this instance (a restarted worker is
+    a new KV peer), its device resolved, and no CUDA graphs on a prefill worker (``auto``
+    means decode workers and colocated engines: a prefill worker's decode steps are few)."""
+    return dataclasses.replace(
+        spec.engine,
+        engine_id=f"{spec.engine.engine_id}-{instance_id[:8]}",
+        device=resolve_device(spec.engine.device),
+        cuda_graphs="off" if spec.role == "producer" else spec.engine.cuda_graphs,
+    )
+
+
 class HostState(enum.Enum):
     """What the engine thread's last step left, and so how the loop waits for the next:
 
@@ -105,13 +117,7 @@ class EngineHost:
         self.role = spec.role
         self.instance_id = uuid.uuid4().hex
         self.node_id, self.node_ip = _node_identity()
-        engine_config = dataclasses.replace(
-            spec.engine,
-            engine_id=f"{spec.engine.engine_id}-{self.instance_id[:8]}",
-            device=resolve_device(spec.engine.device),
-            # A prefill worker's decode steps are few: no graphs to capture for them.
-            cuda_graphs="off" if spec.role == "prefill" else spec.engine.cuda_graphs,
-        )
+        engine_config = worker_engine_config(spec, self.instance_id)
         with start_phase("connector"):
             connector = self.make_connector(engine_config)
         self.engine = LLMEngine(
