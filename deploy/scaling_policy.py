@@ -21,8 +21,9 @@ against: a TTFT missed while the prefill workers are mostly idle (a prompt's own
 not queueing), an ITL floor above the target, an ITL missed while the decode workers step
 less than a quarter of the time (their rows wait on something else: measured on 2 cores,
 a prefill-bound load starved the decode workers' steps to 0.5 s apart, and more decode
-workers were asked for, which only starved the host further). Neither blocks a scale-down either (Dynamo's
-planner kept such a floor and never scaled down again: its #8861).
+workers were asked for, which only starved the host further). None of them blocks a
+scale-down either (Dynamo's planner kept such a floor and never scaled down again: its
+#8861).
 
 Scale-down asks the same model how many fewer workers would still hold the targets with
 headroom (80 %), so that a step down is not undone by the next reading, and removes up to

@@ -19,9 +19,10 @@ A graph ends at the final hidden states: the LM head runs after the replay on th
 alone, so no graph holds logits (a vocabulary's width for every padded row of every size,
 hundreds of MB for a 128k vocabulary at 64 rows). Prefill and mixed steps, and anything
 ``StaticDecodeBatch.takes`` refuses (LoRA, a row past the positions the buffers cover), stay
-eager. Sampling, grammar masks, logprobs and penalties run on the logits. A request reaches a decode step only once its KV has landed (the
-scheduler keeps it in ``WAITING_FOR_REMOTE_KVS`` until then), so no replay reads a page that
-a transfer is still writing.
+eager. Sampling, grammar masks, logprobs and penalties run on the logits. A request reaches
+a decode step only once its KV has landed (the scheduler keeps it in
+``WAITING_FOR_REMOTE_KVS`` until then), so no replay reads a page that a transfer is still
+writing.
 """
 
 from __future__ import annotations

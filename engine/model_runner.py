@@ -175,8 +175,8 @@ class ModelRunner:
         draft: bool = False,
     ) -> ModelRunner:
         """The runner an engine of ``config`` runs (rank 0's, a peer's, or a ``draft``
-        model's), its position tables built for every position the engine serves, its uniform
-        decode steps over static buffers where a kernel serves them, and on CUDA (``cuda_graphs``
+        model's), its position tables built for every position the engine serves, its decode
+        steps over static buffers where a kernel serves them, and on CUDA (``cuda_graphs``
         auto) replayed from graphs: of one query a row, and of a verification's ``1 + k``
         unless it is a draft's (which never verifies)."""
         runner = cls(
@@ -215,12 +215,13 @@ class ModelRunner:
     def enable_static_decode(
         self, max_rows: int, max_queries: int, max_position: int, pad_rows: bool | None = None
     ) -> bool:
-        """Serve uniform decode steps of up to ``max_rows`` rows of ``max_queries`` queries
-        from persistent buffers (``engine/static_decode_batch.py``), where a kernel reads the
-        pages in place for this model (the C++ kernel for a float32 model on CPU, Triton on
-        CUDA) and the model is whole (no tensor parallelism: ranks would pad alike but step apart);
-        returns whether it does. ``pad_rows``: pad steps to the sizes CUDA graphs capture
-        (``None``: on CUDA only)."""
+        """Serve decode steps (each row a last token and its drafts) of up to ``max_rows``
+        rows of up to ``max_queries`` queries from persistent buffers
+        (``engine/static_decode_batch.py``), where a kernel reads the pages in place for this
+        model (the C++ kernel for a float32 model on CPU, Triton on CUDA) and the model is
+        whole (under tensor parallelism the ranks would pad alike but step apart); returns
+        whether it does. ``pad_rows``: pad steps to the sizes CUDA graphs capture (``None``:
+        on CUDA only)."""
         query = torch.empty(1, 1, self.model_config.kv_token_shape[2], dtype=self.dtype)
         layer_cache = self.attention_kv[:, 0]
         if self.device.type == "cpu":

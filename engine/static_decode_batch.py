@@ -64,7 +64,7 @@ def padded_sizes(max_rows: int) -> list[int]:
 
 
 class StaticDecodeBatch:
-    """The buffers of uniform decode steps (module doc): ``fill`` writes a step, ``metadata``
+    """The buffers of decode steps (module doc): ``fill`` writes a step, ``metadata``
     gives the forward its views for a padded size.
 
     ``max_position``: the positions a row may reach (the engine's longest sequence, for which
