@@ -18,12 +18,8 @@ Each role is sized from what limits it, with latency measured where the client s
 
 A latency the workers cannot move is reported in the decision's reason and never scaled
 against: a TTFT missed while the prefill workers are mostly idle (a prompt's own compute,
-not queueing), an ITL floor above the target, an ITL missed while the decode workers step
-less than a quarter of the time (their rows wait on something else: measured on 2 cores,
-a prefill-bound load starved the decode workers' steps to 0.5 s apart, and more decode
-workers were asked for, which only starved the host further). None of them blocks a
-scale-down either (Dynamo's planner kept such a floor and never scaled down again: its
-#8861).
+not queueing), an ITL floor above the target. Neither blocks a scale-down either (Dynamo's
+planner kept such a floor and never scaled down again: its #8861).
 
 Scale-down asks the same model how many fewer workers would still hold the targets with
 headroom (80 %), so that a step down is not undone by the next reading, and removes up to
@@ -48,9 +44,6 @@ from pdserve.deploy.service_window import RoleWindow
 # A role scaled down must still meet its targets with this much to spare, or the next
 # reading would ask the workers back.
 _HEADROOM = 0.8
-# Decode workers whose ITL is their own steps' step back to back (a loaded one ~100 % of the
-# time); below this share the gaps between tokens are something else's.
-_STEPPING_SHARE = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,13 +153,6 @@ class ScalingPolicy:
                 # A worker with no rows to take lowers nobody's ITL (the gaps are the
                 # hand-off's, or the host's): more are asked for only while rows double up.
                 measures += f": {w.requests_running:.1f} rows over {w.workers} workers"
-            elif w.utilization < _STEPPING_SHARE:
-                # Workers whose rows wait on something else than their own steps (a starved
-                # host, a slow hand-off) would wait as long with fewer rows each.
-                measures += (
-                    f": missed with the workers stepping {w.utilization:.0%} of the time, "
-                    "more would not lower it"
-                )
             elif itl > ceiling:
                 spread = math.ceil(w.workers * (itl - floor) / (ceiling - floor))
                 wanted = max(wanted, w.workers + 1, min(spread, math.ceil(w.requests_running)))

@@ -236,19 +236,6 @@ def test_decode_gaps_without_rows_to_spread_ask_for_no_worker():
     assert "0.4 rows over 1 workers" in target.reason
 
 
-def test_decode_gaps_while_its_workers_barely_step_ask_for_no_worker():
-    """Rows doubled up, the ITL far over the target, but the workers stepped 5 % of the
-    time: their rows wait on something else (a host starved by prefill), not on steps."""
-    policy = ScalingPolicy(SETTINGS)
-    starved = role_window(
-        "decode", 1, latency_p50_s=0.4, latency_p90_s=0.5, requests_running=3, utilization=0.05
-    )
-    target = policy.target(starved)
-    assert target.workers == 1
-    assert "stepping 5% of the time" in target.reason
-    assert policy.target(dataclasses.replace(starved, utilization=0.9)).workers == 3
-
-
 def test_decode_scales_with_the_part_of_itl_that_workers_share():
     policy = ScalingPolicy(SETTINGS)
     for rows in (1, 10):  # ITL = 10 ms + 6 ms a row per worker
