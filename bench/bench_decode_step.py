@@ -11,8 +11,8 @@ in shuffled pages, timed through the runner's ``execute`` (what the engine calls
 
 Each also runs its forward alone (the metadata built beforehand), so the share of a step
 spent outside the forward, the host's own work, is printed: the issue's aim is at most 3 %
-on CPU. On CUDA the step is set against the floor (weights and K/V read once at the copy
-bandwidth measured here) and transformers' forward over its static cache; a bfloat16 model of
+on CPU. On CUDA the step is set against the floor (weights and K/V read once at the read
+bandwidth measured here, ``bench_engine.read_bandwidth``) and transformers' forward over its static cache; a bfloat16 model of
 smollm2's shape and one of Llama-3.2-1B's, random weights. On CPU the model is smollm2 from
 its GGUF (float32), skipped when not installed.
 
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from bench_engine import SMOLLM2_SHAPE
+from bench_engine import SMOLLM2_SHAPE, best_of, read_bandwidth, weight_bytes
 from random_checkpoint import save_random_checkpoint
 from transformers import LlamaConfig, StaticCache
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
@@ -71,35 +71,30 @@ def decode_chunks(runner: ModelRunner, batch: int, context: int) -> list[Schedul
     ]
 
 
-def synchronized(run: Callable[[], object], device: torch.device) -> Callable[[], None]:
-    def timed() -> None:
+def best_per_step(runs: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Best seconds per call of each run: ``bench_engine.best_of`` (alternating, CUDA
+    synchronised) over ``ROUNDS`` rounds of ``STEPS_PER_ROUND`` calls each, each call waited
+    for, after one warm-up call (a step is short: one call alone would time the timer)."""
+    for run in runs.values():
         run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
 
-    return timed
-
-
-def best_of(runs: dict[str, Callable[[], None]]) -> dict[str, float]:
-    """Best mean seconds per call of each run over ``ROUNDS`` rounds, the runs interleaved
-    round by round (a noisy machine slows them alike)."""
-    best = dict.fromkeys(runs, float("inf"))
-    for run in runs.values():  # warm up
-        run()
-    for _ in range(ROUNDS):
-        for name, run in runs.items():
-            start = time.perf_counter()
+    def repeated(run: Callable[[], object]) -> Callable[[], None]:
+        def calls() -> None:
             for _ in range(STEPS_PER_ROUND):
                 run()
-            best[name] = min(best[name], (time.perf_counter() - start) / STEPS_PER_ROUND)
-    return best
+                if torch.cuda.is_initialized():  # as the engine's sampling waits each step
+                    torch.cuda.synchronize()
+
+        return calls
+
+    best = best_of(ROUNDS, {name: repeated(run) for name, run in runs.items()})
+    return {name: seconds / STEPS_PER_ROUND for name, seconds in best.items()}
 
 
-def step_runs(runner: ModelRunner, chunks: list[ScheduledChunk]) -> dict[str, Callable[[], None]]:
+def step_runs(runner: ModelRunner, chunks: list[ScheduledChunk]) -> dict[str, Callable[[], object]]:
     """The step and its forward alone, eager, static and (where captured) replayed."""
     static, graphs = runner.static_decode, runner.decode_graphs
     assert static is not None, "the bench needs the runner's static decode batch"
-    device = runner.device
 
     def eager_step() -> None:
         runner.static_decode, runner.decode_graphs = None, None
@@ -134,7 +129,7 @@ def step_runs(runner: ModelRunner, chunks: list[ScheduledChunk]) -> dict[str, Ca
     if graphs is not None:
         runs["graph step"] = lambda: runner.execute(chunks)
         runs["graph replay"] = lambda: graphs.replay(padded, 1)
-    return {name: synchronized(run, device) for name, run in runs.items()}
+    return runs
 
 
 def eager_forward_of(runner: ModelRunner, chunks: list[ScheduledChunk]) -> Callable[[], None]:
@@ -197,7 +192,7 @@ def bench_cpu() -> None:
             "smollm2",
             batch,
             context,
-            best_of(step_runs(runner, decode_chunks(runner, batch, context))),
+            best_per_step(step_runs(runner, decode_chunks(runner, batch, context))),
         )
 
 
@@ -227,21 +222,19 @@ def bench_cuda(device: str) -> None:
         else:
             print(", no graphs")
         runner.kv_cache.uniform_(-1, 1)
-        bandwidth = copy_bandwidth(runner.device)
-        weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        bandwidth = read_bandwidth(runner.device)
+        weights = weight_bytes(engine)
         reference = HFLlamaForCausalLM(shape).to(device=device, dtype=torch.bfloat16).eval()
         for batch, context in CUDA_SHAPES:
             chunks = decode_chunks(runner, batch, context)
             runs = step_runs(runner, chunks)
             try:  # transformers' cache API moves between releases
-                runs["transformers"] = synchronized(
-                    hf_static_step(reference, batch, context), runner.device
-                )
+                runs["transformers"] = hf_static_step(reference, batch, context)
                 runs["transformers"]()
             except (TypeError, ValueError, RuntimeError) as error:
                 runs.pop("transformers", None)
                 print(f"  transformers' static cache: not run ({error!r})")
-            best = best_of(runs)
+            best = best_per_step(runs)
             report(name, batch, context, best)
             kv_bytes = batch * context * runner.kv_cache[0, :, :, 0].nbytes
             floor = (weights + kv_bytes) / bandwidth
@@ -253,19 +246,6 @@ def bench_cuda(device: str) -> None:
             print(line)
         del engine, runner, reference
         torch.cuda.empty_cache()
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes a second one copy reads (and writes) on the device: 1 GiB source."""
-    source = torch.empty(2**28, dtype=torch.float32, device=device)
-    target = torch.empty_like(source)
-    target.copy_(source)
-    torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(10):
-        target.copy_(source)
-    torch.cuda.synchronize(device)
-    return 2 * source.nbytes * 10 / (time.perf_counter() - start)
 
 
 def hf_static_step(model: HFLlamaForCausalLM, batch: int, context: int) -> Callable[[], object]:

@@ -18,6 +18,7 @@ import torch
 import transformers
 
 from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.engine.decode_graphs import DecodeGraphs
 from tests.engine.hf_models import DECODE_FAMILIES, save_hf_model
 
 pytestmark = pytest.mark.skipif(
@@ -58,7 +59,11 @@ def test_graph_replays_give_the_eager_steps_tokens(tmp_path, config_class, overr
     save_hf_model(tmp_path, config_class, **overrides)
     replayed = engine(tmp_path, dtype, "auto")
     if replayed.runner.decode_graphs is None:
-        pytest.skip(f"no graphs for this model in {dtype} here (the engine's log says why)")
+        # Only a model whose experts torch's grouped matmul does not run as one kernel here
+        # (anything but bfloat16 on Hopper or Blackwell) may go without: any other missing
+        # capture is a failure, not a skip.
+        assert not DecodeGraphs.can_capture(replayed.model), "the capture failed: see the log"
+        pytest.skip(f"experts without a one-kernel grouped matmul in {dtype} on this GPU")
     static = engine(tmp_path, dtype, "off")
     expected = greedy(static, prompts())
     assert greedy(replayed, prompts()) == expected
