@@ -430,14 +430,19 @@ class RequestOrchestrator:
 
         - what it would compute is shorter than ``disagg_min_uncached_tokens``: the hand-off
           would cost more than it saves; or
-        - it holds at least ``decode_reuse_min_tokens`` more of the prompt than the best
-          prefill worker: a conversation's next turn, whose history (the last answer
-          above all) only that decode worker computed. The prefill worker would recompute
-          it; here only the new message is computed, where the history's KV already is::
+        - it holds at least ``decode_reuse_min_tokens`` more of the prompt than any prefill
+          worker: a conversation's next turn, whose history (the last answer above all)
+          only that decode worker computed. The prefill worker would recompute it; here
+          only the new message is computed, where the history's KV already is::
 
               turn 2 prompt:  | turn 1 prompt | answer 1 | new message |
               prefill holds:  |###############|
               decode holds:   |###############|##########|               → runs there
+
+        Any prefill worker, not the one load would pick: a shared system prompt that the
+        decode worker pulled is held by the busy prefill worker that computed it, and a
+        cold one picked for load would make every long prompt run whole on the decode
+        worker, its prompt computed between the decode steps of every row there.
         """
         threshold = self.config.disagg_min_uncached_tokens
         reuse = self.config.decode_reuse_min_tokens
@@ -453,8 +458,7 @@ class RequestOrchestrator:
         run_there = len(run.token_ids) - cached_tokens < threshold
         if not run_there and reuse:
             try:
-                prefill = self.router.pick_prefill(run.block_hashes, lora_name)
-                prefill_blocks = prefill.num_matched_blocks
+                prefill_blocks = self.router.longest_prefill_prefix(run.block_hashes)
             except NoWorkerAvailable:
                 return  # the prefill phase answers 503 with the usual message
             run_there = cached_tokens - prefill_blocks * block_size >= reuse

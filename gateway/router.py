@@ -258,6 +258,19 @@ class Router:
         """
         return self._pick("prefill", self._prefill_ids, block_hashes, _ranked_by_prefix, lora_name)
 
+    def longest_prefill_prefix(self, block_hashes: list[BlockHash]) -> int:
+        """The most blocks of ``block_hashes``' prefix any available prefill worker holds,
+        whatever its load: what the prefill role could reuse, where ``pick_prefill`` may pass
+        the holder over for a busy one. Raises ``NoWorkerAvailable`` when none is available."""
+        held = [
+            prefix_rank(self._workers[w].held, block_hashes)[1]
+            for w in self._prefill_ids
+            if self._workers[w].available
+        ]
+        if not held:
+            raise NoWorkerAvailable("prefill")
+        return max(held)
+
     def has_decode_workers(self) -> bool:
         """Whether the deployment disaggregates (False: colocated, prefill workers decode)."""
         return bool(self._decode_ids)

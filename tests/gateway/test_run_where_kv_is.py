@@ -36,8 +36,8 @@ class StandInPool:
     """Answers each request with one finished chunk (or breaks the stream of a worker in
     ``lost``, as a dead replica's does) and records which worker it went to."""
 
-    def __init__(self, lost: frozenset[str] = frozenset()) -> None:
-        self.prefill = {"prefill-0": None}
+    def __init__(self, lost: frozenset[str] = frozenset(), num_prefill: int = 1) -> None:
+        self.prefill = {f"prefill-{i}": None for i in range(num_prefill)}
         self.decode = {"decode-0": None, "decode-1": None}
         self.all = {**self.prefill, **self.decode}
         self.lost = lost
@@ -71,7 +71,11 @@ def both_groups(hashes) -> list[BlockStored]:
     ]
 
 
-def run_turn(pool: StandInPool, events: dict[str, list]) -> RequestOrchestrator:
+def run_turn(
+    pool: StandInPool, events: dict[str, list], in_flight: dict[str, int] | None = None
+) -> RequestOrchestrator:
+    """Runs PROMPT once, the router fed ``events`` and holding ``in_flight`` requests per
+    worker (its load) beforehand."""
     config = GatewayConfig(
         model="tiny",
         model_name="tiny",
@@ -85,6 +89,9 @@ def run_turn(pool: StandInPool, events: dict[str, list]) -> RequestOrchestrator:
         orchestrator.router.apply(
             KVEventBatch(worker_id, "i0", 0, len(worker_events), worker_events)
         )
+    for worker_id, count in (in_flight or {}).items():
+        for _ in range(count):
+            orchestrator.router.begin(worker_id)
 
     async def turn() -> list:
         run = await orchestrator.new_run("turn-2", PROMPT, SamplingParams(max_tokens=8), None)
@@ -134,3 +141,21 @@ def test_a_turn_whose_decode_worker_is_lost_runs_on_the_one_with_the_next_longes
         },
     )
     assert pool.streamed_to == ["decode-1", "decode-0"]
+
+
+def test_a_prompt_whose_prefix_a_busy_prefill_worker_holds_is_still_handed_off() -> None:
+    """decode-0 pulled a shared prefix (160 tokens, over decode_reuse_min_tokens) that
+    prefill-0 computed; prefill-0 is too busy to be picked (5 requests in flight, over the
+    load cap of 4) and prefill-1 holds nothing. No decode worker holds more than a prefill
+    worker does, so the prompt goes to prefill-1 and is handed off, not computed whole on
+    decode-0 between its rows' decode steps (the cold worker's empty cache is not the
+    role's)."""
+    pool = StandInPool(num_prefill=2)
+    orchestrator = run_turn(
+        pool,
+        {"prefill-0": [stored(TURN_1)], "prefill-1": [], "decode-0": [stored(TURN_1)]},
+        in_flight={"prefill-0": 5},
+    )
+    assert pool.streamed_to[0] == "prefill-1"
+    assert orchestrator.metrics.num_requests_prefilled_on_decode == 0
+    assert orchestrator.metrics.num_turns_run_where_kv_is == 0
