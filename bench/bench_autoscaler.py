@@ -14,6 +14,11 @@ it (``--rate`` at rest, ``--burst`` times that for ``--burst-s`` in the middle, 
 The outputs are short because this machine's 2 cores bound the token rate, not the
 simulated GPUs: each streamed token crosses the decode worker, the gateway and Serve's
 proxy (~3 ms of CPU), so ~300 tokens/s saturate both cores and inflate every latency.
+``--time-scale k`` dilates time (``checkpoint/sim_profiles.py``): the workers' forwards and
+hand-offs take k times the profile's time, arrivals come k times as sparse, the targets and
+the autoscaler's windows and delays are k times as long, and every figure printed is
+divided by k back onto the simulated clock. The host's cost then weighs 1/k as much against
+each latency; the workers' start-up alone stays on the real clock.
 
 Reported: goodput (TTFT and mean ITL within the targets) of the requests that arrived after
 the first scale-up, and of all; failed requests; worker-seconds against the static app
@@ -24,7 +29,7 @@ after the first scale-up, worker-seconds <= 0.7x static, <= 2 direction changes 
 per role, back to min within 2 windows, 0 failed, and in the one-role scenarios only that
 role scales.
 
-Run: python bench/bench_autoscaler.py --scenario bursty   (duration + idle + ~1 minute)
+Run: python bench/bench_autoscaler.py --scenario bursty   (k x (duration + idle) + ~1 min)
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from serve_load import StreamResult
 from trace_replay import generated, goodput, replay
 
 from pdserve.deploy.cluster import base_url, configure_ray_env, delete_app, deploy, init_ray
@@ -71,11 +77,14 @@ def main() -> None:
     parser.add_argument("--look-back-s", type=float, default=20.0)
     parser.add_argument("--port", type=int, default=8071)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--time-scale", type=float, default=1.0)
     args = parser.parse_args()
+    k = args.time_scale
     configure_ray_env()
     init_ray(None, num_cpus=2)
     config = PDServeConfig(
         model="sim:llama3-8b-h100",
+        sim_time_scale=k,
         num_prefill=1,
         num_decode=1,
         port=args.port,
@@ -83,14 +92,19 @@ def main() -> None:
         route_prefix="/autoscaled",
         num_kv_blocks=8192,
         disagg_min_uncached_tokens=0,
-        autoscaling={
-            "ttft_p90_ms": args.ttft_ms,
-            "itl_p90_ms": args.itl_ms,
+        # The limits on simulated work stretch with it (the host's own calls do not).
+        lease_ttl_s=30.0 * k,
+        transfer_timeout_s=10.0 * k,
+        hung_step_s=60.0 * k,
+        autoscaling={  # on the wall clock: the simulated one's times k
+            "ttft_p90_ms": args.ttft_ms * k,
+            "itl_p90_ms": args.itl_ms * k,
             "max_prefill": args.max_workers,
             "max_decode": args.max_workers,
-            "look_back_s": args.look_back_s,
-            "scale_up_delay_s": 4.0,
-            "scale_down_delay_s": 2 * args.look_back_s,
+            "look_back_s": args.look_back_s * k,
+            "interval_s": 2.0 * k,
+            "scale_up_delay_s": 4.0 * k,
+            "scale_down_delay_s": 2 * args.look_back_s * k,
             "max_step": 4,
         },
     )
@@ -107,9 +121,9 @@ def main() -> None:
         **SCENARIOS[args.scenario],
     )
     started = time.time()
-    results, seconds = replay(base_url(config), config.model, trace)
+    results, seconds = replay(base_url(config), config.model, trace, speed=1 / k)
     client = ServiceClient(base_url(config))
-    deadline = time.monotonic() + 4 * args.look_back_s
+    deadline = time.monotonic() + 4 * args.look_back_s * k
     while True:  # the replay waited out the idle tail; give the last step time to finish
         report = client.get("/stats")["autoscaler"]
         if report["state"] == "watching" or time.monotonic() > deadline:
@@ -117,25 +131,27 @@ def main() -> None:
         time.sleep(1.0)
     delete_app(config.app_name)
 
-    decisions = report["decisions"]
-    ups = [d["time"] - started for d in decisions if d["workers_to"] > d["workers_from"]]
+    # From here on every time is on the simulated clock: the wall's divided by k.
+    decisions = [d | {"time": (d["time"] - started) / k} for d in report["decisions"]]
+    ups = [d["time"] for d in decisions if d["workers_to"] > d["workers_from"]]
     first_up = min(ups) if ups else 0.0
-    after = [r for r in results if float(r.tag) >= first_up]
-    history = [(t - started, p, d) for t, p, d in report["history"]]
+    after = [r for r in results if float(r.tag) >= first_up]  # tags are trace arrivals
+    history = [((t - started) / k, p, d) for t, p, d in report["history"]]
     peak = {"prefill": max(p for _, p, _ in history), "decode": max(d for _, _, d in history)}
     span = history[-1][0] - history[0][0]
-    used = sum(seconds.by_role.values())
+    used = sum(seconds.by_role.values()) / k
     static = (peak["prefill"] + peak["decode"]) * span
     # Traffic has stopped once the last request finished (arrival + TTFT + its gaps).
-    last_finish = max(float(r.tag) + r.ttft_s + sum(r.itl_s) for r in results)
+    last_finish = max(float(r.tag) + (r.ttft_s + sum(r.itl_s)) / k for r in results)
     at_min = [t for t, p, d in history if t > last_finish and p == 1 and d == 1]
     back_s = at_min[0] - last_finish if at_min else float("nan")
-    row_all = goodput(results, args.ttft_ms / 1e3, args.itl_ms / 1e3)
-    row_after = goodput(after, args.ttft_ms / 1e3, args.itl_ms / 1e3)
+    row_all = simulated_figures(results, args, k)
+    row_after = simulated_figures(after, args, k)
     print(
         f"scenario {args.scenario}: {len(results)} requests, rate {args.rate}/s, burst "
         f"{args.burst}x for {args.burst_s:.0f} s, idle {args.idle_s:.0f} s; targets TTFT p90 "
         f"{args.ttft_ms:.0f} ms, ITL p90 {args.itl_ms:.0f} ms; look-back {args.look_back_s:.0f} s"
+        f"; max {args.max_workers} per role; time scale {k:g} (times below: simulated)"
     )
     print(
         f"goodput after the first scale-up (at {first_up:.0f} s) {row_after['goodput']:.0%}, "
@@ -150,7 +166,7 @@ def main() -> None:
     )
     for role in ("prefill", "decode"):
         steps = [
-            f"{d['time'] - started:.0f}s {d['workers_from']}->{d['workers_to']}"
+            f"{d['time']:.0f}s {d['workers_from']}->{d['workers_to']}"
             for d in decisions
             if d["role"] == role
         ]
@@ -162,11 +178,21 @@ def main() -> None:
         f"back at 1 + 1 {back_s:.0f} s after the last request finished "
         f"({back_s / args.look_back_s:.1f} look-back windows)"
     )
+    if k != 1:
+        print(f"(each decision's reason reads the wall clock: {k:g}x the simulated times)")
     for d in decisions:
         print(
-            f"  {d['time'] - started:6.0f}s {d['role']} {d['workers_from']}->{d['workers_to']}: "
-            f"{d['reason']}"
+            f"  {d['time']:6.0f}s {d['role']} {d['workers_from']}->{d['workers_to']}: {d['reason']}"
         )
+
+
+def simulated_figures(
+    results: list[StreamResult], args: argparse.Namespace, k: float
+) -> dict[str, float]:
+    """``goodput``'s figures against the wall clock's targets (k times the simulated ones),
+    its latencies divided back by k."""
+    row = goodput(results, k * args.ttft_ms / 1e3, k * args.itl_ms / 1e3)
+    return {key: value / k if key.endswith("_ms") else value for key, value in row.items()}
 
 
 if __name__ == "__main__":

@@ -16,13 +16,24 @@ was off by a median 21 %; with it, 8 %). Profiles
 are fitted by least squares from timed forwards of the real model
 (``bench/fit_sim_profile.py`` writes them here, one JSON file each, saying where and how
 they were measured).
+
+Time dilation (``EngineConfig.sim_time_scale``): a simulated cluster shares one host's
+cores, and what every worker, the gateway and the proxy spend on the host per token and per
+request is real time no profile counts. On a few cores, at dozens of workers, that cost
+queues and inflates every latency. Slowing the simulated clock k times (every forward and
+hand-off k times as long), with arrivals k times as sparse and the latency targets and the
+autoscaler's windows k times as long, leaves the simulated cluster's behaviour the same and
+divides the host's share of each latency, and its load, by k: the network emulators' time
+dilation (DieCast, NSDI 2008), and the mirror of Dynamo's mocker ``speedup_ratio``. What
+stays on the real clock is the worker's start-up, so a dilated scale-up lands k times
+sooner in simulated time than it would undilated.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 SIM_PREFIX = "sim:"
@@ -51,6 +62,20 @@ class SimProfile:
             + self.token_s * num_tokens
             + self.log_token_s * math.log(num_tokens)
             + self.kv_token_s * num_kv_tokens
+        )
+
+    def slowed(self, time_scale: float) -> SimProfile:
+        """This profile with every duration ``time_scale`` times as long: its forwards and
+        its hand-offs (``EngineConfig.sim_time_scale``, module doc)."""
+        if time_scale == 1.0:
+            return self
+        return replace(
+            self,
+            step_s=self.step_s * time_scale,
+            token_s=self.token_s * time_scale,
+            log_token_s=self.log_token_s * time_scale,
+            kv_token_s=self.kv_token_s * time_scale,
+            transfer_bytes_per_s=self.transfer_bytes_per_s / time_scale,
         )
 
     @classmethod

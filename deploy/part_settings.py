@@ -57,6 +57,9 @@ class PartSettings:
     renamed: Mapping[str, str] = field(default_factory=dict)  # field -> key
     # Stand-ins for the builder-filled fields without a default, to check settings alone.
     placeholders: Mapping[str, Any] = field(default_factory=dict)
+    # Builder-filled fields the settings' own checks depend on, read from the deployment's
+    # key of the same name (the engine's model: what a simulated one refuses).
+    checked_with: frozenset[str] = frozenset()
 
     def keys(self) -> dict[str, str]:
         """Deployment key -> the part's field, for every setting of this part."""
@@ -79,7 +82,8 @@ class PartSettings:
         """Raises the part's own error (its ``__post_init__``), naming the part, when
         ``settings`` hold a value it refuses."""
         try:
-            self.build(settings, **self.placeholders)
+            same = {name: getattr(settings, name) for name in self.checked_with}
+            self.build(settings, **self.placeholders, **same)
         except ValueError as error:
             raise ValueError(f"{self.name} settings: {error}") from None
 
@@ -88,6 +92,7 @@ ENGINE = PartSettings(
     "engine",
     EngineConfig,
     frozenset({"model", "hash_seed", "engine_id", "publish_kv_events", "tensor_parallel_size"}),
+    checked_with=frozenset({"model"}),
 )
 KV_TIER = PartSettings("kv tier (kv_tier_*)", KVTierConfig, prefix="kv_tier_")
 KV_CONNECTOR = PartSettings(

@@ -101,7 +101,11 @@ class LLMEngine:
         self.config = config
         with start_phase("model_build"):  # the weights' read is a phase of its own
             self.model, self.model_config, self.tokenizer = load_model(
-                config.model, config.dtype, config.device, config.quantization
+                config.model,
+                config.dtype,
+                config.device,
+                config.quantization,
+                config.sim_time_scale,
             )
         groups = kv_cache_groups(self.model_config, config)
         draft = None

@@ -80,6 +80,12 @@ class EngineConfig:
     max_num_seqs (engine/decode_graphs.py); auto: on for decode workers and colocated
     engines, off for prefill workers (whose decode steps are few); off: every step eager.
     Uniform decode steps run over persistent buffers either way (engine/static_decode_batch.py)."""
+    sim_time_scale: float = 1.0
+    """A simulated model's clock (``sim:<profile>`` only): its forwards and hand-offs take
+    this many times the profile's time. Above 1 where one host's few cores stand in for a
+    cluster's (time dilation, ``checkpoint/sim_profiles.py``): scale arrivals, targets, the
+    autoscaler's windows and the limits on simulated work (lease_ttl_s, transfer_timeout_s,
+    hung_step_s) by the same factor, and read the latencies divided by it."""
     lora_modules: dict[str, str] = field(default_factory=dict)
     """LoRA adapters served beside the base model, loaded at start by every worker: name ->
     a PEFT adapter folder. A request names one as its ``model``; more load at run time
@@ -163,6 +169,13 @@ class EngineConfig:
             raise ValueError(
                 f"a simulated model ({self.model}) runs at tensor_parallel_size 1, without "
                 "LoRA adapters or a draft model: it has no weights to split or adapt"
+            )
+        if self.sim_time_scale <= 0:
+            raise ValueError(f"sim_time_scale must be positive, got {self.sim_time_scale}")
+        if self.sim_time_scale != 1.0 and not self.model.startswith(SIM_PREFIX):
+            raise ValueError(
+                f"sim_time_scale ({self.sim_time_scale}) slows a simulated model's clock; "
+                f"{self.model} is a real model"
             )
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")

@@ -62,16 +62,18 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     quantization: Quantization = "none",
+    sim_time_scale: float = 1.0,
 ) -> tuple[CausalLM, ModelConfig, Tokenizer]:
     """``(model, model_config, tokenizer)`` for any ``--model`` value; model in eval mode.
     ``quantization`` (``EngineConfig.quantization``): ``auto`` keeps a GGUF's quantized
     tensors and an AWQ or GPTQ folder's linears packed (``model/quantization/``), ``int8``
-    also packs every float linear weight, ``none`` dequantizes."""
+    also packs every float linear weight, ``none`` dequantizes. ``sim_time_scale``: a
+    simulated model's clock (``EngineConfig.sim_time_scale``)."""
     torch_dtype = resolve_dtype(dtype)
     source = resolve_model(name_or_path)
     if source.profile is not None:  # simulated: no weights (model/sim_model.py)
         real = check_model(source.profile.stands_for)
-        simulated = SimulatedCausalLM(source.profile, real)
+        simulated = SimulatedCausalLM(source.profile.slowed(sim_time_scale), real)
         # What a runner asks of a model (forward, compute_logits), the simulated one answers.
         stand_in = cast(CausalLM, simulated)
         return stand_in, placeholder_config(real, source.profile), load_tokenizer(source)
@@ -98,6 +100,7 @@ def load_gguf_model(
     dtype: torch.dtype,
     device: str | torch.device,
     quantization: Quantization = "none",
+    sim_time_scale: float = 1.0,
 ) -> tuple[CausalLM, ModelConfig, Tokenizer]:
     """One pass over the file: its metadata gives the config and the tokenizer, its tensors
     the weights."""

@@ -44,5 +44,6 @@ def simulated_transfer(engine: EngineConfig) -> SimulatedTransfer | None:
         math.prod(real.kv_token_shape) * resolve_dtype(engine.resolved_kv_cache_dtype).itemsize
     )
     return SimulatedTransfer(
-        real.num_layers * engine.block_size * token_bytes, profile.transfer_bytes_per_s
+        real.num_layers * engine.block_size * token_bytes,
+        profile.slowed(engine.sim_time_scale).transfer_bytes_per_s,
     )

@@ -137,6 +137,8 @@ PICKED: dict[str, tuple[Any, dict[str, Any]]] = {
     "decode_resources": ({"decode_node": 1.0}, {}),
     "worker_resources": ({"decode-0": {"node_d": 1.0}}, {}),
     "extra_engine_args": ({"seed": 5}, {}),
+    # Only a simulated model has a clock to slow.
+    "sim_time_scale": (4.0, {"model": "sim:tiny-cpu"}),
     "autoscaling": ({"ttft_p90_ms": 500, "itl_p90_ms": 40, "max_decode": 8}, {}),
 }
 
@@ -359,6 +361,8 @@ def test_the_flags_and_keys_users_have_still_work(monkeypatch, tmp_path: Path):
         ({"num_prefill": 0}, "greater than or equal to 1"),
         ({"no_such_setting": 1}, "Extra inputs are not permitted"),
         ({"extra_engine_args": {"engine_id": "x"}}, "not engine settings"),
+        # An engine check that reads the model, which the builder fills per worker.
+        ({"sim_time_scale": 3.0}, "sim_time_scale .* slows a simulated model's clock"),
         # Empty would mean "no key" and win over PDSERVE_API_KEY: every route open.
         ({"api_key": ""}, "api_key: no key given"),
         ({"admin_api_key": []}, "admin_api_key: no key given"),

@@ -79,6 +79,35 @@ def test_a_forward_waits_out_the_profiles_time(monkeypatch) -> None:
     assert prefill - 0.05 < waits[0] <= prefill and decode - 0.05 < waits[1] <= decode
 
 
+def test_a_dilated_clock_stretches_every_forward_and_hand_off() -> None:
+    """``sim_time_scale`` k: the engine's forwards wait k times the profile's time and its
+    hand-offs move the real pages at 1/k the rate (time dilation, sim_profiles' doc)."""
+    from pdserve.messages.engine_config import EngineConfig
+    from pdserve.model.sim_transfer import simulated_transfer
+
+    profile = resolve_model(SIM).profile
+    engine = LLMEngine.from_pretrained(SIM, num_kv_blocks=64, sim_time_scale=3.0)
+    slowed = engine.runner.model.profile
+    for tokens, kv_tokens in [(1, 1), (1, 900), (37, 700), (512, 131_328)]:
+        want = 3.0 * profile.forward_seconds(tokens, kv_tokens)
+        assert slowed.forward_seconds(tokens, kv_tokens) == pytest.approx(want)
+    plain = simulated_transfer(EngineConfig(model=SIM))
+    dilated = simulated_transfer(EngineConfig(model=SIM, sim_time_scale=3.0))
+    assert dilated.bytes_per_s == pytest.approx(plain.bytes_per_s / 3.0)
+    assert dilated.page_bytes == plain.page_bytes
+    assert profile.slowed(1.0) is profile
+    outputs = engine.generate(PROMPTS, GREEDY)  # the tokens do not depend on the clock
+    end_ids = engine.runner.model._end_ids
+    for prompt, output in zip(PROMPTS, outputs):
+        assert output.output_token_ids == expected_tokens(
+            prompt, 12, engine.runner.model.vocab_size, end_ids
+        )
+
+
 def test_what_a_simulated_model_cannot_do_is_refused() -> None:
     with pytest.raises(ValueError, match="runs at tensor_parallel_size 1"):
         LLMEngine.from_pretrained(SIM, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="sim_time_scale must be positive, got 0"):
+        LLMEngine.from_pretrained(SIM, sim_time_scale=0.0)
+    with pytest.raises(ValueError, match="slows a simulated model's clock; tiny is a real"):
+        LLMEngine.from_pretrained("tiny", sim_time_scale=2.0)
