@@ -48,6 +48,10 @@ class GatewayConfig:
     """What a request in flight on a decode worker costs in routing, in the routed
     request's own blocks, against each block that worker would have to pull: 0 routes by the
     blocks held alone, so a newly added decode worker waits for the load cap."""
+    prefill_load_weight: float = 1.0
+    """What a request in flight on a prefill worker costs in routing: as much again as the
+    routed request would compute there, per request (gateway/router.py); 0 routes by the
+    prefix held alone, so a newly added prefill worker waits for the load cap."""
     retry_after_s: int = 1
     """The Retry-After of a 429 or 503."""
     worker_timeout_s: float = 5.0
@@ -149,8 +153,11 @@ class GatewayConfig:
                 "hung_step_s must be positive and request_timeout_s >= 0, got "
                 f"{self.hung_step_s} and {self.request_timeout_s}"
             )
-        if self.decode_load_weight < 0:
-            raise ValueError(f"decode_load_weight must be >= 0, got {self.decode_load_weight}")
+        if self.decode_load_weight < 0 or self.prefill_load_weight < 0:
+            raise ValueError(
+                f"decode_load_weight and prefill_load_weight must be >= 0, got "
+                f"{self.decode_load_weight} and {self.prefill_load_weight}"
+            )
         if self.disagg_min_uncached_tokens < 0 or self.decode_reuse_min_tokens < 0:
             raise ValueError(
                 f"disagg_min_uncached_tokens and decode_reuse_min_tokens must be >= 0, got "

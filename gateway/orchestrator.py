@@ -192,6 +192,7 @@ class RequestOrchestrator:
             list(workers.decode),
             config.max_load_imbalance,
             config.decode_load_weight,
+            config.prefill_load_weight,
         )
         self.readiness = Readiness(workers, self.router, config.worker_timeout_s)
         self.poller = KVEventPoller(

@@ -30,10 +30,22 @@ size does; the cheapest candidate wins, then the one holding more:
     new worker: holds  0, 0 in flight   cost 66 + 0 * 66 =  66   ← goes here, then holds them
     (one in flight on each: 2 + 66 against 66 + 66: the holder; loads level off)
 
-Load (requests in flight through this gateway) breaks prefill's ties, and caps hot spots of
-both roles: a worker more than ``max_load_imbalance`` requests busier than the idlest one is
-not a candidate, whatever it holds. Equal candidates are taken in turn, so a cold cluster
-spreads its load.
+Prefill weighs its prefix against load the same way, in what a worker would compute: its
+uncached part of the prompt (``prefix_rank``'s half-blocks: a tier block loads, at about half
+a computed one's cost), with each request in flight there taken to cost as much again, as
+it would queue ahead (times ``prefill_load_weight``). A prefill worker added by a scale step
+holds no shared prefix; ranked by prefix alone it would get nothing until every holder hit
+the load cap, while the holders' queues ate the TTFT the step was for:
+
+    4,200-token prompt (262 blocks), its first 30 a shared prefix
+    holder: 1 in flight   cost (1 + 1) * 2 * (262 - 30) = 928
+    new:    0 in flight   cost (1 + 0) * 2 * 262        = 524   ← goes here, then holds it
+    (the holder idle: 464 against 524, the holder)
+
+Load (requests in flight through this gateway) also caps hot spots of both roles: a worker
+more than ``max_load_imbalance`` requests busier than the idlest one is not a candidate,
+whatever it holds; it breaks the last ties. Equal candidates are taken in turn, so a cold
+cluster spreads its load.
 
 A request that runs a LoRA adapter goes first to a worker holding the adapter in memory,
 then to one that has it registered (it reads the files again), then to any (which reads them
@@ -102,9 +114,20 @@ def prefix_rank(held: HeldBlocks, block_hashes: list[BlockHash]) -> tuple[int, i
 def _ranked_by_prefix(
     index: WorkerIndex, block_hashes: list[BlockHash], _: float
 ) -> tuple[tuple[float, ...], int]:
-    """A prefill worker's (or a whole run's) key: its prefix's rank, then the idler."""
+    """A whole run's key (conditional disaggregation): its prefix's rank, then the idler."""
     rank, matched = prefix_rank(index.held, block_hashes)
     return (rank, -index.load), matched
+
+
+def _ranked_by_compute_and_load(
+    index: WorkerIndex, block_hashes: list[BlockHash], load_weight: float
+) -> tuple[tuple[float, ...], int]:
+    """A prefill worker's key: the least to compute, each request in flight there counted
+    as this one again, then the longer prefix, then the idler (module doc)."""
+    rank, matched = prefix_rank(index.held, block_hashes)
+    to_compute = max(1, 2 * len(block_hashes) - rank)  # half-blocks; the last token always
+    cost = (1 + load_weight * index.load) * to_compute
+    return (-cost, rank, -index.load), matched
 
 
 def _ranked_by_pull_and_load(
@@ -133,15 +156,19 @@ class Router:
         decode_worker_ids: list[str],
         max_load_imbalance: int = 4,
         decode_load_weight: float = 1.0,
+        prefill_load_weight: float = 1.0,
     ) -> None:
         if not prefill_worker_ids:
             raise ValueError("the router needs at least one prefill worker")
         if max_load_imbalance < 0:
             raise ValueError(f"max_load_imbalance must be >= 0, got {max_load_imbalance}")
-        if decode_load_weight < 0:
-            raise ValueError(f"decode_load_weight must be >= 0, got {decode_load_weight}")
+        if decode_load_weight < 0 or prefill_load_weight < 0:
+            raise ValueError(
+                f"decode_load_weight and prefill_load_weight must be >= 0, got "
+                f"{decode_load_weight} and {prefill_load_weight}"
+            )
         self.max_load_imbalance = max_load_imbalance
-        self.decode_load_weight = decode_load_weight
+        self.load_weights = {"prefill": prefill_load_weight, "decode": decode_load_weight}
         self._workers: dict[str, WorkerIndex] = {}
         self._prefill_ids = list(prefill_worker_ids)
         self._decode_ids = list(decode_worker_ids)
@@ -251,12 +278,14 @@ class Router:
     def pick_prefill(
         self, block_hashes: list[BlockHash], lora_name: str | None = None
     ) -> RouteChoice:
-        """The prefill worker with the longest cached prefix of ``block_hashes`` (among those
-        that hold adapter ``lora_name`` best).
+        """The prefill worker that would compute least of ``block_hashes`` for its load
+        (among those that hold adapter ``lora_name`` best).
 
         Raises ``NoWorkerAvailable`` when no prefill worker is available.
         """
-        return self._pick("prefill", self._prefill_ids, block_hashes, _ranked_by_prefix, lora_name)
+        return self._pick(
+            "prefill", self._prefill_ids, block_hashes, _ranked_by_compute_and_load, lora_name
+        )
 
     def longest_prefill_prefix(self, block_hashes: list[BlockHash]) -> int:
         """The most blocks of ``block_hashes``' prefix any available prefill worker holds,
@@ -318,7 +347,7 @@ class Router:
             index = self._workers[worker_id]
             if index.load > ceiling:
                 continue
-            key, matched = ranked(index, block_hashes, self.decode_load_weight)
+            key, matched = ranked(index, block_hashes, self.load_weights[role])
             key = (index.holds_adapter(lora_name), *key)
             if best is None or key > best:
                 best, best_matched, best_id = key, matched, worker_id

@@ -101,13 +101,52 @@ def test_equal_prefix_ties_are_broken_by_load():
 
 
 def test_a_hot_worker_over_the_imbalance_cap_is_skipped_despite_its_prefix():
-    router = Router(["p0", "p1"], [], max_load_imbalance=2)
-    router.apply(batch("p0", [stored(H[0], H[1])]))
-    for _ in range(2):
+    """With ``prefill_load_weight`` 0 the prefix decides up to the cap; a fully cached
+    prompt (one token to recompute) too, at any weight."""
+    for weight, prompt in ((0.0, H[:3]), (1.0, H[:2])):
+        router = Router(["p0", "p1"], [], max_load_imbalance=2, prefill_load_weight=weight)
+        router.apply(batch("p0", [stored(H[0], H[1])]))
+        for _ in range(2):
+            router.begin("p0")
+        assert router.pick_prefill(prompt).worker_id == "p0"  # within the cap: prefix wins
         router.begin("p0")
-    assert router.pick_prefill(H[:2]).worker_id == "p0"  # within the cap: prefix wins
-    router.begin("p0")
-    assert router.pick_prefill(H[:2]).worker_id == "p1"  # 3 > 0 + 2: load wins
+        assert router.pick_prefill(prompt).worker_id == "p1"  # 3 > 0 + 2: load wins
+
+
+def test_a_prefill_worker_busier_by_a_request_loses_to_an_idle_one_unless_it_saves_more():
+    """A request in flight costs as much again as the routed one would compute there: the
+    holder of 3 of 4 blocks keeps a prompt with 1 in flight (2 x 2 half-blocks against 8)
+    and loses it with 4 (5 x 2 = 10); the holder of 1 of 4 loses it with 1 (2 x 6 = 12)."""
+    for held, in_flight, holder_keeps in ((3, 1, True), (3, 4, False), (1, 1, False)):
+        router = Router(["old", "new"], [], max_load_imbalance=8)
+        router.apply(batch("old", [stored(*H[:held])]))
+        for _ in range(in_flight):
+            router.begin("old")
+        picked = router.pick_prefill(H[:4])
+        assert (picked.worker_id == "old") == holder_keeps, (held, in_flight)
+
+
+def test_a_prefill_worker_added_under_load_serves_its_share_at_once():
+    """The autoscaler's prefill scale-out: prompts of 262 blocks share one of 4 prefixes
+    of 30 blocks, all held by the old worker, 4 requests in flight at all times. After
+    prefill 1 -> 2 the new worker serves at least 30 % of them (ranked by prefix it served
+    none: the old worker never reached the cap of 4 more in flight)."""
+    prefixes = [[bytes([1, p, i]) * 5 + b"x" for i in range(30)] for p in range(4)]
+    router = Router(["old", "new"], [])
+    router.apply(batch("old", [stored(*sum(prefixes, []))]))
+    in_flight: list[str] = []
+    served = {"old": 0, "new": 0}
+    for request in range(200):
+        suffix = [bytes([2, i]) + request.to_bytes(14, "little") for i in range(232)]
+        prompt = prefixes[request % 4] + suffix
+        worker = router.pick_prefill(prompt).worker_id
+        router.begin(worker)
+        router.apply(batch(worker, [stored(*prompt)], first_seq=router.next_seq(worker)))
+        served[worker] += 1
+        in_flight.append(worker)
+        if len(in_flight) == 4:
+            router.end(in_flight.pop(0))
+    assert served["new"] >= 0.3 * 200, served
 
 
 def test_a_cold_cluster_spreads_requests_over_idle_workers():
