@@ -162,13 +162,32 @@ def worker_rows(config: PDServeConfig) -> dict[str, dict]:
 
 
 def _replica_actor(config: PDServeConfig, worker_id: str):
+    """The Serve replica actor that serves ``worker_id`` now.
+
+    A replica Serve replaced (its health check failed) lives on, named, through its graceful
+    shutdown: a fault injected there, or a SIGSTOP sent to it, would miss the worker the
+    gateway routes to. With more than one, the one whose instance ``/stats`` shows wins."""
     import ray
 
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        name = entry["name"]
-        if name.startswith("SERVE_REPLICA::") and f"{config.app_name}#{worker_id}#" in name:
-            return ray.get_actor(name, namespace=entry["namespace"])
-    raise LookupError(f"no replica actor of {worker_id} in app {config.app_name}")
+    replicas = [
+        ray.get_actor(entry["name"], namespace=entry["namespace"])
+        for entry in ray.util.list_named_actors(all_namespaces=True)
+        if entry["name"].startswith("SERVE_REPLICA::")
+        and f"{config.app_name}#{worker_id}#" in entry["name"]
+    ]
+    if len(replicas) == 1:
+        return replicas[0]
+    serving = worker_rows(config)[worker_id]["instance_id"]
+    for replica in replicas:
+        asked = replica.__ray_call__.remote(
+            lambda r: getattr(r._replica_impl._user_callable_wrapper._callable, "instance_id", None)
+        )
+        ready, _ = ray.wait([asked], timeout=10)  # a replica stuck in its shutdown: not it
+        if ready and ray.get(asked) == serving:
+            return replica
+    raise LookupError(
+        f"no replica actor of {worker_id} in app {config.app_name} serves instance {serving}"
+    )
 
 
 def kill_worker(config: PDServeConfig, worker_id: str) -> int:
