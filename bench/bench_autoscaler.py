@@ -160,6 +160,14 @@ def main() -> None:
         f"{row_all['ttft_p99_ms']:.0f} ms, ITL {row_all['itl_p50_ms']:.1f}/"
         f"{row_all['itl_p90_ms']:.1f}/{row_all['itl_p99_ms']:.1f} ms"
     )
+    failures: dict[str, list[float]] = {}
+    for r in results:
+        if r.error is not None:
+            failures.setdefault(r.error, []).append(float(r.tag))
+    for error, arrivals in sorted(failures.items(), key=lambda item: -len(item[1])):
+        print(
+            f"  failed: {error} x{len(arrivals)}, arrived {min(arrivals):.0f}-{max(arrivals):.0f} s"
+        )
     print(
         f"worker-seconds {used:.0f} against {static:.0f} for the peak "
         f"({peak['prefill']} P + {peak['decode']} D all along): {used / static:.2f}x"

@@ -38,6 +38,15 @@ class StreamResult:
     error: str | None = None
 
 
+def _error_message(response: httpx.Response) -> str:
+    """A refusal's reason, as the gateway's error body gives it (a 503 of an unavailable
+    worker and one of a service starting read alike by status alone)."""
+    try:
+        return str(json.loads(response.read())["error"]["message"])[:160]
+    except (ValueError, KeyError, TypeError, httpx.HTTPError):
+        return "no error body"
+
+
 def stream_completion(client: httpx.Client, url: str, model: str, planned: Planned) -> StreamResult:
     result = StreamResult(planned.tag)
     body = {
@@ -52,7 +61,7 @@ def stream_completion(client: httpx.Client, url: str, model: str, planned: Plann
     try:
         with client.stream("POST", f"{url}/v1/completions", json=body) as response:
             if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}"
+                result.error = f"HTTP {response.status_code}: {_error_message(response)}"
                 return result
             for line in response.iter_lines():
                 if not line.startswith("data: {"):
