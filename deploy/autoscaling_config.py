@@ -12,6 +12,7 @@ how eagerly the autoscaler moves (``deploy/autoscaler.py``; off when the key is 
       scale_up_delay_s: 10     # "more" must be wanted this long before workers are added
       scale_down_delay_s: 60   # "fewer" this long before workers are drained and removed
       max_step: 2              # workers added or removed per role per step
+      max_scale_down_rate: 2   # a step down keeps at least 1/2 of the role's workers
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ class AutoscalingConfig(BaseModel):
     scale_up_delay_s: float = Field(10.0, ge=0)
     scale_down_delay_s: float = Field(60.0, ge=0)
     max_step: int = Field(2, ge=1, description="workers added or removed per role per step")
+    max_scale_down_rate: float = Field(
+        2.0,
+        ge=1,
+        description="a step down keeps at least 1/this of the role's workers (Knative's "
+        "max-scale-down-rate); an idle role still returns to min in one step",
+    )
     prefill_utilization: float = Field(
         0.7,
         gt=0,

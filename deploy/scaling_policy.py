@@ -2,10 +2,11 @@
 
 Each role is sized from what limits it, with latency measured where the client sees it:
 
-    prefill  TTFT from arrival (queue wait included), the engines' busy share, and the prompt
-             tokens queued: enough workers that the busy share stays under
-             ``prefill_utilization`` (queues grow fast above it), that the backlog clears
-             within the TTFT target at the measured rate, and one more while TTFT misses it
+    prefill  TTFT from arrival (queue wait included), the prompt tokens arriving and those
+             queued: enough workers that the arrivals keep each under
+             ``prefill_utilization`` busy (queues grow fast above it) and, on top, that the
+             backlog clears within the TTFT target at the measured rate; one more while
+             TTFT misses it
     decode   ITL and KV usage, never more workers for ITL than there are rows to spread. A
              decode step costs a floor (weights read once per step) plus
              a part that grows with the rows in each worker's batch, so spreading the rows
@@ -23,8 +24,10 @@ planner kept such a floor and never scaled down again: its #8861).
 
 Scale-down asks the same model how many fewer workers would still hold the targets with
 headroom (80 %), so that a step down is not undone by the next reading, and removes up to
-``max_step`` of them. An idle window (no request arrived, none in flight or queued) returns
-the role to ``min`` in one step.
+``max_step`` of them, keeping at least ``1 / max_scale_down_rate`` of the role (Knative's
+rule: a burst's end read as "5 workers idle at 10 %" would otherwise go to 1, which the
+steady load after it then asks back). An idle window (no request arrived, none in flight
+or queued) returns the role to ``min`` in one step.
 
 Against oscillation: a direction must be wanted over consecutive readings for
 ``scale_up_delay_s`` (up) or ``scale_down_delay_s`` (down) before it is taken, a step moves
@@ -103,24 +106,31 @@ class ScalingPolicy:
         else:
             wanted, reason = self._decode_workers(window)
         step = self.settings.max_step
-        bounded = max(low, min(high, current + step, max(current - step, wanted)))
+        fewest = max(current - step, math.ceil(current / self.settings.max_scale_down_rate))
+        bounded = max(low, min(high, current + step, max(fewest, wanted)))
         return RoleTarget(window.role, current, bounded, reason)
 
     def _prefill_workers(self, w: RoleWindow) -> tuple[int, str]:
         settings = self.settings
         target_s = settings.ttft_p90_ms / 1e3
         ttft = w.latency_p90_s
-        for_load = math.ceil(w.utilization * w.workers / settings.prefill_utilization)
-        for_backlog = math.ceil(w.backlog_tokens / (w.token_rate * target_s)) if w.token_rate else 0
+        # Workers to keep up with the prompt tokens arriving, plus workers to clear those
+        # already queued within the target: with W workers computing r tokens/s each,
+        # arrivals λ and a backlog B, (W·r - λ)·T >= B asks W >= λ/r + B/(r·T). Both
+        # parts at once: sized by the larger alone, a burst's steps came one behind.
+        for_arrivals = w.offered_utilization * w.workers / settings.prefill_utilization
+        for_backlog = w.backlog_tokens / (w.token_rate * target_s) if w.token_rate else 0.0
+        for_load = math.ceil(for_arrivals + for_backlog)
         missing = ttft is not None and ttft > target_s
         # TTFT from queueing falls with more workers; a prompt's own compute time does not.
         queueing = w.utilization > settings.prefill_utilization / 2 or for_backlog > w.workers
-        # Missed while queueing: one more at least (the busy share and the backlog size
-        # bigger steps; sized from the miss itself, a step overshoots and comes back).
-        wanted = max(1, for_load, for_backlog, w.workers + 1 if missing and queueing else 0)
+        # Missed while queueing: one more at least (a step sized from the miss itself
+        # overshoots and comes back).
+        wanted = max(1, for_load, w.workers + 1 if missing and queueing else 0)
         measures = (
             f"TTFT p90 {_ms(ttft)} (target {settings.ttft_p90_ms:.0f} ms), "
-            f"busy {w.utilization:.0%} per worker, {w.backlog_tokens} prompt tokens queued"
+            f"busy {w.utilization:.0%} per worker (offered {w.offered_utilization:.0%}), "
+            f"{w.backlog_tokens} prompt tokens queued"
         )
         if missing and not queueing:
             measures += ": missed with the workers mostly idle, more would not lower it"

@@ -82,7 +82,11 @@ class RoleWindow:
     ``latency_*``: TTFT for prefill, ITL for decode (None: no sample in the window).
     ``utilization``: the share of the window the role's engines spent in steps with
     requests, per worker now running. ``token_rate``: prompt tokens one busy prefill
-    worker computes per second (0 when it computed none)."""
+    worker computes per second (0 when it computed none). ``offered_utilization``: the
+    share the prompt tokens that *arrived* over the window would keep each worker busy at
+    ``token_rate`` (those computed plus the backlog's growth). The carried load,
+    ``utilization``, stops at 1 while a burst piles up; the offered load goes on rising
+    with it, so a step is sized by what comes, not by what the workers manage."""
 
     role: str
     workers: int
@@ -92,6 +96,7 @@ class RoleWindow:
     latency_p50_s: float | None
     latency_p90_s: float | None
     utilization: float
+    offered_utilization: float
     token_rate: float
     backlog_tokens: int
     kv_usage: float
@@ -133,14 +138,18 @@ class ServiceWindow:
             first.ttft if role == "prefill" else first.itl
         )
         now, then = last.workers[role], first.workers[role]
-        busy = tokens = 0.0
+        busy = tokens = backlog_growth = 0.0
         for worker_id, reading in now.items():
             before = then.get(worker_id)
             if before is None or before.instance_id != reading.instance_id:
                 before = _STARTED  # joined or restarted within the window: counts from zero
             busy += _increase(reading.busy_seconds, before.busy_seconds)
             tokens += _increase(reading.prompt_tokens_computed, before.prompt_tokens_computed)
+            backlog_growth += reading.prompt_tokens_to_compute - before.prompt_tokens_to_compute
         workers = max(1, len(now))
+        token_rate = tokens / busy if busy > 0 else 0.0
+        utilization = busy / (span * workers) if span > 0 else 0.0
+        arrived = max(0.0, tokens + backlog_growth)
         return RoleWindow(
             role=role,
             workers=len(now),
@@ -149,8 +158,11 @@ class ServiceWindow:
             requests_in_flight=last.requests_in_flight,
             latency_p50_s=latency.quantile(0.5),
             latency_p90_s=latency.quantile(0.9),
-            utilization=busy / (span * workers) if span > 0 else 0.0,
-            token_rate=tokens / busy if busy > 0 else 0.0,
+            utilization=utilization,
+            offered_utilization=(
+                arrived / (token_rate * span * workers) if token_rate and span > 0 else utilization
+            ),
+            token_rate=token_rate,
             backlog_tokens=sum(r.prompt_tokens_to_compute for r in now.values()),
             kv_usage=sum(r.kv_cache_usage for r in now.values()) / workers,
             requests_running=sum(

@@ -117,6 +117,8 @@ def test_a_window_differences_counters_and_counts_a_restarted_worker_from_zero()
     assert prefill.utilization == pytest.approx((15.0 + 6.0) / (20.0 * 2))
     assert prefill.token_rate == pytest.approx((3000 + 1000) / 21.0)
     assert prefill.backlog_tokens == 300
+    # Arrived: the 4,000 computed and the 300 the backlog grew by, at the rate per busy second.
+    assert prefill.offered_utilization == pytest.approx(4300 / (4000 / 21.0) / (20.0 * 2))
     assert prefill.latency_p90_s is not None and 1.0 < prefill.latency_p90_s <= 2.5
     decode = window.role("decode")
     assert decode is not None and decode.workers == 0
@@ -147,6 +149,8 @@ def role_window(role: str, workers: int, **values) -> RoleWindow:
         kv_usage=0.2,
         requests_running=4,
     )
+    # Unless a test says otherwise, what arrived is what the workers computed (no burst).
+    fields["offered_utilization"] = values.get("utilization", fields["utilization"])
     return RoleWindow(**(fields | values))
 
 
@@ -158,6 +162,32 @@ def test_a_busy_prefill_scales_up_after_its_delay_and_by_at_most_max_step():
     [step] = policy.decide([busy], now=10.0)
     assert (step.role, step.current, step.workers) == ("prefill", 2, 4)
     assert "TTFT p90 4000 ms" in step.reason
+
+
+def test_a_burst_is_sized_by_its_arrivals_and_its_backlog_together():
+    """Busy 99 %: the carried load says 3 workers. The tokens arriving need 4 at 70 % busy,
+    and the 20,000 queued 2 more to clear within the 1 s target (λ/r + B/(r·T))."""
+    policy = ScalingPolicy(SETTINGS.model_copy(update={"max_step": 8}))
+    burst = role_window(
+        "prefill",
+        2,
+        utilization=0.99,
+        offered_utilization=1.4,
+        backlog_tokens=20_000,
+        latency_p90_s=3.0,
+    )
+    target = policy.target(burst)
+    assert target.workers == 6
+    assert "offered 140%" in target.reason
+
+
+def test_a_step_down_keeps_half_the_role_but_idle_returns_to_min():
+    policy = ScalingPolicy(SETTINGS.model_copy(update={"max_step": 8}))
+    quiet = role_window("prefill", 8, utilization=0.02, offered_utilization=0.02)
+    assert policy.target(quiet).workers == 4  # 1 would carry it; a step keeps 8 / 2
+    assert policy.target(dataclasses.replace(quiet, workers=5)).workers == 3
+    idle = dataclasses.replace(quiet, requests=0, requests_in_flight=0)
+    assert policy.target(idle).workers == 1
 
 
 def test_a_wish_that_changes_direction_restarts_its_delay():
@@ -261,7 +291,8 @@ class ModelService:
     row_cost_s: float = 0.0008
 
     def windows(self, prefill: int, decode: int) -> list[RoleWindow]:
-        busy = min(0.99, self.prompt_tokens_per_s / (prefill * self.prefill_tokens_per_s))
+        offered = self.prompt_tokens_per_s / (prefill * self.prefill_tokens_per_s)
+        busy = min(0.99, offered)
         compute_s = self.prompt_tokens / self.prefill_tokens_per_s
         itl = self.itl_floor_s + self.row_cost_s * self.rows / decode
         return [
@@ -269,6 +300,7 @@ class ModelService:
                 "prefill",
                 prefill,
                 utilization=busy,
+                offered_utilization=offered,
                 latency_p50_s=compute_s / (1 - busy) * 0.6,
                 latency_p90_s=compute_s / (1 - busy),
                 token_rate=self.prefill_tokens_per_s,
