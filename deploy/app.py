@@ -13,8 +13,13 @@ A redeploy keeps the workers it keeps. Serve restarts a replica when its deploym
 version changes, and an app deployed from Python gets a random one per deployment each
 time, so every scale step used to restart every worker and throw its prefix cache and KV
 tier away. Each worker's deployment is versioned by what its actor is (``worker_version``:
-its spec, its Ray options, pdserve's code), so an unchanged worker keeps running; the
-gateway, whose worker lists change, is replaced as before.
+its spec, its Ray options, pdserve's code), so an unchanged worker keeps running.
+
+The gateway is kept too. Its version is what it is (its config, its Ray options, the code),
+and the worker set reaches it as its deployment's ``user_config`` (``worker_set``), which
+Serve hands a running replica's ``reconfigure`` in place: a scale step reshapes the
+gateway's pool and router without replacing it, where a replaced gateway started again
+(tokenizer, polls of every worker, an empty router) and its open streams had to drain.
 
 ``serve deploy deploy/serve_config.yaml`` calls ``build_app`` with the YAML's ``args``.
 """
@@ -188,26 +193,44 @@ def build(config: PDServeConfig, retiring_from: PDServeConfig | None = None) -> 
     gateway = Gateway.options(  # type: ignore[attr-defined]  # a Deployment: see above
         num_replicas=app.gateway.num_replicas,
         ray_actor_options=app.gateway_options,
+        user_config=worker_set(app),
         graceful_shutdown_wait_loop_s=_SHUTDOWN_POLL_S,
         graceful_shutdown_timeout_s=app.gateway.drain_timeout_s,
     )
+    gateway._version = gateway_version(app)
+    # A gateway replica started later (Serve replacing a dead one) takes these handles; one
+    # running takes the set from ``worker_set`` instead (init arguments are not its version).
     return gateway.bind(app.gateway, prefill, decode, retiring)
+
+
+def worker_set(app: AppPlan) -> dict[str, list[str]]:
+    """The gateway's ``user_config``: the worker ids it routes to, by role, and those a
+    scale-down is retiring (reachable for the requests already there, never routed to)."""
+    return {
+        "prefill": [w.spec.worker_id for w in app.workers if w.role == "producer"],
+        "decode": [w.spec.worker_id for w in app.workers if w.role == "consumer"],
+        "retiring": [w.spec.worker_id for w in app.retiring],
+    }
 
 
 def worker_version(worker: WorkerDeployment) -> str:
     """What the worker's actor is, as a hash: its spec (secret included), its Ray options
     and the code it runs. Equal versions: Serve keeps the running replica."""
-    identity = json.dumps(
-        {
-            "role": worker.role,
-            "spec": dataclasses.asdict(worker.spec),
-            "actor_options": worker.actor_options,
-            "code": _code_fingerprint(),
-        },
-        sort_keys=True,
-        default=str,
+    return _version_of(
+        role=worker.role, spec=dataclasses.asdict(worker.spec), actor_options=worker.actor_options
     )
-    return hashlib.sha256(identity.encode()).hexdigest()[:32]
+
+
+def gateway_version(app: AppPlan) -> str:
+    """The gateway's version: its config and Ray options, and the code. The worker set is
+    not in it (``worker_set``): a scale step reconfigures the running replicas."""
+    return _version_of(gateway=dataclasses.asdict(app.gateway), actor_options=app.gateway_options)
+
+
+def _version_of(**identity: Any) -> str:
+    """A deployment version: the hash of what the deployment is, pdserve's code included."""
+    serialized = json.dumps(identity | {"code": _code_fingerprint()}, sort_keys=True, default=str)
+    return hashlib.sha256(serialized.encode()).hexdigest()[:32]
 
 
 @functools.cache

@@ -214,17 +214,18 @@ def scale(
     The app is redeployed with the config it was deployed with (same secrets and hash seed,
     so new workers share the old ones' block hashes and KV plane) and the new counts:
 
-        up:    deploy(new)                     new workers start; Serve swaps the gateway
-                                               (the old one drains, the new one routes to all)
-        down:  deploy(new, retiring=removed)   the new gateway routes to the new set only;
-               wait: the old gateway is gone,  the removed workers stay up, unrouted, while
-                     removed workers idle      the old gateway's requests finish on them
+        up:    deploy(new)                     new workers start; the running gateway takes
+                                               the new set (``Gateway.reconfigure``) and
+                                               routes to each once it answers a poll
+        down:  deploy(new, retiring=removed)   the gateway routes to the new set only; the
+               wait: removed workers idle      removed workers stay up, unrouted, while the
+                                               requests already there finish on them
                deploy(new)                     then Serve stops them
 
     A colocated app stays colocated and a disaggregated one disaggregated (roles differ:
     ``pdserve down`` and ``up`` instead). The new config passes ``up``'s checks first (but
     the ports, which the app holds): a ``ValueError`` lists what fails. ``drain_timeout_s``:
-    how long the removed workers may stay busy; None: the old gateway's drain
+    how long the removed workers may stay busy; None: the gateway's drain
     (``drain_timeout_s``) and a minute more.
     """
     config = stored_config(app_name)
@@ -264,8 +265,9 @@ def stored_config(app_name: str) -> PDServeConfig:
 def _wait_until_retired(
     app_name: str, worker_ids: list[str], num_gateways: int, timeout_s: float
 ) -> None:
-    """Waits until the app runs only its new gateway replicas (the replaced ones drained) and the
-    ``worker_ids`` have no request running or waiting and no lease held."""
+    """Waits until the gateway replicas run the new worker set (each one RUNNING, none
+    updating or replaced) and the ``worker_ids`` have no request running or waiting and no
+    lease held."""
     from ray import serve
 
     deadline = time.monotonic() + timeout_s

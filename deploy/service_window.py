@@ -8,7 +8,7 @@ successive ``/stats`` bodies (the figures an operator and Prometheus see).
                    └──▶ RoleWindow("decode"):  ITL p90, KV usage, ...
 
 Counters are differenced between the window's oldest and newest sample. The gateway's
-counters restart when a scale step replaces it, and a worker's when it restarts; a counter
+counters restart when a redeploy replaces it, and a worker's when it restarts; a counter
 that went down counts from zero (Prometheus' ``increase()``). Latency percentiles come from
 the gateway's histograms (``HistogramSnapshot.quantile``), so several gateway replicas,
 whose board merges their histograms, read as one.

@@ -557,9 +557,9 @@ def _renderer(
 class Gateway:
     """Ingress replica: owns the orchestrator (router included) and every worker's handle.
 
-    ``retiring``: the handles of workers a scale-down is removing. They are bound here only
-    so that Serve keeps them running while the replaced gateway drains requests that still
-    use them; this gateway never routes to them (``deploy.cluster.scale``)."""
+    ``retiring``: the handles of workers a scale-down is removing: reachable by the requests
+    already there, never routed to (``deploy.cluster.scale``). A scale step does not replace
+    this replica: Serve passes the new worker set to ``reconfigure``."""
 
     async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
         self, config: GatewayConfig, prefill: dict, decode: dict, retiring: dict | None = None
@@ -567,7 +567,7 @@ class Gateway:
         self.config = config
         app.state.api_key_policy = APIKeyPolicy.of(config)  # the app this replica serves
         app.state.retry_after_s = config.retry_after_s
-        self.workers = WorkerPool(prefill, decode)
+        self.workers = WorkerPool(prefill, decode, retiring)
         self.orchestrator: RequestOrchestrator | None = None
         self._not_started_because = "no prefill worker has described the model yet"
         self._described = False  # a worker has: the tokenizer loads, no worker is waited for
@@ -581,12 +581,38 @@ class Gateway:
         # is the replica answering, and readiness is ``/ready``'s to say.
         self._starting = asyncio.get_running_loop().create_task(self._start_when_workers_answer())
         # Serve routes to a replica as soon as its constructor returns. A gateway that replaces
-        # another (a scale step, a redeploy) finds its workers up: waiting here for its start
+        # another (a redeploy) finds its workers up: waiting here for its start
         # (well under a second then) keeps the old gateway serving meanwhile, where returning
         # at once answered every request of that second 503. On a first deploy the workers
         # are still loading; past the bound the start goes on in the background, and requests
         # meanwhile get 503 with Retry-After (``_get_orchestrator``).
         await asyncio.wait([self._starting], timeout=_READY_BEFORE_ROUTED_S)
+
+    async def reconfigure(self, worker_set: dict[str, list[str]]) -> None:
+        """Serve calls it with the deployment's ``user_config`` (``deploy/app.py:
+        worker_set``): as the replica starts, and at each scale step, in place. Kept workers
+        keep their handles and router indexes; added ones are routed once they answer a
+        poll; retired ones are routed no more, their requests in flight finishing there."""
+        app_name = serve.get_replica_context().app_name
+
+        def handles(worker_ids: list[str]) -> dict[str, Any]:
+            return {w: self._handle_of(w, app_name) for w in worker_ids}
+
+        change = self.workers.reshape(
+            handles(worker_set["prefill"]),
+            handles(worker_set["decode"]),
+            handles(worker_set["retiring"]),
+        )
+        if change.added_prefill or change.added_decode or change.removed:
+            logger.info("worker set changed: %s", change)
+            if self.orchestrator is not None:  # else it is built from the pool as it is
+                self.orchestrator.apply(change)
+
+    def _handle_of(self, worker_id: str, app_name: str) -> Any:
+        try:
+            return self.workers.handle(worker_id)
+        except KeyError:
+            return serve.get_deployment_handle(worker_id, app_name)
 
     async def _start_when_workers_answer(self) -> None:
         """Builds the orchestrator once a prefill worker describes the model; the only place

@@ -71,7 +71,7 @@ class KVEventPoller:
         self.interval_s = EVENT_POLL_S  # the wait after the current round
         self._after_each_round = after_each_round
         self._task: asyncio.Task | None = None
-        self._locks = {worker_id: asyncio.Lock() for worker_id in workers.all}
+        self._locks: dict[str, asyncio.Lock] = {}  # by worker id; a scale step adds workers
         self._refreshing: dict[str, asyncio.Task] = {}  # by request id: refresh_soon's reads
         self._woken = asyncio.Event()  # cuts the wait short
         self._moved = False  # something changed since the last interval was chosen
@@ -115,18 +115,22 @@ class KVEventPoller:
         return min(2 * self.interval_s, self.idle_max_s) if quiet else EVENT_POLL_S
 
     async def _poll_one(self, worker_id: str) -> None:
-        if not self._locks[worker_id].locked():  # the poll skips a worker already being read
+        if not self._lock(worker_id).locked():  # the poll skips a worker already being read
             await self._read(worker_id)
+
+    def _lock(self, worker_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(worker_id, asyncio.Lock())
 
     async def refresh(self, worker_id: str) -> None:
         """Pulls one worker's new KV events into the router, after any read in progress:
         a request that just finished there calls it, so the next request routes by what
         this one left in the worker's cache. It is traffic: the poll runs at its pace."""
         self.wake()
-        await self._read(worker_id)
+        if self.router.has_worker(worker_id):  # not one a scale step retired meanwhile
+            await self._read(worker_id)
 
     async def _read(self, worker_id: str) -> None:
-        async with self._locks[worker_id]:
+        async with self._lock(worker_id):
             await self._read_events(worker_id)
 
     def refresh_soon(self, worker_id: str, request_id: str) -> None:

@@ -76,7 +76,7 @@ from pdserve.gateway.stream_emitter import (
     StreamEmitter,
 )
 from pdserve.gateway.stream_watch import DeadlineExceeded, StreamAbandoned, StreamWatch
-from pdserve.gateway.worker_pool import WorkerPool
+from pdserve.gateway.worker_pool import PoolChange, WorkerPool
 from pdserve.messages.generation import GenerationChunk, ModelInfo, WorkerRequest
 from pdserve.messages.kv_transfer_params import KVTransferParams
 from pdserve.messages.lora_adapters import LoRAAdapterRef
@@ -226,6 +226,17 @@ class RequestOrchestrator:
         self._call_serials = itertools.count(1)  # WorkerRequest.call_serial
         # (worker, request id) → the abort of a call there given up on before it answered.
         self._unanswered_aborts: dict[tuple[str, str], asyncio.Task] = {}
+
+    def apply(self, change: PoolChange) -> None:
+        """A scale step's new worker set, as ``WorkerPool.reshape`` took it: workers that
+        joined enter routing once their first poll answers, retired ones leave it now (their
+        requests in flight finish there). The poll runs at once for the new ones."""
+        for role, added in (("prefill", change.added_prefill), ("decode", change.added_decode)):
+            for worker_id in added:
+                self.router.add_worker(worker_id, role)
+        for worker_id in change.removed:
+            self.router.remove_worker(worker_id)
+        self.poller.wake()
 
     def start(self) -> None:
         self.poller.start()
@@ -491,7 +502,7 @@ class RequestOrchestrator:
             if run.whole_on is None:
                 run.prefill_id = self.route("prefill", run, fallback=lost_id)
             elif attempt:  # the worker chosen was lost: the one of its role holding most of it
-                role = "decode" if run.whole_on in self.workers.decode else "prefill"
+                role = self.workers.role(run.whole_on)
                 run.whole_on = self.route(role, run, fallback=lost_id, by_prefix=True)
                 run.prefill_id = run.whole_on
             else:  # where the prompt's KV was found (no await since)

@@ -224,6 +224,19 @@ class Router:
                 served.setdefault(ref.name, ref)
         return served
 
+    def add_worker(self, worker_id: str, role: str) -> None:
+        """A worker a scale step added (``role``: "prefill" or "decode"). It enters routing
+        once its event poll answers: until then it may still be loading its model, and a
+        request sent there would wait for the load."""
+        if worker_id in self._workers:
+            return
+        self._workers[worker_id] = WorkerIndex()
+        self.set_available(worker_id, False)
+        (self._prefill_ids if role == "prefill" else self._decode_ids).append(worker_id)
+
+    def has_worker(self, worker_id: str) -> bool:
+        return worker_id in self._workers
+
     def remove_worker(self, worker_id: str) -> None:
         """Forgets a worker (scaled away or dead): it is never picked again."""
         self._workers.pop(worker_id, None)

@@ -89,8 +89,26 @@ def test_every_kuberay_pod_mounts_the_certificates_and_runs_ray_with_token_auth(
     assert "PDSERVE_API_KEY" in head_env  # the app is built on the head
 
 
+def test_a_scale_step_reconfigures_the_gateway_and_a_settings_change_replaces_it():
+    """The worker set is the gateway's ``user_config`` and not its version, so Serve keeps a
+    running gateway through a scale step and calls its ``reconfigure``; other settings are
+    a new version, a new replica."""
+
+    def gateway(**settings):
+        return build_app({"model": "tiny", **settings})._bound_deployment
+
+    small, large = gateway(num_prefill=1, num_decode=1), gateway(num_prefill=3, num_decode=2)
+    assert small._version == large._version
+    assert large._deployment_config.user_config == {
+        "prefill": ["prefill-0", "prefill-1", "prefill-2"],
+        "decode": ["decode-0", "decode-1"],
+        "retiring": [],
+    }
+    assert gateway(num_prefill=1, num_decode=1, worker_timeout_s=9.0)._version != small._version
+
+
 def test_a_replaced_gateway_lets_its_open_streams_run_for_drain_timeout_s():
-    """Every scale step replaces the gateway; Serve stopped the old replica after its default
+    """A redeploy that replaces the gateway: Serve stopped the old replica after its default
     20 s, cutting a stream still running then with no [DONE] and no error event (the
     reviewer's repro: 90 tokens at 0.5 s a step, cut at 21 s)."""
     for settings, drain_s in (({}, 300.0), ({"drain_timeout_s": 42.0}, 42.0)):

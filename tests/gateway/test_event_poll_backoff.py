@@ -140,3 +140,29 @@ def test_a_worker_that_hangs_while_idle_leaves_routing_once_a_request_is_routed_
         await wait_for(lambda: router.is_available("p1"), 2.0)
 
     asyncio.run(scenario())
+
+
+def test_a_worker_a_scale_step_adds_is_routed_once_its_first_poll_answers(workers):
+    """``Router.add_worker`` (``RequestOrchestrator.apply``): the gateway is not replaced by a
+    scale step, so a worker joins a running router. It may still be loading its model: it is
+    picked only after it answered the poll, which the step wakes."""
+
+    async def scenario() -> None:
+        pool = Pool({"p0": workers["p0"]})
+        poller, router = poller_over(pool)
+        poller.start()
+        await wait_for(lambda: poller.interval_s == IDLE_MAX_S, 6.0)
+        pool.hung.add("p1")  # still starting: its calls wait
+        pool.prefill["p1"] = pool.all["p1"] = workers["p1"]
+        router.add_worker("p1", "prefill")
+        poller.wake()
+        await asyncio.sleep(WORKER_TIMEOUT_S + 0.5)
+        assert not router.is_available("p1")
+        assert {router.pick_prefill([]).worker_id for _ in range(4)} == {"p0"}
+        pool.hung.discard("p1")
+        await wait_for(lambda: router.is_available("p1"), 2.0)
+        router.begin("p0")  # p0 busy: the idle newcomer is picked
+        assert router.pick_prefill([]).worker_id == "p1"
+        router.end("p0")
+
+    asyncio.run(scenario())

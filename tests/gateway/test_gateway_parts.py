@@ -11,6 +11,7 @@ from pdserve.gateway.api.chat import parse_chat
 from pdserve.gateway.api.openai_schema import APIError, parse_completion
 from pdserve.gateway.grpc_ingress import GenerateServicer
 from pdserve.gateway.router import Router
+from pdserve.gateway.worker_pool import WorkerPool
 from pdserve.proto import generate_pb2
 from pdserve.tokenizer.detokenizer import stop_safe_length
 from pdserve.tokenizer.tokenizer import ByteTokenizer
@@ -105,3 +106,20 @@ def test_a_grpc_chat_without_max_tokens_may_run_to_the_end_of_the_context_as_ove
     assert not parsed.max_tokens_to_context and parsed.params.max_tokens == 5
     text = servicer._parse(generate_pb2.GenerateRequest(text="hi"))
     assert not text.max_tokens_to_context and text.params.max_tokens == 16
+
+
+def test_a_pool_reshaped_by_a_scale_step_routes_the_new_set_and_still_reaches_the_retired():
+    """``WorkerPool.reshape`` (``Gateway.reconfigure``): kept workers keep their handle; a
+    retired one is polled and routed no more, yet the requests already there still reach
+    it (a stream's end, an abort) until the next step drops it."""
+    handles = {w: SimpleNamespace(name=w) for w in ("p0", "p1", "d0", "d1")}
+    pool = WorkerPool({"p0": handles["p0"]}, {"d0": handles["d0"]})
+    change = pool.reshape(
+        {"p0": handles["p0"], "p1": handles["p1"]}, {"d1": handles["d1"]}, {"d0": handles["d0"]}
+    )
+    assert (change.added_prefill, change.added_decode, change.removed) == (["p1"], ["d1"], ["d0"])
+    assert list(pool.all) == ["p0", "p1", "d1"]
+    assert pool.handle("d0") is handles["d0"] and pool.role("d0") == "decode"
+    pool.reshape({"p0": handles["p0"], "p1": handles["p1"]}, {"d1": handles["d1"]}, {})
+    with pytest.raises(KeyError, match="d0"):
+        pool.handle("d0")

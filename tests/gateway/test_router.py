@@ -308,3 +308,19 @@ def test_a_workers_adapters_follow_its_newest_report_of_its_current_instance():
     restarted.lora = lora_report("b", 0, ["qv"], [])
     router.apply(restarted)
     assert sorted(router.lora_adapters()) == ["qv"]
+
+
+def test_a_worker_added_at_run_time_waits_for_its_first_answer_then_gets_work():
+    router = Router(["p0"], ["d0"])
+    router.add_worker("p1", "prefill")
+    router.add_worker("d1", "decode")
+    assert not router.is_available("p1") and router.has_worker("p1")
+    assert {router.pick_prefill(H[:1]).worker_id for _ in range(4)} == {"p0"}
+    router.set_available("p1", True)
+    router.set_available("d1", True)
+    router.begin("p0")
+    router.begin("d0")
+    assert router.pick_prefill(H[:1]).worker_id == "p1"
+    assert router.pick_decode(H[:1]).worker_id == "d1"
+    router.remove_worker("p1")
+    assert not router.has_worker("p1")

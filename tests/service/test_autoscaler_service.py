@@ -100,7 +100,7 @@ def test_the_autoscaler_adds_a_prefill_worker_under_load_and_drains_it_under_a_t
         assert report(config)["prefill"] == 1
         with Load(config, threads=4) as load:
             scaled_up = wait_for(config, prefill=2, timeout_s=120)
-            time.sleep(3)  # requests on the new shape, through the new gateway
+            time.sleep(3)  # requests on the new shape
             load.trickle.set()
             sent_before_down = len(load.statuses)
             scaled_down = wait_for(config, prefill=1, timeout_s=120)

@@ -3,11 +3,12 @@
 A background load keeps four streamed completions in flight (greedy, so each reply has one
 right answer: the colocated engine's) while the app, with two gateway replicas, goes from
 1 + 1 to 2 + 2 and back, then to 2 + 1 with its kept prefill worker killed mid-step.
-No request may be lost or wrong, the new gateway routes to the workers added, forgets the
+No request may be lost or wrong, the gateway routes to the workers added, forgets the
 ones removed, and every surviving worker drains to its baseline. The workers a step keeps
 keep running (same process, same instance, their caches warm): before each worker's
 deployment was versioned by what it is, Serve restarted every replica of an app redeployed
-from Python, kept workers included, and each scale step threw their caches away.
+from Python, kept workers included, and each scale step threw their caches away. The
+gateway replicas are kept too: a step reconfigures them in place (``Gateway.reconfigure``).
 """
 
 from __future__ import annotations
@@ -87,6 +88,17 @@ def _processes(config) -> dict[str, tuple[int, str]]:
     return {w: on_worker(config, w, lambda worker: (os.getpid(), worker.instance_id)) for w in KEPT}
 
 
+def _gateway_replicas(config) -> set[str]:
+    """The gateway's Serve replica actors, by name: a replaced replica gets a new one."""
+    import ray
+
+    return {
+        entry["name"]
+        for entry in ray.util.list_named_actors(all_namespaces=True)
+        if entry["name"].startswith(f"SERVE_REPLICA::{config.app_name}#gateway#")
+    }
+
+
 def _cached_tokens_of_repeated(config) -> int:
     status, _, body = post_completion(
         config, {"model": "tiny", "prompt": REPEATED, "max_tokens": 2, "temperature": 0}
@@ -106,8 +118,8 @@ def _wait_for_requests_on(config, worker_ids: list[str], timeout_s: float = 120.
 
 
 def _kill_the_kept_prefill_mid_step(config, load: SteadyLoad) -> range:
-    """A fault during a scale step: 1 + 1 → 2 + 1 starts, and while the new gateways and
-    prefill-1 start, the kept prefill-0 is SIGKILLed with streams in flight on it. Those
+    """A fault during a scale step: 1 + 1 → 2 + 1 starts, and while prefill-1 starts, the
+    kept prefill-0 is SIGKILLed with streams in flight on it. Those
     streams move on (prefill-1 once up, or prefill-0 restarted) and the step completes.
     Until one of them is up the role has no worker: a request sent then is refused at once
     with 503, ``no_worker_available`` and Retry-After (the gateway's answer when a role is
@@ -141,7 +153,7 @@ def service(ray_cluster):
     # A pool the load cannot cycle through while the test runs (each load prompt takes 6 new
     # blocks): with 256, a slow scale step let LRU eviction take the repeated prompt's blocks,
     # and "the cache is still warm" failed for a reason that is not a restart.
-    # Two gateway replicas: each step replaces both, and they admit and route as one.
+    # Two gateway replicas: each step reconfigures both, and they admit and route as one.
     with running_app(
         num_kv_blocks=4096, num_prefill=1, num_decode=1, num_gateway_replicas=2
     ) as config:
@@ -155,6 +167,8 @@ def test_scaling_up_and_down_under_load_loses_no_request_and_routes_to_the_new_s
     wait_until_ready(service)
     assert _cached_tokens_of_repeated(service) == 0  # computed once, cached on prefill-0
     before = _processes(service)
+    gateways = _gateway_replicas(service)
+    assert len(gateways) == 2
     load = SteadyLoad(service)
     load.start()
     outage = range(0)
@@ -177,6 +191,7 @@ def test_scaling_up_and_down_under_load_loses_no_request_and_routes_to_the_new_s
         load.wait_for(finished + 2 * IN_FLIGHT)  # served by the smaller set
         assert sorted(worker_rows(service)) == ["decode-0", "prefill-0"]
         assert _processes(service) == before
+        assert _gateway_replicas(service) == gateways  # reconfigured in place, not replaced
         outage = _kill_the_kept_prefill_mid_step(service, load)
     finally:
         clients = load.stop()
