@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import ray
 from serve_load import StreamResult
 from trace_replay import generated, goodput, replay
 
@@ -61,6 +62,15 @@ def direction_changes(decisions: list[dict], role: str) -> int:
         if d["role"] == role
     ]
     return sum(a != b for a, b in zip(directions, directions[1:]))
+
+
+def gateway_replicas(app_name: str) -> set[str]:
+    """The app's gateway replica actors by name (a replaced replica's successor has another)."""
+    return {
+        entry["name"]
+        for entry in ray.util.list_named_actors(all_namespaces=True)
+        if entry["name"].startswith(f"SERVE_REPLICA::{app_name}#gateway#")
+    }
 
 
 def main() -> None:
@@ -109,6 +119,7 @@ def main() -> None:
         },
     )
     deploy(config)
+    gateways_at_start = gateway_replicas(config.app_name)
     trace = generated(
         "bursty",
         args.rate,
@@ -129,6 +140,7 @@ def main() -> None:
         if report["state"] == "watching" or time.monotonic() > deadline:
             break
         time.sleep(1.0)
+    gateways_kept = gateway_replicas(config.app_name) == gateways_at_start
     delete_app(config.app_name)
 
     # From here on every time is on the simulated clock: the wall's divided by k.
@@ -184,7 +196,8 @@ def main() -> None:
         )
     print(
         f"back at 1 + 1 {back_s:.0f} s after the last request finished "
-        f"({back_s / args.look_back_s:.1f} look-back windows)"
+        f"({back_s / args.look_back_s:.1f} look-back windows); the gateway replica of the "
+        f"start served to the end: {'yes' if gateways_kept else 'no, it was replaced'}"
     )
     if k != 1:
         print(f"(each decision's reason reads the wall clock: {k:g}x the simulated times)")
