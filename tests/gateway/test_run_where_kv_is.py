@@ -20,6 +20,7 @@ import pytest
 from pdserve.cache import BlockHasher, BlockRemoved, BlockStored
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.orchestrator import RequestOrchestrator
+from pdserve.gateway.worker_pool import WorkerPool
 from pdserve.messages.generation import GenerationChunk, ModelInfo, WorkerRequest
 from pdserve.messages.kv_event_batch import KVEventBatch
 from pdserve.messages.sampling_params import SamplingParams
@@ -32,14 +33,16 @@ TURN_1 = HASHES[:10]  # what the prefill worker computed
 HISTORY = HASHES[:30]  # turn 1's prompt and answer: only the decode worker that decoded it
 
 
-class StandInPool:
-    """Answers each request with one finished chunk (or breaks the stream of a worker in
-    ``lost``, as a dead replica's does) and records which worker it went to."""
+class StandInPool(WorkerPool):
+    """The pool, whose workers answer each request with one finished chunk (or break the
+    stream of a worker in ``lost``, as a dead replica's does); records which worker each
+    request went to."""
 
     def __init__(self, lost: frozenset[str] = frozenset(), num_prefill: int = 1) -> None:
-        self.prefill = {f"prefill-{i}": None for i in range(num_prefill)}
-        self.decode = {"decode-0": None, "decode-1": None}
-        self.all = {**self.prefill, **self.decode}
+        super().__init__(
+            dict.fromkeys(f"prefill-{i}" for i in range(num_prefill)),
+            dict.fromkeys(("decode-0", "decode-1")),
+        )
         self.lost = lost
         self.streamed_to: list[str] = []
 
