@@ -26,8 +26,8 @@ Scale-down asks the same model how many fewer workers would still hold the targe
 headroom (80 %), so that a step down is not undone by the next reading, and removes up to
 ``max_step`` of them, keeping at least ``1 / max_scale_down_rate`` of the role (Knative's
 rule: a burst's end read as "5 workers idle at 10 %" would otherwise go to 1, which the
-steady load after it then asks back). An idle window (no request arrived, none in flight
-or queued) returns the role to ``min`` in one step.
+steady load after it then asks back). A whole window without traffic (no request arrived,
+none in flight or queued, counted across steps) returns the role to ``min`` in one step.
 
 Against oscillation: a direction must be wanted over consecutive readings for
 ``scale_up_delay_s`` (up) or ``scale_down_delay_s`` (down) before it is taken, a step moves
@@ -69,7 +69,8 @@ class ScalingPolicy:
 
     def decide(self, windows: list[RoleWindow], now: float) -> list[RoleTarget]:
         """The roles to change now: each role whose target has pointed the same way for its
-        delay (an idle window's return to ``min`` waits for a whole window, no more)."""
+        delay (an idle role's return to ``min`` waits for a whole window without traffic,
+        no more)."""
         steps = []
         for window in windows:
             target = self.target(window)
@@ -85,7 +86,9 @@ class ScalingPolicy:
                     now - wanted[1] >= self.settings.scale_up_delay_s
                 )
             elif window.idle:
-                ready = window.span_s >= self.settings.look_back_s
+                # Quiet for a whole window, counted across the last step's clear: a step
+                # down just before the traffic ended does not hold the return to min back.
+                ready = window.quiet_s >= self.settings.look_back_s
             else:
                 ready = window.span_s >= self.settings.look_back_s and (
                     now - wanted[1] >= self.settings.scale_down_delay_s

@@ -101,6 +101,7 @@ class RoleWindow:
     backlog_tokens: int
     kv_usage: float
     requests_running: float  # the role's running rows, averaged over the window's readings
+    quiet_s: float  # since a request last arrived or was in flight (across clears)
 
     @property
     def idle(self) -> bool:
@@ -114,8 +115,16 @@ class ServiceWindow:
     def __init__(self, look_back_s: float) -> None:
         self.look_back_s = look_back_s
         self._samples: collections.deque[ServiceSample] = collections.deque()
+        # The newest sample and when traffic was last seen: kept through ``clear``, since
+        # how long the service has been quiet does not depend on its shape.
+        self._newest: ServiceSample | None = None
+        self._busy_at: float | None = None
 
     def add(self, sample: ServiceSample) -> None:
+        before = self._newest
+        if before is None or sample.requests != before.requests or sample.requests_in_flight:
+            self._busy_at = sample.time  # a request arrived (or is in flight) since before
+        self._newest = sample
         self._samples.append(sample)
         while len(self._samples) > 1 and sample.time - self._samples[1].time >= self.look_back_s:
             self._samples.popleft()  # the oldest kept is the last one at least a window old
@@ -170,6 +179,7 @@ class ServiceWindow:
                 for sample in self._samples
             )
             / len(self._samples),
+            quiet_s=last.time - (self._busy_at if self._busy_at is not None else last.time),
         )
 
 

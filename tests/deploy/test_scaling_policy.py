@@ -59,11 +59,13 @@ def test_a_histogram_since_a_restarted_counter_is_the_new_one_whole():
     assert HistogramSnapshot.empty(ITL_BUCKETS_S).quantile(0.9) is None
 
 
-def stats_body(requests: int, ttft: list[float], itl: list[float], workers: list[dict]) -> dict:
+def stats_body(
+    requests: int, ttft: list[float], itl: list[float], workers: list[dict], in_flight: int = 0
+) -> dict:
     return {
         "gateway": {
             "num_requests": requests,
-            "num_requests_in_flight": 0,
+            "num_requests_in_flight": in_flight,
             "time_to_first_token": dataclasses.asdict(histogram(TTFT_BUCKETS_S, ttft)),
             "decode_inter_token_latency": dataclasses.asdict(histogram(ITL_BUCKETS_S, itl)),
         },
@@ -125,6 +127,26 @@ def test_a_window_differences_counters_and_counts_a_restarted_worker_from_zero()
     assert decode.latency_p50_s is not None and decode.latency_p50_s <= 0.025
 
 
+def test_quiet_time_counts_from_the_last_arrival_through_a_step_s_clear():
+    """A step down just before traffic ended clears the window; the return to min then
+    waited a whole new window. How long the service has been quiet survives the clear."""
+    window = ServiceWindow(look_back_s=30)
+    for t, requests, in_flight in ((0, 5, 2), (10, 9, 1), (20, 12, 1), (30, 12, 0)):
+        body = stats_body(requests, [], [], [], in_flight=in_flight)
+        window.add(ServiceSample.from_stats(body, time=float(t)))
+    window.clear()
+    window.add(ServiceSample.from_stats(stats_body(12, [], [], []), time=48.0))
+    window.add(ServiceSample.from_stats(stats_body(12, [], [], []), time=50.0))
+    prefill = window.role("prefill")
+    assert prefill is not None and prefill.idle
+    # Busy last at 20 s (a request in flight), none arrived since: quiet for 30 s, though
+    # the window since the clear spans 2.
+    assert (prefill.span_s, prefill.quiet_s) == (2.0, 30.0)
+    window.add(ServiceSample.from_stats(stats_body(13, [], [], []), time=52.0))
+    prefill = window.role("prefill")
+    assert prefill is not None and prefill.quiet_s == 0.0 and not prefill.idle
+
+
 def test_a_window_keeps_the_newest_sample_a_look_back_old():
     window = ServiceWindow(look_back_s=30)
     for t in range(0, 100, 5):
@@ -148,6 +170,7 @@ def role_window(role: str, workers: int, **values) -> RoleWindow:
         backlog_tokens=0,
         kv_usage=0.2,
         requests_running=4,
+        quiet_s=0.0,
     )
     # Unless a test says otherwise, what arrived is what the workers computed (no burst).
     fields["offered_utilization"] = values.get("utilization", fields["utilization"])
@@ -202,9 +225,9 @@ def test_a_wish_that_changes_direction_restarts_its_delay():
 
 def test_an_idle_role_returns_to_min_after_one_window_without_the_down_delay():
     policy = ScalingPolicy(SETTINGS)
-    idle = role_window("decode", 6, requests=0, requests_in_flight=0, kv_usage=0.0)
-    assert policy.decide([dataclasses.replace(idle, span_s=10.0)], now=0.0) == []
-    [step] = policy.decide([idle], now=2.0)
+    idle = role_window("decode", 6, requests=0, requests_in_flight=0, kv_usage=0.0, quiet_s=30.0)
+    assert policy.decide([dataclasses.replace(idle, quiet_s=10.0)], now=0.0) == []
+    [step] = policy.decide([dataclasses.replace(idle, span_s=4.0)], now=2.0)
     assert (step.current, step.workers) == (6, 1)
     assert step.reason.startswith("idle")
 
