@@ -51,8 +51,8 @@ class WorkerPool:
         return {**self.prefill, **self.decode}
 
     def role(self, worker_id: str) -> str:
-        """ "prefill" or "decode", for any worker this pool has routed to (a retired one too:
-        a request routed there before its step may still ask)."""
+        """The role of any worker this pool has routed to, "prefill" or "decode" (a retired
+        one's too: a request routed there before the step may still ask)."""
         return self._roles[worker_id]
 
     def reshape(
