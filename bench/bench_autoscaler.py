@@ -88,6 +88,12 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8071)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--time-scale", type=float, default=1.0)
+    parser.add_argument(
+        "--no-prefill-moves",
+        action="store_true",
+        help="leave queued prefills where they were placed (move_waiting_prefills off): "
+        "the baseline of the gateway's moves after a scale-up",
+    )
     args = parser.parse_args()
     k = args.time_scale
     configure_ray_env()
@@ -102,6 +108,7 @@ def main() -> None:
         route_prefix="/autoscaled",
         num_kv_blocks=8192,
         disagg_min_uncached_tokens=0,
+        move_waiting_prefills=not args.no_prefill_moves,
         # The limits on simulated work stretch with it (the host's own calls do not).
         lease_ttl_s=30.0 * k,
         transfer_timeout_s=10.0 * k,
@@ -136,7 +143,8 @@ def main() -> None:
     client = ServiceClient(base_url(config))
     deadline = time.monotonic() + 4 * args.look_back_s * k
     while True:  # the replay waited out the idle tail; give the last step time to finish
-        report = client.get("/stats")["autoscaler"]
+        stats = client.get("/stats")
+        report = stats["autoscaler"]
         if report["state"] == "watching" or time.monotonic() > deadline:
             break
         time.sleep(1.0)
@@ -163,7 +171,9 @@ def main() -> None:
         f"scenario {args.scenario}: {len(results)} requests, rate {args.rate}/s, burst "
         f"{args.burst}x for {args.burst_s:.0f} s, idle {args.idle_s:.0f} s; targets TTFT p90 "
         f"{args.ttft_ms:.0f} ms, ITL p90 {args.itl_ms:.0f} ms; look-back {args.look_back_s:.0f} s"
-        f"; max {args.max_workers} per role; time scale {k:g} (times below: simulated)"
+        f"; max {args.max_workers} per role; time scale {k:g} (times below: simulated); "
+        f"queued prefills moved: {stats['gateway']['num_prefills_moved']}"
+        + (" (moves off)" if args.no_prefill_moves else "")
     )
     print(
         f"goodput after the first scale-up (at {first_up:.0f} s) {row_after['goodput']:.0%}, "

@@ -364,6 +364,13 @@ class LLMEngine:
         self.scheduler.abort_request(request_id)
         return True
 
+    def withdraw(self, request_id: str) -> bool:
+        """Drops a request that has not started (``Scheduler.is_unstarted``) so that it can
+        run on another worker; False, and the request goes on here, once it has started."""
+        if not self.scheduler.is_unstarted(request_id):
+            return False
+        return self.abort(request_id)
+
     def abort_all(self) -> list[str]:
         """Aborts every unfinished request (after a failed step) and frees every block that
         no transfer still writes; returns the aborted ids. Leases of finished prefills stay:

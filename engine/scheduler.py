@@ -122,6 +122,20 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def is_unstarted(self, request_id: str) -> bool:
+        """Whether ``request_id`` waits for its first step: queued, nothing allocated or
+        computed, never preempted, no output. Only such a request can run elsewhere losing
+        nothing (``LLMEngine.withdraw``)."""
+        request = self.requests.get(request_id)
+        return (
+            request is not None
+            and request.status == RequestStatus.WAITING
+            and request.num_computed_tokens == 0
+            and request.num_preemptions == 0
+            and not request.output_token_ids
+            and request in self.waiting
+        )
+
     def abort_request(self, request_id: str) -> Request | None:
         """Finishes a request at once and frees its blocks, except blocks a transfer is
         still touching: those are freed when the connector reports the transfer over."""

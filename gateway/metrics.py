@@ -42,6 +42,7 @@ class GatewayMetrics:
         self.rejected_by_status: Counter[str] = Counter()
         self.num_retries = 0
         self.num_stream_migrations = 0
+        self.num_prefills_moved = 0
         self.num_deadlines_exceeded = 0
         self.num_requests_prefilled_on_decode = 0
         self.num_turns_run_where_kv_is = 0

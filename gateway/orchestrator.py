@@ -63,6 +63,7 @@ from pdserve.gateway.kv_event_poller import KVEventPoller
 from pdserve.gateway.metrics import GatewayMetrics, stats_report
 from pdserve.gateway.off_loop import call_by_size
 from pdserve.gateway.offer_relay import OfferRelay
+from pdserve.gateway.prefill_rebalancer import CallWithdrawn, PrefillRebalancer, WaitingPrefill
 from pdserve.gateway.readiness import Readiness
 from pdserve.gateway.reasoning_parser import REASONING_PARSERS, ReasoningParser
 from pdserve.gateway.replica_board import ReplicaShare
@@ -139,6 +140,8 @@ class RequestRun:
     # A lease went to the decode worker (kept after a replay). Its id is a capability: it
     # stays inside the deployment, never in a reply or /v1/requests.
     handed_off: bool = False
+    # Its prefill call was taken back once, unstarted, and routed again (PrefillRebalancer).
+    prefill_moved: bool = False
     created: float = field(default_factory=time.time)
     # The worker whose stream ends the request (decode, or prefill when it runs whole),
     # set with ``final_stream_started`` at that stream's first delta: its cache then holds
@@ -200,10 +203,11 @@ class RequestOrchestrator:
             self.router,
             config.worker_timeout_s,
             config.hung_step_s,
-            after_each_round=self.readiness.prewarm,
+            after_each_round=self._after_poll_round,
             idle_max_s=config.event_poll_idle_max_s,
         )
         self.metrics = GatewayMetrics(self.model_name)
+        self.rebalancer = PrefillRebalancer(self.router, self._withdraw)
         self.recent = RecentRequests(config.num_recent_requests)
         # With several gateway replicas: the board they answer the service's figures from.
         self.share = (
@@ -237,6 +241,21 @@ class RequestOrchestrator:
         for worker_id in change.removed:
             self.router.remove_worker(worker_id)
         self.poller.wake()
+
+    async def _after_poll_round(self) -> bool:
+        """With the workers' loads and the router's index fresh: this round's prefill
+        moves, then the readiness prewarm (whose answer paces the poll)."""
+        if self.config.move_waiting_prefills:
+            self.rebalancer.rebalance()
+        return await self.readiness.prewarm()
+
+    async def _withdraw(self, worker_id: str, request_id: str, call_serial: int) -> bool:
+        return bool(
+            await asyncio.wait_for(
+                self.workers.call(worker_id, "withdraw", request_id, call_serial),
+                self.config.worker_timeout_s,
+            )
+        )
 
     def start(self) -> None:
         self.poller.start()
@@ -492,13 +511,12 @@ class RequestOrchestrator:
             cache_salt=run.cache_salt,
             lora=run.lora,
         )
-        for attempt in range(self.config.max_attempts):
+        attempt = 0
+        while True:
             # A retry follows a loss: the router has marked the lost worker down, and it may
             # have been its role's only one. It is tried again (Serve restarts it) rather
             # than failing with 503 a request no token of which was sent yet.
             lost_id = run.prefill_id if attempt else None
-            if attempt:
-                await asyncio.sleep(self.config.retry_backoff_s)  # let Serve see the dead replica
             if run.whole_on is None:
                 run.prefill_id = self.route("prefill", run, fallback=lost_id)
             elif attempt:  # the worker chosen was lost: the one of its role holding most of it
@@ -528,6 +546,9 @@ class RequestOrchestrator:
                     if delta is not None:
                         yield delta
                 return
+            except CallWithdrawn:  # unstarted, taken back: routed again now, not an attempt
+                run.prefill_moved = True
+                self.metrics.num_prefills_moved += 1
             except ReplayDiverged as error:
                 raise self.replay_diverged(run, error) from None
             except WorkerLost as lost:
@@ -536,6 +557,8 @@ class RequestOrchestrator:
                 # checked against those sent and not sent again.
                 retryable = not run.remote_decode or not run.emitter.sent_tokens
                 self.retry_or_fail(lost, "prefill", run, attempt, retryable=retryable)
+                attempt += 1
+                await asyncio.sleep(self.config.retry_backoff_s)  # let Serve see the dead replica
 
     def relay_offer(self, run: RequestRun, offer: KVTransferParams) -> None:
         """Passes an offer on to the decode worker the request is routed to (a retried
@@ -833,6 +856,14 @@ class RequestOrchestrator:
         if left_routing is not None and left_routing.is_set():
             left_routing = None
         watch = StreamWatch(left_routing, self.config.worker_timeout_s, run.deadline)
+        if first and run.whole_on is None and not run.prefill_moved:
+            lora_name = run.lora.name if run.lora is not None else None
+            self.rebalancer.waiting(
+                worker_id,
+                WaitingPrefill(
+                    request.request_id, request.call_serial, run.block_hashes, lora_name
+                ),
+            )
         self.router.begin(worker_id)
         self.poller.wake()  # traffic: the health check runs at its pace again
         try:
@@ -861,6 +892,10 @@ class RequestOrchestrator:
                         self.metrics.num_stream_migrations += 1
                     raise WorkerLost(worker_id, answered, error) from None
                 answered = True
+                self.rebalancer.answered(worker_id, request.request_id)
+                if chunk.withdrawn:
+                    finished = True  # over on the worker: nothing to cancel there
+                    raise CallWithdrawn()
                 if chunk.finished:  # the next request routes by what this one cached
                     if chunk.kv_transfer_params is not None:  # a hand-off: the reply goes on
                         self.poller.refresh_soon(worker_id, request.request_id)
@@ -880,6 +915,7 @@ class RequestOrchestrator:
                 finished = chunk.finished
                 yield chunk
         finally:
+            self.rebalancer.answered(worker_id, request.request_id)
             self.router.end(worker_id)
             if not finished:
                 with contextlib.suppress(Exception):

@@ -111,33 +111,38 @@ def prefix_rank(held: HeldBlocks, block_hashes: list[BlockHash]) -> tuple[int, i
     return 2 * num_pool + num_tier, num_pool + num_tier
 
 
+# A candidate's key (the greatest wins) and matched blocks, from what it holds, its load,
+# the request's block hashes and the role's load weight.
+Ranking = Callable[[WorkerIndex, int, list[BlockHash], float], tuple[tuple[float, ...], int]]
+
+
 def _ranked_by_prefix(
-    index: WorkerIndex, block_hashes: list[BlockHash], _: float
+    index: WorkerIndex, load: int, block_hashes: list[BlockHash], _: float
 ) -> tuple[tuple[float, ...], int]:
     """A whole run's key (conditional disaggregation): its prefix's rank, then the idler."""
     rank, matched = prefix_rank(index.held, block_hashes)
-    return (rank, -index.load), matched
+    return (rank, -load), matched
 
 
 def _ranked_by_compute_and_load(
-    index: WorkerIndex, block_hashes: list[BlockHash], load_weight: float
+    index: WorkerIndex, load: int, block_hashes: list[BlockHash], load_weight: float
 ) -> tuple[tuple[float, ...], int]:
     """A prefill worker's key: the least to compute, each request in flight there counted
     as this one again, then the longer prefix, then the idler (module doc)."""
     rank, matched = prefix_rank(index.held, block_hashes)
     to_compute = max(1, 2 * len(block_hashes) - rank)  # half-blocks; the last token always
-    cost = (1 + load_weight * index.load) * to_compute
-    return (-cost, rank, -index.load), matched
+    cost = (1 + load_weight * load) * to_compute
+    return (-cost, rank, -load), matched
 
 
 def _ranked_by_pull_and_load(
-    index: WorkerIndex, block_hashes: list[BlockHash], load_weight: float
+    index: WorkerIndex, load: int, block_hashes: list[BlockHash], load_weight: float
 ) -> tuple[tuple[float, ...], int]:
     """A decode worker's key: the fewest blocks to pull plus its load in blocks, then the
     hashes it holds (the module's docstring draws it)."""
     num_held = index.held.count_held(block_hashes)
     num_missing = len(block_hashes) - num_held
-    cost = num_missing + load_weight * index.load * max(1, len(block_hashes))
+    cost = num_missing + load_weight * load * max(1, len(block_hashes))
     return (-cost, num_held), num_held
 
 
@@ -337,32 +342,77 @@ class Router:
         disaggregation). Raises ``NoWorkerAvailable`` when none is available."""
         return self._pick("decode", self._decode_ids, block_hashes, _ranked_by_prefix, lora_name)
 
+    def prefill_loads(self) -> dict[str, int]:
+        """Each available prefill worker's requests in flight through this gateway."""
+        return {w: self._workers[w].load for w in self._prefill_ids if self._workers[w].available}
+
+    def better_prefill_worker(
+        self,
+        worker_id: str,
+        block_hashes: list[BlockHash],
+        lora_name: str | None,
+        loads: dict[str, int],
+    ) -> str | None:
+        """Where ``pick_prefill`` would place, now, a request that waits on prefill worker
+        ``worker_id`` (its own load there taken off), were the available workers' loads
+        ``loads`` (``prefill_loads``, with the moves already decided); None: ``worker_id``
+        itself, which wins a tie, or a worker out of routing (its calls are watched)."""
+        if worker_id not in loads:
+            return None
+        view = {**loads, worker_id: loads[worker_id] - 1}
+        others = [w for w in view if w != worker_id]
+        best_id, _ = self._best(
+            "prefill",
+            [worker_id, *others],
+            view,
+            block_hashes,
+            _ranked_by_compute_and_load,
+            lora_name,
+        )
+        return None if best_id == worker_id else best_id
+
     def _pick(
         self,
         role: str,
         all_ids: list[str],
         block_hashes: list[BlockHash],
-        ranked: Callable[[WorkerIndex, list[BlockHash], float], tuple[tuple[float, ...], int]],
+        ranked: Ranking,
         lora_name: str | None,
     ) -> RouteChoice:
         worker_ids = [w for w in all_ids if self._workers[w].available]
         if not worker_ids:
             raise NoWorkerAvailable(role)
-        loads = [self._workers[w].load for w in worker_ids]
-        ceiling = min(loads) + self.max_load_imbalance
         # Rotate the start so that equal candidates are taken in turn.
         start = next(self._turn) % len(worker_ids)
+        rotated = worker_ids[start:] + worker_ids[:start]
+        loads = {w: self._workers[w].load for w in rotated}
+        best_id, matched = self._best(role, rotated, loads, block_hashes, ranked, lora_name)
+        return RouteChoice(worker_id=best_id, num_matched_blocks=matched)
+
+    def _best(
+        self,
+        role: str,
+        worker_ids: list[str],
+        loads: dict[str, int],
+        block_hashes: list[BlockHash],
+        ranked: Ranking,
+        lora_name: str | None,
+    ) -> tuple[str, int]:
+        """The best of ``worker_ids`` (the first of equals) at ``loads``, and the blocks it
+        matched: by adapter, then ``ranked``, among those within ``max_load_imbalance`` of
+        the idlest."""
+        ceiling = min(loads[w] for w in worker_ids) + self.max_load_imbalance
         best: tuple[float, ...] | None = None
         best_matched = 0
-        best_id = worker_ids[start]
-        for offset in range(len(worker_ids)):
-            worker_id = worker_ids[(start + offset) % len(worker_ids)]
-            index = self._workers[worker_id]
-            if index.load > ceiling:
+        best_id = worker_ids[0]
+        for worker_id in worker_ids:
+            load = loads[worker_id]
+            if load > ceiling:
                 continue
-            key, matched = ranked(index, block_hashes, self.load_weights[role])
+            index = self._workers[worker_id]
+            key, matched = ranked(index, load, block_hashes, self.load_weights[role])
             key = (index.holds_adapter(lora_name), *key)
             if best is None or key > best:
                 best, best_matched, best_id = key, matched, worker_id
         assert best is not None  # the idlest worker is always under the ceiling
-        return RouteChoice(worker_id=best_id, num_matched_blocks=best_matched)
+        return best_id, best_matched

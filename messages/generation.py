@@ -55,7 +55,8 @@ class GenerationChunk:
     turned the request down as invalid (the client's fault, a 400), as opposed to an
     ``error`` while running it (the server's, a 500). ``kv_provenance`` rides on the last
     chunk: where this worker got the prompt's KV (None if it never needed it); ``timing`` on
-    the first: where the worker's time to it went.
+    the first: where the worker's time to it went. ``withdrawn``: the only chunk of a call
+    the gateway took back before it started (``EngineHost.withdraw``), to run elsewhere.
     """
 
     request_id: str
@@ -75,6 +76,12 @@ class GenerationChunk:
     # Once, on the chunk after the prompt was computed, when asked (the first is None).
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     timing: FirstChunkTiming | None = None
+    withdrawn: bool = False
+
+    @classmethod
+    def withdrawn_from(cls, request_id: str) -> GenerationChunk:
+        """The last chunk of a call taken back before it started: no tokens, no error."""
+        return cls(request_id, [], "", 0, True, None, withdrawn=True)
 
     @classmethod
     def failed(cls, request_id: str, error: str, refused: bool = False) -> GenerationChunk:

@@ -564,6 +564,14 @@ GATEWAY_STATS: tuple[Stat, ...] = (
         "pdserve:gateway_stream_migrations",
     ),
     Stat(
+        "num_prefills_moved",
+        C,
+        "requests",
+        "Prefills taken back unstarted from a worker and routed again, where the router "
+        "would now place them elsewhere (move_waiting_prefills).",
+        "pdserve:gateway_prefills_moved",
+    ),
+    Stat(
         "num_deadlines_exceeded",
         C,
         "requests",

@@ -360,6 +360,21 @@ class EngineHost:
             queue.put_nowait(GenerationChunk.failed(request_id, "aborted by the gateway"))
         self._submit(lambda: self.engine.abort(request_id))
 
+    async def withdraw(self, request_id: str, call_serial: int) -> bool:
+        """Takes back call ``call_serial`` of a request that has not started here, so that
+        the gateway runs it on an idler worker (``PrefillRebalancer``); its stream ends with
+        a ``withdrawn`` chunk. False, and the call runs on here, once its first step was
+        scheduled, or for a call that is not the request's open one (not arrived yet, or
+        already over): nothing is ever computed twice or lost."""
+        self._ensure_loop()
+        if self._stream_calls.get(request_id) != call_serial:
+            return False
+        withdrawn = await self._on_engine_thread(lambda: self.engine.withdraw(request_id))
+        queue = self._streams.get(request_id)
+        if withdrawn and queue is not None:
+            queue.put_nowait(GenerationChunk.withdrawn_from(request_id))
+        return withdrawn
+
     def _signed(self, provenance: KVProvenance | None) -> KVProvenance | None:
         """The engine's account of a request's prompt KV, with who and where this worker is."""
         if provenance is not None:
