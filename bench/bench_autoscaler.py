@@ -182,6 +182,11 @@ def main() -> None:
         f"{row_all['ttft_p99_ms']:.0f} ms, ITL {row_all['itl_p50_ms']:.1f}/"
         f"{row_all['itl_p90_ms']:.1f}/{row_all['itl_p99_ms']:.1f} ms"
     )
+    print(
+        f"after the first scale-up, missed: TTFT {row_after['missed_ttft']:.0%}, mean ITL "
+        f"{row_after['missed_itl']:.0%} ({row_after['missed_itl_by_first_gap']:.0%} by the "
+        f"first gap alone: the hand-off's)"
+    )
     failures: dict[str, list[float]] = {}
     for r in results:
         if r.error is not None:

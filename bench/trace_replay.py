@@ -147,6 +147,16 @@ def goodput(results: Sequence[StreamResult], ttft_s: float, itl_s: float) -> dic
     itls = [gap for r in ok for gap in r.itl_s]
     row = {"requests": float(len(results)), "failed": float(len(results) - len(ok))}
     row["goodput"] = len(good) / len(results) if results else 0.0
+    # Why the others missed: the first token late; the tokens slow on average; and of those,
+    # slow only by the first gap (a P/D reply's second token waits for the hand-off).
+    slow = [r for r in ok if r.itl_s and sum(r.itl_s) / len(r.itl_s) > itl_s]
+    by_first_gap = [r for r in slow if sum(r.itl_s[1:]) <= itl_s * (len(r.itl_s) - 1)]
+    for name, missed in (
+        ("missed_ttft", [r for r in ok if r.ttft_s > ttft_s]),
+        ("missed_itl", slow),
+        ("missed_itl_by_first_gap", by_first_gap),
+    ):
+        row[name] = len(missed) / len(results) if results else 0.0
     for q in (50, 90, 99):
         row[f"ttft_p{q}_ms"] = 1e3 * percentile(ttfts, q) if ttfts else 0.0
         row[f"itl_p{q}_ms"] = 1e3 * percentile(itls, q) if itls else 0.0

@@ -45,11 +45,17 @@ def test_goodput_counts_requests_within_both_targets() -> None:
     results = [
         Result(0.5, [0.05, 0.05]),
         Result(1.5, [0.01]),  # late first token
-        Result(0.2, [0.3, 0.1]),  # slow tokens (mean 0.2)
+        Result(0.2, [0.3, 0.1]),  # slow tokens (mean 0.2), by the first gap alone
         Result(0.1, error="HTTP 503"),
+        Result(0.3, [0.05, 0.3, 0.3]),  # slow tokens past the first gap
     ]
     row = goodput(results, ttft_s=1.0, itl_s=0.1)  # type: ignore[arg-type]
-    assert (row["goodput"], row["failed"], row["requests"]) == (0.25, 1.0, 4.0)
+    assert (row["goodput"], row["failed"], row["requests"]) == (0.2, 1.0, 5.0)
+    assert (row["missed_ttft"], row["missed_itl"], row["missed_itl_by_first_gap"]) == (
+        0.2,
+        0.4,
+        0.2,
+    )
 
 
 def test_worker_seconds_integrate_each_roles_count_over_time() -> None:
