@@ -25,6 +25,7 @@ from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.generation import WorkerRequest
 from pdserve.messages.worker_spec import WorkerSpec
 from pdserve.prefill.worker import PrefillWorker
+from tests.async_wait import until
 from tests.kvconnector.prefill_engine_process import ENGINE_KWARGS
 
 NUM_REQUESTS = 6
@@ -93,13 +94,6 @@ async def reply(orchestrator: RequestOrchestrator, number: int) -> tuple[list[in
     run = await orchestrator.new_run(f"r{number}", prompt(number), params, None)
     tokens = [t async for delta in orchestrator.run_phases(run) for t in delta.token_ids]
     return tokens, run.prefill_id
-
-
-async def until(condition, timeout_s: float = 20.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "waited in vain"
-        await asyncio.sleep(0.005)
 
 
 def serve_through_a_step(move: bool) -> tuple[list[tuple[list[int], str]], int]:

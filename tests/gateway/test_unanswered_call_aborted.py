@@ -24,6 +24,7 @@ from pdserve.gateway.orchestrator import RequestOrchestrator
 from pdserve.messages.generation import GenerationChunk, ModelInfo, WorkerRequest
 from pdserve.messages.kv_event_batch import KVEventBatch
 from pdserve.messages.sampling_params import SamplingParams
+from tests.async_wait import until
 
 BLOCK_SIZE = 16
 PROMPT = list(range(1, 101))
@@ -89,13 +90,6 @@ def orchestrator_for(pool: HungPrefillPool) -> RequestOrchestrator:
 async def complete(orchestrator: RequestOrchestrator) -> list:
     run = await orchestrator.new_run("r0", PROMPT, SamplingParams(max_tokens=1), None)
     return [delta async for delta in orchestrator.run_phases(run)]
-
-
-async def until(condition, timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "waited in vain"
-        await asyncio.sleep(0.01)
 
 
 def test_a_prefill_given_up_on_is_told_to_abort_the_request_once_it_resumes() -> None:

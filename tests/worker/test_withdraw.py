@@ -17,6 +17,7 @@ from pdserve.messages.engine_config import EngineConfig
 from pdserve.messages.generation import GenerationChunk, WorkerRequest
 from pdserve.messages.worker_spec import WorkerSpec
 from pdserve.prefill.worker import PrefillWorker
+from tests.async_wait import until
 from tests.kvconnector.prefill_engine_process import ENGINE_KWARGS
 
 PROMPT = [5, 17, 99, 3, 42, 8, 230, 11, 64, 7] * 4
@@ -29,13 +30,6 @@ def make_worker() -> PrefillWorker:
 
 async def collect(worker: PrefillWorker, request: WorkerRequest) -> list[GenerationChunk]:
     return [chunk async for chunk in worker.generate(request)]
-
-
-async def until(condition, timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "waited in vain"
-        await asyncio.sleep(0.005)
 
 
 def test_a_waiting_call_is_given_back_and_a_started_one_is_not() -> None:
