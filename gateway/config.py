@@ -54,8 +54,8 @@ class GatewayConfig:
     prefix held alone, so a newly added prefill worker waits for the load cap."""
     move_waiting_prefills: bool = True
     """Routes again a prefill that waits unstarted on a worker where the router would now
-    place it elsewhere (a scale step added workers, one came back): the worker gives the
-    call back between two steps (gateway/prefill_rebalancer.py)."""
+    place it elsewhere (a scale step added workers, one came back), or on a worker a step
+    retires: the worker gives the call back between two steps (gateway/prefill_rebalancer.py)."""
     retry_after_s: int = 1
     """The Retry-After of a 429 or 503."""
     worker_timeout_s: float = 5.0

@@ -18,6 +18,9 @@ routes the request again::
     P1  -                                                                 P1  r6 r4
     P2  -                                                   (* running)    P2  r5 r3
 
+A worker a scale step retires takes no new request and stops once it holds none: its
+unstarted calls all move, so that it drains in the time of what it has started.
+
 A call moves only while its worker has not started it: the worker itself says so, between
 two engine steps (``Scheduler.is_unstarted``), so nothing is computed twice and no token was
 sent. A refusal leaves the call where it is. A request moves at most once (no ping-pong
@@ -90,17 +93,26 @@ class PrefillRebalancer:
         if self._moving or not self._waiting:
             return 0
         loads = self.router.prefill_loads()
-        if len(loads) < 2 or max(loads.values()) - min(loads.values()) < 2:
-            return 0  # a move would only swap which worker has the extra one
+        if not loads:
+            return 0  # nowhere to go: routed again, the calls would get 503
+        # Balanced within one, a move would only swap which worker has the extra call.
+        balanced = len(loads) < 2 or max(loads.values()) - min(loads.values()) < 2
         started = 0
         for worker_id, calls in list(self._waiting.items()):
+            retiring = not self.router.has_worker(worker_id)  # a scale step removed it
+            if balanced and not retiring:
+                continue
             for call in reversed(list(calls.values())):
-                target = self.router.better_prefill_worker(
-                    worker_id, call.block_hashes, call.lora_name, loads
-                )
+                if retiring:  # it takes no new request: every call it has not started goes
+                    target: str | None = min(loads, key=loads.__getitem__)
+                else:
+                    target = self.router.better_prefill_worker(
+                        worker_id, call.block_hashes, call.lora_name, loads
+                    )
                 if target is None:
                     break  # the newest stays: the calls ahead of it stay too
-                loads[worker_id] -= 1
+                if not retiring:
+                    loads[worker_id] -= 1
                 loads[target] += 1
                 self._start(worker_id, call)
                 started += 1

@@ -128,6 +128,43 @@ def serve_through_a_step(move: bool) -> tuple[list[tuple[list[int], str]], int]:
     return served, orchestrator.metrics.num_prefills_moved
 
 
+def serve_through_a_step_down() -> tuple[list[tuple[list[int], str]], int, int]:
+    """Six requests spread over prefill-0 and prefill-1 (one running on each); then a step
+    retires prefill-1. Each reply and the worker that answered it; the prefills moved; the
+    calls prefill-1 received."""
+    kept, retired = tiny_worker("prefill-0"), tiny_worker("prefill-1")
+    workers = (kept, retired)
+    free_blocks = {w: w.engine.scheduler.kv_cache_manager.get_num_free_blocks() for w in workers}
+    handles = {"prefill-0": InProcessHandle(kept), "prefill-1": InProcessHandle(retired)}
+    pool = WorkerPool(handles, {})
+    config = GatewayConfig(model="tiny", model_name="tiny")
+    orchestrator = RequestOrchestrator(config, pool, kept.model_info(), None)  # type: ignore[arg-type]
+
+    async def scenario() -> list[tuple[list[int], str]]:
+        orchestrator.start()
+        replies = [asyncio.ensure_future(reply(orchestrator, n)) for n in range(NUM_REQUESTS)]
+        await until(lambda: retired.engine.num_waiting >= 1 and kept.engine.num_waiting >= 1)
+        # The step down: prefill-1 leaves routing but stays reachable while it drains.
+        change = pool.reshape(
+            {"prefill-0": handles["prefill-0"]}, {}, {"prefill-1": handles["prefill-1"]}
+        )
+        orchestrator.apply(change)
+        return list(await asyncio.gather(*replies))
+
+    try:
+        served = asyncio.run(scenario())
+        for worker in workers:
+            assert not worker.engine.has_unfinished_requests()
+            assert (
+                worker.engine.scheduler.kv_cache_manager.get_num_free_blocks()
+                == free_blocks[worker]
+            )
+    finally:
+        kept.engine.shutdown()
+        retired.engine.shutdown()
+    return served, orchestrator.metrics.num_prefills_moved, retired.engine.stats().num_requests
+
+
 def reference_replies() -> list[list[int]]:
     """Each prompt alone on a worker of the same seeded tiny model."""
     worker = tiny_worker("reference")
@@ -166,4 +203,15 @@ def test_with_moves_off_the_queue_stays_where_it_was_placed() -> None:
     served, moved = serve_through_a_step(move=False)
     assert moved == 0
     assert {worker for _, worker in served} == {"prefill-0"}
+    assert [tokens for tokens, _ in served] == reference_replies()
+
+
+def test_a_step_down_hands_the_retired_workers_queue_to_the_worker_kept() -> None:
+    served, moved, received = serve_through_a_step_down()
+    # prefill-1 had a running call and at least one waiting: the waiting ones moved, and it
+    # answered only what it had started.
+    assert moved >= 1
+    on_retired = [n for n, (_, worker) in enumerate(served) if worker == "prefill-1"]
+    assert len(on_retired) + moved == received, (on_retired, moved, received)
+    assert 1 <= len(on_retired) < received
     assert [tokens for tokens, _ in served] == reference_replies()

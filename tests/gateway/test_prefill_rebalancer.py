@@ -86,6 +86,22 @@ def test_a_call_the_worker_refuses_stays_and_moves_no_more() -> None:
     asyncio.run(scenario())
 
 
+def test_a_retired_worker_gives_every_unstarted_call_to_the_workers_kept() -> None:
+    async def scenario() -> None:
+        router = Router(["p0", "p1", "p2"], [])
+        withdraw = Withdrawals()
+        rebalancer = PrefillRebalancer(router, withdraw)
+        queue(rebalancer, "p2", range(3))
+        queue(rebalancer, "p0", range(3, 4))
+        router.remove_worker("p2")  # a scale step down retired it
+        # Balanced by load among those kept (1 against 0), yet p2's calls all go.
+        assert rebalancer.rebalance() == 3
+        await asyncio.sleep(0)
+        assert [request for _, request in withdraw.asked] == ["r2", "r1", "r0"]
+
+    asyncio.run(scenario())
+
+
 def test_a_worker_out_of_routing_keeps_its_calls() -> None:
     async def scenario() -> None:
         router = Router(["p0", "p1"], [])
