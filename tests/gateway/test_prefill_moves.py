@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from pdserve.engine import SamplingParams
@@ -96,11 +96,29 @@ async def reply(orchestrator: RequestOrchestrator, number: int) -> tuple[list[in
     return tokens, run.prefill_id
 
 
+def run_leaving_nothing(
+    workers: tuple[PrefillWorker, ...],
+    scenario: Callable[[], Coroutine[object, object, list[tuple[list[int], str]]]],
+) -> list[tuple[list[int], str]]:
+    """Runs ``scenario``, then checks that no worker holds a request or a block (every
+    block back in the free queue), and shuts the workers down."""
+    free_blocks = {w: w.engine.scheduler.kv_cache_manager.get_num_free_blocks() for w in workers}
+    try:
+        served = asyncio.run(scenario())
+        for worker in workers:
+            assert not worker.engine.has_unfinished_requests()
+            free = worker.engine.scheduler.kv_cache_manager.get_num_free_blocks()
+            assert free == free_blocks[worker]
+    finally:
+        for worker in workers:
+            worker.engine.shutdown()
+    return served
+
+
 def serve_through_a_step(move: bool) -> tuple[list[tuple[list[int], str]], int]:
     """Six requests queue on prefill-0 (one running); then a step adds prefill-1. Each
     request's reply and the worker whose call answered it; the prefills moved."""
     old, new = tiny_worker("prefill-0"), tiny_worker("prefill-1")
-    free_blocks = {w: w.engine.scheduler.kv_cache_manager.get_num_free_blocks() for w in (old, new)}
     pool = WorkerPool({"prefill-0": InProcessHandle(old)}, {})
     config = GatewayConfig(model="tiny", model_name="tiny", move_waiting_prefills=move)
     orchestrator = RequestOrchestrator(config, pool, old.model_info(), None)  # type: ignore[arg-type]
@@ -114,17 +132,7 @@ def serve_through_a_step(move: bool) -> tuple[list[tuple[list[int], str]], int]:
         orchestrator.apply(pool.reshape(handles, {}, {}))
         return list(await asyncio.gather(*replies))
 
-    try:
-        served = asyncio.run(scenario())
-        for worker in (old, new):  # nothing leaked: every block back in the free queue
-            assert not worker.engine.has_unfinished_requests()
-            assert (
-                worker.engine.scheduler.kv_cache_manager.get_num_free_blocks()
-                == free_blocks[worker]
-            )
-    finally:
-        old.engine.shutdown()
-        new.engine.shutdown()
+    served = run_leaving_nothing((old, new), scenario)
     return served, orchestrator.metrics.num_prefills_moved
 
 
@@ -133,8 +141,6 @@ def serve_through_a_step_down() -> tuple[list[tuple[list[int], str]], int, int]:
     retires prefill-1. Each reply and the worker that answered it; the prefills moved; the
     calls prefill-1 received."""
     kept, retired = tiny_worker("prefill-0"), tiny_worker("prefill-1")
-    workers = (kept, retired)
-    free_blocks = {w: w.engine.scheduler.kv_cache_manager.get_num_free_blocks() for w in workers}
     handles = {"prefill-0": InProcessHandle(kept), "prefill-1": InProcessHandle(retired)}
     pool = WorkerPool(handles, {})
     config = GatewayConfig(model="tiny", model_name="tiny")
@@ -151,17 +157,7 @@ def serve_through_a_step_down() -> tuple[list[tuple[list[int], str]], int, int]:
         orchestrator.apply(change)
         return list(await asyncio.gather(*replies))
 
-    try:
-        served = asyncio.run(scenario())
-        for worker in workers:
-            assert not worker.engine.has_unfinished_requests()
-            assert (
-                worker.engine.scheduler.kv_cache_manager.get_num_free_blocks()
-                == free_blocks[worker]
-            )
-    finally:
-        kept.engine.shutdown()
-        retired.engine.shutdown()
+    served = run_leaving_nothing((kept, retired), scenario)
     return served, orchestrator.metrics.num_prefills_moved, retired.engine.stats().num_requests
 
 
