@@ -85,7 +85,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         f"try: pdserve chat --url {base_url(config)}   |   pdserve stats --url {base_url(config)}"
     )
     print("Ctrl-C (or SIGTERM) to stop")
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    # SIGINT too, explicitly: a shell starts a script's background job (`pdserve up &`) with
+    # SIGINT ignored, and Python leaves an inherited SIG_IGN in place, so `kill -INT` would
+    # not stop it and its embedded cluster.
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, _raise_interrupt)
     try:
         while True:
             time.sleep(3600)

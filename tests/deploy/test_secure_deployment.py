@@ -5,13 +5,15 @@ A fresh process starts its own embedded cluster (as a user's ``pdserve up`` does
 proxy takes its HTTPS options once per cluster, so the shared test cluster cannot show it.
 The official ``openai`` client talks to ``https://`` with the deployment's CA, the KV
 hand-off crosses the mutual-TLS plane (the decode worker's received blocks count it), plain
-HTTP is refused, and ``pdserve stats`` reads the gateway with ``--ca-bundle``.
+HTTP is refused, ``pdserve stats`` reads the gateway with ``--ca-bundle``, and Ctrl-C's
+signal stops it although it was started as a script's background job (SIGINT ignored).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import ssl
 import subprocess
@@ -31,6 +33,7 @@ from tests.ports import free_port
 KEY = "secure-deployment-" + "k" * 16
 PROMPT = "The KV plane carries this prompt encrypted: "
 START_DEADLINE_S = 240
+STOP_DEADLINE_S = 60
 
 
 def _cli(*args: str) -> list[str]:
@@ -44,7 +47,9 @@ def test_pdserve_up_with_a_key_https_and_mutual_tls_on_the_kv_plane(tmp_path) ->
     trusted = ssl.create_default_context(cafile=ca)
     port, grpc_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PDSERVE_API_KEY": KEY}
-    up = subprocess.Popen(
+    # Started as a script's background job is (`pdserve up &`): with SIGINT ignored, which
+    # the shell's exec passes on. Ctrl-C's signal must stop it all the same (below).
+    command = shlex.join(
         _cli(
             "up",
             "--model", "tiny",
@@ -56,13 +61,16 @@ def test_pdserve_up_with_a_key_https_and_mutual_tls_on_the_kv_plane(tmp_path) ->
             "--ssl-certfile", str(certs / "gateway.crt"),
             "--ssl-keyfile", str(certs / "gateway.key"),
             "--kv-tls-dir", str(certs),
-        ),
+        )
+    )  # fmt: skip
+    up = subprocess.Popen(
+        ["bash", "-c", f"trap '' INT; exec {command}"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,  # its process group is this test's to stop
-    )  # fmt: skip
+    )
     url = f"https://127.0.0.1:{port}"
     try:
         https = httpx.Client(verify=trusted, timeout=30)
@@ -121,11 +129,10 @@ def test_pdserve_up_with_a_key_https_and_mutual_tls_on_the_kv_plane(tmp_path) ->
         assert stats.returncode == 0, stats.stderr
         workers = {w["worker_id"]: w for w in json.loads(stats.stdout)["workers"]}
         assert workers["decode-0"]["num_blocks_received"] > 0  # pulled over mutual TLS
+
+        up.send_signal(signal.SIGINT)  # pdserve up shuts its cluster down on Ctrl-C
+        assert up.wait(timeout=STOP_DEADLINE_S) == 0
     finally:
         if up.poll() is None:
-            up.send_signal(signal.SIGINT)  # pdserve up shuts its cluster down on Ctrl-C
-            try:
-                up.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                os.killpg(up.pid, signal.SIGKILL)
-                up.wait()
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
