@@ -266,11 +266,18 @@ def load_figures(
 ) -> dict:
     """The run's figures; every count the test asserts on is here.
 
-    Worker counters are cumulative, so the requests each role ran are after − before.
+    Worker counters are cumulative, so the requests each role ran are after − before. A
+    call a worker gave back unstarted (the gateway moved it to an idler worker) is not one
+    it ran.
     """
 
     def role_requests(workers: list[dict], role: str) -> int:
-        return sum(w["num_requests"] for w in workers if w["role"] == role)
+        return sum(
+            w["num_requests"] - w["num_requests_withdrawn"] for w in workers if w["role"] == role
+        )
+
+    def role_withdrawn(workers: list[dict], role: str) -> int:
+        return sum(w["num_requests_withdrawn"] for w in workers if w["role"] == role)
 
     answered = [o for o in outcomes if o.error is None and o.status == 200]
     ids_by_request = {o.index: set(o.response_ids) for o in answered}
@@ -340,6 +347,8 @@ def load_figures(
         - role_requests(workers_before, "producer"),
         "decode_requests": role_requests(workers_after, "consumer")
         - role_requests(workers_before, "consumer"),
+        "prefill_requests_withdrawn": role_withdrawn(workers_after, "producer")
+        - role_withdrawn(workers_before, "producer"),
         "blocks_received": sum(w["num_blocks_received"] for w in workers_after),
         "dedup_skipped_blocks": sum(w["num_dedup_skipped_blocks"] for w in workers_after),
         "prefix_cache_hit_rate": round(

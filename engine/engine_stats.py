@@ -39,6 +39,7 @@ class EngineStats:
     num_recompute_fallbacks: int = 0
     num_load_failures: int = 0
     num_requests: int = 0
+    num_requests_withdrawn: int = 0
     num_finished_requests: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0

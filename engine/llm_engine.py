@@ -367,9 +367,10 @@ class LLMEngine:
     def withdraw(self, request_id: str) -> bool:
         """Drops a request that has not started (``Scheduler.is_unstarted``) so that it can
         run on another worker; False, and the request goes on here, once it has started."""
-        if not self.scheduler.is_unstarted(request_id):
+        if not self.scheduler.is_unstarted(request_id) or not self.abort(request_id):
             return False
-        return self.abort(request_id)
+        self._stats.num_requests_withdrawn += 1
+        return True
 
     def abort_all(self) -> list[str]:
         """Aborts every unfinished request (after a failed step) and frees every block that

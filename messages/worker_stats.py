@@ -37,6 +37,7 @@ class WorkerStats:
     num_prompt_tokens_to_compute: int = 0
     busy_seconds: float = 0.0
     num_requests: int = 0
+    num_requests_withdrawn: int = 0
     num_generation_tokens: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0

@@ -89,6 +89,14 @@ WORKER_STATS: tuple[Stat, ...] = (
         "reqs",
     ),
     Stat(
+        "num_requests_withdrawn",
+        C,
+        "requests",
+        "Requests the worker gave back unstarted, for the gateway to run on an idler worker "
+        "(move_waiting_prefills): the worker served num_requests less these.",
+        "pdserve:worker_requests_withdrawn",
+    ),
+    Stat(
         "num_generation_tokens",
         C,
         "tokens",

@@ -445,6 +445,7 @@ class EngineHost:
             num_prompt_tokens_to_compute=engine.num_prompt_tokens_to_compute,
             busy_seconds=self._busy_s,
             num_requests=stats.num_requests,
+            num_requests_withdrawn=stats.num_requests_withdrawn,
             num_generation_tokens=stats.num_generation_tokens,
             prefix_cache_queries=stats.prefix_cache_queries,
             prefix_cache_hits=stats.prefix_cache_hits,

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from pdserve.engine import SamplingParams
+from pdserve.engine.engine_stats import EngineStats
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.orchestrator import RequestOrchestrator
 from pdserve.gateway.worker_pool import WorkerPool
@@ -136,10 +137,10 @@ def serve_through_a_step(move: bool) -> tuple[list[tuple[list[int], str]], int]:
     return served, orchestrator.metrics.num_prefills_moved
 
 
-def serve_through_a_step_down() -> tuple[list[tuple[list[int], str]], int, int]:
+def serve_through_a_step_down() -> tuple[list[tuple[list[int], str]], int, EngineStats]:
     """Six requests spread over prefill-0 and prefill-1 (one running on each); then a step
-    retires prefill-1. Each reply and the worker that answered it; the prefills moved; the
-    calls prefill-1 received."""
+    retires prefill-1. Each reply and the worker that answered it; the prefills moved;
+    prefill-1's counters."""
     kept, retired = tiny_worker("prefill-0"), tiny_worker("prefill-1")
     handles = {"prefill-0": InProcessHandle(kept), "prefill-1": InProcessHandle(retired)}
     pool = WorkerPool(handles, {})
@@ -158,7 +159,7 @@ def serve_through_a_step_down() -> tuple[list[tuple[list[int], str]], int, int]:
         return list(await asyncio.gather(*replies))
 
     served = run_leaving_nothing((kept, retired), scenario)
-    return served, orchestrator.metrics.num_prefills_moved, retired.engine.stats().num_requests
+    return served, orchestrator.metrics.num_prefills_moved, retired.engine.stats()
 
 
 def reference_replies() -> list[list[int]]:
@@ -203,11 +204,11 @@ def test_with_moves_off_the_queue_stays_where_it_was_placed() -> None:
 
 
 def test_a_step_down_hands_the_retired_workers_queue_to_the_worker_kept() -> None:
-    served, moved, received = serve_through_a_step_down()
-    # prefill-1 had a running call and at least one waiting: the waiting ones moved, and it
-    # answered only what it had started.
-    assert moved >= 1
+    served, moved, retired = serve_through_a_step_down()
+    # prefill-1 had a running call and at least one waiting: the waiting ones moved (it
+    # counts each as given back), and it answered only what it had started.
+    assert moved >= 1 and retired.num_requests_withdrawn == moved
     on_retired = [n for n, (_, worker) in enumerate(served) if worker == "prefill-1"]
-    assert len(on_retired) + moved == received, (on_retired, moved, received)
-    assert 1 <= len(on_retired) < received
+    assert len(on_retired) == retired.num_requests - moved, (on_retired, moved, retired)
+    assert len(on_retired) >= 1
     assert [tokens for tokens, _ in served] == reference_replies()

@@ -73,11 +73,13 @@ def test_128_requests_64_in_flight_are_each_answered_once_as_colocated_and_free_
     assert figures["duplicated_response_ids"] == 0
     assert figures["mismatches_vs_colocated"] == 0, figures["mismatch_examples"]
     assert figures["workers_not_drained"] == [] and figures["leased_or_used_blocks_after"] == 0
-    # Server side, each request ran once: one prefill each (and a call given back unstarted
-    # for each prefill the gateway moved to the idler worker), one decode unless the first
-    # token already finished it (EOS), and the gateway finished exactly as many as it admitted.
+    # Server side, each request ran once: one prefill each (a call given back unstarted, for
+    # each prefill the gateway moved to the idler worker, is counted apart), one decode unless
+    # the first token already finished it (EOS), and the gateway finished exactly as many as
+    # it admitted.
+    assert figures["prefill_requests"] == NUM_REQUESTS
     moved = gateway_after["num_prefills_moved"] - moved_before
-    assert figures["prefill_requests"] == NUM_REQUESTS + moved
+    assert figures["prefill_requests_withdrawn"] == moved
     assert figures["decode_requests"] == sum(1 for _, _, n in expected if n > 1)
     assert figures["rejected_and_retried"] > 0, "the 429 path was never reached"
     assert gateway_after["rejected_by_status"] == {"429": figures["rejected_and_retried"]}

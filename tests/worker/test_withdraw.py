@@ -57,6 +57,8 @@ def test_a_waiting_call_is_given_back_and_a_started_one_is_not() -> None:
         ]
         assert not await worker.withdraw("b", 2), "a call already given back was taken twice"
         assert worker.engine.num_waiting == 0
+        stats = await worker.stats()
+        assert (stats.num_requests, stats.num_requests_withdrawn) == (2, 1)
 
         finished = await running
         assert finished[-1].finished and finished[-1].num_output_tokens == 200
