@@ -4,9 +4,9 @@ Each role is sized from what limits it, with latency measured where the client s
 
     prefill  TTFT from arrival (queue wait included), the prompt tokens arriving and those
              queued: enough workers that the arrivals keep each under
-             ``prefill_utilization`` busy (queues grow fast above it) and, on top, that the
-             backlog clears within the TTFT target at the measured rate; one more while
-             TTFT misses it
+             ``prefill_utilization`` busy (queues grow fast above it), and enough that what
+             the arrivals leave of them clears the backlog within the TTFT target at the
+             measured rate; one more while TTFT misses it
     decode   ITL and KV usage, never more workers for ITL than there are rows to spread. A
              decode step costs a floor (weights read once per step) plus
              a part that grows with the rows in each worker's batch, so spreading the rows
@@ -23,7 +23,9 @@ not queueing), an ITL floor above the target. Neither blocks a scale-down either
 planner kept such a floor and never scaled down again: its #8861).
 
 Scale-down asks the same model how many fewer workers would still hold the targets with
-headroom (80 %), so that a step down is not undone by the next reading, and removes up to
+headroom (80 % of a latency target; prefill's arrivals 10 % above those read, about what a
+window's count of them varies by), so that a step down is not undone by the next reading,
+and removes up to
 ``max_step`` of them, keeping at least ``1 / max_scale_down_rate`` of the role (Knative's
 rule: a burst's end read as "5 workers idle at 10 %" would otherwise go to 1, which the
 steady load after it then asks back). A whole window without traffic (no request arrived,
@@ -47,6 +49,11 @@ from pdserve.deploy.service_window import RoleWindow
 # A role scaled down must still meet its targets with this much to spare, or the next
 # reading would ask the workers back.
 _HEADROOM = 0.8
+# A prefill role scaled down is sized for this share of its busy target: a look-back
+# window's prompt tokens vary by about a tenth between readings under a steady rate (in
+# bench_autoscaler's bursty run a step to the count the reading asked for was undone 14 s
+# later by a reading 12 % higher).
+_ARRIVALS_MARGIN = 0.9
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,13 +124,20 @@ class ScalingPolicy:
         settings = self.settings
         target_s = settings.ttft_p90_ms / 1e3
         ttft = w.latency_p90_s
-        # Workers to keep up with the prompt tokens arriving, plus workers to clear those
-        # already queued within the target: with W workers computing r tokens/s each,
-        # arrivals λ and a backlog B, (W·r - λ)·T >= B asks W >= λ/r + B/(r·T). Both
-        # parts at once: sized by the larger alone, a burst's steps came one behind.
-        for_arrivals = w.offered_utilization * w.workers / settings.prefill_utilization
+        # With W workers computing r tokens/s each, arrivals λ and a backlog B: W >= λ/(r·u)
+        # keeps each under the busy share u, and (W·r - λ)·T >= B, i.e. W >= λ/r + B/(r·T),
+        # clears the backlog within the target. Not λ/(r·u) + B/(r·T): the share 1 - u
+        # that the first leaves free clears a backlog too; counted twice, a queue that
+        # clears in a second asked for a worker more, and the next readings gave it back.
+        carried = w.offered_utilization * w.workers  # λ/r: the workers the arrivals fill
         for_backlog = w.backlog_tokens / (w.token_rate * target_s) if w.token_rate else 0.0
-        for_load = math.ceil(for_arrivals + for_backlog)
+
+        def sized_for(busy_share: float) -> int:
+            return math.ceil(max(carried / busy_share, carried + for_backlog))
+
+        for_load = sized_for(settings.prefill_utilization)
+        if for_load < w.workers:  # fewer: sized for arrivals a reading's noise above these
+            for_load = min(w.workers, sized_for(settings.prefill_utilization * _ARRIVALS_MARGIN))
         missing = ttft is not None and ttft > target_s
         # TTFT from queueing falls with more workers; a prompt's own compute time does not.
         queueing = w.utilization > settings.prefill_utilization / 2 or for_backlog > w.workers

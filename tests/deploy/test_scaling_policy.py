@@ -189,7 +189,8 @@ def test_a_busy_prefill_scales_up_after_its_delay_and_by_at_most_max_step():
 
 def test_a_burst_is_sized_by_its_arrivals_and_its_backlog_together():
     """Busy 99 %: the carried load says 3 workers. The tokens arriving need 4 at 70 % busy,
-    and the 20,000 queued 2 more to clear within the 1 s target (λ/r + B/(r·T))."""
+    and 2.8 at full speed plus 2 to clear the 20,000 queued within the 1 s target
+    (λ/r + B/(r·T) = 4.8): 5."""
     policy = ScalingPolicy(SETTINGS.model_copy(update={"max_step": 8}))
     burst = role_window(
         "prefill",
@@ -200,8 +201,37 @@ def test_a_burst_is_sized_by_its_arrivals_and_its_backlog_together():
         latency_p90_s=3.0,
     )
     target = policy.target(burst)
-    assert target.workers == 6
+    assert target.workers == 5
     assert "offered 140%" in target.reason
+
+
+def test_a_queue_the_busy_share_s_slack_clears_asks_for_no_worker_more():
+    """bench_autoscaler's bursty run at 278 s: 5 workers offered 65 % (3.25 workers'
+    worth, 4.64 at 70 %), TTFT met, 0.45 s of work queued. The slack of 5 clears it."""
+    policy = ScalingPolicy(SETTINGS)
+    steady = role_window(
+        "prefill",
+        5,
+        utilization=0.64,
+        offered_utilization=0.65,
+        backlog_tokens=4_500,  # 0.45 workers' worth over the 1 s target
+        latency_p90_s=0.6,
+    )
+    assert policy.target(steady).workers == 5
+
+
+def test_a_step_down_leaves_room_for_the_next_reading_s_arrivals():
+    """The same run at 326 s: 6 workers offered 43 % (2.58 workers' worth) asked for 4, and
+    the reading 14 s later (2.88: 72 % of 4) asked for 5 again. Sized for 90 % of the busy
+    share, the step goes to 5, which that reading (58 % of 5) keeps."""
+    policy = ScalingPolicy(SETTINGS)
+    lower = role_window("prefill", 6, utilization=0.42, offered_utilization=0.43)
+    assert policy.target(lower).workers == 5
+    later = role_window("prefill", 5, utilization=0.58, offered_utilization=2.88 / 5)
+    assert policy.target(later).workers == 5
+    assert (
+        policy.target(dataclasses.replace(later, workers=4, offered_utilization=0.72)).workers == 5
+    )
 
 
 def test_a_step_down_keeps_half_the_role_but_idle_returns_to_min():
