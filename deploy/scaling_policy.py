@@ -25,11 +25,11 @@ planner kept such a floor and never scaled down again: its #8861).
 Scale-down asks the same model how many fewer workers would still hold the targets with
 headroom (80 % of a latency target; prefill's arrivals 10 % above those read, about what a
 window's count of them varies by), so that a step down is not undone by the next reading,
-and removes up to
-``max_step`` of them, keeping at least ``1 / max_scale_down_rate`` of the role (Knative's
-rule: a burst's end read as "5 workers idle at 10 %" would otherwise go to 1, which the
-steady load after it then asks back). A whole window without traffic (no request arrived,
-none in flight or queued, counted across steps) returns the role to ``min`` in one step.
+and removes up to ``max_step`` of them, keeping at least ``1 / max_scale_down_rate`` of
+the role (Knative's rule: a burst's end read as "5 workers idle at 10 %" would otherwise
+go to 1, which the steady load after it then asks back). A whole window without traffic
+(no request arrived, none in flight or queued, counted across steps) returns the role to
+``min`` in one step.
 
 Against oscillation: a direction must be wanted over consecutive readings for
 ``scale_up_delay_s`` (up) or ``scale_down_delay_s`` (down) before it is taken, a step moves
