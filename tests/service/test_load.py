@@ -56,8 +56,9 @@ def test_128_requests_64_in_flight_are_each_answered_once_as_colocated_and_free_
         num_decode=2,
         max_inflight_requests=CONCURRENCY // 2,
     ) as config:
-        workers_before = get_json(config, "/stats")["workers"]
-        moved_before = get_json(config, "/stats")["gateway"]["num_prefills_moved"]
+        before = get_json(config, "/stats")  # one reading: workers and gateway together
+        workers_before = before["workers"]
+        moved_before = before["gateway"]["num_prefills_moved"]
         outcomes, wall_s = asyncio.run(run_load(base_url(config) + "/v1/completions", planned))
         workers_after = wait_until_drained(config, timeout_s=30.0)
         gateway_after = get_json(config, "/stats")["gateway"]
