@@ -14,6 +14,7 @@ the real runner.
 
 Run: python bench/fit_sim_profile.py --model tiny --name tiny-cpu   (≈ 1 minute)
      python bench/fit_sim_profile.py --model smollm2 --name smollm2-cpu   (≈ 3 minutes)
+     python bench/fit_sim_profile.py --model tiny --out my-cpu.json   (serve sim:my-cpu.json)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import argparse
 import json
 import platform
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -29,13 +31,28 @@ from pdserve.checkpoint.sim_profiles import PROFILE_DIR
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.messages.sampling_params import SamplingParams
 
-WORKLOAD = [(1, 16), (1, 512), (4, 128), (8, 64), (16, 16), (16, 128), (4, 512)]
-"""(requests, prompt tokens) of each round; every request decodes 24 tokens."""
+WORKLOAD = [
+    (1, 16, 0),
+    (1, 512, 0),
+    (4, 128, 0),
+    (8, 64, 0),
+    (16, 16, 0),
+    (16, 128, 0),
+    (4, 512, 0),
+    (1, 384, 384),
+    (4, 448, 384),
+    (1, 640, 384),
+    (8, 400, 384),
+]
+"""(requests, prompt tokens, tokens of a shared prefix) of each round; every request decodes
+24 tokens. The prefix is the pass's own: its first round computes it, the later ones hit it
+and compute only their own tokens over it (a service's common case: a shared system prompt,
+a conversation's earlier turns), so the fit sees tokens and KV read vary apart."""
 
 
-def timed_forwards(engine: LLMEngine) -> list[tuple[int, int, float]]:
+def timed_forwards(engine: LLMEngine, pass_index: int) -> list[tuple[int, int, float]]:
     """(tokens, KV tokens read, seconds) of every forward while ``engine`` serves the
-    workload."""
+    workload; ``pass_index`` makes every prompt new, so no pass hits an earlier one's."""
     model = engine.runner.model
     forward, logits = model.forward, model.compute_logits
     samples: list[tuple[int, int, float]] = []
@@ -55,9 +72,14 @@ def timed_forwards(engine: LLMEngine) -> list[tuple[int, int, float]]:
     model.forward, model.compute_logits = timed_forward, timed_logits
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     vocab = min(engine.model_config.vocab_size, 4000)
-    for round_index, (requests, length) in enumerate(WORKLOAD):
+
+    def tokens(seed: int, length: int) -> list[int]:
+        return np.random.default_rng(seed).integers(1, vocab, length).tolist()
+
+    for round_index, (requests, length, shared) in enumerate(WORKLOAD):
+        prefix = tokens(pass_index * 104729, shared)
         prompts = [
-            [1 + (round_index * 7919 + i * 104729 + j) % (vocab - 1) for j in range(length)]
+            prefix + tokens(pass_index * 104729 + round_index * 131 + i + 1, length - shared)
             for i in range(requests)
         ]
         engine.generate(prompts, params)
@@ -82,10 +104,36 @@ def fit(samples: list[tuple[int, int, float]]) -> tuple[list[float], str]:
     return [float(c) for c in coefficients], summary
 
 
+def fitted_profile(model: str, torch_threads: int, machine: str, transfer_mib_per_s: float) -> dict:
+    """The profile (a ``checkpoint/sim_profiles/`` file's fields) of ``model`` fitted on this
+    machine now."""
+    engine = LLMEngine.from_pretrained(
+        model, num_kv_blocks=1024, max_num_seqs=16, torch_threads=torch_threads
+    )
+    timed_forwards(engine, 0)  # warm-up: first-use costs out of the fit
+    (step_s, token_s, log_token_s, kv_token_s), summary = fit(timed_forwards(engine, 1))
+    measured = (
+        f"{time.strftime('%Y-%m-%d')}, {machine}, {torch_threads} torch thread(s), "
+        f"bench/fit_sim_profile.py over {model}: {summary}; transfer_bytes_per_s: "
+        f"--transfer-mib-per-s {transfer_mib_per_s:g}"
+    )
+    return {
+        "stands_for": model,
+        "device": engine.runner.device.type,
+        "step_s": step_s,
+        "token_s": token_s,
+        "log_token_s": log_token_s,
+        "kv_token_s": kv_token_s,
+        "transfer_bytes_per_s": transfer_mib_per_s * 2**20,
+        "measured": measured,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="the real model to profile")
-    parser.add_argument("--name", required=True, help="the profile's name (sim:<name>)")
+    parser.add_argument("--name", help="the profile's name (sim:<name>), a shipped one")
+    parser.add_argument("--out", type=Path, help="or a file of one's own (sim:<out>)")
     parser.add_argument("--torch-threads", type=int, default=1)
     parser.add_argument("--machine", default=platform.machine(), help="as the profile says")
     parser.add_argument(
@@ -95,26 +143,10 @@ def main() -> None:
         help="the hand-off's rate (bench/bench_transfer.py measures the transports')",
     )
     args = parser.parse_args()
-    engine = LLMEngine.from_pretrained(
-        args.model, num_kv_blocks=1024, max_num_seqs=16, torch_threads=args.torch_threads
-    )
-    timed_forwards(engine)  # warm-up: first-use costs out of the fit
-    (step_s, token_s, log_token_s, kv_token_s), summary = fit(timed_forwards(engine))
-    measured = (
-        f"{time.strftime('%Y-%m-%d')}, {args.machine}, "
-        f"{args.torch_threads} torch thread(s), bench/fit_sim_profile.py over {args.model}: "
-        f"{summary}; transfer_bytes_per_s: --transfer-mib-per-s {args.transfer_mib_per_s:g}"
-    )
-    profile = {
-        "stands_for": args.model,
-        "step_s": step_s,
-        "token_s": token_s,
-        "log_token_s": log_token_s,
-        "kv_token_s": kv_token_s,
-        "transfer_bytes_per_s": args.transfer_mib_per_s * 2**20,
-        "measured": measured,
-    }
-    path = PROFILE_DIR / f"{args.name}.json"
+    if (args.name is None) == (args.out is None):
+        parser.error("give one of --name and --out")
+    path = args.out or PROFILE_DIR / f"{args.name}.json"
+    profile = fitted_profile(args.model, args.torch_threads, args.machine, args.transfer_mib_per_s)
     path.write_text(json.dumps(profile, indent=2) + "\n")
     print(f"{path}: {json.dumps(profile)}")
 

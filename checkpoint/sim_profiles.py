@@ -10,12 +10,17 @@ layout, which sizes each worker's KV capacity) and models the forward of a step 
 over the tokens a step computes, where its KV tokens read are the sum over its tokens of
 their positions + 1 (a decode row reads its whole context; a prompt chunk's causal attention
 reads a triangle); a hand-off moves the real pages' bytes at ``transfer_bytes_per_s``.
-The logarithm is batching's economy: sixteen decode rows cost about
-three times one, not sixteen (without it, fitted on a mixed workload, a prompt's forward
-was off by a median 21 %; with it, 8 %). Profiles
-are fitted by least squares from timed forwards of the real model
-(``bench/fit_sim_profile.py`` writes them here, one JSON file each, saying where and how
-they were measured).
+The logarithm is batching's economy: sixteen decode rows cost about three times one, not
+sixteen (without it, fitted on a mixed workload, a prompt's forward was off by a median
+21 %; with it, 8 %). Profiles are fitted by least squares from timed forwards of the real
+model (``bench/fit_sim_profile.py`` writes them here, one JSON file each, saying where and
+how they were measured).
+
+A CPU profile holds for the machine it was fitted on: the same ``tiny`` decode step took
+0.75 ms on the 2-core AMD machine ``tiny-cpu`` was first fitted on and 1.7 ms on a 2-core
+Intel Xeon two days later. ``sim:<path>.json`` names a profile file of one's own, so a
+profile fitted on the machine at hand (``bench/fit_sim_profile.py --out``) serves without
+touching the shipped ones.
 
 Time dilation (``EngineConfig.sim_time_scale``): a simulated cluster shares one host's
 cores, and what every worker, the gateway and the proxy spend on the host per token and per
@@ -23,10 +28,11 @@ request is real time no profile counts. On a few cores, at dozens of workers, th
 queues and inflates every latency. Slowing the simulated clock k times (every forward and
 hand-off k times as long), with arrivals k times as sparse and the latency targets and the
 autoscaler's windows k times as long, leaves the simulated cluster's behaviour the same and
-divides the host's share of each latency, and its load, by k: the network emulators' time
-dilation (DieCast, NSDI 2008), and the mirror of Dynamo's mocker ``speedup_ratio``. What
-stays on the real clock is the worker's start-up, so a dilated scale-up lands k times
-sooner in simulated time than it would undilated.
+divides the host's share of each latency, and its load, by k (a ``cpu`` profile's forward,
+host work like the rest, spends its undilated time on a core and waits out the rest): the
+network emulators' time dilation (DieCast, NSDI 2008), and the mirror of Dynamo's mocker
+``speedup_ratio``. What stays on the real clock is the worker's start-up, so a dilated
+scale-up lands k times sooner in simulated time than it would undilated.
 """
 
 from __future__ import annotations
@@ -35,9 +41,12 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Literal, get_args
 
 SIM_PREFIX = "sim:"
 PROFILE_DIR = Path(__file__).with_name("sim_profiles")
+ProfiledDevice = Literal["cpu", "cuda"]
+PROFILED_DEVICES: tuple[str, ...] = get_args(ProfiledDevice)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +56,10 @@ class SimProfile:
     name: str
     stands_for: str
     """The real model's ``--model`` name (its tokenizer, vocabulary and KV layout)."""
+    device: ProfiledDevice
+    """Where the real model's forwards were timed. A ``cpu`` profile's forward spends the
+    time on a host core, as its real one would (``model/sim_model.py``); a ``cuda`` one's
+    waits, its host idle."""
     step_s: float
     token_s: float
     log_token_s: float
@@ -55,6 +68,13 @@ class SimProfile:
     """The hand-off's rate for the real model's pages (``model/sim_transfer.py``)."""
     measured: str
     """Where and how the coefficients were measured."""
+
+    def __post_init__(self) -> None:
+        if self.device not in PROFILED_DEVICES:
+            raise ValueError(
+                f"simulated model '{SIM_PREFIX}{self.name}': device must be one of "
+                f"{', '.join(PROFILED_DEVICES)}, got {self.device!r}"
+            )
 
     def forward_seconds(self, num_tokens: int, num_kv_tokens: int) -> float:
         return (
@@ -80,15 +100,16 @@ class SimProfile:
 
     @classmethod
     def load(cls, name: str) -> SimProfile:
-        """The profile ``name`` (a file of ``PROFILE_DIR``); ``FileNotFoundError`` naming
-        those there."""
-        path = PROFILE_DIR / f"{name}.json"
+        """The profile ``name``: a file of ``PROFILE_DIR``, or ``<path>.json`` a file of
+        one's own (module doc); ``FileNotFoundError`` naming those of ``PROFILE_DIR``."""
+        path = Path(name) if name.endswith(".json") else PROFILE_DIR / f"{name}.json"
         if not path.is_file():
             known = ", ".join(repr(f"{SIM_PREFIX}{n}") for n in profile_names())
             raise FileNotFoundError(
-                f"simulated model '{SIM_PREFIX}{name}' has no profile; the profiles are {known}"
+                f"simulated model '{SIM_PREFIX}{name}' has no profile; the profiles are "
+                f"{known}, or sim:<path>.json for a profile file"
             )
-        return cls(name=name, **json.loads(path.read_text()))
+        return cls(name=path.stem, **json.loads(path.read_text()))
 
 
 def profile_names() -> list[str]:

@@ -49,6 +49,7 @@ from pydantic import (
 from pydantic_settings import CliSettingsSource
 
 from pdserve.checkpoint.model_source import default_model_name
+from pdserve.checkpoint.sim_profiles import SIM_PREFIX
 from pdserve.deploy.autoscaling_config import AutoscalingConfig
 from pdserve.deploy.part_settings import (
     ENGINE,
@@ -394,7 +395,13 @@ class PDServeConfig(_PartsSettings):  # type: ignore[misc,valid-type]  # generat
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or Path(self.model.rstrip("/")).name
+        """The name clients send: ``served_model_name``, else the model's last path part
+        (``sim:<name>`` for a simulated model, a profile file's ``sim:<path>.json`` too)."""
+        if self.served_model_name is not None:
+            return self.served_model_name
+        if self.model.startswith(SIM_PREFIX):
+            return SIM_PREFIX + Path(self.model.removeprefix(SIM_PREFIX)).name.removesuffix(".json")
+        return Path(self.model.rstrip("/")).name
 
     @property
     def colocated(self) -> bool:

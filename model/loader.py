@@ -73,7 +73,7 @@ def load_model(
     source = resolve_model(name_or_path)
     if source.profile is not None:  # simulated: no weights (model/sim_model.py)
         real = check_model(source.profile.stands_for)
-        simulated = SimulatedCausalLM(source.profile.slowed(sim_time_scale), real)
+        simulated = SimulatedCausalLM(source.profile, real, sim_time_scale)
         # What a runner asks of a model (forward, compute_logits), the simulated one answers.
         stand_in = cast(CausalLM, simulated)
         return stand_in, placeholder_config(real, source.profile), load_tokenizer(source)

@@ -9,12 +9,25 @@ counters would say, on one machine, at any number of workers:
 
     real model                         simulated (``SimulatedCausalLM``)
     weights                            none
-    forward                            sleeps ``profile.forward_seconds(tokens, KV read)``
+    forward                            takes ``profile.forward_seconds(tokens, KV read)``:
+                                       a ``cpu`` profile's spends it on a host core, a
+                                       ``cuda`` one's sleeps
     next token                         (token * 1103515245 + position * 12345 + 1) mod vocab,
                                        the stand-in's end-of-sequence ids skipped
     KV pages                           placeholders: one layer of one head of 8 values, the
                                        real model's layout fingerprinted as its own
     KV capacity                        the real model's for the same memory budget
+
+Why a CPU profile's forward spends CPU: its real forward occupies a core (one torch thread)
+that the host's other workers, the gateway and Ray also need. A simulated forward that slept
+would leave the core to them, and a service of simulated workers sharing a few cores would
+answer sooner than the real one (the inter-token gap 0.68x the real one's at 1 + 1 on two
+cores, ``bench/bench_sim_vs_real.py``). It hashes a buffer (``hashlib`` lets the GIL go, as
+a torch kernel does, so the worker's other threads run beside it) until its thread has spent
+the profile's seconds, so the core it takes and the preemption it suffers are the real
+forward's. Under a dilated clock (``sim_time_scale`` k) it spends the undilated seconds and
+waits out the rest of k times them: the host's share of a forward, as of everything else on
+the host, is 1/k.
 
 The logits are one-hot (a 30-nat margin), so greedy and seeded sampling both pick the named
 token: a prompt's tokens fix its whole reply, on any worker, before or after a hand-off.
@@ -23,7 +36,8 @@ token: a prompt's tokens fix its whole reply, on any worker, before or after a h
 from __future__ import annotations
 
 import dataclasses
-from time import perf_counter, sleep
+import hashlib
+from time import perf_counter, sleep, thread_time
 
 import torch
 from torch import nn
@@ -33,14 +47,20 @@ from pdserve.model.model_config import ModelConfig
 
 _LOGIT = 30.0
 _PLACEHOLDER_HEAD_DIM = 8
+# What a forward of a CPU profile hashes at a time: large enough that hashlib releases the
+# GIL (2 KiB and up), small enough (about 10 us) that the forward ends on time.
+_SPENT_BUFFER = bytes(16 << 10)
 
 
 class SimulatedCausalLM(nn.Module):
     """The model of a simulated engine (module doc)."""
 
-    def __init__(self, profile: SimProfile, stands_for: ModelConfig) -> None:
+    def __init__(self, profile: SimProfile, stands_for: ModelConfig, time_scale: float) -> None:
         super().__init__()
         self.profile = profile
+        self.dilated = profile.slowed(time_scale)
+        """The profile on the engine's clock (``EngineConfig.sim_time_scale``): how long a
+        forward takes."""
         self.stands_for = stands_for
         self.vocab_size = stands_for.vocab_size
         self._end_ids = torch.tensor(sorted(set(stands_for.eos_token_ids)), dtype=torch.long)
@@ -52,12 +72,16 @@ class SimulatedCausalLM(nn.Module):
         kv_cache: object,
         metadata: object,
     ) -> torch.Tensor:
-        """Waits out the profiled forward of these tokens; the "hidden state" of each is its
-        token id and position, which ``compute_logits`` turns into the next token."""
+        """Takes the profiled forward of these tokens (module doc); the "hidden state" of
+        each is its token id and position, which ``compute_logits`` turns into the next
+        token."""
         began = perf_counter()
-        num_kv_tokens = int(positions.sum()) + positions.shape[0]  # positions + 1 each
-        seconds = self.profile.forward_seconds(input_ids.shape[0], num_kv_tokens)
+        num_tokens = input_ids.shape[0]
+        num_kv_tokens = int(positions.sum()) + num_tokens  # positions + 1 each
         hidden = torch.stack((input_ids.long(), positions.long()), dim=1)
+        if self.profile.device == "cpu":
+            spend_cpu(self.profile.forward_seconds(num_tokens, num_kv_tokens))
+        seconds = self.dilated.forward_seconds(num_tokens, num_kv_tokens)
         sleep(max(0.0, began + seconds - perf_counter()))
         return hidden
 
@@ -66,6 +90,13 @@ class SimulatedCausalLM(nn.Module):
         logits = torch.zeros(hidden.shape[0], self.vocab_size)
         logits[torch.arange(hidden.shape[0]), tokens] = _LOGIT
         return logits
+
+
+def spend_cpu(seconds: float) -> None:
+    """Occupies a core until this thread has run for ``seconds`` (module doc)."""
+    until = thread_time() + seconds
+    while thread_time() < until:
+        hashlib.sha256(_SPENT_BUFFER)
 
 
 def next_tokens(

@@ -386,3 +386,19 @@ def test_a_stored_config_reads_back_the_same():
     config = PDServeConfig(model="tiny", block_size=32, kv_tier_cpu_bytes=1 << 20)
     config = config.resolve_deployment_secrets()
     assert PDServeConfig.model_validate_json(config.model_dump_json()) == config
+
+
+@pytest.mark.parametrize(
+    ("model", "served"),
+    [
+        ("tiny", "tiny"),
+        ("/models/Llama-3.1-8B/", "Llama-3.1-8B"),
+        ("sim:tiny-cpu", "sim:tiny-cpu"),
+        ("sim:/tmp/profiles/here-cpu.json", "sim:here-cpu"),
+    ],
+)
+def test_clients_name_the_model_by_its_last_path_part(model, served):
+    """What clients send as ``model`` unless ``served_model_name`` says: a profile file
+    (``sim:<path>.json``) is named as a shipped profile is."""
+    assert PDServeConfig(model=model).model_name == served
+    assert PDServeConfig(model=model, served_model_name="mine").model_name == "mine"
