@@ -13,7 +13,7 @@ and 0.0 (the former rule: held hashes decide up to the load cap, so the old work
 holds the system prompt, takes everything). Aim (issue 51): the new worker serves >= 30 %
 within 60 s, TTFT no worse than before the step.
 
-Run: python bench/bench_scale_warmup.py [--model sim:smollm2-cpu]   (≈ 5 minutes on 2 cores)
+Run: python bench/bench_scale_warmup.py [--model sim:llama3-8b-h100]   (≈ 5 minutes on 2 cores)
 
 Measured (2026-12-05, this 2-core box, one run, 60 s after the step):
 
@@ -25,16 +25,21 @@ The share is met (aim 30 %: 51 %); TTFT is not (p50 1.25x after the step). On tw
 third worker adds no compute: the new decode worker's steps take the cores the old one and
 the prefill used, and its first requests pull the 1,024-token system prompt.
 
-Where each worker brings its own capacity, as on a GPU cluster: the simulated engine
-(``--model sim:smollm2-cpu``: steps sleep for the time smollm2's take here, the routing,
-hand-off and pulls are real; 2026-12-07, one run):
+Where each worker brings its own capacity, as on a GPU cluster: the simulated engine with a
+GPU profile (``--model sim:llama3-8b-h100``: steps sleep for the time Llama-3-8B's would take
+on an H100, the routing, hand-off and pulls are real; 2026-12-08, a 2-core Intel Xeon, one
+run):
 
     decode_load_weight  new share  reqs  TTFT p50 before  after  p90 before  after
-                   1.0        50%   548         233.3 ms 233.4 ms  407.4 ms 251.0 ms
-                   0.0         0%   350         350.4 ms 352.8 ms  409.0 ms 410.3 ms
+                   1.0        49%  1046          24.4 ms  26.1 ms   33.1 ms  36.7 ms
+                   0.0         0%  1002          25.7 ms  26.8 ms   35.5 ms  37.2 ms
 
-Both aims met: the new worker serves half the requests, TTFT p50 1.00x and p90 0.62x
-before the step.
+The share is met (49 %). TTFT is 1.07x after the step under either rule: at four requests in
+flight an H100's decode is far from full, so the new worker takes no queue away, and its
+host-side work (its replica, its pulls) shares the two cores with the rest. (With
+``sim:smollm2-cpu`` when a CPU profile's forward slept, decode was the bottleneck: share 50 %,
+TTFT p50 1.00x, p90 0.62x, 2026-12-07; a CPU profile's forward now spends a core, as the real
+one's does, so it adds no capacity on two cores.)
 """
 
 from __future__ import annotations
