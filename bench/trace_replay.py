@@ -242,16 +242,19 @@ def main() -> None:
     if args.up:
         from bench_sim_vs_real import deployed
 
-        from pdserve.deploy.cluster import configure_ray_env, init_ray
+        from pdserve.deploy.cluster import base_url, configure_ray_env, init_ray
 
         configure_ray_env()
         init_ray(None, num_cpus=2)
-        with deployed(args.model, args.up, "trace", 8070) as url:
-            results, seconds = replay(url, args.model, trace, args.speed)
+        with deployed(args.model, args.up, "trace", 8070) as config:
+            results, seconds = replay(base_url(config), config.model_name, trace, args.speed)
     elif args.url:
         results, seconds = replay(args.url, args.model, trace, args.speed)
     else:
         parser.error("give --url of a running service, or --up P+D")
+    from serve_load import print_failures
+
+    print_failures(args.trace, results)
     row = goodput(results, args.ttft_ms / 1e3, args.itl_ms / 1e3)
     print(
         ", ".join(f"{name} {value:.3g}" for name, value in row.items())
