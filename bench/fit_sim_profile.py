@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from pdserve.checkpoint.sim_profiles import PROFILE_DIR
 from pdserve.engine.llm_engine import LLMEngine
@@ -65,6 +66,8 @@ def timed_forwards(engine: LLMEngine, pass_index: int) -> list[tuple[int, int, f
 
     def timed_logits(hidden):
         out = logits(hidden)
+        if out.is_cuda:  # the kernels launched, not done: wait for them
+            torch.cuda.synchronize(out.device)
         tokens, kv_tokens, _ = samples[-1]
         samples[-1] = (tokens, kv_tokens, time.perf_counter() - began[-1])
         return out

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -109,7 +109,15 @@ class SimProfile:
                 f"simulated model '{SIM_PREFIX}{name}' has no profile; the profiles are "
                 f"{known}, or sim:<path>.json for a profile file"
             )
-        return cls(name=path.stem, **json.loads(path.read_text()))
+        given = json.loads(path.read_text())
+        wanted = [field.name for field in fields(cls) if field.name != "name"]
+        if not isinstance(given, dict) or sorted(given) != sorted(wanted):
+            raise ValueError(
+                f"simulated model '{SIM_PREFIX}{name}': {path} must hold one JSON object of "
+                f"the fields {', '.join(wanted)}; it holds "
+                f"{', '.join(given) if isinstance(given, dict) else type(given).__name__}"
+            )
+        return cls(name=path.stem, **given)
 
 
 def profile_names() -> list[str]:

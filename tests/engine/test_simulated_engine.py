@@ -55,6 +55,10 @@ def test_a_profile_file_of_ones_own_serves_by_its_path(tmp_path) -> None:
     assert engine.model_config.weights_digest.startswith("sim:here-cpu:")
     with pytest.raises(FileNotFoundError, match="or sim:<path>.json for a profile file"):
         resolve_model(f"sim:{tmp_path / 'absent.json'}")
+    del fields["device"]  # a profile written before profiles said where they were timed
+    path.write_text(json.dumps(fields))
+    with pytest.raises(ValueError, match="must hold one JSON object of the fields stands_for, "):
+        resolve_model(f"sim:{path}")
 
 
 @pytest.mark.parametrize(
