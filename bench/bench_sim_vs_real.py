@@ -25,7 +25,7 @@ Measured (2026-12-08, a 2-core Intel Xeon, medians of 2; ratios sim / real)::
 
 and in every shape the 12 requests sent one at a time took equal paths (each worker's
 requests, prefix-cache hits, blocks sent and received). Every median is within 20 % of the
-real one's, and in an earlier run of each as well (tiny 0.96-1.04x, smollm2 0.82-1.12x).
+real one's, and in an earlier run of each as well (tiny 0.92-1.04x, smollm2 0.82-1.12x).
 The tails are where the simulated service is faster (ITL p99 0.73-0.93x): real workers
 sharing two cores also contend for memory bandwidth and cache, which a hash loop barely
 touches.
