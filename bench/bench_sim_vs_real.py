@@ -50,8 +50,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from fit_sim_profile import fitted_profile
-from load_driver import get_json
+from fit_sim_profile import GRPC_PULL_MIB_PER_S, fitted_profile
+from load_driver import worker_rows
 from serve_load import Planned, poisson_delays, print_failures, run_load, summarize
 
 from pdserve.deploy.cluster import base_url, configure_ray_env, deploy, init_ray
@@ -121,7 +121,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         profile = args.profile
         if profile is None:
-            fitted = fitted_profile(args.model, 1, platform.machine(), 900.0)
+            fitted = fitted_profile(args.model, 1, platform.machine(), GRPC_PULL_MIB_PER_S)
             profile = f"{folder}/{args.model}-here.json"
             Path(profile).write_text(json.dumps(fitted))
             print(f"fitted here: {fitted['measured']}", flush=True)
@@ -131,11 +131,11 @@ def main() -> None:
 def paths(config: PDServeConfig, requests: list[Planned]) -> dict[str, dict[str, int]]:
     """Each worker's counters of where ``requests`` went, sent one at a time (so that no
     path depends on timing) to a fresh app."""
-    before = {w["worker_id"]: w for w in get_json(config, "/stats")["workers"]}
+    before = worker_rows(config)
     sequential = [dataclasses.replace(planned, delay_s=0.0) for planned in requests]
     results, _ = run_load(base_url(config), config.model_name, (), 1, lanes=[sequential])
     print_failures(f"{config.app_name} paths", results)
-    after = {w["worker_id"]: w for w in get_json(config, "/stats")["workers"]}
+    after = worker_rows(config)
     return {w: {c: after[w][c] - before[w][c] for c in COUNTERS} for w in sorted(after)}
 
 

@@ -32,6 +32,10 @@ from pdserve.checkpoint.sim_profiles import PROFILE_DIR
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.messages.sampling_params import SamplingParams
 
+GRPC_PULL_MIB_PER_S = 900.0
+"""The hand-off's rate a fitted profile gets unless told: the gRPC transport's pull rate on
+these 2-core machines (``bench/bench_transfer.py``: 750-1,390 MiB/s)."""
+
 WORKLOAD = [
     (1, 16, 0),
     (1, 512, 0),
@@ -142,7 +146,7 @@ def main() -> None:
     parser.add_argument(
         "--transfer-mib-per-s",
         type=float,
-        default=900.0,
+        default=GRPC_PULL_MIB_PER_S,
         help="the hand-off's rate (bench/bench_transfer.py measures the transports')",
     )
     args = parser.parse_args()

@@ -35,6 +35,11 @@ def get_json(config: PDServeConfig, path: str) -> dict:
         return json.loads(response.read())
 
 
+def worker_rows(config: PDServeConfig) -> dict[str, dict]:
+    """``/stats`` worker rows by worker id."""
+    return {w["worker_id"]: w for w in get_json(config, "/stats")["workers"]}
+
+
 def is_drained(worker: dict) -> bool:
     """Nothing running or waiting, no lease, every block free (all but the null block)."""
     return (

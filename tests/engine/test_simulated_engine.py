@@ -104,11 +104,15 @@ def test_a_cuda_profiles_forward_sleeps_out_the_profiles_time(monkeypatch) -> No
 
 
 @pytest.mark.parametrize("time_scale", [1.0, 4.0])
-def test_a_cpu_profiles_forward_spends_its_time_on_a_core(time_scale) -> None:
+def test_a_cpu_profiles_forward_spends_its_time_on_a_core(time_scale, monkeypatch) -> None:
     """A CPU profile's forward occupies a core as its real one would (sim_model's doc): the
     thread's CPU time grows by at least the profile's seconds a forward, whatever the
-    clock's dilation; a CUDA profile's forward spends almost none of it."""
+    clock's dilation, and the forward waits out the rest of the dilated time; a CUDA
+    profile's forward spends almost none of it and waits it all out."""
     stands_for = check_model("tiny")
+    seconds = profile_of("cpu", 0.05).forward_seconds(2, 3)
+    waits: list[float] = []
+    monkeypatch.setattr(sim_model, "sleep", waits.append)
     spent = {}
     for device in ("cpu", "cuda"):
         model = sim_model.SimulatedCausalLM(profile_of(device, 0.05), stands_for, time_scale)
@@ -117,9 +121,13 @@ def test_a_cpu_profiles_forward_spends_its_time_on_a_core(time_scale) -> None:
         for _ in range(3):
             model(ids, positions, None, None)
         spent[device] = (time.thread_time() - began) / 3
-    seconds = profile_of("cpu", 0.05).forward_seconds(2, 3)
     assert seconds <= spent["cpu"] < seconds + 0.02
     assert spent["cuda"] < 0.01
+    cpu_waits, cuda_waits = waits[:3], waits[3:]
+    dilated = time_scale * seconds
+    # Less what the forward took on the wall clock besides: 50 ms of slack for a busy host.
+    assert all(dilated - seconds - 0.05 < wait <= dilated - seconds for wait in cpu_waits)
+    assert all(dilated - 0.05 < wait <= dilated for wait in cuda_waits)
 
 
 def test_a_dilated_clock_stretches_every_forward_and_hand_off() -> None:

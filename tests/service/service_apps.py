@@ -13,7 +13,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from bench.load_driver import get_json, wait_until_drained
+from bench.load_driver import get_json, wait_until_drained, worker_rows
 from pdserve.deploy.cluster import auth_headers, base_url, delete_app, deploy
 from pdserve.deploy.config import PDServeConfig
 from pdserve.engine.llm_engine import LLMEngine
@@ -154,11 +154,6 @@ def _lower(headers) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------- faults (test_faults.py)
-
-
-def worker_rows(config: PDServeConfig) -> dict[str, dict]:
-    """``/stats`` worker rows by worker id."""
-    return {w["worker_id"]: w for w in get_json(config, "/stats")["workers"]}
 
 
 def _replica_actor(config: PDServeConfig, worker_id: str):
